@@ -1,0 +1,3 @@
+from rltool.cli import main
+
+main()

@@ -1,0 +1,113 @@
+"""Atomic writes: every file a reader may see appears whole or not at all.
+
+Files are written to a temporary name in the same directory, fsynced and renamed with `os.replace`.
+Directories are built under a temporary name, marked complete, and published with one rename.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes, *, fsync: bool = True) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    if fsync:
+        fsync_dir(path.parent)
+
+
+def write_text(path: str | os.PathLike, text: str, *, fsync: bool = True) -> None:
+    write_bytes(path, text.encode(), fsync=fsync)
+
+
+def write_json(path: str | os.PathLike, obj: Any, *, fsync: bool = True) -> None:
+    write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n", fsync=fsync)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary file path next to `path`; rename it onto `path` if the block succeeds.
+
+    For writers that insist on a filename (pyarrow, safetensors.save_file).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def publish_dir(final: str | os.PathLike, *, marker: str | None = None,
+                marker_content: Any = None) -> Iterator[Path]:
+    """Build a directory under a temporary name and publish it with one rename.
+
+    The block fills the yielded directory; on success the marker file (if any) is written last
+    inside it, then the whole directory is renamed to `final`. On error the temporary directory is
+    removed and `final` is untouched. Refuses to replace an existing `final`.
+    """
+    final = Path(final)
+    if final.exists():
+        raise FileExistsError(f"{final} already exists")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    try:
+        yield tmp
+        if marker is not None:
+            write_json(tmp / marker, marker_content if marker_content is not None else {})
+        os.rename(tmp, final)
+        fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def remove_stale_temporaries(parent: str | os.PathLike) -> int:
+    """Delete leftovers of interrupted publishes (`.<name>.*.tmp`) under `parent`; return how many."""
+    parent = Path(parent)
+    if not parent.is_dir():
+        return 0
+    count = 0
+    for entry in parent.iterdir():
+        if entry.name.startswith(".") and entry.name.endswith(".tmp"):
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+            count += 1
+    return count

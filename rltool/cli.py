@@ -1,0 +1,47 @@
+"""The `rltool` command group. Subcommands are imported only when invoked, so `--help` is instant
+and imports none of torch, transformers, pyarrow or megatron."""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+from rltool import __version__
+
+# name -> (module under rltool.commands, one-line help). Each module defines `command`.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "init-model": ("init_model", "Write a tiny random-init HF model and tokenizer for a task."),
+    "data": ("data", "Make prompt datasets for the built-in tasks."),
+    "shards": ("shards", "Inspect and validate rollout shards."),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module = importlib.import_module(f"rltool.commands.{COMMANDS[name][0]}")
+        return module.command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, COMMANDS[name][1]) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"],
+                                              "max_content_width": 100})
+@click.version_option(__version__, prog_name="rltool")
+def main() -> None:
+    """rltool: RL post-training of LLMs as composable stages on a shared run directory.
+
+    Exit codes: 0 success, 1 a check or gate failed, 2 usage or bad input, 3 runtime failure.
+    """
+
+
+if __name__ == "__main__":
+    main()

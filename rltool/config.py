@@ -1,0 +1,72 @@
+"""Stage configs: TOML file + explicit flags, validated by the stage's strict pydantic model.
+
+A loop config has one table per stage (`[rollout]`, `[train]`, ...); a stage command given
+`--config FILE` reads its own table (or the top level when the file has no such table). Keys are
+the stage's flag names with underscores. Flags given on the command line win over the file.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from rltool import atomic
+from rltool.errors import ConfigError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class StageConfig(BaseModel):
+    """Base of every stage's config: unknown keys are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+def read_toml(path: str | os.PathLike) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError as e:
+        raise ConfigError(f"config file {path} does not exist; pass an existing --config FILE") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
+
+
+def format_validation_error(err: ValidationError, *, section: str | None = None) -> str:
+    """One line naming the flag(s) at fault: `--max-response-len: Input should be > 0`."""
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        flag = "--" + loc.replace("_", "-") if loc else "(config)"
+        where = f" (in [{section}])" if section else ""
+        parts.append(f"{flag}{where}: {e['msg']}")
+    return "; ".join(parts)
+
+
+def resolve(model: type[M], *, config_file: str | os.PathLike | None, section: str | None,
+            flags: dict[str, Any]) -> M:
+    """Build `model` from the config file's table and the explicitly given flags (flags win)."""
+    values: dict[str, Any] = {}
+    if config_file is not None:
+        data = read_toml(config_file)
+        if section is not None and isinstance(data.get(section), dict):
+            data = data[section]
+        values.update(data)
+    values.update({k: v for k, v in flags.items() if v is not None})
+    try:
+        return model(**values)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, section=section)) from e
+
+
+def write_resolved(cfg: BaseModel, path: str | os.PathLike) -> None:
+    """Write a stage's resolved config as TOML next to its outputs."""
+    import tomli_w
+
+    data = cfg.model_dump(mode="json", exclude_none=True)
+    atomic.write_text(path, tomli_w.dumps(data))

@@ -1,0 +1,1 @@
+"""Rollout shards (Parquet), tiny tokenizers and models, built-in tasks and rewards."""

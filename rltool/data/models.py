@@ -1,0 +1,80 @@
+"""Tiny random-init HF causal LMs for tests, CI and the demo (no hub access).
+
+`init_model` writes config.json + model.safetensors + the character tokenizer + chat template +
+`rltool_version.json` ({"version": 0}), published atomically.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from rltool import atomic
+from rltool.errors import BadInputError
+
+ARCHS = ("qwen2", "qwen3", "llama")
+PRESETS: dict[str, dict[str, Any]] = {
+    # ~0.1M parameters: every test and the CPU demo use this.
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512),
+    # A few M parameters: for benchmarks that need more work per token.
+    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048),
+    # Qwen2.5-0.5B's shapes (~0.5B parameters, ~1 GB in bf16), for throughput benchmarks.
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2,
+                         max_position_embeddings=32768, vocab_size=151936),
+}
+VERSION_FILE = "rltool_version.json"
+
+
+def build_config(arch: str, preset: str, *, vocab_size: int, eos_token_id: int,
+                 pad_token_id: int) -> Any:
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    if arch not in ARCHS:
+        raise BadInputError(f"unknown --arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    if preset not in PRESETS:
+        raise BadInputError(f"unknown --preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    shape = dict(PRESETS[preset])
+    shape.setdefault("vocab_size", vocab_size)
+    common = dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+                  eos_token_id=eos_token_id, pad_token_id=pad_token_id, bos_token_id=None,
+                  initializer_range=0.02, torch_dtype="float32", **shape)
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    if arch == "qwen3":
+        return Qwen3Config(head_dim=shape["hidden_size"] // shape["num_attention_heads"], **common)
+    return LlamaConfig(**common)
+
+
+def init_model(out: str | os.PathLike, *, arch: str = "qwen2", preset: str = "tiny",
+               task: str | None = None, seed: int = 0, dtype: str = "float32") -> Path:
+    """Write a random-init checkpoint and tokenizer to `out` (refuses an existing directory)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rltool.data.tasks import get_task
+    from rltool.data.tokenizer import build_tokenizer
+
+    out = Path(out)
+    if out.exists():
+        raise BadInputError(f"{out} already exists; choose a new --out directory")
+    if task is not None:
+        get_task(task)  # validates the name
+    if dtype not in ("float32", "bfloat16"):
+        raise BadInputError(f"unknown --dtype {dtype!r}; choose float32 or bfloat16")
+    with atomic.publish_dir(out, marker=VERSION_FILE, marker_content={"version": 0}) as tmp:
+        build_tokenizer(tmp)
+        tok = AutoTokenizer.from_pretrained(str(tmp))
+        config = build_config(arch, preset, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                              pad_token_id=tok.pad_token_id)
+        if task is not None:
+            config.rltool_task = task
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        model.generation_config.eos_token_id = tok.eos_token_id
+        model.generation_config.pad_token_id = tok.pad_token_id
+        model.save_pretrained(str(tmp), safe_serialization=True)
+    return out

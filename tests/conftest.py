@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny random-init models and tokenizers made in the test session (no network)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    import torch
+
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny qwen2 model + character tokenizer for the `reverse` task (version 0)."""
+    from rltool.data.models import init_model
+
+    return init_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", arch="qwen2",
+                      preset="tiny", task="reverse", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """Build (and cache) tiny models per (arch, seed)."""
+    from rltool.data.models import init_model
+
+    cache = {}
+
+    def make(arch: str = "qwen2", seed: int = 0):
+        key = (arch, seed)
+        if key not in cache:
+            cache[key] = init_model(tmp_path_factory.mktemp("models") / f"tiny-{arch}-{seed}",
+                                    arch=arch, preset="tiny", task="reverse", seed=seed)
+        return cache[key]
+
+    return make
