@@ -1,0 +1,1 @@
+"""RL algorithms as pure functions of tensors, shared by every trainer backend."""
