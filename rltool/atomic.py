@@ -16,6 +16,25 @@ from pathlib import Path
 from typing import Any
 
 
+def _umask() -> int:
+    """The process umask, read without changing it (os.umask would race with other threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
+# mkstemp/mkdtemp create 0600/0700 entries; published files and directories get the modes a plain
+# open()/mkdir() would give, so engines and trainers running as other users on a shared
+# filesystem can read them.
+FILE_MODE = 0o666 & ~_umask()
+DIR_MODE = 0o777 & ~_umask()
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -29,6 +48,7 @@ def write_bytes(path: str | os.PathLike, data: bytes, *, fsync: bool = True) -> 
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             if fsync:
@@ -60,6 +80,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.fchmod(fd, FILE_MODE)
     os.close(fd)
     try:
         yield Path(tmp)
@@ -87,6 +108,7 @@ def publish_dir(final: str | os.PathLike, *, marker: str | None = None,
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
+        os.chmod(tmp, DIR_MODE)
         yield tmp
         if marker is not None:
             write_json(tmp / marker, marker_content if marker_content is not None else {})

@@ -18,6 +18,9 @@ from rltool import atomic
 from rltool.errors import ConfigError
 
 M = TypeVar("M", bound=BaseModel)
+# Tables a loop config may hold, one per stage (DESIGN.md "Config and CLI conventions").
+STAGE_SECTIONS = ("model", "rollout", "train", "sync", "eval", "loop", "serve", "delta", "align",
+                  "convert", "profile", "plan", "data")
 
 
 class StageConfig(BaseModel):
@@ -44,7 +47,10 @@ def format_validation_error(err: ValidationError, *, section: str | None = None)
         loc = ".".join(str(x) for x in e["loc"])
         flag = "--" + loc.replace("_", "-") if loc else "(config)"
         where = f" (in [{section}])" if section else ""
-        parts.append(f"{flag}{where}: {e['msg']}")
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = f"unknown key {loc!r}; check its spelling against `--help`"
+        parts.append(f"{flag}{where}: {msg}")
     return "; ".join(parts)
 
 
@@ -56,6 +62,10 @@ def resolve(model: type[M], *, config_file: str | os.PathLike | None, section: s
         data = read_toml(config_file)
         if section is not None and isinstance(data.get(section), dict):
             data = data[section]
+        elif section is not None:
+            # A loop config without this stage's table: the other stages' tables are theirs.
+            data = {k: v for k, v in data.items()
+                    if not (k in STAGE_SECTIONS and isinstance(v, dict))}
         values.update(data)
     values.update({k: v for k, v in flags.items() if v is not None})
     try:

@@ -12,6 +12,7 @@ No other module builds these paths by hand.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
@@ -25,6 +26,7 @@ from rltool.errors import BadInputError
 PHASES = ("rollout", "train", "publish", "sync", "eval")
 _WEIGHT_RE = re.compile(r"^weight_v(\d{6,})$")
 _STEP_RE = re.compile(r"^step-(\d{6,})$")
+log = logging.getLogger(__name__)
 
 
 def weight_dir_name(version: int) -> str:
@@ -127,14 +129,23 @@ class RunDir:
         return self
 
     def read_state(self) -> dict[str, Any] | None:
-        return read_json_file(self.state, what="state.json")
+        data = read_json_file(self.state, what="state.json")
+        if data is not None and not isinstance(data, dict):
+            raise BadInputError(f"state.json at {self.state} is not a JSON object; restore or "
+                                "delete it")
+        return data
 
     def write_state(self, state: dict[str, Any]) -> None:
         atomic.write_json(self.state, state)
 
     def read_engines(self) -> list[dict[str, Any]]:
         data = read_json_file(self.engines, what="engines.json")
-        return [] if data is None else list(data["engines"])
+        if data is None:
+            return []
+        if not isinstance(data, dict) or not isinstance(data.get("engines"), list):
+            raise BadInputError(f"engines.json at {self.engines} has no \"engines\" list; "
+                                "restore or delete it")
+        return list(data["engines"])
 
     def write_engines(self, engines: list[dict[str, Any]]) -> None:
         atomic.write_json(self.engines, {"engines": engines})
@@ -168,19 +179,32 @@ class MetricsWriter:
     (see `read_metrics`).
     """
 
+    RESERVED = ("step", "policy_version", "time")
+
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a", encoding="utf-8")
+        # Unbuffered O_APPEND: each line goes out in one write() call, never split by a buffer
+        # boundary, so a reader sees whole lines or a torn last line only.
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
 
     def log(self, metrics: dict[str, Any], *, step: int, policy_version: int) -> dict[str, Any]:
+        clash = [k for k in self.RESERVED if k in metrics]
+        if clash:
+            raise ValueError(f"metric names {clash} are reserved; pass them as arguments")
+        if self._fd is None:
+            raise ValueError(f"MetricsWriter for {self.path} is closed")
         row = {"step": step, "policy_version": policy_version, "time": time.time(), **metrics}
-        self._f.write(json.dumps(row, sort_keys=False) + "\n")
-        self._f.flush()
+        data = (json.dumps(row) + "\n").encode()
+        written = os.write(self._fd, data)
+        while written < len(data):  # a short write (signal, full disk): finish the line
+            written += os.write(self._fd, data[written:])
         return row
 
     def close(self) -> None:
-        self._f.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def __enter__(self) -> "MetricsWriter":
         return self
@@ -190,12 +214,26 @@ class MetricsWriter:
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """All complete lines of a JSONL metrics file (a torn last line is skipped)."""
+    """All complete lines of a JSONL metrics file.
+
+    A torn last line (its writer is still writing or died mid-write) is skipped; so is a torn line
+    in the middle, which appears when a writer died mid-line and a resumed run appended after it.
+    """
     path = Path(path)
     if not path.exists():
         return []
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8", errors="replace")
     lines = text.split("\n")
-    if lines and not text.endswith("\n"):
-        lines.pop()  # a torn last line: its writer is still writing or died mid-write
-    return [json.loads(line) for line in lines if line]
+    lines.pop()  # "" after the final newline, or the torn last line
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line:
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            log.warning("%s:%d: skipping a torn metrics line", path, number)
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows

@@ -6,12 +6,13 @@ import functools
 import json
 import logging
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
 
-from rltool.errors import EXIT_BAD_INPUT, RltoolError
+from rltool.errors import EXIT_BAD_INPUT, EXIT_RUNTIME, RltoolError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -48,6 +49,18 @@ def handle_errors(fn: F) -> F:
         except FileNotFoundError as e:
             click.echo(f"Error: {e.filename or e}: no such file or directory", err=True)
             sys.exit(EXIT_BAD_INPUT)
+        except (FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
+            # A path the user named is unusable: bad input, like a missing file.
+            click.echo(f"Error: {e.filename or ''}: {e.strerror or e}", err=True)
+            sys.exit(EXIT_BAD_INPUT)
+        except click.ClickException:
+            raise
+        except Exception:
+            # A bug or an unexpected failure: keep the traceback, but exit 3 (runtime failure), not
+            # Python's 1, which scripts would read as "a check failed".
+            click.echo(traceback.format_exc().rstrip(), err=True)
+            click.echo("Error: unexpected internal failure (traceback above)", err=True)
+            sys.exit(EXIT_RUNTIME)
 
     return wrapper  # type: ignore[return-value]
 

@@ -123,8 +123,12 @@ def write_shard(out: str | os.PathLike, rows: Iterable[dict[str, Any]], meta: Sh
         buf: list[dict[str, Any]] = []
 
         def flush() -> None:
-            table = pa.Table.from_pylist(buf, schema=SCHEMA).replace_schema_metadata(
-                meta.to_parquet())
+            try:
+                table = pa.Table.from_pylist(buf, schema=SCHEMA)
+            except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+                raise ShardSchemaError(f"{out} (being written): a row does not fit the shard "
+                                       f"schema: {e}") from e
+            table = table.replace_schema_metadata(meta.to_parquet())
             _validate_table(table, where=f"{out} (being written)")
             name = f"part-{len(parts):05d}.parquet"
             pq.write_table(table, tmp / name, row_group_size=row_group_size, compression="zstd")
@@ -145,17 +149,31 @@ def write_shard(out: str | os.PathLike, rows: Iterable[dict[str, Any]], meta: Sh
     return manifest
 
 
-def _validate_table(table: pa.Table, *, where: str) -> None:
-    missing = [c for c in COLUMNS if c not in table.column_names]
+def _check_schema(schema: pa.Schema, *, where: str) -> None:
+    missing = [c for c in COLUMNS if c not in schema.names]
     if missing:
         raise ShardSchemaError(f"{where}: missing column(s) {', '.join(missing)}")
     for name in COLUMNS:
         want = SCHEMA.field(name).type
-        got = table.schema.field(name).type
+        got = schema.field(name).type
         if got != want:
             raise ShardSchemaError(f"{where}: column {name} has type {got}, expected {want}")
+
+
+def _validate_table(table: pa.Table, *, where: str) -> None:
+    _check_schema(table.schema, where=where)
     if table.num_rows == 0:
         return
+    for f in SCHEMA:
+        # Parquet files from other writers may declare every column nullable; the schema's
+        # non-null columns must hold no nulls, and no list may hold null elements.
+        column = table[f.name]
+        if not f.nullable and column.null_count:
+            i = pc.index(pc.is_null(column), True).as_py()
+            raise ShardSchemaError(f"{where}: row {i}: {f.name} is null; it is required")
+        if pa.types.is_list(f.type) and pc.list_flatten(column).null_count:
+            i = next(i for i, v in enumerate(column.to_pylist()) if v and None in v)
+            raise ShardSchemaError(f"{where}: row {i}: {f.name} holds a null element")
     resp_len = pc.list_value_length(table["response_token_ids"])
     for name in PER_TOKEN_COLUMNS:
         bad = pc.not_equal(pc.list_value_length(table[name]), resp_len)
@@ -235,8 +253,15 @@ def open_shard(path: str | os.PathLike, *, expected_tokenizer_hash: str | None =
         manifest = json.loads(manifest_path.read_text())
         parts = manifest["parts"]
         num_rows = int(manifest["num_rows"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise ShardSchemaError(f"{manifest_path}: corrupt manifest ({e}); re-create the shard") from e
+        for part in parts:
+            # A part name is a plain file name inside the shard, never a path out of it.
+            if (not isinstance(part["file"], str) or Path(part["file"]).name != part["file"]
+                    or not isinstance(part["xxh3_128"], str)):
+                raise ValueError(f"bad part entry {part!r}")
+            part["rows"] = int(part["rows"])
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ShardSchemaError(f"{manifest_path}: corrupt manifest ({e!r}); re-create the "
+                               "shard") from e
     meta = None
     total = 0
     for part in parts:
@@ -254,6 +279,7 @@ def open_shard(path: str | os.PathLike, *, expected_tokenizer_hash: str | None =
             raise ShardSchemaError(f"{p}: not a readable Parquet file ({e})") from e
         if md.num_rows != part["rows"]:
             raise ShardSchemaError(f"{p}: has {md.num_rows} rows but {MANIFEST} says {part['rows']}")
+        _check_schema(md.schema.to_arrow_schema(), where=str(p))
         total += md.num_rows
         part_meta = ShardMeta.from_parquet(md.metadata, where=str(p))
         meta = meta or part_meta

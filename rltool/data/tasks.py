@@ -2,7 +2,7 @@
 
 Each task makes prompt rows `{"prompt_id", "prompt", "label", "metadata"}`; `prompt` is the user
 turn (the chat template is applied by the rollout stage). The answer is the response text up to
-the first newline, stripped.
+the first newline or end-of-turn token, stripped.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rltool import atomic
+from rltool.data.tokenizer import EOS_TOKEN, PAD_TOKEN
 from rltool.errors import BadInputError
 
 
@@ -72,7 +73,8 @@ def get_task(name: str) -> Task:
 def make_rows(task: str, *, num: int, seed: int, min_len: int | None = None,
               max_len: int | None = None) -> list[dict[str, Any]]:
     t = get_task(task)
-    lo, hi = min_len or t.min_len, max_len or t.max_len
+    lo = t.min_len if min_len is None else min_len  # `or` would turn an explicit 0 into the default
+    hi = t.max_len if max_len is None else max_len
     if not 1 <= lo <= hi:
         raise BadInputError(f"need 1 <= --min-len <= --max-len, got {lo} and {hi}")
     if num < 1:
@@ -93,7 +95,10 @@ def write_prompts(rows: list[dict[str, Any]], out: str | os.PathLike) -> Path:
 
 
 def extract_answer(response: str) -> str:
-    return response.split("\n", 1)[0].strip()
+    """The response up to its first newline or end-of-turn token (engines may keep it), stripped."""
+    for stop in ("\n", EOS_TOKEN, PAD_TOKEN):
+        response = response.split(stop, 1)[0]
+    return response.strip()
 
 
 def exact_reward(response: str, label: str) -> float:
