@@ -1,0 +1,88 @@
+import click
+
+from rltool.commands.common import (config_option, echo_json, explicit_flags, handle_errors,
+                                    json_option, quiet_option, setup_logging)
+
+SECTION = "convert"
+
+
+@click.group("convert")
+def command():
+    """Convert checkpoints: HF <-> Megatron torch_dist, and block-FP8 quantization.
+
+    Example:
+      rltool convert fp8 --hf models/tiny --out models/tiny-fp8 --verify
+    """
+
+
+def _resolve(model, ctx, config_file):
+    from rltool.config import resolve
+
+    return resolve(model, config_file=config_file, section=SECTION, flags=explicit_flags(ctx, list(model.model_fields)))
+
+
+def _report(result, *, as_json, verb):
+    if as_json:
+        echo_json(result)
+    else:
+        click.echo(f"{verb} -> {result['out']} ({result.get('seconds', 0):.1f} s)", err=True)
+
+
+@command.command("fp8")
+@click.option("--hf", required=True, type=click.Path(file_okay=False), help="Source HF checkpoint.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="New directory.")
+@click.option("--block", nargs=2, type=int, default=None, help="Block size ROWS COLS [128 128].")
+@click.option("--workers", type=int, default=None, help="Worker threads [min(8, CPUs)].")
+@click.option("--verify", is_flag=True, default=None,
+              help="Print each tensor's relative dequantization error ||deq-w||/||w||.")
+@click.option("--max-shard-mb", type=float, default=None, help="Largest output shard in MB [5000].")
+@config_option
+@json_option
+@quiet_option
+@click.pass_context
+@handle_errors
+def fp8(ctx, hf, out, block, workers, verify, max_shard_mb, config_file, as_json, quiet):
+    """Quantize an HF checkpoint to block-wise float8_e4m3fn with fp32 weight_scale_inv.
+
+    Norms, embeddings, lm_head, router gates and biases keep their dtype; config.json gains a
+    quantization_config that SGLang and vLLM understand.
+
+    Example:
+      rltool convert fp8 --hf models/qwen --out models/qwen-fp8 --block 128 128 --verify
+    """
+    from rltool.convert.fp8 import Fp8Config, quantize_checkpoint
+
+    setup_logging(quiet=quiet)
+    cfg = _resolve(Fp8Config, ctx, config_file)
+    result = quantize_checkpoint(cfg)
+    if cfg.verify and not as_json:
+        for name, err in result["relative_error"].items():
+            click.echo(f"{err:.3e}  {name}")
+        click.echo(f"max relative error {result['max_relative_error']:.3e} over "
+                   f"{result['quantized']} quantized tensors")
+    _report(result, as_json=as_json, verb=f"quantized {result['quantized']} tensors")
+
+
+@command.command("dequant")
+@click.option("--hf", required=True, type=click.Path(file_okay=False), help="Block-FP8 checkpoint.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="New directory.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None,
+              help="Output dtype [bfloat16].")
+@click.option("--workers", type=int, default=None, help="Worker threads [min(8, CPUs)].")
+@click.option("--max-shard-mb", type=float, default=None, help="Largest output shard in MB [5000].")
+@config_option
+@json_option
+@quiet_option
+@click.pass_context
+@handle_errors
+def dequant(ctx, hf, out, dtype, workers, max_shard_mb, config_file, as_json, quiet):
+    """Dequantize a block-FP8 checkpoint (q * weight_scale_inv) back to bf16.
+
+    Example:
+      rltool convert dequant --hf models/qwen-fp8 --out models/qwen-bf16
+    """
+    from rltool.convert.fp8 import DequantConfig, dequantize_checkpoint
+
+    setup_logging(quiet=quiet)
+    result = dequantize_checkpoint(_resolve(DequantConfig, ctx, config_file))
+    _report(result, as_json=as_json, verb=f"dequantized {result['tensors']} tensors")

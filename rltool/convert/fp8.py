@@ -1,0 +1,238 @@
+"""Block-wise FP8 (DeepSeek-V3 style) quantization of HF checkpoints, and its inverse.
+
+Format (what SGLang / vLLM load, what slime writes; /work/shared/reference/fp8-block-format.md):
+a quantized linear weight `<p>.weight` [N, K] becomes float8_e4m3fn of the same shape plus
+`<p>.weight_scale_inv` float32 [ceil(N/bn), ceil(K/bk)]. Per block: scale = max(|w|, 1e-12) / 448
+in fp32, q = clamp(w / scale, ±448) cast to e4m3, and dequantization is `q.float() * scale_inv` (the
+stored value is the multiplier despite its name). Edge blocks use only their real elements; an
+all-zero block gets scale 1e-12/448 and q = 0, never NaN. Embeddings, lm_head, norms, router/gate
+weights, biases and other non-2-D tensors keep their dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import Field, field_validator
+
+from rltool import atomic
+from rltool.config import StageConfig, write_resolved
+from rltool.convert import hf_writer
+from rltool.convert import safetensors_io as stio
+from rltool.errors import BadInputError, CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+E4M3_MAX = 448.0
+SCALE_FLOOR = 1e-12
+# Substrings of tensor names never quantized (slime's list): embeddings, heads, norms, MoE routers,
+# and special projections of MTP / linear-attention layers.
+SKIP_SUBSTRINGS = ("norm", "embed", "router", "mlp.gate.", "lm_head", "eh_proj", "weights_proj",
+                   "conv1d", "A_log", "dt_bias", "in_proj_a", "in_proj_b")
+_FLOAT_CODES = ("F32", "F16", "BF16")
+SCALE_SUFFIX = "_scale_inv"
+RESOLVED_CONFIG = "rltool_convert.toml"
+
+
+def _default_workers() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+class Fp8Config(StageConfig):
+    """`rltool convert fp8`: quantize an HF checkpoint to block-wise FP8."""
+
+    hf: Path = Field(description="Source HF checkpoint directory (bf16/fp16/fp32 safetensors).")
+    out: Path = Field(description="New output directory (must not exist).")
+    block: tuple[int, int] = Field(default=(128, 128), description="Block size [rows, cols].")
+    workers: int = Field(default_factory=_default_workers, ge=1, description="Worker threads.")
+    verify: bool = Field(default=False,
+                         description="Measure each tensor's relative dequantization error.")
+    max_shard_mb: float = Field(default=5000.0, gt=0, description="Largest output shard, in MB.")
+
+    @field_validator("block")
+    @classmethod
+    def _positive_block(cls, v: tuple[int, int]) -> tuple[int, int]:
+        if v[0] < 1 or v[1] < 1:
+            raise ValueError("block sizes must be positive, e.g. --block 128 128")
+        return v
+
+
+class DequantConfig(StageConfig):
+    """`rltool convert dequant`: turn a block-FP8 checkpoint back into bf16 (or fp32)."""
+
+    hf: Path = Field(description="Source block-FP8 HF checkpoint directory.")
+    out: Path = Field(description="New output directory (must not exist).")
+    dtype: str = Field(default="bfloat16", pattern="^(bfloat16|float32|float16)$",
+                       description="dtype of the dequantized weights.")
+    workers: int = Field(default_factory=_default_workers, ge=1, description="Worker threads.")
+    max_shard_mb: float = Field(default=5000.0, gt=0, description="Largest output shard, in MB.")
+
+
+def should_quantize(info: stio.TensorInfo) -> bool:
+    return (info.name.endswith(".weight") and len(info.shape) == 2 and info.dtype in _FLOAT_CODES
+            and not any(s in info.name for s in SKIP_SUBSTRINGS))
+
+
+def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    return (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
+
+
+def _pad_to_blocks(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """[N, K] -> [nb, bn, kb, bk], zero-padded (zeros never change a block's max |w|)."""
+    n, k = w.shape
+    nb, kb = scale_shape(w.shape, block)
+    if (n, k) != (nb * block[0], kb * block[1]):
+        padded = w.new_zeros(nb * block[0], kb * block[1])
+        padded[:n, :k] = w
+        w = padded
+    return w.view(nb, block[0], kb, block[1])
+
+
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a 2-D weight: (q float8_e4m3fn [N, K], scale_inv float32 [ceil(N/bn), ceil(K/bk)])."""
+    import torch
+
+    n, k = w.shape
+    blocks = _pad_to_blocks(w.float(), block)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=SCALE_FLOOR) / E4M3_MAX
+    q = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    q = q.view(blocks.shape[0] * block[0], -1)[:n, :k].contiguous()
+    return q, scale
+
+
+def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], *,
+                      dtype: torch.dtype) -> torch.Tensor:
+    n, k = q.shape
+    blocks = _pad_to_blocks(q.float(), block)
+    w = (blocks * scale_inv[:, None, :, None].float()).view(blocks.shape[0] * block[0], -1)
+    return w[:n, :k].to(dtype).contiguous()
+
+
+def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    """||approx - exact|| / ||exact|| in float64 (0 for an all-zero exact tensor that is matched)."""
+    diff = (approx.double() - exact.double()).norm().item()
+    ref = exact.double().norm().item()
+    return diff / ref if ref > 0 else diff
+
+
+def _quantize_job(info: stio.TensorInfo, block: tuple[int, int],
+                  errors: dict[str, float] | None) -> hf_writer.Job:
+    import torch
+
+    def run() -> list[torch.Tensor]:
+        w = stio.read_tensor(info)
+        q, scale = quantize_blocks(w, block)
+        if errors is not None:
+            deq = dequantize_blocks(q, scale, block, dtype=torch.float32)
+            errors[info.name] = relative_error(deq, w)
+        return [q, scale]
+
+    return hf_writer.Job(outputs=[(info.name, "F8_E4M3", info.shape),
+                                  (info.name + SCALE_SUFFIX, "F32", scale_shape(info.shape, block))],
+                         run=run)
+
+
+def _copy_job(info: stio.TensorInfo) -> hf_writer.Job:
+    return hf_writer.Job(outputs=[(info.name, info.dtype, info.shape)],
+                         run=lambda: [stio.read_tensor(info)])
+
+
+def quantize_checkpoint(cfg: Fp8Config) -> dict[str, Any]:
+    """Write `cfg.out` as the block-FP8 version of `cfg.hf`; return a summary (and errors if verify)."""
+    started = time.perf_counter()
+    out = hf_writer.check_new_output(cfg.out)
+    config = hf_writer.read_config(cfg.hf)
+    if config.get("quantization_config"):
+        raise BadInputError(f"{cfg.hf} is already quantized ({config['quantization_config']}); "
+                            "run `rltool convert dequant` first")
+    tensors = stio.checkpoint_tensors(cfg.hf)
+    errors: dict[str, float] | None = {} if cfg.verify else None
+    jobs, skipped_modules = [], []
+    for info in tensors.values():
+        if should_quantize(info):
+            jobs.append(_quantize_job(info, cfg.block, errors))
+        else:
+            if info.name.endswith(".weight") and len(info.shape) == 2:
+                skipped_modules.append(info.name.removesuffix(".weight"))
+            jobs.append(_copy_job(info))
+    config["quantization_config"] = {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": list(cfg.block), "modules_to_not_convert": sorted(skipped_modules)}
+    with atomic.publish_dir(out) as tmp:
+        hf_writer.copy_side_files(cfg.hf, tmp)
+        written = hf_writer.write_checkpoint(tmp, jobs, workers=cfg.workers,
+                                             max_shard_bytes=int(cfg.max_shard_mb * 10**6))
+        write_resolved(cfg, tmp / RESOLVED_CONFIG)
+        # config.json last: it is the directory's completeness marker for HF loaders.
+        atomic.write_json(tmp / hf_writer.CONFIG_NAME, config)
+    result = {"out": str(out), "tensors": len(tensors),
+              "quantized": sum(len(j.outputs) == 2 for j in jobs),
+              "bytes_in": sum(i.nbytes for i in tensors.values()),
+              "bytes_out": written["total_size"], "files": written["files"],
+              "seconds": round(time.perf_counter() - started, 3)}
+    if errors is not None:
+        result["relative_error"] = dict(sorted(errors.items()))
+        result["max_relative_error"] = max(errors.values(), default=0.0)
+    return result
+
+
+def _dequant_job(weight: stio.TensorInfo, scale: stio.TensorInfo, block: tuple[int, int],
+                 dtype: torch.dtype) -> hf_writer.Job:
+    def run() -> list[torch.Tensor]:
+        return [dequantize_blocks(stio.read_tensor(weight), stio.read_tensor(scale), block,
+                                  dtype=dtype)]
+
+    return hf_writer.Job(outputs=[(weight.name, stio.dtype_code(dtype), weight.shape)], run=run)
+
+
+def dequantize_checkpoint(cfg: DequantConfig) -> dict[str, Any]:
+    """Write `cfg.out` as the dequantized version of the block-FP8 checkpoint `cfg.hf`."""
+    import torch
+
+    started = time.perf_counter()
+    out = hf_writer.check_new_output(cfg.out)
+    config = hf_writer.read_config(cfg.hf)
+    qc = config.get("quantization_config") or {}
+    if qc.get("quant_method") != "fp8" or "weight_block_size" not in qc:
+        raise BadInputError(f"{cfg.hf} is not a block-FP8 checkpoint (config.json has no "
+                            "quantization_config with quant_method fp8 and weight_block_size)")
+    block = tuple(qc["weight_block_size"])
+    dtype = getattr(torch, cfg.dtype)
+    tensors = stio.checkpoint_tensors(cfg.hf)
+    jobs = []
+    for info in tensors.values():
+        if info.name.endswith(SCALE_SUFFIX):
+            if info.name.removesuffix(SCALE_SUFFIX) not in tensors:
+                raise CheckpointError(f"{info.name} has no matching weight in {cfg.hf}")
+            continue
+        if info.dtype != "F8_E4M3":
+            jobs.append(_copy_job(info))
+            continue
+        scale = tensors.get(info.name + SCALE_SUFFIX)
+        if scale is None or len(info.shape) != 2:
+            raise CheckpointError(f"FP8 tensor {info.name} has no {SCALE_SUFFIX} companion")
+        if scale.shape != scale_shape(info.shape, block) or scale.dtype != "F32":
+            raise CheckpointError(
+                f"{scale.name} is {scale.dtype}{list(scale.shape)}, expected "
+                f"F32{list(scale_shape(info.shape, block))} for block {list(block)}")
+        jobs.append(_dequant_job(info, scale, block, dtype))
+    del config["quantization_config"]
+    for key in ("torch_dtype", "dtype"):
+        if key in config:
+            config[key] = cfg.dtype
+    with atomic.publish_dir(out) as tmp:
+        hf_writer.copy_side_files(cfg.hf, tmp)
+        written = hf_writer.write_checkpoint(tmp, jobs, workers=cfg.workers,
+                                             max_shard_bytes=int(cfg.max_shard_mb * 10**6))
+        write_resolved(cfg, tmp / RESOLVED_CONFIG)
+        atomic.write_json(tmp / hf_writer.CONFIG_NAME, config)
+    return {"out": str(out), "tensors": len(jobs), "bytes_out": written["total_size"],
+            "files": written["files"], "seconds": round(time.perf_counter() - started, 3)}

@@ -1,0 +1,127 @@
+"""Write an HF safetensors checkpoint from a list of jobs, streaming, in parallel, published atomically.
+
+A job knows the tensors it will produce (name, dtype code, shape) before it runs, so every shard's
+header and the index are planned up front and each shard is written tensor by tensor: at most
+`2 * workers` jobs' results are in memory at once. Jobs run on a thread pool (torch kernels release
+the GIL), results are written in plan order.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rltool import atomic
+from rltool.convert import safetensors_io as stio
+from rltool.errors import BadInputError, CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+Entry = tuple[str, str, tuple[int, ...]]  # (name, safetensors dtype code, shape)
+CONFIG_NAME = "config.json"
+# Files of the source checkpoint that a conversion rewrites instead of copying.
+_REWRITTEN = {CONFIG_NAME, stio.INDEX_NAME}
+
+
+@dataclass
+class Job:
+    """Produces the tensors `outputs` describes, in that order, when `run()` is called."""
+
+    outputs: list[Entry]
+    run: Callable[[], list[torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(stio.tensor_nbytes(dtype, shape) for _, dtype, shape in self.outputs)
+
+
+def read_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
+    path = Path(hf_dir) / CONFIG_NAME
+    if not path.exists():
+        raise CheckpointError(f"{hf_dir} has no config.json; pass an HF checkpoint directory")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+
+
+def check_new_output(out: str | os.PathLike) -> Path:
+    out = Path(out)
+    if out.exists():
+        raise BadInputError(f"{out} already exists; choose a new --out directory")
+    return out
+
+
+def copy_side_files(src: str | os.PathLike, dst: Path) -> None:
+    """Copy tokenizer, generation config and other small files; weights and config are rewritten."""
+    for entry in Path(src).iterdir():
+        if entry.name in _REWRITTEN or entry.suffix == ".safetensors" or entry.name.startswith("."):
+            continue
+        if entry.is_file():
+            shutil.copy2(entry, dst / entry.name)
+
+
+def _ordered_results(jobs: list[Job], pool: ThreadPoolExecutor, *,
+                     window: int) -> Iterator[tuple[str, torch.Tensor]]:
+    pending: deque[tuple[Job, Future]] = deque()
+    it = iter(jobs)
+    for job in it:
+        pending.append((job, pool.submit(job.run)))
+        if len(pending) >= window:
+            break
+    while pending:
+        job, fut = pending.popleft()
+        tensors = fut.result()
+        nxt = next(it, None)
+        if nxt is not None:
+            pending.append((nxt, pool.submit(nxt.run)))
+        if len(tensors) != len(job.outputs):
+            raise CheckpointError(f"internal: job for {job.outputs[0][0]} returned {len(tensors)} "
+                                  f"tensors, planned {len(job.outputs)}")
+        for (name, _, _), tensor in zip(job.outputs, tensors, strict=True):
+            yield name, tensor
+        del tensors
+
+
+def write_checkpoint(tmp_dir: Path, jobs: list[Job], *, workers: int,
+                     max_shard_bytes: int) -> dict[str, Any]:
+    """Write `jobs` into shards under `tmp_dir` (a directory being published) plus the index.
+
+    Returns {"files": [...], "total_size": bytes}. A job's outputs never straddle two shards.
+    """
+    names = [e[0] for job in jobs for e in job.outputs]
+    if len(set(names)) != len(names):
+        raise CheckpointError("internal: two jobs write the same tensor name")
+    groups: list[list[Job]] = []
+    used = 0
+    for job in jobs:
+        if not groups or (groups[-1] and used + job.nbytes > max_shard_bytes):
+            groups.append([])
+            used = 0
+        groups[-1].append(job)
+        used += job.nbytes
+    files = [stio.SINGLE_NAME] if len(groups) == 1 else stio.shard_file_names(len(groups))
+    weight_map: dict[str, str] = {}
+    total = 0
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="convert") as pool:
+        for fname, group in zip(files, groups, strict=True):
+            entries = [e for job in group for e in job.outputs]
+            with atomic.atomic_path(tmp_dir / fname) as path:
+                total += stio.write_streaming(
+                    path, entries, _ordered_results(group, pool, window=2 * workers),
+                    metadata={"format": "pt"})
+            weight_map.update({e[0]: fname for e in entries})
+            log.info("wrote %s (%d tensors)", fname, len(entries))
+    atomic.write_json(tmp_dir / stio.INDEX_NAME, stio.index_json(weight_map, total_size=total))
+    return {"files": files, "total_size": total}
