@@ -54,3 +54,7 @@ class EngineError(RltoolError):
 
 class EngineTimeoutError(EngineError):
     """An engine call did not answer within its timeout."""
+
+
+class RewardError(EngineError):
+    """A reward function raised, or a reward-model server failed or answered garbage (exit 3)."""

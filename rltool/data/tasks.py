@@ -27,6 +27,14 @@ class Task:
     make: Callable[[random.Random, int, int], tuple[str, str]]  # (rng, min_len, max_len) -> (prompt, label)
     min_len: int
     max_len: int
+    # (response, label) -> credit in [0, 1]; None means `partial_reward`.
+    partial: Callable[[str, str], float] | None = None
+
+    def exact_reward(self, response: str, label: str) -> float:
+        return exact_reward(response, label)
+
+    def partial_reward(self, response: str, label: str) -> float:
+        return (self.partial or partial_reward)(response, label)
 
 
 def _digits(rng: random.Random, lo: int, hi: int) -> str:
@@ -53,12 +61,20 @@ def _add(rng: random.Random, lo: int, hi: int) -> tuple[str, str]:
     return f"{a}+{b}=", str(a + b)
 
 
+def number_partial_reward(response: str, label: str) -> float:
+    """Like `partial_reward` but aligned at the units digit, so `1234` vs `1235` earns 3/4 and a
+    dropped leading digit keeps the credit of the digits that are right."""
+    answer = extract_answer(response)
+    return partial_reward(answer[::-1], label[::-1])
+
+
 TASKS: dict[str, Task] = {
     t.name: t for t in (
         Task("copy", "repeat the digit string", _copy, 1, 4),
         Task("reverse", "reverse the digit string", _reverse, 2, 5),
         Task("sort", "sort the digits ascending", _sort, 2, 5),
-        Task("add", "add two numbers", _add, 1, 3),
+        Task("add", "add two numbers", _add, 1, 3,
+             partial=number_partial_reward),
     )
 }
 

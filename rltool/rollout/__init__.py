@@ -1,0 +1,1 @@
+"""Rollout: engine client, builtin engine server, sglang launcher, routing, generate fns, rewards."""
