@@ -1,0 +1,218 @@
+"""Raw, dtype-blind access to safetensors files: header parsing, positional reads, streaming writes.
+
+Delta encodings work on raw tensor bytes, so this module never builds torch tensors: it reads the
+header itself and moves bytes with `os.preadv` / `os.pwrite` (both release the GIL, so worker
+threads overlap IO with numpy and zstd). Layout (safetensors spec): 8-byte little-endian header
+length N, N bytes of JSON (may be padded with spaces), then the data buffer; `data_offsets` are
+relative to the start of the buffer and must tile it without holes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rltool.atomic import fsync_dir
+from rltool.errors import CheckpointError
+
+DTYPE_SIZES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+    "C64": 8,
+}
+_MAX_HEADER_BYTES = 100 * 1024 * 1024  # the spec's own limit
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file; `start`/`end` are absolute byte offsets in the file."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES.get(self.dtype, 1)
+
+
+@dataclass(frozen=True)
+class SafetensorsFile:
+    path: Path
+    header_bytes: bytes  # the 8-byte length prefix + JSON header, verbatim
+    entries: dict[str, TensorEntry]  # in data-offset order
+    metadata: dict[str, str]
+
+    def read(self, name: str, *, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
+        """Raw bytes of tensor `name` (or a byte range of it) as a fresh uint8 array."""
+        e = self.entries[name]
+        n = e.nbytes - offset if nbytes is None else nbytes
+        buf = np.empty(n, dtype=np.uint8)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            pread_into(fd, buf, e.start + offset)
+        finally:
+            os.close(fd)
+        return buf
+
+
+def pread_into(fd: int, buf: np.ndarray, offset: int) -> None:
+    view = memoryview(buf).cast("B")
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise CheckpointError(f"unexpected end of file (fd {fd}) at byte {offset + done}; "
+                                  "the file is truncated")
+        done += got
+
+
+def pwrite_all(fd: int, data: Any, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def read_header(path: str | os.PathLike) -> SafetensorsFile:
+    """Parse and validate a safetensors header; raise CheckpointError naming the file on any fault."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) != 8:
+                raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+            (n,) = struct.unpack("<Q", prefix)
+            if n > _MAX_HEADER_BYTES or 8 + n > size:
+                raise CheckpointError(f"{path}: corrupt safetensors header length {n}")
+            raw = f.read(n)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path}: no such file") from e
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    base = 8 + n
+    entries = []
+    try:
+        for name, info in header.items():
+            begin, end = (int(x) for x in info["data_offsets"])
+            entries.append(TensorEntry(name, str(info["dtype"]), tuple(int(s) for s in info["shape"]),
+                                       base + begin, base + end))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: malformed safetensors tensor entry ({e!r})") from e
+    entries.sort(key=lambda e: e.start)
+    cursor = base
+    for e in entries:
+        numel = int(np.prod(e.shape, dtype=np.int64))
+        if e.start != cursor or e.end < e.start or (e.dtype in DTYPE_SIZES
+                                                    and numel * e.itemsize != e.nbytes):
+            raise CheckpointError(f"{path}: tensor {e.name!r} has inconsistent offsets or size")
+        cursor = e.end
+    if cursor != size:
+        raise CheckpointError(f"{path}: data buffer is {size - base} bytes but tensors cover "
+                              f"{cursor - base}; the file is truncated or has trailing bytes")
+    return SafetensorsFile(path, prefix + raw, {e.name: e for e in entries},
+                           {str(k): str(v) for k, v in metadata.items()})
+
+
+def header_json(items: list[tuple[str, str, tuple[int, ...], int, int]],
+                metadata: dict[str, str] | None) -> bytes:
+    """Header JSON for (name, dtype, shape, begin, end) items relative to the data buffer."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    for name, dtype, shape, begin, end in items:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
+    return json.dumps(header, separators=(",", ":")).encode()
+
+
+def reserve_for(names: list[str], *, metadata_value_len: int = 0, extra_metadata: int = 512) -> int:
+    """Upper bound of a header's size for 1-D tensors with these names (for BlobWriter)."""
+    per = 96 + 2 * 20  # {"dtype":"U8","shape":[..],"data_offsets":[..,..]} with 20-digit numbers
+    return sum(len(json.dumps(n)) + per + len(json.dumps(n)) + metadata_value_len + 8
+               for n in names) + extra_metadata
+
+
+class BlobWriter:
+    """Writes one safetensors file of 1-D uint8 tensors appended in order, sizes unknown up front.
+
+    The header region is reserved first (`reserve_header_bytes`), blobs are appended after it, and
+    on `finish` the header is written into the reservation padded with spaces (the spec allows
+    trailing whitespace), the file is fsynced and renamed into place: readers see it whole or not
+    at all.
+    """
+
+    def __init__(self, path: Path, *, reserve_header_bytes: int):
+        self.path = path
+        self.reserve = (reserve_header_bytes + 7) // 8 * 8
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        self.fd, self.tmp = fd, Path(tmp)
+        self.items: list[tuple[str, str, tuple[int, ...], int, int]] = []
+        self.cursor = 0
+
+    def append(self, name: str, blob: bytes | memoryview) -> None:
+        n = len(blob)
+        pwrite_all(self.fd, blob, 8 + self.reserve + self.cursor)
+        self.items.append((name, "U8", (n,), self.cursor, self.cursor + n))
+        self.cursor += n
+
+    def finish(self, metadata: dict[str, str] | None) -> None:
+        header = header_json(self.items, metadata)
+        if len(header) > self.reserve:
+            raise AssertionError(f"header of {len(header)} bytes exceeds reservation {self.reserve}")
+        header += b" " * (self.reserve - len(header))
+        pwrite_all(self.fd, struct.pack("<Q", self.reserve) + header, 0)
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+        os.replace(self.tmp, self.path)
+        fsync_dir(self.path.parent)
+
+    def abort(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        with contextlib.suppress(FileNotFoundError):
+            self.tmp.unlink()
+
+
+@contextlib.contextmanager
+def layout_writer(path: Path, *, like: SafetensorsFile) -> Iterator[int]:
+    """Yield a writable fd of a file with `like`'s exact header and size; threads `pwrite` tensor
+    bytes at `like`'s offsets. On success the file is fsynced and renamed onto `path`."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        size = max((e.end for e in like.entries.values()), default=len(like.header_bytes))
+        os.ftruncate(fd, size)
+        pwrite_all(fd, like.header_bytes, 0)
+        yield fd
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, path)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
