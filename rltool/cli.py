@@ -15,6 +15,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("data", "Make prompt datasets for the built-in tasks."),
     "shards": ("shards", "Inspect and validate rollout shards."),
     "convert": ("convert", "Convert checkpoints: HF <-> Megatron torch_dist, block-FP8 quantization."),
+    "rollout": ("rollout", "Sample groups for one step through the engines and write a shard."),
+    "eval": ("eval", "Evaluate held-out prompts: eval shard and pass@k metrics."),
 }
 
 
