@@ -4,7 +4,7 @@ from rltool.commands.common import echo_json, handle_errors, json_option
 
 
 @click.command("init-model")
-@click.option("--arch", type=click.Choice(["qwen2", "qwen3", "llama"]), default="qwen2",
+@click.option("--arch", type=click.Choice(["qwen2", "qwen3", "llama", "qwen3_moe"]), default="qwen2",
               show_default=True, help="HF architecture.")
 @click.option("--preset", default="tiny", show_default=True,
               help="Model size: tiny, small, or qwen2.5-0.5b (Qwen2.5-0.5B's shapes).")

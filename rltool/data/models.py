@@ -13,7 +13,7 @@ from typing import Any
 from rltool import atomic
 from rltool.errors import BadInputError
 
-ARCHS = ("qwen2", "qwen3", "llama")
+ARCHS = ("qwen2", "qwen3", "llama", "qwen3_moe")
 PRESETS: dict[str, dict[str, Any]] = {
     # ~0.1M parameters: every test and the CPU demo use this.
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -31,7 +31,7 @@ VERSION_FILE = "rltool_version.json"
 
 def build_config(arch: str, preset: str, *, vocab_size: int, eos_token_id: int,
                  pad_token_id: int) -> Any:
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     if arch not in ARCHS:
         raise BadInputError(f"unknown --arch {arch!r}; choose one of {', '.join(ARCHS)}")
@@ -46,6 +46,13 @@ def build_config(arch: str, preset: str, *, vocab_size: int, eos_token_id: int,
         return Qwen2Config(**common)
     if arch == "qwen3":
         return Qwen3Config(head_dim=shape["hidden_size"] // shape["num_attention_heads"], **common)
+    if arch == "qwen3_moe":
+        # Every layer sparse: 4 experts of half the dense width, top-2 with renormalized weights
+        # (Qwen3-MoE's choice), so conversion and routing tests see real expert layers.
+        return Qwen3MoeConfig(head_dim=shape["hidden_size"] // shape["num_attention_heads"],
+                              num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                              moe_intermediate_size=shape["intermediate_size"] // 2,
+                              decoder_sparse_step=1, mlp_only_layers=[], **common)
     return LlamaConfig(**common)
 
 
