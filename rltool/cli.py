@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("convert", "Convert checkpoints: HF <-> Megatron torch_dist, block-FP8 quantization."),
     "rollout": ("rollout", "Sample groups for one step through the engines and write a shard."),
     "eval": ("eval", "Evaluate held-out prompts: eval shard and pass@k metrics."),
+    "serve": ("serve", "Serve a model with the builtin engine over SGLang's HTTP API."),
+    "delta": ("delta", "Delta weight versions: diff, apply, verify, pull (rltool and slime formats)."),
 }
 
 
