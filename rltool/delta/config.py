@@ -1,0 +1,46 @@
+"""Strict configs of the delta stage: `DiffConfig` (`rltool delta diff`) and `SyncConfig`, the
+weight-sync knobs that `train`/`loop` take (`[sync]` table) and pass to `publish_version`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from rltool.config import StageConfig
+from rltool.errors import ConfigError
+
+
+class DiffConfig(StageConfig):
+    base: str = Field(description="Full checkpoint the delta applies on.")
+    new: str = Field(description="Full checkpoint the delta rebuilds.")
+    out: str = Field(description="New directory for the delta version.")
+    format: Literal["rltool", "slime"] = Field(
+        "rltool", description="rltool: per-chunk sparse/xor/raw encodings (default, smaller); "
+        "slime: slime's on-disk format, readable by a slime-patched SGLang.")
+    encoding: Literal["xor", "overwrite"] = Field(
+        "xor", description="slime format only: one encoding for every tensor.")
+    workers: int | None = Field(None, ge=1, description="Encoder threads (default: CPU count, "
+                                "at most 8).")
+    version: int | None = Field(None, ge=1, description="Version of --new (default: its "
+                                "rltool_version.json or weight_vNNNNNN name).")
+    base_version: int | None = Field(None, ge=0, description="Version of --base (default: its "
+                                     "rltool_version.json or weight_vNNNNNN name).")
+
+    @model_validator(mode="after")
+    def _encoding_needs_slime(self) -> "DiffConfig":
+        if self.encoding == "overwrite" and self.format != "slime":
+            raise ConfigError("--encoding overwrite is a slime-format encoding; add --format slime")
+        return self
+
+
+class SyncConfig(StageConfig):
+    sync: Literal["full", "delta", "auto"] = Field(
+        "full", description="How versions are published: full checkpoints, deltas on the previous "
+        "version, or auto (cost model t = S/B + t0 with measured throughputs).")
+    delta_format: Literal["rltool", "slime"] = Field("rltool", description="Delta format.")
+    delta_encoding: Literal["xor", "overwrite"] = Field("xor", description="slime format encoding.")
+    full_every: int = Field(10, ge=1, description="Publish a full version every M versions so "
+                            "pull chains stay short.")
+    link_bandwidth_gbps: float | None = Field(None, gt=0, description="Trainer-to-engine link "
+                                              "bandwidth for auto (default: measured).")
