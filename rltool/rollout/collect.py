@@ -1,0 +1,240 @@
+"""The async core shared by rollout and eval: run groups of samples, reward them, filter, over-sample.
+
+A group is the N samples of one prompt. Each sample runs the generate function through the router,
+then its reward runs in a worker thread (never on the event loop, so a slow reward function or a
+remote reward model does not stall generation). Every sample ends completed, truncated, aborted or
+failed; a group is then kept for the shard, dropped by the dynamic filter (counted), or carried
+over to a later call (partial rollout).
+
+Dynamic sampling (DAPO, `--filter all-equal-reward`): groups whose rewards are all equal carry no
+advantage signal and are dropped; more prompts are started as groups are dropped until the batch
+holds `target` groups or the prompt budget is spent. Once the batch is full, groups still in
+flight are aborted on their engines (`/abort_request`; they return their partial tokens): with
+`--partial` they are carried over with their tokens, otherwise they are counted and discarded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from rltool.errors import EngineError
+from rltool.rollout.generate import GenerateContext, GenerateFn, Sample, SessionClient
+
+log = logging.getLogger(__name__)
+ABORT_GRACE_S = 10.0  # after /abort_request, how long aborted requests get to come back
+
+
+@dataclass
+class CollectResult:
+    kept: list[list[Sample]]
+    carry: list[list[Sample]]
+    counts: dict[str, int]
+    output_tokens: int
+    elapsed_s: float
+
+
+@dataclass
+class _Group:
+    samples: list[Sample]
+    sessions: list[SessionClient] = field(default_factory=list)
+    carried: bool = False
+
+    @property
+    def group_id(self) -> int:
+        return self.samples[0].group_id
+
+
+class Collector:
+    """Runs groups through a generate function, rewards and the dynamic filter."""
+
+    def __init__(self, *, router: Any, tokenizer: Any, generate_fn: GenerateFn,
+                 sampling: dict[str, Any], reward_fn: Callable[..., Any], reward_timeout_s: float,
+                 reward_workers: int = 4, options: dict[str, Any] | None = None,
+                 progress: Any = None):
+        self.router = router
+        self.tokenizer = tokenizer
+        self.generate_fn = generate_fn
+        self.sampling = sampling
+        self.reward_fn = reward_fn
+        self.reward_timeout_s = reward_timeout_s
+        self.reward_workers = reward_workers
+        self.options = options or {}
+        self.progress = progress
+        self.output_tokens = 0
+        self._pool: ThreadPoolExecutor | None = None
+
+    async def run(self, source: Iterator[list[Sample]], *, target_groups: int,
+                  carried: list[list[Sample]] = (), dynamic_filter: bool = False,
+                  over_sample_factor: float = 1.0, partial: bool = False) -> CollectResult:
+        start = time.monotonic()
+        self._pool = ThreadPoolExecutor(max_workers=self.reward_workers,
+                                        thread_name_prefix="rltool-reward")
+        try:
+            return await self._run(source, target_groups=target_groups, carried=list(carried),
+                                   dynamic_filter=dynamic_filter, partial=partial,
+                                   over_sample_factor=over_sample_factor, start=start)
+        finally:
+            # Timed-out reward calls may still be running; do not wait for them.
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, source: Iterator[list[Sample]], *, target_groups: int,
+                   carried: list[list[Sample]], dynamic_filter: bool, partial: bool,
+                   over_sample_factor: float, start: float) -> CollectResult:
+        pending: dict[asyncio.Task, _Group] = {}
+        kept: list[_Group] = []
+        carry: list[_Group] = []
+        counts = {"fresh_groups": 0, "carried_in_groups": len(carried), "dropped_equal_reward": 0,
+                  "aborted_extra_groups": 0, "over_sampled_groups": 0, "carried_out_groups": 0}
+
+        def submit(group: _Group) -> None:
+            pending[asyncio.create_task(self._run_group(group))] = group
+
+        def submit_fresh() -> bool:
+            samples = next(source, None)
+            if samples is None:
+                return False
+            counts["fresh_groups"] += 1
+            submit(_Group(samples=samples))
+            return True
+
+        for samples in carried:
+            submit(_Group(samples=samples, carried=True))
+        first = target_groups if not dynamic_filter else math.ceil(target_groups * over_sample_factor)
+        while len(pending) < first and submit_fresh():
+            pass
+
+        stopping = False
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED,
+                                         timeout=ABORT_GRACE_S if stopping else None)
+            if not done:  # aborted requests did not come back in time: cancel them locally
+                await self._cancel(pending)
+                done = set(pending)
+            for task in done:
+                group = pending.pop(task)
+                if not task.cancelled():
+                    task.result()
+                self._classify(group, kept=kept, carry=carry, counts=counts, stopping=stopping,
+                               dynamic_filter=dynamic_filter, partial=partial,
+                               target_groups=target_groups)
+            if stopping:
+                continue
+            if len(kept) >= target_groups:
+                if pending:
+                    stopping = True
+                    sessions = [s for g in pending.values() for s in g.sessions]
+                    for session in sessions:
+                        session.aborted = True
+                    rids = {rid for s in sessions for rid in s.rids}
+                    aborted = await self.router.abort(rids)
+                    log.info("batch full (%d groups); aborted %d in-flight requests of %d extra "
+                             "groups", len(kept), aborted, len(pending))
+                continue
+            while len(kept) + len(pending) < target_groups and submit_fresh():
+                pass
+        counts["carried_out_groups"] = len(carry)
+        kept.sort(key=lambda g: g.group_id)
+        return CollectResult(kept=[g.samples for g in kept], carry=[g.samples for g in carry],
+                             counts=counts, output_tokens=self.output_tokens,
+                             elapsed_s=time.monotonic() - start)
+
+    def _classify(self, group: _Group, *, kept: list[_Group], carry: list[_Group],
+                  counts: dict[str, int], stopping: bool, dynamic_filter: bool, partial: bool,
+                  target_groups: int) -> None:
+        has_aborted = any(s.status == "aborted" for s in group.samples)
+        rewards = {s.reward for s in group.samples}
+        if partial and has_aborted:
+            carry.append(group)
+        elif dynamic_filter and len(group.samples) > 1 and len(rewards) == 1:
+            counts["dropped_equal_reward"] += 1
+        elif len(kept) >= target_groups or stopping:
+            if partial:
+                carry.append(group)
+            elif has_aborted:
+                counts["aborted_extra_groups"] += 1
+            else:
+                counts["over_sampled_groups"] += 1
+        else:
+            kept.append(group)
+        if self.progress is not None:
+            self.progress.group_done()
+
+    async def _cancel(self, pending: dict[asyncio.Task, _Group]) -> None:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for group in pending.values():
+            for s in group.samples:
+                if not s.finished:
+                    s.status, s.finish_reason = "aborted", "abort:cancelled"
+
+    async def _run_group(self, group: _Group) -> None:
+        results = await asyncio.gather(*(self._run_sample(s, group) for s in group.samples))
+        group.samples = [s for batch in results for s in batch]
+        for i, s in enumerate(group.samples):
+            s.sample_index = i
+
+    async def _run_sample(self, sample: Sample, group: _Group) -> list[Sample]:
+        if sample.status in ("completed", "truncated", "failed"):
+            return [sample]  # a finished member of a carried-over group
+        session = SessionClient(self.router, session_id=sample.uid)
+        group.sessions.append(session)
+        ctx = GenerateContext(client=session, sampling=self.sampling, tokenizer=self.tokenizer,
+                              options=self.options)
+        sample.status = "pending"
+        model_tokens_before = sum(sample.loss_mask)
+        try:
+            out = await self.generate_fn(sample, ctx)
+        except EngineError as e:
+            out = sample.fail(f"engine_error: {e}")
+        except Exception as e:  # noqa: BLE001 - a custom generate fn's bug must not lose the sample
+            log.exception("generate function failed on sample %s", sample.uid)
+            out = sample.fail(f"generate_error: {type(e).__name__}: {e}")
+        samples = out if isinstance(out, list) else [out]
+        for j, s in enumerate(samples):
+            if s is not sample and s.uid == sample.uid:
+                s.uid = f"{sample.uid}.{j}"
+            if not s.finished:
+                s.fail(f"generate_error: the generate function returned it as {s.status!r}")
+            if not s.engine_urls:
+                s.engine_urls = list(session.engine_urls)
+            if s.response_token_ids and not s.response:
+                s.response = self.tokenizer.decode(s.response_token_ids, skip_special_tokens=True)
+        new_tokens = sum(sum(s.loss_mask) for s in samples) - model_tokens_before
+        self.output_tokens += max(0, new_tokens)
+        await asyncio.gather(*(self._reward(s) for s in samples))
+        if self.progress is not None:
+            self.progress.samples_done(len(samples), tokens=max(0, new_tokens))
+        return samples
+
+    async def _reward(self, s: Sample) -> None:
+        if s.status not in ("completed", "truncated"):
+            s.reward = 0.0
+            return
+        loop = asyncio.get_running_loop()
+        call = loop.run_in_executor(self._pool, self.reward_fn, s.prompt, s.response, s.label,
+                                    s.metadata)
+        try:
+            result = await asyncio.wait_for(call, self.reward_timeout_s)
+            reward = float(result.reward)
+            if not math.isfinite(reward):
+                raise ValueError(f"reward is {reward}")
+        except asyncio.TimeoutError:
+            s.reward = 0.0
+            s.fail(f"reward_timeout: no reward after {self.reward_timeout_s:g}s "
+                   f"(generation finished as {s.finish_reason})")
+            return
+        except Exception as e:  # noqa: BLE001 - any reward failure becomes the sample's status
+            s.reward = 0.0
+            s.fail(f"reward_error: {type(e).__name__}: {e}")
+            return
+        s.reward = reward
+        components = {k: float(v) for k, v in (result.components or {}).items()}
+        s.rewards = components or None

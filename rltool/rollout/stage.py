@@ -1,0 +1,255 @@
+"""The rollout stage: prompts -> engines -> rewards -> one Parquet shard directory per call.
+
+`run(cfg)` is the library entry the loop calls in-process; `rltool rollout` is its thin command.
+It takes the step's prompts (`prompts.py`), samples `n_samples_per_prompt` responses per prompt
+through the router (`router.py`) with the generate function (`generate.py`), rewards them off the
+event loop and filters them (`collect.py`), and writes the shard (rltool.data.shards), the metrics
+line (`metrics.py`) and the resolved config. Nothing is written when the input is bad.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from rltool.config import StageConfig, write_resolved
+from rltool.errors import BadInputError, EngineError
+from rltool.rollout.generate import Sample, load_generate_fn, to_row
+from rltool.rollout.prompts import Prompt, load_prompts, load_tokenizer, prompt_at, render_prompt
+
+log = logging.getLogger(__name__)
+PRODUCER = "rltool rollout"
+CONFIG_NAME = "rollout_config.toml"
+
+
+class EngineStageConfig(StageConfig):
+    """Fields shared by rollout and eval: where the engines are, what to sample, how to reward."""
+
+    engines: list[str] | None = Field(None, description="Engine base URLs (comma-separated on the "
+                                      "command line); rltool balances over them itself.")
+    router: str | None = Field(None, description="A gateway URL (smg / sglang-router) instead of "
+                               "--engines; the gateway balances, sessions go as X-SMG-Routing-Key.")
+    prompts: str = Field(description="Prompt file (.jsonl or .parquet), rows {prompt, label, "
+                         "prompt_id, metadata}.")
+    out: str = Field(description="Shard directory to create; refused if it exists.")
+    n_samples_per_prompt: int = Field(1, ge=1, description="Samples per prompt (the group size).")
+    max_response_len: int = Field(ge=1, description="Most response tokens per sample (all turns).")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (<1e-6: greedy).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, description="Top-k (-1: whole vocabulary).")
+    reward: str = Field(description="Reward: a task name, module:function or an http(s) URL.")
+    tokenizer: str | None = Field(None, description="Tokenizer directory (default: the engine's "
+                                  "tokenizer_path from /get_model_info).")
+    concurrency: int = Field(32, ge=1, description="Most in-flight requests per engine.")
+    step: int = Field(0, ge=0, description="Step number: picks the prompts and goes in the metadata.")
+    seed: int | None = Field(None, description="Base seed; each request gets sampling_seed derived "
+                             "from it and the sample uid (reproducible with deterministic engines).")
+    generate_fn: str | None = Field(None, description="Custom async generate function "
+                                    "module:function (default: single-turn).")
+    metrics: str | None = Field(None, description="Metrics JSONL file (default: next to --out).")
+    policy_version: int | None = Field(None, description="Policy version for the metrics line "
+                                       "(default: the newest weight version seen in the samples).")
+    api_key: str | None = Field(None, description="Bearer token for the engines or gateway.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one /generate call.")
+    reward_timeout_s: float = Field(30.0, gt=0, description="Timeout of one reward call; a "
+                                    "timeout marks the sample failed (reward_timeout).")
+    reward_workers: int = Field(4, ge=1, description="Threads that run reward functions.")
+    quiet: bool = Field(False, description="No progress bar.")
+
+    @field_validator("engines", mode="before")
+    @classmethod
+    def _split_engines(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, (list, tuple)):
+            urls = [u.strip().rstrip("/") for item in value for u in str(item).split(",")]
+            return [u for u in urls if u] or None
+        return value
+
+    @field_validator("top_k")
+    @classmethod
+    def _check_top_k(cls, value: int) -> int:
+        if value != -1 and value < 1:
+            raise ValueError("must be -1 (whole vocabulary) or >= 1")
+        return value
+
+    @model_validator(mode="after")
+    def _one_target(self) -> "EngineStageConfig":
+        if bool(self.engines) == bool(self.router):
+            raise ValueError("give exactly one of --engines URL[,URL...] or --router URL")
+        return self
+
+    def sampling(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                "max_response_len": self.max_response_len,
+                "n_samples_per_prompt": self.n_samples_per_prompt, "seed": self.seed}
+
+
+class RolloutConfig(EngineStageConfig):
+    """`rltool rollout`: one step's shard of groups for training."""
+
+    rollout_batch_size: int = Field(ge=1, description="Prompts (groups) per step: step K takes "
+                                    "prompt positions [K*P, (K+1)*P), cycling over the file.")
+    filter: Literal["none", "all-equal-reward"] = Field(
+        "none", description="all-equal-reward: DAPO dynamic sampling (drop groups whose rewards "
+        "are all equal, over-sample to fill the batch).")
+    over_sample_factor: float = Field(1.0, ge=1.0, description="With --filter, start this many "
+                                      "times rollout_batch_size groups at once.")
+    max_prompts: int | None = Field(None, ge=1, description="With --filter, most prompts one "
+                                    "step may start (default 4 x rollout_batch_size).")
+    partial: bool = Field(False, description="Carry groups with aborted samples (with their "
+                          "tokens) over to the next step instead of writing them.")
+
+    @model_validator(mode="after")
+    def _filter_needs_groups(self) -> "RolloutConfig":
+        if self.filter == "all-equal-reward" and self.n_samples_per_prompt < 2:
+            raise ValueError("--filter all-equal-reward needs --n-samples-per-prompt >= 2 "
+                             "(a group of one always has equal rewards)")
+        return self
+
+
+class StageInputs:
+    """Everything a stage resolves before generating: prompts, tokenizer, reward, generate fn."""
+
+    def __init__(self, cfg: EngineStageConfig):
+        from rltool.rollout.rewards import resolve_reward
+
+        out = Path(cfg.out)
+        if out.exists():
+            raise BadInputError(f"--out {out} already exists; choose a new directory (a complete "
+                                "shard is never overwritten)")
+        self.prompts = load_prompts(cfg.prompts)
+        self.generate_fn = load_generate_fn(cfg.generate_fn)
+        self.reward_fn = resolve_reward(cfg.reward, timeout_s=cfg.reward_timeout_s)
+        self.urls = cfg.engines or [cfg.router]
+        self.via_gateway = cfg.router is not None
+        self.tokenizer_dir = cfg.tokenizer or _engine_tokenizer_path(cfg, self.urls[0])
+        self.tokenizer = load_tokenizer(self.tokenizer_dir)
+        from rltool.data.tokenizer import tokenizer_hash
+
+        self.tokenizer_hash = tokenizer_hash(self.tokenizer_dir)
+        self._rendered: dict[int, list[int]] = {}
+
+    def new_group(self, position: int, *, n: int, uid_prefix: str) -> list[Sample]:
+        """The n fresh samples of the prompt at a stream position (group_id = position)."""
+        prompt: Prompt = prompt_at(self.prompts, position)
+        if prompt.row_index not in self._rendered:
+            self._rendered[prompt.row_index] = render_prompt(self.tokenizer, prompt)
+        ids = self._rendered[prompt.row_index]
+        return [Sample(uid=f"{uid_prefix}-g{position}-{i}", prompt_id=prompt.prompt_id,
+                       group_id=position, sample_index=i, prompt=prompt.text,
+                       prompt_token_ids=list(ids), label=prompt.label,
+                       metadata=dict(prompt.metadata), prompt_row=prompt) for i in range(n)]
+
+    def make_router(self, cfg: EngineStageConfig) -> Any:
+        from rltool.rollout.client import EngineClient
+        from rltool.rollout.router import Router
+
+        clients = {url: EngineClient(url, api_key=cfg.api_key, timeout_s=cfg.request_timeout_s)
+                   for url in self.urls}
+        return Router(clients, concurrency=cfg.concurrency, via_gateway=self.via_gateway)
+
+
+def _engine_tokenizer_path(cfg: EngineStageConfig, url: str) -> str:
+    from rltool.rollout.client import EngineClient
+
+    async def ask() -> dict[str, Any]:
+        client = EngineClient(url, api_key=cfg.api_key, timeout_s=30.0)
+        try:
+            return await client.get_model_info()
+        finally:
+            await client.aclose()
+
+    info = asyncio.run(ask())
+    path = info.get("tokenizer_path") or info.get("model_path")
+    if not path or not Path(path).is_dir():
+        raise BadInputError(f"engine {url} reports tokenizer_path {path!r}, which is not a local "
+                            "directory; pass --tokenizer DIR")
+    return str(path)
+
+
+def run(cfg: RolloutConfig) -> dict[str, Any]:
+    """Run one rollout step; returns {out, rows, groups, metrics, counts, engines, ...}."""
+    from rltool.data.shards import ShardMeta, write_shard
+    from rltool.rollout import partial as partial_store
+    from rltool.rollout.collect import Collector
+    from rltool.rollout.metrics import RolloutProgress, rollout_metrics
+
+    inputs = StageInputs(cfg)
+    n, batch = cfg.n_samples_per_prompt, cfg.rollout_batch_size
+    budget = (cfg.max_prompts or 4 * batch) if cfg.filter != "none" else batch
+    carry_dir = partial_store.partial_dir(cfg.out)
+    carried, carried_from = ([], None)
+    if cfg.partial:
+        carried, carried_from = partial_store.load_carry(carry_dir, step=cfg.step,
+                                                         tokenizer_hash=inputs.tokenizer_hash)
+    fresh_budget = max(0, budget - len(carried)) if cfg.filter == "none" else budget
+    source = (inputs.new_group(p, n=n, uid_prefix=f"s{cfg.step:06d}")
+              for p in range(cfg.step * batch, cfg.step * batch + fresh_budget))
+    sampling = cfg.sampling()
+
+    async def collect() -> tuple[Any, dict[str, Any]]:
+        router = inputs.make_router(cfg)
+        try:
+            with RolloutProgress(total_groups=batch, total_samples=batch * n, quiet=cfg.quiet,
+                                 label="rollout") as progress:
+                collector = Collector(router=router, tokenizer=inputs.tokenizer,
+                                      generate_fn=inputs.generate_fn, sampling=sampling,
+                                      reward_fn=inputs.reward_fn,
+                                      reward_timeout_s=cfg.reward_timeout_s,
+                                      reward_workers=cfg.reward_workers, progress=progress)
+                result = await collector.run(source, target_groups=batch, carried=carried,
+                                             dynamic_filter=cfg.filter != "none",
+                                             over_sample_factor=cfg.over_sample_factor,
+                                             partial=cfg.partial)
+            return result, router.stats()
+        finally:
+            await router.aclose()
+
+    result, router_stats = asyncio.run(collect())
+    check_engines_left(router_stats)
+    meta = ShardMeta(tokenizer_hash=inputs.tokenizer_hash, step=cfg.step, producer=PRODUCER,
+                     sampling=sampling,
+                     extra={"prompts": str(cfg.prompts), "reward": cfg.reward,
+                            "generate_fn": cfg.generate_fn or "single-turn",
+                            "filter": cfg.filter, "engines": inputs.urls})
+    rows = [to_row(s) for g in result.kept for s in g]
+    manifest = write_shard(cfg.out, rows, meta)
+    carry_path = None
+    if cfg.partial:
+        carry_path = partial_store.save_carry(carry_dir, step=cfg.step, groups=result.carry,
+                                              meta=meta)
+    write_resolved(cfg, Path(cfg.out) / CONFIG_NAME)
+    metrics = rollout_metrics(result.kept, counts=result.counts, output_tokens=result.output_tokens,
+                              elapsed_s=result.elapsed_s,
+                              redispatched=router_stats["redispatched"])
+    metrics_path = write_metrics(cfg, metrics, default_name="rollout.jsonl")
+    return {"out": cfg.out, "rows": manifest["num_rows"], "groups": len(result.kept),
+            "step": cfg.step, "metrics": metrics, "metrics_path": str(metrics_path),
+            "counts": result.counts, "engines": router_stats["engines"],
+            "carried_from": str(carried_from) if carried_from else None,
+            "carried_to": str(carry_path) if carry_path else None}
+
+
+def check_engines_left(router_stats: dict[str, Any]) -> None:
+    """No live engine at the end is a runtime failure, not a shard full of failed samples."""
+    if not any(e["alive"] for e in router_stats["engines"].values()):
+        raise EngineError("every engine died during the rollout; nothing was written; restart "
+                          "the engines and re-run the step")
+
+
+def write_metrics(cfg: EngineStageConfig, metrics: dict[str, Any], *, default_name: str,
+                  version_key: str = "rollout/weight_version/max") -> Path:
+    from rltool.rundir import MetricsWriter
+
+    path = Path(cfg.metrics) if cfg.metrics else Path(cfg.out).parent / default_name
+    version = cfg.policy_version
+    if version is None:
+        version = max(metrics.get(version_key, 0), 0)
+    with MetricsWriter(path) as writer:
+        writer.log(metrics, step=cfg.step, policy_version=int(version))
+    return path

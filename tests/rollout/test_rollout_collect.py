@@ -1,0 +1,181 @@
+"""The collection core without servers: groups, statuses, rewards off the event loop, reward
+timeouts, DAPO dynamic filtering with over-sampling counts, and partial-rollout carry-over."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from rltool.rollout.collect import Collector
+from rltool.rollout.generate import Sample, generate_single_turn, parse_engine_output
+from rltool.rollout.rewards import RewardResult
+from rltool.rollout.router import Router
+from tests.rollout.rollout_fakes import FakeEngine, FakeTokenizer
+
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_response_len": 8, "seed": 3,
+            "n_samples_per_prompt": 4}
+
+
+def groups_source(num: int, n: int, *, start: int = 0):
+    for g in range(start, start + num):
+        yield [Sample(uid=f"g{g}-{i}", prompt_id=f"p{g}", group_id=g, sample_index=i,
+                      prompt=f"prompt {g}", prompt_token_ids=[1, 3, g % 20 + 5], label=str(g))
+               for i in range(n)]
+
+
+def collect(engines, source, *, reward_fn, generate_fn=generate_single_turn, reward_timeout_s=5.0,
+            reward_workers=2, **kwargs):
+    async def main():
+        router = Router({e.url: e for e in engines}, concurrency=4)
+        collector = Collector(router=router, tokenizer=FakeTokenizer(), generate_fn=generate_fn,
+                              sampling=SAMPLING, reward_fn=reward_fn,
+                              reward_timeout_s=reward_timeout_s, reward_workers=reward_workers)
+        return await collector.run(source, **kwargs)
+
+    return asyncio.run(main())
+
+
+def length_reward(prompt, response, label, metadata):
+    return RewardResult(reward=float(len(response)), components={"len": float(len(response))})
+
+
+def test_groups_statuses_and_per_token_fields():
+    engine = FakeEngine("http://a")
+    result = collect([engine], groups_source(3, 4), reward_fn=length_reward, target_groups=3)
+    assert [g[0].group_id for g in result.kept] == [0, 1, 2]
+    for group in result.kept:
+        assert [s.sample_index for s in group] == [0, 1, 2, 3]
+        for s in group:
+            n = len(s.response_token_ids)
+            assert s.status in ("completed", "truncated")
+            assert (s.status == "truncated") == (n == SAMPLING["max_response_len"]
+                                                 and s.response_token_ids[-1] != 2)
+            assert len(s.rollout_logprobs) == len(s.loss_mask) == len(s.weight_versions) == n
+            assert s.loss_mask == [1] * n and s.weight_versions == [0] * n
+            assert s.reward == float(len(s.response)) and s.rewards == {"len": s.reward}
+    assert result.output_tokens == sum(len(s.response_token_ids) for g in result.kept for s in g)
+
+
+def test_rewards_run_in_worker_threads_and_timeouts_fail_clearly():
+    threads = set()
+
+    def slow_reward(prompt, response, label, metadata):
+        threads.add(threading.current_thread().name)
+        if label == "1":
+            time.sleep(1.0)
+        return RewardResult(reward=1.0)
+
+    engine = FakeEngine("http://a")
+    start = time.monotonic()
+    result = collect([engine], groups_source(2, 2), reward_fn=slow_reward, reward_timeout_s=0.2,
+                     reward_workers=4, target_groups=2)
+    assert time.monotonic() - start < 0.9  # the slow rewards did not serialize
+    assert threads and all(name.startswith("rltool-reward") for name in threads)
+    by_group = {g[0].group_id: g for g in result.kept}
+    assert all(s.status != "failed" and s.reward == 1.0 for s in by_group[0])
+    for s in by_group[1]:
+        assert s.status == "failed" and s.reward == 0.0
+        assert s.finish_reason.startswith("reward_timeout")
+
+
+def test_generate_fn_exception_marks_sample_failed_not_lost():
+    async def broken(sample, ctx):
+        if sample.sample_index == 1:
+            raise RuntimeError("tool crashed")
+        return await generate_single_turn(sample, ctx)
+
+    result = collect([FakeEngine("http://a")], groups_source(2, 3), reward_fn=length_reward,
+                     generate_fn=broken, target_groups=2)
+    rows = [s for g in result.kept for s in g]
+    assert len(rows) == 6
+    failed = [s for s in rows if s.status == "failed"]
+    assert [s.sample_index for s in failed] == [1, 1]
+    assert all("RuntimeError: tool crashed" in s.finish_reason for s in failed)
+
+
+def test_dynamic_filter_drops_equal_groups_and_over_samples():
+    def reward(prompt, response, label, metadata):
+        # Odd groups: every sample gets 1.0 (no signal); even groups: rewards differ.
+        if int(label) % 2:
+            return RewardResult(reward=1.0)
+        return RewardResult(reward=float(len(response) % 3))
+
+    engine = FakeEngine("http://a")
+    engine.eos_prob = 0.3
+    result = collect([engine], groups_source(40, 4), reward_fn=reward, target_groups=4,
+                     dynamic_filter=True)
+    assert len(result.kept) == 4
+    for g in result.kept:
+        assert len({s.reward for s in g}) > 1
+    c = result.counts
+    assert c["dropped_equal_reward"] >= 3  # odd groups among the started ones were dropped
+    assert c["fresh_groups"] == (len(result.kept) + c["dropped_equal_reward"]
+                                 + c["over_sampled_groups"] + c["aborted_extra_groups"])
+    assert c["fresh_groups"] < 40
+
+
+def test_filter_budget_exhausted_returns_fewer_groups():
+    result = collect([FakeEngine("http://a")], groups_source(6, 2),
+                     reward_fn=lambda *a: RewardResult(reward=0.0), target_groups=4,
+                     dynamic_filter=True)
+    assert result.kept == [] and result.counts["dropped_equal_reward"] == 6
+
+
+def test_over_sampled_groups_are_aborted_and_carried_with_their_tokens():
+    engine = FakeEngine("http://a", delay_s=0.005)
+    engine.eos_prob = 0.0
+    sampling_len = SAMPLING["max_response_len"]
+
+    async def staggered(sample, ctx):
+        # Later groups start later, so the batch fills while they are mid-generation.
+        await asyncio.sleep(0.01 * sample.group_id)
+        return await generate_single_turn(sample, ctx)
+
+    def varying(prompt, response, label, metadata):
+        return RewardResult(reward=float(hash(response) % 5))
+
+    result = collect([engine], groups_source(6, 2), reward_fn=varying, generate_fn=staggered,
+                     target_groups=2, dynamic_filter=True, over_sample_factor=3.0, partial=True)
+    assert len(result.kept) == 2
+    carried = [s for g in result.carry for s in g]
+    assert carried, "in-flight extra groups must be carried over, not lost"
+    aborted = [s for s in carried if s.status == "aborted"]
+    assert aborted and engine.aborted
+    assert any(s.response_token_ids for s in aborted)
+    for s in aborted:
+        assert len(s.response_token_ids) < sampling_len
+        assert len(s.rollout_logprobs) == len(s.response_token_ids)
+    assert result.counts["carried_out_groups"] == len(result.carry)
+
+    # A later call resumes the aborted samples from their tokens.
+    before = {s.uid: list(s.response_token_ids) for s in aborted}
+    engine2 = FakeEngine("http://b", version="1")
+    engine2.eos_prob = 0.0
+    again = collect([engine2], iter(()), reward_fn=varying, target_groups=len(result.carry),
+                    carried=result.carry)
+    resumed = {s.uid: s for g in again.kept for s in g}
+    for uid, prefix in before.items():
+        s = resumed[uid]
+        assert s.response_token_ids[:len(prefix)] == prefix
+        assert s.status == "truncated" and len(s.response_token_ids) == sampling_len
+        assert s.weight_versions[:len(prefix)] == [0] * len(prefix)
+        assert s.weight_versions[len(prefix):] == [1] * (sampling_len - len(prefix))
+    assert again.counts["carried_in_groups"] == len(result.carry)
+
+
+def test_version_spans_become_per_token_versions():
+    response = {"output_ids": [5, 6, 7, 8], "meta_info": {
+        "finish_reason": {"type": "length", "length": 4}, "weight_version": "4",
+        "weight_versions": [{"version": "3", "start": 0, "end": 2},
+                            {"version": "4", "start": 2, "end": 4}],
+        "output_token_logprobs": [[-0.1, 5, None], [-0.2, 6, None], [-0.3, 7, None],
+                                  [-0.4, 8, None]]}}
+    ids, logprobs, versions, finish = parse_engine_output(response)
+    assert ids == [5, 6, 7, 8] and versions == [3, 3, 4, 4] and finish == "length"
+    assert logprobs == pytest.approx([-0.1, -0.2, -0.3, -0.4])
+    response["meta_info"].pop("weight_versions")
+    response["meta_info"]["weight_version"] = "default"
+    assert parse_engine_output(response)[2] == [0, 0, 0, 0]
