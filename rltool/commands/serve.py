@@ -1,0 +1,51 @@
+import click
+
+from rltool.commands.common import config_option, explicit_flags, handle_errors, setup_logging
+
+FLAGS = ["engine", "model", "host", "port", "ready_file", "dtype", "max_running_requests",
+         "max_queued_requests", "max_prefill_tokens", "deterministic", "weight_version",
+         "served_model_name", "log_level"]
+
+
+@click.command("serve")
+@click.option("--engine", type=click.Choice(["builtin"]), default=None,
+              help="Rollout engine (default builtin).")
+@click.option("--model", type=click.Path(file_okay=False), default=None,
+              help="HF checkpoint directory to serve.")
+@click.option("--host", default=None, help="Bind address (default 127.0.0.1).")
+@click.option("--port", type=int, default=None, help="Port (default 30000; 0 = any free port).")
+@click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
+              help="Write {url, pid} here (atomically) once the engine serves.")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default=None,
+              help="Weight/compute dtype (default fp32).")
+@click.option("--max-running-requests", type=int, default=None,
+              help="Largest decode batch (default 64).")
+@click.option("--max-queued-requests", type=int, default=None,
+              help="Waiting requests beyond the running ones before 429 (default 4096).")
+@click.option("--max-prefill-tokens", type=int, default=None,
+              help="Prompt tokens prefilled per scheduler step (default 512).")
+@click.option("--deterministic", is_flag=True, default=None,
+              help="Seeded, batch-invariant sampling; logprobs in the trainer's layout.")
+@click.option("--weight-version", default=None, help="Initial weight_version (default 'default').")
+@click.option("--served-model-name", default=None, help="Model name reported to clients.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+              default=None, help="Server log level (default info).")
+@config_option
+@handle_errors
+def command(config_file, **_):
+    """Serve a model over SGLang's native HTTP API with the builtin continuous-batching engine.
+
+    Runs until SIGTERM/SIGINT. Endpoints, flags and differences from SGLang: docs/serve.md.
+
+    Example:
+      rltool serve --engine builtin --model models/tiny --port 0 --ready-file /tmp/engine.json
+    """
+    from rltool.config import resolve
+    from rltool.rollout.engine.config import ServeConfig
+    from rltool.rollout.engine.server import serve
+
+    ctx = click.get_current_context()
+    cfg = resolve(ServeConfig, config_file=config_file, section="serve",
+                  flags=explicit_flags(ctx, FLAGS))
+    setup_logging()
+    serve(cfg)

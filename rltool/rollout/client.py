@@ -1,0 +1,170 @@
+"""Async HTTP client for rollout engines (builtin or SGLang, directly or behind the smg gateway).
+
+Every call has a timeout, so a dead engine gives an error, never a hang. Transient failures
+(connection errors, 429, 502, 503, 504) are retried with exponential backoff up to `max_retries`
+times; any other error status raises `EngineError` with the status code; a read timeout raises
+`EngineTimeoutError` (not retried: the engine may still be working on the request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import httpx
+
+from rltool.errors import EngineError, EngineTimeoutError
+
+log = logging.getLogger(__name__)
+
+RETRY_STATUS = frozenset({429, 502, 503, 504})
+BACKOFF_BASE_S = 0.25
+BACKOFF_MAX_S = 4.0
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+
+
+class EngineClient:
+    """One engine (or gateway) URL. Use as `async with EngineClient(url) as c: ...`."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 600.0,
+                 connect_timeout_s: float = 5.0, max_retries: int = 3):
+        self.url = url.rstrip("/")
+        self.max_retries = max_retries
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(
+            base_url=self.url, headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s))
+
+    async def __aenter__(self) -> "EngineClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _request(self, method: str, path: str, *, json: Any = None,
+                       params: dict[str, Any] | None = None,
+                       headers: dict[str, str] | None = None,
+                       timeout_s: float | None = None) -> httpx.Response:
+        extra: dict[str, Any] = {}
+        if timeout_s is not None:
+            extra["timeout"] = timeout_s
+        attempt = 0
+        while True:
+            try:
+                response = await self._http.request(method, path, json=json, params=params,
+                                                     headers=headers, **extra)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as e:
+                if attempt >= self.max_retries:
+                    raise EngineError(f"{method} {self.url}{path}: cannot reach the engine "
+                                      f"({type(e).__name__}: {e})") from e
+                reason = type(e).__name__
+            except httpx.TimeoutException as e:
+                raise EngineTimeoutError(f"{method} {self.url}{path}: no answer within the "
+                                         f"timeout ({type(e).__name__})") from e
+            except httpx.HTTPError as e:
+                raise EngineError(f"{method} {self.url}{path}: {type(e).__name__}: {e}") from e
+            else:
+                if response.status_code < 400:
+                    return response
+                if response.status_code not in RETRY_STATUS or attempt >= self.max_retries:
+                    raise EngineError(f"{method} {self.url}{path} answered "
+                                      f"{response.status_code}: {_error_message(response)}",
+                                      status_code=response.status_code)
+                reason = f"HTTP {response.status_code}"
+            delay = min(BACKOFF_BASE_S * 2 ** attempt, BACKOFF_MAX_S)
+            log.warning("%s %s%s failed (%s); retry %d/%d in %.2fs", method, self.url, path,
+                        reason, attempt + 1, self.max_retries, delay)
+            attempt += 1
+            await asyncio.sleep(delay)
+
+    async def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = await self._request(method, path, **kwargs)
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            return response.text
+
+    # ----- generation --------------------------------------------------------------------
+
+    async def generate(self, payload: dict[str, Any], *,
+                       routing_key: str | None = None) -> dict[str, Any] | list[dict[str, Any]]:
+        """POST /generate. A batch or n > 1 returns a list (SGLang's shape)."""
+        headers = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
+        return await self._json("POST", "/generate", json=payload, headers=headers)
+
+    # ----- health and info ---------------------------------------------------------------
+
+    async def health(self) -> bool:
+        """True when /health answers 2xx; False when it answers otherwise or cannot be reached."""
+        try:
+            await self._request("GET", "/health")
+        except EngineError:
+            return False
+        return True
+
+    async def health_generate(self) -> None:
+        """GET /health_generate (really generates one token); raises EngineError if unhealthy."""
+        await self._request("GET", "/health_generate")
+
+    async def get_model_info(self) -> dict[str, Any]:
+        return await self._json("GET", "/get_model_info")
+
+    async def get_server_info(self) -> dict[str, Any]:
+        return await self._json("GET", "/get_server_info")
+
+    # ----- scheduling and cache ----------------------------------------------------------
+
+    async def flush_cache(self) -> None:
+        await self._request("POST", "/flush_cache")
+
+    async def abort_request(self, *, rid: str = "", abort_all: bool = False) -> None:
+        await self._request("POST", "/abort_request", json={"rid": rid, "abort_all": abort_all})
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        await self._request("POST", "/pause_generation", json={"mode": mode})
+
+    async def continue_generation(self) -> None:
+        await self._request("POST", "/continue_generation", json={})
+
+    # ----- weights and memory ------------------------------------------------------------
+
+    async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None,
+                                       abort_all_requests: bool = False,
+                                       flush_cache: bool = True) -> dict[str, Any]:
+        """Load a HF checkpoint directory; raises EngineError (status 400) when the engine refuses."""
+        body = {"model_path": model_path, "weight_version": weight_version,
+                "abort_all_requests": abort_all_requests, "flush_cache": flush_cache}
+        return await self._json("POST", "/update_weights_from_disk", json=body)
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await self._request("POST", "/release_memory_occupation", json={"tags": tags})
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await self._request("POST", "/resume_memory_occupation", json={"tags": tags})
+
+    async def pull_weights(self, *, local_checkpoint_dir: str, source_dir: str,
+                           target_version: int) -> dict[str, Any]:
+        """slime's /pull_weights: sync a version's files; follow with update_weights_from_disk."""
+        body = {"local_checkpoint_dir": local_checkpoint_dir, "source_dir": source_dir,
+                "target_version": target_version}
+        return await self._json("POST", "/pull_weights", json=body)
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip()[:500]
+    if isinstance(body, dict):
+        err = body.get("error", body.get("message"))
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        if err is not None:
+            return str(err)
+    return str(body)[:500]

@@ -1,0 +1,39 @@
+"""`rltool serve` configuration: one strict pydantic model (flags, or `[serve]` in a TOML file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from rltool.config import StageConfig
+
+
+class ServeConfig(StageConfig):
+    engine: Literal["builtin"] = Field("builtin", description="Rollout engine to serve.")
+    model: Path = Field(description="HF checkpoint directory (config.json, safetensors, tokenizer).")
+    host: str = Field("127.0.0.1", description="Address to bind (loopback by default).")
+    port: int = Field(30000, ge=0, le=65535, description="TCP port; 0 picks a free one.")
+    ready_file: Path | None = Field(None, description="Written atomically with {url, pid} once "
+                                                      "the engine answers requests.")
+    dtype: Literal["fp32", "bf16"] = Field("fp32", description="Weight and compute dtype.")
+    max_running_requests: int = Field(64, ge=1, description="Largest decode batch.")
+    max_queued_requests: int = Field(4096, ge=0, description="Waiting requests beyond the "
+                                                             "running ones before 429.")
+    max_prefill_tokens: int = Field(512, ge=1, description="Prompt tokens prefilled per step "
+                                                           "(and the prefill chunk size).")
+    deterministic: bool = Field(False, description="Seeded, batch-invariant sampling; logprobs "
+                                                   "from one unpadded pass (trainer layout).")
+    weight_version: str = Field("default", description="Initial weight_version string.")
+    served_model_name: str | None = Field(None, description="Name in /v1/models and model_info "
+                                                            "(default: the model path).")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Server log level.")
+
+    @model_validator(mode="after")
+    def _model_exists(self) -> "ServeConfig":
+        if not (self.model / "config.json").is_file():
+            raise ValueError(f"--model {self.model} is not a HF checkpoint directory "
+                             "(no config.json)")
+        return self

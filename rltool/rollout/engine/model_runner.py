@@ -1,0 +1,252 @@
+"""The model side of the builtin engine: forward passes over a KV cache, weight loading, memory.
+
+KV layout. A request being prefilled owns a batch-of-one `DynamicCache`. Once its prompt is in the
+cache it joins the running `DecodeBatch`: one batched `DynamicCache` of shape [B, H, L, D] per layer,
+left-padded, with a [B, L] attention mask and each row's next position id. Joining pads the shorter
+side on the left and concatenates along the batch; leaving selects rows and trims columns that are
+padding for every remaining row. So a decode step is one forward of [B, 1] tokens, and the cache is
+only copied when the batch membership changes, not on every step.
+
+Every method runs on the scheduler thread; nothing here is thread-safe on its own.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rltool.errors import BadInputError, CheckpointError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _new_cache() -> Any:
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+def _layers(cache: Any) -> list[Any]:
+    return list(cache.layers)
+
+
+def _pad_left(t: torch.Tensor, n: int, *, dim: int) -> torch.Tensor:
+    if n == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = n
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+@dataclass
+class DecodeBatch:
+    """The running batch's shared KV cache. Row i belongs to `rids[i]`."""
+
+    rids: list[str] = field(default_factory=list)
+    cache: Any = None
+    mask: torch.Tensor | None = None  # [B, L] int64, 1 = real token
+    next_pos: torch.Tensor | None = None  # [B] int64, position id of the token fed next
+
+    def __len__(self) -> int:
+        return len(self.rids)
+
+
+class ModelRunner:
+    """A transformers causal LM plus the checkpoint it came from."""
+
+    def __init__(self, model_path: str | Path, *, dtype: str = "fp32",
+                 weight_version: str = "default"):
+        from transformers import AutoTokenizer
+
+        if dtype not in DTYPES:
+            raise BadInputError(f"unknown --dtype {dtype!r}; choose fp32 or bf16")
+        self.model_path = Path(model_path)
+        self.tokenizer_path = self.model_path
+        self.dtype = dtype
+        self.weight_version = weight_version
+        if not (self.model_path / "config.json").is_file():
+            raise CheckpointError(f"{self.model_path} has no config.json; pass a HF checkpoint "
+                                  "directory as --model")
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        self.model: Any = None
+        self._load_model(self.model_path)
+        config = self.model.config
+        self.config = config
+        self.context_length = int(getattr(config, "max_position_embeddings", 2048))
+        self.vocab_size = int(config.vocab_size)
+        self.eos_token_ids = self._eos_ids()
+
+    # ----- weights -------------------------------------------------------------------------
+
+    def _load_model(self, path: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[self.dtype])
+        self.model.eval()
+        self.model.requires_grad_(False)
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model.generation_config, "eos_token_id", None),
+                       self.config.eos_token_id, self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, (list, tuple)):
+                ids.update(int(x) for x in source)
+        return ids
+
+    @property
+    def released(self) -> bool:
+        return self.model is None
+
+    def release(self) -> None:
+        """Drop the model (parameters and buffers); `resume` reloads from `model_path`."""
+        self.model = None
+        gc.collect()
+
+    def resume(self) -> None:
+        if self.model is None:
+            self._load_model(self.model_path)
+
+    def load_weights(self, path: str | Path) -> int:
+        """Copy a HF checkpoint's tensors into the live model after checking every name and shape.
+
+        Nothing changes unless the whole checkpoint matches. Returns the number of tensors loaded.
+        """
+        from safetensors import safe_open
+
+        path = Path(path)
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+        if not files:
+            raise CheckpointError(f"{path} holds no *.safetensors files; pass a HF checkpoint "
+                                  "directory as model_path")
+        if self.model is None:
+            raise BadInputError("weights are released; call /resume_memory_occupation first")
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        loaded: dict[str, torch.Tensor] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():
+                    if name not in params:
+                        raise CheckpointError(f"{f.name}: tensor {name!r} is not a parameter of "
+                                              "the served model")
+                    t = sf.get_tensor(name)
+                    if tuple(t.shape) != tuple(params[name].shape):
+                        raise CheckpointError(
+                            f"{f.name}: tensor {name!r} has shape {list(t.shape)}, the served "
+                            f"model expects {list(params[name].shape)}")
+                    loaded[name] = t
+        # Tied parameters (e.g. lm_head = embed_tokens) appear under several names; one suffices.
+        by_storage: dict[int, list[str]] = {}
+        for name, p in params.items():
+            by_storage.setdefault(id(p), []).append(name)
+        missing = [names[0] for names in by_storage.values()
+                   if not any(n in loaded for n in names)]
+        if missing:
+            raise CheckpointError(f"{path} lacks {len(missing)} tensors of the served model, "
+                                  f"e.g. {missing[0]!r}")
+        with torch.no_grad():
+            for name, t in loaded.items():
+                params[name].copy_(t.to(params[name].dtype))
+        self.model_path = path
+        return len(loaded)
+
+    # ----- forwards ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, token_ids: list[int], cache: Any | None) -> tuple[torch.Tensor, Any]:
+        """Extend a batch-of-one cache with `token_ids`; returns (logits of the last token, cache)."""
+        cache = cache if cache is not None else _new_cache()
+        start = cache.get_seq_length()
+        ids = torch.tensor([token_ids], dtype=torch.long)
+        pos = torch.arange(start, start + len(token_ids)).unsqueeze(0)
+        out = self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True,
+                         logits_to_keep=1)
+        return out.logits[0, -1].float(), cache
+
+    @torch.no_grad()
+    def decode_one(self, token_id: int, cache: Any) -> torch.Tensor:
+        """One decode step for a single request on its own cache (deterministic mode)."""
+        logits, _ = self.prefill([token_id], cache)
+        return logits
+
+    @torch.no_grad()
+    def decode(self, batch: DecodeBatch, token_ids: list[int]) -> torch.Tensor:
+        """One batched decode step: token_ids[i] is fed to row i. Returns logits [B, V] float32."""
+        ids = torch.tensor(token_ids, dtype=torch.long).unsqueeze(1)
+        mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch), 1)], dim=1)
+        out = self.model(input_ids=ids, attention_mask=mask,
+                         position_ids=batch.next_pos.unsqueeze(1), cache=batch.cache,
+                         use_cache=True)
+        batch.mask = mask
+        batch.next_pos = batch.next_pos + 1
+        return out.logits[:, -1].float()
+
+    @staticmethod
+    def join(batch: DecodeBatch, rid: str, cache: Any) -> None:
+        """Append a prefilled batch-of-one cache as a new row (left-padding whichever is shorter)."""
+        length = cache.get_seq_length()
+        if not batch.rids:
+            batch.rids = [rid]
+            batch.cache = cache
+            batch.mask = torch.ones(1, length, dtype=torch.long)
+            batch.next_pos = torch.tensor([length])
+            return
+        width = batch.mask.shape[1]
+        total = max(width, length)
+        for mine, theirs in zip(_layers(batch.cache), _layers(cache)):
+            mine.keys = torch.cat([_pad_left(mine.keys, total - width, dim=2),
+                                   _pad_left(theirs.keys, total - length, dim=2)], dim=0)
+            mine.values = torch.cat([_pad_left(mine.values, total - width, dim=2),
+                                     _pad_left(theirs.values, total - length, dim=2)], dim=0)
+        row = torch.ones(1, length, dtype=torch.long)
+        batch.mask = torch.cat([_pad_left(batch.mask, total - width, dim=1),
+                                _pad_left(row, total - length, dim=1)], dim=0)
+        batch.next_pos = torch.cat([batch.next_pos, torch.tensor([length])])
+        batch.rids.append(rid)
+
+    @staticmethod
+    def keep(batch: DecodeBatch, rids: list[str]) -> None:
+        """Keep only `rids` (in their current order) and drop columns that are all padding."""
+        if rids == batch.rids:
+            return
+        if not rids:
+            batch.rids, batch.cache, batch.mask, batch.next_pos = [], None, None, None
+            return
+        index = torch.tensor([batch.rids.index(r) for r in rids])
+        mask = batch.mask[index]
+        first = int((mask.sum(dim=0) > 0).nonzero()[0])
+        for layer in _layers(batch.cache):
+            layer.keys = layer.keys[index, :, first:].contiguous()
+            layer.values = layer.values[index, :, first:].contiguous()
+        batch.mask = mask[:, first:].contiguous()
+        batch.next_pos = batch.next_pos[index]
+        batch.rids = list(rids)
+
+    @torch.no_grad()
+    def full_pass_logits(self, token_ids: list[int], *, start: int) -> torch.Tensor:
+        """Logits [T - start, V] predicting token_ids[start:], from one unpadded pass over the whole
+        sequence: exactly `rltool.logprobs.sequence_logprobs`'s layout (the trainer's)."""
+        ids = torch.tensor([token_ids], dtype=torch.long)
+        return self.model(input_ids=ids, use_cache=False).logits[0][start - 1:-1]
+
+    # ----- info ----------------------------------------------------------------------------
+
+    def model_info(self) -> dict[str, Any]:
+        archs = list(getattr(self.config, "architectures", None) or [])
+        return {
+            "model_path": str(self.model_path),
+            "tokenizer_path": str(self.tokenizer_path),
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(self.config, "model_type", None),
+            "architectures": archs,
+        }
+

@@ -1,0 +1,133 @@
+"""One generation request as the scheduler tracks it, and its SGLang-shaped response.
+
+Token accounting: `output_ids` holds every sampled token (EOS and stop tokens included, as SGLang
+counts them in completion_tokens). The KV cache of a request in flight holds prompt + output[:-1];
+the last sampled token is fed at the next decode step. `spans` records which weight version
+sampled which output tokens: [{version, start, end}] with `end` exclusive.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rltool.rollout.engine.sampling import SamplingParams
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seq: int = 0  # arrival order, set by the scheduler
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+    return_text_in_logprobs: bool = False
+    generator: torch.Generator | None = None
+    # Called on the scheduler thread: after each sampled token (streaming) and once at the end.
+    on_token: Callable[["Request"], None] | None = None
+    on_finish: Callable[["Request"], None] | None = None
+
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    output_token_ids_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    spans: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    text: str = ""
+    matched_stop_at: int | None = None  # char offset of a matched stop string in the full text
+
+    cache: Any = None  # own batch-of-one KV cache while prefilling (or decoding, deterministic)
+    num_cached: int = 0
+
+    t_arrival: float = field(default_factory=time.monotonic)
+    t_first_token: float | None = None
+    t_finish: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens that must be in the cache before the next decode step (all but the pending one)."""
+        return len(self.prompt_ids) + max(len(self.output_ids) - 1, 0)
+
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def record_token(self, token: int, logprob: float, *, version: str,
+                     top: list[tuple[float, int]] | None, ids_lp: list[tuple[float, int]] | None
+                     ) -> None:
+        index = len(self.output_ids)
+        if self.t_first_token is None:
+            self.t_first_token = time.monotonic()
+        self.output_ids.append(token)
+        self.output_logprobs.append(logprob)
+        if top is not None:
+            self.output_top_logprobs.append(top)
+        if ids_lp is not None:
+            self.output_token_ids_logprobs.append(ids_lp)
+        if self.spans and self.spans[-1]["version"] == version:
+            self.spans[-1]["end"] = index + 1
+        else:
+            self.spans.append({"version": version, "start": index, "end": index + 1})
+
+    def reset_cache(self) -> None:
+        """Drop the KV cache (retract / memory release); it is recomputed from all_ids()."""
+        self.cache = None
+        self.num_cached = 0
+
+
+def _triples(pairs: list[tuple[float | None, int]], tokenizer: Any, with_text: bool
+             ) -> list[list[Any]]:
+    return [[lp, tok, tokenizer.decode([tok]) if with_text else None] for lp, tok in pairs]
+
+
+def build_response(req: Request, *, tokenizer: Any, weight_version: str,
+                   index: int | None = None) -> dict[str, Any]:
+    """The /generate object for `req` (cumulative so far when not finished)."""
+    n_out = len(req.output_ids)
+    meta: dict[str, Any] = {
+        "id": req.rid,
+        "finish_reason": req.finish_reason,
+        "prompt_tokens": len(req.prompt_ids),
+        "completion_tokens": n_out,
+        "cached_tokens": 0,
+        "reasoning_tokens": 0,
+        "weight_version": req.spans[-1]["version"] if req.spans else weight_version,
+        "weight_versions": [dict(s) for s in req.spans],
+    }
+    if req.finished and req.t_finish is not None:
+        meta["e2e_latency"] = req.t_finish - req.t_arrival
+    if req.return_logprob:
+        with_text = req.return_text_in_logprobs
+        meta["output_token_logprobs"] = _triples(
+            list(zip(req.output_logprobs[:n_out], req.output_ids)), tokenizer, with_text)
+        meta["output_token_logprobs_length"] = n_out
+        if req.top_logprobs_num > 0:
+            meta["output_top_logprobs"] = [_triples(top, tokenizer, with_text)
+                                           for top in req.output_top_logprobs[:n_out]]
+        if req.token_ids_logprob:
+            meta["output_token_ids_logprobs"] = [_triples(x, tokenizer, with_text)
+                                                 for x in req.output_token_ids_logprobs[:n_out]]
+        if req.input_logprobs is not None:
+            start = max(req.logprob_start_len, 0)
+            meta["input_token_logprobs"] = _triples(
+                list(zip(req.input_logprobs, req.prompt_ids[start:])), tokenizer, with_text)
+            if req.input_top_logprobs is not None:
+                meta["input_top_logprobs"] = [None if top is None else
+                                              _triples(top, tokenizer, with_text)
+                                              for top in req.input_top_logprobs]
+    out: dict[str, Any] = {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
+    if index is not None:
+        out["index"] = index
+    return out

@@ -1,0 +1,179 @@
+"""Per-request sampling parameters and batched token sampling.
+
+Logprob convention (rltool.logprobs, DESIGN.md): the reported logprob of a token is taken from the
+temperature-scaled distribution *before* top-k / top-p / min-p filtering; greedy requests report
+logprobs at temperature 1.0. Filtering only changes which token is drawn.
+
+Sampling draws with the exponential race (argmax of p / E, E ~ Exp(1)), which is exactly a draw
+from p and needs one noise vector per row, so a request with its own `torch.Generator`
+(deterministic mode) gets the same token whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from rltool.logprobs import GREEDY_TEMPERATURE, effective_temperature
+
+MAX_STOP_STRINGS = 32
+DEFAULT_SEED = 42  # SGLang's fallback seed in deterministic inference
+
+
+class SamplingParams(BaseModel):
+    """SGLang's `sampling_params` (unknown keys are rejected, `null` means the default)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int = Field(128, ge=0, description="Most tokens to generate.")
+    temperature: float = Field(1.0, ge=0.0, description="Below 1e-6 means greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass, in (0, 1].")
+    top_k: int = Field(-1, description="-1 (whole vocabulary) or >= 1.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens below min_p * max prob.")
+    stop: list[str] = Field(default_factory=list, description="Stop strings (at most 32).")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Checked besides EOS.")
+    stop_regex: list[str] = Field(default_factory=list, description="Stop regexes (at most 32).")
+    ignore_eos: bool = Field(False, description="Do not stop on EOS.")
+    skip_special_tokens: bool = Field(True, description="Drop special tokens from `text`.")
+    no_stop_trim: bool = Field(False, description="Keep the matched stop string in `text`.")
+    n: int = Field(1, ge=1, description="Parallel samples per prompt.")
+    sampling_seed: int | None = Field(None, description="Seed (deterministic mode only).")
+    min_new_tokens: int = Field(0, ge=0, description="EOS / stop tokens are masked before this.")
+    logit_bias: dict[str, float] | None = Field(None, description="token id (str) -> added logit.")
+    # Accepted for SGLang compatibility; only their neutral values are supported (checked below).
+    frequency_penalty: float = Field(0.0, description="Unsupported unless 0.")
+    presence_penalty: float = Field(0.0, description="Unsupported unless 0.")
+    repetition_penalty: float = Field(1.0, description="Unsupported unless 1.")
+    json_schema: str | None = Field(None, description="Unsupported (constrained decoding).")
+    regex: str | None = Field(None, description="Unsupported (constrained decoding).")
+    ebnf: str | None = Field(None, description="Unsupported (constrained decoding).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+    @field_validator("stop", "stop_regex", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("stop", "stop_regex")
+    @classmethod
+    def _at_most_32(cls, value: list[str]) -> list[str]:
+        if len(value) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        if any(not s for s in value):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int) -> int:
+        if value != -1 and value < 1:
+            raise ValueError("top_k must be -1 (whole vocabulary) or >= 1")
+        return value
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> "SamplingParams":
+        if self.frequency_penalty != 0.0 or self.presence_penalty != 0.0:
+            raise ValueError("frequency_penalty / presence_penalty are not supported by the "
+                             "builtin engine; leave them at 0")
+        if self.repetition_penalty != 1.0:
+            raise ValueError("repetition_penalty is not supported by the builtin engine; use 1.0")
+        if self.json_schema or self.regex or self.ebnf:
+            raise ValueError("constrained decoding (json_schema/regex/ebnf) is not supported by "
+                             "the builtin engine")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def needs_filter(self) -> bool:
+        return not self.greedy and (self.top_k != -1 or self.top_p < 1.0 or self.min_p > 0.0)
+
+
+def make_generator(seed: int) -> torch.Generator:
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+    return gen
+
+
+def bias_logits(logits: torch.Tensor, params: list[SamplingParams], *,
+                suppressed: list[list[int]]) -> torch.Tensor:
+    """Apply logit_bias and mask `suppressed[i]` (EOS/stop ids before min_new_tokens) per row.
+
+    Only changes what is drawn; logprobs are computed from the unbiased logits.
+    """
+    if not any(p.logit_bias for p in params) and not any(suppressed):
+        return logits
+    out = logits.clone()
+    vocab = out.shape[-1]
+    for row, (p, sup) in enumerate(zip(params, suppressed)):
+        for tok, bias in (p.logit_bias or {}).items():
+            if 0 <= int(tok) < vocab:
+                out[row, int(tok)] += bias
+        if sup:
+            out[row, [t for t in sup if 0 <= t < vocab]] = float("-inf")
+    return out
+
+
+def scaled_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits [B, V] -> float32 logprobs of the temperature-scaled distribution, per row."""
+    temps = torch.tensor([effective_temperature(p.temperature) for p in params],
+                         dtype=torch.float32).unsqueeze(1)
+    return torch.log_softmax(logits.float() / temps, dim=-1)
+
+
+def _filter(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Zero the tokens top-k / top-p / min-p remove (rows without filters are untouched)."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    vocab = probs.shape[-1]
+    ranks = torch.arange(vocab).unsqueeze(0)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).unsqueeze(1)
+    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype).unsqueeze(1)
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).unsqueeze(1)
+    exclusive_mass = sorted_p.cumsum(dim=-1) - sorted_p
+    remove = (ranks >= top_k) | (exclusive_mass > top_p) | (sorted_p < min_p * sorted_p[:, :1])
+    remove[:, 0] = False  # the most likely token always survives
+    sorted_p = sorted_p.masked_fill(remove, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], *,
+           generators: list[torch.Generator | None], suppressed: list[list[int]],
+           shared_generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row. Returns (tokens [B], logprobs [B, V] by the convention).
+
+    Rows with a generator draw their noise from it (deterministic mode); the others share
+    `shared_generator` (or torch's default one).
+    """
+    logits = logits.float()
+    logprobs = scaled_logprobs(logits, params)
+    biased = bias_logits(logits, params, suppressed=suppressed)
+    draw_logprobs = logprobs if biased is logits else scaled_logprobs(biased, params)
+    tokens = draw_logprobs.argmax(dim=-1)
+    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not sampled_rows:
+        return tokens, logprobs
+    rows = torch.tensor(sampled_rows)
+    sub_params = [params[i] for i in sampled_rows]
+    probs = draw_logprobs[rows].exp()
+    if any(p.needs_filter for p in sub_params):
+        probs = _filter(probs, sub_params)
+    noise = torch.empty_like(probs)
+    shared_rows = [j for j, i in enumerate(sampled_rows) if generators[i] is None]
+    if shared_rows:
+        noise[shared_rows] = torch.empty(len(shared_rows), probs.shape[-1]).exponential_(
+            generator=shared_generator)
+    for j, i in enumerate(sampled_rows):
+        if generators[i] is not None:
+            noise[j].exponential_(generator=generators[i])
+    tokens[rows] = (probs / noise).argmax(dim=-1)
+    return tokens, logprobs

@@ -1,0 +1,99 @@
+"""Run the builtin engine: load the model, start the scheduler thread, serve HTTP with uvicorn.
+
+`--port 0` binds a free port (the socket is bound here, before uvicorn starts, so the real port is
+known); once `/health_generate` answers, `--ready-file` is written atomically with {url, pid}. On
+SIGTERM/SIGINT uvicorn stops accepting, the scheduler aborts what is in flight, and the ready file
+is removed so nobody reads a stale URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+
+from rltool import atomic
+from rltool.errors import EngineError
+from rltool.rollout.engine.app import EngineState, build_app
+from rltool.rollout.engine.config import ServeConfig
+from rltool.rollout.engine.model_runner import ModelRunner
+from rltool.rollout.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+SELF_CHECK_TIMEOUT_S = 60.0
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise EngineError(f"cannot bind {host}:{port}: {e}; pick another --port (0 = any free)") from e
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def url_of(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def serve(cfg: ServeConfig) -> None:
+    """Serve until SIGTERM/SIGINT (blocking)."""
+    import uvicorn
+
+    runner = ModelRunner(cfg.model, dtype=cfg.dtype, weight_version=cfg.weight_version)
+    scheduler = Scheduler(runner, max_running=cfg.max_running_requests,
+                          max_queued=cfg.max_queued_requests,
+                          max_prefill_tokens=cfg.max_prefill_tokens,
+                          deterministic=cfg.deterministic)
+    sock = bind_socket(cfg.host, cfg.port)
+    url = url_of(cfg.host, sock.getsockname()[1])
+    app = build_app(EngineState(cfg=cfg, runner=runner, scheduler=scheduler,
+                                started=time.monotonic()))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=cfg.log_level, lifespan="off",
+                                           timeout_graceful_shutdown=3, access_log=False))
+    scheduler.start()
+    # uvicorn re-raises the SIGTERM/SIGINT it caught once it has shut down; with the default
+    # handler that would kill the process before the cleanup below, so the re-raise lands here.
+    previous = {sig: signal.signal(sig, _note_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        asyncio.run(_run(server, sock, url, cfg))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        scheduler.stop()
+        sock.close()
+        if cfg.ready_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(cfg.ready_file)
+
+
+def _note_signal(signum: int, frame: object) -> None:
+    log.info("received signal %d; shutting down", signum)
+
+
+async def _run(server: object, sock: socket.socket, url: str, cfg: ServeConfig) -> None:
+    import httpx
+
+    task = asyncio.create_task(server.serve(sockets=[sock]))  # type: ignore[attr-defined]
+    while not server.started and not task.done():  # type: ignore[attr-defined]
+        await asyncio.sleep(0.02)
+    if not task.done():
+        async with httpx.AsyncClient(timeout=SELF_CHECK_TIMEOUT_S) as client:
+            r = await client.get(f"{url}/health_generate")
+        if r.status_code != 200:
+            server.should_exit = True  # type: ignore[attr-defined]
+            await task
+            raise EngineError(f"the engine's self-check /health_generate answered {r.status_code}")
+        log.info("builtin engine ready at %s (pid %d)", url, os.getpid())
+        if cfg.ready_file is not None:
+            atomic.write_json(cfg.ready_file, {"url": url, "pid": os.getpid()})
+    await task
