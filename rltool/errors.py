@@ -49,7 +49,14 @@ class GateFailedError(RltoolError):
 
 
 class EngineError(RltoolError):
-    """An engine died, answered with an error, or timed out (exit 3)."""
+    """An engine died, answered with an error, or timed out (exit 3).
+
+    `status_code` is the engine's HTTP status when it answered with an error, else None.
+    """
+
+    def __init__(self, message: str = "", *, status_code: int | None = None):
+        super().__init__(message)
+        self.status_code = status_code
 
 
 class EngineTimeoutError(EngineError):

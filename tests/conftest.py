@@ -42,3 +42,18 @@ def tiny_model_factory(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def builtin_engine(tiny_model_dir, tmp_path_factory):
+    """A live `rltool serve --engine builtin` over tiny_model_dir (an EngineProcess: .url, .pid).
+
+    Shared by the whole session: do not change its weights or leave it paused.
+    """
+    from rltool.rollout.launch import start_engine
+
+    log_path = tmp_path_factory.mktemp("engine-logs") / "builtin.log"
+    proc = start_engine(["--engine", "builtin", "--model", str(tiny_model_dir)],
+                        log_path=log_path, ready_timeout_s=120.0)
+    yield proc
+    proc.stop()
