@@ -6,8 +6,8 @@ Reports FLOPs imbalance next to its floor, packing efficiency next to its ceilin
 rltool.train.dp_schedule.schedule_stats) and the schedule time (best and median of --repeats).
 Targets: imbalance <= 1.05 x floor, packing >= 0.95 x ceiling, 4096 samples in < 50 ms.
 
-Usage: .venv/bin/python benchmarks/dp_schedule.py [--out benchmarks/results/dp_schedule-DATE-cpu2.json]
-Prints a table on stderr-free stdout and one JSON line last.
+Usage: .venv/bin/python benchmarks/dp_schedule.py [--out FILE.json]
+Prints a table and, last, one JSON line on stdout; --out saves the raw results.
 """
 
 from __future__ import annotations

@@ -7,15 +7,15 @@ Rules a plan follows:
 - every sample index appears exactly once;
 - every rank has the same number of micro-batches (ranks step in lockstep: a rank with fewer
   micro-batches would otherwise wait in the gradient all-reduce);
-- a micro-batch holds at most `max_tokens_per_microbatch` tokens, except a sample longer than the cap,
-  which is a micro-batch of its own;
+- a micro-batch holds at most `max_tokens_per_microbatch` tokens, except a sample longer than the
+  cap, which is a micro-batch of its own;
 - a micro-batch is empty only when there are fewer samples than micro-batches needed.
 
 How (pack first, distribute second):
 1. Pack: best-fit decreasing under the token cap. The number of micro-batches M is the bin count
-   rounded up to a multiple of `dp_size` (not bins split afterwards). The M - B spare bins are filled
-   with the smallest samples taken out of shared bins, so bins range from full to tiny: that spread is
-   what lets step 2 pair a heavy bin with light ones.
+   rounded up to a multiple of `dp_size` (not bins split afterwards). The M - B spare bins are
+   filled with the smallest samples taken out of shared bins, so bins range from full to tiny: that
+   spread is what lets step 2 pair a heavy bin with light ones.
 2. Distribute: balanced largest differencing (Karmarkar-Karp with equal cardinality) on bin FLOPs,
    FLOPs(sample) = a*L + b*L^2 (linear layers + causal attention; packed sequences do not attend
    across samples, so a bin's FLOPs is the sum over its samples).
@@ -41,8 +41,8 @@ DEFAULT_FLOPS_A = 1.0
 DEFAULT_FLOPS_B = 2e-5
 
 _REFINE_MAX_ROUNDS = 64
-# Refinement stops once the heaviest rank is this close to its floor (mean rank FLOPs, or the largest
-# sample's FLOPs when that is higher): the last 0.1% is not worth the scheduling time.
+# Refinement stops once the heaviest rank is this close to its floor (mean rank FLOPs, or the
+# largest sample's FLOPs when that is higher): the last 0.1% is not worth the scheduling time.
 _REFINE_TOLERANCE = 1e-3
 
 

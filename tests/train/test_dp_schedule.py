@@ -117,8 +117,8 @@ def test_stats_against_hand_computation():
 def test_quality_beats_round_robin_and_meets_targets(dp_size):
     lengths = _lognormal(1024, seed=5)
     cap = 16384
-    ours = schedule_stats(lengths, schedule(lengths, dp_size=dp_size, max_tokens_per_microbatch=cap),
-                          max_tokens_per_microbatch=cap)
+    plan = schedule(lengths, dp_size=dp_size, max_tokens_per_microbatch=cap)
+    ours = schedule_stats(lengths, plan, max_tokens_per_microbatch=cap)
     base = schedule_stats(lengths, round_robin(lengths, dp_size=dp_size,
                                                max_tokens_per_microbatch=cap),
                           max_tokens_per_microbatch=cap)
