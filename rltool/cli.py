@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "init-model": ("init_model", "Write a tiny random-init HF model and tokenizer for a task."),
     "data": ("data", "Make prompt datasets for the built-in tasks."),
     "shards": ("shards", "Inspect and validate rollout shards."),
+    "train": ("train", "Train the policy on rollout shards (or SFT), checkpoint and publish it."),
     "convert": ("convert", "Convert checkpoints: HF <-> Megatron torch_dist, block-FP8 quantization."),
     "rollout": ("rollout", "Sample groups for one step through the engines and write a shard."),
     "eval": ("eval", "Evaluate held-out prompts: eval shard and pass@k metrics."),
