@@ -1,0 +1,87 @@
+"""The trainer backend protocol: what the train stage needs from a training engine.
+
+A backend owns the model (and its optimizer, LR schedule position and RNG); the stage owns the
+data, the algorithm and the loss. Both `torch` (here) and `megatron` (later) implement it. The
+stage drives every rank in lockstep: the same number of `forward_logprobs` calls and one
+`train_step` per optimizer step on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class MicroBatch:
+    """Samples processed in one forward pass; `indices` name them in the caller's sample set.
+
+    An empty micro-batch (a padding rank) still runs a forward so collectives stay in lockstep.
+    """
+
+    indices: list[int]
+    tokens: list[list[int]]        # prompt + response ids per sample
+    response_starts: list[int]     # first response position per sample
+
+    @property
+    def empty(self) -> bool:
+        return not self.indices
+
+    def split(self) -> list["MicroBatch"]:
+        return [MicroBatch([i], [t], [s])
+                for i, t, s in zip(self.indices, self.tokens, self.response_starts)]
+
+
+@dataclass
+class ForwardOutput:
+    """Per sample (in micro-batch order), over its response tokens."""
+
+    logprobs: list[torch.Tensor]                    # [L] float32
+    entropy: list[torch.Tensor] | None = None       # [L] float32
+    topk_logprobs: list[torch.Tensor] | None = None  # [L, k]
+    topk_ids: list[torch.Tensor] | None = None       # [L, k]
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+# loss_fn(output, micro_batch) -> (scalar loss for backward, metrics as weighted sums). Losses are
+# already normalised for the whole global batch, so micro-batch and rank contributions just add up.
+LossFn = Callable[[ForwardOutput, MicroBatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+class TrainerBackend(Protocol):
+    dp_rank: int
+    dp_size: int
+    optimizer_steps: int  # steps applied so far in this trainer lineage (drives the LR schedule)
+
+    def forward_logprobs(self, batch: MicroBatch, *, temperature: float,
+                         with_entropy: bool = False, top_k: int = 0) -> ForwardOutput:
+        """Logprobs of the response tokens under rltool.logprobs' convention, without grad."""
+        ...
+
+    def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, *, temperature: float,
+                   with_entropy: bool = False) -> dict[str, float]:
+        """Forward/backward every micro-batch, clip, one optimizer step; metrics summed over
+        micro-batches and ranks, plus train/grad_norm and train/lr."""
+        ...
+
+    def save(self, ckpt_dir: Path, *, trainer_state: dict[str, Any],
+             data_tensors: dict[str, torch.Tensor], config_toml: str) -> None:
+        """Write a complete trainer checkpoint atomically (collective; rank 0 writes)."""
+        ...
+
+    def load(self, ckpt_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Restore optimizer, RNG and schedule position; return the stage's state and tensors."""
+        ...
+
+    def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full HF-named tensors of the current policy (on rank 0; empty on the others)."""
+        ...
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order (a one-element list on a single process)."""
+        ...
+

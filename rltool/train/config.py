@@ -1,0 +1,106 @@
+"""`TrainConfig`: the strict config of the train stage (flags, `[train]` table of a loop config)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from rltool.config import StageConfig
+from rltool.errors import ConfigError
+
+
+class TrainConfig(StageConfig):
+    # inputs and outputs
+    rollouts: list[str] = Field(default_factory=list,
+                                description="Rollout shard directories to train on.")
+    prompts: str | None = Field(None, description="Prompts JSONL (prompt, label) for --loss sft "
+                                "without shards: the target is the label followed by EOS.")
+    load: str = Field(description="HF weights directory or trainer checkpoint (step-NNNNNN) to "
+                      "start from.")
+    save: str | None = Field(None, description="Directory in which trainer checkpoints "
+                             "step-NNNNNN are saved (RUN/train/ckpt).")
+    publish: str | None = Field(None, description="Directory in which the new policy is published "
+                                "as weight_vNNNNNN (RUN/weights).")
+    ref: str | None = Field(None, description="Reference model weights for the KL terms.")
+    metrics: str | None = Field(None, description="train.jsonl path (default: RUN/metrics/ when "
+                                "--save is RUN/train/ckpt, else next to --save).")
+    # algorithm
+    loss: Literal["policy", "sft"] = Field("policy", description="policy: clipped policy "
+                                           "gradient; sft: cross-entropy on loss-masked tokens.")
+    advantage_estimator: Literal["grpo", "gspo", "reinforce_plus_plus",
+                                 "reinforce_plus_plus_baseline"] = Field(
+        "grpo", description="Advantage estimator; gspo also switches to the sequence-level ratio.")
+    grpo_std_normalization: bool = Field(True, description="Divide GRPO advantages by the group "
+                                         "std (off = Dr.GRPO).")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount of reinforce_plus_plus returns.")
+    eps_clip: float = Field(0.2, gt=0.0, description="PPO clip range (low side; high too unless "
+                            "--eps-clip-high).")
+    eps_clip_high: float | None = Field(None, gt=0.0, description="PPO clip range, high side.")
+    eps_clip_c: float | None = Field(None, gt=1.0, description="Dual-clip constant c (> 1); off "
+                                     "when unset.")
+    kl_coef: float = Field(0.0, ge=0.0, description="KL reward shaping coefficient "
+                           "(reinforce_plus_plus*), needs --ref.")
+    kl_loss_coef: float = Field(0.0, ge=0.0, description="KL loss term coefficient, needs --ref.")
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = Field(
+        "low_var_kl", description="KL estimator for the loss term and for reward shaping.")
+    entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus coefficient.")
+    loss_aggregation: Literal["token", "sequence", "group"] = Field(
+        "token", description="How per-token losses become one scalar (see docs/train.md).")
+    # optimisation
+    lr: float = Field(1e-6, gt=0.0, description="Peak learning rate (AdamW).")
+    min_lr: float = Field(0.0, ge=0.0, description="Final learning rate of the cosine decay.")
+    lr_warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
+    lr_decay_style: Literal["constant", "cosine"] = Field("constant", description="LR after "
+                                                          "warmup.")
+    lr_decay_steps: int | None = Field(None, ge=1, description="Cosine decay length in optimizer "
+                                       "steps over the whole trainer lineage (needed by cosine).")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="AdamW beta2.")
+    adam_eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")
+    clip_grad: float = Field(1.0, ge=0.0, description="Max global gradient norm (0 = no clipping).")
+    global_batch_size: int | None = Field(None, ge=1, description="Samples per optimizer step "
+                                          "(default: all samples, one step per epoch).")
+    num_epochs: int = Field(1, ge=1, description="Passes over the rollouts.")
+    num_steps: int | None = Field(None, ge=1, description="Optimizer steps on these rollouts "
+                                  "(overrides --num-epochs).")
+    shuffle: bool = Field(False, description="Shuffle samples each epoch (seeded).")
+    max_tokens_per_microbatch: int = Field(4096, ge=1, description="Token cap of one micro-batch "
+                                           "(a longer sample is a micro-batch of its own).")
+    # execution
+    dtype: Literal["fp32", "bf16"] = Field("fp32", description="fp32, or bf16 compute with fp32 "
+                                           "master weights.")
+    parallel: Literal["ddp", "fsdp"] = Field("ddp", description="Data parallelism under torchrun: "
+                                             "DDP or FSDP2 (fully_shard).")
+    deterministic: bool = Field(False, description="One unpadded forward per sample "
+                                "(rltool.logprobs.sequence_logprobs layout): exact alignment "
+                                "with the engine's deterministic mode, slower.")
+    seed: int = Field(0, description="Seed of torch RNG and shuffling.")
+    save_interval: int | None = Field(None, ge=1, description="Also save a checkpoint every N "
+                                      "optimizer steps (one is always saved at the end).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainConfig":
+        if self.loss == "policy" and not self.rollouts:
+            raise ConfigError("--rollouts: the policy loss needs rollout shards; pass "
+                              "--rollouts DIR[,DIR...]")
+        if self.loss == "sft" and not self.rollouts and not self.prompts:
+            raise ConfigError("--loss sft needs --prompts FILE or --rollouts DIR")
+        if self.prompts and self.rollouts:
+            raise ConfigError("--prompts and --rollouts are exclusive; pass one of them")
+        if self.prompts and self.loss != "sft":
+            raise ConfigError("--prompts is only for --loss sft")
+        if (self.kl_coef or self.kl_loss_coef) and self.ref is None and self.loss == "policy":
+            raise ConfigError("--kl-coef/--kl-loss-coef need a reference model; pass --ref WEIGHTS")
+        if self.kl_coef and self.advantage_estimator in ("grpo", "gspo"):
+            raise ConfigError("--kl-coef (KL reward shaping) applies to reinforce_plus_plus*; "
+                              "use --kl-loss-coef with grpo/gspo")
+        if self.lr_decay_style == "cosine" and self.lr_decay_steps is None:
+            raise ConfigError("--lr-decay-style cosine needs --lr-decay-steps N (optimizer steps "
+                              "over the whole run, not just this call)")
+        return self
+
+    @property
+    def needs_ref(self) -> bool:
+        return self.loss == "policy" and bool(self.kl_coef or self.kl_loss_coef)

@@ -1,0 +1,145 @@
+"""Training samples: read from rollout shards (or an SFT prompts file), and micro-batch schedules.
+
+A `Sample` is one row: prompt tokens, response tokens, per-token loss mask and rollout logprobs,
+reward and group. A `SampleSet` is everything one train run consumes, with a content id that
+checkpoints record so a resumed run can tell it is continuing the same data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from rltool.errors import BadInputError, ShardSchemaError
+
+SHARD_COLUMNS = ["uid", "group_id", "prompt_token_ids", "response_token_ids", "rollout_logprobs",
+                 "loss_mask", "reward"]
+
+
+@dataclass
+class Sample:
+    uid: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]
+    rollout_logprobs: list[float]
+    reward: float
+    group: int  # dense group index across all shards of the set
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    @property
+    def response_start(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+@dataclass
+class SampleSet:
+    samples: list[Sample]
+    temperature: float
+    set_id: str                      # xxh3-64 over the inputs' manifests / file bytes
+    sources: list[str] = field(default_factory=list)
+    rollout_step: int = 0            # the newest shard's step (0 for SFT prompts)
+
+
+def load_rollouts(shard_dirs: list[str | os.PathLike], *, tokenizer_hash: str,
+                  vocab_size: int) -> SampleSet:
+    """Open, verify and read shards; refuse a tokenizer mismatch, mixed temperatures, bad ids."""
+    from rltool.data.shards import MANIFEST, open_shard
+
+    samples: list[Sample] = []
+    group_index: dict[tuple[int, int], int] = {}
+    temperatures: set[float] = set()
+    h = xxhash.xxh3_64()
+    step = 0
+    for k, d in enumerate(shard_dirs):
+        shard = open_shard(d, expected_tokenizer_hash=tokenizer_hash)
+        h.update((Path(d) / MANIFEST).read_bytes())
+        step = max(step, shard.meta.step)
+        if "temperature" not in shard.meta.sampling:
+            raise ShardSchemaError(f"{d}: file metadata sampling has no temperature; the trainer "
+                                   "needs it to recompute logprobs (DESIGN.md convention)")
+        temperatures.add(float(shard.meta.sampling["temperature"]))
+        for batch in shard.iter_batches(columns=SHARD_COLUMNS):
+            for row in batch.to_pylist():
+                g = group_index.setdefault((k, row["group_id"]), len(group_index))
+                sample = Sample(uid=row["uid"], prompt_ids=row["prompt_token_ids"],
+                                response_ids=row["response_token_ids"],
+                                loss_mask=row["loss_mask"],
+                                rollout_logprobs=row["rollout_logprobs"],
+                                reward=float(row["reward"]), group=g)
+                _check_sample(sample, where=str(d), vocab_size=vocab_size)
+                samples.append(sample)
+    if len(temperatures) > 1:
+        raise BadInputError(f"shards were sampled at different temperatures {sorted(temperatures)}; "
+                            "train on shards of one temperature per run")
+    if not samples:
+        raise ShardSchemaError(f"{', '.join(map(str, shard_dirs))}: no rows to train on")
+    return SampleSet(samples=samples, temperature=temperatures.pop(), set_id=h.hexdigest(),
+                     sources=[str(d) for d in shard_dirs], rollout_step=step)
+
+
+def _check_sample(sample: Sample, *, where: str, vocab_size: int) -> None:
+    if not sample.prompt_ids:
+        raise ShardSchemaError(f"{where}: sample {sample.uid} has an empty prompt; the first "
+                               "response token needs a context")
+    bad = [t for t in sample.tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise ShardSchemaError(f"{where}: sample {sample.uid} has token id {bad[0]} outside the "
+                               f"model's vocabulary [0, {vocab_size})")
+    if any(m not in (0, 1) for m in sample.loss_mask):
+        raise ShardSchemaError(f"{where}: sample {sample.uid} has a loss_mask value other than 0/1")
+
+
+def load_sft_prompts(path: str | os.PathLike, *, tokenizer: Any) -> SampleSet:
+    """SFT samples from prompt rows {prompt, label}: the user turn under the chat template with the
+    generation prompt (as the rollout stage renders it), and the target label + EOS."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError as e:
+        raise BadInputError(f"--prompts {path}: no such file") from e
+    samples = []
+    for n, line in enumerate(data.decode().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            prompt, label = row["prompt"], row["label"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise BadInputError(f"{path}:{n}: not a prompt row with 'prompt' and 'label' "
+                                f"({e})") from e
+        if label is None:
+            raise BadInputError(f"{path}:{n}: label is null; SFT needs a target")
+        prompt_ids = list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                        add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False))
+        target = tokenizer.encode(str(label), add_special_tokens=False) + [tokenizer.eos_token_id]
+        samples.append(Sample(uid=str(row.get("prompt_id", n)), prompt_ids=prompt_ids,
+                              response_ids=target, loss_mask=[1] * len(target),
+                              rollout_logprobs=[0.0] * len(target), reward=0.0, group=len(samples)))
+    if not samples:
+        raise BadInputError(f"--prompts {path}: no prompt rows")
+    return SampleSet(samples=samples, temperature=1.0, set_id=xxhash.xxh3_64_hexdigest(data),
+                     sources=[str(path)])
+
+
+def schedule(lengths: list[int], *, dp_size: int,
+             max_tokens_per_microbatch: int) -> list[list[list[int]]]:
+    """rank -> micro-batches -> indices into `lengths`; every rank has the same number of
+    micro-batches (some may be empty). Used for logprob recompute and training alike."""
+    from rltool.train import dp_schedule
+
+    return dp_schedule.schedule(lengths, dp_size=dp_size,
+                                max_tokens_per_microbatch=max_tokens_per_microbatch)

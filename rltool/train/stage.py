@@ -1,0 +1,294 @@
+"""The train stage: `rltool train` as a library call, `run(cfg) -> TrainResult`.
+
+1. resolve --load (HF weights, a checkpoint, or a --save dir), build the backend (and --ref);
+2. read and verify the samples (shards with the model's tokenizer hash, or an SFT prompts file);
+3. for a new sample set: recompute old (and ref) logprobs with the training micro-batch schedule,
+   then advantages; when --load is a checkpoint of this same set, continue where it stopped with
+   the tensors it saved (bit-identical to an uninterrupted run);
+4. optimizer steps over global batches; train.jsonl after each; checkpoints every
+   --save-interval steps and at the end (step-NNNNNN, NNNNNN = policy version);
+5. publish the final policy as weight_vNNNNNN.
+Runs as one process or under torchrun (every rank calls `run`; rank 0 writes).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rltool.errors import ConfigError
+from rltool.rundir import MetricsWriter, RunDir, step_dir_name
+from rltool.train.algo.advantages import compute_advantages
+from rltool.train.algo.kl import approx_kl
+from rltool.train.algo.losses import aggregation_weights
+from rltool.train.backend import MicroBatch, TrainerBackend
+from rltool.train.checkpoint import resolve_load
+from rltool.train.config import TrainConfig
+from rltool.train.objective import SampleTensors, logprob_abs_diff, make_loss_fn
+from rltool.train.samples import Sample, SampleSet, load_rollouts, load_sft_prompts, schedule
+from rltool.train.torch_backend import TorchBackend, TorchOptions
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    policy_version: int
+    optimizer_steps: int            # applied by this call
+    checkpoint: str | None
+    published: str | None
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        last = self.metrics[-1] if self.metrics else {}
+        return {"policy_version": self.policy_version, "optimizer_steps": self.optimizer_steps,
+                "checkpoint": self.checkpoint, "published": self.published, "last_metrics": last}
+
+
+def backend_options(cfg: TrainConfig, *, trainable: bool = True) -> TorchOptions:
+    return TorchOptions(dtype=cfg.dtype, parallel=cfg.parallel, deterministic=cfg.deterministic,
+                        seed=cfg.seed, trainable=trainable, lr=cfg.lr, min_lr=cfg.min_lr,
+                        lr_warmup_steps=cfg.lr_warmup_steps, lr_decay_style=cfg.lr_decay_style,
+                        lr_decay_steps=cfg.lr_decay_steps, weight_decay=cfg.weight_decay,
+                        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2,
+                        adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad)
+
+
+def make_micro_batch(samples: list[Sample], indices: list[int]) -> MicroBatch:
+    return MicroBatch(indices=list(indices), tokens=[samples[i].tokens for i in indices],
+                      response_starts=[samples[i].response_start for i in indices])
+
+
+def rank_micro_batches(backend: TrainerBackend, samples: list[Sample], batch: list[int], *,
+                       max_tokens_per_microbatch: int) -> list[MicroBatch]:
+    """This rank's micro-batches of one global batch, from the DP schedule."""
+    plan = schedule([samples[i].num_tokens for i in batch], dp_size=backend.dp_size,
+                    max_tokens_per_microbatch=max_tokens_per_microbatch)
+    return [make_micro_batch(samples, [batch[j] for j in mb]) for mb in plan[backend.dp_rank]]
+
+
+def compute_logprobs(backend: TrainerBackend, samples: list[Sample], batches: list[list[int]], *,
+                     temperature: float, max_tokens_per_microbatch: int) -> list[torch.Tensor]:
+    """Logprobs of every sample in `batches`, computed with the training schedule of each batch and
+    shared with every rank. Returns a list indexed like `samples` (empty for samples not in any)."""
+    own: dict[int, torch.Tensor] = {}
+    for batch in batches:
+        for mb in rank_micro_batches(backend, samples, batch,
+                                     max_tokens_per_microbatch=max_tokens_per_microbatch):
+            out = backend.forward_logprobs(mb, temperature=temperature)
+            own.update((i, lp.detach().cpu()) for i, lp in zip(mb.indices, out.logprobs))
+    merged: dict[int, torch.Tensor] = {}
+    for part in backend.all_gather_object(own):
+        merged.update(part)
+    return [merged.get(i, torch.zeros(0)) for i in range(len(samples))]
+
+
+def global_batches(num_samples: int, *, global_batch_size: int, epoch: int, shuffle: bool,
+                   seed: int) -> list[list[int]]:
+    order = list(range(num_samples))
+    if shuffle:
+        random.Random(f"{seed}:{epoch}").shuffle(order)
+    return [order[i:i + global_batch_size] for i in range(0, num_samples, global_batch_size)]
+
+
+class _Plan:
+    """Which samples each optimizer step of this sample set uses."""
+
+    def __init__(self, cfg: TrainConfig, num_samples: int):
+        self.cfg = cfg
+        self.gbs = min(cfg.global_batch_size or num_samples, num_samples)
+        self.steps_per_epoch = math.ceil(num_samples / self.gbs)
+        self.num_steps = cfg.num_steps or cfg.num_epochs * self.steps_per_epoch
+        self.num_samples = num_samples
+
+    def batch(self, step: int) -> list[int]:
+        epoch, k = divmod(step, self.steps_per_epoch)
+        return global_batches(self.num_samples, global_batch_size=self.gbs, epoch=epoch,
+                              shuffle=self.cfg.shuffle, seed=self.cfg.seed)[k]
+
+
+def _load_samples(cfg: TrainConfig, model_dir: Path, backend: TorchBackend) -> SampleSet:
+    from rltool.data.tokenizer import tokenizer_hash
+
+    if cfg.prompts:
+        from transformers import AutoTokenizer
+
+        return load_sft_prompts(cfg.prompts, tokenizer=AutoTokenizer.from_pretrained(str(model_dir)))
+    return load_rollouts(cfg.rollouts, tokenizer_hash=tokenizer_hash(model_dir),
+                         vocab_size=int(backend.config.vocab_size))
+
+
+def _prepare_set(cfg: TrainConfig, backend: TorchBackend, ref: TorchBackend | None,
+                 sample_set: SampleSet, plan: _Plan) -> tuple[SampleTensors, dict[str, float]]:
+    """Old/ref logprobs and advantages for a new sample set (first epoch's schedule)."""
+    samples = sample_set.samples
+    masks = [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples]
+    data = SampleTensors(masks=masks)
+    timings: dict[str, float] = {}
+    if cfg.loss == "sft":
+        return data, timings
+    batches = [plan.batch(k) for k in range(plan.steps_per_epoch)]
+    kwargs = dict(temperature=sample_set.temperature,
+                  max_tokens_per_microbatch=cfg.max_tokens_per_microbatch)
+    t0 = time.perf_counter()
+    data.old_logprobs = compute_logprobs(backend, samples, batches, **kwargs)
+    timings["perf/log_probs_time"] = time.perf_counter() - t0
+    kl = None
+    if ref is not None:
+        t0 = time.perf_counter()
+        data.ref_logprobs = compute_logprobs(ref, samples, batches, **kwargs)
+        timings["perf/ref_log_probs_time"] = time.perf_counter() - t0
+        if cfg.kl_coef:
+            kl = [approx_kl(o, r, kl_type=cfg.kl_loss_type)
+                  for o, r in zip(data.old_logprobs, data.ref_logprobs)]
+    data.advantages = compute_advantages(
+        cfg.advantage_estimator, rewards=torch.tensor([s.reward for s in samples]),
+        groups=torch.tensor([s.group for s in samples], dtype=torch.long), masks=masks, kl=kl,
+        kl_coef=cfg.kl_coef, gamma=cfg.gamma, std_normalization=cfg.grpo_std_normalization)
+    return data, timings
+
+
+_DATA_KEYS = ("old_logprobs", "ref_logprobs", "advantages")
+
+
+def _pack_data(data: SampleTensors) -> dict[str, torch.Tensor]:
+    """Ragged per-sample tensors -> flat safetensors entries (lengths are the responses')."""
+    out = {}
+    for key in _DATA_KEYS:
+        values = getattr(data, key)
+        if values is not None:
+            out[key] = torch.cat(values).float() if values else torch.zeros(0)
+    return out
+
+
+def _unpack_data(tensors: dict[str, torch.Tensor], masks: list[torch.Tensor]) -> SampleTensors:
+    data = SampleTensors(masks=masks)
+    sizes = [m.numel() for m in masks]
+    for key in _DATA_KEYS:
+        if key in tensors:
+            setattr(data, key, list(torch.split(tensors[key], sizes)))
+    return data
+
+
+def default_metrics_path(cfg: TrainConfig) -> Path | None:
+    if cfg.metrics:
+        return Path(cfg.metrics)
+    if cfg.save is None:
+        return None
+    save = Path(cfg.save)
+    if save.parts[-2:] == ("train", "ckpt"):
+        return RunDir(save.parent.parent).metrics_file("train")
+    return save.parent / "train.jsonl"
+
+
+def run(cfg: TrainConfig) -> TrainResult:
+    """Train on cfg's samples; see the module docstring. Collective under torchrun."""
+    owns_group = not dist.is_initialized()
+    try:
+        return _run(cfg)
+    finally:
+        if owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(cfg: TrainConfig) -> TrainResult:
+    target = resolve_load(cfg.load)
+    backend = TorchBackend(target.model_dir, options=backend_options(cfg))
+    sample_set = _load_samples(cfg, target.model_dir, backend)
+    samples = sample_set.samples
+    plan = _Plan(cfg, len(samples))
+    version, start_step = target.version, 0
+    data, timings = None, {}
+    if target.ckpt_dir is not None:
+        state, tensors = backend.load(target.ckpt_dir)
+        position = state.get("data", {})
+        if (position.get("set_id") == sample_set.set_id
+                and position.get("next_step", 0) < position.get("num_steps", 0)):
+            if position["num_steps"] != plan.num_steps or position["global_batch_size"] != plan.gbs:
+                raise ConfigError(
+                    f"--load {target.ckpt_dir} stopped at step {position['next_step']} of "
+                    f"{position['num_steps']} (global batch {position['global_batch_size']}) on "
+                    "these samples; resume with the same --num-steps/--num-epochs and "
+                    "--global-batch-size")
+            start_step = int(position["next_step"])
+            data = _unpack_data(tensors, [torch.tensor(s.loss_mask, dtype=torch.float32)
+                                          for s in samples])
+            log.info("resuming sample set %s at step %d/%d", sample_set.set_id, start_step,
+                     plan.num_steps)
+    ref = None
+    if cfg.needs_ref and data is None:
+        ref = TorchBackend(resolve_load(cfg.ref).model_dir,
+                           options=backend_options(cfg, trainable=False))
+    if data is None:
+        data, timings = _prepare_set(cfg, backend, ref, sample_set, plan)
+    del ref
+    writer_path = default_metrics_path(cfg)
+    writer = MetricsWriter(writer_path) if writer_path and backend.dp_rank == 0 else None
+    rows: list[dict[str, Any]] = []
+    checkpoint = None
+    try:
+        for step in range(start_step, plan.num_steps):
+            t0 = time.perf_counter()
+            batch = plan.batch(step)
+            masks = [data.masks[i] for i in batch]
+            weights = dict(zip(batch, aggregation_weights(
+                masks, torch.tensor([samples[i].group for i in batch]),
+                mode=cfg.loss_aggregation)))
+            micro = rank_micro_batches(backend, samples, batch,
+                                       max_tokens_per_microbatch=cfg.max_tokens_per_microbatch)
+            metrics = backend.train_step(micro, make_loss_fn(cfg, data, weights),
+                                         temperature=sample_set.temperature, with_entropy=True)
+            version += 1
+            if data.old_logprobs is not None:
+                metrics["train/train_rollout_logprob_abs_diff"] = logprob_abs_diff(
+                    [data.old_logprobs[i] for i in batch],
+                    [torch.tensor(samples[i].rollout_logprobs) for i in batch], masks)
+            metrics["perf/train_time"] = time.perf_counter() - t0
+            metrics["train/num_samples"] = len(batch)
+            metrics["rollout_step"] = sample_set.rollout_step
+            if step == start_step:
+                metrics.update(timings)
+            if writer is not None:
+                rows.append(writer.log(metrics, step=backend.optimizer_steps,
+                                       policy_version=version))
+            last = step == plan.num_steps - 1
+            if cfg.save and (last or (cfg.save_interval and (step + 1) % cfg.save_interval == 0)):
+                checkpoint = _save(cfg, backend, data, sample_set, plan, version=version,
+                                   next_step=step + 1)
+    finally:
+        if writer is not None:
+            writer.close()
+    published = None
+    if cfg.publish:
+        from rltool.train.publish import publish_weights
+
+        state = backend.export_hf_state_dict()
+        if backend.dp_rank == 0:
+            published = str(publish_weights(state, source_model_dir=target.model_dir,
+                                            publish_dir=cfg.publish, version=version,
+                                            dtype=cfg.dtype))
+    return TrainResult(policy_version=version, optimizer_steps=plan.num_steps - start_step,
+                       checkpoint=checkpoint, published=published, metrics=rows)
+
+
+def _save(cfg: TrainConfig, backend: TorchBackend, data: SampleTensors, sample_set: SampleSet,
+          plan: _Plan, *, version: int, next_step: int) -> str:
+    import tomli_w
+
+    assert cfg.save is not None
+    ckpt_dir = Path(cfg.save) / step_dir_name(version)
+    position = {"set_id": sample_set.set_id, "sources": sample_set.sources,
+                "next_step": next_step, "num_steps": plan.num_steps,
+                "global_batch_size": plan.gbs, "num_samples": plan.num_samples}
+    backend.save(ckpt_dir, trainer_state={"policy_version": version, "data": position},
+                 data_tensors=_pack_data(data),
+                 config_toml=tomli_w.dumps(cfg.model_dump(mode="json", exclude_none=True)))
+    return str(ckpt_dir)

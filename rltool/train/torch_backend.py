@@ -1,0 +1,326 @@
+"""The `torch` trainer backend: a transformers causal LM trained with plain PyTorch.
+
+- One process, or several under torchrun with DDP or FSDP2 (`fully_shard` per decoder layer, then
+  the root); gloo on CPU, NCCL on GPUs.
+- fp32, or bf16 compute with fp32 master weights: under FSDP2 through MixedPrecisionPolicy
+  (bf16 params for compute, fp32 sharded masters and gradient reduction); otherwise the parameters
+  stay fp32 and the forward runs under bf16 autocast (torch AMP).
+- AdamW, global-norm gradient clipping, the LR schedule of rltool.train.lr.
+- Logprobs under rltool.logprobs' convention. A micro-batch of several samples runs right-padded
+  with an attention mask; with `deterministic`, every sample runs alone, unpadded, exactly as
+  rltool.logprobs.sequence_logprobs (bit-equal to the engine's deterministic mode in fp32).
+- Every rank runs the same number of forward passes and backward passes: empty or missing units
+  become a one-token dummy pass whose loss is multiplied by zero.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rltool.errors import CheckpointError
+from rltool.logprobs import effective_temperature, logits_to_logprobs
+from rltool.train import checkpoint as ckpt
+from rltool.train.algo.losses import entropy_from_logits
+from rltool.train.backend import ForwardOutput, LossFn, MicroBatch
+from rltool.train.lr import lr_at
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TorchOptions:
+    dtype: str = "fp32"
+    parallel: str = "ddp"
+    deterministic: bool = False
+    seed: int = 0
+    trainable: bool = True
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_decay_style: str = "constant"
+    lr_decay_steps: int | None = None
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """(rank, world size, device); joins the torchrun process group when WORLD_SIZE > 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return rank, world, torch.device("cuda", local)
+    return rank, world, torch.device("cpu")
+
+
+class TorchBackend:
+    """See the module docstring; implements rltool.train.backend.TrainerBackend."""
+
+    def __init__(self, model_dir: str | os.PathLike, *, options: TorchOptions):
+        from transformers import AutoModelForCausalLM
+
+        self.options = options
+        self.model_dir = Path(model_dir)
+        self.dp_rank, self.dp_size, self.device = init_distributed()
+        self.optimizer_steps = 0
+        torch.manual_seed(options.seed + self.dp_rank)
+        try:
+            inner = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{model_dir}: cannot load the model ({e})") from e
+        self.config = inner.config
+        self.inner = inner.to(self.device)
+        self.fsdp = options.parallel == "fsdp" and self.dp_size > 1
+        self.ddp = options.parallel == "ddp" and self.dp_size > 1 and options.trainable
+        self.model: Any = self.inner
+        if self.fsdp:
+            self._shard()
+        elif self.ddp:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.model = DistributedDataParallel(
+                self.inner, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.optimizer = None
+        if options.trainable:
+            self.optimizer = torch.optim.AdamW(
+                self.model.parameters(), lr=options.lr, betas=(options.adam_beta1,
+                                                               options.adam_beta2),
+                eps=options.adam_eps, weight_decay=options.weight_decay)
+        else:
+            self.inner.requires_grad_(False)
+
+    # -- setup -------------------------------------------------------------------------------
+    def _shard(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(self.device.type, (self.dp_size,))
+        mp = MixedPrecisionPolicy()
+        if self.options.dtype == "bf16":
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        block_types = set(getattr(self.inner, "_no_split_modules", None) or [])
+        for module in self.inner.modules():
+            if type(module).__name__ in block_types:
+                fully_shard(module, mesh=mesh, mp_policy=mp)
+        fully_shard(self.inner, mesh=mesh, mp_policy=mp)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.options.dtype == "bf16" and not self.fsdp:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # -- collectives -------------------------------------------------------------------------
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if self.dp_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.dp_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def _max_over_ranks(self, n: int) -> int:
+        if self.dp_size == 1:
+            return n
+        t = torch.tensor([n], dtype=torch.long, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def _units(self, micro_batches: list[MicroBatch], *, lockstep: bool) -> list[MicroBatch]:
+        """Forward units: the micro-batches, or one sample each when deterministic; padded with
+        empty units to the same count on every rank when passes are collective."""
+        units = [u for mb in micro_batches
+                 for u in (mb.split() if self.options.deterministic and not mb.empty else [mb])]
+        units = [u for u in units if not u.empty]
+        if not lockstep:
+            return units
+        count = max(self._max_over_ranks(len(units)), 1)
+        return units + [MicroBatch([], [], [])] * (count - len(units))
+
+    # -- forward -----------------------------------------------------------------------------
+    def _forward(self, module: Any, mb: MicroBatch, *, temperature: float, with_entropy: bool,
+                 top_k: int) -> tuple[ForwardOutput, torch.Tensor]:
+        """Run one unit; returns the outputs and a zero scalar tied to the graph (for dummies)."""
+        if mb.empty:
+            ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+            with self._autocast():
+                logits = module(input_ids=ids, use_cache=False).logits
+            return ForwardOutput(logprobs=[]), logits.float().sum() * 0.0
+        lengths = [len(t) for t in mb.tokens]
+        if len(mb.tokens) == 1:
+            # One sample: unpadded, no mask -- the layout of rltool.logprobs.sequence_logprobs.
+            ids = torch.tensor(mb.tokens, dtype=torch.long, device=self.device)
+            with self._autocast():
+                logits = module(input_ids=ids, use_cache=False).logits
+        else:
+            width = max(lengths)
+            pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
+            ids = torch.full((len(lengths), width), pad, dtype=torch.long, device=self.device)
+            mask = torch.zeros((len(lengths), width), dtype=torch.long, device=self.device)
+            for i, toks in enumerate(mb.tokens):
+                ids[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
+                mask[i, :len(toks)] = 1
+            with self._autocast():
+                logits = module(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        temp = effective_temperature(temperature)
+        out = ForwardOutput(logprobs=[], entropy=[] if with_entropy else None,
+                            topk_logprobs=[] if top_k else None, topk_ids=[] if top_k else None)
+        for i, (n, start) in enumerate(zip(lengths, mb.response_starts)):
+            rows = logits[i, start - 1:n - 1]
+            targets = ids[i, start:n]
+            out.logprobs.append(logits_to_logprobs(rows, targets, temperature=temperature))
+            if with_entropy:
+                out.entropy.append(entropy_from_logits(rows, temperature=temp))
+            if top_k:
+                values, indices = torch.log_softmax(rows.float() / temp, dim=-1).topk(top_k, dim=-1)
+                out.topk_logprobs.append(values)
+                out.topk_ids.append(indices)
+        return out, logits.float().sum() * 0.0
+
+    @torch.no_grad()
+    def forward_logprobs(self, batch: MicroBatch, *, temperature: float,
+                         with_entropy: bool = False, top_k: int = 0) -> ForwardOutput:
+        self.inner.eval()
+        # DDP needs no collective without grad; FSDP all-gathers in every pass.
+        module = self.model if self.fsdp else self.inner
+        merged = ForwardOutput(logprobs=[], entropy=[] if with_entropy else None,
+                               topk_logprobs=[] if top_k else None, topk_ids=[] if top_k else None)
+        for unit in self._units([batch], lockstep=self.fsdp):
+            out, _ = self._forward(module, unit, temperature=temperature,
+                                   with_entropy=with_entropy, top_k=top_k)
+            merged.logprobs += out.logprobs
+            if with_entropy:
+                merged.entropy += out.entropy or []
+            if top_k:
+                merged.topk_logprobs += out.topk_logprobs or []
+                merged.topk_ids += out.topk_ids or []
+        return merged
+
+    # -- training ----------------------------------------------------------------------------
+    def current_lr(self) -> float:
+        o = self.options
+        return lr_at(self.optimizer_steps, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.lr_warmup_steps,
+                     decay_style=o.lr_decay_style, decay_steps=o.lr_decay_steps)
+
+    def _grad_sync(self, last: bool) -> contextlib.AbstractContextManager:
+        if self.fsdp:
+            self.model.set_requires_gradient_sync(last)
+        elif self.ddp and not last:
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, *, temperature: float,
+                   with_entropy: bool = False) -> dict[str, float]:
+        assert self.optimizer is not None, "train_step on a frozen (reference) backend"
+        self.inner.train()
+        lr = self.current_lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        units = self._units(micro_batches, lockstep=self.dp_size > 1)
+        sums: dict[str, float] = {}
+        for k, unit in enumerate(units):
+            with self._grad_sync(k == len(units) - 1):
+                out, anchor = self._forward(self.model, unit, temperature=temperature,
+                                            with_entropy=with_entropy, top_k=0)
+                loss, metrics = (anchor, {}) if unit.empty else loss_fn(out, unit)
+                # DDP and FSDP average gradients over ranks; the loss is already a global sum.
+                (loss * self.dp_size).backward()
+            for name, value in metrics.items():
+                sums[name] = sums.get(name, 0.0) + float(value.detach())
+        grad_norm = self._clip_grad_norm()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
+        total: dict[str, float] = {}
+        for part in self.all_gather_object(sums):
+            for name, value in part.items():
+                total[name] = total.get(name, 0.0) + value
+        total["train/grad_norm"] = grad_norm
+        total["train/lr"] = lr
+        return total
+
+    def _clip_grad_norm(self) -> float:
+        max_norm = self.options.clip_grad if self.options.clip_grad > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    # -- state -------------------------------------------------------------------------------
+    def _full_state_options(self) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=True, cpu_offload=self.dp_size > 1)
+
+    def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=self._full_state_options())
+        return {k: v.detach().cpu() for k, v in state.items()} if self.dp_rank == 0 else {}
+
+    def _rng_states(self) -> dict[str, torch.Tensor]:
+        own = {"torch_cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            own["torch_cuda"] = torch.cuda.get_rng_state()
+        return {f"{kind}/rank{r}": state for r, states in enumerate(self.all_gather_object(own))
+                for kind, state in states.items()}
+
+    def save(self, ckpt_dir: Path, *, trainer_state: dict[str, Any],
+             data_tensors: dict[str, torch.Tensor], config_toml: str) -> None:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        assert self.optimizer is not None
+        model_state = self.export_hf_state_dict()
+        optim_state = get_optimizer_state_dict(self.model, self.optimizer,
+                                               options=self._full_state_options())
+        rng = self._rng_states()
+        if self.dp_rank == 0:
+            backend_state = {"name": "torch", "optimizer_steps": self.optimizer_steps,
+                             "world_size": self.dp_size, "dtype": self.options.dtype,
+                             "parallel": self.options.parallel}
+            ckpt.write_checkpoint(Path(ckpt_dir), model_state=model_state,
+                                  optimizer_state=optim_state, rng_states=rng,
+                                  data_tensors=data_tensors,
+                                  trainer_state={**trainer_state, "backend": backend_state},
+                                  source_model_dir=self.model_dir, config_toml=config_toml)
+        if self.dp_size > 1:
+            dist.barrier()
+
+    def load(self, ckpt_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Restore optimizer, schedule step and RNG (the weights came from ckpt_dir/model)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        assert self.optimizer is not None
+        ckpt_dir = Path(ckpt_dir)
+        state = ckpt.read_trainer_state(ckpt_dir)
+        optim_state = ckpt.unflatten_optimizer_state(ckpt.read_tensors(ckpt_dir / ckpt.OPTIMIZER_FILE),
+                                                     state["optimizer"])
+        try:
+            set_optimizer_state_dict(self.model, self.optimizer, optim_state,
+                                     options=StateDictOptions(full_state_dict=True))
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{ckpt_dir}: optimizer state does not fit the model ({e})") from e
+        self.optimizer_steps = int(state["backend"]["optimizer_steps"])
+        rng = ckpt.read_tensors(ckpt_dir / ckpt.RNG_FILE)
+        own = rng.get(f"torch_cpu/rank{self.dp_rank}")
+        if own is not None and state["backend"]["world_size"] == self.dp_size:
+            torch.set_rng_state(own)
+            if torch.cuda.is_available() and f"torch_cuda/rank{self.dp_rank}" in rng:
+                torch.cuda.set_rng_state(rng[f"torch_cuda/rank{self.dp_rank}"])
+        else:
+            log.warning("checkpoint %s was written by %s ranks, this run has %s: RNG reseeded",
+                        ckpt_dir, state["backend"]["world_size"], self.dp_size)
+        return state, ckpt.read_tensors(ckpt_dir / ckpt.DATA_FILE)
