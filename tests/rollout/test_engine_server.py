@@ -1,0 +1,239 @@
+"""The builtin engine over HTTP (session engine, read-only): response shapes, logprobs, concurrency,
+continuous batching, stop conditions, bad requests."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+
+from rltool.rollout.client import EngineClient
+from tests.rollout.conftest import engine_call
+
+META_KEYS = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
+             "reasoning_tokens", "weight_version", "weight_versions", "e2e_latency"}
+
+
+def post(url: str, path: str, body=None, **kwargs) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=60.0, **kwargs)
+
+
+def test_generate_single_shape_and_logprobs(builtin_engine):
+    r = post(builtin_engine.url, "/generate",
+             {"text": "abc", "return_logprob": True, "model": "unknown", "log_metrics": True,
+              "sampling_params": {"max_new_tokens": 7, "temperature": 0.0, "ignore_eos": True}})
+    assert r.status_code == 200
+    out = r.json()
+    assert set(out) == {"text", "output_ids", "meta_info"}
+    meta = out["meta_info"]
+    assert META_KEYS <= set(meta)
+    assert meta["finish_reason"] == {"type": "length", "length": 7}
+    assert meta["prompt_tokens"] == 3 and meta["completion_tokens"] == 7
+    assert meta["weight_version"] == "default"
+    assert meta["weight_versions"] == [{"version": "default", "start": 0, "end": 7}]
+    lps = meta["output_token_logprobs"]
+    assert len(lps) == len(out["output_ids"]) == meta["output_token_logprobs_length"] == 7
+    assert all(isinstance(lp, float) and lp <= 0 and tok == oid and text is None
+               for (lp, tok, text), oid in zip(lps, out["output_ids"]))
+
+
+def test_batch_and_n_return_prompt_major_lists(builtin_engine):
+    r = post(builtin_engine.url, "/generate",
+             {"input_ids": [[5, 6, 7], [8, 9]], "rid": "batch", "return_logprob": True,
+              "sampling_params": {"max_new_tokens": 3, "n": 2, "ignore_eos": True}})
+    outs = r.json()
+    assert r.status_code == 200 and isinstance(outs, list) and len(outs) == 4
+    assert [o["meta_info"]["id"] for o in outs] == ["batch_0_0", "batch_0_1", "batch_1_0",
+                                                    "batch_1_1"]
+    assert [o["meta_info"]["prompt_tokens"] for o in outs] == [3, 3, 2, 2]
+    assert all(len(o["meta_info"]["output_token_logprobs"]) == 3 for o in outs)
+
+
+def test_input_and_top_logprobs(builtin_engine):
+    out = post(builtin_engine.url, "/generate",
+               {"input_ids": [5, 6, 7, 8], "return_logprob": True, "logprob_start_len": 0,
+                "top_logprobs_num": 3, "token_ids_logprob": [4, 5],
+                "return_text_in_logprobs": True,
+                "sampling_params": {"max_new_tokens": 4, "temperature": 0.0,
+                                    "ignore_eos": True}}).json()
+    meta = out["meta_info"]
+    assert [x[1] for x in meta["input_token_logprobs"]] == [5, 6, 7, 8]
+    assert meta["input_token_logprobs"][0][0] is None
+    assert all(x[0] <= 0 for x in meta["input_token_logprobs"][1:])
+    assert len(meta["output_top_logprobs"]) == 4 and all(len(t) == 3
+                                                         for t in meta["output_top_logprobs"])
+    # Greedy: the chosen token is the top-1 entry, with the same logprob.
+    for (lp, tok, text), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]):
+        assert top[0][1] == tok and top[0][0] == pytest.approx(lp) and isinstance(text, str)
+    assert [[x[1] for x in row] for row in meta["output_token_ids_logprobs"]] == [[4, 5]] * 4
+
+
+def test_stop_string_stop_token_and_eos(builtin_engine):
+    base = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 30,
+                                                        "temperature": 0.0, "ignore_eos": True}}
+    free = post(builtin_engine.url, "/generate", base).json()
+    ids, text = free["output_ids"], free["text"]
+    # A stop token id: generation ends at its first occurrence, the token is included.
+    stop_tok = ids[4]
+    first = ids.index(stop_tok)
+    out = post(builtin_engine.url, "/generate",
+               {**base, "sampling_params": {**base["sampling_params"],
+                                            "stop_token_ids": [stop_tok]}}).json()
+    assert out["output_ids"] == ids[:first + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
+    # A stop string: trimmed from text unless no_stop_trim.
+    stop = text[5:7]
+    at = text.find(stop)
+    out = post(builtin_engine.url, "/generate",
+               {**base, "sampling_params": {**base["sampling_params"], "stop": stop}}).json()
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == text[:at]
+    kept = post(builtin_engine.url, "/generate",
+                {**base, "sampling_params": {**base["sampling_params"], "stop": [stop],
+                                             "no_stop_trim": True}}).json()
+    assert kept["text"] == text[:at + len(stop)]
+
+
+def test_concurrent_requests_share_decode_batches(builtin_engine):
+    """Requests arriving at different times are decoded in the same forward batch."""
+    first = f"early-{uuid.uuid4().hex[:6]}"
+    late = [f"late{i}-{uuid.uuid4().hex[:6]}" for i in range(3)]
+    sp = {"max_new_tokens": 120, "ignore_eos": True}
+
+    async def main():
+        async with EngineClient(builtin_engine.url, timeout_s=120) as c:
+            early = asyncio.create_task(c.generate({"text": "abc", "rid": first,
+                                                    "sampling_params": sp}))
+            while True:  # wait until the first request is decoding
+                st = (await c.get_server_info())["internal_states"][0]
+                if any(first in b for b in st["decode_batches"]):
+                    break
+                await asyncio.sleep(0.01)
+            outs = await asyncio.gather(*[c.generate({"text": "xy" * (i + 1), "rid": rid,
+                                                      "sampling_params": {**sp,
+                                                                          "max_new_tokens": 20}})
+                                          for i, rid in enumerate(late)])
+            return await early, outs, (await c.get_server_info())["internal_states"][0]
+
+    early, outs, st = asyncio.run(main())
+    assert early["meta_info"]["completion_tokens"] == 120
+    assert all(o["meta_info"]["completion_tokens"] == 20 for o in outs)
+    shared = [b for b in st["decode_batches"] if first in b and all(r in b for r in late)]
+    assert shared, "late requests never joined the early request's decode batch"
+    assert st["max_decode_batch_seen"] >= 4 and st["gen_throughput"] > 0
+    # They left again when done: the early request finished alone.
+    assert [first] in st["decode_batches"]
+
+
+def test_many_concurrent_requests_all_complete(builtin_engine):
+    async def main():
+        async with EngineClient(builtin_engine.url, timeout_s=120) as c:
+            return await asyncio.gather(*[
+                c.generate({"input_ids": [5 + i % 20, 6], "return_logprob": True,
+                            "sampling_params": {"max_new_tokens": 2 + i % 9}})
+                for i in range(40)])
+
+    outs = asyncio.run(main())
+    for o in outs:
+        meta = o["meta_info"]
+        assert meta["finish_reason"]["type"] in ("stop", "length")
+        assert len(meta["output_token_logprobs"]) == meta["completion_tokens"] == len(o["output_ids"])
+
+
+def test_streaming_is_cumulative_and_ends_with_done(builtin_engine):
+    with httpx.stream("POST", builtin_engine.url + "/generate", timeout=60,
+                      json={"text": "ab", "stream": True, "return_logprob": True,
+                            "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    import json
+
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert [len(e["output_ids"]) for e in events] == [1, 2, 3, 4]
+    assert [e["meta_info"]["finish_reason"] for e in events[:-1]] == [None] * 3
+    assert events[-1]["output_ids"][:3] == events[-2]["output_ids"]
+
+
+def test_info_routes(builtin_engine, tiny_model_dir):
+    info = engine_call(builtin_engine.url, "get_model_info")
+    assert info["tokenizer_path"] == str(tiny_model_dir) and info["is_generation"] is True
+    assert info["weight_version"] == "default" and info["architectures"] == ["Qwen2ForCausalLM"]
+    server = httpx.get(builtin_engine.url + "/server_info").json()
+    assert isinstance(server["internal_states"], list) and len(server["internal_states"]) == 1
+    for key in ("tp_size", "dp_size", "context_length", "max_running_requests", "version"):
+        assert key in server
+    assert httpx.get(builtin_engine.url + "/health_generate", timeout=30).status_code == 200
+    assert engine_call(builtin_engine.url, "health") is True
+
+
+BAD_REQUESTS = [
+    ("/generate", {"text": "a", "sampling_params": {"bogus": 1}}),
+    ("/generate", {"text": "a", "input_ids": [1]}),
+    ("/generate", {"sampling_params": {}}),
+    ("/generate", {"input_ids": []}),
+    ("/generate", {"input_ids": [10 ** 6]}),
+    ("/generate", {"input_ids": [-1]}),
+    ("/generate", {"input_ids": [1] * 500, "sampling_params": {"max_new_tokens": 100}}),
+    ("/generate", {"text": "a", "sampling_params": {"top_p": 0}}),
+    ("/generate", {"text": "a", "sampling_params": {"top_k": 0}}),
+    ("/generate", {"text": "a", "sampling_params": {"temperature": -1}}),
+    ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": "many"}}),
+    ("/generate", {"text": "a", "sampling_params": {"stop": ["x"] * 33}}),
+    ("/generate", {"text": "a", "sampling_params": {"repetition_penalty": 1.5}}),
+    ("/generate", {"text": ["a", "b"], "sampling_params": [{"n": 1}, {"n": 2}]}),
+    ("/generate", {"text": ["a", "b"], "sampling_params": [{}]}),
+    ("/generate", {"text": "a", "lora_path": "x"}),
+    ("/generate", {"text": 5}),
+    ("/generate", [1, 2]),
+    ("/generate", "not json"),
+    ("/pause_generation", {"mode": "sideways"}),
+    ("/pause_generation", None),
+    ("/abort_request", {"rid": 5}),
+    ("/release_memory_occupation", {"tags": ["gpu"]}),
+    ("/update_weights_from_disk", {}),
+    ("/update_weights_from_disk", {"model_path": "/nonexistent/dir"}),
+]
+
+
+@pytest.mark.parametrize("path,body", BAD_REQUESTS)
+def test_bad_requests_get_4xx_and_server_keeps_serving(builtin_engine, path, body):
+    if isinstance(body, str):
+        r = httpx.post(builtin_engine.url + path, content=body, timeout=30)
+    elif body is None:
+        r = httpx.post(builtin_engine.url + path, timeout=30)
+    else:
+        r = post(builtin_engine.url, path, body)
+    assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    err = r.json()
+    assert err.get("object") == "error" or "message" in err.get("error", {}) \
+        or err.get("success") is False, err
+    ok = post(builtin_engine.url, "/generate", {"text": "a", "sampling_params":
+                                                {"max_new_tokens": 1}})
+    assert ok.status_code == 200
+
+
+def test_duplicate_rid_in_flight_is_refused(builtin_engine):
+    rid = f"dup-{uuid.uuid4().hex[:6]}"
+    result = {}
+
+    def long():
+        result["r"] = post(builtin_engine.url, "/generate",
+                           {"text": "a", "rid": rid,
+                            "sampling_params": {"max_new_tokens": 150, "ignore_eos": True}})
+
+    t = threading.Thread(target=long)
+    t.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        st = httpx.get(builtin_engine.url + "/server_info").json()["internal_states"][0]
+        if any(rid in b for b in st["decode_batches"]):
+            break
+        time.sleep(0.01)
+    dup = post(builtin_engine.url, "/generate", {"text": "b", "rid": rid})
+    t.join()
+    assert dup.status_code == 400 and "duplicate" in dup.json()["error"]["message"]
+    assert result["r"].status_code == 200
