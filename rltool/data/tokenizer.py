@@ -1,7 +1,7 @@
 """Offline character-level tokenizers for the built-in tasks, and the tokenizer hash.
 
-The tokenizer is built with the `tokenizers` library (no hub access): every character is one
-token, special tokens are matched whole first, and a Qwen-style chat template wraps turns in
+The tokenizer is built with the `tokenizers` library (no hub access): every character of a small
+charset is one token (byte-level BPE without merges), special tokens are matched whole first, and a Qwen-style chat template wraps turns in
 `<|im_start|>role\n...<|im_end|>\n`. `<|im_end|>` is EOS, `<|endoftext|>` is padding.
 """
 
@@ -31,18 +31,36 @@ CHAT_TEMPLATE = (
 )
 
 
+def _byte_level(ch: str) -> str:
+    """GPT-2/Qwen byte-to-unicode symbol of a one-byte character (" " -> "Ġ", "\n" -> "Ċ")."""
+    b = ord(ch)
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    if b in printable:
+        return chr(b)
+    return chr(256 + sorted(set(range(256)) - set(printable)).index(b))
+
+
 def build_tokenizer(out_dir: str | os.PathLike, *, charset: str = CHARSET) -> None:
-    """Write a HF fast tokenizer (tokenizer.json, tokenizer_config.json, chat template) to out_dir."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    """Write a HF fast tokenizer (tokenizer.json, tokenizer_config.json, chat template) to out_dir.
+
+    The model is a byte-level BPE with no merges and only the charset's bytes in its vocabulary,
+    i.e. Qwen2's tokenizer layout: transformers loads a `qwen2` checkpoint's tokenizer as
+    `Qwen2Tokenizer`, which rebuilds the pipeline as byte-level BPE from the vocabulary, so any
+    other layout would tokenize differently there (a WordLevel vocabulary lost spaces and
+    newlines). Every loader (TokenizersBackend, Qwen2Tokenizer, SGLang) then gives the same ids.
+    Characters outside the charset are dropped, as Qwen2Tokenizer does for unknown bytes.
+    """
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in charset:
-        vocab.setdefault(ch, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
-    # "." does not match a newline in Oniguruma, so newlines are an explicit alternative.
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\n|."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+        vocab.setdefault(_byte_level(ch), len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False,
+                               byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
                                    unk_token=UNK_TOKEN)
