@@ -76,11 +76,13 @@ def make_loss_fn(cfg: TrainConfig, data: SampleTensors, weights: dict[int, torch
 
 def logprob_abs_diff(old: list[torch.Tensor], rollout: list[torch.Tensor],
                      masks: list[torch.Tensor]) -> float:
-    """train_rollout_logprob_abs_diff: per sample mean |old - rollout| over loss-masked tokens,
-    then the mean over samples (samples without masked tokens are left out)."""
-    per_sample = []
-    for o, r, m in zip(old, rollout, masks):
-        mf = m.to(torch.float64)
-        if mf.sum() > 0:
-            per_sample.append(float(((o.double() - r.double()).abs() * mf).sum() / mf.sum()))
-    return sum(per_sample) / len(per_sample) if per_sample else 0.0
+    """train/train_rollout_logprob_abs_diff of ragged per-sample tensors (padded for
+    rltool.train.algo.mismatch, which defines the metric)."""
+    from torch.nn.utils.rnn import pad_sequence
+
+    from rltool.train.algo.mismatch import train_rollout_logprob_abs_diff
+
+    if not old:
+        return 0.0
+    pad = [pad_sequence(list(x), batch_first=True) for x in (old, rollout, masks)]
+    return float(train_rollout_logprob_abs_diff(*pad))

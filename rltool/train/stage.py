@@ -292,3 +292,30 @@ def _save(cfg: TrainConfig, backend: TorchBackend, data: SampleTensors, sample_s
                  data_tensors=_pack_data(data),
                  config_toml=tomli_w.dumps(cfg.model_dump(mode="json", exclude_none=True)))
     return str(ckpt_dir)
+
+
+def recompute_logprobs(weights_dir: str | Path, shard_dirs: list[str | Path], *,
+                       max_tokens_per_microbatch: int, deterministic: bool, dtype: str = "fp32",
+                       global_batch_size: int | None = None) -> list[list[float]]:
+    """Logprobs of every shard row's response tokens (shard order) under `weights_dir`, computed
+    exactly as training computes old logprobs: same reader checks, same DP micro-batch schedule per
+    global batch, same temperature convention. Collective under torchrun (every rank returns all).
+    With deterministic=True each sample is one unpadded forward (rltool.logprobs layout)."""
+    cfg = TrainConfig(rollouts=[str(d) for d in shard_dirs], load=str(weights_dir),
+                      max_tokens_per_microbatch=max_tokens_per_microbatch,
+                      deterministic=deterministic, dtype=dtype,
+                      global_batch_size=global_batch_size)
+    owns_group = not dist.is_initialized()
+    try:
+        target = resolve_load(cfg.load)
+        backend = TorchBackend(target.model_dir, options=backend_options(cfg, trainable=False))
+        sample_set = _load_samples(cfg, target.model_dir, backend)
+        plan = _Plan(cfg, len(sample_set.samples))
+        logprobs = compute_logprobs(backend, sample_set.samples,
+                                    [plan.batch(k) for k in range(plan.steps_per_epoch)],
+                                    temperature=sample_set.temperature,
+                                    max_tokens_per_microbatch=max_tokens_per_microbatch)
+        return [lp.tolist() for lp in logprobs]
+    finally:
+        if owns_group and dist.is_initialized():
+            dist.destroy_process_group()
