@@ -100,6 +100,9 @@ def command(ctx, nproc_per_node, config_file, as_json, quiet, **_):
     from rltool.train.launch import is_rank_zero
 
     setup_logging(quiet=quiet or not is_rank_zero())
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-file loading bars drown the one-line messages
     result = run(cfg)
     if not is_rank_zero():
         return

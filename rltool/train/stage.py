@@ -24,13 +24,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rltool.errors import ConfigError
-from rltool.rundir import MetricsWriter, RunDir, step_dir_name
+from rltool.errors import CheckpointError, ConfigError
+from rltool.rundir import MetricsWriter, RunDir, step_dir_name, weight_dir_name
 from rltool.train.algo.advantages import compute_advantages
 from rltool.train.algo.kl import approx_kl
 from rltool.train.algo.losses import aggregation_weights
 from rltool.train.backend import MicroBatch, TrainerBackend
-from rltool.train.checkpoint import resolve_load
+from rltool.train.checkpoint import read_trainer_state, resolve_load
 from rltool.train.config import TrainConfig
 from rltool.train.objective import SampleTensors, logprob_abs_diff, make_loss_fn
 from rltool.train.samples import Sample, SampleSet, load_rollouts, load_sft_prompts, schedule
@@ -115,15 +115,22 @@ class _Plan:
                               shuffle=self.cfg.shuffle, seed=self.cfg.seed)[k]
 
 
-def _load_samples(cfg: TrainConfig, model_dir: Path, backend: TorchBackend) -> SampleSet:
+def _load_samples(cfg: TrainConfig, model_dir: Path) -> SampleSet:
+    """Read and verify the samples before any model is built (bad input fails fast)."""
+    from transformers import AutoConfig
+
     from rltool.data.tokenizer import tokenizer_hash
 
     if cfg.prompts:
         from transformers import AutoTokenizer
 
         return load_sft_prompts(cfg.prompts, tokenizer=AutoTokenizer.from_pretrained(str(model_dir)))
+    try:
+        vocab_size = int(AutoConfig.from_pretrained(str(model_dir)).vocab_size)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{model_dir}: unreadable config.json ({e})") from e
     return load_rollouts(cfg.rollouts, tokenizer_hash=tokenizer_hash(model_dir),
-                         vocab_size=int(backend.config.vocab_size))
+                         vocab_size=vocab_size)
 
 
 def _prepare_set(cfg: TrainConfig, backend: TorchBackend, ref: TorchBackend | None,
@@ -199,26 +206,53 @@ def run(cfg: TrainConfig) -> TrainResult:
             dist.destroy_process_group()
 
 
+def _resume_step(cfg: TrainConfig, ckpt_dir: Path | None, sample_set: SampleSet,
+                 plan: _Plan) -> int:
+    """The step to start at: where --load's checkpoint stopped on this same sample set, else 0."""
+    if ckpt_dir is None:
+        return 0
+    position = read_trainer_state(ckpt_dir).get("data", {})
+    if (position.get("set_id") != sample_set.set_id
+            or position.get("next_step", 0) >= position.get("num_steps", 0)):
+        return 0
+    if position["num_steps"] != plan.num_steps or position["global_batch_size"] != plan.gbs:
+        raise ConfigError(
+            f"--load {ckpt_dir} stopped at step {position['next_step']} of "
+            f"{position['num_steps']} (global batch {position['global_batch_size']}) on these "
+            "samples; resume with the same --num-steps/--num-epochs and --global-batch-size")
+    return int(position["next_step"])
+
+
+def _check_outputs_free(cfg: TrainConfig, *, first_version: int, final_version: int) -> None:
+    """Refuse up front (before any work) what would collide with existing outputs."""
+    if cfg.publish:
+        final = Path(cfg.publish) / weight_dir_name(final_version)
+        if final.exists():
+            raise CheckpointError(f"{final} already exists; a published version is never "
+                                  "replaced (resume from the checkpoint that produced it, or "
+                                  "publish elsewhere)")
+    if cfg.save:
+        for version in range(first_version + 1, final_version + 1):
+            if (Path(cfg.save) / step_dir_name(version)).exists():
+                raise CheckpointError(f"{Path(cfg.save) / step_dir_name(version)} already exists;"
+                                      " checkpoints are never replaced (--load it to resume, or "
+                                      "--save elsewhere)")
+
+
 def _run(cfg: TrainConfig) -> TrainResult:
     target = resolve_load(cfg.load)
-    backend = TorchBackend(target.model_dir, options=backend_options(cfg))
-    sample_set = _load_samples(cfg, target.model_dir, backend)
+    sample_set = _load_samples(cfg, target.model_dir)
     samples = sample_set.samples
     plan = _Plan(cfg, len(samples))
-    version, start_step = target.version, 0
+    start_step = _resume_step(cfg, target.ckpt_dir, sample_set, plan)
+    version = target.version
+    _check_outputs_free(cfg, first_version=version,
+                        final_version=version + plan.num_steps - start_step)
+    backend = TorchBackend(target.model_dir, options=backend_options(cfg))
     data, timings = None, {}
     if target.ckpt_dir is not None:
-        state, tensors = backend.load(target.ckpt_dir)
-        position = state.get("data", {})
-        if (position.get("set_id") == sample_set.set_id
-                and position.get("next_step", 0) < position.get("num_steps", 0)):
-            if position["num_steps"] != plan.num_steps or position["global_batch_size"] != plan.gbs:
-                raise ConfigError(
-                    f"--load {target.ckpt_dir} stopped at step {position['next_step']} of "
-                    f"{position['num_steps']} (global batch {position['global_batch_size']}) on "
-                    "these samples; resume with the same --num-steps/--num-epochs and "
-                    "--global-batch-size")
-            start_step = int(position["next_step"])
+        _, tensors = backend.load(target.ckpt_dir)
+        if start_step:
             data = _unpack_data(tensors, [torch.tensor(s.loss_mask, dtype=torch.float32)
                                           for s in samples])
             log.info("resuming sample set %s at step %d/%d", sample_set.set_id, start_step,
@@ -259,6 +293,9 @@ def _run(cfg: TrainConfig) -> TrainResult:
             if writer is not None:
                 rows.append(writer.log(metrics, step=backend.optimizer_steps,
                                        policy_version=version))
+            else:
+                rows.append({"step": backend.optimizer_steps, "policy_version": version,
+                             "time": time.time(), **metrics})
             last = step == plan.num_steps - 1
             if cfg.save and (last or (cfg.save_interval and (step + 1) % cfg.save_interval == 0)):
                 checkpoint = _save(cfg, backend, data, sample_set, plan, version=version,
@@ -308,8 +345,8 @@ def recompute_logprobs(weights_dir: str | Path, shard_dirs: list[str | Path], *,
     owns_group = not dist.is_initialized()
     try:
         target = resolve_load(cfg.load)
+        sample_set = _load_samples(cfg, target.model_dir)
         backend = TorchBackend(target.model_dir, options=backend_options(cfg, trainable=False))
-        sample_set = _load_samples(cfg, target.model_dir, backend)
         plan = _Plan(cfg, len(sample_set.samples))
         logprobs = compute_logprobs(backend, sample_set.samples,
                                     [plan.batch(k) for k in range(plan.steps_per_epoch)],

@@ -1,0 +1,151 @@
+"""The train stage in one process: learning direction, resume, logprob layout, publish, SFT, KL."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rltool.data.shards import open_shard
+from rltool.logprobs import sequence_logprobs
+from rltool.train import run
+from rltool.train.config import TrainConfig
+from rltool.train.stage import recompute_logprobs
+from tests.train.conftest import REWARDS
+
+COMMON = dict(lr=3e-3, max_tokens_per_microbatch=40, global_batch_size=6)
+
+
+def _rows(shard):
+    return open_shard(shard).rows()
+
+
+def test_policy_gradient_raises_positive_and_lowers_negative(tiny_model_dir, train_shard,
+                                                             tmp_path):
+    before = recompute_logprobs(tiny_model_dir, [train_shard], max_tokens_per_microbatch=40,
+                                deterministic=True)
+    result = run(TrainConfig(rollouts=[str(train_shard)], load=str(tiny_model_dir),
+                             publish=str(tmp_path / "weights"), num_epochs=2, **COMMON))
+    assert result.policy_version == 4 and result.optimizer_steps == 4
+    after = recompute_logprobs(result.published, [train_shard], max_tokens_per_microbatch=40,
+                               deterministic=True)
+    rows = _rows(train_shard)
+    rewards = [r for group in REWARDS for r in group]
+    moved = 0
+    for row, reward, b, a in zip(rows, rewards, before, after):
+        group = [x for g in REWARDS for x in g if g == REWARDS[row["group_id"]]]
+        advantage = reward - sum(group) / len(group)
+        delta = sum((y - x) * m for x, y, m in zip(b, a, row["loss_mask"]))
+        if advantage != 0:
+            moved += (delta > 0) == (advantage > 0)
+    assert moved == sum(1 for g in REWARDS for r in g if r != sum(g) / len(g))
+
+
+def test_resume_is_bit_identical(tiny_model_dir, train_shard, tmp_path):
+    cfg = dict(rollouts=[str(train_shard)], num_epochs=2, save_interval=1, entropy_coef=0.01,
+               lr_warmup_steps=2, lr_decay_style="cosine", lr_decay_steps=4, shuffle=True,
+               **COMMON)
+    full = run(TrainConfig(load=str(tiny_model_dir), save=str(tmp_path / "a"), **cfg))
+    assert full.metrics[0]["train/ppo_kl"] == 0.0  # old logprobs use the training schedule
+    assert full.metrics[0]["train/pg_clipfrac"] == 0.0
+    resumed = run(TrainConfig(load=str(tmp_path / "a" / "step-000002"), save=str(tmp_path / "b"),
+                              **cfg))
+    assert resumed.optimizer_steps == 2 and resumed.policy_version == 4
+    for name in ("model/model.safetensors", "optimizer.safetensors"):
+        a = load_file(tmp_path / "a" / "step-000004" / name)
+        b = load_file(tmp_path / "b" / "step-000004" / name)
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+    for x, y in zip(full.metrics[2:], resumed.metrics):
+        assert {k: v for k, v in x.items() if not k.startswith(("perf/", "time"))} == \
+               {k: v for k, v in y.items() if not k.startswith(("perf/", "time"))}
+    state = json.loads((tmp_path / "b" / "step-000004" / "trainer_state.json").read_text())
+    assert state["policy_version"] == 4 and state["data"]["next_step"] == 4
+    assert state["backend"]["optimizer_steps"] == 4
+
+
+def test_deterministic_recompute_equals_sequence_logprobs(tiny_model_dir, train_shard):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    rows = _rows(train_shard)
+    exact = recompute_logprobs(tiny_model_dir, [train_shard], max_tokens_per_microbatch=40,
+                               deterministic=True)
+    padded = recompute_logprobs(tiny_model_dir, [train_shard], max_tokens_per_microbatch=40,
+                                deterministic=False)
+    for row, got, pad in zip(rows, exact, padded):
+        ids = row["prompt_token_ids"] + row["response_token_ids"]
+        want = sequence_logprobs(model, ids, response_start=len(row["prompt_token_ids"]),
+                                 temperature=0.8)
+        assert torch.equal(torch.tensor(got), want)  # bit for bit
+        assert pad == pytest.approx(want.tolist(), abs=1e-5)
+
+
+def test_published_version_is_a_hf_checkpoint(tiny_model_dir, train_shard, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    result = run(TrainConfig(rollouts=[str(train_shard)], load=str(tiny_model_dir),
+                             save=str(tmp_path / "ckpt"), publish=str(tmp_path / "weights"),
+                             num_steps=1, **COMMON))
+    published = tmp_path / "weights" / "weight_v000001"
+    assert result.published == str(published)
+    assert json.loads((published / "rltool_version.json").read_text()) == {"version": 1}
+    model = AutoModelForCausalLM.from_pretrained(str(published))
+    AutoTokenizer.from_pretrained(str(published))
+    saved = load_file(tmp_path / "ckpt" / "step-000001" / "model" / "model.safetensors")
+    assert all(torch.equal(p, saved[n]) for n, p in model.state_dict().items())
+    initial = load_file(tiny_model_dir / "model.safetensors")
+    assert not torch.equal(saved["lm_head.weight"], initial["lm_head.weight"])
+    # --load of a --save directory continues from its newest checkpoint: version 1 -> 2.
+    again = run(TrainConfig(rollouts=[str(train_shard)], load=str(tmp_path / "ckpt"),
+                            publish=str(tmp_path / "weights"), num_steps=1, **COMMON))
+    assert again.policy_version == 2 and (tmp_path / "weights" / "weight_v000002").is_dir()
+
+
+def test_reference_kl_is_zero_against_itself(tiny_model_dir, train_shard, tmp_path):
+    result = run(TrainConfig(rollouts=[str(train_shard)], load=str(tiny_model_dir),
+                             ref=str(tiny_model_dir), kl_loss_coef=0.1, kl_coef=0.05,
+                             advantage_estimator="reinforce_plus_plus_baseline",
+                             loss_aggregation="sequence", metrics=str(tmp_path / "train.jsonl"),
+                             num_steps=2, **COMMON))
+    first, second = result.metrics
+    assert first["train/kl_loss"] == 0.0 and second["train/kl_loss"] > 0.0
+    lines = [json.loads(x) for x in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert [x["policy_version"] for x in lines] == [1, 2]
+    for name in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/pg_clipfrac",
+                 "train/ppo_kl", "train/kl_loss", "train/grad_norm", "train/lr",
+                 "train/train_rollout_logprob_abs_diff", "perf/train_time",
+                 "perf/ref_log_probs_time"):
+        assert name in lines[0], name
+
+
+@pytest.mark.parametrize("estimator", ["gspo", "reinforce_plus_plus"])
+def test_other_estimators_train(tiny_model_dir, train_shard, estimator):
+    result = run(TrainConfig(rollouts=[str(train_shard)], load=str(tiny_model_dir), num_steps=2,
+                             advantage_estimator=estimator, eps_clip_c=3.0, eps_clip_high=0.28,
+                             loss_aggregation="group", **COMMON))
+    assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in result.metrics)
+
+
+def test_bf16_trains_and_publishes_bf16(tiny_model_dir, train_shard, tmp_path):
+    result = run(TrainConfig(rollouts=[str(train_shard)], load=str(tiny_model_dir), dtype="bf16",
+                             publish=str(tmp_path / "w"), save=str(tmp_path / "c"), num_steps=1,
+                             **COMMON))
+    published = load_file(tmp_path / "w" / "weight_v000001" / "model.safetensors")
+    master = load_file(tmp_path / "c" / "step-000001" / "model" / "model.safetensors")
+    assert {t.dtype for t in published.values()} == {torch.bfloat16}
+    assert {t.dtype for t in master.values()} == {torch.float32}  # fp32 master weights
+    assert torch.isfinite(torch.tensor(result.metrics[0]["train/loss"]))
+
+
+def test_sft_on_prompts_lowers_the_loss(tiny_model_dir, tmp_path):
+    from rltool.data.tasks import make_rows, write_prompts
+
+    prompts = write_prompts(make_rows("reverse", num=8, seed=0), tmp_path / "prompts.jsonl")
+    result = run(TrainConfig(loss="sft", prompts=str(prompts), load=str(tiny_model_dir),
+                             lr=1e-2, num_epochs=6, max_tokens_per_microbatch=256,
+                             publish=str(tmp_path / "weights")))
+    losses = [r for r in (m.get("train/loss") for m in result.metrics)]
+    assert len(losses) == 6 and losses[-1] < 0.8 * losses[0]
