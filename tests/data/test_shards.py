@@ -174,3 +174,18 @@ def test_statuses_and_make_row():
     assert STATUSES == ("completed", "truncated", "aborted", "failed")
     row = make_row(uid="u", metadata={"b": 1, "a": 2})
     assert row["metadata"] == '{"a": 2, "b": 1}' and row["label"] is None
+
+
+def test_docs_formats_column_table_matches_the_schema():
+    """docs/formats.md documents exactly the columns, types and nullability of SCHEMA."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "formats.md").read_text()
+    section = text.split("### Columns", 1)[1].split("###", 1)[0]
+    documented = re.findall(r"^\| `(\w+)` \| `([^`]+)` \| (yes|no) \|", section, flags=re.M)
+    assert [name for name, _, _ in documented] == DOCUMENTED_COLUMNS == list(SCHEMA.names)
+    for name, arrow_type, nullable in documented:
+        field = SCHEMA.field(name)
+        assert str(field.type).replace("<item: ", "<") == arrow_type.replace("float32", "float"), name
+        assert field.nullable == (nullable == "yes"), name
