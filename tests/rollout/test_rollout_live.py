@@ -234,42 +234,6 @@ def test_bad_flags_exit_2(prompts, tmp_path, extra, message):
     assert message in result.output
 
 
-def test_engine_killed_mid_run_loses_no_sample(builtin_engine, tiny_model_dir, prompts, tmp_path):
-    from rltool.rollout.launch import start_engine
-    from rltool.rollout.stage import RolloutConfig, run
-
-    victim = start_engine(["--engine", "builtin", "--model", str(tiny_model_dir)],
-                          log_path=tmp_path / "victim.log", ready_timeout_s=120.0)
-    try:
-        cfg = RolloutConfig(engines=[builtin_engine.url, victim.url], prompts=str(prompts),
-                            out=str(tmp_path / "step-000000"), reward="reverse",
-                            n_samples_per_prompt=4, rollout_batch_size=6, max_response_len=64,
-                            concurrency=8, quiet=True)
-        box = {}
-        thread = threading.Thread(target=lambda: box.update(result=run(cfg)))
-        thread.start()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # kill it once it is generating for us
-            info = httpx.get(f"{victim.url}/get_server_info", timeout=5).json()
-            if info["internal_states"][0]["total_output_tokens"] > 0:
-                break
-            time.sleep(0.05)
-        os.kill(victim.pid, signal.SIGKILL)
-        thread.join(timeout=120)
-        assert not thread.is_alive()
-    finally:
-        victim.stop()
-    result = box["result"]
-    assert result["engines"][victim.url]["alive"] is False
-    assert result["metrics"]["rollout/redispatched_requests"] >= 1
-    rows = open_shard(cfg.out).rows()
-    assert len(rows) == 24
-    assert sorted((r["group_id"], r["sample_index"]) for r in rows) == [
-        (g, i) for g in range(6) for i in range(4)]
-    assert {r["status"] for r in rows} <= {"completed", "truncated"}
-    assert all(json.loads(r["metadata"])["engines"] == [builtin_engine.url] for r in rows)
-
-
 def test_dynamic_filter_counts(builtin_engine, prompts, tmp_path):
     from rltool.rollout.stage import RolloutConfig, run
 
@@ -365,6 +329,61 @@ def check_multi_turn_shard(out, tok):
     assert drifted > 0  # re-templating the text would have changed earlier tokens
 
 
+@pytest.fixture(scope="module")
+def gateway(builtin_engine, engine_b, tmp_path_factory):
+    """The real smg gateway over both engines with consistent hashing, ended by PID."""
+    import socket
+    import subprocess
+    import sys
+
+    def free_port():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+
+    port, metrics_port = free_port(), free_port()
+    smg = Path(sys.executable).parent / "smg"
+    log = open(tmp_path_factory.mktemp("smg") / "smg.log", "wb")
+    proc = subprocess.Popen([str(smg), "launch", "--host", "127.0.0.1", "--port", str(port),
+                             "--worker-urls", builtin_engine.url, engine_b.url,
+                             "--policy", "consistent_hashing", "--prometheus-host", "127.0.0.1",
+                             "--prometheus-port", str(metrics_port)],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, "smg exited; see its log"
+            try:
+                workers = httpx.get(f"{url}/workers", timeout=2).json()["workers"]
+                if sum(w["is_healthy"] for w in workers) == 2:
+                    break
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            assert time.monotonic() < deadline, "smg did not register both engines in 60 s"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        log.close()
+
+
+def test_router_flag_through_smg_gateway_keeps_sessions_sticky(gateway, prompts, tok, tmp_path):
+    out = tmp_path / "step-000000"
+    # No --tokenizer: it comes from the gateway's /get_model_info.
+    result = rollout(["--router", gateway, "--prompts", prompts, "--out", out, "--reward",
+                      "reverse", "--n-samples-per-prompt", 3, "--rollout-batch-size", 4,
+                      "--max-response-len", 40, "--generate-fn", f"{HERE}:recorded_multi_turn"])
+    assert result.exit_code == 0, result.output
+    check_multi_turn_shard(out, tok)
+
+
+
 def test_eval_metrics_on_stdout_and_in_eval_jsonl(builtin_engine, prompts, tmp_path):
     import math
 
@@ -392,3 +411,41 @@ def test_eval_metrics_on_stdout_and_in_eval_jsonl(builtin_engine, prompts, tmp_p
     assert metrics["eval/mean_reward"] == pytest.approx(sum(rewards) / len(rewards))
     (line,) = read_metrics(out.parent / "eval.jsonl")
     assert line["eval/pass@k"] == metrics["eval/pass@k"] and not math.isnan(line["time"])
+
+
+def test_engine_killed_mid_run_loses_no_sample(builtin_engine, engine_b, prompts, tmp_path):
+    """Runs last in this module: it SIGKILLs engine_b."""
+    from rltool.rollout.stage import RolloutConfig, run
+
+    victim = engine_b
+    try:
+        cfg = RolloutConfig(engines=[builtin_engine.url, victim.url], prompts=str(prompts),
+                            out=str(tmp_path / "step-000000"), reward="reverse",
+                            n_samples_per_prompt=4, rollout_batch_size=6, max_response_len=64,
+                            concurrency=8, quiet=True)
+        box = {}
+        thread = threading.Thread(target=lambda: box.update(result=run(cfg)))
+        thread.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # kill it once it is generating for us
+            info = httpx.get(f"{victim.url}/get_server_info", timeout=5).json()
+            if info["internal_states"][0]["total_output_tokens"] > 0:
+                break
+            time.sleep(0.05)
+        os.kill(victim.pid, signal.SIGKILL)
+        thread.join(timeout=120)
+        assert not thread.is_alive()
+    finally:
+        victim.stop()
+    result = box["result"]
+    assert result["engines"][victim.url]["alive"] is False
+    assert result["metrics"]["rollout/redispatched_requests"] >= 1
+    rows = open_shard(cfg.out).rows()
+    assert len(rows) == 24
+    assert sorted((r["group_id"], r["sample_index"]) for r in rows) == [
+        (g, i) for g in range(6) for i in range(4)]
+    assert {r["status"] for r in rows} <= {"completed", "truncated"}
+    served = [json.loads(r["metadata"])["engines"] for r in rows]
+    # A request the victim finished before it died keeps its tokens; every other went elsewhere.
+    assert all(e in ([builtin_engine.url], [victim.url]) for e in served)
+    assert sum(e == [builtin_engine.url] for e in served) > 12
