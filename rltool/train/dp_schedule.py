@@ -19,8 +19,16 @@ How (pack first, distribute second):
 2. Distribute: balanced largest differencing (Karmarkar-Karp with equal cardinality) on bin FLOPs,
    FLOPs(sample) = a*L + b*L^2 (linear layers + causal attention; packed sequences do not attend
    across samples, so a bin's FLOPs is the sum over its samples).
-3. Refine: bounded local search that moves or swaps single samples between the heaviest rank and
-   lighter ranks when the caps allow it and the maximum rank FLOPs drops.
+   A second candidate with the same micro-batch count is built rank first (heaviest sample to the
+   lightest rank with room, best fit among its micro-batches) and kept when its heaviest rank is
+   lighter: on heavy tails a rank holding a huge sample must get only tiny micro-batches besides
+   it, which bins packed beforehand cannot offer.
+3. Refine: bounded local search (swap two micro-batches, move or swap single samples) between the
+   heaviest rank and the lightest ones while the caps allow it and the maximum rank FLOPs drops.
+
+The micro-batch count is always the minimum that best-fit decreasing reaches (rounded to dp_size):
+packing comes first. On very heavy tails that can leave the imbalance above its floor where one
+more micro-batch per rank would reach it (docs/benchmarks.md has the numbers).
 
 Deterministic: ties are broken by sample index, so the same lengths give the same plan.
 """
@@ -40,7 +48,15 @@ Plan = list[list[list[int]]]
 DEFAULT_FLOPS_A = 1.0
 DEFAULT_FLOPS_B = 2e-5
 
-_REFINE_MAX_ROUNDS = 64
+# Rooms and bin ids travel as one int (room << _SHIFT | id): bisect on ints is much faster than on
+# tuples, and the pack is the hot loop.
+_SHIFT = 32
+_MASK = (1 << _SHIFT) - 1
+
+_REFINE_MAX_ROUNDS = 256
+# Each round tries only the few lightest ranks as partners: enough in practice, and it bounds the
+# cost of a round when the heaviest rank cannot shed anything.
+_REFINE_CANDIDATES = 8
 # Refinement stops once the heaviest rank is this close to its floor (mean rank FLOPs, or the
 # largest sample's FLOPs when that is higher): the last 0.1% is not worth the scheduling time.
 _REFINE_TOLERANCE = 1e-3
@@ -59,15 +75,21 @@ def schedule(lengths: list[int], *, dp_size: int, max_tokens_per_microbatch: int
     Returns plan[rank][microbatch] = sample indices. With no samples every rank gets no
     micro-batches.
     """
-    _check(lengths, dp_size=dp_size, max_tokens_per_microbatch=max_tokens_per_microbatch)
+    _check(lengths, dp_size=dp_size, max_tokens_per_microbatch=max_tokens_per_microbatch,
+           flops_a=flops_a, flops_b=flops_b)
     if not lengths:
         return [[] for _ in range(dp_size)]
     flops = [sample_flops(n, flops_a=flops_a, flops_b=flops_b) for n in lengths]
-    bins = _pack(lengths, cap=max_tokens_per_microbatch, dp_size=dp_size)
+    cap = max_tokens_per_microbatch
+    bins = _pack(lengths, cap=cap, dp_size=dp_size)
     bin_flops = [sum(flops[i] for i in b) for b in bins]
     ranks = _balanced_kk(bin_flops, dp_size=dp_size)
     plan = [[bins[j] for j in rank] for rank in ranks]
-    _refine(plan, lengths, flops, cap=max_tokens_per_microbatch)
+    greedy = _greedy_plan(lengths, flops, cap=cap, dp_size=dp_size,
+                          per_rank=len(bins) // dp_size)
+    if greedy is not None and _max_rank_flops(greedy, flops) < _max_rank_flops(plan, flops):
+        plan = greedy
+    _refine(plan, lengths, flops, cap=cap)
     # Heaviest micro-batch first inside each rank: the peak memory shows up at the first step.
     return [sorted(rank, key=lambda mb: (-sum(lengths[i] for i in mb), mb[:1])) for rank in plan]
 
@@ -125,13 +147,17 @@ def schedule_stats(lengths: list[int], plan: Plan, *, max_tokens_per_microbatch:
     )
 
 
-def _check(lengths: list[int], *, dp_size: int, max_tokens_per_microbatch: int) -> None:
+def _check(lengths: list[int], *, dp_size: int, max_tokens_per_microbatch: int,
+           flops_a: float = DEFAULT_FLOPS_A, flops_b: float = DEFAULT_FLOPS_B) -> None:
     if dp_size < 1:
         raise ValueError(f"dp_size must be >= 1, got {dp_size}")
     if max_tokens_per_microbatch < 1:
         raise ValueError(f"max_tokens_per_microbatch must be >= 1, got {max_tokens_per_microbatch}")
     if any(n < 1 for n in lengths):
         raise ValueError("every sample length must be >= 1")
+    if flops_a < 0 or flops_b < 0 or flops_a + flops_b <= 0:
+        raise ValueError(f"FLOPs coefficients must be >= 0 and not both 0, got a={flops_a}, "
+                         f"b={flops_b}")
 
 
 def _min_microbatches(lengths: list[int], *, cap: int, dp_size: int) -> int:
@@ -145,22 +171,22 @@ def _min_microbatches(lengths: list[int], *, cap: int, dp_size: int) -> int:
 def _pack(lengths: list[int], *, cap: int, dp_size: int) -> list[list[int]]:
     """Best-fit decreasing into B bins, then M = dp_size * ceil(B / dp_size) bins with no empty one
     while there are samples to spare (the smallest samples move out of shared bins)."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     bins: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (room left, bin id), sorted: bisect finds the best fit
-    for i in order:
+    free: list[int] = []  # room left << _SHIFT | bin id, sorted: bisect finds the best fit
+    for i in _longest_first(lengths):
         n = lengths[i]
         if n > cap:
             bins.append([i])
             continue
-        k = bisect.bisect_left(free, (n, -1))
+        k = bisect.bisect_left(free, n << _SHIFT)
         if k == len(free):
             bins.append([i])
-            bisect.insort(free, (cap - n, len(bins) - 1))
+            bisect.insort(free, (cap - n) << _SHIFT | (len(bins) - 1))
         else:
-            room, b = free.pop(k)
+            packed = free.pop(k)
+            b = packed & _MASK
             bins[b].append(i)
-            bisect.insort(free, (room - n, b))
+            bisect.insort(free, ((packed >> _SHIFT) - n) << _SHIFT | b)
     spare = dp_size * math.ceil(len(bins) / dp_size) - len(bins)
     if spare:
         # Samples in shared bins, smallest first; bins were filled in decreasing order, so the
@@ -177,6 +203,78 @@ def _pack(lengths: list[int], *, cap: int, dp_size: int) -> list[list[int]]:
             if len(bins[j]) > 1:
                 heapq.heappush(movable, (lengths[bins[j][-1]], bins[j][-1], j))
     return bins
+
+
+def _greedy_plan(lengths: list[int], flops: list[float], *, cap: int, dp_size: int,
+                 per_rank: int) -> Plan | None:
+    """The rank-first alternative to pack-then-distribute, with the same micro-batch count:
+    heaviest sample first, to the lightest rank that has room for it (best fit among that rank's
+    micro-batches; an oversize sample needs an empty one). Wins on heavy tails, where a rank
+    holding a huge sample must get only tiny micro-batches besides it. None when a sample finds
+    no room anywhere (this order packs worse than best-fit decreasing)."""
+    plan: Plan = [[[] for _ in range(per_rank)] for _ in range(dp_size)]
+    # Per rank, sorted: room left << _SHIFT | micro-batch index.
+    rooms = [[cap << _SHIFT | b for b in range(per_rank)] for _ in range(dp_size)]
+    rank_flops = [0.0] * dp_size
+    heap = [(0.0, r) for r in range(dp_size)]  # ranks by FLOPs
+    # Ranks too full for the current sample wait here by their largest room. Samples come longest
+    # first, so the room needed never grows: a parked rank returns once a sample fits it.
+    parked: list[tuple[int, int]] = []  # (-largest room, rank)
+    for i in _longest_first(lengths):
+        need = min(lengths[i], cap)  # oversize: only an empty micro-batch (room == cap) will do
+        while parked and -parked[0][0] >= need:
+            _, r = heapq.heappop(parked)
+            heapq.heappush(heap, (rank_flops[r], r))
+        while heap:
+            r = heap[0][1]
+            if rooms[r][-1] >> _SHIFT >= need:
+                break
+            heapq.heappop(heap)
+            heapq.heappush(parked, (-(rooms[r][-1] >> _SHIFT), r))
+        else:
+            return None
+        packed = rooms[r].pop(bisect.bisect_left(rooms[r], need << _SHIFT))
+        room, b = packed >> _SHIFT, packed & _MASK
+        plan[r][b].append(i)
+        if lengths[i] < room:
+            bisect.insort(rooms[r], (room - lengths[i]) << _SHIFT | b)
+        rank_flops[r] += flops[i]
+        if rooms[r]:
+            heapq.heapreplace(heap, (rank_flops[r], r))
+        else:
+            heapq.heappop(heap)
+    _fill_empty(plan, lengths)
+    return plan
+
+
+def _fill_empty(plan: Plan, lengths: list[int]) -> None:
+    """Give each empty micro-batch the smallest sample of a shared micro-batch, from its own rank
+    when it has one (rank FLOPs unchanged), else from any rank. Stops when no bin is shared."""
+    for rank in plan:
+        for b, mb in enumerate(rank):
+            if mb:
+                continue
+            shared = [(lengths[x[-1]], k) for k, x in enumerate(rank) if len(x) > 1]
+            source = rank
+            if not shared:
+                shared = [(lengths[x[-1]], k, r) for r, other in enumerate(plan)
+                          for k, x in enumerate(other) if len(x) > 1]
+                if not shared:
+                    return
+                _, k, r = min(shared)
+                source = plan[r]
+            else:
+                _, k = min(shared)
+            rank[b] = [source[k].pop()]
+
+
+def _longest_first(lengths: list[int]) -> list[int]:
+    # sorted() stays stable with reverse=True: equal lengths keep index order (determinism).
+    return sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)
+
+
+def _max_rank_flops(plan: Plan, flops: list[float]) -> float:
+    return max(sum(flops[i] for mb in rank for i in mb) for rank in plan)
 
 
 def _balanced_kk(weights: list[float], *, dp_size: int) -> list[list[int]]:
@@ -204,60 +302,71 @@ def _balanced_kk(weights: list[float], *, dp_size: int) -> list[list[int]]:
 
 
 def _refine(plan: Plan, lengths: list[int], flops: list[float], *, cap: int) -> None:
-    """Lower the heaviest rank by moving one sample to, or swapping one with, the lightest rank
-    that can take it under the caps. Each accepted step strictly lowers the pair's maximum."""
+    """Lower the heaviest rank by an exchange with one of the lightest ranks: swap two whole
+    micro-batches, move one sample, or swap two samples, under the caps. Each accepted step
+    strictly lowers the pair's maximum, so the loop cannot cycle."""
     rank_flops = [sum(flops[i] for mb in rank for i in mb) for rank in plan]
     good_enough = (1 + _REFINE_TOLERANCE) * max(sum(rank_flops) / len(plan), max(flops))
     for _ in range(_REFINE_MAX_ROUNDS):
-        hi = max(range(len(plan)), key=lambda r: (rank_flops[r], -r))
+        hi = rank_flops.index(max(rank_flops))
         if rank_flops[hi] <= good_enough:
             return
-        improved = False
-        for lo in sorted(range(len(plan)), key=lambda r: (rank_flops[r], r)):
-            if rank_flops[lo] >= rank_flops[hi] or lo == hi:
+        # nsmallest is stable, so ties go to the lower rank: deterministic.
+        for lo in heapq.nsmallest(_REFINE_CANDIDATES, range(len(plan)),
+                                  key=rank_flops.__getitem__):
+            if rank_flops[lo] >= rank_flops[hi]:
+                return
+            step = _best_exchange(plan[hi], plan[lo], lengths, flops, cap=cap,
+                                  gap=rank_flops[hi] - rank_flops[lo])
+            if step is not None:
+                delta = _apply(step, plan[hi], plan[lo], flops)
+                rank_flops[hi] -= delta
+                rank_flops[lo] += delta
                 break
-            gap = rank_flops[hi] - rank_flops[lo]
-            step = _best_exchange(plan[hi], plan[lo], lengths, flops, cap=cap, gap=gap)
-            if step is None:
-                continue
-            delta = _apply(step, plan[hi], plan[lo], flops)
-            rank_flops[hi] -= delta
-            rank_flops[lo] += delta
-            improved = True
-            break
-        if not improved:
+        else:
             return
 
 
 def _best_exchange(hi: list[list[int]], lo: list[list[int]], lengths: list[int],
                    flops: list[float], *, cap: int, gap: float):
-    """The move (hi sample -> lo bin) or swap (hi sample <-> lo sample) whose FLOPs shift is
-    closest to gap/2 while in (0, gap): that strictly lowers max(hi, lo)."""
+    """The exchange whose FLOPs shift from `hi` to `lo` is closest to gap/2 while in (0, gap):
+    that strictly lowers max(hi, lo). Steps are (kind, hi bin, hi pos, lo bin, lo pos)."""
     target = gap / 2
-    room_lo = [cap - sum(lengths[i] for i in mb) for mb in lo]
-    load_hi = [sum(lengths[i] for i in mb) for mb in hi]
     best = None
     best_err = target  # accept only shifts with |shift - gap/2| < gap/2, i.e. 0 < shift < gap
+    # Whole micro-batches: big shifts in one step, caps untouched.
+    lo_bins = sorted((sum(flops[i] for i in mb), b) for b, mb in enumerate(lo))
+    lo_bin_keys = [f for f, _ in lo_bins]
+    for hb, mb in enumerate(hi):
+        fh = sum(flops[i] for i in mb)
+        k = bisect.bisect_left(lo_bin_keys, fh - target)
+        for kk in (k - 1, k):
+            if 0 <= kk < len(lo_bins) and abs(fh - lo_bins[kk][0] - target) < best_err:
+                best, best_err = ("bins", hb, -1, lo_bins[kk][1], -1), abs(fh - lo_bins[kk][0]
+                                                                           - target)
+    room_lo = [cap - sum(lengths[i] for i in mb) for mb in lo]
+    if max(room_lo, default=0) <= 0:
+        # FLOPs grow with length, so moving FLOPs to `lo` at sample level needs room there.
+        return best
+    load_hi = [sum(lengths[i] for i in mb) for mb in hi]
     lo_items = sorted((flops[i], i, b) for b, mb in enumerate(lo) for i in mb)
     lo_keys = [f for f, _, _ in lo_items]
-    max_room = max(room_lo, default=0)
+    move_to = max(range(len(lo)), key=lambda b: (room_lo[b], -b))
     for hb, mb in enumerate(hi):
         for pos, i in enumerate(mb):
             if lengths[i] > cap:
                 continue
-            if len(mb) > 1 and lengths[i] <= max_room:
+            if len(mb) > 1 and lengths[i] <= room_lo[move_to]:
                 err = abs(flops[i] - target)
                 if err < best_err:
-                    lb = max(range(len(lo)), key=lambda b: (room_lo[b], -b))
-                    best, best_err = ("move", hb, pos, lb, -1), err
+                    best, best_err = ("move", hb, pos, move_to, -1), err
             # Swap: want flops[j] ~ flops[i] - target; look at the neighbours in sorted order.
             k = bisect.bisect_left(lo_keys, flops[i] - target)
             for kk in (k - 2, k - 1, k, k + 1):
                 if not 0 <= kk < len(lo_items):
                     continue
                 fj, j, lb = lo_items[kk]
-                shift = flops[i] - fj
-                err = abs(shift - target)
+                err = abs(flops[i] - fj - target)
                 if err >= best_err or lengths[j] > cap:
                     continue
                 if (load_hi[hb] - lengths[i] + lengths[j] <= cap
@@ -268,6 +377,9 @@ def _best_exchange(hi: list[list[int]], lo: list[list[int]], lengths: list[int],
 
 def _apply(step, hi: list[list[int]], lo: list[list[int]], flops: list[float]) -> float:
     kind, hb, pos, lb, lpos = step
+    if kind == "bins":
+        hi[hb], lo[lb] = lo[lb], hi[hb]
+        return sum(flops[i] for i in lo[lb]) - sum(flops[i] for i in hi[hb])
     i = hi[hb][pos]
     if kind == "move":
         hi[hb].pop(pos)
