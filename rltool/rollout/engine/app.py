@@ -24,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 from rltool.errors import BadInputError, EngineError
 from rltool.rollout.engine.config import ServeConfig
 from rltool.rollout.engine.model_runner import ModelRunner
-from rltool.rollout.engine.protocol import (AbortInput, GenerateInput, MemoryInput, PauseInput,
+from rltool.rollout.engine.protocol import (AbortInput, ContinueInput, GenerateInput, MemoryInput, PauseInput,
                                             PullWeightsInput, UpdateWeightsFromDiskInput,
                                             expand_generate)
 from rltool.rollout.engine.request import Request, build_response
@@ -100,6 +100,11 @@ def build_app(state: EngineState) -> FastAPI:
     @app.exception_handler(EngineError)
     async def _on_engine_error(request: HttpRequest, exc: EngineError) -> JSONResponse:
         return runtime_error(str(exc), 503)
+
+    @app.exception_handler(Exception)
+    async def _on_unexpected(request: HttpRequest, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return runtime_error(f"internal error: {type(exc).__name__}: {exc}", 500)
 
     async def on_thread(fn: Any) -> Any:
         return await asyncio.wrap_future(sched.call(fn))
@@ -255,7 +260,7 @@ def build_app(state: EngineState) -> FastAPI:
 
     @app.post("/continue_generation")
     async def continue_generation(request: HttpRequest) -> dict[str, str]:
-        await parse_body(request, BaseModel)
+        await parse_body(request, ContinueInput)
         await on_thread(sched.resume_generation)
         return {"message": "Generation continued successfully.", "status": "ok"}
 

@@ -49,6 +49,11 @@ class PauseInput(BaseModel):
     mode: str = Field("abort", description="abort, retract or in_place")
 
 
+class ContinueInput(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    torch_empty_cache: bool = True
+
+
 class AbortInput(BaseModel):
     model_config = ConfigDict(extra="ignore")
     rid: str = ""

@@ -84,11 +84,15 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="rltool-scheduler", daemon=True)
         self._thread.start()
 
-    def stop(self, *, timeout_s: float = 10.0) -> None:
-        """Abort everything in flight and end the thread."""
+    def request_stop(self) -> None:
+        """Start shutting down without waiting: in-flight requests are aborted (status 503)."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+
+    def stop(self, *, timeout_s: float = 10.0) -> None:
+        """Abort everything in flight and end the thread."""
+        self.request_stop()
         if self._thread is not None:
             self._thread.join(timeout=timeout_s)
 

@@ -45,10 +45,29 @@ def url_of(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def _server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """Aborts in-flight generations as soon as a shutdown signal arrives, so handlers answer
+        at once and the graceful shutdown does not wait for long generations."""
+
+        def __init__(self, scheduler: Scheduler, config: uvicorn.Config):
+            super().__init__(config)
+            self.scheduler = scheduler
+
+        def handle_exit(self, sig: int, frame: object) -> None:
+            self.scheduler.request_stop()
+            super().handle_exit(sig, frame)
+
+    return Server
+
+
 def serve(cfg: ServeConfig) -> None:
     """Serve until SIGTERM/SIGINT (blocking)."""
     import uvicorn
 
+    _Server = _server_class()
     runner = ModelRunner(cfg.model, dtype=cfg.dtype, weight_version=cfg.weight_version)
     scheduler = Scheduler(runner, max_running=cfg.max_running_requests,
                           max_queued=cfg.max_queued_requests,
@@ -58,8 +77,8 @@ def serve(cfg: ServeConfig) -> None:
     url = url_of(cfg.host, sock.getsockname()[1])
     app = build_app(EngineState(cfg=cfg, runner=runner, scheduler=scheduler,
                                 started=time.monotonic()))
-    server = uvicorn.Server(uvicorn.Config(app, log_level=cfg.log_level, lifespan="off",
-                                           timeout_graceful_shutdown=3, access_log=False))
+    server = _Server(scheduler, uvicorn.Config(app, log_level=cfg.log_level, lifespan="off",
+                                           timeout_graceful_shutdown=1, access_log=False))
     scheduler.start()
     # uvicorn re-raises the SIGTERM/SIGINT it caught once it has shut down; with the default
     # handler that would kill the process before the cleanup below, so the re-raise lands here.

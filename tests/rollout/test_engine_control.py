@@ -1,0 +1,247 @@
+"""The builtin engine's control plane on a deterministic engine this module owns: deterministic
+invariance and exact trainer-layout logprobs, pause modes, abort, weight updates (version spans),
+memory release/resume, queue limits, and a clean shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import httpx
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from rltool.errors import EngineError
+from rltool.logprobs import sequence_logprobs
+from rltool.rollout.client import EngineClient
+
+LONG = {"max_new_tokens": 400, "ignore_eos": True}
+
+
+def rid(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+async def wait_decoding(c: EngineClient, request_id: str, *, tokens: int = 3) -> None:
+    """Wait until `request_id` has been in at least `tokens` decode batches."""
+    for _ in range(3000):
+        st = (await c.get_server_info())["internal_states"][0]
+        if sum(request_id in b for b in st["decode_batches"]) >= tokens:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{request_id} never started decoding")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_deterministic_alone_vs_among_15_others_and_trainer_layout(det_engine, tiny_model_dir):
+    probe = {"input_ids": [5, 9, 13, 2, 30], "return_logprob": True,
+             "sampling_params": {"max_new_tokens": 24, "temperature": 0.9, "top_p": 0.95,
+                                 "sampling_seed": 7, "ignore_eos": True}}
+
+    async def main():
+        async with EngineClient(det_engine.url, timeout_s=120) as c:
+            alone = await c.generate({**probe, "rid": rid("alone")})
+            others = [c.generate({"input_ids": [7 + i, 3 + i, 11] * (1 + i % 4),
+                                  "sampling_params": {"max_new_tokens": 5 + 3 * i,
+                                                      "sampling_seed": i}, "rid": rid("o")})
+                      for i in range(15)]
+            crowd = await asyncio.gather(*others[:8], c.generate({**probe, "rid": rid("crowd")}),
+                                         *others[8:])
+            st = (await c.get_server_info())["internal_states"][0]
+            return alone, crowd[8], st
+
+    alone, crowded, st = run(main())
+    assert st["max_decode_batch_seen"] >= 8  # it really ran among the others
+    assert alone["output_ids"] == crowded["output_ids"]
+    lp_alone = [x[0] for x in alone["meta_info"]["output_token_logprobs"]]
+    lp_crowd = [x[0] for x in crowded["meta_info"]["output_token_logprobs"]]
+    assert lp_alone == lp_crowd  # bit-identical
+    # Exact alignment with the trainer's layout (rltool.logprobs.sequence_logprobs, fp32).
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    ref = sequence_logprobs(model, probe["input_ids"] + alone["output_ids"],
+                            response_start=len(probe["input_ids"]), temperature=0.9)
+    assert ref.tolist() == lp_alone
+
+
+def test_abort_request_by_rid(det_engine):
+    r = rid("abortme")
+
+    async def main():
+        async with EngineClient(det_engine.url, timeout_s=60) as c:
+            task = asyncio.create_task(c.generate({"text": "ab", "rid": r, "return_logprob": True,
+                                                   "sampling_params": LONG}))
+            await wait_decoding(c, r)
+            await c.abort_request(rid=r)
+            return await task
+
+    out = run(main())
+    meta = out["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort"
+    assert 0 < meta["completion_tokens"] < 400
+    assert len(meta["output_token_logprobs"]) == meta["completion_tokens"]
+
+
+def test_pause_abort_blocks_new_requests_until_continue(det_engine):
+    r = rid("pa")
+
+    async def main():
+        async with EngineClient(det_engine.url, timeout_s=60) as c:
+            task = asyncio.create_task(c.generate({"text": "ab", "rid": r, "sampling_params": LONG}))
+            await wait_decoding(c, r)
+            await c.pause_generation("abort")
+            aborted = await task
+            late = asyncio.create_task(c.generate({"text": "x", "sampling_params":
+                                                   {"max_new_tokens": 2}}))
+            await asyncio.sleep(0.5)
+            blocked = not late.done()
+            await c.continue_generation()
+            return aborted, blocked, await late
+
+    aborted, blocked, late = run(main())
+    assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
+    assert blocked and late["meta_info"]["completion_tokens"] == 2
+
+
+def test_pause_retract_recomputes_and_allows_flush(det_engine):
+    r = rid("pr")
+    sp = {"max_new_tokens": 60, "ignore_eos": True, "sampling_seed": 3}
+
+    async def main():
+        async with EngineClient(det_engine.url, timeout_s=60) as c:
+            ref = await c.generate({"input_ids": [4, 5, 6], "rid": rid("ref"),
+                                    "sampling_params": sp})
+            task = asyncio.create_task(c.generate({"input_ids": [4, 5, 6], "rid": r,
+                                                   "sampling_params": sp}))
+            await wait_decoding(c, r)
+            await c.pause_generation("retract")
+            st = (await c.get_server_info())["internal_states"][0]
+            await c.flush_cache()  # allowed: nothing holds KV while retracted
+            await c.continue_generation()
+            return ref, await task, st
+
+    ref, out, st = run(main())
+    assert st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 1
+    assert out["meta_info"]["finish_reason"]["type"] == "length"
+    # Recomputed KV gives the same continuation (deterministic engine).
+    assert out["output_ids"] == ref["output_ids"]
+
+
+def test_weight_update_in_place_mid_generation_gives_version_spans(det_engine, other_weights_dir,
+                                                                  tiny_model_dir):
+    r = rid("wu")
+
+    async def main():
+        async with EngineClient(det_engine.url, timeout_s=60) as c:
+            task = asyncio.create_task(c.generate({"text": "ab", "rid": r, "return_logprob": True,
+                                                   "sampling_params": LONG}))
+            await wait_decoding(c, r, tokens=5)
+            await c.pause_generation("in_place")
+            with pytest.raises(EngineError) as flush_err:  # KV is held: flush refused
+                await c.flush_cache()
+            res = await c.update_weights_from_disk(str(other_weights_dir), weight_version="1")
+            info = await c.get_model_info()
+            await c.continue_generation()
+            out = await task
+            back = await c.update_weights_from_disk(str(tiny_model_dir), weight_version="2")
+            return flush_err.value, res, info, out, back
+
+    flush_err, res, info, out, back = run(main())
+    assert flush_err.status_code == 400
+    assert res["success"] is True and "Weight version updated to 1" in res["message"]
+    assert res["num_paused_requests"] == 1
+    assert info["weight_version"] == "1" and info["model_path"] == str(other_weights_dir)
+    spans = out["meta_info"]["weight_versions"]
+    assert [s["version"] for s in spans] == ["0", "1"]
+    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == 400
+    assert 5 <= spans[1]["start"] < 400
+    assert out["meta_info"]["weight_version"] == "1"
+    assert back["success"] is True
+
+
+def test_weight_update_waits_for_in_flight_requests(det_engine, other_weights_dir):
+    r = rid("wait")
+
+    async def main():
+        async with EngineClient(det_engine.url, timeout_s=60) as c:
+            task = asyncio.create_task(c.generate({"text": "ab", "rid": r, "sampling_params":
+                                                   {"max_new_tokens": 80, "ignore_eos": True}}))
+            await wait_decoding(c, r)
+            res = await c.update_weights_from_disk(str(other_weights_dir), weight_version="3")
+            done_first = task.done()
+            return res, done_first, await task
+
+    res, done_first, out = run(main())
+    assert res["success"] and res["num_paused_requests"] == 0
+    assert done_first  # the update returned only after the in-flight request finished
+    assert out["meta_info"]["weight_versions"] == [{"version": "2", "start": 0, "end": 80}]
+
+
+def test_wrong_shape_checkpoint_is_refused_and_serving_continues(det_engine, tiny_model_dir,
+                                                                 tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    tensors = load_file(str(tiny_model_dir / "model.safetensors"))
+    name = "model.embed_tokens.weight"
+    tensors[name] = tensors[name][:-1].contiguous()
+    save_file(tensors, str(bad / "model.safetensors"))
+    r = httpx.post(det_engine.url + "/update_weights_from_disk", timeout=60,
+                   json={"model_path": str(bad), "weight_version": "bad"})
+    assert r.status_code == 400 and r.json()["success"] is False
+    assert name in r.json()["message"]
+    ok = httpx.post(det_engine.url + "/generate", timeout=60,
+                    json={"text": "a", "sampling_params": {"max_new_tokens": 2}}).json()
+    assert ok["meta_info"]["weight_version"] == "3"
+
+
+def test_release_and_resume_memory(det_engine):
+    async def main():
+        async with EngineClient(det_engine.url, timeout_s=60) as c:
+            await c.release_memory_occupation()
+            st = (await c.get_server_info())["internal_states"][0]
+            healthy = await c.health()
+            pending = asyncio.create_task(c.generate({"text": "a", "sampling_params":
+                                                      {"max_new_tokens": 3}}))
+            await asyncio.sleep(0.3)
+            waited = not pending.done()
+            await c.resume_memory_occupation()
+            return st, healthy, waited, await pending
+
+    st, healthy, waited, out = run(main())
+    assert st["weights_released"] is True and healthy and waited
+    assert out["meta_info"]["completion_tokens"] == 3
+
+
+def test_queue_limit_gives_429(det_engine):
+    # 16 running + 64 queued at most: 100 prompts in one request cannot be taken.
+    r = httpx.post(det_engine.url + "/generate", timeout=60,
+                   json={"input_ids": [[5, 6]] * 100, "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 429
+
+
+def test_shutdown_leaves_no_process_behind(det_engine):
+    """Runs last in this module: SIGTERM with a request in flight ends the server cleanly."""
+    pid = det_engine.pid
+
+    async def main():
+        async with EngineClient(det_engine.url, timeout_s=30, max_retries=0) as c:
+            task = asyncio.create_task(c.generate({"text": "a", "sampling_params": LONG}))
+            await asyncio.sleep(0.5)
+            code = await asyncio.to_thread(det_engine.stop, 15)
+            try:
+                result = await task
+            except EngineError as e:
+                result = e
+            return code, result
+
+    code, result = run(main())
+    assert code == 0
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    # The in-flight request got an answer (an abort or an error), not a hang.
+    assert isinstance(result, EngineError) or result["meta_info"]["finish_reason"]["type"] == "abort"
