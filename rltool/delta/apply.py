@@ -1,8 +1,8 @@
 """Rebuild a full checkpoint from a base and a chain of deltas, verifying every checksum.
 
 One pass over the base: each worker thread reads one tensor, applies every delta of the chain that
-touches it in order (checking the declared checksum after each), and `pwrite`s the result at the
-base layout's offset in the output file. The output keeps the base's file layout byte for byte
+touches it in order (checking the declared checksum after each) in place, inside an mmap of a
+kernel copy (copy_file_range) of the base file. The output keeps the base's file layout byte for byte
 (same headers, same offsets); only tensor bytes differ. Nothing is published unless every check
 passes: the output directory appears whole (index last) or not at all.
 """
@@ -23,7 +23,7 @@ from rltool.delta import codec
 from rltool.delta.checkpoint import INDEX_NAME, Checkpoint
 from rltool.delta.deltadir import DeltaDir
 from rltool.delta.diff import default_workers
-from rltool.delta.safetensors_io import DTYPE_SIZES, layout_writer, pwrite_all
+from rltool.delta.safetensors_io import DTYPE_SIZES, patched_copy
 from rltool.errors import DeltaChainError
 
 
@@ -71,9 +71,10 @@ def check_links(deltas: list[DeltaDir], *, base_version: int | None) -> None:
         expected = d.version
 
 
-def _rebuild_tensor(name: str, base: Checkpoint, deltas: list[DeltaDir]) -> tuple[np.ndarray, bool]:
+def _rebuild_tensor(name: str, buf: np.ndarray, base: Checkpoint, deltas: list[DeltaDir]) -> bool:
+    """Apply the chain to the tensor bytes `buf` (the base's, patched in place); checks every
+    checksum the chain declares for `name`. Returns whether any delta touched it."""
     dtype = base.entry(name).dtype
-    buf = base.read(name)
     digest: str | None = None
     changed = False
     for d in deltas:
@@ -90,7 +91,7 @@ def _rebuild_tensor(name: str, base: Checkpoint, deltas: list[DeltaDir]) -> tupl
             raise DeltaChainError(f"checksum mismatch for tensor {name!r} after applying "
                                   f"{d.root} (got {digest}, expected {want}); the delta or its "
                                   "base is corrupt")
-    return buf, changed
+    return changed
 
 
 def _extra_files(base: Checkpoint, deltas: list[DeltaDir]) -> dict[str, Path]:
@@ -126,21 +127,22 @@ def apply_chain(base: Checkpoint, deltas: list[DeltaDir], out: str | os.PathLike
     names = base.names()
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(atomic.publish_dir(out)) if out is not None else None
-        fds = {}
+        # Output files start as kernel copies of the base files and are patched in place through
+        # a shared mmap; without an output each tensor is patched in a private copy.
+        files = {}
         if tmp is not None:
             for fname, f in base.files.items():
-                fds[fname] = stack.enter_context(layout_writer(tmp / fname, like=f))
+                files[fname] = stack.enter_context(patched_copy(tmp / fname, like=f))
         pool = stack.enter_context(ThreadPoolExecutor(workers))
 
         def work(name: str) -> bool:
-            buf, changed = _rebuild_tensor(name, base, deltas)
-            if fds:
-                pwrite_all(fds[base.tensor_file[name]], buf, base.entry(name).start)
-            return changed
+            if not files:
+                return _rebuild_tensor(name, base.read(name), base, deltas)
+            e = base.entry(name)
+            return _rebuild_tensor(name, files[base.tensor_file[name]][e.start:e.end], base, deltas)
 
-        # map() keeps at most len(names) futures but each result is one bool: the tensor buffers
-        # are written and freed inside the worker, so memory stays ~workers tensors.
         changed = sum(pool.map(work, names))
+        files.clear()
         if tmp is not None:
             for rel, src in extras.items():
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,6 @@ class Checkpoint:
     def entry(self, name: str) -> TensorEntry:
         return self.files[self.tensor_file[name]].entries[name]
 
-    # The tensor-source interface diff() reads new weights through (see publish.StateDictSource).
     def names(self) -> list[str]:
         return list(self.tensor_file)
 
@@ -41,7 +40,12 @@ class Checkpoint:
         return e.dtype, e.shape, e.nbytes
 
     def read(self, name: str, *, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
+        """A private writable copy of tensor bytes."""
         return self.files[self.tensor_file[name]].read(name, offset=offset, nbytes=nbytes)
+
+    def view(self, name: str, *, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
+        """Read-only zero-copy bytes (mmap)."""
+        return self.files[self.tensor_file[name]].view(name, offset=offset, nbytes=nbytes)
 
     def extra_paths(self) -> dict[str, Path]:
         return {rel: self.root / rel for rel in self.extra_files()}

@@ -61,17 +61,24 @@ def _decompress(payload: bytes | memoryview, size: int, what: str) -> bytes:
 
 # ---- rltool codec: one chunk ---------------------------------------------------------------
 
+def changed_positions(x: np.ndarray) -> np.ndarray:
+    """Indices of the nonzero elements of `x` (nonzero on a bool mask is ~4x faster than on
+    the integers themselves)."""
+    return np.flatnonzero(x != 0)
+
+
 def encode_chunk(old: np.ndarray, new: np.ndarray, *, width: int) -> tuple[list, bytes]:
     """Encode one chunk (uint8 buffers of equal length). Returns (record, payload) where record is
     [encoding, payload_bytes, changed_elements, gap_width]."""
     u = UINT[width]
     x = old.view(u) ^ new.view(u)
-    changed = int(np.count_nonzero(x))
+    mask = x != 0
+    changed = int(np.count_nonzero(mask))
     if changed == 0:
         return ["zero", 0, 0, 0], b""
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
     if changed <= SPARSE_MAX_DENSITY * len(x):
-        idx = np.flatnonzero(x)
+        idx = np.flatnonzero(mask)
         gaps = np.diff(idx, prepend=-1) - 1
         top = int(gaps.max())
         gw = 1 if top < 1 << 8 else 2 if top < 1 << 16 else 4

@@ -14,7 +14,6 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import numpy as np
 import xxhash
@@ -26,15 +25,6 @@ from rltool.delta.deltadir import (CHECKSUM_FORMAT, DELTA_FILE, FORMATS, RLTOOL_
                                    SLIME_ENCODINGS, format_version)
 from rltool.delta.safetensors_io import DTYPE_SIZES, BlobWriter, reserve_for
 from rltool.errors import BadInputError
-
-
-class TensorSource(Protocol):
-    """Where new weights come from: a Checkpoint, or publish.StateDictSource (in memory)."""
-
-    def names(self) -> list[str]: ...
-    def spec(self, name: str) -> tuple[str, tuple[int, ...], int]: ...
-    def read(self, name: str, *, offset: int = 0, nbytes: int | None = None) -> np.ndarray: ...
-    def extra_paths(self) -> dict[str, Path]: ...
 
 
 @dataclass
@@ -51,7 +41,7 @@ def default_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-def _check_same_tensors(base: Checkpoint, new: TensorSource) -> None:
+def _check_same_tensors(base: Checkpoint, new: Checkpoint) -> None:
     base_names, new_names = set(base.names()), set(new.names())
     if base_names != new_names:
         diff = sorted(base_names ^ new_names)[:3]
@@ -63,7 +53,7 @@ def _check_same_tensors(base: Checkpoint, new: TensorSource) -> None:
                                 f"{new.spec(name)[:2]}); publish a full version")
 
 
-def _encode_tensor(name: str, base: Checkpoint, new: TensorSource, *, fmt: str,
+def _encode_tensor(name: str, base: Checkpoint, new: Checkpoint, *, fmt: str,
                    encoding: str) -> _Encoded:
     dtype, shape, nbytes = new.spec(name)
     width = codec.element_width(DTYPE_SIZES.get(dtype, 1), nbytes)
@@ -81,7 +71,7 @@ def _encode_tensor(name: str, base: Checkpoint, new: TensorSource, *, fmt: str,
                             "encoding's u32 positions can address; use --encoding xor")
     for off in range(0, nbytes, step):
         n = min(step, nbytes - off)
-        old, cur = base.read(name, offset=off, nbytes=n), new.read(name, offset=off, nbytes=n)
+        old, cur = base.view(name, offset=off, nbytes=n), new.view(name, offset=off, nbytes=n)
         digest.update(cur)
         if fmt == "rltool":
             rec, payload = codec.encode_chunk(old, cur, width=width)
@@ -94,7 +84,7 @@ def _encode_tensor(name: str, base: Checkpoint, new: TensorSource, *, fmt: str,
         if slime_xor is not None:
             slime_xor.update(x)
         else:
-            pos = np.flatnonzero(x)
+            pos = codec.changed_positions(x)
             positions.append(pos + off)
             values.append(cur[pos])
     blob = None
@@ -109,7 +99,7 @@ def _encode_tensor(name: str, base: Checkpoint, new: TensorSource, *, fmt: str,
     return _Encoded(name, blob, digest.hexdigest(), numel, changed, record)
 
 
-def _extra_files(base: Checkpoint, new: TensorSource) -> tuple[dict[str, Path], list[str]]:
+def _extra_files(base: Checkpoint, new: Checkpoint) -> tuple[dict[str, Path], list[str]]:
     """Non-weight files that differ from the base (to ship) and those the new version dropped."""
     base_extra, new_extra = base.extra_paths(), new.extra_paths()
     changed = {rel: p for rel, p in new_extra.items()
@@ -117,7 +107,7 @@ def _extra_files(base: Checkpoint, new: TensorSource) -> tuple[dict[str, Path], 
     return changed, sorted(set(base_extra) - set(new_extra))
 
 
-def write_delta(base: Checkpoint, new: TensorSource, out: str | os.PathLike, *, version: int,
+def write_delta(base: Checkpoint, new: Checkpoint, out: str | os.PathLike, *, version: int,
                 base_version: int, fmt: str = "rltool", encoding: str = "xor",
                 workers: int | None = None) -> dict:
     """Write `out` (a new directory, published atomically, index last) holding the delta that turns
