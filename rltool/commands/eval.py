@@ -31,7 +31,10 @@ def command(ctx, config_file, as_json, quiet, **_):
     from rltool.config import resolve
     from rltool.rollout.eval import EvalConfig, run
 
+    import logging
+
     setup_logging(quiet=quiet or as_json)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request
     flags = {k: v for k, v in explicit_flags(ctx).items() if k not in ("as_json", "config_file")}
     cfg = resolve(EvalConfig, config_file=config_file, section="eval", flags=flags)
     result = run(cfg)

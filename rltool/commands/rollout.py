@@ -78,7 +78,10 @@ def command(ctx, config_file, as_json, quiet, **_):
     from rltool.config import resolve
     from rltool.rollout.stage import RolloutConfig, run
 
+    import logging
+
     setup_logging(quiet=quiet)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request
     flags = {k: v for k, v in explicit_flags(ctx).items() if k not in ("as_json", "config_file")}
     cfg = resolve(RolloutConfig, config_file=config_file, section="rollout", flags=flags)
     result = run(cfg)

@@ -66,7 +66,7 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
                      sampling=sampling, extra={"prompts": str(cfg.prompts), "reward": cfg.reward,
                                                "engines": inputs.urls})
     manifest = write_shard(cfg.out, [to_row(s) for g in result.kept for s in g], meta)
-    write_resolved(cfg, Path(cfg.out) / CONFIG_NAME)
+    write_resolved(cfg.model_copy(update={"api_key": None}), Path(cfg.out) / CONFIG_NAME)
     metrics = eval_metrics(result.kept, pass_threshold=cfg.pass_threshold,
                            elapsed_s=result.elapsed_s, output_tokens=result.output_tokens)
     versions = [v for g in result.kept for s in g for v in s.weight_versions if v >= 0]

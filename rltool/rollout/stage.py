@@ -223,7 +223,7 @@ def run(cfg: RolloutConfig) -> dict[str, Any]:
     if cfg.partial:
         carry_path = partial_store.save_carry(carry_dir, step=cfg.step, groups=result.carry,
                                               meta=meta)
-    write_resolved(cfg, Path(cfg.out) / CONFIG_NAME)
+    write_resolved(cfg.model_copy(update={"api_key": None}), Path(cfg.out) / CONFIG_NAME)
     metrics = rollout_metrics(result.kept, counts=result.counts, output_tokens=result.output_tokens,
                               elapsed_s=result.elapsed_s,
                               redispatched=router_stats["redispatched"])

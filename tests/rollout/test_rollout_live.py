@@ -185,11 +185,14 @@ def test_rollout_writes_grouped_shard_with_engine_logprobs(builtin_engine, promp
 
 
 def test_prompt_positions_cycle_over_the_file(builtin_engine, prompts, tmp_path):
-    out = tmp_path / "step-000007"
-    result = rollout(["--engines", builtin_engine.url, "--prompts", prompts, "--out", out,
-                      "--reward", "reverse", "--n-samples-per-prompt", 1,
-                      "--rollout-batch-size", 3, "--max-response-len", 2, "--step", 3])
+    out = tmp_path / "step-000003"
+    config = tmp_path / "run.toml"
+    config.write_text(f"""[train]\nlr = 1.0\n\n[rollout]\nengines = ["{builtin_engine.url}"]
+prompts = "{prompts}"\nreward = "reverse"\nn_samples_per_prompt = 1\nrollout_batch_size = 3
+max_response_len = 2\nstep = 99\n""")
+    result = rollout(["--config", config, "--out", out, "--step", 3])  # the flag wins
     assert result.exit_code == 0, result.output
+    assert 'step = 3' in (out / "rollout_config.toml").read_text()
     groups = rows_by_group(out)
     assert sorted(groups) == [9, 10, 11]
     assert [groups[g][0]["prompt_id"] for g in (9, 10, 11)] == ["reverse-1-9", "reverse-1-0",
@@ -217,6 +220,14 @@ def test_bad_prompt_files_exit_2_and_write_nothing(tmp_path, name, content, mess
     assert result.exit_code == 2, result.output
     assert message in result.output
     assert not (tmp_path / "runs").exists()
+
+
+def test_bad_config_file_exits_2(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text('[rollout]\nrollout_batch_size = 0\nbogus = 1\n')
+    result = rollout(["--config", config])
+    assert result.exit_code == 2
+    assert "--rollout-batch-size" in result.output and "--bogus" in result.output
 
 
 @pytest.mark.parametrize("extra,message", [
