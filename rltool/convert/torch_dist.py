@@ -1,0 +1,307 @@
+"""HF safetensors <-> megatron-core torch_dist checkpoints (Megatron-LM directory layout).
+
+hf-to-dist builds this rank's megatron-core GPTModel (uninitialized weights), fills every tensor of
+its sharded state dict from the HF tensors (read one at a time, each megatron slot fused and sliced
+to this rank's shard), and saves with `dist_checkpointing.save` into `OUT/iter_0000000/`, then writes
+`OUT/latest_checkpointed_iteration.txt`. Under torchrun each rank fills and saves its own shards; in
+one process the saved global tensors are the same, because torch_dist stores global tensors and is
+resharded on load. Only the vocabulary padding (a multiple of 128 * TP) depends on --tp.
+
+dist-to-hf reads the global shapes from the checkpoint's metadata, builds a one-process model of
+that shape, loads it, and writes the HF tensors back (exact inverse: HF -> dist -> HF is bit-exact).
+torch_dist metadata is pickled by torch.distributed.checkpoint itself, so rltool reads such
+checkpoints only from paths the user names.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import Field
+
+from rltool import atomic
+from rltool.config import StageConfig, write_resolved
+from rltool.convert import hf_writer, name_map
+from rltool.convert import safetensors_io as stio
+from rltool.convert.gpt_model import build_gpt_model, hf_arch, padded_vocab_size
+from rltool.errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+ITER_DIR = "iter_0000000"
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+RESOLVED_CONFIG = "rltool_convert.toml"
+CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version, kept in the common state
+
+
+class HfToDistConfig(StageConfig):
+    """`rltool convert hf-to-dist`: HF safetensors -> torch_dist for megatron-core."""
+
+    hf: Path = Field(description="Source HF checkpoint directory (llama, qwen2, qwen3, qwen3_moe).")
+    out: Path = Field(description="New output directory (Megatron-LM layout).")
+    tp: int = Field(default=1, ge=1, description="Tensor-parallel size (sets vocabulary padding).")
+    pp: int = Field(default=1, ge=1, description="Pipeline-parallel size.")
+    ep: int = Field(default=1, ge=1, description="Expert-parallel size (MoE).")
+    dtype: str = Field(default="auto", pattern="^(auto|bfloat16|float16|float32)$",
+                       description="Weight dtype in the checkpoint; auto keeps the HF dtype.")
+
+
+class DistToHfConfig(StageConfig):
+    """`rltool convert dist-to-hf`: torch_dist -> HF safetensors."""
+
+    dist: Path = Field(description="torch_dist checkpoint: the Megatron-LM root or an iter_* dir.")
+    hf_config: Path = Field(description="HF directory with the config.json (and tokenizer) to use.")
+    out: Path = Field(description="New output directory.")
+    workers: int = Field(default=2, ge=1, description="Writer threads.")
+    max_shard_mb: float = Field(default=5000.0, gt=0, description="Largest output shard, in MB.")
+
+
+def _sharded_tensors(sharded_state_dict: dict[str, Any]) -> dict[name_map.Slot, list[Any]]:
+    """Group this rank's ShardedTensors by slot (key, prepended layer/expert indices)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    apply_factories(sharded_state_dict)
+    slots: dict[name_map.Slot, list[Any]] = defaultdict(list)
+    for value in nested_values(sharded_state_dict):
+        if isinstance(value, ShardedTensor):
+            p = value.prepend_axis_num
+            slots[(value.key, tuple(value.global_offset[:p]))].append(value)
+    return slots
+
+
+def _region(sh: Any) -> tuple[slice, ...]:
+    p = sh.prepend_axis_num
+    return tuple(slice(o, o + n) for o, n in zip(sh.global_offset[p:], sh.local_shape,
+                                                  strict=True))
+
+
+def _fill_from_hf(slots: dict[name_map.Slot, list[Any]], tensors: dict[str, stio.TensorInfo], *,
+                  hf_config: dict[str, Any], padded_vocab: int) -> None:
+    shapes = name_map.Shapes.from_hf(hf_config)
+    tied = bool(hf_config.get("tie_word_embeddings", False))
+    for (key, index), shards in slots.items():
+        kind = name_map.RULES[key][0] if key in name_map.RULES else None
+        if kind is None:
+            raise CheckpointError(f"megatron tensor {key} has no HF mapping")
+        names = name_map.hf_names(key, index, tied=tied)
+        dtype = shards[0].data.dtype
+        hf = [stio.read_tensor(tensors[n]).to(dtype) for n in names]
+        full = name_map.to_megatron(kind, hf, shapes=shapes, padded_vocab=padded_vocab)
+        del hf
+        expect = tuple(shards[0].global_shape[shards[0].prepend_axis_num:])
+        if tuple(full.shape) != expect:
+            raise CheckpointError(f"{key}{list(index)} from {', '.join(names)} has shape "
+                                  f"{list(full.shape)}, the model expects {list(expect)}")
+        for sh in shards:
+            sh.data.copy_(full[_region(sh)])
+        del full
+
+
+def _hf_dtype(tensors: dict[str, stio.TensorInfo], requested: str) -> torch.dtype:
+    import torch
+
+    if requested != "auto":
+        return getattr(torch, requested)
+    return stio.torch_dtype(tensors["model.embed_tokens.weight"].dtype)
+
+
+def _rank0_tempdir(out: Path) -> Path:
+    """A temporary directory next to `out`, created by rank 0 and known to every rank."""
+    import torch.distributed as dist
+
+    holder = [None]
+    if dist.get_rank() == 0:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        holder[0] = tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    dist.broadcast_object_list(holder, src=0)
+    return Path(holder[0])
+
+
+def _build_fill_save(cfg: HfToDistConfig, out: Path, hf_config: dict[str, Any],
+                     tensors: dict[str, stio.TensorInfo], dtype: torch.dtype) -> None:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    padded = padded_vocab_size(hf_config["vocab_size"], tp=cfg.tp)
+    model = build_gpt_model(hf_config, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, params_dtype=dtype,
+                            perform_initialization=False)
+    sharded = model.sharded_state_dict()
+    with torch.no_grad():
+        _fill_from_hf(_sharded_tensors(sharded), tensors, hf_config=hf_config,
+                      padded_vocab=padded)
+    tmp = _rank0_tempdir(out)
+    rank0 = dist.get_rank() == 0
+    try:
+        if rank0:
+            (tmp / ITER_DIR).mkdir()
+        dist.barrier()
+        dist_checkpointing.save({"model": sharded, "checkpoint_version": CHECKPOINT_VERSION,
+                                 "iteration": 0}, str(tmp / ITER_DIR))
+        dist.barrier()
+        if rank0:
+            write_resolved(cfg, tmp / RESOLVED_CONFIG)
+            atomic.write_text(tmp / TRACKER_FILE, "0")  # written last: the layout's marker
+            os.rename(tmp, out)
+            atomic.fsync_dir(out.parent)
+    except BaseException:
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    dist.barrier()
+
+
+def hf_to_dist(cfg: HfToDistConfig) -> dict[str, Any]:
+    """Convert `cfg.hf` to a torch_dist checkpoint at `cfg.out`; every rank of the job calls this."""
+    from rltool import megatron_compat
+
+    started = time.perf_counter()
+    megatron_compat.require_megatron()
+    out = hf_writer.check_new_output(cfg.out)
+    hf_config = hf_writer.read_config(cfg.hf)
+    hf_arch(hf_config)
+    tensors = stio.checkpoint_tensors(cfg.hf)
+    name_map.check_hf_tensors({n: i.shape for n, i in tensors.items()}, hf_config)
+    dtype = _hf_dtype(tensors, cfg.dtype)
+    with megatron_compat.distributed(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep):
+        _build_fill_save(cfg, out, hf_config, tensors, dtype)
+    padded = padded_vocab_size(hf_config["vocab_size"], tp=cfg.tp)
+    return {"out": str(out), "arch": hf_config["model_type"], "tp": cfg.tp, "pp": cfg.pp,
+            "ep": cfg.ep, "padded_vocab_size": padded, "dtype": str(dtype).removeprefix("torch."),
+            "tensors": len(tensors), "seconds": round(time.perf_counter() - started, 3)}
+
+
+def iteration_dir(dist_dir: str | os.PathLike) -> Path:
+    """Resolve a Megatron-LM root (via its tracker file) or an iteration directory itself."""
+    path = Path(dist_dir)
+    tracker = path / TRACKER_FILE
+    if tracker.exists():
+        text = tracker.read_text().strip()
+        path = path / ("release" if text == "release" else f"iter_{int(text):07d}")
+    if not (path / ".metadata").exists():
+        raise CheckpointError(f"{dist_dir} is not a torch_dist checkpoint (no {TRACKER_FILE} and "
+                              "no .metadata); pass the directory hf-to-dist wrote")
+    return path
+
+
+def _check_against_metadata(slots: dict[name_map.Slot, list[Any]], metadata: dict[str, Any]) -> None:
+    keys = {key for key, _ in slots}
+    missing = sorted(keys - set(metadata))
+    if missing:
+        raise CheckpointError(f"torch_dist checkpoint lacks {', '.join(missing[:3])}; was it "
+                              "written for another --hf-config?")
+    for (key, _), shards in slots.items():
+        if tuple(shards[0].global_shape) != tuple(metadata[key].global_shape):
+            raise CheckpointError(f"{key} is {list(metadata[key].global_shape)} in the checkpoint, "
+                                  f"{list(shards[0].global_shape)} for this --hf-config")
+
+
+def _copy_loaded(sharded: dict[str, Any], loaded: dict[str, Any]) -> None:
+    """Make sure every ShardedTensor's data holds what `dist_checkpointing.load` returned: it loads
+    in place when it can; copy where it returned a different tensor (matched by key, since the
+    returned dict's order differs)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    for name, value in sharded.items():
+        pairs = (zip(value, loaded[name], strict=True) if isinstance(value, list)
+                 else [(value, loaded[name])])
+        for sh, got in pairs:
+            if isinstance(sh, ShardedTensor) and got.data_ptr() != sh.data.data_ptr():
+                sh.data.copy_(got)
+
+
+def _split_job(key: str, shards: list[Any], shapes: name_map.Shapes) -> Any:
+    """A writer job body: assemble the slot's global tensor from its shards, split it into HF."""
+    def run() -> list[torch.Tensor]:
+        import torch
+
+        first = shards[0]
+        full = first.data.new_empty(first.global_shape[first.prepend_axis_num:])
+        with torch.no_grad():
+            for sh in shards:
+                full[_region(sh)] = sh.data.reshape(sh.local_shape)
+        return name_map.to_hf(name_map.RULES[key][0], full, shapes=shapes)
+
+    return run
+
+
+def load_model_weights(model: Any, dist_dir: str | os.PathLike) -> dict[name_map.Slot, list[Any]]:
+    """Load a torch_dist checkpoint (root or iter_* dir) into this rank's GPTModel, in place.
+
+    Refuses, before loading, a checkpoint whose tensors are missing or shaped for another config.
+    Returns the model's ShardedTensors by slot (their data are the model's parameters).
+    """
+    import torch
+    from megatron.core import dist_checkpointing
+
+    source = iteration_dir(dist_dir)
+    sharded = model.sharded_state_dict()
+    slots = _sharded_tensors(sharded)
+    _check_against_metadata(slots, dist_checkpointing.load_tensors_metadata(str(source)))
+    loaded = dist_checkpointing.load({"model": sharded}, str(source))
+    with torch.no_grad():
+        _copy_loaded(sharded, loaded["model"])
+    return slots
+
+
+def _read_dist(source: Path, hf_config: dict[str, Any]) -> tuple[Any, dict[name_map.Slot, list]]:
+    """Build a one-process GPTModel shaped like the checkpoint and load it: (dtype, slots)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    if dist.get_world_size() != 1:
+        raise CheckpointError("dist-to-hf runs as one process; launch it without torchrun")
+    metadata = dist_checkpointing.load_tensors_metadata(str(source))
+    embedding = metadata.get("embedding.word_embeddings.weight")
+    if embedding is None:
+        raise CheckpointError(f"{source} holds no embedding.word_embeddings.weight")
+    # the padded vocabulary (it depends on the TP the checkpoint was written for) comes from it
+    model = build_gpt_model(hf_config, params_dtype=embedding.dtype,
+                            vocab_size=embedding.global_shape[0], perform_initialization=False)
+    return embedding.dtype, load_model_weights(model, source)
+
+
+def dist_to_hf(cfg: DistToHfConfig) -> dict[str, Any]:
+    """Convert a torch_dist checkpoint back to HF safetensors at `cfg.out` (one process)."""
+    from rltool import megatron_compat
+
+    started = time.perf_counter()
+    megatron_compat.require_megatron()
+    out = hf_writer.check_new_output(cfg.out)
+    hf_config = hf_writer.read_config(cfg.hf_config)
+    hf_arch(hf_config)
+    source = iteration_dir(cfg.dist)
+    with megatron_compat.distributed():
+        dtype, slots = _read_dist(source, hf_config)
+    shapes = name_map.Shapes.from_hf(hf_config)
+    tied = bool(hf_config.get("tie_word_embeddings", False))
+    expected = name_map.expected_hf_shapes(hf_config)
+    code = stio.dtype_code(dtype)
+    jobs = [hf_writer.Job(outputs=[(n, code, expected[n]) for n in name_map.hf_names(key, index)],
+                          run=_split_job(key, shards, shapes))
+            for (key, index), shards in slots.items()
+            if not (key == "output_layer.weight" and tied)]
+    config = dict(hf_config)
+    for k in ("torch_dtype", "dtype"):
+        if k in config:
+            config[k] = str(dtype).removeprefix("torch.")
+    with atomic.publish_dir(out) as tmp:
+        hf_writer.copy_side_files(cfg.hf_config, tmp)
+        written = hf_writer.write_checkpoint(tmp, jobs, workers=cfg.workers,
+                                             max_shard_bytes=int(cfg.max_shard_mb * 10**6))
+        write_resolved(cfg, tmp / RESOLVED_CONFIG)
+        atomic.write_json(tmp / hf_writer.CONFIG_NAME, config)
+    return {"out": str(out), "source": str(source), "tensors": sum(len(j.outputs) for j in jobs),
+            "bytes_out": written["total_size"], "files": written["files"],
+            "seconds": round(time.perf_counter() - started, 3)}

@@ -1,0 +1,194 @@
+"""The one place where megatron-core is adapted to run on CPU with gloo (tests, CI, conversion).
+
+megatron-core 0.16 assumes CUDA in a few spots that conversion and CPU tests reach. On a machine
+without CUDA, `enable_cpu()` patches exactly these, and nothing when CUDA is available:
+
+- `torch.cuda.current_device()`: megatron moves buffers to it (e.g. the rotary `inv_freq`, pipeline
+  receive buffers); on CPU it returns `torch.device("cpu")`, so `.to(device=...)` and
+  `torch.empty(..., device=...)` land on the CPU.
+- `torch.cuda.synchronize()`: called after barriers; a no-op on CPU.
+- `get_default_causal_mask` (transformer.utils, imported by fusions.fused_softmax): builds the
+  causal mask with a hard-coded `device="cuda"`; replaced by the same mask on the CPU.
+- `moe_utils.te_general_gemm`: left undefined when transformer-engine is missing (0.16 bug), so
+  the fp32 router fails with NameError; defined as None, which selects the plain-torch matmul.
+  This one is needed on GPUs without transformer-engine too, so it is applied there as well.
+- the CUDA RNG state tracker (`tensor_parallel.random`): megatron forks per-parallel-rank RNG states
+  for dropout and weight init; on CPU a tracker with the same interface forks the CPU generator.
+
+Also required on CPU, but not patchable here: `psutil` must be installed (torch_dist saving
+otherwise waits forever for a worker), and scripts that save torch_dist checkpoints need an
+`if __name__ == "__main__":` guard (its writer uses multiprocessing spawn).
+
+Not covered yet: megatron's DDP/optimizer code paths that hard-code `device="cuda"` (the megatron
+trainer will add its patches here, in this module, when it needs them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from rltool.errors import RltoolError
+
+log = logging.getLogger(__name__)
+
+_ENABLED = False
+
+
+class MegatronUnavailableError(RltoolError):
+    """megatron-core is not installed (exit 3: the environment lacks a dependency)."""
+
+
+def require_megatron() -> None:
+    """Raise a one-line error naming the fix when megatron-core cannot be imported."""
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as e:
+        raise MegatronUnavailableError(
+            f"megatron-core is required for this command but cannot be imported ({e}); "
+            "install it with `pip install 'rltool[megatron]'` (megatron-core>=0.16,<0.17)") from e
+
+
+def _make_cpu_tracker_class() -> type:
+    import torch
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """megatron's RNG tracker over the CPU generator: same names, seeds and fork semantics."""
+
+        def add(self, name: str, seed: int) -> None:
+            if seed in self.seeds_:
+                raise ValueError(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise ValueError(f"rng state {name} already exists")
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name: str = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+            if name not in self.states_:
+                raise ValueError(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+
+    return CpuRNGStatesTracker
+
+
+def enable_cpu() -> bool:
+    """Apply the patches (idempotent). Returns True on CPU, False when CUDA is present (then only
+    the missing-transformer-engine fix is applied)."""
+    global _ENABLED
+    import torch
+
+    require_megatron()
+    _patch_missing_te_gemm()
+    if torch.cuda.is_available():
+        return False
+    if _ENABLED:
+        return True
+    from megatron.core.tensor_parallel import random as mrandom
+
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda device=None: None
+    tracker_class = _make_cpu_tracker_class()
+    original_init = mrandom.initialize_rng_tracker
+
+    def initialize_rng_tracker(*args: Any, **kwargs: Any) -> None:
+        original_init(*args, **kwargs)
+        if not isinstance(mrandom._CUDA_RNG_STATE_TRACKER, tracker_class):
+            mrandom._CUDA_RNG_STATE_TRACKER = tracker_class()
+
+    mrandom.initialize_rng_tracker = initialize_rng_tracker
+    _patch_causal_mask()
+    mrandom.initialize_rng_tracker(force_reset=True)
+    _ENABLED = True
+    log.debug("megatron-core CPU compatibility enabled")
+    return True
+
+
+def _patch_missing_te_gemm() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _patch_causal_mask() -> None:
+    import functools
+
+    import torch
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils
+
+    @functools.lru_cache(maxsize=32)
+    def get_default_causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+    utils.get_default_causal_mask = get_default_causal_mask
+    fused_softmax.get_default_causal_mask = get_default_causal_mask
+
+
+@contextlib.contextmanager
+def distributed(*, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0) -> Iterator[None]:
+    """`init_distributed` for the block; tears down what it created (the process group when it
+    started one, megatron's model-parallel state always), so a library call leaves no global state."""
+    import torch.distributed as dist
+
+    started = not dist.is_initialized()
+    init_distributed(tp=tp, pp=pp, ep=ep, seed=seed)
+    try:
+        yield
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        if started and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_distributed(*, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0) -> None:
+    """Start torch.distributed (gloo on CPU, nccl on GPU) from the torchrun environment, or a
+    one-process group when not launched by torchrun, then megatron's model-parallel groups."""
+    import torch
+    import torch.distributed as dist
+
+    require_megatron()
+    cpu = enable_cpu()
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        if not cpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("gloo" if cpu else "nccl")
+    world = dist.get_world_size()
+    if world % (tp * pp) or (world // pp) % ep:
+        raise RltoolError(f"world size {world} does not fit --tp {tp} x --pp {pp} (x --ep {ep}); "
+                          "launch with torchrun --nproc-per-node a multiple of tp*pp")
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                             pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
