@@ -28,7 +28,8 @@ def _batch(seed: int):
             # Mismatch mostly small, sometimes large, so every band is crossed.
             ro = lo + (rng.gauss(0.0, 0.15) if rng.random() < 0.7 else rng.uniform(-1.5, 1.5))
             if not m:
-                lo, ro = 30.0 * rng.choice([-1, 1]), -30.0  # must never be read
+                # Must never be read: finite garbage, inf and NaN at padding.
+                lo, ro = rng.choice([30.0, -30.0, math.inf, math.nan]), -math.inf
             row_old.append(lo)
             row_roll.append(ro)
             row_mask.append(m)

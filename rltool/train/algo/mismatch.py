@@ -2,8 +2,8 @@
 
 The rollout engine samples with pi_rollout (its logprobs are in the shard); the trainer
 recomputes pi_old on the same tokens at the start of the step; pi_theta is the policy being
-trained. They differ by kernels, precision, and (async) by policy version. See docs/train-mismatch.md for the options and
-their slime / verl names.
+trained. They differ by kernels, precision, and (async) by policy version. See
+docs/train-mismatch.md for the options and their slime / verl names.
 
 Shapes: every tensor argument is padded [B, T] (B samples, T response positions), aligned token for
 token; `loss_mask` is [B, T] (bool, int or float, nonzero = trained token). Logprob values at
