@@ -130,6 +130,8 @@ def schedule_stats(lengths: list[int], plan: Plan, *, max_tokens_per_microbatch:
     multiple of dp_size: no plan under the equal-count rule can have fewer micro-batches."""
     dp_size = len(plan)
     cap = max_tokens_per_microbatch
+    _check(lengths, dp_size=dp_size, max_tokens_per_microbatch=cap, flops_a=flops_a,
+           flops_b=flops_b)
     flops = [sample_flops(n, flops_a=flops_a, flops_b=flops_b) for n in lengths]
     rank_flops = [sum(flops[i] for mb in rank for i in mb) for rank in plan]
     mean_flops = sum(rank_flops) / dp_size
