@@ -81,12 +81,15 @@ class ShardMeta:
         if missing:
             raise ShardSchemaError(f"{where}: file metadata lacks {', '.join(missing)}; "
                                    "the shard was not written by rltool's shard writer")
-        if int(kv["schema_version"]) != SCHEMA_VERSION:
+        if kv["schema_version"] != str(SCHEMA_VERSION):
             raise ShardSchemaError(f"{where}: schema version {kv['schema_version']} is not "
                                    f"{SCHEMA_VERSION}; re-create the shard with this rltool")
-        return cls(tokenizer_hash=kv["tokenizer_hash"], step=int(kv["step"]),
-                   producer=kv["producer"], sampling=json.loads(kv["sampling"]),
-                   schema_version=int(kv["schema_version"]), extra=json.loads(kv.get("extra", "{}")))
+        try:
+            return cls(tokenizer_hash=kv["tokenizer_hash"], step=int(kv["step"]),
+                       producer=kv["producer"], sampling=json.loads(kv["sampling"]),
+                       schema_version=SCHEMA_VERSION, extra=json.loads(kv.get("extra", "{}")))
+        except ValueError as e:  # a non-integer step, or sampling/extra that is not JSON
+            raise ShardSchemaError(f"{where}: corrupt rltool.* file metadata ({e})") from e
 
 
 def file_xxh3_128(path: str | os.PathLike) -> str:
@@ -282,6 +285,9 @@ def open_shard(path: str | os.PathLike, *, expected_tokenizer_hash: str | None =
         _check_schema(md.schema.to_arrow_schema(), where=str(p))
         total += md.num_rows
         part_meta = ShardMeta.from_parquet(md.metadata, where=str(p))
+        if meta is not None and part_meta != meta:
+            raise ShardSchemaError(f"{p}: file metadata differs from the first part's (tokenizer, "
+                                   "step, producer or sampling); parts of one shard must agree")
         meta = meta or part_meta
     if total != num_rows:
         raise ShardSchemaError(f"{path}: parts hold {total} rows but {MANIFEST} says {num_rows}")

@@ -57,6 +57,19 @@ def _nullable_schema():
     return pa.schema([f.with_nullable(True) for f in SCHEMA])
 
 
+def _rewrite_part(path, index, table, *, metadata):
+    """Replace part `index` with `table` carrying `metadata`, keeping the manifest consistent."""
+    import pyarrow.parquet as pq
+
+    from rltool.data.shards import file_xxh3_128
+
+    part = path / f"part-{index:05d}.parquet"
+    pq.write_table(table.replace_schema_metadata(metadata), part)
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["parts"][index]["xxh3_128"] = file_xxh3_128(part)
+    (path / MANIFEST).write_text(json.dumps(manifest))
+
+
 def _build(kind, path):
     """Write a shard at `path` with one defect of `kind`."""
     if kind == "missing-column":
@@ -83,16 +96,16 @@ def _build(kind, path):
         rows[3]["prompt_id"] = None
         write_raw_shard(path, [pa.Table.from_pylist(rows, schema=_nullable_schema())])
     elif kind == "no-metadata":
-        write_raw_shard(path, [_table()], meta=None)
-        # overwrite the part with one lacking rltool.* metadata, keeping the manifest consistent
-        import pyarrow.parquet as pq
-
-        from rltool.data.shards import file_xxh3_128
-        part = path / "part-00000.parquet"
-        pq.write_table(_table(), part)
-        m = json.loads((path / MANIFEST).read_text())
-        m["parts"][0]["xxh3_128"] = file_xxh3_128(part)
-        (path / MANIFEST).write_text(json.dumps(m))
+        write_raw_shard(path, [_table()])
+        _rewrite_part(path, 0, _table(), metadata=None)
+    elif kind == "bad-metadata":
+        write_raw_shard(path, [_table()])
+        raw = fake_meta().to_parquet()
+        raw[b"rltool.sampling"] = b"{not json"
+        _rewrite_part(path, 0, _table(), metadata=raw)
+    elif kind == "meta-mismatch":
+        write_raw_shard(path, [_table(), _table()])
+        _rewrite_part(path, 1, _table(), metadata=fake_meta(tokenizer_hash="f" * 16).to_parquet())
     else:
         write_shard(path, fake_rows(num_groups=4), fake_meta(), rows_per_part=6)
         manifest = json.loads((path / MANIFEST).read_text())
@@ -131,6 +144,8 @@ DEFECTS = {
     "inf-logprob": "rollout_logprobs contains non-finite values",
     "null-required": "row 3: prompt_id is null",
     "no-metadata": "file metadata lacks",
+    "bad-metadata": "corrupt rltool.* file metadata",
+    "meta-mismatch": "part-00001.parquet: file metadata differs from the first part's",
     "missing-part": "part file part-00001.parquet listed in _SUCCESS is missing",
     "checksum": "checksum mismatch",
     "no-success": "no _SUCCESS manifest, so the shard is incomplete",
