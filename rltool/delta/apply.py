@@ -89,8 +89,8 @@ def _rebuild_tensor(name: str, buf: np.ndarray, base: Checkpoint, deltas: list[D
             continue
         if digest != want:
             raise DeltaChainError(f"checksum mismatch for tensor {name!r} after applying "
-                                  f"{d.root} (got {digest}, expected {want}); the delta or its "
-                                  "base is corrupt")
+                                  f"{d.root} (got {digest}, expected {want}): the delta is "
+                                  "corrupt or was made on another base (wrong base)")
     return changed
 
 

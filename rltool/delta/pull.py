@@ -25,7 +25,7 @@ from rltool import atomic
 from rltool.delta.apply import apply_chain
 from rltool.delta.checkpoint import is_delta_dir, open_checkpoint
 from rltool.delta.deltadir import DeltaDir, format_version, open_delta, parse_version
-from rltool.errors import DeltaChainError
+from rltool.errors import CheckpointError, DeltaChainError
 from rltool.rundir import weight_dir_name
 
 SYNC_DIR = ".weight_sync"
@@ -72,7 +72,11 @@ def plan_chain(source_dir: Path, target: int, *, base_model_path: Path | None,
             seed = local_dir
             break
         d = source_dir / weight_dir_name(v)
-        if d.is_dir() and not is_delta_dir(d):
+        try:
+            delta_version = d.is_dir() and is_delta_dir(d)
+        except CheckpointError as e:
+            raise DeltaChainError(f"{d}: version index unreadable: {e}") from e
+        if d.is_dir() and not delta_version:
             seed = d
             break
         if d.is_dir():
