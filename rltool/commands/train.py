@@ -41,6 +41,20 @@ def _split_dirs(ctx, param, values):
 @click.option("--entropy-coef", type=float, default=None, help="Entropy bonus coefficient.")
 @click.option("--loss-aggregation", type=click.Choice(["token", "sequence", "group"]),
               default=None, help="Loss aggregation (default token).")
+@click.option("--tis-mode", type=click.Choice(["none", "truncate", "clip", "icepop"]),
+              default=None, help="Train/rollout importance weights (docs/train-mismatch.md).")
+@click.option("--tis-level", type=click.Choice(["token", "sequence", "geometric"]), default=None,
+              help="TIS ratio level (default token).")
+@click.option("--tis-clip-low", type=float, default=None, help="TIS clip / ICEPOP band low (0).")
+@click.option("--tis-clip-high", type=float, default=None, help="TIS clip / ICEPOP band high (2).")
+@click.option("--rs-level", type=click.Choice(["none", "token", "sequence", "geometric"]),
+              default=None, help="Rejection sampling level (default none).")
+@click.option("--rs-low", type=float, default=None, help="Rejection band low (default 1/high).")
+@click.option("--rs-high", type=float, default=None, help="Rejection band high (default 2).")
+@click.option("--rs-veto-threshold", type=float, default=None,
+              help="Drop samples with any token ratio below this.")
+@click.option("--bypass/--no-bypass", default=None,
+              help="Rollout logprobs as old logprobs, no recompute (--use-rollout-logprobs).")
 @click.option("--lr", type=float, default=None, help="Peak learning rate (default 1e-6).")
 @click.option("--min-lr", type=float, default=None, help="Final cosine learning rate.")
 @click.option("--lr-warmup-steps", type=int, default=None, help="Linear warmup steps.")

@@ -47,6 +47,22 @@ class TrainConfig(StageConfig):
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus coefficient.")
     loss_aggregation: Literal["token", "sequence", "group"] = Field(
         "token", description="How per-token losses become one scalar (see docs/train.md).")
+    # train/rollout mismatch correction (docs/train-mismatch.md)
+    tis_mode: Literal["none", "truncate", "clip", "icepop"] = Field(
+        "none", description="Importance weight pi_old/pi_rollout on the policy loss (decoupled "
+        "PPO): truncate, clip, or icepop (zero outside the band).")
+    tis_level: Literal["token", "sequence", "geometric"] = Field(
+        "token", description="Level of the TIS ratio (icepop is token level).")
+    tis_clip_low: float = Field(0.0, ge=0.0, description="Lower TIS clip / ICEPOP band bound.")
+    tis_clip_high: float = Field(2.0, gt=0.0, description="Upper TIS clip / ICEPOP band bound.")
+    rs_level: Literal["none", "token", "sequence", "geometric"] = Field(
+        "none", description="Rejection sampling: drop tokens/samples whose ratio leaves the band.")
+    rs_low: float | None = Field(None, ge=0.0, description="Rejection band low (default 1/high).")
+    rs_high: float = Field(2.0, gt=0.0, description="Rejection band high.")
+    rs_veto_threshold: float | None = Field(None, gt=0.0, description="Drop a sample with any "
+                                            "token ratio below this.")
+    bypass: bool = Field(False, description="Use the rollout logprobs as old logprobs (no "
+                         "recompute; slime's --use-rollout-logprobs).")
     # optimisation
     lr: float = Field(1e-6, gt=0.0, description="Peak learning rate (AdamW).")
     min_lr: float = Field(0.0, ge=0.0, description="Final learning rate of the cosine decay.")
@@ -96,6 +112,10 @@ class TrainConfig(StageConfig):
         if self.kl_coef and self.advantage_estimator in ("grpo", "gspo"):
             raise ConfigError("--kl-coef (KL reward shaping) applies to reinforce_plus_plus*; "
                               "use --kl-loss-coef with grpo/gspo")
+        if self.bypass and (self.tis_mode != "none" or self.rs_level != "none"):
+            raise ConfigError("--bypass uses the rollout logprobs as old logprobs, so there is no "
+                              "pi_old/pi_rollout ratio to correct: drop --tis-mode/--rs-level or "
+                              "--bypass")
         if self.lr_decay_style == "cosine" and self.lr_decay_steps is None:
             raise ConfigError("--lr-decay-style cosine needs --lr-decay-steps N (optimizer steps "
                               "over the whole run, not just this call)")

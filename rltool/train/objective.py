@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from rltool.train.algo.kl import approx_kl
-from rltool.train.algo.losses import gspo_log_ratio, policy_loss, sft_loss, weighted_sum
+from rltool.train.algo.losses import (aggregation_weights, gspo_log_ratio, policy_loss, sft_loss,
+                                      weighted_sum)
 from rltool.train.backend import ForwardOutput, LossFn, MicroBatch
 from rltool.train.config import TrainConfig
 
@@ -22,6 +23,7 @@ class SampleTensors:
     """Per-sample tensors of the sample set, indexed by sample index (response tokens each)."""
 
     masks: list[torch.Tensor]
+    rollout_logprobs: list[torch.Tensor]
     old_logprobs: list[torch.Tensor] | None = None
     ref_logprobs: list[torch.Tensor] | None = None
     advantages: list[torch.Tensor] | None = None
@@ -31,8 +33,49 @@ def _cat(values: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(values) if values else torch.zeros(0)
 
 
-def make_loss_fn(cfg: TrainConfig, data: SampleTensors, weights: dict[int, torch.Tensor]) -> LossFn:
-    """The loss of `cfg.loss` for one global batch; `weights` maps sample index -> token weights."""
+@dataclass
+class BatchTerms:
+    """What one global batch's loss needs beyond the per-sample tensors, by sample index."""
+
+    weights: dict[int, torch.Tensor]     # aggregation weights (rltool.train.algo.losses)
+    scales: dict[int, torch.Tensor]      # per-token multipliers of the policy loss (TIS weights)
+    metrics: dict[str, float]            # batch-level metrics (mismatch), not summed over ranks
+
+
+def batch_terms(cfg: TrainConfig, data: SampleTensors, batch: list[int],
+                groups: torch.Tensor) -> BatchTerms:
+    """Mismatch correction (rltool.train.algo.mismatch) and aggregation weights of one batch.
+
+    Both depend on old and rollout logprobs only, never on the policy being trained, so they are
+    fixed for the whole optimizer step; rejection sampling shrinks the masks the weights use.
+    """
+    from torch.nn.utils.rnn import pad_sequence
+
+    from rltool.train.algo.mismatch import rollout_correction
+
+    masks = [data.masks[i] for i in batch]
+    scales = masks
+    metrics: dict[str, float] = {}
+    if cfg.loss == "policy" and not cfg.bypass and data.old_logprobs is not None and batch:
+        pad = lambda xs: pad_sequence(list(xs), batch_first=True)  # noqa: E731
+        corr = rollout_correction(
+            pad(data.rollout_logprobs[i] for i in batch), loss_mask=pad(masks),
+            old_logprobs=pad(data.old_logprobs[i] for i in batch), tis_mode=cfg.tis_mode,
+            tis_level=cfg.tis_level, tis_clip_low=cfg.tis_clip_low,
+            tis_clip_high=cfg.tis_clip_high, rs_level=cfg.rs_level, rs_low=cfg.rs_low,
+            rs_high=cfg.rs_high, rs_veto_threshold=cfg.rs_veto_threshold)
+        lengths = [m.numel() for m in masks]
+        masks = [corr.loss_mask[k, :n].float() for k, n in enumerate(lengths)]
+        scales = [corr.weights[k, :n].float() for k, n in enumerate(lengths)]
+        metrics = {name: float(value) for name, value in corr.metrics.items()}
+    weights = aggregation_weights(masks, groups, mode=cfg.loss_aggregation)
+    return BatchTerms(weights=dict(zip(batch, weights)), scales=dict(zip(batch, scales)),
+                      metrics=metrics)
+
+
+def make_loss_fn(cfg: TrainConfig, data: SampleTensors, terms: BatchTerms) -> LossFn:
+    """The loss of `cfg.loss` for one global batch (see BatchTerms)."""
+    weights = terms.weights
 
     def sft(out: ForwardOutput, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         w = _cat([weights[i] for i in mb.indices])
@@ -54,7 +97,7 @@ def make_loss_fn(cfg: TrainConfig, data: SampleTensors, weights: dict[int, torch
         pl = policy_loss(_cat(log_ratio), _cat([data.advantages[i] for i in idx]),
                          eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
                          eps_clip_c=cfg.eps_clip_c)
-        pg_loss = weighted_sum(pl.loss, w)
+        pg_loss = weighted_sum(pl.loss * _cat([terms.scales[i] for i in idx]), w)
         loss = pg_loss
         metrics = {"train/pg_loss": pg_loss, "train/pg_clipfrac": weighted_sum(pl.clipped, w),
                    "train/ppo_kl": weighted_sum(pl.ppo_kl, w)}
@@ -72,17 +115,3 @@ def make_loss_fn(cfg: TrainConfig, data: SampleTensors, weights: dict[int, torch
         return loss, metrics
 
     return sft if cfg.loss == "sft" else policy
-
-
-def logprob_abs_diff(old: list[torch.Tensor], rollout: list[torch.Tensor],
-                     masks: list[torch.Tensor]) -> float:
-    """train/train_rollout_logprob_abs_diff of ragged per-sample tensors (padded for
-    rltool.train.algo.mismatch, which defines the metric)."""
-    from torch.nn.utils.rnn import pad_sequence
-
-    from rltool.train.algo.mismatch import train_rollout_logprob_abs_diff
-
-    if not old:
-        return 0.0
-    pad = [pad_sequence(list(x), batch_first=True) for x in (old, rollout, masks)]
-    return float(train_rollout_logprob_abs_diff(*pad))

@@ -28,11 +28,10 @@ from rltool.errors import CheckpointError, ConfigError
 from rltool.rundir import MetricsWriter, RunDir, step_dir_name, weight_dir_name
 from rltool.train.algo.advantages import compute_advantages
 from rltool.train.algo.kl import approx_kl
-from rltool.train.algo.losses import aggregation_weights
 from rltool.train.backend import MicroBatch, TrainerBackend
 from rltool.train.checkpoint import read_trainer_state, resolve_load
 from rltool.train.config import TrainConfig
-from rltool.train.objective import SampleTensors, logprob_abs_diff, make_loss_fn
+from rltool.train.objective import SampleTensors, batch_terms, make_loss_fn
 from rltool.train.samples import Sample, SampleSet, load_rollouts, load_sft_prompts, schedule
 from rltool.train.torch_backend import TorchBackend, TorchOptions
 
@@ -137,17 +136,20 @@ def _prepare_set(cfg: TrainConfig, backend: TorchBackend, ref: TorchBackend | No
                  sample_set: SampleSet, plan: _Plan) -> tuple[SampleTensors, dict[str, float]]:
     """Old/ref logprobs and advantages for a new sample set (first epoch's schedule)."""
     samples = sample_set.samples
-    masks = [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples]
-    data = SampleTensors(masks=masks)
+    data = base_tensors(samples)
+    masks = data.masks
     timings: dict[str, float] = {}
     if cfg.loss == "sft":
         return data, timings
     batches = [plan.batch(k) for k in range(plan.steps_per_epoch)]
     kwargs = dict(temperature=sample_set.temperature,
                   max_tokens_per_microbatch=cfg.max_tokens_per_microbatch)
-    t0 = time.perf_counter()
-    data.old_logprobs = compute_logprobs(backend, samples, batches, **kwargs)
-    timings["perf/log_probs_time"] = time.perf_counter() - t0
+    if cfg.bypass:  # slime's --use-rollout-logprobs: the engine's logprobs are the old ones
+        data.old_logprobs = list(data.rollout_logprobs)
+    else:
+        t0 = time.perf_counter()
+        data.old_logprobs = compute_logprobs(backend, samples, batches, **kwargs)
+        timings["perf/log_probs_time"] = time.perf_counter() - t0
     kl = None
     if ref is not None:
         t0 = time.perf_counter()
@@ -176,9 +178,15 @@ def _pack_data(data: SampleTensors) -> dict[str, torch.Tensor]:
     return out
 
 
-def _unpack_data(tensors: dict[str, torch.Tensor], masks: list[torch.Tensor]) -> SampleTensors:
-    data = SampleTensors(masks=masks)
-    sizes = [m.numel() for m in masks]
+def base_tensors(samples: list[Sample]) -> SampleTensors:
+    return SampleTensors(
+        masks=[torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples],
+        rollout_logprobs=[torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples])
+
+
+def _unpack_data(tensors: dict[str, torch.Tensor], samples: list[Sample]) -> SampleTensors:
+    data = base_tensors(samples)
+    sizes = [m.numel() for m in data.masks]
     for key in _DATA_KEYS:
         if key in tensors:
             setattr(data, key, list(torch.split(tensors[key], sizes)))
@@ -253,8 +261,7 @@ def _run(cfg: TrainConfig) -> TrainResult:
     if target.ckpt_dir is not None:
         _, tensors = backend.load(target.ckpt_dir)
         if start_step:
-            data = _unpack_data(tensors, [torch.tensor(s.loss_mask, dtype=torch.float32)
-                                          for s in samples])
+            data = _unpack_data(tensors, samples)
             log.info("resuming sample set %s at step %d/%d", sample_set.set_id, start_step,
                      plan.num_steps)
     ref = None
@@ -272,19 +279,14 @@ def _run(cfg: TrainConfig) -> TrainResult:
         for step in range(start_step, plan.num_steps):
             t0 = time.perf_counter()
             batch = plan.batch(step)
-            masks = [data.masks[i] for i in batch]
-            weights = dict(zip(batch, aggregation_weights(
-                masks, torch.tensor([samples[i].group for i in batch]),
-                mode=cfg.loss_aggregation)))
+            terms = batch_terms(cfg, data, batch,
+                                torch.tensor([samples[i].group for i in batch]))
             micro = rank_micro_batches(backend, samples, batch,
                                        max_tokens_per_microbatch=cfg.max_tokens_per_microbatch)
-            metrics = backend.train_step(micro, make_loss_fn(cfg, data, weights),
+            metrics = backend.train_step(micro, make_loss_fn(cfg, data, terms),
                                          temperature=sample_set.temperature, with_entropy=True)
             version += 1
-            if data.old_logprobs is not None:
-                metrics["train/train_rollout_logprob_abs_diff"] = logprob_abs_diff(
-                    [data.old_logprobs[i] for i in batch],
-                    [torch.tensor(samples[i].rollout_logprobs) for i in batch], masks)
+            metrics.update(terms.metrics)
             metrics["perf/train_time"] = time.perf_counter() - t0
             metrics["train/num_samples"] = len(batch)
             metrics["rollout_step"] = sample_set.rollout_step

@@ -149,3 +149,18 @@ def test_sft_on_prompts_lowers_the_loss(tiny_model_dir, tmp_path):
                              publish=str(tmp_path / "weights")))
     losses = [r for r in (m.get("train/loss") for m in result.metrics)]
     assert len(losses) == 6 and losses[-1] < 0.8 * losses[0]
+
+
+def test_mismatch_correction_is_wired(tiny_model_dir, train_shard):
+    """The shard's rollout logprobs (-1..0) are far above the model's (~ -4): a tight
+    sequence-level rejection band drops every sample, clipped IS lifts the tiny ratios to the
+    band's floor, bypass trains on them directly."""
+    base = dict(rollouts=[str(train_shard)], load=str(tiny_model_dir), num_steps=1, **COMMON)
+    rejected = run(TrainConfig(rs_level="sequence", rs_high=1.01, **base)).metrics[0]
+    assert rejected["train/rs_reject_frac"] == 1.0
+    assert rejected["train/pg_loss"] == 0.0 and rejected["train/grad_norm"] == 0.0
+    clipped = run(TrainConfig(tis_mode="clip", tis_clip_low=0.5, **base)).metrics[0]
+    assert clipped["train/tis_clipfrac"] > 0.5 and clipped["train/tis"] < 0.5
+    assert clipped["train/train_rollout_logprob_abs_diff"] > 1.0
+    bypass = run(TrainConfig(bypass=True, **base)).metrics[0]
+    assert "perf/log_probs_time" not in bypass and bypass["train/ppo_kl"] != 0.0
