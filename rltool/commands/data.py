@@ -1,6 +1,7 @@
 import click
 
-from rltool.commands.common import echo_json, handle_errors, json_option
+from rltool.commands.common import (config_option, echo_json, explicit_flags, handle_errors,
+                                    json_option)
 
 
 @click.group("data")
@@ -9,28 +10,34 @@ def command():
 
 
 @command.command("make")
-@click.option("--task", required=True, help="copy, reverse, sort or add.")
-@click.option("--num", type=int, required=True, help="Number of prompts.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Generator seed.")
+@click.option("--task", default=None, help="copy, reverse, sort or add (`rltool data list`).")
+@click.option("--num", type=int, default=None, help="Number of prompts.")
+@click.option("--seed", type=int, default=None, help="Generator seed (default 0).")
 @click.option("--min-len", type=int, default=None, help="Shortest digit string (task default).")
 @click.option("--max-len", type=int, default=None, help="Longest digit string (task default).")
-@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Output .jsonl file.")
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="Output .jsonl file.")
+@config_option
 @json_option
+@click.pass_context
 @handle_errors
-def make(task, num, seed, min_len, max_len, out, as_json):
+def make(ctx, task, num, seed, min_len, max_len, out, config_file, as_json):
     """Write NUM prompts of TASK as JSONL rows {prompt_id, prompt, label, metadata}.
 
     Example:
       rltool data make --task reverse --num 512 --seed 1 --out prompts.jsonl
     """
-    from rltool.data.tasks import make_rows, write_prompts
+    from rltool.config import resolve
+    from rltool.data.tasks import DataMakeConfig, make_rows, write_prompts
 
-    rows = make_rows(task, num=num, seed=seed, min_len=min_len, max_len=max_len)
-    write_prompts(rows, out)
+    cfg = resolve(DataMakeConfig, config_file=config_file, section="data",
+                  flags=explicit_flags(ctx, list(DataMakeConfig.model_fields)))
+    rows = make_rows(cfg.task, num=cfg.num, seed=cfg.seed, min_len=cfg.min_len,
+                     max_len=cfg.max_len)
+    write_prompts(rows, cfg.out)
     if as_json:
-        echo_json({"path": out, "rows": len(rows), "task": task})
+        echo_json({"path": cfg.out, "rows": len(rows), "task": cfg.task})
     else:
-        click.echo(f"wrote {len(rows)} {task} prompts to {out}", err=True)
+        click.echo(f"wrote {len(rows)} {cfg.task} prompts to {cfg.out}", err=True)
 
 
 @command.command("list")

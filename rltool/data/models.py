@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field
 
 from rltool import atomic
+from rltool.config import StageConfig
 from rltool.errors import BadInputError
 
 ARCHS = ("qwen2", "qwen3", "llama", "qwen3_moe")
@@ -85,3 +88,14 @@ def init_model(out: str | os.PathLike, *, arch: str = "qwen2", preset: str = "ti
         model.generation_config.pad_token_id = tok.pad_token_id
         model.save_pretrained(str(tmp), safe_serialization=True)
     return out
+
+
+class InitModelConfig(StageConfig):
+    """`rltool init-model` (the `[model]` table of a config file)."""
+
+    arch: str = Field("qwen2", description=f"HF architecture: {', '.join(ARCHS)}.")
+    preset: str = Field("tiny", description=f"Model size: {', '.join(PRESETS)}.")
+    task: str | None = Field(None, description="Built-in task the model is for (in config.json).")
+    seed: int = Field(0, description="Init seed.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Weight dtype.")
+    out: str = Field(description="Directory to create (must not exist).")

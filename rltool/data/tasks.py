@@ -15,7 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field
+
 from rltool import atomic
+from rltool.config import StageConfig
 from rltool.data.tokenizer import EOS_TOKEN, PAD_TOKEN
 from rltool.errors import BadInputError
 
@@ -129,3 +132,14 @@ def partial_reward(response: str, label: str) -> float:
     hits = sum(1 for a, b in zip(answer, label) if a == b)
     extra = max(0, len(answer) - len(label))
     return max(0.0, (hits - extra) / len(label))
+
+
+class DataMakeConfig(StageConfig):
+    """`rltool data make` (the `[data]` table of a config file)."""
+
+    task: str = Field(description="Built-in task (`rltool data list`).")
+    num: int = Field(gt=0, description="Number of prompts.")
+    seed: int = Field(0, description="Generator seed; the same seed gives the same file.")
+    min_len: int | None = Field(None, description="Shortest digit string (task default).")
+    max_len: int | None = Field(None, description="Longest digit string (task default).")
+    out: str = Field(description="Output .jsonl file.")

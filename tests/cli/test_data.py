@@ -59,7 +59,8 @@ def test_data_make_bad_input_writes_nothing(tmp_path):
     """Bug: `--min-len 0` was silently replaced by the task default (`0 or default`)."""
     out = tmp_path / "p.jsonl"
     for args, match in [(["--task", "nope", "--num", "3"], "unknown task 'nope'"),
-                        (["--task", "sort", "--num", "0"], "--num must be >= 1"),
+                        (["--task", "sort", "--num", "0"], "--num (in [data]): Input should be greater than 0"),
+                        (["--task", "sort"], "--num (in [data]): Field required"),
                         (["--task", "sort", "--num", "3", "--min-len", "0"], "--min-len"),
                         (["--task", "sort", "--num", "3", "--min-len", "6", "--max-len", "2"],
                          "need 1 <= --min-len <= --max-len")]:
@@ -67,3 +68,20 @@ def test_data_make_bad_input_writes_nothing(tmp_path):
         assert result.exit_code == 2, args
         assert match in result.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_data_make_config_file_and_flag_override(tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[data]\ntask = "sort"\nnum = 7\nseed = 3\n[train]\nlr = 1e-5\n')
+    out = tmp_path / "p.jsonl"
+    result = CliRunner().invoke(main, ["data", "make", "--config", str(cfg), "--num", "4",
+                                       "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {"path": str(out), "rows": 4, "task": "sort"}
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt_id"] for r in rows] == [f"sort-3-{i}" for i in range(4)]
+    cfg.write_text('[data]\ntask = "sort"\nnum = 7\nnmu = 3\n')
+    result = CliRunner().invoke(main, ["data", "make", "--config", str(cfg), "--out",
+                                       str(tmp_path / "q.jsonl")])
+    assert result.exit_code == 2 and "unknown key 'nmu'" in result.output
+    assert not (tmp_path / "q.jsonl").exists()

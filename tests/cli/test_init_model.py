@@ -15,7 +15,7 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("init-model")
     runner = CliRunner()
     out = {}
-    for arch in ("qwen2", "qwen3", "llama"):
+    for arch in ("qwen2", "qwen3", "llama", "qwen3_moe"):
         result = runner.invoke(main, ["init-model", "--arch", arch, "--task", "add", "--seed", "1",
                                       "--out", str(root / arch), "--json"])
         assert result.exit_code == 0, result.output
@@ -59,7 +59,7 @@ def test_checkpoints_load_offline_with_auto_classes(models):
         assert len(ids) == len(text.replace("<|im_start|>", "S").replace("<|im_end|>", "E"))
         assert len(tok) == model.get_input_embeddings().weight.shape[0] < 100  # small vocabulary
         assert (tok.eos_token, tok.pad_token) == ("<|im_end|>", "<|endoftext|>")
-        assert type(model).__name__.lower().startswith(arch)
+        assert type(model).__name__.lower().startswith(arch.replace("_", ""))
         all_ids.append(ids)
         all_ids.append(tokenizers.Tokenizer.from_file(str(path / "tokenizer.json")).encode(text).ids)
     assert all(ids == all_ids[0] for ids in all_ids)
@@ -93,3 +93,16 @@ def test_init_model_refuses_existing_dir(tmp_path):
     assert result.exit_code == 2 and "already exists" in result.output
     assert CliRunner().invoke(main, ["init-model", "--arch", "gpt2", "--out",
                                      str(tmp_path / "x")]).exit_code == 2
+
+
+def test_init_model_config_file(tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[model]\narch = "llama"\ntask = "sort"\nseed = 3\n[rollout]\nreward = "sort"\n')
+    result = CliRunner().invoke(main, ["init-model", "--config", str(cfg), "--task", "copy",
+                                       "--out", str(tmp_path / "m"), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["arch"] == "llama"
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert (config["model_type"], config["rltool_task"]) == ("llama", "copy")  # the flag won
+    result = CliRunner().invoke(main, ["init-model", "--config", str(cfg)])
+    assert result.exit_code == 2 and "--out (in [model]): Field required" in result.output
