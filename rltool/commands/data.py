@@ -23,6 +23,7 @@ def command():
 def make(ctx, task, num, seed, min_len, max_len, out, config_file, as_json):
     """Write NUM prompts of TASK as JSONL rows {prompt_id, prompt, label, metadata}.
 
+    \b
     Example:
       rltool data make --task reverse --num 512 --seed 1 --out prompts.jsonl
     """
@@ -45,6 +46,7 @@ def make(ctx, task, num, seed, min_len, max_len, out, config_file, as_json):
 def list_tasks(as_json):
     """List the built-in tasks.
 
+    \b
     Example:
       rltool data list --json
     """

@@ -21,6 +21,7 @@ from rltool.commands.common import (config_option, echo_json, explicit_flags, ha
 def command(ctx, arch, preset, task, seed, dtype, out, config_file, as_json):
     """Write a random-init HF checkpoint (safetensors) with an offline character tokenizer.
 
+    \b
     Example:
       rltool init-model --arch qwen2 --preset tiny --task reverse --out models/tiny
     """

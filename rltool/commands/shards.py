@@ -17,6 +17,7 @@ def inspect(path, as_json):
 
     Exit 2 with a one-line reason when the shard is malformed.
 
+    \b
     Example:
       rltool shards inspect runs/r1/rollouts/step-000003 --json
     """

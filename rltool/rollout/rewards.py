@@ -154,8 +154,7 @@ def normalize_math_answer(answer: str) -> Fraction | str:
     try:
         if re.fullmatch(r"-?\d+(\.\d+)?/-?\d+(\.\d+)?|-?\d*\.?\d+(e-?\d+)?", s):
             num, _, den = s.partition("/")
-            value = Fraction(num) / Fraction(den) if den else Fraction(num)
-            return value
+            return Fraction(num) / Fraction(den) if den else Fraction(num)
     except (ValueError, ZeroDivisionError):
         pass
     return s
