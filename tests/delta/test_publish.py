@@ -1,0 +1,81 @@
+"""Trainer-side publishing: full / delta / auto by the cost model, --full-every, metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rltool.delta.checkpoint import is_delta_dir
+from rltool.delta.publish import breakeven_bandwidth, predict_times, publish_version
+from rltool.delta.pull import pull_weights
+from rltool.errors import BadInputError
+from tests.delta.util import load_all, same_bits, write_checkpoint
+
+METRICS = ("perf/update_weights_density", "perf/update_weights_wire_bytes",
+           "perf/update_weights_time")
+
+
+def test_cost_model_by_hand():
+    t_full, t_delta = predict_times(full_bytes=1000, wire_bytes=10, link_Bps=100.0,
+                                    decode_Bps=500.0, t0_s=0.5)
+    assert t_full == pytest.approx(1000 / 100 + 0.5)
+    assert t_delta == pytest.approx(10 / 100 + 0.5 + 1000 / 500)
+    # delta wins iff S/B > W/B + process: B < (S - W) / process
+    assert breakeven_bandwidth(full_bytes=1000, wire_bytes=10, process_s=2.0) == pytest.approx(495)
+
+
+def test_publish_sequence(tiny_model_dir, tmp_path):
+    base_state = load_file(str(tiny_model_dir / "model.safetensors"))
+    publish = tmp_path / "weights"
+    states = [base_state]
+    common = dict(publish_dir=publish, base_model_path=tiny_model_dir,
+                  source_model_dir=tiny_model_dir, full_every=4)
+
+    def step(seed):
+        g = torch.Generator().manual_seed(seed)
+        # sparse update: a few entries of each tensor move
+        new = {}
+        for k, v in states[-1].items():
+            mask = torch.rand(v.shape, generator=g) < 0.05
+            new[k] = torch.where(mask, v + 1e-3, v)
+        states.append(new)
+        return new
+
+    m1 = publish_version(step(1), version=1, mode="delta", **common)
+    assert m1["sync/mode"] == "delta" and is_delta_dir(publish / "weight_v000001")
+    assert 0 < m1["perf/update_weights_density"] < 0.2
+    assert all(k in m1 for k in METRICS)
+    m2 = publish_version(step(2), version=2, mode="auto", link_bandwidth_Bps=1e3, **common)
+    assert m2["sync/mode"] == "delta" and m2["sync/reason"] == "cost model: delta faster"
+    assert m2["perf/update_weights_wire_bytes"] < m2["sync/full_bytes"]
+    m3 = publish_version(step(3), version=3, mode="auto", link_bandwidth_Bps=1e15, **common)
+    assert m3["sync/mode"] == "full" and m3["sync/reason"] == "cost model: full faster"
+    assert not is_delta_dir(publish / "weight_v000003")
+    assert m3["perf/update_weights_density"] == 1.0
+    m4 = publish_version(step(4), version=4, mode="delta", **common)
+    assert m4["sync/mode"] == "full" and "--full-every" in m4["sync/reason"]
+    m5 = publish_version(step(5), version=5, mode="delta", **common)
+    assert m5["sync/mode"] == "delta"
+    for v in (2, 5):
+        local = tmp_path / f"engine{v}"
+        pull_weights(local_checkpoint_dir=local, source_dir=publish, target_version=v,
+                     base_model_path=tiny_model_dir)
+        assert same_bits(load_all(local), states[v])
+    with pytest.raises(BadInputError, match="already exists"):
+        publish_version(states[5], version=5, mode="full", **common)
+
+
+def test_publish_from_directory(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    w0 = {"a": torch.randn(64, 8, generator=g).to(torch.bfloat16)}
+    w1 = {"a": w0["a"].clone()}
+    w1["a"][0, 0] = 3.0
+    publish = tmp_path / "weights"
+    publish_version(write_checkpoint(tmp_path / "w0", w0), publish_dir=publish, version=0)
+    m = publish_version(write_checkpoint(tmp_path / "w1", w1), publish_dir=publish, version=1,
+                        mode="delta")
+    assert m["sync/mode"] == "delta"
+    assert m["perf/update_weights_density"] == pytest.approx(1 / 512)
+    pull_weights(local_checkpoint_dir=tmp_path / "local", source_dir=publish, target_version=1)
+    assert same_bits(load_all(tmp_path / "local"), w1)
