@@ -37,6 +37,7 @@ def diff(ctx, base, new, out, format, encoding, workers, version, base_version, 
          as_json):
     """Write the delta that turns checkpoint --base into --new (changed tensors only).
 
+    \b
     Example:
       rltool delta diff --base runs/r1/weights/weight_v000003 \\
           --new runs/r1/train/out_v4 --out runs/r1/weights/weight_v000004 --json
@@ -81,6 +82,7 @@ def apply(base, deltas, out, workers, as_json):
 
     Exit 2 (and --out is not created) on a wrong base, a broken chain or a checksum mismatch.
 
+    \b
     Example:
       rltool delta apply --base models/tiny --delta weights/weight_v000001 --out /tmp/v1
     """
@@ -106,6 +108,7 @@ def verify(path, base, workers, as_json):
     """Check a delta (structure, every blob decodes; with --base every checksum) or a full
     checkpoint (headers, offsets, sizes). Exit 1 when a check fails, 2 on unusable input.
 
+    \b
     Example:
       rltool delta verify runs/r1/weights/weight_v000004 --base runs/r1/weights/weight_v000003
     """
@@ -137,6 +140,7 @@ def pull(local, source, version, base_model, workers, as_json):
     """Make --local hold --version, as an engine's /pull_weights does (locked, verified, no-op
     when already there).
 
+    \b
     Example:
       rltool delta pull --local /tmp/engine0 --source runs/r1/weights --version 4 \\
           --base-model models/tiny
