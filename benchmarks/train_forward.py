@@ -1,0 +1,126 @@
+"""Cost of the trainer's deterministic layout (one unpadded forward per sample, the layout of
+rltool.logprobs.sequence_logprobs) against padded micro-batches, in the same run.
+
+For each model preset (tiny, small) and 64 samples (prompt 20-60 tokens, response 10-200 tokens,
+seeded) it times, on one CPU process in fp32:
+  recompute  - forward_logprobs over the DP schedule's micro-batches (cap 4096 tokens), no grad
+  train_step - one optimizer step over the same micro-batches (forward + backward + AdamW)
+for `padded` and `deterministic`, median of --repeats, and reports the ratio and the largest
+|padded - deterministic| logprob difference.
+
+Usage: .venv/bin/python benchmarks/train_forward.py [--repeats 3] [--out FILE.json]
+Prints a table and, last, one JSON line on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from rltool.data.models import init_model
+from rltool.train.backend import MicroBatch
+from rltool.train.dp_schedule import schedule
+from rltool.train.torch_backend import TorchBackend, TorchOptions
+
+CAP = 4096
+NUM_SAMPLES = 64
+
+
+def make_samples(vocab: int, *, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(NUM_SAMPLES):
+        prompt, response = rng.randint(20, 60), rng.randint(10, 200)
+        out.append(([rng.randrange(4, vocab) for _ in range(prompt + response)], prompt))
+    return out
+
+
+def micro_batches(samples) -> list[MicroBatch]:
+    plan = schedule([len(t) for t, _ in samples], dp_size=1, max_tokens_per_microbatch=CAP)[0]
+    return [MicroBatch(indices=mb, tokens=[samples[i][0] for i in mb],
+                       response_starts=[samples[i][1] for i in mb]) for mb in plan]
+
+
+def timed(fn, repeats: int) -> tuple[float, object]:
+    times, result = [], None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times), result
+
+
+def bench_preset(preset: str, root: Path, *, repeats: int) -> dict:
+    model_dir = init_model(root / preset, preset=preset, seed=0)
+    results: dict = {"preset": preset}
+    logprobs = {}
+    for mode in ("padded", "deterministic"):
+        backend = TorchBackend(model_dir, options=TorchOptions(deterministic=mode == "deterministic",
+                                                              lr=1e-4))
+        samples = make_samples(int(backend.config.vocab_size), seed=0)
+        mbs = micro_batches(samples)
+
+        def recompute():
+            out = {}
+            for mb in mbs:
+                out.update(zip(mb.indices, backend.forward_logprobs(mb, temperature=1.0).logprobs))
+            return out
+
+        def loss_fn(out, mb):
+            loss = -sum(lp.sum() for lp in out.logprobs) / 1e4
+            return loss, {"train/loss": loss}
+
+        ms, logprobs[mode] = timed(recompute, repeats)
+        results[f"recompute_ms_{mode}"] = ms
+        results[f"train_step_ms_{mode}"], _ = timed(
+            lambda: backend.train_step(mbs, loss_fn, temperature=1.0), repeats)
+        results["micro_batches"] = len(mbs)
+        results["tokens"] = sum(len(t) for t, _ in samples)
+    results["recompute_ratio"] = results["recompute_ms_deterministic"] / results["recompute_ms_padded"]
+    results["train_step_ratio"] = (results["train_step_ms_deterministic"]
+                                   / results["train_step_ms_padded"])
+    results["max_abs_logprob_diff"] = max(
+        float((logprobs["padded"][i] - logprobs["deterministic"][i]).abs().max())
+        for i in logprobs["padded"])
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [bench_preset(p, Path(tmp), repeats=args.repeats) for p in ("tiny", "small")]
+    print(f"{'preset':8s} {'mbs':>4s} {'tokens':>7s} {'recompute pad ms':>17s} "
+          f"{'recompute det ms':>17s} {'ratio':>6s} {'step pad ms':>12s} {'step det ms':>12s} "
+          f"{'ratio':>6s} {'max |diff|':>10s}")
+    for r in rows:
+        print(f"{r['preset']:8s} {r['micro_batches']:4d} {r['tokens']:7d} "
+              f"{r['recompute_ms_padded']:17.1f} {r['recompute_ms_deterministic']:17.1f} "
+              f"{r['recompute_ratio']:6.2f} {r['train_step_ms_padded']:12.1f} "
+              f"{r['train_step_ms_deterministic']:12.1f} {r['train_step_ratio']:6.2f} "
+              f"{r['max_abs_logprob_diff']:10.2e}")
+    record = {"benchmark": "train_forward", "date": datetime.now(timezone.utc).isoformat(),
+              "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch "
+                         f"{torch.__version__}, 1 thread", "load_avg": os.getloadavg(),
+              "repeats": args.repeats, "results": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
