@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 
 from rltool.data.models import VERSION_FILE
-from rltool.delta.safetensors_io import SafetensorsFile, TensorEntry, read_header
+from rltool.convert.safetensors_io import INDEX_NAME, TensorInfo
+from rltool.delta.safetensors_io import SafetensorsFile, read_header
 from rltool.errors import CheckpointError
 from rltool.rundir import parse_weight_dir_name
 
-INDEX_NAME = "model.safetensors.index.json"
 _SKIP_PREFIXES = (".",)  # temporaries and the pull state directory
 
 
@@ -29,7 +29,7 @@ class Checkpoint:
     files: dict[str, SafetensorsFile]  # file name -> parsed header
     tensor_file: dict[str, str]  # tensor name -> file name, in file then offset order
 
-    def entry(self, name: str) -> TensorEntry:
+    def entry(self, name: str) -> TensorInfo:
         return self.files[self.tensor_file[name]].entries[name]
 
     def names(self) -> list[str]:

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from rltool.delta.checkpoint import INDEX_NAME, read_index
-from rltool.delta.safetensors_io import SafetensorsFile, TensorEntry, pread_into, read_header
+from rltool.convert.safetensors_io import TensorInfo
+from rltool.delta.safetensors_io import SafetensorsFile, pread_into, read_header
 from rltool.errors import CheckpointError, DeltaChainError
 
 RLTOOL_ENCODING = "rltool-v1"
@@ -41,7 +42,7 @@ def parse_version(value: int | str) -> int:
 
 @dataclass(frozen=True)
 class DeltaTensor:
-    blob: TensorEntry  # the uint8 blob inside its delta file
+    blob: TensorInfo  # the uint8 blob inside its delta file
     file: SafetensorsFile
     checksum: str  # of the tensor's new bytes
     record: dict | None  # rltool format: dtype, shape, chunks

@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 
 from rltool.atomic import fsync_dir
+from rltool.convert import safetensors_io as convert_io
+from rltool.convert.safetensors_io import TensorInfo
 from rltool.errors import CheckpointError
 
 DTYPE_SIZES = {
@@ -31,34 +33,13 @@ DTYPE_SIZES = {
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
     "C64": 8,
 }
-_MAX_HEADER_BYTES = 100 * 1024 * 1024  # the spec's own limit
 _MAP_LOCK = threading.Lock()
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """One tensor of a safetensors file; `start`/`end` are absolute byte offsets in the file."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    start: int
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
-
-    @property
-    def itemsize(self) -> int:
-        return DTYPE_SIZES.get(self.dtype, 1)
 
 
 @dataclass(frozen=True)
 class SafetensorsFile:
     path: Path
-    header_bytes: bytes  # the 8-byte length prefix + JSON header, verbatim
-    entries: dict[str, TensorEntry]  # in data-offset order
+    entries: dict[str, TensorInfo]  # in data-offset order
     metadata: dict[str, str]
     _map: list = field(default_factory=list, compare=False, repr=False)
 
@@ -109,49 +90,34 @@ def pwrite_all(fd: int, data: Any, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
+def element_size(dtype: str) -> int:
+    return DTYPE_SIZES.get(dtype, 1)
+
+
 def read_header(path: str | os.PathLike) -> SafetensorsFile:
-    """Parse and validate a safetensors header; raise CheckpointError naming the file on any fault."""
+    """Parse a safetensors header (rltool.convert's parser) and check what a delta relies on:
+    tensors tile the data buffer exactly and each size matches its dtype and shape."""
     path = Path(path)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            prefix = f.read(8)
-            if len(prefix) != 8:
-                raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-            (n,) = struct.unpack("<Q", prefix)
-            if n > _MAX_HEADER_BYTES or 8 + n > size:
-                raise CheckpointError(f"{path}: corrupt safetensors header length {n}")
-            raw = f.read(n)
+        infos, metadata = convert_io.read_header(path)
     except FileNotFoundError as e:
         raise CheckpointError(f"{path}: no such file") from e
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e})") from e
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: safetensors header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    base = 8 + n
-    entries = []
-    try:
-        for name, info in header.items():
-            begin, end = (int(x) for x in info["data_offsets"])
-            entries.append(TensorEntry(name, str(info["dtype"]), tuple(int(s) for s in info["shape"]),
-                                       base + begin, base + end))
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: malformed safetensors tensor entry ({e!r})") from e
-    entries.sort(key=lambda e: e.start)
-    cursor = base
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path}: malformed safetensors header ({e!r})") from e
+    entries = sorted(infos.values(), key=lambda e: e.start)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        cursor = 8 + struct.unpack("<Q", f.read(8))[0]
     for e in entries:
         numel = int(np.prod(e.shape, dtype=np.int64))
         if e.start != cursor or e.end < e.start or (e.dtype in DTYPE_SIZES
-                                                    and numel * e.itemsize != e.nbytes):
+                                                    and numel * element_size(e.dtype) != e.nbytes):
             raise CheckpointError(f"{path}: tensor {e.name!r} has inconsistent offsets or size")
         cursor = e.end
     if cursor != size:
-        raise CheckpointError(f"{path}: data buffer is {size - base} bytes but tensors cover "
-                              f"{cursor - base}; the file is truncated or has trailing bytes")
-    return SafetensorsFile(path, prefix + raw, {e.name: e for e in entries},
+        raise CheckpointError(f"{path}: tensors cover {cursor} of {size} bytes; the file is "
+                              "truncated or has trailing bytes")
+    return SafetensorsFile(path, {e.name: e for e in entries},
                            {str(k): str(v) for k, v in metadata.items()})
 
 
