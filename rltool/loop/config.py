@@ -1,0 +1,194 @@
+"""The loop's config: one TOML file with a table per stage, each validated by that stage's model.
+
+```
+[model]   path = "models/tiny"            # initial weights, published as weight_v000000
+[rollout] RolloutConfig keys               # minus the keys the loop owns (engines, out, step, ...)
+[train]   TrainConfig keys                 # minus load, rollouts, save, publish, metrics, prompts
+[sync]    SyncConfig keys                  # full | delta | auto
+[eval]    EvalConfig keys (optional)       # prompts is required; reward, max_response_len,
+                                           # temperature... default to [rollout]'s
+[loop]    LoopConfig keys                  # steps, placement, engines, eval interval, gate
+```
+`LoopSettings.from_tables` validates every table up front (bad input changes nothing on disk);
+per step the loop fills the owned keys with `rollout_config(step, ...)` etc.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, ValidationError
+
+from rltool.config import StageConfig, format_validation_error, read_toml
+from rltool.delta.config import SyncConfig
+from rltool.errors import ConfigError
+from rltool.rollout.eval import EvalConfig
+from rltool.rollout.stage import RolloutConfig
+from rltool.rundir import RunDir
+from rltool.train.config import TrainConfig
+
+# Keys each stage table may not set: the loop decides them per step.
+OWNED = {
+    "rollout": ("engines", "router", "out", "step", "metrics", "policy_version", "tokenizer",
+                "quiet"),
+    "eval": ("engines", "router", "out", "step", "metrics", "policy_version", "tokenizer", "quiet"),
+    "train": ("rollouts", "prompts", "load", "save", "publish", "metrics"),
+}
+# [eval] keys that default to [rollout]'s value when the [eval] table leaves them out.
+EVAL_INHERITS = ("reward", "max_response_len", "temperature", "top_p", "top_k", "seed",
+                 "generate_fn", "api_key", "request_timeout_s", "reward_timeout_s",
+                 "reward_workers", "concurrency")
+PLACEHOLDER_URL = "http://127.0.0.1:1"
+
+
+class ModelConfig(StageConfig):
+    path: str = Field(description="Initial HF weights directory; copied into the run as "
+                      "weights/weight_v000000 (policy version 0).")
+
+
+class LoopConfig(StageConfig):
+    num_steps: int = Field(ge=1, description="Loop steps (rollout -> train -> publish -> sync).")
+    placement: Literal["colocated", "disaggregated"] = Field(
+        "colocated", description="colocated: engines release memory while the trainer runs "
+        "in the loop process; disaggregated: the trainer runs as its own subprocess while the "
+        "engines keep their memory.")
+    num_engines: int = Field(1, ge=1, description="Builtin engines to start (each --port 0).")
+    engine_args: list[str] = Field(default_factory=list, description="Extra `rltool serve` "
+                                   "arguments for every engine (e.g. [\"--max-running-requests\","
+                                   " \"128\"]).")
+    engine_ready_timeout_s: float = Field(180.0, gt=0, description="Wait this long for an "
+                                          "engine's ready file.")
+    deterministic: bool = Field(False, description="Engines --deterministic, trainer "
+                                "--deterministic and a fixed rollout seed: a resumed run reaches "
+                                "the same weights as an uninterrupted one.")
+    seed: int = Field(0, description="Rollout seed when [rollout] sets none, and the trainer "
+                      "seed when [train] sets none.")
+    eval_interval: int | None = Field(None, ge=1, description="Evaluate after every K-th step "
+                                      "and after the last one (needs an [eval] table).")
+    align_gate: float | None = Field(None, ge=0.0, description="Stop with exit 1 when "
+                                     "train/train_rollout_logprob_abs_diff exceeds this.")
+
+
+class LoopSettings(BaseModel):
+    """The validated tables of one loop config."""
+
+    model: ModelConfig
+    rollout: dict[str, Any]
+    train: dict[str, Any]
+    sync: SyncConfig
+    eval: dict[str, Any] | None
+    loop: LoopConfig
+
+    @classmethod
+    def from_file(cls, path: str | Path, *, overrides: dict[str, dict[str, Any]] | None = None
+                  ) -> "LoopSettings":
+        return cls.from_tables(read_toml(path), overrides=overrides)
+
+    @classmethod
+    def from_tables(cls, data: dict[str, Any], *,
+                    overrides: dict[str, dict[str, Any]] | None = None) -> "LoopSettings":
+        tables: dict[str, dict[str, Any]] = {}
+        for name in ("model", "rollout", "train", "sync", "eval", "loop"):
+            value = data.get(name, {})
+            if not isinstance(value, dict):
+                raise ConfigError(f"[{name}] must be a table, got {type(value).__name__}")
+            tables[name] = dict(value)
+        unknown = sorted(set(data) - set(tables))
+        if unknown:
+            raise ConfigError(f"unknown table(s) {unknown}; a loop config has [model], "
+                              "[rollout], [train], [sync], [eval] and [loop]")
+        for name, values in (overrides or {}).items():
+            if name not in tables:
+                raise ConfigError(f"--set {name}.*: unknown table; use one of {sorted(tables)}")
+            tables[name].update(values)
+        for name, owned in OWNED.items():
+            clash = sorted(set(tables[name]) & set(owned))
+            if clash:
+                raise ConfigError(f"[{name}] sets {clash}, which the loop decides per step; "
+                                  "remove them from the table")
+        model = _validate(ModelConfig, tables["model"], "model")
+        if not (Path(model.path) / "config.json").is_file():
+            raise ConfigError(f"[model] path {model.path!r} is not a HF weights directory "
+                              "(no config.json)")
+        loop = _validate(LoopConfig, tables["loop"], "loop")
+        settings = cls(model=model, rollout=tables["rollout"], train=tables["train"],
+                       sync=_validate(SyncConfig, tables["sync"], "sync"),
+                       eval=tables["eval"] or None, loop=loop)
+        if loop.eval_interval is not None and settings.eval is None:
+            raise ConfigError("[loop] eval_interval needs an [eval] table with prompts = FILE")
+        # Validate every stage with placeholder values for the keys the loop owns.
+        placeholder = RunDir("/nonexistent-run")
+        settings.rollout_config(placeholder, step=0, urls=[PLACEHOLDER_URL])
+        settings.train_config(placeholder, step=0, load=model.path)
+        if settings.eval is not None:
+            settings.eval_config(placeholder, step=0, urls=[PLACEHOLDER_URL], policy_version=0)
+        return settings
+
+    def to_tables(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"model": self.model.model_dump(mode="json", exclude_none=True),
+                               "rollout": dict(self.rollout), "train": dict(self.train),
+                               "sync": self.sync.model_dump(mode="json", exclude_none=True),
+                               "loop": self.loop.model_dump(mode="json", exclude_none=True)}
+        if self.eval is not None:
+            out["eval"] = dict(self.eval)
+        return out
+
+    # ----- per-step stage configs ----------------------------------------------------------
+
+    def rollout_config(self, run: RunDir, *, step: int, urls: list[str]) -> RolloutConfig:
+        values = dict(self.rollout)
+        values.setdefault("seed", self.loop.seed if self.loop.deterministic else None)
+        values.update(engines=urls, out=str(run.rollout_step(step)), step=step, quiet=True,
+                      metrics=str(run.metrics_file("rollout")))
+        return _validate(RolloutConfig, values, "rollout")
+
+    def eval_config(self, run: RunDir, *, step: int, urls: list[str],
+                    policy_version: int) -> EvalConfig:
+        assert self.eval is not None
+        values = {k: self.rollout[k] for k in EVAL_INHERITS if k in self.rollout}
+        values.update(self.eval)
+        values.update(engines=urls, out=str(run.eval_step(step)), step=step, quiet=True,
+                      metrics=str(run.metrics_file("eval")), policy_version=policy_version)
+        return _validate(EvalConfig, values, "eval")
+
+    def train_config(self, run: RunDir, *, step: int, load: str) -> TrainConfig:
+        values = dict(self.train)
+        values.setdefault("seed", self.loop.seed)
+        if self.loop.deterministic:
+            values["deterministic"] = True
+        values.update(rollouts=[str(run.rollout_step(step))], load=load, save=str(run.ckpt),
+                      metrics=str(run.metrics_file("train")))
+        return _validate(TrainConfig, values, "train")
+
+    def is_eval_step(self, step: int) -> bool:
+        k = self.loop.eval_interval
+        if k is None or self.eval is None:
+            return False
+        return (step + 1) % k == 0 or step == self.loop.num_steps - 1
+
+
+def _validate(model: type[Any], values: dict[str, Any], section: str) -> Any:
+    try:
+        return model(**values)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, section=section)) from e
+
+
+def parse_set_options(items: list[str] | tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """`--set table.key=value` (value parsed as TOML, else kept as a string) -> {table: {key: v}}."""
+    import tomllib
+
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        name, eq, raw = item.partition("=")
+        table, dot, key = name.strip().partition(".")
+        if not eq or not dot or not key:
+            raise ConfigError(f"--set {item!r}: use --set TABLE.KEY=VALUE, e.g. "
+                              "--set rollout.rollout_batch_size=16")
+        try:
+            value = tomllib.loads(f"v = {raw.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw.strip()
+        out.setdefault(table, {})[key.replace("-", "_")] = value
+    return out

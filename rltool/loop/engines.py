@@ -1,0 +1,180 @@
+"""The loop's child processes: builtin engines (and the disaggregated trainer), recorded in
+engines.json so that cleanup and `--resume` end them by PID, never by name.
+
+Every child the loop starts is recorded as {role, url, pid, cmdline} before the loop relies on it;
+`end_orphans` ends a recorded PID only when psutil shows the same command line (a recycled PID
+belongs to someone else and is left alone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import subprocess
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from rltool.errors import EngineError
+from rltool.rollout.launch import EngineProcess, start_engine
+from rltool.rundir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+class ChildRegistry:
+    """engines.json: the children this run has alive, rewritten atomically on every change."""
+
+    def __init__(self, run: RunDir):
+        self.run = run
+        self.entries: list[dict[str, Any]] = []
+
+    def add(self, *, role: str, pid: int, cmdline: list[str], url: str | None = None) -> None:
+        self.entries.append({"role": role, "pid": pid, "cmdline": list(cmdline), "url": url})
+        self.run.write_engines(self.entries)
+
+    def remove(self, pid: int) -> None:
+        self.entries = [e for e in self.entries if e["pid"] != pid]
+        self.run.write_engines(self.entries)
+
+
+def end_orphans(run: RunDir, *, timeout_s: float = 10.0) -> list[int]:
+    """End the children a killed loop left behind (from engines.json); returns the PIDs ended."""
+    import psutil
+
+    ended = []
+    for entry in run.read_engines():
+        pid, cmdline = entry.get("pid"), entry.get("cmdline")
+        if not isinstance(pid, int) or not isinstance(cmdline, list):
+            continue
+        try:
+            proc = psutil.Process(pid)
+            if proc.cmdline() != cmdline:
+                log.info("pid %d is not our %s any more (command line differs); left alone",
+                         pid, entry.get("role"))
+                continue
+            proc.terminate()
+            try:
+                proc.wait(timeout=timeout_s)
+            except psutil.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=timeout_s)
+            ended.append(pid)
+            log.info("ended orphaned %s pid %d", entry.get("role"), pid)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    run.write_engines([])
+    return ended
+
+
+class EngineSet:
+    """The loop's engines: start, weight updates, memory release/resume, stop."""
+
+    def __init__(self, run: RunDir, registry: ChildRegistry, *, num_engines: int,
+                 engine_args: list[str], deterministic: bool, ready_timeout_s: float):
+        self.run = run
+        self.registry = registry
+        self.num_engines = num_engines
+        self.engine_args = list(engine_args)
+        self.deterministic = deterministic
+        self.ready_timeout_s = ready_timeout_s
+        self.procs: list[EngineProcess] = []
+
+    @property
+    def urls(self) -> list[str]:
+        return [p.url for p in self.procs]
+
+    def start(self, model_dir: Path) -> None:
+        args = ["--engine", "builtin", "--model", str(model_dir), *self.engine_args]
+        if self.deterministic and "--deterministic" not in args:
+            args.append("--deterministic")
+        for i in range(self.num_engines):
+            proc = start_engine(args, log_path=self.run.log_file(f"engine-{i}"),
+                                ready_timeout_s=self.ready_timeout_s)
+            self.procs.append(proc)
+            self.registry.add(role="engine", pid=proc.pid, cmdline=proc.cmdline, url=proc.url)
+
+    def check_alive(self) -> None:
+        dead = [p.url for p in self.procs if not p.alive()]
+        if dead:
+            raise EngineError(f"engine(s) {dead} exited; see {self.run.logs}/engine-*.log, then "
+                              f"`rltool loop --resume {self.run.root}`")
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.stop()
+            self.registry.remove(proc.pid)
+        self.procs = []
+
+    def _each(self, call: Callable[[Any], Awaitable[Any]]) -> list[Any]:
+        from rltool.rollout.client import EngineClient
+
+        async def run_all() -> list[Any]:
+            clients = [EngineClient(url, timeout_s=600.0) for url in self.urls]
+            try:
+                return list(await asyncio.gather(*(call(c) for c in clients)))
+            finally:
+                for c in clients:
+                    await c.aclose()
+
+        self.check_alive()
+        return asyncio.run(run_all())
+
+    def release_memory(self) -> None:
+        self._each(lambda c: c.release_memory_occupation())
+
+    def resume_memory(self) -> None:
+        self._each(lambda c: c.resume_memory_occupation())
+
+    def load_version(self, version: int, *, delta: bool) -> float:
+        """Make every engine serve `version`; returns the seconds it took.
+
+        A delta version is first rebuilt in the host-local directory (`/pull_weights`, shared by
+        the engines of this host under its file lock), then loaded from there.
+        """
+        t0 = time.perf_counter()
+        path = self.run.weight_version(version)
+        if delta:
+            local = self.run.local_weights
+            self._each(lambda c: c.pull_weights(local_checkpoint_dir=str(local),
+                                                source_dir=str(self.run.weights),
+                                                target_version=version))
+            path = local
+        self._each(lambda c: c.update_weights_from_disk(str(path), weight_version=str(version)))
+        return time.perf_counter() - t0
+
+
+class TrainerProcess:
+    """`rltool train --config FILE` as a recorded child (disaggregated placement)."""
+
+    def __init__(self, registry: ChildRegistry, *, config_file: Path, log_path: Path):
+        import sys
+
+        self.registry = registry
+        self.cmdline = [sys.executable, "-m", "rltool", "train", "--config", str(config_file),
+                        "--json"]
+        self.log_path = log_path
+
+    def run(self) -> tuple[int, str]:
+        """Run to completion; returns (exit code, stdout). Ends the child on any interruption."""
+        with open(self.log_path, "ab") as log_file:
+            popen = subprocess.Popen(self.cmdline, stdout=subprocess.PIPE, stderr=log_file,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.registry.add(role="trainer", pid=popen.pid, cmdline=self.cmdline)
+        try:
+            out, _ = popen.communicate()
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                popen.send_signal(signal.SIGTERM)
+            try:
+                popen.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                popen.kill()
+                popen.wait()
+            raise
+        finally:
+            self.registry.remove(popen.pid)
+        return popen.returncode, out.decode(errors="replace")

@@ -1,0 +1,154 @@
+"""`rltool loop` as a library: `start(settings, run_dir)` for a new run, `resume(run_dir)` for a
+killed one; both drive `run_steps`, which walks the phases of each step (phases.py), records them
+in state.json (state.py) and writes one loop.jsonl line per step.
+
+Children (engines, the disaggregated trainer) are recorded in engines.json and ended by PID when
+the loop returns, fails or is interrupted (Ctrl-C / SIGTERM reach `finally`); after a SIGKILL,
+`resume` ends the orphans it finds in engines.json before starting fresh engines.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rltool import atomic
+from rltool.errors import BadInputError
+from rltool.loop import phases
+from rltool.loop.config import LoopSettings
+from rltool.loop.engines import ChildRegistry, EngineSet, end_orphans
+from rltool.loop.state import LoopState, maybe_kill
+from rltool.rundir import MetricsWriter, RunDir, list_versions, read_metrics
+
+log = logging.getLogger(__name__)
+StepCallback = Callable[[dict[str, Any]], None]
+
+
+def start(settings: LoopSettings, run_dir: str | Path, *,
+          on_step: StepCallback | None = None) -> dict[str, Any]:
+    """Create RUN (refused if it already holds a run), publish version 0 and run every step."""
+    run = RunDir(run_dir)
+    if run.state.exists() or run.config.exists():
+        raise BadInputError(f"{run.root} already holds a run; continue it with "
+                            f"`rltool loop --resume {run.root}` or choose a new --run-dir")
+    if run.root.exists() and any(run.root.iterdir()):
+        raise BadInputError(f"--run-dir {run.root} exists and is not empty; choose a new one")
+    import tomli_w
+
+    run.create()
+    atomic.write_text(run.config, tomli_w.dumps(settings.to_tables()))
+    return _run(run, settings, on_step=on_step)
+
+
+def resume(run_dir: str | Path, *, overrides: dict[str, dict[str, Any]] | None = None,
+           on_step: StepCallback | None = None) -> dict[str, Any]:
+    """Continue a run from state.json after ending the children a killed loop left behind."""
+    run = RunDir(run_dir)
+    if not run.config.exists():
+        raise BadInputError(f"--resume {run.root}: no config.toml; not a loop run directory")
+    settings = LoopSettings.from_file(run.config, overrides=overrides)
+    ended = end_orphans(run)
+    if ended:
+        log.info("ended %d orphaned child process(es): %s", len(ended), ended)
+    if overrides:
+        import tomli_w
+
+        atomic.write_text(run.config, tomli_w.dumps(settings.to_tables()))
+    return _run(run, settings, on_step=on_step)
+
+
+def _initial_weights(run: RunDir, settings: LoopSettings) -> None:
+    from rltool.delta.publish import publish_version
+
+    if not run.weight_version(0).exists():
+        atomic.remove_stale_temporaries(run.weights)
+        publish_version(settings.model.path, publish_dir=run.weights, version=0, mode="full")
+
+
+def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None) -> dict[str, Any]:
+    run.create()
+    _initial_weights(run, settings)
+    state = LoopState.load(run) or LoopState()
+    state.num_steps = settings.loop.num_steps
+    state.status = "running"
+    state.save(run)
+    registry = ChildRegistry(run)
+    engines = EngineSet(run, registry, num_engines=settings.loop.num_engines,
+                        engine_args=settings.loop.engine_args,
+                        deterministic=settings.loop.deterministic,
+                        ready_timeout_s=settings.loop.engine_ready_timeout_s)
+    ctx = phases.StepContext(run=run, settings=settings, engines=engines, registry=registry,
+                             state=state)
+    t_start = time.perf_counter()
+    try:
+        engines.start(run.weight_version(0))
+        served = max(list_versions(run.weights), default=0)
+        if served > 0:  # a resumed run: serve the newest published policy
+            engines.load_version(served, delta=phases.version_mode(run.weight_version(served))
+                                 == "delta")
+        with MetricsWriter(run.metrics_file("loop")) as writer:
+            while state.step < settings.loop.num_steps:
+                run_step(ctx, writer=writer, on_step=on_step)
+        state.status = "done"
+        state.save(run)
+    except BaseException:
+        state.status = "failed"
+        state.save(run)
+        raise
+    finally:
+        engines.stop()
+    return {"run_dir": str(run.root), "steps": state.step, "policy_version": state.policy_version,
+            "elapsed_s": time.perf_counter() - t_start,
+            "metrics": str(run.metrics_file("loop"))}
+
+
+def run_step(ctx: phases.StepContext, *, writer: MetricsWriter,
+             on_step: StepCallback | None = None) -> dict[str, Any]:
+    """Run the phases of ctx.state.step that are not recorded yet, then log and advance."""
+    state, run = ctx.state, ctx.run
+    maybe_kill(f"{state.step}:start")
+    t_step = time.perf_counter()
+    for name, fn in (("rollout", phases.rollout), ("train", phases.train),
+                     ("publish", phases.publish)):
+        if not state.completed(name):
+            _, seconds = phases.timed(fn, ctx)
+            state.done(run, name, seconds=seconds)
+    if not state.completed("sync"):
+        _, seconds = phases.timed(phases.sync, ctx)
+        state.done(run, "sync", seconds=seconds)
+    eval_row: dict[str, Any] = {}
+    if ctx.settings.is_eval_step(state.step) and not state.completed("eval"):
+        eval_row, seconds = phases.timed(phases.evaluate, ctx)
+        state.done(run, "eval", seconds=seconds)
+    row = step_metrics(ctx, eval_row=eval_row, wall_s=time.perf_counter() - t_step)
+    if not any(r.get("step") == state.step for r in read_metrics(writer.path)):
+        row = writer.log(row, step=state.step, policy_version=state.policy_version)
+    if on_step is not None:
+        on_step(row)
+    state.next_step(run)
+    return row
+
+
+def step_metrics(ctx: phases.StepContext, *, eval_row: dict[str, Any],
+                 wall_s: float) -> dict[str, Any]:
+    state = ctx.state
+    train = phases.train_metrics(ctx.run, state.step)
+    row: dict[str, Any] = dict(phases.rollout_summary(ctx.run, state.step))
+    for key in ("train/train_rollout_logprob_abs_diff", "train/ppo_kl", "train/kl_loss",
+                "train/pg_loss", "train/pg_clipfrac", "train/entropy_loss", "train/grad_norm"):
+        if key in train:
+            row[key] = train[key]
+    for name, seconds in state.phase_times.items():
+        row[f"perf/loop/{name}_time"] = seconds
+    row["perf/loop/step_time"] = sum(state.phase_times.values())
+    row["perf/loop/wall_time"] = wall_s
+    for key in ("sync/mode", "perf/update_weights_wire_bytes", "perf/update_weights_density"):
+        if key in state.publish:
+            row[key] = state.publish[key]
+    for key in ("eval/mean_reward", "eval/pass@1", "eval/pass@k"):
+        if key in eval_row:
+            row[key] = eval_row[key]
+    return row
