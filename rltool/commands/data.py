@@ -15,7 +15,8 @@ def command():
 @click.option("--seed", type=int, default=None, help="Generator seed (default 0).")
 @click.option("--min-len", type=int, default=None, help="Shortest digit string (task default).")
 @click.option("--max-len", type=int, default=None, help="Longest digit string (task default).")
-@click.option("--out", type=click.Path(dir_okay=False), default=None, help="Output .jsonl file.")
+@click.option("--out", type=click.Path(dir_okay=False, allow_dash=True), default=None,
+              help="Output .jsonl file, or - for stdout.")
 @config_option
 @json_option
 @click.pass_context
@@ -26,14 +27,21 @@ def make(ctx, task, num, seed, min_len, max_len, out, config_file, as_json):
     \b
     Example:
       rltool data make --task reverse --num 512 --seed 1 --out prompts.jsonl
+      rltool data make --task add --num 3 --out - | jq -r .prompt
     """
     from rltool.config import resolve
-    from rltool.data.tasks import DataMakeConfig, make_rows, write_prompts
+    from rltool.data.tasks import DataMakeConfig, make_rows, prompts_jsonl, write_prompts
+    from rltool.errors import BadInputError
 
     cfg = resolve(DataMakeConfig, config_file=config_file, section="data",
                   flags=explicit_flags(ctx, list(DataMakeConfig.model_fields)))
+    if cfg.out == "-" and as_json:
+        raise BadInputError("--out - and --json both write to stdout; drop one of them")
     rows = make_rows(cfg.task, num=cfg.num, seed=cfg.seed, min_len=cfg.min_len,
                      max_len=cfg.max_len)
+    if cfg.out == "-":
+        click.echo(prompts_jsonl(rows), nl=False)
+        return
     write_prompts(rows, cfg.out)
     if as_json:
         echo_json({"path": cfg.out, "rows": len(rows), "task": cfg.task})

@@ -107,9 +107,14 @@ def make_rows(task: str, *, num: int, seed: int, min_len: int | None = None,
     return rows
 
 
+def prompts_jsonl(rows: list[dict[str, Any]]) -> str:
+    """Prompt rows as JSONL text, one sorted-key object per line."""
+    return "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows)
+
+
 def write_prompts(rows: list[dict[str, Any]], out: str | os.PathLike) -> Path:
     out = Path(out)
-    atomic.write_text(out, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+    atomic.write_text(out, prompts_jsonl(rows))
     return out
 
 
@@ -142,4 +147,4 @@ class DataMakeConfig(StageConfig):
     seed: int = Field(0, description="Generator seed; the same seed gives the same file.")
     min_len: int | None = Field(None, description="Shortest digit string (task default).")
     max_len: int | None = Field(None, description="Longest digit string (task default).")
-    out: str = Field(description="Output .jsonl file.")
+    out: str = Field(description="Output .jsonl file, or - for stdout.")

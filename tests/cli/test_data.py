@@ -85,3 +85,14 @@ def test_data_make_config_file_and_flag_override(tmp_path):
                                        str(tmp_path / "q.jsonl")])
     assert result.exit_code == 2 and "unknown key 'nmu'" in result.output
     assert not (tmp_path / "q.jsonl").exists()
+
+
+def test_data_make_to_stdout(tmp_path):
+    result = CliRunner().invoke(main, ["data", "make", "--task", "copy", "--num", "3", "--out", "-"])
+    assert result.exit_code == 0
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["label"] for r in rows] == [r["prompt"].removeprefix("copy ") for r in rows]
+    assert len(rows) == 3 and result.stderr == ""
+    result = CliRunner().invoke(main, ["data", "make", "--task", "copy", "--num", "3", "--out", "-",
+                                       "--json"])
+    assert result.exit_code == 2 and "both write to stdout" in result.output
