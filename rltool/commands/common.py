@@ -53,8 +53,8 @@ def handle_errors(fn: F) -> F:
             # A path the user named is unusable: bad input, like a missing file.
             click.echo(f"Error: {e.filename or ''}: {e.strerror or e}", err=True)
             sys.exit(EXIT_BAD_INPUT)
-        except click.ClickException:
-            raise
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise  # click's own control flow: usage errors (exit 2), ctx.exit(), Ctrl-C
         except Exception:
             # A bug or an unexpected failure: keep the traceback, but exit 3 (runtime failure), not
             # Python's 1, which scripts would read as "a check failed".

@@ -82,3 +82,17 @@ def test_errors_map_to_exit_codes(exc, code, message):
     assert message in result.output
     if code != EXIT_RUNTIME or isinstance(exc, EngineError):  # typed errors: one line, no traceback
         assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("exc,code", [(click.UsageError("bad"), 2), (click.exceptions.Exit(0), 0),
+                                      (click.exceptions.Exit(1), 1), (click.Abort(), 1)])
+def test_click_control_flow_passes_through(exc, code):
+    """Bug guard: the catch-all for unexpected errors must not turn ctx.exit()/usage errors into
+    exit 3."""
+    @click.command()
+    @handle_errors
+    def cmd():
+        raise exc
+
+    result = CliRunner().invoke(cmd, [])
+    assert result.exit_code == code and "internal failure" not in result.output
