@@ -56,7 +56,8 @@ def run(root: Path) -> None:
     print(f"[{time.perf_counter() - t0:5.1f}s] untrained sample {row['prompt']!r} -> {response!r} "
           f"(label {row['label']!r}, reward {reward.reward:.2f})")
     print("\nThe model is random, so the answer is noise; RL training is what will fix that.")
-    print("Next: rltool shards inspect / rltool data list; see README.md for the stages.")
+    print(f"Next: serve {weights}, roll out and train one step by hand (README.md, \"A step by "
+          "hand\").")
 
 
 def main(argv: list[str] | None = None) -> None:
