@@ -1,0 +1,68 @@
+"""Debug routes of the builtin engine, mounted only with `rltool serve --enable-debug-endpoints`.
+
+`POST /debug/hidden_states {"input_ids": [...]}` runs one unpadded forward over the token ids with
+the weights the engine serves right now (on the scheduler thread, between steps) and answers
+
+    {"weight_version": str, "dtype": "fp32"|"bf16", "num_tokens": T,
+     "hidden_states": [[[float] * H] * T] * (L + 1),   # transformers' output_hidden_states
+     "token_logprobs": [float] * (T - 1)}              # log p(ids[t] | ids[:t]) at temperature 1
+
+`rltool align-gate --layerwise` compares these with the trainer model's (rltool.align.layerwise).
+Values are the engine's tensors widened to float64 for JSON, so they round-trip exactly. Without
+the flag the route does not exist (404), so production engines expose no activations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import FastAPI, Request as HttpRequest
+from pydantic import BaseModel, ConfigDict, Field
+
+from rltool.errors import BadInputError
+from rltool.rollout.engine.app import parse_body
+from rltool.rollout.engine.model_runner import ModelRunner
+
+HIDDEN_STATES_PATH = "/debug/hidden_states"
+
+
+class HiddenStatesInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_ids: list[int] = Field(min_length=2, description="Token ids, at least two.")
+
+
+def hidden_states(runner: ModelRunner, input_ids: list[int]) -> dict[str, Any]:
+    """Per-layer hidden states and token logprobs of one unpadded pass (scheduler thread)."""
+    import torch
+
+    from rltool.logprobs import logits_to_logprobs
+
+    if runner.released:
+        raise BadInputError("weights are released; call /resume_memory_occupation first")
+    bad = [t for t in input_ids if not 0 <= t < runner.vocab_size]
+    if bad:
+        raise BadInputError(f"input_ids: token id {bad[0]} outside [0, {runner.vocab_size})")
+    if len(input_ids) > runner.context_length:
+        raise BadInputError(f"input_ids: {len(input_ids)} tokens exceed the context length "
+                            f"{runner.context_length}")
+    ids = torch.tensor([input_ids], dtype=torch.long)
+    with torch.no_grad():
+        out = runner.model(input_ids=ids, use_cache=False, output_hidden_states=True)
+    logprobs = logits_to_logprobs(out.logits[0, :-1], ids[0, 1:], temperature=1.0)
+    return {"weight_version": runner.weight_version, "dtype": runner.dtype,
+            "num_tokens": len(input_ids),
+            "hidden_states": [h[0].double().tolist() for h in out.hidden_states],
+            "token_logprobs": logprobs.double().tolist()}
+
+
+def add_debug_routes(app: FastAPI) -> None:
+    """Mount the debug routes on an app built by rltool.rollout.engine.app.build_app."""
+    state = app.state.engine
+
+    @app.post(HIDDEN_STATES_PATH)
+    async def debug_hidden_states(request: HttpRequest) -> dict[str, Any]:
+        body = await parse_body(request, HiddenStatesInput)
+        future = state.scheduler.call(lambda: hidden_states(state.runner, body.input_ids))
+        return await asyncio.wrap_future(future)
