@@ -4,7 +4,7 @@ from rltool.commands.common import config_option, explicit_flags, handle_errors,
 
 FLAGS = ["engine", "model", "host", "port", "ready_file", "dtype", "max_running_requests",
          "max_queued_requests", "max_prefill_tokens", "deterministic", "weight_version",
-         "served_model_name", "log_level"]
+         "served_model_name", "log_level", "enable_debug_endpoints"]
 
 
 @click.command("serve")
@@ -30,6 +30,8 @@ FLAGS = ["engine", "model", "host", "port", "ready_file", "dtype", "max_running_
 @click.option("--served-model-name", default=None, help="Model name reported to clients.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default=None, help="Server log level (default info).")
+@click.option("--enable-debug-endpoints", is_flag=True, default=None,
+              help="Mount POST /debug/hidden_states (align-gate --layerwise); off by default.")
 @config_option
 @handle_errors
 def command(config_file, **_):

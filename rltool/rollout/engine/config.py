@@ -30,6 +30,8 @@ class ServeConfig(StageConfig):
                                                             "(default: the model path).")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Server log level.")
+    enable_debug_endpoints: bool = Field(False, description="Mount POST /debug/hidden_states "
+                                         "(align-gate --layerwise); off: 404.")
 
     @model_validator(mode="after")
     def _model_exists(self) -> "ServeConfig":

@@ -77,6 +77,10 @@ def serve(cfg: ServeConfig) -> None:
     url = url_of(cfg.host, sock.getsockname()[1])
     app = build_app(EngineState(cfg=cfg, runner=runner, scheduler=scheduler,
                                 started=time.monotonic()))
+    if cfg.enable_debug_endpoints:  # rltool align-gate --layerwise (docs/align.md)
+        from rltool.rollout.engine.debug import add_debug_routes
+
+        add_debug_routes(app)
     server = _Server(scheduler, uvicorn.Config(app, log_level=cfg.log_level, lifespan="off",
                                            timeout_graceful_shutdown=1, access_log=False))
     scheduler.start()
