@@ -26,11 +26,14 @@ def _split_dirs(ctx, param, values):
 @click.option("--loss", type=click.Choice(["policy", "sft"]), default=None,
               help="policy (default) or sft.")
 @click.option("--advantage-estimator", type=click.Choice(
-    ["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]), default=None,
-    help="Advantage estimator (default grpo).")
+    ["grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"]), default=None,
+    help="Advantage estimator (default grpo; ppo = GAE with a value head).")
 @click.option("--grpo-std-normalization/--no-grpo-std-normalization", default=None,
               help="Divide GRPO advantages by the group std (off = Dr.GRPO).")
-@click.option("--gamma", type=float, default=None, help="reinforce_plus_plus discount.")
+@click.option("--gamma", type=float, default=None, help="reinforce_plus_plus / ppo discount.")
+@click.option("--lambd", type=float, default=None, help="GAE lambda (ppo, default 1.0).")
+@click.option("--value-clip", type=float, default=None, help="PPO value clip (default 0.2).")
+@click.option("--value-loss-coef", type=float, default=None, help="Value loss weight (default 1).")
 @click.option("--eps-clip", type=float, default=None, help="PPO clip range (default 0.2).")
 @click.option("--eps-clip-high", type=float, default=None, help="PPO clip range, high side.")
 @click.option("--eps-clip-c", type=float, default=None, help="Dual-clip constant c > 1.")

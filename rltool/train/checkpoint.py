@@ -8,6 +8,7 @@ step-000007/
   rng.safetensors             torch generator states "torch_cpu/rank<r>" ("torch_cuda/rank<r>")
   data.safetensors            the stage's per-sample tensors of the sample set being trained
                               (old/ref logprobs, advantages), so a resumed run continues bit-exactly
+  value_head.safetensors      PPO only: the value head "value_head.weight", "value_head.bias"
   config.toml                 the resolved TrainConfig
   trainer_state.json          written last, the completeness marker: format, versions, optimizer
                               scalars and hyper-parameters, LR-schedule step, data position
@@ -35,6 +36,7 @@ MODEL_DIR = "model"
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
 DATA_FILE = "data.safetensors"
+VALUE_HEAD_FILE = "value_head.safetensors"
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,7 @@ def unflatten_optimizer_state(tensors: dict[str, Any], meta: dict[str, Any]) -> 
 
 def write_checkpoint(ckpt_dir: Path, *, model_state: dict[str, Any], optimizer_state: dict[str, Any],
                      rng_states: dict[str, Any], data_tensors: dict[str, Any],
+                     value_head: dict[str, Any],
                      trainer_state: dict[str, Any], source_model_dir: Path,
                      config_toml: str) -> Path:
     """Write one checkpoint directory atomically (rank 0 only); refuses to replace one."""
@@ -142,8 +145,10 @@ def write_checkpoint(ckpt_dir: Path, *, model_state: dict[str, Any], optimizer_s
     with atomic.publish_dir(ckpt_dir, marker=STATE_FILE, marker_content=state) as tmp:
         (tmp / MODEL_DIR).mkdir()
         write_hf_dir(tmp / MODEL_DIR, model_state, source_model_dir=source_model_dir, dtype="fp32")
-        for name, tensors in ((OPTIMIZER_FILE, opt_tensors), (RNG_FILE, rng_states),
-                              (DATA_FILE, data_tensors)):
+        files = [(OPTIMIZER_FILE, opt_tensors), (RNG_FILE, rng_states), (DATA_FILE, data_tensors)]
+        if value_head:
+            files.append((VALUE_HEAD_FILE, value_head))
+        for name, tensors in files:
             with atomic.atomic_path(tmp / name) as part:
                 save_file({k: v.contiguous() for k, v in tensors.items()}, str(part))
         atomic.write_text(tmp / "config.toml", config_toml)

@@ -29,18 +29,24 @@ class TrainConfig(StageConfig):
     loss: Literal["policy", "sft"] = Field("policy", description="policy: clipped policy "
                                            "gradient; sft: cross-entropy on loss-masked tokens.")
     advantage_estimator: Literal["grpo", "gspo", "reinforce_plus_plus",
-                                 "reinforce_plus_plus_baseline"] = Field(
-        "grpo", description="Advantage estimator; gspo also switches to the sequence-level ratio.")
+                                 "reinforce_plus_plus_baseline", "ppo"] = Field(
+        "grpo", description="Advantage estimator; gspo also switches to the sequence-level "
+        "ratio; ppo is GAE with a value head trained alongside the policy.")
     grpo_std_normalization: bool = Field(True, description="Divide GRPO advantages by the group "
                                          "std (off = Dr.GRPO).")
-    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount of reinforce_plus_plus returns.")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount of reinforce_plus_plus and "
+                         "ppo (GAE) returns.")
+    lambd: float = Field(1.0, ge=0.0, le=1.0, description="GAE lambda (ppo).")
+    value_clip: float = Field(0.2, gt=0.0, description="PPO value clip: how far a value may move "
+                              "from its old prediction before the clipped loss takes over.")
+    value_loss_coef: float = Field(1.0, ge=0.0, description="Weight of the value loss (ppo).")
     eps_clip: float = Field(0.2, gt=0.0, description="PPO clip range (low side; high too unless "
                             "--eps-clip-high).")
     eps_clip_high: float | None = Field(None, gt=0.0, description="PPO clip range, high side.")
     eps_clip_c: float | None = Field(None, gt=1.0, description="Dual-clip constant c (> 1); off "
                                      "when unset.")
     kl_coef: float = Field(0.0, ge=0.0, description="KL reward shaping coefficient "
-                           "(reinforce_plus_plus*), needs --ref.")
+                           "(reinforce_plus_plus*, ppo), needs --ref.")
     kl_loss_coef: float = Field(0.0, ge=0.0, description="KL loss term coefficient, needs --ref.")
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = Field(
         "low_var_kl", description="KL estimator for the loss term and for reward shaping.")
@@ -110,8 +116,8 @@ class TrainConfig(StageConfig):
         if (self.kl_coef or self.kl_loss_coef) and self.ref is None and self.loss == "policy":
             raise ConfigError("--kl-coef/--kl-loss-coef need a reference model; pass --ref WEIGHTS")
         if self.kl_coef and self.advantage_estimator in ("grpo", "gspo"):
-            raise ConfigError("--kl-coef (KL reward shaping) applies to reinforce_plus_plus*; "
-                              "use --kl-loss-coef with grpo/gspo")
+            raise ConfigError("--kl-coef (KL reward shaping) applies to reinforce_plus_plus* and "
+                              "ppo; use --kl-loss-coef with grpo/gspo")
         if self.bypass and (self.tis_mode != "none" or self.rs_level != "none"):
             raise ConfigError("--bypass uses the rollout logprobs as old logprobs, so there is no "
                               "pi_old/pi_rollout ratio to correct: drop --tis-mode/--rs-level or "
@@ -120,6 +126,10 @@ class TrainConfig(StageConfig):
             raise ConfigError("--lr-decay-style cosine needs --lr-decay-steps N (optimizer steps "
                               "over the whole run, not just this call)")
         return self
+
+    @property
+    def value_head(self) -> bool:
+        return self.loss == "policy" and self.advantage_estimator == "ppo"
 
     @property
     def needs_ref(self) -> bool:

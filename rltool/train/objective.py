@@ -13,7 +13,7 @@ import torch
 
 from rltool.train.algo.kl import approx_kl
 from rltool.train.algo.losses import (aggregation_weights, gspo_log_ratio, policy_loss, sft_loss,
-                                      weighted_sum)
+                                      value_loss, weighted_sum)
 from rltool.train.backend import ForwardOutput, LossFn, MicroBatch
 from rltool.train.config import TrainConfig
 
@@ -27,6 +27,8 @@ class SampleTensors:
     old_logprobs: list[torch.Tensor] | None = None
     ref_logprobs: list[torch.Tensor] | None = None
     advantages: list[torch.Tensor] | None = None
+    old_values: list[torch.Tensor] | None = None   # ppo: the value head at recompute time
+    returns: list[torch.Tensor] | None = None      # ppo: GAE value targets
 
 
 def _cat(values: list[torch.Tensor]) -> torch.Tensor:
@@ -111,6 +113,14 @@ def make_loss_fn(cfg: TrainConfig, data: SampleTensors, terms: BatchTerms) -> Lo
             kl_loss = weighted_sum(kl, w)
             metrics["train/kl_loss"] = kl_loss
             loss = loss + cfg.kl_loss_coef * kl_loss
+        if data.returns is not None:
+            assert data.old_values is not None
+            vl = value_loss(_cat(out.extras["values"]), _cat([data.old_values[i] for i in idx]),
+                            _cat([data.returns[i] for i in idx]), value_clip=cfg.value_clip)
+            v_loss = weighted_sum(vl.loss, w)
+            metrics["train/value_loss"] = v_loss
+            metrics["train/value_clipfrac"] = weighted_sum(vl.clipped, w)
+            loss = loss + cfg.value_loss_coef * v_loss
         metrics["train/loss"] = loss
         return loss, metrics
 

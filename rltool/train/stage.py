@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from rltool.errors import CheckpointError, ConfigError
 from rltool.rundir import MetricsWriter, RunDir, step_dir_name, weight_dir_name
-from rltool.train.algo.advantages import compute_advantages
+from rltool.train.algo.advantages import compute_advantages, gae, masked_whiten
 from rltool.train.algo.kl import approx_kl
 from rltool.train.backend import MicroBatch, TrainerBackend
 from rltool.train.checkpoint import read_trainer_state, resolve_load
@@ -58,7 +58,8 @@ def backend_options(cfg: TrainConfig, *, trainable: bool = True) -> TorchOptions
                         lr_warmup_steps=cfg.lr_warmup_steps, lr_decay_style=cfg.lr_decay_style,
                         lr_decay_steps=cfg.lr_decay_steps, weight_decay=cfg.weight_decay,
                         adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2,
-                        adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad)
+                        adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad,
+                        value_head=trainable and cfg.value_head)
 
 
 def make_micro_batch(samples: list[Sample], indices: list[int]) -> MicroBatch:
@@ -75,19 +76,26 @@ def rank_micro_batches(backend: TrainerBackend, samples: list[Sample], batch: li
 
 
 def compute_logprobs(backend: TrainerBackend, samples: list[Sample], batches: list[list[int]], *,
-                     temperature: float, max_tokens_per_microbatch: int) -> list[torch.Tensor]:
-    """Logprobs of every sample in `batches`, computed with the training schedule of each batch and
-    shared with every rank. Returns a list indexed like `samples` (empty for samples not in any)."""
-    own: dict[int, torch.Tensor] = {}
+                     temperature: float, max_tokens_per_microbatch: int,
+                     with_values: bool = False) -> dict[str, list[torch.Tensor]]:
+    """Logprobs (and with_values, the value head's values) of every sample in `batches`, computed
+    with the training schedule of each batch and shared with every rank: {"logprobs": [...],
+    "values": [...]}, lists indexed like `samples` (empty tensors for samples not in any)."""
+    keys = ("logprobs", "values") if with_values else ("logprobs",)
+    own: dict[str, dict[int, torch.Tensor]] = {k: {} for k in keys}
     for batch in batches:
         for mb in rank_micro_batches(backend, samples, batch,
                                      max_tokens_per_microbatch=max_tokens_per_microbatch):
             out = backend.forward_logprobs(mb, temperature=temperature)
-            own.update((i, lp.detach().cpu()) for i, lp in zip(mb.indices, out.logprobs))
-    merged: dict[int, torch.Tensor] = {}
+            per_key = {"logprobs": out.logprobs, "values": out.extras.get("values", [])}
+            for key in keys:
+                own[key].update((i, t.detach().cpu()) for i, t in zip(mb.indices, per_key[key]))
+    merged: dict[str, dict[int, torch.Tensor]] = {k: {} for k in keys}
     for part in backend.all_gather_object(own):
-        merged.update(part)
-    return [merged.get(i, torch.zeros(0)) for i in range(len(samples))]
+        for key in keys:
+            merged[key].update(part[key])
+    return {key: [merged[key].get(i, torch.zeros(0)) for i in range(len(samples))]
+            for key in keys}
 
 
 def global_batches(num_samples: int, *, global_batch_size: int, epoch: int, shuffle: bool,
@@ -148,24 +156,35 @@ def _prepare_set(cfg: TrainConfig, backend: TorchBackend, ref: TorchBackend | No
         data.old_logprobs = list(data.rollout_logprobs)
     else:
         t0 = time.perf_counter()
-        data.old_logprobs = compute_logprobs(backend, samples, batches, **kwargs)
+        old = compute_logprobs(backend, samples, batches, with_values=cfg.value_head, **kwargs)
+        data.old_logprobs = old["logprobs"]
+        data.old_values = old.get("values")
         timings["perf/log_probs_time"] = time.perf_counter() - t0
     kl = None
     if ref is not None:
         t0 = time.perf_counter()
-        data.ref_logprobs = compute_logprobs(ref, samples, batches, **kwargs)
+        data.ref_logprobs = compute_logprobs(ref, samples, batches, **kwargs)["logprobs"]
         timings["perf/ref_log_probs_time"] = time.perf_counter() - t0
         if cfg.kl_coef:
             kl = [approx_kl(o, r, kl_type=cfg.kl_loss_type)
                   for o, r in zip(data.old_logprobs, data.ref_logprobs)]
+    rewards = torch.tensor([s.reward for s in samples])
+    if cfg.value_head:
+        if data.old_values is None:  # bypass: no recompute pass, so no values yet
+            data.old_values = compute_logprobs(backend, samples, batches, with_values=True,
+                                               **kwargs)["values"]
+        advantages, data.returns = gae(rewards, data.old_values, masks, gamma=cfg.gamma,
+                                       lambd=cfg.lambd, kl=kl, kl_coef=cfg.kl_coef)
+        data.advantages = masked_whiten(advantages, masks)
+        return data, timings
     data.advantages = compute_advantages(
-        cfg.advantage_estimator, rewards=torch.tensor([s.reward for s in samples]),
+        cfg.advantage_estimator, rewards=rewards,
         groups=torch.tensor([s.group for s in samples], dtype=torch.long), masks=masks, kl=kl,
         kl_coef=cfg.kl_coef, gamma=cfg.gamma, std_normalization=cfg.grpo_std_normalization)
     return data, timings
 
 
-_DATA_KEYS = ("old_logprobs", "ref_logprobs", "advantages")
+_DATA_KEYS = ("old_logprobs", "ref_logprobs", "advantages", "old_values", "returns")
 
 
 def _pack_data(data: SampleTensors) -> dict[str, torch.Tensor]:
@@ -354,7 +373,7 @@ def recompute_logprobs(weights_dir: str | Path, shard_dirs: list[str | Path], *,
                                     [plan.batch(k) for k in range(plan.steps_per_epoch)],
                                     temperature=sample_set.temperature,
                                     max_tokens_per_microbatch=max_tokens_per_microbatch)
-        return [lp.tolist() for lp in logprobs]
+        return [lp.tolist() for lp in logprobs["logprobs"]]
     finally:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()

@@ -53,6 +53,10 @@ class TorchOptions:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
+    value_head: bool = False  # a scalar head on the last hidden state (PPO's critic)
+
+
+VALUE_HEAD = "value_head"  # attribute on the HF model, and the prefix of its state-dict keys
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -84,6 +88,11 @@ class TorchBackend:
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{model_dir}: cannot load the model ({e})") from e
         self.config = inner.config
+        if options.value_head:
+            # Zero init: values start at 0, so the first advantages are plain discounted rewards.
+            inner.add_module(VALUE_HEAD, torch.nn.Linear(self.config.hidden_size, 1))
+            torch.nn.init.zeros_(inner.value_head.weight)
+            torch.nn.init.zeros_(inner.value_head.bias)
         self.inner = inner.to(self.device)
         self.fsdp = options.parallel == "fsdp" and self.dp_size > 1
         self.ddp = options.parallel == "ddp" and self.dp_size > 1 and options.trainable
@@ -117,6 +126,8 @@ class TorchBackend:
         for module in self.inner.modules():
             if type(module).__name__ in block_types:
                 fully_shard(module, mesh=mesh, mp_policy=mp)
+        if self.options.value_head:  # its own unit: it runs outside the root's forward
+            fully_shard(self.inner.value_head, mesh=mesh, mp_policy=mp)
         fully_shard(self.inner, mesh=mesh, mp_policy=mp)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -156,15 +167,16 @@ class TorchBackend:
         """Run one unit; returns the outputs and a zero scalar tied to the graph (for dummies)."""
         if mb.empty:
             ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-            with self._autocast():
-                logits = module(input_ids=ids, use_cache=False).logits
-            return ForwardOutput(logprobs=[]), logits.float().sum() * 0.0
+            logits, values = self._model_call(module, ids, None)
+            anchor = logits.float().sum() * 0.0
+            if values is not None:
+                anchor = anchor + values.sum() * 0.0
+            return ForwardOutput(logprobs=[]), anchor
         lengths = [len(t) for t in mb.tokens]
         if len(mb.tokens) == 1:
             # One sample: unpadded, no mask -- the layout of rltool.logprobs.sequence_logprobs.
             ids = torch.tensor(mb.tokens, dtype=torch.long, device=self.device)
-            with self._autocast():
-                logits = module(input_ids=ids, use_cache=False).logits
+            logits, values = self._model_call(module, ids, None)
         else:
             width = max(lengths)
             pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
@@ -173,15 +185,19 @@ class TorchBackend:
             for i, toks in enumerate(mb.tokens):
                 ids[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
                 mask[i, :len(toks)] = 1
-            with self._autocast():
-                logits = module(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            logits, values = self._model_call(module, ids, mask)
         temp = effective_temperature(temperature)
         out = ForwardOutput(logprobs=[], entropy=[] if with_entropy else None,
                             topk_logprobs=[] if top_k else None, topk_ids=[] if top_k else None)
+        if values is not None:
+            out.extras["values"] = []
         for i, (n, start) in enumerate(zip(lengths, mb.response_starts)):
             rows = logits[i, start - 1:n - 1]
             targets = ids[i, start:n]
             out.logprobs.append(logits_to_logprobs(rows, targets, temperature=temperature))
+            if values is not None:
+                # V_t: the value of the state before response token t (same rows as its logits).
+                out.extras["values"].append(values[i, start - 1:n - 1])
             if with_entropy:
                 out.entropy.append(entropy_from_logits(rows, temperature=temp))
             if top_k:
@@ -189,6 +205,17 @@ class TorchBackend:
                 out.topk_logprobs.append(values)
                 out.topk_ids.append(indices)
         return out, logits.float().sum() * 0.0
+
+    def _model_call(self, module: Any, ids: torch.Tensor,
+                    mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits, values or None) for a batch of ids."""
+        kwargs = {} if mask is None else {"attention_mask": mask}
+        with self._autocast():
+            if not self.options.value_head:
+                return module(input_ids=ids, use_cache=False, **kwargs).logits, None
+            out = module(input_ids=ids, use_cache=False, output_hidden_states=True, **kwargs)
+            values = self.inner.value_head(out.hidden_states[-1]).squeeze(-1)
+        return out.logits, values.float()
 
     @torch.no_grad()
     def forward_logprobs(self, batch: MicroBatch, *, temperature: float,
@@ -202,6 +229,8 @@ class TorchBackend:
             out, _ = self._forward(module, unit, temperature=temperature,
                                    with_entropy=with_entropy, top_k=top_k)
             merged.logprobs += out.logprobs
+            if "values" in out.extras:
+                merged.extras.setdefault("values", []).extend(out.extras["values"])
             if with_entropy:
                 merged.entropy += out.entropy or []
             if top_k:
@@ -265,11 +294,15 @@ class TorchBackend:
 
         return StateDictOptions(full_state_dict=True, cpu_offload=self.dp_size > 1)
 
-    def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
+    def _full_model_state(self) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         state = get_model_state_dict(self.model, options=self._full_state_options())
         return {k: v.detach().cpu() for k, v in state.items()} if self.dp_rank == 0 else {}
+
+    def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self._full_model_state().items()
+                if not k.startswith(VALUE_HEAD + ".")}
 
     def _rng_states(self) -> dict[str, torch.Tensor]:
         own = {"torch_cpu": torch.get_rng_state()}
@@ -283,17 +316,20 @@ class TorchBackend:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         assert self.optimizer is not None
-        model_state = self.export_hf_state_dict()
+        full_state = self._full_model_state()
+        model_state = {k: v for k, v in full_state.items() if not k.startswith(VALUE_HEAD + ".")}
+        value_state = {k: v for k, v in full_state.items() if k.startswith(VALUE_HEAD + ".")}
         optim_state = get_optimizer_state_dict(self.model, self.optimizer,
                                                options=self._full_state_options())
         rng = self._rng_states()
         if self.dp_rank == 0:
             backend_state = {"name": "torch", "optimizer_steps": self.optimizer_steps,
                              "world_size": self.dp_size, "dtype": self.options.dtype,
-                             "parallel": self.options.parallel}
+                             "parallel": self.options.parallel,
+                             "value_head": self.options.value_head}
             ckpt.write_checkpoint(Path(ckpt_dir), model_state=model_state,
                                   optimizer_state=optim_state, rng_states=rng,
-                                  data_tensors=data_tensors,
+                                  data_tensors=data_tensors, value_head=value_state,
                                   trainer_state={**trainer_state, "backend": backend_state},
                                   source_model_dir=self.model_dir, config_toml=config_toml)
         if self.dp_size > 1:
@@ -301,11 +337,25 @@ class TorchBackend:
 
     def load(self, ckpt_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Restore optimizer, schedule step and RNG (the weights came from ckpt_dir/model)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
 
         assert self.optimizer is not None
         ckpt_dir = Path(ckpt_dir)
         state = ckpt.read_trainer_state(ckpt_dir)
+        had_value_head = bool(state["backend"].get("value_head", False))
+        if had_value_head != self.options.value_head:
+            raise CheckpointError(
+                f"{ckpt_dir} was trained {'with' if had_value_head else 'without'} a value head "
+                f"but this run {'needs' if self.options.value_head else 'has'} "
+                f"{'one' if self.options.value_head else 'none'} (ppo vs other estimators); "
+                f"to switch, --load {ckpt_dir / ckpt.MODEL_DIR} (weights only, fresh optimizer)")
+        if self.options.value_head:
+            if not (ckpt_dir / ckpt.VALUE_HEAD_FILE).exists():
+                raise CheckpointError(f"{ckpt_dir}: missing {ckpt.VALUE_HEAD_FILE}; the checkpoint "
+                                      "is incomplete")
+            set_model_state_dict(self.model, ckpt.read_tensors(ckpt_dir / ckpt.VALUE_HEAD_FILE),
+                                 options=StateDictOptions(full_state_dict=True, strict=False))
         optim_state = ckpt.unflatten_optimizer_state(ckpt.read_tensors(ckpt_dir / ckpt.OPTIMIZER_FILE),
                                                      state["optimizer"])
         try:

@@ -223,3 +223,52 @@ def test_lr_schedule():
            for s in range(8)]
     want = [0.5, 1.0] + [0.1 + 0.45 * (1 + math.cos(math.pi * min(k / 4, 1))) for k in range(6)]
     assert cos == pytest.approx(want)
+
+
+@pytest.mark.parametrize("gamma,lambd", [(1.0, 1.0), (0.99, 0.95)])
+def test_gae(gamma, lambd):
+    from rltool.train.algo.advantages import gae
+
+    rng = random.Random(8)
+    values = _ragged(rng, LENGTHS, lo=-1, hi=1)
+    kl = _ragged(rng, LENGTHS, lo=-0.3, hi=0.3)
+    masks = _masks(rng, LENGTHS)
+    coef = 0.1
+    want_adv, want_ret = [], []
+    for i, n in enumerate(LENGTHS):
+        r = [-coef * kl[i][t] * masks[i][t] for t in range(n)]
+        r[-1] += REWARDS[i]
+        adv, running = [0.0] * n, 0.0
+        for t in reversed(range(n)):
+            next_value = values[i][t + 1] if t + 1 < n else 0.0
+            running = r[t] + gamma * next_value - values[i][t] + gamma * lambd * running
+            adv[t] = running
+        want_adv.append(adv)
+        want_ret.append([a + v for a, v in zip(adv, values[i])])
+    adv, ret = gae(torch.tensor(REWARDS, dtype=torch.float64), _t(values),
+                   [torch.tensor(m) for m in masks], gamma=gamma, lambd=lambd, kl=_t(kl),
+                   kl_coef=coef)
+    for g, w in zip(adv, want_adv):
+        assert g.tolist() == pytest.approx(w, abs=1e-9)
+    for g, w in zip(ret, want_ret):
+        assert g.tolist() == pytest.approx(w, abs=1e-9)
+
+
+def test_value_loss():
+    from rltool.train.algo.losses import value_loss
+
+    rng = random.Random(9)
+    n, clip = 300, 0.2
+    v = [rng.uniform(-2, 2) for _ in range(n)]
+    old = [x + rng.uniform(-0.5, 0.5) for x in v]
+    ret = [rng.uniform(-2, 2) for _ in range(n)]
+    want, want_clip = [], []
+    for x, o, r in zip(v, old, ret):
+        clipped = o + min(max(x - o, -clip), clip)
+        l1, l2 = (x - r) ** 2, (clipped - r) ** 2
+        want.append(0.5 * max(l1, l2))
+        want_clip.append(1.0 if l2 > l1 else 0.0)
+    out = value_loss(torch.tensor(v, dtype=torch.float64), torch.tensor(old, dtype=torch.float64),
+                     torch.tensor(ret, dtype=torch.float64), value_clip=clip)
+    assert out.loss.tolist() == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert out.clipped.tolist() == want_clip and 0 < sum(want_clip) < n

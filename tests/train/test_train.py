@@ -43,17 +43,21 @@ def test_policy_gradient_raises_positive_and_lowers_negative(tiny_model_dir, tra
     assert moved == sum(1 for g in REWARDS for r in g if r != sum(g) / len(g))
 
 
-def test_resume_is_bit_identical(tiny_model_dir, train_shard, tmp_path):
+@pytest.mark.parametrize("estimator", ["grpo", "ppo"])
+def test_resume_is_bit_identical(tiny_model_dir, train_shard, tmp_path, estimator):
     cfg = dict(rollouts=[str(train_shard)], num_epochs=2, save_interval=1, entropy_coef=0.01,
                lr_warmup_steps=2, lr_decay_style="cosine", lr_decay_steps=4, shuffle=True,
-               **COMMON)
+               advantage_estimator=estimator, **COMMON)
     full = run(TrainConfig(load=str(tiny_model_dir), save=str(tmp_path / "a"), **cfg))
     assert full.metrics[0]["train/ppo_kl"] == 0.0  # old logprobs use the training schedule
     assert full.metrics[0]["train/pg_clipfrac"] == 0.0
     resumed = run(TrainConfig(load=str(tmp_path / "a" / "step-000002"), save=str(tmp_path / "b"),
                               **cfg))
     assert resumed.optimizer_steps == 2 and resumed.policy_version == 4
-    for name in ("model/model.safetensors", "optimizer.safetensors"):
+    files = ["model/model.safetensors", "optimizer.safetensors", "data.safetensors"]
+    if estimator == "ppo":
+        files.append("value_head.safetensors")
+    for name in files:
         a = load_file(tmp_path / "a" / "step-000004" / name)
         b = load_file(tmp_path / "b" / "step-000004" / name)
         assert a.keys() == b.keys()
@@ -164,3 +168,23 @@ def test_mismatch_correction_is_wired(tiny_model_dir, train_shard):
     assert clipped["train/train_rollout_logprob_abs_diff"] > 1.0
     bypass = run(TrainConfig(bypass=True, **base)).metrics[0]
     assert "perf/log_probs_time" not in bypass and bypass["train/ppo_kl"] != 0.0
+
+
+def test_ppo_value_head_learns_and_stays_out_of_published_weights(tiny_model_dir, train_shard,
+                                                                  tmp_path):
+    cfg = dict(rollouts=[str(train_shard)], advantage_estimator="ppo", gamma=0.99, lambd=0.95,
+               num_epochs=4, **COMMON)
+    result = run(TrainConfig(load=str(tiny_model_dir), save=str(tmp_path / "ckpt"),
+                             publish=str(tmp_path / "weights"), **cfg))
+    losses = [m["train/value_loss"] for m in result.metrics]
+    assert losses[-1] < losses[0] and "train/value_clipfrac" in result.metrics[0]
+    head = load_file(tmp_path / "ckpt" / "step-000008" / "value_head.safetensors")
+    assert set(head) == {"value_head.weight", "value_head.bias"} and head["value_head.weight"].any()
+    published = load_file(tmp_path / "weights" / "weight_v000008" / "model.safetensors")
+    assert not any(k.startswith("value_head") for k in published)
+    # A PPO checkpoint cannot silently continue as GRPO (its optimizer holds the head's moments).
+    from rltool.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="value head"):
+        run(TrainConfig(rollouts=[str(train_shard)], load=str(tmp_path / "ckpt"), num_steps=1,
+                        **COMMON))

@@ -11,13 +11,17 @@ one). Every estimator returns per-token advantages (one tensor per sample).
          discounted returns G_t = r_t + gamma * G_{t+1}, then whitened over all loss-masked tokens
          of the batch.
 - reinforce_plus_plus_baseline: (r_i - mean_g r) - kl_coef * kl_t, whitened the same way.
+- ppo:   GAE over a learned value V_t (the critic's prediction before token t): token rewards as
+         reinforce_plus_plus, delta_t = r_t + gamma * V_{t+1} - V_t (V after the last token = 0),
+         A_t = delta_t + gamma * lambd * A_{t+1}; returns R_t = A_t + V_t (the value targets);
+         advantages whitened over all loss-masked tokens. See `gae`.
 """
 
 from __future__ import annotations
 
 import torch
 
-ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
 GRPO_EPS = 1e-6
 WHITEN_EPS = 1e-8
 
@@ -55,15 +59,42 @@ def masked_whiten(values: list[torch.Tensor], masks: list[torch.Tensor], *,
     return [(v - mean) * rstd for v in values]
 
 
+def _token_rewards(reward: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, *,
+                   kl_coef: float) -> torch.Tensor:
+    """-kl_coef * kl on masked tokens, plus the sample's reward on its last token."""
+    token_rewards = -kl_coef * kl * mask.to(kl.dtype)
+    if token_rewards.numel():
+        token_rewards[-1] += reward.to(kl.dtype)
+    return token_rewards
+
+
+def gae(rewards: torch.Tensor, values: list[torch.Tensor], masks: list[torch.Tensor], *,
+        gamma: float, lambd: float, kl: list[torch.Tensor] | None = None,
+        kl_coef: float = 0.0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Generalised advantage estimation per sample -> (advantages, returns), not whitened."""
+    advantages, returns = [], []
+    for i, (v, m) in enumerate(zip(values, masks)):
+        k = kl[i] if kl is not None else torch.zeros_like(v)
+        token_rewards = _token_rewards(rewards[i], k.to(v.dtype), m, kl_coef=kl_coef)
+        adv = torch.empty_like(v)
+        running = torch.zeros((), dtype=v.dtype)
+        for t in range(v.numel() - 1, -1, -1):
+            next_value = v[t + 1] if t + 1 < v.numel() else torch.zeros((), dtype=v.dtype)
+            delta = token_rewards[t] + gamma * next_value - v[t]
+            running = delta + gamma * lambd * running
+            adv[t] = running
+        advantages.append(adv)
+        returns.append(adv + v)
+    return advantages, returns
+
+
 def reinforce_plus_plus_returns(rewards: torch.Tensor, kl: list[torch.Tensor],
                                 masks: list[torch.Tensor], *, kl_coef: float,
                                 gamma: float) -> list[torch.Tensor]:
     """Discounted returns of token rewards -kl_coef*kl (masked) plus the reward on the last token."""
     out = []
     for i, (k, m) in enumerate(zip(kl, masks)):
-        token_rewards = -kl_coef * k * m.to(k.dtype)
-        if token_rewards.numel():
-            token_rewards[-1] += rewards[i].to(k.dtype)
+        token_rewards = _token_rewards(rewards[i], k, m, kl_coef=kl_coef)
         returns = torch.empty_like(token_rewards)
         running = torch.zeros((), dtype=token_rewards.dtype)
         for t in range(token_rewards.numel() - 1, -1, -1):
@@ -77,7 +108,7 @@ def compute_advantages(estimator: str, *, rewards: torch.Tensor, groups: torch.T
                        masks: list[torch.Tensor], kl: list[torch.Tensor] | None = None,
                        kl_coef: float = 0.0, gamma: float = 1.0,
                        std_normalization: bool = True) -> list[torch.Tensor]:
-    """Per-token advantages for `estimator` (see the module docstring)."""
+    """Per-token advantages for `estimator` (see the module docstring); ppo: use `gae`."""
     lengths = [m.numel() for m in masks]
     if kl is None:
         kl = [torch.zeros(n, dtype=rewards.dtype) for n in lengths]

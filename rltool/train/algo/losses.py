@@ -48,6 +48,23 @@ def policy_loss(log_ratio: torch.Tensor, advantages: torch.Tensor, *, eps_clip: 
     return PolicyLossOutput(loss=clipped_loss, clipped=clipped, ppo_kl=-log_ratio)
 
 
+@dataclass
+class ValueLossOutput:
+    loss: torch.Tensor      # per-token 0.5 * max((V - R)^2, (V_clipped - R)^2)
+    clipped: torch.Tensor   # per-token 1.0 where the clipped term was the larger one
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, *,
+               value_clip: float) -> ValueLossOutput:
+    """PPO's clipped value loss (slime's compute_value_loss): the prediction may move at most
+    `value_clip` from the old value before the clipped term takes over."""
+    clipped_values = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    loss1 = (values - returns).square()
+    loss2 = (clipped_values - returns).square()
+    return ValueLossOutput(loss=0.5 * torch.maximum(loss1, loss2),
+                           clipped=(loss2 > loss1).to(values.dtype))
+
+
 def gspo_log_ratio(logprobs: list[torch.Tensor], old_logprobs: list[torch.Tensor],
                    masks: list[torch.Tensor]) -> list[torch.Tensor]:
     """GSPO's sequence-level log ratio: masked mean of (new - old) over each sample's tokens,
