@@ -1,0 +1,94 @@
+"""Loop config validation: every table checked by its stage's model before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+
+from rltool.errors import ConfigError
+from rltool.loop.config import LoopSettings, parse_set_options
+from rltool.rundir import RunDir
+
+
+def tables(model_dir, **changes):
+    data = {
+        "model": {"path": str(model_dir)},
+        "rollout": {"prompts": "p.jsonl", "reward": "reverse:partial", "max_response_len": 8,
+                    "rollout_batch_size": 4, "n_samples_per_prompt": 2},
+        "train": {"lr": 1e-3},
+        "sync": {"sync": "full"},
+        "loop": {"num_steps": 3},
+    }
+    for key, value in changes.items():
+        table, _, name = key.partition("__")
+        if value is None:
+            data[table].pop(name, None)
+        else:
+            data.setdefault(table, {})[name] = value
+    return data
+
+
+def test_valid_config_builds_stage_configs(tiny_model_dir, tmp_path):
+    s = LoopSettings.from_tables(tables(tiny_model_dir, eval__prompts="e.jsonl",
+                                       loop__eval_interval=2))
+    run = RunDir(tmp_path / "run")
+    r = s.rollout_config(run, step=2, urls=["http://a:1"])
+    assert r.out == str(run.rollout_step(2)) and r.step == 2 and r.engines == ["http://a:1"]
+    t = s.train_config(run, step=2, load="x")
+    assert t.rollouts == [str(run.rollout_step(2))] and t.save == str(run.ckpt)
+    assert t.publish is None and t.lr == 1e-3
+    e = s.eval_config(run, step=1, urls=["http://a:1"], policy_version=2)
+    # [eval] inherits reward and max_response_len from [rollout]
+    assert e.reward == "reverse:partial" and e.max_response_len == 8 and e.policy_version == 2
+    assert [k for k in range(3) if s.is_eval_step(k)] == [1, 2]
+
+
+def test_deterministic_sets_trainer_and_seed(tiny_model_dir, tmp_path):
+    s = LoopSettings.from_tables(tables(tiny_model_dir, loop__deterministic=True, loop__seed=7))
+    run = RunDir(tmp_path)
+    assert s.train_config(run, step=0, load="x").deterministic is True
+    assert s.rollout_config(run, step=0, urls=["http://a:1"]).seed == 7
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rollout__out": "x"}, "the loop decides per step"),
+    ({"train__load": "x"}, "the loop decides per step"),
+    ({"rollout__n_samples_per_prompt": 0}, "--n-samples-per-prompt (in [rollout])"),
+    ({"train__lr": -1.0}, "--lr (in [train])"),
+    ({"train__bogus": 1}, "unknown key 'bogus'"),
+    ({"sync__sync": "sometimes"}, "--sync (in [sync])"),
+    ({"loop__placement": "remote"}, "--placement (in [loop])"),
+    ({"loop__num_steps": None}, "--num-steps (in [loop])"),
+    ({"loop__eval_interval": 2}, "needs an [eval] table"),
+    ({"model__path": "/nonexistent"}, "not a HF weights directory"),
+    ({"rollout__reward": None}, "--reward (in [rollout])"),
+])
+def test_bad_config_names_the_key(tiny_model_dir, change, message):
+    with pytest.raises(ConfigError) as err:
+        LoopSettings.from_tables(tables(tiny_model_dir, **change))
+    assert message in str(err.value)
+
+
+def test_unknown_table_refused(tiny_model_dir):
+    data = tables(tiny_model_dir)
+    data["trian"] = {"lr": 1}
+    with pytest.raises(ConfigError, match="unknown table"):
+        LoopSettings.from_tables(data)
+
+
+def test_set_options_override_tables(tiny_model_dir):
+    overrides = parse_set_options(["train.lr=0.5", "rollout.reward=copy:exact",
+                                   "loop.engine-args=['--dtype', 'fp32']"])
+    assert overrides == {"train": {"lr": 0.5}, "rollout": {"reward": "copy:exact"},
+                         "loop": {"engine_args": ["--dtype", "fp32"]}}
+    s = LoopSettings.from_tables(tables(tiny_model_dir), overrides=overrides)
+    assert s.train["lr"] == 0.5 and s.loop.engine_args == ["--dtype", "fp32"]
+    with pytest.raises(ConfigError, match="TABLE.KEY=VALUE"):
+        parse_set_options(["lr=1"])
+    with pytest.raises(ConfigError, match="unknown table"):
+        LoopSettings.from_tables(tables(tiny_model_dir), overrides={"nope": {"a": 1}})
+
+
+def test_to_tables_round_trips(tiny_model_dir):
+    s = LoopSettings.from_tables(tables(tiny_model_dir, eval__prompts="e.jsonl"))
+    again = LoopSettings.from_tables(s.to_tables())
+    assert again == s
