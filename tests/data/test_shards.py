@@ -189,3 +189,47 @@ def test_docs_formats_column_table_matches_the_schema():
         field = SCHEMA.field(name)
         assert str(field.type).replace("<item: ", "<") == arrow_type.replace("float32", "float"), name
         assert field.nullable == (nullable == "yes"), name
+
+
+def test_round_trip_property(tmp_path_factory):
+    """Any valid rows, any part/row-group sizes: what is read back is what was written."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    token = st.integers(0, 2**31 - 1)
+    logprob = st.floats(-50.0, 0.0, width=32)
+
+    @st.composite
+    def row(draw, i):
+        n = draw(st.integers(0, 6))
+        return make_row(
+            uid=f"u{i}", prompt_id=draw(st.text(max_size=5)), group_id=draw(st.integers(0, 2**40)),
+            sample_index=draw(st.integers(0, 2**31 - 1)), prompt=draw(st.text(max_size=20)),
+            prompt_token_ids=draw(st.lists(token, max_size=5)), response=draw(st.text(max_size=20)),
+            response_token_ids=draw(st.lists(token, min_size=n, max_size=n)),
+            rollout_logprobs=draw(st.lists(logprob, min_size=n, max_size=n)),
+            loss_mask=draw(st.lists(st.integers(0, 1), min_size=n, max_size=n)),
+            weight_versions=draw(st.lists(st.integers(-1, 1000), min_size=n, max_size=n)),
+            reward=draw(st.floats(-10, 10, width=32)), status=draw(st.sampled_from(STATUSES)),
+            finish_reason="stop", label=draw(st.none() | st.text(max_size=5)),
+            rewards=draw(st.none() | st.dictionaries(st.text(max_size=4), st.floats(-1, 1, width=32),
+                                                       max_size=2)),
+            teacher_logprobs=draw(st.none() | st.lists(logprob, min_size=n, max_size=n)),
+            metadata={"i": i})
+
+    rows_st = st.integers(0, 9).flatmap(lambda k: st.tuples(*[row(i) for i in range(k)]))
+
+    @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(rows=rows_st, rows_per_part=st.integers(1, 5), row_group_size=st.integers(1, 4))
+    def check(rows, rows_per_part, row_group_size):
+        out = tmp_path_factory.mktemp("prop") / "s"
+        manifest = write_shard(out, list(rows), fake_meta(), rows_per_part=rows_per_part,
+                               row_group_size=row_group_size)
+        assert manifest["num_rows"] == len(rows)
+        back = open_shard(out).rows()
+        for want, got in zip(rows, back, strict=True):
+            if got["rewards"] is not None:
+                got["rewards"] = dict(got["rewards"])
+            assert got == want
+
+    check()
