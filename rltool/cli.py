@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("eval", "Evaluate held-out prompts: eval shard and pass@k metrics."),
     "serve": ("serve", "Serve a model with the builtin engine over SGLang's HTTP API."),
     "delta": ("delta", "Delta weight versions: diff, apply, verify, pull (rltool and slime formats)."),
+    "align-gate": ("align_gate", "Gate: trainer-recomputed vs rollout logprobs (and per layer)."),
     "loop": ("loop", "Run the synchronous RL loop (rollout, train, publish, sync, eval); resumable."),
 }
 
