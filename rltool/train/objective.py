@@ -77,10 +77,15 @@ def batch_terms(cfg: TrainConfig, data: SampleTensors, batch: list[int],
 
 def make_loss_fn(cfg: TrainConfig, data: SampleTensors, terms: BatchTerms) -> LossFn:
     """The loss of `cfg.loss` for one global batch (see BatchTerms)."""
-    weights = terms.weights
+
+    def pick(values: dict[int, torch.Tensor] | list[torch.Tensor], out: ForwardOutput,
+             mb: MicroBatch) -> list[torch.Tensor]:
+        # Per-sample tensors live on the CPU (they go into checkpoints); move the micro-batch's.
+        device = out.logprobs[0].device
+        return [values[i].to(device) for i in mb.indices]
 
     def sft(out: ForwardOutput, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        w = _cat([weights[i] for i in mb.indices])
+        w = _cat(pick(terms.weights, out, mb))
         loss = weighted_sum(sft_loss(_cat(out.logprobs)), w)
         metrics = {"train/loss": loss, "train/sft_loss": loss}
         if out.entropy is not None:
@@ -89,17 +94,16 @@ def make_loss_fn(cfg: TrainConfig, data: SampleTensors, terms: BatchTerms) -> Lo
 
     def policy(out: ForwardOutput, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         assert data.old_logprobs is not None and data.advantages is not None
-        idx = mb.indices
-        old = [data.old_logprobs[i] for i in idx]
+        old = pick(data.old_logprobs, out, mb)
         if cfg.advantage_estimator == "gspo":
-            log_ratio = gspo_log_ratio(out.logprobs, old, [data.masks[i] for i in idx])
+            log_ratio = gspo_log_ratio(out.logprobs, old, pick(data.masks, out, mb))
         else:
             log_ratio = [lp - o for lp, o in zip(out.logprobs, old)]
-        w = _cat([weights[i] for i in idx])
-        pl = policy_loss(_cat(log_ratio), _cat([data.advantages[i] for i in idx]),
+        w = _cat(pick(terms.weights, out, mb))
+        pl = policy_loss(_cat(log_ratio), _cat(pick(data.advantages, out, mb)),
                          eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
                          eps_clip_c=cfg.eps_clip_c)
-        pg_loss = weighted_sum(pl.loss * _cat([terms.scales[i] for i in idx]), w)
+        pg_loss = weighted_sum(pl.loss * _cat(pick(terms.scales, out, mb)), w)
         loss = pg_loss
         metrics = {"train/pg_loss": pg_loss, "train/pg_clipfrac": weighted_sum(pl.clipped, w),
                    "train/ppo_kl": weighted_sum(pl.ppo_kl, w)}
@@ -108,15 +112,15 @@ def make_loss_fn(cfg: TrainConfig, data: SampleTensors, terms: BatchTerms) -> Lo
             metrics["train/entropy_loss"] = entropy
             loss = loss - cfg.entropy_coef * entropy
         if data.ref_logprobs is not None:
-            kl = approx_kl(_cat(out.logprobs), _cat([data.ref_logprobs[i] for i in idx]),
+            kl = approx_kl(_cat(out.logprobs), _cat(pick(data.ref_logprobs, out, mb)),
                            kl_type=cfg.kl_loss_type)
             kl_loss = weighted_sum(kl, w)
             metrics["train/kl_loss"] = kl_loss
             loss = loss + cfg.kl_loss_coef * kl_loss
         if data.returns is not None:
             assert data.old_values is not None
-            vl = value_loss(_cat(out.extras["values"]), _cat([data.old_values[i] for i in idx]),
-                            _cat([data.returns[i] for i in idx]), value_clip=cfg.value_clip)
+            vl = value_loss(_cat(out.extras["values"]), _cat(pick(data.old_values, out, mb)),
+                            _cat(pick(data.returns, out, mb)), value_clip=cfg.value_clip)
             v_loss = weighted_sum(vl.loss, w)
             metrics["train/value_loss"] = v_loss
             metrics["train/value_clipfrac"] = weighted_sum(vl.clipped, w)
