@@ -10,20 +10,27 @@ def command():
 
 @command.command("inspect")
 @click.argument("path", type=click.Path())
+@click.option("--tokenizer", type=click.Path(file_okay=False), default=None,
+              help="Model/tokenizer directory the shard must have been made with (hash check).")
 @json_option
 @handle_errors
-def inspect(path, as_json):
+def inspect(path, tokenizer, as_json):
     """Validate the shard at PATH and summarise it: rows, groups, rewards, lengths, statuses.
 
-    Exit 2 with a one-line reason when the shard is malformed.
+    Exit 2 with a one-line reason when the shard is malformed, or when --tokenizer is given and
+    the shard was made with another tokenizer.
 
     \b
     Example:
       rltool shards inspect runs/r1/rollouts/step-000003 --json
+      rltool shards inspect runs/r1/rollouts/step-000003 --tokenizer runs/r1/weights/weight_v000000
     """
     from rltool.data.shards import open_shard, shard_stats
+    from rltool.data.tokenizer import tokenizer_hash
 
-    stats = shard_stats(open_shard(path))  # reads every row group, validating each in full
+    expected = tokenizer_hash(tokenizer) if tokenizer is not None else None
+    # shard_stats reads every row group, validating each in full
+    stats = shard_stats(open_shard(path, expected_tokenizer_hash=expected))
     if as_json:
         echo_json(stats)
         return

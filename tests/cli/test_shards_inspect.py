@@ -175,3 +175,15 @@ def test_not_a_shard_directory(tmp_path):
     assert result.exit_code == 2 and "no such shard directory" in result.output
     (tmp_path / "file").write_text("x")
     assert _inspect(tmp_path / "file").exit_code == 2
+
+
+def test_inspect_checks_the_tokenizer(tmp_path, tiny_model_dir):
+    from rltool.data.tokenizer import tokenizer_hash
+
+    write_shard(tmp_path / "ok", fake_rows(), fake_meta(tokenizer_hash=tokenizer_hash(tiny_model_dir)))
+    write_shard(tmp_path / "other", fake_rows(), fake_meta(tokenizer_hash="f" * 16))
+    assert _inspect(tmp_path / "ok", "--tokenizer", str(tiny_model_dir)).exit_code == 0
+    result = _inspect(tmp_path / "other", "--tokenizer", str(tiny_model_dir))
+    assert result.exit_code == 2 and "written with tokenizer ffffffffffffffff" in result.output
+    result = _inspect(tmp_path / "ok", "--tokenizer", str(tmp_path))
+    assert result.exit_code == 2 and "has no tokenizer.json" in result.output
