@@ -98,3 +98,17 @@ def test_mismatched_tensors_refused_and_nothing_written(tmp_path):
                     base_version=0)
     assert not (tmp_path / "d").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("fmt,encoding", FORMATS)
+def test_scalar_empty_and_integer_tensors(tmp_path, fmt, encoding):
+    w0 = {"empty": torch.zeros(0, dtype=torch.bfloat16), "scalar": torch.tensor(1.5),
+          "ids": torch.arange(10, dtype=torch.int64)}
+    w1 = {"empty": torch.zeros(0, dtype=torch.bfloat16), "scalar": torch.tensor(2.5),
+          "ids": torch.arange(10, dtype=torch.int64) * 3}
+    base, new = write_checkpoint(tmp_path / "b", w0), write_checkpoint(tmp_path / "n", w1)
+    stats = write_delta(open_checkpoint(base), open_checkpoint(new), tmp_path / "d", version=1,
+                        base_version=0, fmt=fmt, encoding=encoding)
+    assert stats["tensors_changed"] == 2
+    apply_chain(open_checkpoint(base), [open_delta(tmp_path / "d")], tmp_path / "o", base_version=0)
+    assert same_bits(load_all(tmp_path / "o"), w1)

@@ -67,5 +67,5 @@ def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     """Bitwise equality (NaN-safe, -0.0 distinct from 0.0)."""
     return set(a) == set(b) and all(
         a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
-        and torch.equal(a[k].contiguous().view(torch.uint8), b[k].contiguous().view(torch.uint8))
+        and torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))
         for k in a)
