@@ -1,0 +1,1 @@
+"""Alignment gates: trainer-recomputed vs rollout logprobs (gate.py) and per layer (layerwise.py)."""
