@@ -1,8 +1,8 @@
 """Rebuild a full checkpoint from a base and a chain of deltas, verifying every checksum.
 
 One pass over the base: each worker thread reads one tensor, applies every delta of the chain that
-touches it in order (checking the declared checksum after each) in place, inside an mmap of a
-kernel copy (copy_file_range) of the base file. The output keeps the base's file layout byte for byte
+touches it in order (checking the declared checksum after each) in place, inside an mmap of the
+output file into which it first kernel-copies (copy_file_range) the tensor's base bytes. The output keeps the base's file layout byte for byte
 (same headers, same offsets); only tensor bytes differ. Nothing is published unless every check
 passes: the output directory appears whole (index last) or not at all.
 """
@@ -127,8 +127,9 @@ def apply_chain(base: Checkpoint, deltas: list[DeltaDir], out: str | os.PathLike
     names = base.names()
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(atomic.publish_dir(out)) if out is not None else None
-        # Output files start as kernel copies of the base files and are patched in place through
-        # a shared mmap; without an output each tensor is patched in a private copy.
+        # Each worker kernel-copies its tensor's bytes from the base file into the output file and
+        # patches them in place through a shared mmap while they are hot in cache; without an
+        # output each tensor is patched in a private copy.
         files = {}
         if tmp is not None:
             for fname, f in base.files.items():
@@ -139,7 +140,8 @@ def apply_chain(base: Checkpoint, deltas: list[DeltaDir], out: str | os.PathLike
             if not files:
                 return _rebuild_tensor(name, base.read(name), base, deltas)
             e = base.entry(name)
-            return _rebuild_tensor(name, files[base.tensor_file[name]][e.start:e.end], base, deltas)
+            return _rebuild_tensor(name, files[base.tensor_file[name]].copy(e.start, e.end), base,
+                                   deltas)
 
         changed = sum(pool.map(work, names))
         files.clear()

@@ -182,30 +182,46 @@ class BlobWriter:
             self.tmp.unlink()
 
 
-def _copy_file(src: Path, dst_fd: int) -> int:
-    """Copy `src` into `dst_fd` inside the kernel (copy_file_range), no user-space buffers."""
-    with open(src, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        done = 0
-        while done < size:
-            n = os.copy_file_range(f.fileno(), dst_fd, size - done, done, done)
-            if n == 0:
-                raise CheckpointError(f"{src} shrank while being copied")
-            done += n
-    return size
+def copy_range(src_fd: int, dst_fd: int, start: int, end: int) -> None:
+    """Copy bytes [start, end) between files at the same offsets inside the kernel
+    (copy_file_range): no user-space buffers, and threads copy disjoint ranges in parallel."""
+    done = start
+    while done < end:
+        n = os.copy_file_range(src_fd, dst_fd, end - done, done, done)
+        if n == 0:
+            raise CheckpointError(f"fd {src_fd} ended at byte {done} while being copied")
+        done += n
+
+
+class PatchedCopy:
+    """A temporary copy of a safetensors file, filled range by range: `copy(start, end)` copies
+    the base's bytes, `array[start:end]` (a writable shared mmap) patches them in place."""
+
+    def __init__(self, src: SafetensorsFile, fd: int, size: int):
+        self.src_fd = os.open(src.path, os.O_RDONLY)
+        self.fd = fd
+        self.map = mmap.mmap(fd, size)
+        self.array = np.frombuffer(self.map, dtype=np.uint8)
+
+    def copy(self, start: int, end: int) -> np.ndarray:
+        copy_range(self.src_fd, self.fd, start, end)
+        return self.array[start:end]
 
 
 @contextlib.contextmanager
-def patched_copy(path: Path, *, like: SafetensorsFile) -> Iterator[np.ndarray]:
-    """Copy `like`'s file to a temporary next to `path` and yield its bytes as a writable shared
-    mmap; threads patch tensors in place. On success the file is fsynced and renamed onto `path`;
-    on error it is removed. Same header, same offsets: only patched tensor bytes differ."""
+def patched_copy(path: Path, *, like: SafetensorsFile) -> Iterator[PatchedCopy]:
+    """Yield a PatchedCopy of `like` in a temporary next to `path`; its header is copied already,
+    the caller copies (and patches) every tensor range. On success the file is fsynced and renamed
+    onto `path`; on error it is removed. Same header, same offsets as `like`."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    out = None
     try:
-        size = _copy_file(like.path, fd)
-        mapped = mmap.mmap(fd, size)
-        yield np.frombuffer(mapped, dtype=np.uint8)
-        mapped.flush()  # msync; the numpy views keep the map alive until the caller drops them
+        size = like.path.stat().st_size
+        os.ftruncate(fd, size)
+        out = PatchedCopy(like, fd, size)
+        out.copy(0, min((e.start for e in like.entries.values()), default=size))
+        yield out
+        out.map.flush()  # msync; numpy views keep the map alive until the caller drops them
         os.fsync(fd)
         os.close(fd)
         fd = -1
@@ -216,3 +232,6 @@ def patched_copy(path: Path, *, like: SafetensorsFile) -> Iterator[np.ndarray]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    finally:
+        if out is not None:
+            os.close(out.src_fd)
