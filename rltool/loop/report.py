@@ -1,0 +1,159 @@
+"""`rltool report RUN`: PNG plots and one HTML page from a run's metrics, plus a summary table.
+
+Reads RUN/metrics/loop.jsonl (one line per loop step), train.jsonl and eval.jsonl; writes
+RUN/report/index.html with reward.png, response_len.png, kl.png, logprob_diff.png,
+step_time.png (and eval.png when there are eval lines). Plots use matplotlib's Agg backend (no
+display needed). Metrics missing from a run (e.g. KL without a reference model) are plotted as
+"not logged" rather than failing.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rltool import atomic
+from rltool.errors import BadInputError
+from rltool.rundir import RunDir, read_metrics
+
+REPORT_DIR = "report"
+PHASE_KEYS = ("rollout", "train", "publish", "sync", "eval")
+
+
+@dataclass(frozen=True)
+class Plot:
+    file: str
+    title: str
+    ylabel: str
+    series: tuple[tuple[str, str, str], ...]  # (source, metric, label)
+
+
+PLOTS = (
+    Plot("reward.png", "Mean rollout reward", "reward",
+         (("loop", "rollout/raw_reward", "rollout"), ("loop", "eval/mean_reward", "eval"))),
+    Plot("response_len.png", "Mean response length", "tokens",
+         (("loop", "rollout/response_len/mean", "rollout"),)),
+    Plot("kl.png", "KL", "nats",
+         (("train", "train/ppo_kl", "ppo_kl (new vs old)"),
+          ("train", "train/kl_loss", "kl_loss (vs ref)"))),
+    Plot("logprob_diff.png", "Train vs rollout logprob |diff|", "mean |Δ logprob|",
+         (("loop", "train/train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff"),)),
+)
+
+
+def _series(rows: list[dict[str, Any]], key: str, *, x_key: str) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for r in rows:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            xs.append(r[x_key])
+            ys.append(float(v))
+    return xs, ys
+
+
+def load_metrics(run: RunDir) -> dict[str, list[dict[str, Any]]]:
+    loop = read_metrics(run.metrics_file("loop"))
+    if not loop:
+        raise BadInputError(f"{run.metrics_file('loop')}: no loop metrics; is {run.root} a "
+                            "`rltool loop` run directory?")
+    # The loop's step for each train line is its rollout_step (several optimizer steps per loop
+    # step share one); a line repeated by a resumed step keeps the last copy.
+    train = {}
+    for r in read_metrics(run.metrics_file("train")):
+        train[r["policy_version"]] = dict(r, step=r.get("rollout_step", r["step"]))
+    return {"loop": loop, "train": sorted(train.values(), key=lambda r: r["policy_version"])}
+
+
+def plot_all(metrics: dict[str, list[dict[str, Any]]], out: Path) -> list[tuple[str, str]]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    for plot in PLOTS:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        drawn = 0
+        for source, key, label in plot.series:
+            xs, ys = _series(metrics[source], key, x_key="step")
+            if xs:
+                ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, ms=3, label=label)
+                drawn += 1
+        if not drawn:
+            ax.text(0.5, 0.5, "not logged in this run", ha="center", va="center",
+                    transform=ax.transAxes)
+        elif drawn > 1 or plot.series[0][2] != plot.ylabel:
+            ax.legend(fontsize=8)
+        _finish(fig, ax, plot.title, plot.ylabel, out / plot.file)
+        plt.close(fig)
+        made.append((plot.file, plot.title))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    rows = metrics["loop"]
+    steps = [r["step"] for r in rows]
+    bottom = [0.0] * len(rows)
+    for phase in PHASE_KEYS:
+        values = [float(r.get(f"perf/loop/{phase}_time", 0.0)) for r in rows]
+        if any(values):
+            ax.bar(steps, values, bottom=bottom, label=phase, width=0.8)
+            bottom = [b + v for b, v in zip(bottom, values)]
+    ax.legend(fontsize=8)
+    _finish(fig, ax, "Step time by phase", "seconds", out / "step_time.png")
+    plt.close(fig)
+    made.append(("step_time.png", "Step time by phase"))
+    return made
+
+
+def _finish(fig: Any, ax: Any, title: str, ylabel: str, path: Path) -> None:
+    ax.set_title(title)
+    ax.set_xlabel("loop step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    with atomic.atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+
+
+def summarize(metrics: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str, str, str]]:
+    """(metric, first, last, best) rows for the summary table."""
+    rows = metrics["loop"]
+    out = []
+    for key, best in (("rollout/raw_reward", max), ("eval/mean_reward", max),
+                      ("rollout/response_len/mean", None),
+                      ("train/train_rollout_logprob_abs_diff", None),
+                      ("perf/loop/step_time", min)):
+        _, ys = _series(rows, key, x_key="step")
+        if ys:
+            out.append((key, f"{ys[0]:.4g}", f"{ys[-1]:.4g}", f"{best(ys):.4g}" if best else "-"))
+    total = sum(float(r.get("perf/loop/step_time", 0.0)) for r in rows)
+    out.append(("steps / policy version", str(rows[0]["step"]),
+                f"{rows[-1]['step']} / v{rows[-1]['policy_version']}", "-"))
+    out.append(("total phase time (s)", "-", f"{total:.1f}", "-"))
+    return out
+
+
+def write_report(run_dir: str | Path, *, out: str | Path | None = None) -> dict[str, Any]:
+    """Write the plots and index.html; returns {html, plots, summary}."""
+    run = RunDir(run_dir)
+    metrics = load_metrics(run)
+    out_dir = Path(out) if out is not None else run.root / REPORT_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots = plot_all(metrics, out_dir)
+    summary = summarize(metrics)
+    table = "".join(f"<tr><td>{html.escape(k)}</td><td>{a}</td><td>{b}</td><td>{c}</td></tr>"
+                    for k, a, b, c in summary)
+    images = "".join(f'<figure><img src="{f}" alt="{html.escape(t)}"><figcaption>'
+                     f"{html.escape(t)}</figcaption></figure>" for f, t in plots)
+    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>rltool report: "
+            f"{html.escape(str(run.root))}</title><style>body{{font-family:sans-serif;margin:2em}}"
+            "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px}"
+            "figure{display:inline-block;margin:1em}</style></head><body>"
+            f"<h1>rltool run {html.escape(str(run.root))}</h1>"
+            "<table><tr><th>metric</th><th>first</th><th>last</th><th>best</th></tr>"
+            f"{table}</table>{images}</body></html>\n")
+    index = out_dir / "index.html"
+    atomic.write_text(index, page)
+    return {"html": str(index), "plots": [str(out_dir / f) for f, _ in plots],
+            "summary": [dict(zip(("metric", "first", "last", "best"), r)) for r in summary]}
