@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "delta": ("delta", "Delta weight versions: diff, apply, verify, pull (rltool and slime formats)."),
     "align-gate": ("align_gate", "Gate: trainer-recomputed vs rollout logprobs (and per layer)."),
     "loop": ("loop", "Run the synchronous RL loop (rollout, train, publish, sync, eval); resumable."),
+    "report": ("report", "HTML page with PNG plots and a summary table of a loop run's metrics."),
 }
 
 
