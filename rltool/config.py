@@ -20,7 +20,7 @@ from rltool.errors import ConfigError
 M = TypeVar("M", bound=BaseModel)
 # Tables a loop config may hold, one per stage (DESIGN.md "Config and CLI conventions").
 STAGE_SECTIONS = ("model", "rollout", "train", "sync", "eval", "loop", "serve", "delta", "align",
-                  "convert", "profile", "plan", "data")
+                  "convert", "profile", "plan", "data", "init_model")
 
 
 class StageConfig(BaseModel):

@@ -28,7 +28,7 @@ def command(ctx, arch, preset, task, seed, dtype, out, config_file, as_json):
     from rltool.config import resolve
     from rltool.data.models import InitModelConfig, init_model
 
-    cfg = resolve(InitModelConfig, config_file=config_file, section="model",
+    cfg = resolve(InitModelConfig, config_file=config_file, section="init_model",
                   flags=explicit_flags(ctx, list(InitModelConfig.model_fields)))
     path = init_model(cfg.out, arch=cfg.arch, preset=cfg.preset, task=cfg.task, seed=cfg.seed,
                       dtype=cfg.dtype)

@@ -91,7 +91,8 @@ def init_model(out: str | os.PathLike, *, arch: str = "qwen2", preset: str = "ti
 
 
 class InitModelConfig(StageConfig):
-    """`rltool init-model` (the `[model]` table of a config file)."""
+    """`rltool init-model` (the `[init_model]` table of a config file; a loop's `[model]` table
+    names existing weights instead)."""
 
     arch: str = Field("qwen2", description=f"HF architecture: {', '.join(ARCHS)}.")
     preset: str = Field("tiny", description=f"Model size: {', '.join(PRESETS)}.")

@@ -97,7 +97,8 @@ def test_init_model_refuses_existing_dir(tmp_path):
 
 def test_init_model_config_file(tmp_path):
     cfg = tmp_path / "run.toml"
-    cfg.write_text('[model]\narch = "llama"\ntask = "sort"\nseed = 3\n[rollout]\nreward = "sort"\n')
+    cfg.write_text('[init_model]\narch = "llama"\ntask = "sort"\nseed = 3\n'
+                   '[model]\npath = "run/weights/weight_v000000"\n[rollout]\nreward = "sort"\n')
     result = CliRunner().invoke(main, ["init-model", "--config", str(cfg), "--task", "copy",
                                        "--out", str(tmp_path / "m"), "--json"])
     assert result.exit_code == 0, result.output
@@ -105,4 +106,9 @@ def test_init_model_config_file(tmp_path):
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert (config["model_type"], config["rltool_task"]) == ("llama", "copy")  # the flag won
     result = CliRunner().invoke(main, ["init-model", "--config", str(cfg)])
-    assert result.exit_code == 2 and "--out (in [model]): Field required" in result.output
+    assert result.exit_code == 2 and "--out (in [init_model]): Field required" in result.output
+    # a loop config (its [model] table names existing weights) does not confuse init-model
+    cfg.write_text('[model]\npath = "w"\n[loop]\nnum_steps = 2\n')
+    result = CliRunner().invoke(main, ["init-model", "--config", str(cfg), "--out",
+                                       str(tmp_path / "m2")])
+    assert result.exit_code == 0, result.output
