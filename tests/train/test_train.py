@@ -73,7 +73,10 @@ def test_resume_is_bit_identical(tiny_model_dir, train_shard, tmp_path, estimato
 def test_deterministic_recompute_equals_sequence_logprobs(tiny_model_dir, train_shard):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    # The trainer runs on the GPU when there is one; compare with the reference on that device.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    model = model.to(device).eval()
     rows = _rows(train_shard)
     exact = recompute_logprobs(tiny_model_dir, [train_shard], max_tokens_per_microbatch=40,
                                deterministic=True)
@@ -83,7 +86,7 @@ def test_deterministic_recompute_equals_sequence_logprobs(tiny_model_dir, train_
         ids = row["prompt_token_ids"] + row["response_token_ids"]
         want = sequence_logprobs(model, ids, response_start=len(row["prompt_token_ids"]),
                                  temperature=0.8)
-        assert torch.equal(torch.tensor(got), want)  # bit for bit
+        assert torch.equal(torch.tensor(got), want.cpu())  # bit for bit
         assert pad == pytest.approx(want.tolist(), abs=1e-5)
 
 
