@@ -3,21 +3,15 @@ import sys
 import click
 
 from rltool.commands.common import (config_option, echo_json, explicit_flags, handle_errors,
-                                    json_option, setup_logging)
+                                    json_option, setup_logging, split_dirs)
 
 FLAGS = ["rollouts", "weights", "backend", "tol", "allow_version_mismatch", "dtype",
          "deterministic", "max_tokens_per_microbatch", "global_batch_size", "num_worst",
          "layerwise", "engine", "layerwise_samples", "layer_tol", "api_key", "timeout_s", "report"]
 
 
-def _split_dirs(ctx, param, values):
-    if not values:
-        return None
-    return [d for value in values for d in value.split(",") if d]
-
-
 @click.command("align-gate")
-@click.option("--rollouts", multiple=True, callback=_split_dirs,
+@click.option("--rollouts", multiple=True, callback=split_dirs,
               help="Rollout shard directories (DIR[,DIR...]; repeatable).")
 @click.option("--weights", default=None, help="Weights the rollouts were sampled with (HF dir "
               "weight_vNNNNNN or a trainer checkpoint).")

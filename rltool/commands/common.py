@@ -65,6 +65,13 @@ def handle_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def split_dirs(ctx: click.Context, param: click.Parameter, values: Any) -> list[str] | None:
+    """Callback of a repeatable `--opt DIR[,DIR...]` option: one flat list, or None when absent."""
+    if not values:
+        return None
+    return [d for value in values for d in value.split(",") if d]
+
+
 def echo_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
 
