@@ -201,9 +201,10 @@ class TorchBackend:
             if with_entropy:
                 out.entropy.append(entropy_from_logits(rows, temperature=temp))
             if top_k:
-                values, indices = torch.log_softmax(rows.float() / temp, dim=-1).topk(top_k, dim=-1)
-                out.topk_logprobs.append(values)
-                out.topk_ids.append(indices)
+                top_values, top_ids = torch.log_softmax(rows.float() / temp, dim=-1).topk(top_k,
+                                                                                         dim=-1)
+                out.topk_logprobs.append(top_values)
+                out.topk_ids.append(top_ids)
         return out, logits.float().sum() * 0.0
 
     def _model_call(self, module: Any, ids: torch.Tensor,

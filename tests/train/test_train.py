@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -191,3 +192,33 @@ def test_ppo_value_head_learns_and_stays_out_of_published_weights(tiny_model_dir
     with pytest.raises(CheckpointError, match="value head"):
         run(TrainConfig(rollouts=[str(train_shard)], load=str(tmp_path / "ckpt"), num_steps=1,
                         **COMMON))
+
+
+def test_forward_logprobs_entropy_and_top_k(tiny_model_dir, train_shard):
+    """Backend forward outputs against a plain float64 computation from the model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from rltool.train.backend import MicroBatch
+    from rltool.train.torch_backend import TorchBackend, TorchOptions
+
+    backend = TorchBackend(tiny_model_dir, options=TorchOptions(trainable=False))
+    rows = _rows(train_shard)[:3]
+    mb = MicroBatch(indices=[0, 1, 2],
+                    tokens=[r["prompt_token_ids"] + r["response_token_ids"] for r in rows],
+                    response_starts=[len(r["prompt_token_ids"]) for r in rows])
+    out = backend.forward_logprobs(mb, temperature=0.5, with_entropy=True, top_k=3)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float64)
+    for k, (ids, start) in enumerate(zip(mb.tokens, mb.response_starts)):
+        logits = model(input_ids=torch.tensor([ids])).logits[0, start - 1:-1] / 0.5
+        for t, target in enumerate(ids[start:]):
+            row = logits[t].tolist()
+            z = max(row)
+            lse = z + math.log(sum(math.exp(x - z) for x in row))
+            logp = [x - lse for x in row]
+            assert float(out.logprobs[k][t]) == pytest.approx(logp[target], abs=1e-4)
+            assert float(out.entropy[k][t]) == pytest.approx(
+                -sum(math.exp(x) * x for x in logp), abs=1e-4)
+            best = sorted(range(len(logp)), key=lambda v: -logp[v])[:3]
+            assert out.topk_ids[k][t].tolist() == best
+            assert out.topk_logprobs[k][t].tolist() == pytest.approx([logp[v] for v in best],
+                                                                     abs=1e-4)
