@@ -75,3 +75,7 @@ def test_two_processes_match_one(tiny_model_dir, train_shard, tmp_path, parallel
                  "train/ppo_kl"] + (["train/value_loss"] if estimator == "ppo" else [])
         for name in names:
             assert mine[name] == pytest.approx(ref[name], rel=1e-4, abs=1e-7), name
+    # Saved unsharded: the 2-rank checkpoint continues in one process (RNG reseeded, warned).
+    more = run(TrainConfig(rollouts=[str(train_shard)], load=str(tmp_path / "ckpt"),
+                           advantage_estimator=estimator, **dict(ARGS, num_steps=1)))
+    assert more.policy_version == 3 and more.optimizer_steps == 1
