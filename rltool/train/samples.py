@@ -1,4 +1,4 @@
-"""Training samples: read from rollout shards (or an SFT prompts file), and micro-batch schedules.
+"""Training samples: read from rollout shards (or an SFT prompts file).
 
 A `Sample` is one row: prompt tokens, response tokens, per-token loss mask and rollout logprobs,
 reward and group. A `SampleSet` is everything one train run consumes, with a content id that
@@ -133,13 +133,3 @@ def load_sft_prompts(path: str | os.PathLike, *, tokenizer: Any) -> SampleSet:
         raise BadInputError(f"--prompts {path}: no prompt rows")
     return SampleSet(samples=samples, temperature=1.0, set_id=xxhash.xxh3_64_hexdigest(data),
                      sources=[str(path)])
-
-
-def schedule(lengths: list[int], *, dp_size: int,
-             max_tokens_per_microbatch: int) -> list[list[list[int]]]:
-    """rank -> micro-batches -> indices into `lengths`; every rank has the same number of
-    micro-batches (some may be empty). Used for logprob recompute and training alike."""
-    from rltool.train import dp_schedule
-
-    return dp_schedule.schedule(lengths, dp_size=dp_size,
-                                max_tokens_per_microbatch=max_tokens_per_microbatch)

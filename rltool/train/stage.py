@@ -32,7 +32,8 @@ from rltool.train.backend import MicroBatch, TrainerBackend
 from rltool.train.checkpoint import read_trainer_state, resolve_load
 from rltool.train.config import TrainConfig
 from rltool.train.objective import SampleTensors, batch_terms, make_loss_fn
-from rltool.train.samples import Sample, SampleSet, load_rollouts, load_sft_prompts, schedule
+from rltool.train.dp_schedule import schedule
+from rltool.train.samples import Sample, SampleSet, load_rollouts, load_sft_prompts
 from rltool.train.torch_backend import TorchBackend, TorchOptions
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,8 @@ def make_micro_batch(samples: list[Sample], indices: list[int]) -> MicroBatch:
 
 def rank_micro_batches(backend: TrainerBackend, samples: list[Sample], batch: list[int], *,
                        max_tokens_per_microbatch: int) -> list[MicroBatch]:
-    """This rank's micro-batches of one global batch, from the DP schedule."""
+    """This rank's micro-batches of one global batch, from the DP schedule (the same plan for
+    logprob recompute and training, so both see identical micro-batches)."""
     plan = schedule([samples[i].num_tokens for i in batch], dp_size=backend.dp_size,
                     max_tokens_per_microbatch=max_tokens_per_microbatch)
     return [make_micro_batch(samples, [batch[j] for j in mb]) for mb in plan[backend.dp_rank]]
