@@ -82,7 +82,8 @@ class TorchBackend:
         self.model_dir = Path(model_dir)
         self.dp_rank, self.dp_size, self.device = init_distributed()
         self.optimizer_steps = 0
-        torch.manual_seed(options.seed + self.dp_rank)
+        if options.trainable:  # a frozen reference must not reset the policy's RNG stream
+            torch.manual_seed(options.seed + self.dp_rank)
         try:
             inner = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         except (OSError, ValueError) as e:
