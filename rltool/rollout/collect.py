@@ -9,8 +9,8 @@ over to a later call (partial rollout).
 Dynamic sampling (DAPO, `--filter all-equal-reward`): groups whose rewards are all equal carry no
 advantage signal and are dropped; more prompts are started as groups are dropped until the batch
 holds `target` groups or the prompt budget is spent. Once the batch is full, groups still in
-flight are aborted on their engines (`/abort_request`; they return their partial tokens): with
-`--partial` they are carried over with their tokens, otherwise they are counted and discarded.
+flight are stopped: with `--partial` they are aborted on their engines (`/abort_request`; they
+return their partial tokens) and carried over; otherwise they are cancelled, counted and discarded.
 """
 
 from __future__ import annotations
@@ -129,13 +129,7 @@ class Collector:
             if len(kept) >= target_groups:
                 if pending:
                     stopping = True
-                    sessions = [s for g in pending.values() for s in g.sessions]
-                    for session in sessions:
-                        session.aborted = True
-                    rids = {rid for s in sessions for rid in s.rids}
-                    aborted = await self.router.abort(rids)
-                    log.info("batch full (%d groups); aborted %d in-flight requests of %d extra "
-                             "groups", len(kept), aborted, len(pending))
+                    await self._stop_extra(pending, partial=partial)
                 continue
             while len(kept) + len(pending) < target_groups and submit_fresh():
                 pass
@@ -152,19 +146,36 @@ class Collector:
         rewards = {s.reward for s in group.samples}
         if partial and has_aborted:
             carry.append(group)
-        elif dynamic_filter and len(group.samples) > 1 and len(rewards) == 1:
-            counts["dropped_equal_reward"] += 1
-        elif len(kept) >= target_groups or stopping:
+        elif len(kept) >= target_groups or stopping:  # beyond the batch
             if partial:
                 carry.append(group)
             elif has_aborted:
                 counts["aborted_extra_groups"] += 1
             else:
                 counts["over_sampled_groups"] += 1
+        elif dynamic_filter and len(group.samples) > 1 and len(rewards) == 1:
+            counts["dropped_equal_reward"] += 1
         else:
             kept.append(group)
         if self.progress is not None:
             self.progress.group_done()
+
+    async def _stop_extra(self, pending: dict[asyncio.Task, _Group], *, partial: bool) -> None:
+        """The batch is full: stop the groups still in flight.
+
+        With partial rollout their tokens are worth keeping, so the engines abort them
+        (`/abort_request`) and they come back with their partial output. Otherwise they would be
+        discarded anyway, so they are only cancelled here (the engine finishes them unobserved)."""
+        sessions = [s for g in pending.values() for s in g.sessions]
+        for session in sessions:
+            session.aborted = True
+        if partial:
+            rids = {rid for s in sessions for rid in s.rids}
+            aborted = await self.router.abort(rids)
+            log.info("batch full; aborted %d in-flight requests of %d extra groups", aborted,
+                     len(pending))
+        else:
+            await self._cancel(pending)
 
     async def _cancel(self, pending: dict[asyncio.Task, _Group]) -> None:
         for task in pending:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import zlib
 
 import pytest
 
@@ -125,17 +126,17 @@ def test_filter_budget_exhausted_returns_fewer_groups():
 
 
 def test_over_sampled_groups_are_aborted_and_carried_with_their_tokens():
-    engine = FakeEngine("http://a", delay_s=0.005)
+    engine = FakeEngine("http://a", delay_s=0.02)  # 8 tokens: 0.16 s per sample
     engine.eos_prob = 0.0
     sampling_len = SAMPLING["max_response_len"]
 
     async def staggered(sample, ctx):
         # Later groups start later, so the batch fills while they are mid-generation.
-        await asyncio.sleep(0.01 * sample.group_id)
+        await asyncio.sleep(0.03 * sample.group_id)
         return await generate_single_turn(sample, ctx)
 
-    def varying(prompt, response, label, metadata):
-        return RewardResult(reward=float(hash(response) % 5))
+    def varying(prompt, response, label, metadata):  # distinct random responses: never all equal
+        return RewardResult(reward=float(zlib.crc32(response.encode()) % 1000))
 
     result = collect([engine], groups_source(6, 2), reward_fn=varying, generate_fn=staggered,
                      target_groups=2, dynamic_filter=True, over_sample_factor=3.0, partial=True)
@@ -179,3 +180,23 @@ def test_version_spans_become_per_token_versions():
     response["meta_info"].pop("weight_versions")
     response["meta_info"]["weight_version"] = "default"
     assert parse_engine_output(response)[2] == [0, 0, 0, 0]
+
+
+def test_without_partial_extra_groups_are_cancelled_not_aborted_on_the_engine():
+    engine = FakeEngine("http://a", delay_s=0.02)
+    engine.eos_prob = 0.0
+
+    async def staggered(sample, ctx):
+        await asyncio.sleep(0.03 * sample.group_id)
+        return await generate_single_turn(sample, ctx)
+
+    def varying(prompt, response, label, metadata):
+        return RewardResult(reward=float(zlib.crc32(response.encode()) % 1000))
+
+    result = collect([engine], groups_source(6, 2), reward_fn=varying, generate_fn=staggered,
+                     target_groups=2, dynamic_filter=True, over_sample_factor=3.0)
+    assert len(result.kept) == 2 and result.carry == []
+    assert not engine.aborted  # no /abort_request: the extras were dropped client-side
+    c = result.counts
+    assert c["aborted_extra_groups"] >= 1
+    assert c["fresh_groups"] == 2 + c["aborted_extra_groups"] + c["over_sampled_groups"]

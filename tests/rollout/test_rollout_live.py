@@ -44,9 +44,17 @@ def odd_label_constant_reward(prompt, response, label, metadata):
     return coin_reward(prompt, response, label, metadata)
 
 
-async def staggered_generate(sample, ctx):
-    """Later groups start later, so the batch fills while some are mid-generation."""
-    await asyncio.sleep(0.4 * (sample.group_id % 6))
+def distinct_reward(prompt, response, label, metadata):
+    """Different responses (almost surely) get different rewards: no group is filtered."""
+    return RewardResult(reward=float(zlib.crc32(response.encode()) % 1000))
+
+
+async def late_batch_generate(sample, ctx):
+    """Groups 0 and 1 (the batch) answer late and short; the others start at once with the whole
+    budget, so they are mid-generation when the batch fills and get aborted."""
+    if sample.group_id < 2 and not sample.response_token_ids:
+        await asyncio.sleep(0.5)
+        ctx = dataclasses.replace(ctx, sampling={**ctx.sampling, "max_response_len": 4})
     return await generate_single_turn(sample, ctx)
 
 
@@ -268,26 +276,39 @@ def test_dynamic_filter_counts(builtin_engine, prompts, tmp_path):
     assert m["rollout/zero_std/count"] == 0
 
 
-def test_partial_rollout_carries_aborted_samples_to_the_next_step(builtin_engine, prompts,
-                                                                  tmp_path):
+def test_partial_rollout_carries_aborted_samples_to_the_next_step(tiny_model_dir, engine_b,
+                                                                  prompts, tmp_path):
+    """Step 0 over-samples on its own engine and aborts the extra groups mid-generation
+    (/abort_request); step 1 resumes them on engine_b (version 5) from their tokens."""
+    import pyarrow.parquet as pq
+
+    from rltool.rollout.launch import start_engine
     from rltool.rollout.stage import RolloutConfig, run
 
-    common = dict(engines=[builtin_engine.url], prompts=str(prompts), n_samples_per_prompt=2,
-                  rollout_batch_size=2, max_response_len=48, reward=f"{HERE}:coin_reward",
-                  partial=True, quiet=True, concurrency=4)
-    step0 = run(RolloutConfig(out=str(tmp_path / "step-000000"), filter="all-equal-reward",
-                              over_sample_factor=3.0, max_prompts=6,
-                              generate_fn=f"{HERE}:staggered_generate", **common))
+    common = dict(prompts=str(prompts), n_samples_per_prompt=2, rollout_batch_size=2,
+                  max_response_len=120, reward=f"{HERE}:distinct_reward", partial=True,
+                  quiet=True, concurrency=16)
+    own = start_engine(["--engine", "builtin", "--model", str(tiny_model_dir)],
+                       log_path=tmp_path / "engine.log", ready_timeout_s=120.0)
+    try:
+        step0 = run(RolloutConfig(engines=[own.url], out=str(tmp_path / "step-000000"),
+                                  filter="all-equal-reward", over_sample_factor=3.0,
+                                  max_prompts=6, generate_fn=f"{HERE}:late_batch_generate",
+                                  **common))
+    finally:
+        own.stop()
     carry_file = tmp_path / "partial" / "step-000000.parquet"
     assert step0["carried_to"] == str(carry_file) and carry_file.exists()
     carried = step0["counts"]["carried_out_groups"]
     assert carried >= 1, step0["counts"]
-    import pyarrow.parquet as pq
-
     before = {r["uid"]: r for r in pq.read_table(carry_file).to_pylist()}
-    assert any(r["status"] == "aborted" for r in before.values())
+    aborted = [uid for uid, r in before.items() if r["status"] == "aborted"]
+    assert aborted and any(before[uid]["response_token_ids"] for uid in aborted)
 
-    step1 = run(RolloutConfig(out=str(tmp_path / "step-000001"), step=1, **common))
+    # A batch that holds every carried group: nothing is aborted on engine_b (its /abort_request
+    # path is not exercised twice).
+    step1 = run(RolloutConfig(engines=[engine_b.url], out=str(tmp_path / "step-000001"), step=1,
+                              **{**common, "rollout_batch_size": carried}))
     assert step1["carried_from"] == str(carry_file)
     assert step1["counts"]["carried_in_groups"] == carried
     after = {r["uid"]: r for r in open_shard(tmp_path / "step-000001").rows()}
@@ -300,6 +321,11 @@ def test_partial_rollout_carries_aborted_samples_to_the_next_step(builtin_engine
         assert new["rollout_logprobs"][:len(prefix)] == old["rollout_logprobs"]
         if old["status"] != "aborted":
             assert new["response_token_ids"] == prefix
+        else:
+            assert new["status"] in ("completed", "truncated")
+            n = len(new["response_token_ids"])
+            # One response, two policy versions: the old tokens keep theirs, the rest are 5.
+            assert new["weight_versions"] == [0] * len(prefix) + [5] * (n - len(prefix))
 
 
 def test_multi_turn_is_token_continuous_masked_and_sticky(builtin_engine, engine_b, prompts, tok,
@@ -319,6 +345,7 @@ def check_multi_turn_shard(out, tok):
     versions_used, drifted = set(), 0
     for r in rows:
         meta = json.loads(r["metadata"])
+        assert "turn_inputs" in meta, (r["status"], r["finish_reason"])
         inputs, outputs = meta["turn_inputs"], meta["turn_outputs"]
         assert inputs[0] == r["prompt_token_ids"]
         assert len(inputs) == len(outputs) == 3 and r["finish_reason"] == "max_turns"
