@@ -111,8 +111,13 @@ def command(ctx, nproc_per_node, config_file, as_json, quiet, **_):
         flags.pop(name, None)
     cfg = resolve(TrainConfig, config_file=config_file, section="train", flags=flags)
     if nproc_per_node > 1 and not under_torchrun():
+        from rltool.errors import EXIT_RUNTIME
+        from rltool.train.stage import preflight
+
+        preflight(cfg)  # bad input exits 2 here, not as a failed rank under torchrun
         extra = (["--json"] if as_json else []) + (["--quiet"] if quiet else [])
-        sys.exit(launch(cfg, nproc_per_node=nproc_per_node, extra_args=extra))
+        code = launch(cfg, nproc_per_node=nproc_per_node, extra_args=extra)
+        sys.exit(EXIT_RUNTIME if code else 0)  # torchrun reports a failed rank as 1
     from rltool.train import run
     from rltool.train.launch import is_rank_zero
 

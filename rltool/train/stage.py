@@ -29,7 +29,7 @@ from rltool.rundir import MetricsWriter, RunDir, step_dir_name, weight_dir_name
 from rltool.train.algo.advantages import compute_advantages, gae, masked_whiten
 from rltool.train.algo.kl import approx_kl
 from rltool.train.backend import MicroBatch, TrainerBackend
-from rltool.train.checkpoint import read_trainer_state, resolve_load
+from rltool.train.checkpoint import LoadTarget, read_trainer_state, resolve_load
 from rltool.train.config import TrainConfig
 from rltool.train.objective import SampleTensors, batch_terms, make_loss_fn
 from rltool.train.dp_schedule import schedule
@@ -268,15 +268,37 @@ def _check_outputs_free(cfg: TrainConfig, *, first_version: int, final_version: 
                                       "--save elsewhere)")
 
 
-def _run(cfg: TrainConfig) -> TrainResult:
+@dataclass
+class Preflight:
+    """Everything checked before a model is built: inputs resolved and valid, outputs free."""
+
+    target: LoadTarget
+    ref_target: LoadTarget | None
+    sample_set: SampleSet
+    plan: _Plan
+    start_step: int
+
+
+def preflight(cfg: TrainConfig) -> Preflight:
+    """Resolve and verify every input and refuse output collisions (BadInputError, exit 2), so a
+    bad call fails fast, changes nothing on disk, and fails before torchrun starts any rank."""
     target = resolve_load(cfg.load)
+    ref_target = resolve_load(cfg.ref) if cfg.needs_ref and cfg.ref else None
     sample_set = _load_samples(cfg, target.model_dir)
-    samples = sample_set.samples
-    plan = _Plan(cfg, len(samples))
+    plan = _Plan(cfg, len(sample_set.samples))
     start_step = _resume_step(cfg, target.ckpt_dir, sample_set, plan)
+    _check_outputs_free(cfg, first_version=target.version,
+                        final_version=target.version + plan.num_steps - start_step)
+    return Preflight(target=target, ref_target=ref_target, sample_set=sample_set, plan=plan,
+                     start_step=start_step)
+
+
+def _run(cfg: TrainConfig) -> TrainResult:
+    checked = preflight(cfg)
+    target, sample_set, plan, start_step = (checked.target, checked.sample_set, checked.plan,
+                                            checked.start_step)
+    samples = sample_set.samples
     version = target.version
-    _check_outputs_free(cfg, first_version=version,
-                        final_version=version + plan.num_steps - start_step)
     backend = TorchBackend(target.model_dir, options=backend_options(cfg))
     data, timings = None, {}
     if target.ckpt_dir is not None:
@@ -286,8 +308,8 @@ def _run(cfg: TrainConfig) -> TrainResult:
             log.info("resuming sample set %s at step %d/%d", sample_set.set_id, start_step,
                      plan.num_steps)
     ref = None
-    if cfg.needs_ref and data is None:
-        ref = TorchBackend(resolve_load(cfg.ref).model_dir,
+    if checked.ref_target is not None and data is None:
+        ref = TorchBackend(checked.ref_target.model_dir,
                            options=backend_options(cfg, trainable=False))
     if data is None:
         data, timings = _prepare_set(cfg, backend, ref, sample_set, plan)

@@ -113,3 +113,11 @@ def test_existing_version_is_not_replaced(tiny_model_dir, train_shard, tmp_path)
                       "--publish", tmp_path / "weights", "--save", tmp_path / "ckpt"])
     assert result.exit_code == 2 and "never replaced" in result.stderr
     assert not (tmp_path / "ckpt").exists()  # refused before any training
+
+
+def test_multi_process_bad_input_exits_2_before_launching(tiny_model_dir, bad_shards, tmp_path):
+    shard, _ = bad_shards["tokenizer"]
+    result = _invoke(["--rollouts", shard, "--load", tiny_model_dir, "--nproc-per-node", 2,
+                      "--save", tmp_path / "ckpt"])
+    assert result.exit_code == 2 and "tokenizer" in result.stderr
+    assert not (tmp_path / "ckpt").exists()
