@@ -299,6 +299,8 @@ def _run(cfg: TrainConfig) -> TrainResult:
                                             checked.start_step)
     samples = sample_set.samples
     version = target.version
+    # SFT fits the model's own distribution; the policy loss uses the sampling temperature.
+    temperature = 1.0 if cfg.loss == "sft" else sample_set.temperature
     backend = TorchBackend(target.model_dir, options=backend_options(cfg))
     data, timings = None, {}
     if target.ckpt_dir is not None:
@@ -327,7 +329,7 @@ def _run(cfg: TrainConfig) -> TrainResult:
             micro = rank_micro_batches(backend, samples, batch,
                                        max_tokens_per_microbatch=cfg.max_tokens_per_microbatch)
             metrics = backend.train_step(micro, make_loss_fn(cfg, data, terms),
-                                         temperature=sample_set.temperature, with_entropy=True)
+                                         temperature=temperature, with_entropy=True)
             version += 1
             metrics.update(terms.metrics)
             metrics["perf/train_time"] = time.perf_counter() - t0

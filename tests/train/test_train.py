@@ -159,6 +159,14 @@ def test_sft_on_prompts_lowers_the_loss(tiny_model_dir, tmp_path):
     assert len(losses) == 6 and losses[-1] < 0.8 * losses[0]
 
 
+def test_sft_on_shard_responses(tiny_model_dir, train_shard):
+    """SFT on rollout responses (e.g. rejection-sampled data): masked tokens, temperature 1."""
+    result = run(TrainConfig(loss="sft", rollouts=[str(train_shard)], load=str(tiny_model_dir),
+                             lr=1e-2, num_epochs=4, max_tokens_per_microbatch=256))
+    losses = [m["train/sft_loss"] for m in result.metrics]
+    assert losses[-1] < losses[0] and "train/pg_loss" not in result.metrics[0]
+
+
 def test_mismatch_correction_is_wired(tiny_model_dir, train_shard):
     """The shard's rollout logprobs (-1..0) are far above the model's (~ -4): a tight
     sequence-level rejection band drops every sample, clipped IS lifts the tiny ratios to the
