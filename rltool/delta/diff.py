@@ -72,13 +72,13 @@ def _encode_tensor(name: str, base: Checkpoint, new: Checkpoint, *, fmt: str,
     for off in range(0, nbytes, step):
         n = min(step, nbytes - off)
         old, cur = base.view(name, offset=off, nbytes=n), new.view(name, offset=off, nbytes=n)
-        digest.update(cur)
         if fmt == "rltool":
-            rec, payload = codec.encode_chunk(old, cur, width=width)
+            rec, payload = codec.encode_chunk(old, cur, width=width, digest=digest)
             records.append(rec)
             parts.append(payload)
             changed += rec[2]
             continue
+        digest.update(cur)
         x = old ^ cur
         changed += int(np.count_nonzero(x.view(codec.UINT[width])))
         if slime_xor is not None:
