@@ -1,72 +1,194 @@
-"""`make demo`: what runs end to end on a CPU so far.
+"""`make demo`: the whole RL loop on a CPU, from a random-init model, visibly learning.
 
-Builds a fresh run directory `demo-run/` with the initial weights (a tiny random-init qwen2 model
-and its tokenizer) and a `reverse` prompt set, generates one answer with the untrained model and
-scores it with the task reward. The full RL loop demo replaces this body once `rltool loop` exists.
+1. a tiny random-init qwen2 model for the `copy` task (`rltool init-model`, seed 0);
+2. prompt sets (`rltool data make`): RL prompts (3-digit copy), held-out eval prompts, and SFT
+   prompts (1-3 digit copy) with every string that appears in the RL or eval sets removed;
+3. a short supervised warm start (`rltool train --loss sft`) that stops while the reward on the
+   RL prompts is still low (pure RL from random init never finds the answer format);
+4. `rltool loop`: rollout -> GRPO train -> publish -> engine update, printing one line per step;
+5. `rltool report`: reward-vs-step PNG (and the other plots) and a summary.
 
-Run: `python -m rltool.demo [DIR]` (default `demo-run`).
+Every stage is the library call behind the command printed next to it. Seeds are fixed and
+stated; the measured curve is in docs/loop.md.
+
+Run: `python -m rltool.demo [DIR] [--steps N] [--sft-steps N]` (default DIR `demo-run`).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from rltool.errors import BadInputError, RltoolError
 
 MARKER = ".rltool-demo"  # only a directory carrying this marker is ever deleted by the demo
+TASK = "copy"
+SEED = 0
+TARGET = 0.8
 
 
-def run(root: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def loop_tables(root: Path, *, model: Path, steps: int) -> dict[str, Any]:
+    """The demo's loop config (also written to DIR/run.toml; examples/demo.toml documents it)."""
+    return {
+        "model": {"path": str(model)},
+        "rollout": {"prompts": str(root / "rl.jsonl"), "reward": f"{TASK}:partial",
+                    "n_samples_per_prompt": 8, "rollout_batch_size": 16, "max_response_len": 8,
+                    "temperature": 1.0},
+        "train": {"lr": 3e-3, "advantage_estimator": "grpo"},
+        "sync": {"sync": "full"},
+        "eval": {"prompts": str(root / "eval.jsonl"), "n_samples_per_prompt": 4},
+        "loop": {"num_steps": steps, "placement": "colocated", "num_engines": 1, "seed": SEED,
+                 "eval_interval": 10, "engine_args": ["--max-running-requests", "128"]},
+    }
 
+
+class Clock:
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def say(self, text: str) -> None:
+        print(f"[{time.perf_counter() - self.t0:6.1f}s] {text}", flush=True)
+
+
+def make_data(root: Path, clock: Clock) -> None:
+    from rltool.data.tasks import make_rows, write_prompts
+
+    rl = make_rows(TASK, num=256, seed=1, min_len=3, max_len=3)
+    held_out = make_rows(TASK, num=64, seed=3, min_len=3, max_len=3)
+    taken = {r["label"] for r in rl + held_out}
+    sft = [r for r in make_rows(TASK, num=4096, seed=2, min_len=1, max_len=3)
+           if r["label"] not in taken]
+    write_prompts(rl, root / "rl.jsonl")
+    write_prompts(held_out, root / "eval.jsonl")
+    write_prompts(sft, root / "sft.jsonl")
+    clock.say(f"rltool data make --task copy --min-len 3 --max-len 3: {len(rl)} RL prompts "
+              f"(seed 1), {len(held_out)} eval prompts (seed 3)")
+    clock.say(f"rltool data make --task copy --min-len 1 --max-len 3 (seed 2): {len(sft)} SFT "
+              "prompts, none of whose strings appear in the RL or eval prompts")
+
+
+def warm_start(root: Path, model: Path, *, sft_steps: int, clock: Clock) -> Path:
+    from rltool.train import run as run_train
+    from rltool.train.config import TrainConfig
+
+    cfg = TrainConfig(loss="sft", prompts=str(root / "sft.jsonl"), load=str(model),
+                      save=str(root / "sft" / "ckpt"), publish=str(root / "sft" / "weights"),
+                      metrics=str(root / "sft" / "train.jsonl"), lr=3e-3, global_batch_size=32,
+                      num_steps=sft_steps, seed=SEED)
+    result = run_train(cfg)
+    last = result.metrics[-1] if result.metrics else {}
+    clock.say(f"rltool train --loss sft --num-steps {sft_steps} --global-batch-size 32 --lr 3e-3:"
+              f" supervised warm start, final sft loss {last.get('train/sft_loss', float('nan')):.3f}")
+    assert result.published is not None
+    return Path(result.published)
+
+
+def print_row(row: dict[str, Any]) -> None:
+    def f(key: str, spec: str) -> str:
+        v = row.get(key)
+        return format(v, spec) if isinstance(v, (int, float)) else "-"
+
+    print(f"  {row['step']:>4d}  {f('rollout/raw_reward', '.3f'):>6s}  "
+          f"{f('eval/mean_reward', '.3f'):>6s}  {f('rollout/response_len/mean', '.2f'):>6s}  "
+          f"{f('train/train_rollout_logprob_abs_diff', '.1e'):>8s}  "
+          f"{f('perf/loop/step_time', '.1f'):>6s}", flush=True)
+
+
+def summarize(root: Path, run_dir: Path, *, sft_steps: int, started: float) -> dict[str, Any]:
+    from rltool.rundir import read_metrics
+
+    rows = read_metrics(run_dir / "metrics" / "loop.jsonl")
+    rewards = [r["rollout/raw_reward"] for r in rows]
+    reached = next((r["step"] for r in rows if r["rollout/raw_reward"] >= TARGET), None)
+    summary = {"task": TASK, "seed": SEED, "sft_steps": sft_steps, "rl_steps": len(rows),
+               "first_rl_reward": rewards[0] if rewards else None,
+               "final_rl_reward": rewards[-1] if rewards else None,
+               "best_rl_reward": max(rewards, default=None),
+               "first_step_reaching_target": reached, "target": TARGET,
+               "evals": {r["step"]: r["eval/mean_reward"] for r in rows if "eval/mean_reward" in r},
+               "total_s": time.perf_counter() - started,
+               "rewards": [round(x, 4) for x in rewards]}
+    from rltool import atomic
+
+    atomic.write_json(root / "summary.json", summary)
+    return summary
+
+
+def run(root: Path, *, steps: int, sft_steps: int) -> dict[str, Any]:
     from rltool import atomic
     from rltool.data.models import init_model
-    from rltool.data.tasks import make_rows, write_prompts
-    from rltool.rollout.rewards import resolve_reward
-    from rltool.rundir import RunDir
+    from rltool.loop import runner
+    from rltool.loop.config import LoopSettings
+    from rltool.loop.report import write_report
 
     if root.exists():
         if not (root / MARKER).exists():
             raise BadInputError(f"{root} exists and is not a demo directory; pass another DIR")
         shutil.rmtree(root)
-    run_dir = RunDir(root).create()
+    root.mkdir(parents=True)
     atomic.write_text(root / MARKER, "made by `python -m rltool.demo`; safe to delete\n")
+    clock = Clock()
+    started = clock.t0
+    model = init_model(root / "model", arch="qwen2", preset="tiny", task=TASK, seed=SEED)
+    clock.say(f"rltool init-model --preset tiny --task {TASK} --seed {SEED}: random-init model "
+              f"{model}")
+    make_data(root, clock)
+    policy = model
+    if sft_steps:
+        policy = warm_start(root, model, sft_steps=sft_steps, clock=clock)
+        print("  (a short supervised warm start on prompts disjoint from the RL prompts: pure RL "
+              "from random init never finds the answer format on a CPU budget)")
+    tables = loop_tables(root, model=policy, steps=steps)
+    import tomli_w
 
-    t0 = time.perf_counter()
-    weights = init_model(run_dir.weight_version(0), arch="qwen2", preset="tiny", task="reverse")
-    prompts = write_prompts(make_rows("reverse", num=64, seed=0), root / "prompts.jsonl")
-    print(f"[{time.perf_counter() - t0:5.1f}s] initial weights  {weights}")
-    print(f"[{time.perf_counter() - t0:5.1f}s] prompts          {prompts} (64 `reverse` prompts)")
-
-    torch.manual_seed(0)
-    tok = AutoTokenizer.from_pretrained(str(weights))
-    model = AutoModelForCausalLM.from_pretrained(str(weights))
-    row = make_rows("reverse", num=1, seed=0)[0]
-    text = tok.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False,
-                                   add_generation_prompt=True)
-    ids = tok(text, return_tensors="pt")["input_ids"]
-    out = model.generate(ids, max_new_tokens=12, do_sample=True, temperature=1.0,
-                         pad_token_id=tok.pad_token_id)
-    response = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-    reward = resolve_reward("reverse:partial")(row["prompt"], response, row["label"], {})
-    print(f"[{time.perf_counter() - t0:5.1f}s] untrained sample {row['prompt']!r} -> {response!r} "
-          f"(label {row['label']!r}, reward {reward.reward:.2f})")
-    print("\nThe model is random, so the answer is noise; RL training is what will fix that.")
-    print(f"Next: serve {weights}, roll out and train one step by hand (README.md, \"A step by "
-          "hand\").")
+    atomic.write_text(root / "run.toml", tomli_w.dumps(tables))
+    clock.say(f"rltool loop --config {root / 'run.toml'} --run-dir {root / 'run'}: {steps} steps "
+              "of 16 prompts x 8 samples, GRPO, colocated engine")
+    print(f"  {'step':>4s}  {'reward':>6s}  {'eval':>6s}  {'len':>6s}  {'|dlogp|':>8s}  "
+          f"{'time_s':>6s}")
+    runner.start(LoopSettings.from_tables(tables), root / "run", on_step=print_row)
+    report = write_report(root / "run")
+    clock.say(f"rltool report {root / 'run'}: {report['html']}")
+    summary = summarize(root, root / "run", sft_steps=sft_steps, started=started)
+    first, best = summary["first_rl_reward"], summary["best_rl_reward"]
+    print(f"\nreward vs step: {root / 'run' / 'report' / 'reward.png'}")
+    print(f"first RL step reward {first:.3f} -> last {summary['final_rl_reward']:.3f} "
+          f"(best {best:.3f}); target {TARGET} "
+          + (f"reached at step {summary['first_step_reaching_target']}"
+             if summary["first_step_reaching_target"] is not None else "NOT reached")
+          + f"; total {summary['total_s']:.0f}s (seed {SEED}, {os.cpu_count()} CPU cores)")
+    return summary
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
+    # One torch thread per process: the loop process and its engine share the cores, and
+    # oversubscribed threads made every step several times slower on a 2-core machine.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = argparse.ArgumentParser(prog="python -m rltool.demo", description=__doc__.split(
+        "\n")[0])
+    parser.add_argument("dir", nargs="?", default="demo-run", help="Demo directory (recreated).")
+    parser.add_argument("--steps", type=int, default=60, help="RL loop steps.")
+    parser.add_argument("--sft-steps", type=int, default=60, help="Supervised warm-start steps "
+                        "(0: pure RL).")
+    parser.add_argument("--json", action="store_true", help="Print the summary as JSON.")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     try:
-        run(Path(args[0] if args else "demo-run"))
+        summary = run(Path(args.dir), steps=args.steps, sft_steps=args.sft_steps)
     except RltoolError as e:
         print(f"Error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
+    if args.json:
+        print(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,198 @@
+"""The whole loop on CPU with live engines: resume after SIGKILL at every phase boundary reaches
+the same final weights as an uninterrupted run (deterministic mode), full and delta sync agree,
+Ctrl-C ends the children, `rltool report` plots the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import tomli_w
+from click.testing import CliRunner
+
+from rltool.cli import main as cli
+from rltool.data.tasks import make_rows, write_prompts
+from rltool.loop.state import KILL_ENV
+from rltool.rundir import RunDir, read_metrics
+
+pytestmark = pytest.mark.slow
+NUM_STEPS = 2
+# Every phase boundary the loop records, in order; the chained run is killed at each one.
+KILL_POINTS = ("0:rollout", "0:train", "0:publish", "0:sync", "1:start", "1:rollout", "1:eval")
+
+
+@pytest.fixture(scope="module")
+def loop_config(tiny_model_dir, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("loop")
+    write_prompts(make_rows("reverse", num=8, seed=1), root / "rl.jsonl")
+    write_prompts(make_rows("reverse", num=2, seed=2), root / "eval.jsonl")
+    config = {
+        "model": {"path": str(tiny_model_dir)},
+        "rollout": {"prompts": str(root / "rl.jsonl"), "reward": "reverse:partial",
+                    "n_samples_per_prompt": 2, "rollout_batch_size": 2, "max_response_len": 6},
+        "train": {"lr": 1e-2, "global_batch_size": 2},
+        "sync": {"sync": "full"},
+        "eval": {"prompts": str(root / "eval.jsonl"), "n_samples_per_prompt": 2},
+        "loop": {"num_steps": NUM_STEPS, "deterministic": True, "seed": 3, "eval_interval": 2,
+                 "align_gate": 1.0},
+    }
+    path = root / "run.toml"
+    path.write_text(tomli_w.dumps(config))
+    return path
+
+
+def loop_cli(*args: str, kill_after: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop(KILL_ENV, None)
+    if kill_after:
+        env[KILL_ENV] = kill_after
+    return subprocess.run([sys.executable, "-m", "rltool", "loop", "-q", *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def final_model_bytes(run: Path) -> bytes:
+    ckpt = RunDir(run).ckpt_step(newest_version(run))
+    return (ckpt / "model" / "model.safetensors").read_bytes()
+
+
+def newest_version(run: Path) -> int:
+    return json.loads((run / "state.json").read_text())["policy_version"]
+
+
+def served_tensors(run: Path, version: int, scratch: Path) -> dict:
+    """The tensors an engine serves for `version` (a delta is rebuilt as the engine would)."""
+    from safetensors.torch import load_file
+
+    from rltool.delta.checkpoint import is_delta_dir
+    from rltool.delta.pull import pull_weights
+
+    path = RunDir(run).weight_version(version)
+    if is_delta_dir(path):
+        pull_weights(local_checkpoint_dir=scratch, source_dir=RunDir(run).weights,
+                     target_version=version)
+        path = scratch
+    return {k: v for f in sorted(Path(path).glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def assert_no_children(run: Path, pids: list[int]) -> None:
+    assert RunDir(run).read_engines() == []
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.fixture(scope="module")
+def baseline(loop_config, tmp_path_factory) -> Path:
+    """Uninterrupted run, disaggregated placement and delta sync (the chained run uses colocated +
+    full, so equal final weights also show the two placements and sync modes agree)."""
+    run = tmp_path_factory.mktemp("baseline") / "run"
+    result = CliRunner().invoke(cli, ["loop", "--config", str(loop_config), "--run-dir", str(run),
+                                      "--placement", "disaggregated", "--sync", "delta",
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["policy_version"] == newest_version(run)
+    return run
+
+
+def test_uninterrupted_run_writes_every_artifact(baseline):
+    run = RunDir(baseline)
+    state = json.loads(run.state.read_text())
+    assert (state["step"], state["status"]) == (NUM_STEPS, "done")
+    rows = read_metrics(run.metrics_file("loop"))
+    assert [r["step"] for r in rows] == list(range(NUM_STEPS))
+    for r in rows:
+        assert {"rollout/raw_reward", "rollout/response_len/mean", "perf/loop/rollout_time",
+                "perf/loop/train_time", "train/train_rollout_logprob_abs_diff"} <= set(r)
+    assert "eval/mean_reward" in rows[-1] and "eval/mean_reward" not in rows[0]
+    assert rows[-1]["sync/mode"] == "delta"
+    for step in range(NUM_STEPS):
+        assert (run.rollout_step(step) / "_SUCCESS").exists()
+    assert (run.eval_step(NUM_STEPS - 1) / "_SUCCESS").exists()
+    assert not run.eval_step(0).exists()
+    assert [r["step"] for r in read_metrics(run.metrics_file("eval"))] == [NUM_STEPS - 1]
+    assert run.read_engines() == []
+
+
+def test_resume_after_kill_at_every_phase_matches_uninterrupted(baseline, loop_config, tmp_path):
+    run = tmp_path / "run"
+    orphans: list[int] = []
+    args = ["--config", str(loop_config), "--run-dir", str(run)]
+    for point in KILL_POINTS:
+        proc = loop_cli(*args, kill_after=point)
+        assert proc.returncode == -signal.SIGKILL, (point, proc.stderr[-2000:])
+        state = json.loads((run / "state.json").read_text())
+        step, phase = point.split(":")
+        assert state["step"] == int(step) and state["phase"] == (None if phase == "start"
+                                                                    else phase), point
+        engines = RunDir(run).read_engines()
+        assert engines and all(psutil.pid_exists(e["pid"]) for e in engines), point
+        orphans += [e["pid"] for e in engines]
+        args = ["--resume", str(run)]
+    proc = loop_cli(*args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_no_children(run, orphans)
+    # Same samples, nothing lost or duplicated, and bit-identical final weights.
+    assert final_model_bytes(run) == final_model_bytes(baseline)
+    version = newest_version(run)
+    assert version == newest_version(baseline)
+    ours = served_tensors(run, version, tmp_path / "a")
+    theirs = served_tensors(baseline, version, tmp_path / "b")
+    assert ours.keys() == theirs.keys()
+    assert all(ours[k].equal(theirs[k]) for k in ours)
+    for step in range(NUM_STEPS):
+        a = RunDir(run).rollout_step(step) / "_SUCCESS"
+        b = RunDir(baseline).rollout_step(step) / "_SUCCESS"
+        assert json.loads(a.read_text())["num_rows"] == json.loads(b.read_text())["num_rows"]
+        assert uids(RunDir(run).rollout_step(step)) == uids(RunDir(baseline).rollout_step(step))
+    assert [r["step"] for r in read_metrics(RunDir(run).metrics_file("loop"))] == [0, 1]
+
+
+def uids(shard: Path) -> list[str]:
+    from rltool.data.shards import open_shard
+
+    return [u for b in open_shard(shard).iter_batches(columns=["uid"]) for u in
+            b.column("uid").to_pylist()]
+
+
+def test_ctrl_c_ends_the_engines(loop_config, tmp_path):
+    run = tmp_path / "run"
+    env = dict(os.environ)
+    env.pop(KILL_ENV, None)
+    proc = subprocess.Popen([sys.executable, "-m", "rltool", "loop", "-q", "--config",
+                             str(loop_config), "--run-dir", str(run), "--num-steps", "50"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        pids: list[int] = []
+        while time.monotonic() < deadline and not pids:
+            if (run / "engines.json").exists():
+                pids = [e["pid"] for e in RunDir(run).read_engines()]
+            time.sleep(0.2)
+        assert pids, "the loop never recorded its engine"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode != 0
+        assert_no_children(run, pids)
+        assert json.loads((run / "state.json").read_text())["status"] == "failed"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_report_writes_plots(baseline, tmp_path):
+    result = CliRunner().invoke(cli, ["report", str(baseline), "--out", str(tmp_path / "r")])
+    assert result.exit_code == 0, result.output
+    assert "rollout/raw_reward" in result.stdout
+    for name in ("reward.png", "response_len.png", "kl.png", "logprob_diff.png",
+                 "step_time.png"):
+        data = (tmp_path / "r" / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
+    page = (tmp_path / "r" / "index.html").read_text()
+    assert page.count("<img") == 5 and "rollout/raw_reward" in page
