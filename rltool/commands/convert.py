@@ -86,3 +86,69 @@ def dequant(ctx, hf, out, dtype, workers, max_shard_mb, config_file, as_json, qu
     setup_logging(quiet=quiet)
     result = dequantize_checkpoint(_resolve(DequantConfig, ctx, config_file))
     _report(result, as_json=as_json, verb=f"dequantized {result['tensors']} tensors")
+
+
+@command.command("hf-to-dist")
+@click.option("--hf", required=True, type=click.Path(file_okay=False), help="Source HF checkpoint.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="New directory.")
+@click.option("--tp", type=int, default=None, help="Tensor-parallel size [1] (vocab padding).")
+@click.option("--pp", type=int, default=None, help="Pipeline-parallel size [1].")
+@click.option("--ep", type=int, default=None, help="Expert-parallel size [1].")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
+              default=None, help="Checkpoint dtype [auto: the HF weights' dtype].")
+@config_option
+@json_option
+@quiet_option
+@click.pass_context
+@handle_errors
+def hf_to_dist(ctx, hf, out, tp, pp, ep, dtype, config_file, as_json, quiet):
+    """Write a megatron-core torch_dist checkpoint (Megatron-LM layout) from an HF checkpoint.
+
+    Writes OUT/iter_0000000/ and OUT/latest_checkpointed_iteration.txt. Run it as one process, or
+    under torchrun with tp*pp processes (each rank then reads and writes only its shards).
+
+    Example:
+      rltool convert hf-to-dist --hf models/qwen3 --out ckpt/qwen3_torch_dist --tp 2
+      torchrun --nproc-per-node 2 -m rltool convert hf-to-dist --hf models/qwen3 --out ckpt/d --tp 2
+    """
+    from rltool.convert.torch_dist import HfToDistConfig, hf_to_dist as run
+
+    setup_logging(quiet=quiet)
+    result = run(_resolve(HfToDistConfig, ctx, config_file))
+    if _is_rank0():
+        _report(result, as_json=as_json, verb=f"converted {result['tensors']} tensors")
+
+
+@command.command("dist-to-hf")
+@click.option("--dist", "dist", required=True, type=click.Path(file_okay=False),
+              help="torch_dist checkpoint (Megatron-LM root or iter_* directory).")
+@click.option("--hf-config", required=True, type=click.Path(file_okay=False),
+              help="HF directory whose config.json and tokenizer describe the model.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="New directory.")
+@click.option("--workers", type=int, default=None, help="Writer threads [2].")
+@click.option("--max-shard-mb", type=float, default=None, help="Largest output shard in MB [5000].")
+@config_option
+@json_option
+@quiet_option
+@click.pass_context
+@handle_errors
+def dist_to_hf(ctx, dist, hf_config, out, workers, max_shard_mb, config_file, as_json, quiet):
+    """Write an HF safetensors checkpoint from a megatron-core torch_dist checkpoint.
+
+    The checkpoint's metadata is unpickled by torch.distributed.checkpoint: only pass paths you
+    trust (rltool never reads torch_dist from anywhere else).
+
+    Example:
+      rltool convert dist-to-hf --dist ckpt/qwen3_torch_dist --hf-config models/qwen3 --out hf/
+    """
+    from rltool.convert.torch_dist import DistToHfConfig, dist_to_hf as run
+
+    setup_logging(quiet=quiet)
+    result = run(_resolve(DistToHfConfig, ctx, config_file))
+    _report(result, as_json=as_json, verb=f"wrote {result['tensors']} tensors")
+
+
+def _is_rank0():
+    import os
+
+    return os.environ.get("RANK", "0") == "0"

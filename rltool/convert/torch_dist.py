@@ -129,13 +129,14 @@ def _rank0_tempdir(out: Path) -> Path:
 
 
 def _build_fill_save(cfg: HfToDistConfig, out: Path, hf_config: dict[str, Any],
-                     tensors: dict[str, stio.TensorInfo], dtype: torch.dtype) -> None:
+                     tensors: dict[str, stio.TensorInfo], dtype: torch.dtype, *,
+                     sizes: dict[str, int]) -> None:
     import torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
     padded = padded_vocab_size(hf_config["vocab_size"], tp=cfg.tp)
-    model = build_gpt_model(hf_config, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep, params_dtype=dtype,
+    model = build_gpt_model(hf_config, **sizes, params_dtype=dtype, vocab_size=padded,
                             perform_initialization=False)
     sharded = model.sharded_state_dict()
     with torch.no_grad():
@@ -174,8 +175,12 @@ def hf_to_dist(cfg: HfToDistConfig) -> dict[str, Any]:
     tensors = stio.checkpoint_tensors(cfg.hf)
     name_map.check_hf_tensors({n: i.shape for n, i in tensors.items()}, hf_config)
     dtype = _hf_dtype(tensors, cfg.dtype)
-    with megatron_compat.distributed(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep):
-        _build_fill_save(cfg, out, hf_config, tensors, dtype)
+    # One process (not under torchrun) writes the same global tensors as a tp*pp*ep job would:
+    # build an unsplit model and pad the vocabulary for cfg.tp.
+    sizes = (dict(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep) if int(os.environ.get("WORLD_SIZE", "1")) > 1
+             else dict(tp=1, pp=1, ep=1))
+    with megatron_compat.distributed(**sizes):
+        _build_fill_save(cfg, out, hf_config, tensors, dtype, sizes=sizes)
     padded = padded_vocab_size(hf_config["vocab_size"], tp=cfg.tp)
     return {"out": str(out), "arch": hf_config["model_type"], "tp": cfg.tp, "pp": cfg.pp,
             "ep": cfg.ep, "padded_vocab_size": padded, "dtype": str(dtype).removeprefix("torch."),
