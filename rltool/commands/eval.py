@@ -1,8 +1,7 @@
 import click
 
-from rltool.commands.common import (config_option, echo_json, explicit_flags, handle_errors,
-                                    json_option, quiet_option, setup_logging)
-from rltool.commands.rollout import engine_stage_options
+from rltool.commands.common import config_option, echo_json, handle_errors, json_option, quiet_option
+from rltool.commands.rollout import engine_stage_options, resolve_and_run
 
 
 @click.command("eval")
@@ -28,16 +27,10 @@ def command(ctx, config_file, as_json, quiet, **_):
       rltool eval --engines http://127.0.0.1:30001 --prompts heldout.jsonl --reward reverse \\
         --n-samples-per-prompt 4 --max-response-len 32 --out runs/r1/eval/step-000010 --json
     """
-    from rltool.config import resolve
     from rltool.rollout.eval import EvalConfig, run
 
-    import logging
-
-    setup_logging(quiet=quiet or as_json)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request
-    flags = {k: v for k, v in explicit_flags(ctx).items() if k not in ("as_json", "config_file")}
-    cfg = resolve(EvalConfig, config_file=config_file, section="eval", flags=flags)
-    result = run(cfg)
+    result = resolve_and_run(ctx, EvalConfig, run, section="eval", config_file=config_file,
+                             quiet=quiet or as_json)
     if as_json:
         echo_json(result)
         return

@@ -43,6 +43,18 @@ def engine_stage_options(fn):
     return fn
 
 
+def resolve_and_run(ctx, model, run, *, section, config_file, quiet):
+    """rollout and eval: logging, config (file table + explicit flags), then the library call."""
+    import logging
+
+    from rltool.config import resolve
+
+    setup_logging(quiet=quiet)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request
+    flags = {k: v for k, v in explicit_flags(ctx).items() if k not in ("as_json", "config_file")}
+    return run(resolve(model, config_file=config_file, section=section, flags=flags))
+
+
 @click.command("rollout")
 @engine_stage_options
 @click.option("--rollout-batch-size", type=int, default=None,
@@ -75,16 +87,10 @@ def command(ctx, config_file, as_json, quiet, **_):
         --prompts prompts.jsonl --out runs/r1/rollouts/step-000000 --reward reverse \\
         --n-samples-per-prompt 8 --rollout-batch-size 16 --max-response-len 32
     """
-    from rltool.config import resolve
     from rltool.rollout.stage import RolloutConfig, run
 
-    import logging
-
-    setup_logging(quiet=quiet)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request
-    flags = {k: v for k, v in explicit_flags(ctx).items() if k not in ("as_json", "config_file")}
-    cfg = resolve(RolloutConfig, config_file=config_file, section="rollout", flags=flags)
-    result = run(cfg)
+    result = resolve_and_run(ctx, RolloutConfig, run, section="rollout", config_file=config_file,
+                             quiet=quiet)
     if as_json:
         echo_json(result)
         return

@@ -9,14 +9,11 @@ sampled once as a group of `--n-samples-per-prompt`.
 
 from __future__ import annotations
 
-import asyncio
-from pathlib import Path
 from typing import Any
 
 from pydantic import Field
 
-from rltool.config import write_resolved
-from rltool.rollout.stage import EngineStageConfig, StageInputs, check_engines_left, write_metrics
+from rltool.rollout.stage import EngineStageConfig, StageInputs, write_metrics
 
 PRODUCER = "rltool eval"
 CONFIG_NAME = "eval_config.toml"
@@ -33,40 +30,15 @@ class EvalConfig(EngineStageConfig):
 
 def run(cfg: EvalConfig) -> dict[str, Any]:
     """Evaluate; returns {out, rows, metrics, metrics_path, engines}."""
-    from rltool.data.shards import ShardMeta, write_shard
-    from rltool.rollout.collect import Collector
-    from rltool.rollout.generate import to_row
-    from rltool.rollout.metrics import RolloutProgress, eval_metrics
+    from rltool.rollout.metrics import eval_metrics
 
     inputs = StageInputs(cfg)
-    n = cfg.n_samples_per_prompt
     num_prompts = min(cfg.max_prompts or len(inputs.prompts), len(inputs.prompts))
-    source = (inputs.new_group(p, n=n, uid_prefix=f"eval{cfg.step:06d}")
+    source = (inputs.new_group(p, n=cfg.n_samples_per_prompt, uid_prefix=f"eval{cfg.step:06d}")
               for p in range(num_prompts))
-    sampling = cfg.sampling()
-
-    async def collect() -> tuple[Any, dict[str, Any]]:
-        router = inputs.make_router(cfg)
-        try:
-            with RolloutProgress(total_groups=num_prompts, total_samples=num_prompts * n,
-                                 quiet=cfg.quiet, label="eval") as progress:
-                collector = Collector(router=router, tokenizer=inputs.tokenizer,
-                                      generate_fn=inputs.generate_fn, sampling=sampling,
-                                      reward_fn=inputs.reward_fn,
-                                      reward_timeout_s=cfg.reward_timeout_s,
-                                      reward_workers=cfg.reward_workers, progress=progress)
-                result = await collector.run(source, target_groups=num_prompts)
-            return result, router.stats()
-        finally:
-            await router.aclose()
-
-    result, router_stats = asyncio.run(collect())
-    check_engines_left(router_stats)
-    meta = ShardMeta(tokenizer_hash=inputs.tokenizer_hash, step=cfg.step, producer=PRODUCER,
-                     sampling=sampling, extra={"prompts": str(cfg.prompts), "reward": cfg.reward,
-                                               "engines": inputs.urls})
-    manifest = write_shard(cfg.out, [to_row(s) for g in result.kept for s in g], meta)
-    write_resolved(cfg.model_copy(update={"api_key": None}), Path(cfg.out) / CONFIG_NAME)
+    result, router_stats = inputs.collect(cfg, source, target_groups=num_prompts, label="eval")
+    manifest = inputs.write(cfg, result.kept, producer=PRODUCER, config_name=CONFIG_NAME,
+                            extra={"pass_threshold": cfg.pass_threshold})
     metrics = eval_metrics(result.kept, pass_threshold=cfg.pass_threshold,
                            elapsed_s=result.elapsed_s, output_tokens=result.output_tokens)
     versions = [v for g in result.kept for s in g for v in s.weight_versions if v >= 0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -153,6 +154,50 @@ class StageInputs:
                    for url in self.urls}
         return Router(clients, concurrency=cfg.concurrency, via_gateway=self.via_gateway)
 
+    def collect(self, cfg: EngineStageConfig, source: Iterator[list[Sample]], *,
+                target_groups: int, label: str, **run_kwargs: Any) -> tuple[Any, dict[str, Any]]:
+        """Run the collector over the engines (own event loop); (CollectResult, router stats).
+
+        Raises EngineError when no engine is left alive at the end (nothing is written)."""
+        from rltool.rollout.collect import Collector
+        from rltool.rollout.metrics import RolloutProgress
+
+        async def main() -> tuple[Any, dict[str, Any]]:
+            router = self.make_router(cfg)
+            try:
+                with RolloutProgress(total_groups=target_groups,
+                                     total_samples=target_groups * cfg.n_samples_per_prompt,
+                                     quiet=cfg.quiet, label=label) as progress:
+                    collector = Collector(router=router, tokenizer=self.tokenizer,
+                                          generate_fn=self.generate_fn, sampling=cfg.sampling(),
+                                          reward_fn=self.reward_fn,
+                                          reward_timeout_s=cfg.reward_timeout_s,
+                                          reward_workers=cfg.reward_workers, progress=progress)
+                    result = await collector.run(source, target_groups=target_groups, **run_kwargs)
+                return result, router.stats()
+            finally:
+                await router.aclose()
+
+        result, stats = asyncio.run(main())
+        if not any(e["alive"] for e in stats["engines"].values()):
+            raise EngineError("every engine died during the rollout; nothing was written; restart "
+                              "the engines and re-run the step")
+        return result, stats
+
+    def write(self, cfg: EngineStageConfig, groups: list[list[Sample]], *, producer: str,
+              config_name: str, extra: dict[str, Any]) -> dict[str, Any]:
+        """Publish the shard, then the resolved config (without api_key) inside it; the manifest."""
+        from rltool.data.shards import ShardMeta, write_shard
+
+        self.meta = ShardMeta(tokenizer_hash=self.tokenizer_hash, step=cfg.step, producer=producer,
+                              sampling=cfg.sampling(),
+                              extra={"prompts": str(cfg.prompts), "reward": cfg.reward,
+                                     "generate_fn": cfg.generate_fn or "single-turn",
+                                     "engines": self.urls, **extra})
+        manifest = write_shard(cfg.out, [to_row(s) for g in groups for s in g], self.meta)
+        write_resolved(cfg.model_copy(update={"api_key": None}), Path(cfg.out) / config_name)
+        return manifest
+
 
 def _engine_tokenizer_path(cfg: EngineStageConfig, url: str) -> str:
     from rltool.rollout.client import EngineClient
@@ -174,10 +219,8 @@ def _engine_tokenizer_path(cfg: EngineStageConfig, url: str) -> str:
 
 def run(cfg: RolloutConfig) -> dict[str, Any]:
     """Run one rollout step; returns {out, rows, groups, metrics, counts, engines, ...}."""
-    from rltool.data.shards import ShardMeta, write_shard
     from rltool.rollout import partial as partial_store
-    from rltool.rollout.collect import Collector
-    from rltool.rollout.metrics import RolloutProgress, rollout_metrics
+    from rltool.rollout.metrics import rollout_metrics
 
     inputs = StageInputs(cfg)
     n, batch = cfg.n_samples_per_prompt, cfg.rollout_batch_size
@@ -190,40 +233,16 @@ def run(cfg: RolloutConfig) -> dict[str, Any]:
     fresh_budget = max(0, budget - len(carried)) if cfg.filter == "none" else budget
     source = (inputs.new_group(p, n=n, uid_prefix=f"s{cfg.step:06d}")
               for p in range(cfg.step * batch, cfg.step * batch + fresh_budget))
-    sampling = cfg.sampling()
-
-    async def collect() -> tuple[Any, dict[str, Any]]:
-        router = inputs.make_router(cfg)
-        try:
-            with RolloutProgress(total_groups=batch, total_samples=batch * n, quiet=cfg.quiet,
-                                 label="rollout") as progress:
-                collector = Collector(router=router, tokenizer=inputs.tokenizer,
-                                      generate_fn=inputs.generate_fn, sampling=sampling,
-                                      reward_fn=inputs.reward_fn,
-                                      reward_timeout_s=cfg.reward_timeout_s,
-                                      reward_workers=cfg.reward_workers, progress=progress)
-                result = await collector.run(source, target_groups=batch, carried=carried,
-                                             dynamic_filter=cfg.filter != "none",
-                                             over_sample_factor=cfg.over_sample_factor,
-                                             partial=cfg.partial)
-            return result, router.stats()
-        finally:
-            await router.aclose()
-
-    result, router_stats = asyncio.run(collect())
-    check_engines_left(router_stats)
-    meta = ShardMeta(tokenizer_hash=inputs.tokenizer_hash, step=cfg.step, producer=PRODUCER,
-                     sampling=sampling,
-                     extra={"prompts": str(cfg.prompts), "reward": cfg.reward,
-                            "generate_fn": cfg.generate_fn or "single-turn",
-                            "filter": cfg.filter, "engines": inputs.urls})
-    rows = [to_row(s) for g in result.kept for s in g]
-    manifest = write_shard(cfg.out, rows, meta)
+    result, router_stats = inputs.collect(cfg, source, target_groups=batch, label="rollout",
+                                          carried=carried, dynamic_filter=cfg.filter != "none",
+                                          over_sample_factor=cfg.over_sample_factor,
+                                          partial=cfg.partial)
+    manifest = inputs.write(cfg, result.kept, producer=PRODUCER, config_name=CONFIG_NAME,
+                            extra={"filter": cfg.filter, "partial": cfg.partial})
     carry_path = None
     if cfg.partial:
         carry_path = partial_store.save_carry(carry_dir, step=cfg.step, groups=result.carry,
-                                              meta=meta)
-    write_resolved(cfg.model_copy(update={"api_key": None}), Path(cfg.out) / CONFIG_NAME)
+                                              meta=inputs.meta)
     metrics = rollout_metrics(result.kept, counts=result.counts, output_tokens=result.output_tokens,
                               elapsed_s=result.elapsed_s,
                               redispatched=router_stats["redispatched"])
@@ -233,13 +252,6 @@ def run(cfg: RolloutConfig) -> dict[str, Any]:
             "counts": result.counts, "engines": router_stats["engines"],
             "carried_from": str(carried_from) if carried_from else None,
             "carried_to": str(carry_path) if carry_path else None}
-
-
-def check_engines_left(router_stats: dict[str, Any]) -> None:
-    """No live engine at the end is a runtime failure, not a shard full of failed samples."""
-    if not any(e["alive"] for e in router_stats["engines"].values()):
-        raise EngineError("every engine died during the rollout; nothing was written; restart "
-                          "the engines and re-run the step")
 
 
 def write_metrics(cfg: EngineStageConfig, metrics: dict[str, Any], *, default_name: str,
