@@ -3,7 +3,7 @@ import click
 from rltool.commands.common import config_option, explicit_flags, handle_errors, setup_logging
 
 FLAGS = ["engine", "model", "host", "port", "ready_file", "dtype", "max_running_requests",
-         "max_queued_requests", "max_prefill_tokens", "deterministic", "weight_version",
+         "max_queued_requests", "max_prefill_tokens", "deterministic", "num_threads", "weight_version",
          "served_model_name", "log_level", "enable_debug_endpoints"]
 
 
@@ -26,6 +26,8 @@ FLAGS = ["engine", "model", "host", "port", "ready_file", "dtype", "max_running_
               help="Prompt tokens prefilled per scheduler step (default 512).")
 @click.option("--deterministic", is_flag=True, default=None,
               help="Seeded, batch-invariant sampling; logprobs in the trainer's layout.")
+@click.option("--num-threads", type=int, default=None,
+              help="torch intra-op threads (default: torch's; 1 is best on a busy machine).")
 @click.option("--weight-version", default=None, help="Initial weight_version (default 'default').")
 @click.option("--served-model-name", default=None, help="Model name reported to clients.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),

@@ -25,6 +25,8 @@ class ServeConfig(StageConfig):
                                                            "(and the prefill chunk size).")
     deterministic: bool = Field(False, description="Seeded, batch-invariant sampling; logprobs "
                                                    "from one unpadded pass (trainer layout).")
+    num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's "
+                                                   "default (OMP_NUM_THREADS or the core count).")
     weight_version: str = Field("default", description="Initial weight_version string.")
     served_model_name: str | None = Field(None, description="Name in /v1/models and model_info "
                                                             "(default: the model path).")

@@ -186,28 +186,51 @@ class ModelRunner:
         batch.next_pos = batch.next_pos + 1
         return out.logits[:, -1].float()
 
+    @torch.no_grad()
+    def prefill_batch(self, rids: list[str], seqs: list[list[int]]) -> tuple[torch.Tensor,
+                                                                             DecodeBatch]:
+        """Prefill several fresh sequences in one left-padded forward.
+
+        Returns (logits of each row's last token [k, V] float32, the rows as a DecodeBatch).
+        Padding columns hold junk KV that the attention mask hides from every later step.
+        """
+        width = max(len(s) for s in seqs)
+        ids = torch.tensor([[0] * (width - len(s)) + s for s in seqs], dtype=torch.long)
+        mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs],
+                            dtype=torch.long)
+        pos = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        cache = _new_cache()
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
+                         use_cache=True, logits_to_keep=1)
+        block = DecodeBatch(rids=list(rids), cache=cache, mask=mask,
+                            next_pos=torch.tensor([len(s) for s in seqs]))
+        return out.logits[:, -1].float(), block
+
     @staticmethod
-    def join(batch: DecodeBatch, rid: str, cache: Any) -> None:
-        """Append a prefilled batch-of-one cache as a new row (left-padding whichever is shorter)."""
+    def single(rid: str, cache: Any) -> DecodeBatch:
+        """A prefilled batch-of-one cache as a one-row DecodeBatch."""
         length = cache.get_seq_length()
+        return DecodeBatch(rids=[rid], cache=cache, mask=torch.ones(1, length, dtype=torch.long),
+                           next_pos=torch.tensor([length]))
+
+    @staticmethod
+    def join(batch: DecodeBatch, block: DecodeBatch) -> None:
+        """Append `block`'s rows to `batch` (left-padding whichever is narrower)."""
         if not batch.rids:
-            batch.rids = [rid]
-            batch.cache = cache
-            batch.mask = torch.ones(1, length, dtype=torch.long)
-            batch.next_pos = torch.tensor([length])
+            batch.rids, batch.cache = list(block.rids), block.cache
+            batch.mask, batch.next_pos = block.mask, block.next_pos
             return
-        width = batch.mask.shape[1]
-        total = max(width, length)
-        for mine, theirs in zip(_layers(batch.cache), _layers(cache)):
+        width, other = batch.mask.shape[1], block.mask.shape[1]
+        total = max(width, other)
+        for mine, theirs in zip(_layers(batch.cache), _layers(block.cache)):
             mine.keys = torch.cat([_pad_left(mine.keys, total - width, dim=2),
-                                   _pad_left(theirs.keys, total - length, dim=2)], dim=0)
+                                   _pad_left(theirs.keys, total - other, dim=2)], dim=0)
             mine.values = torch.cat([_pad_left(mine.values, total - width, dim=2),
-                                     _pad_left(theirs.values, total - length, dim=2)], dim=0)
-        row = torch.ones(1, length, dtype=torch.long)
+                                     _pad_left(theirs.values, total - other, dim=2)], dim=0)
         batch.mask = torch.cat([_pad_left(batch.mask, total - width, dim=1),
-                                _pad_left(row, total - length, dim=1)], dim=0)
-        batch.next_pos = torch.cat([batch.next_pos, torch.tensor([length])])
-        batch.rids.append(rid)
+                                _pad_left(block.mask, total - other, dim=1)], dim=0)
+        batch.next_pos = torch.cat([batch.next_pos, block.next_pos])
+        batch.rids.extend(block.rids)
 
     @staticmethod
     def keep(batch: DecodeBatch, rids: list[str]) -> None:

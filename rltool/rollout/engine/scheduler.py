@@ -77,6 +77,9 @@ class Scheduler:
         self.total_output_tokens = 0
         self.decode_log: collections.deque[list[str]] = collections.deque(maxlen=decode_log_size)
         self._token_times: collections.deque[tuple[float, int]] = collections.deque()
+        # torch's intra-op thread setting does not carry over to new threads in full: without
+        # setting it again on the scheduler thread, small ops ran ~12x slower there (measured).
+        self._num_threads = torch.get_num_threads()
 
     # ----- thread lifecycle ----------------------------------------------------------------
 
@@ -236,6 +239,7 @@ class Scheduler:
         return [r for r in self.waiting if r.seq < cutoff]
 
     def _loop(self) -> None:
+        torch.set_num_threads(self._num_threads)
         while True:
             with self._cond:
                 while not (self._stopping or self._incoming or self._ops or self._can_step()
@@ -293,8 +297,12 @@ class Scheduler:
 
     def _prefill_step(self) -> None:
         budget = self.max_prefill_tokens
+        if not self.deterministic:
+            budget = self._prefill_together(budget)
         chunk_size = self.max_prefill_tokens
         for req in list(self.prefilling):
+            if budget <= 0:
+                return
             ids = req.all_ids()
             while req.num_cached < req.prefill_target:
                 end = min(req.prefill_target, (req.num_cached // chunk_size + 1) * chunk_size)
@@ -312,10 +320,43 @@ class Scheduler:
                     continue
             self.running[req.rid] = req
             if not self.deterministic:
-                ModelRunner.join(self.batch, req.rid, req.cache)
+                ModelRunner.join(self.batch, ModelRunner.single(req.rid, req.cache))
                 req.cache = None
-            if budget <= 0:
-                return
+
+    def _prefill_together(self, budget: int) -> int:
+        """Prefill fresh requests that fit in one chunk with one left-padded forward (padded
+        tokens count against the budget); they join the decode batch as a block. Returns the
+        budget left. Not in deterministic mode: padding changes reduction shapes."""
+        group: list[Request] = []
+        width = 0
+        for req in self.prefilling:
+            n = req.prefill_target
+            if req.num_cached or n > self.max_prefill_tokens:
+                continue
+            if group and (len(group) + 1) * max(width, n) > budget:
+                break
+            group.append(req)
+            width = max(width, n)
+        if len(group) < 2:
+            return budget
+        logits, block = self.runner.prefill_batch([r.rid for r in group],
+                                                  [r.all_ids()[:r.prefill_target] for r in group])
+        self.num_prefill_forwards += 1
+        for req in group:
+            self.prefilling.remove(req)
+            req.num_cached = req.prefill_target
+        fresh = [i for i, r in enumerate(group) if not r.output_ids]
+        if fresh:
+            tokens, lps = self._sample([group[i] for i in fresh], logits[fresh])
+            for i, token, lp in zip(fresh, tokens, lps):
+                self._accept(group[i], token, lp)
+        alive = [r for r in group if not r.finished]
+        ModelRunner.keep(block, [r.rid for r in alive])
+        for req in alive:
+            self.running[req.rid] = req
+        if alive:
+            ModelRunner.join(self.batch, block)
+        return budget - len(group) * width
 
     def _decode_step(self) -> None:
         reqs = list(self.running.values())

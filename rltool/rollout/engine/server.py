@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 
 from rltool import atomic
@@ -25,6 +26,7 @@ from rltool.rollout.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 SELF_CHECK_TIMEOUT_S = 60.0
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -68,6 +70,10 @@ def serve(cfg: ServeConfig) -> None:
     import uvicorn
 
     _Server = _server_class()
+    if cfg.num_threads > 0:
+        import torch
+
+        torch.set_num_threads(cfg.num_threads)
     runner = ModelRunner(cfg.model, dtype=cfg.dtype, weight_version=cfg.weight_version)
     scheduler = Scheduler(runner, max_running=cfg.max_running_requests,
                           max_queued=cfg.max_queued_requests,
@@ -83,6 +89,9 @@ def serve(cfg: ServeConfig) -> None:
         add_debug_routes(app)
     server = _Server(scheduler, uvicorn.Config(app, log_level=cfg.log_level, lifespan="off",
                                            timeout_graceful_shutdown=1, access_log=False))
+    # The scheduler thread runs Python-heavy model code; a short GIL switch interval keeps the
+    # event loop (HTTP parsing, SSE writes) responsive instead of waiting 5 ms per hand-over.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     scheduler.start()
     # uvicorn re-raises the SIGTERM/SIGINT it caught once it has shut down; with the default
     # handler that would kill the process before the cleanup below, so the re-raise lands here.

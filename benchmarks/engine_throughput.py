@@ -1,0 +1,313 @@
+"""Benchmark the builtin engine against transformers `generate` in the same run (issue 3, part 6).
+
+Same model, prompts and sampling (greedy, so both do the same work token for token; EOS enabled,
+no ignore_eos). Output lengths are capped per request by a long-tail draw of max_new_tokens
+(Pareto, alpha 1.1, scaled so most requests are short and a few are long). Two measurements per
+(model, batch size B):
+
+* throughput: a closed loop of B concurrent clients over HTTP, each sending its next request as
+  soon as the previous one finishes (what a rollout stage does); the baseline runs the same
+  requests through `model.generate` in chunks of B (left-padded; a chunk runs until its longest
+  request is done). Useful output tokens / wall second; EOS and each request's own cap end it.
+* time to first token: B requests sent at once (streaming; the first SSE event is the first
+  token) vs `generate(max_new_tokens=1)` on the same B prompts. Mean over the wave.
+
+The server is `rltool serve --engine builtin` in a subprocess (--max-running-requests B), so its
+times include HTTP and JSON. Both sides use the same torch thread count (--threads, default 1:
+on this shared, oversubscribed 2-core box two OpenMP threads per process run ~15x slower).
+
+Usage: .venv/bin/python benchmarks/engine_throughput.py [--presets tiny,qwen2.5-0.5b]
+       [--batches 1,16,64] [--quick] [--out FILE.json]
+Prints a table and, last, one JSON line on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+import psutil
+import torch
+
+from rltool.data.models import init_model
+from rltool.rollout.launch import start_engine
+
+# Per preset: requests per batch size, cap on max_new_tokens, prompt length range (tokens).
+PLANS = {
+    "tiny": {"requests": {1: 16, 16: 128, 64: 512}, "cap": 256, "scale": 6, "prompt": (16, 64)},
+    # 0.5B on 2 shared cores: one wave per batch size and short outputs keep the run to minutes
+    # (continuous batching then gains only from finished rows leaving the batch).
+    "qwen2.5-0.5b": {"requests": {1: 3, 16: 16, 64: 64}, "cap": 64, "scale": 3,
+                     "prompt": (16, 48)},
+}
+TARGET_RATIO_B64 = 3.0
+
+
+def long_tail_lengths(n: int, *, scale: int, cap: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [min(cap, int(scale * (1.0 - rng.random()) ** (-1 / 1.1))) for _ in range(n)]
+
+
+def make_prompts(tokenizer, n: int, lo: int, hi: int, *, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    chars = "abcdefghijklmnopqrstuvwxyz0123456789 "
+    prompts = []
+    for _ in range(n):
+        text = "".join(rng.choice(chars) for _ in range(rng.randint(lo, hi)))
+        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+    return prompts
+
+
+def useful_tokens(row: list[int], *, cap: int, eos: set[int]) -> int:
+    for i, tok in enumerate(row[:cap]):
+        if tok in eos:
+            return i + 1
+    return min(len(row), cap)
+
+
+# ----- transformers generate baseline -------------------------------------------------------
+
+def hf_generate(model, prompts: list[list[int]], caps: list[int], *, pad: int,
+                eos: set[int], max_new_tokens: int | None = None) -> tuple[int, float]:
+    """One left-padded generate() over the chunk; returns (useful tokens, seconds)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    new = max_new_tokens if max_new_tokens is not None else max(caps)
+    t = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                             do_sample=False, eos_token_id=sorted(eos), pad_token_id=pad)
+    elapsed = time.perf_counter() - t
+    gen = out[:, width:].tolist()
+    return sum(useful_tokens(row, cap=c, eos=eos) for row, c in zip(gen, caps)), elapsed
+
+
+def hf_throughput(model, prompts, caps, batch: int, *, pad: int, eos: set[int]) -> dict:
+    tokens, t0, cpu0 = 0, time.perf_counter(), time.process_time()
+    for i in range(0, len(prompts), batch):
+        n, _ = hf_generate(model, prompts[i:i + batch], caps[i:i + batch], pad=pad, eos=eos)
+        tokens += n
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "cpu_s": cpu,
+            "tokens_per_cpu_s": tokens / cpu}
+
+
+def hf_ttft(model, prompts, *, pad: int, eos: set[int]) -> float:
+    _, elapsed = hf_generate(model, prompts, [1] * len(prompts), pad=pad, eos=eos,
+                             max_new_tokens=1)
+    return elapsed
+
+
+# ----- builtin engine core in this process (scheduler thread, no HTTP) ------------------------
+
+def core_run(model_dir: Path, prompts, caps, batch: int) -> dict:
+    """The same closed loop and TTFT wave against Scheduler directly: isolates the engine's
+    batching from HTTP/JSON costs and from process scheduling on the shared box."""
+    import threading
+
+    from rltool.rollout.engine.model_runner import ModelRunner
+    from rltool.rollout.engine.request import Request
+    from rltool.rollout.engine.sampling import SamplingParams
+    from rltool.rollout.engine.scheduler import Scheduler
+
+    sched = Scheduler(ModelRunner(model_dir), max_running=batch)
+    sched.start()
+    lock, done = threading.Lock(), threading.Event()
+    pending = list(range(len(prompts)))
+    finished = [0]
+
+    def request(i: int, cap: int, **kw) -> Request:
+        return Request(rid=f"r{i}-{cap}-{time.perf_counter_ns()}", prompt_ids=prompts[i],
+                       params=SamplingParams(max_new_tokens=cap, temperature=0.0), **kw)
+
+    def next_one(_req: Request | None = None) -> None:
+        with lock:
+            if _req is not None:
+                finished[0] += 1
+            if finished[0] == len(prompts):
+                done.set()
+            if not pending:
+                return
+            i = pending.pop(0)
+        sched.submit([request(i, caps[i], on_finish=next_one)])
+
+    try:
+        warm = threading.Event()
+        sched.submit([request(0, 2, on_finish=lambda r: warm.set())])
+        warm.wait()
+        tokens0, t0, cpu0 = sched.total_output_tokens, time.perf_counter(), time.process_time()
+        for _ in range(batch):
+            next_one()
+        done.wait()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        tokens = sched.total_output_tokens - tokens0
+        wave_done = threading.Semaphore(0)
+        wave = [request(i, 1, on_finish=lambda r: wave_done.release()) for i in range(batch)]
+        sched.submit(wave)
+        for _ in wave:
+            wave_done.acquire()
+        ttft = statistics.mean(r.t_first_token - r.t_arrival for r in wave)
+    finally:
+        sched.stop()
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "cpu_s": cpu,
+            "tokens_per_cpu_s": tokens / cpu, "ttft_s": ttft,
+            "max_decode_batch_seen": sched.max_decode_batch}
+
+
+# ----- builtin engine over HTTP ---------------------------------------------------------------
+
+def payload(prompt: list[int], cap: int, *, stream: bool = False) -> dict:
+    return {"input_ids": prompt, "stream": stream,
+            "sampling_params": {"max_new_tokens": cap, "temperature": 0.0}}
+
+
+async def builtin_throughput(url: str, prompts, caps, batch: int, *, pid: int) -> dict:
+    """Closed loop over HTTP. CPU time counts the server process and this client process."""
+    server, me = psutil.Process(pid), psutil.Process()
+    cpu0 = sum(server.cpu_times()[:2]) + sum(me.cpu_times()[:2])
+    queue = list(range(len(prompts)))
+    tokens = 0
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        nonlocal tokens
+        while queue:
+            i = queue.pop(0)
+            r = await client.post("/generate", json=payload(prompts[i], caps[i]))
+            r.raise_for_status()
+            tokens += r.json()["meta_info"]["completion_tokens"]
+
+    limits = httpx.Limits(max_connections=batch + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*[worker(client) for _ in range(batch)])
+        wall = time.perf_counter() - t0
+    cpu = sum(server.cpu_times()[:2]) + sum(me.cpu_times()[:2]) - cpu0
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "cpu_s": cpu,
+            "tokens_per_cpu_s": tokens / cpu}
+
+
+async def builtin_ttft(url: str, prompts) -> float:
+    async def first_token(client: httpx.AsyncClient, prompt: list[int]) -> float:
+        t = time.perf_counter()
+        async with client.stream("POST", "/generate", json=payload(prompt, 1, stream=True)) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    return time.perf_counter() - t
+        raise RuntimeError("stream ended without a token")
+
+    limits = httpx.Limits(max_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+        times = await asyncio.gather(*[first_token(client, p) for p in prompts])
+    return statistics.mean(times)
+
+
+# ----- driver ---------------------------------------------------------------------------------
+
+def run_case(model_dir: Path, preset: str, batch: int, *, quick: bool, workdir: Path) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    plan = PLANS[preset]
+    n = plan["requests"][batch]
+    if quick:  # keep several requests per slot, or continuous batching has nothing to refill
+        n = max(min(n, 4 * batch), batch)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    prompts = make_prompts(tok, n, *plan["prompt"], seed=batch)
+    caps = long_tail_lengths(n, scale=plan["scale"], cap=plan["cap"], seed=batch)
+    wave = prompts[:batch]
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    eos = {tok.eos_token_id}
+    pad = tok.pad_token_id
+    hf_generate(model, prompts[:1], [2], pad=pad, eos=eos)  # warm-up
+    hf = hf_throughput(model, prompts, caps, batch, pad=pad, eos=eos)
+    hf["ttft_s"] = hf_ttft(model, wave, pad=pad, eos=eos)
+    del model
+    core = core_run(model_dir, prompts, caps, batch)
+
+    engine = start_engine(["--engine", "builtin", "--model", str(model_dir),
+                           "--max-running-requests", str(batch), "--log-level", "warning",
+                           "--num-threads", str(torch.get_num_threads())],
+                          log_path=workdir / f"engine-{preset}-{batch}.log", ready_timeout_s=600)
+    try:
+        asyncio.run(builtin_throughput(engine.url, prompts[:1], [2], 1, pid=engine.pid))  # warm
+        ours = asyncio.run(builtin_throughput(engine.url, prompts, caps, batch, pid=engine.pid))
+        ours["ttft_s"] = asyncio.run(builtin_ttft(engine.url, wave))
+        info = httpx.get(engine.url + "/get_server_info", timeout=60).json()["internal_states"][0]
+        ours["max_decode_batch_seen"] = info["max_decode_batch_seen"]
+    finally:
+        engine.stop()
+    return {"preset": preset, "batch": batch, "requests": n, "cap": plan["cap"],
+            "mean_cap": statistics.mean(caps), "builtin": ours, "builtin_core": core,
+            "hf_generate": hf,
+            "throughput_ratio": ours["tokens_per_s"] / hf["tokens_per_s"],
+            "cpu_throughput_ratio": ours["tokens_per_cpu_s"] / hf["tokens_per_cpu_s"],
+            "ttft_ratio": ours["ttft_s"] / hf["ttft_s"],
+            "core_throughput_ratio": core["tokens_per_s"] / hf["tokens_per_s"],
+            "core_ttft_ratio": core["ttft_s"] / hf["ttft_s"]}
+
+
+TABLE_HEAD = ("| model | B | requests | generate tok/s | core tok/s (x) | HTTP tok/s (x) | "
+              "HTTP per CPU-s (x) | generate TTFT ms | core TTFT ms (x) | HTTP TTFT ms (x) |\n"
+              "|---|---|---|---|---|---|---|---|---|---|")
+TABLE_ROW = ("| {preset} | {batch} | {requests} | {hf_tps:.0f} | {core_tps:.0f} ({core_x:.2f}) | "
+             "{http_tps:.0f} ({http_x:.2f}) | {cpu_x:.2f} | {hf_ttft:.1f} | "
+             "{core_ttft:.1f} ({core_ttft_x:.2f}) | {http_ttft:.1f} ({http_ttft_x:.2f}) |")
+
+
+def flat(row: dict) -> dict:
+    return {"preset": row["preset"], "batch": row["batch"], "requests": row["requests"],
+            "hf_tps": row["hf_generate"]["tokens_per_s"],
+            "core_tps": row["builtin_core"]["tokens_per_s"], "core_x": row["core_throughput_ratio"],
+            "http_tps": row["builtin"]["tokens_per_s"], "http_x": row["throughput_ratio"],
+            "cpu_x": row["cpu_throughput_ratio"], "hf_ttft": row["hf_generate"]["ttft_s"] * 1e3,
+            "core_ttft": row["builtin_core"]["ttft_s"] * 1e3, "core_ttft_x": row["core_ttft_ratio"],
+            "http_ttft": row["builtin"]["ttft_s"] * 1e3, "http_ttft_x": row["ttft_ratio"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--presets", default="tiny,qwen2.5-0.5b")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--quick", action="store_true", help="at most 4 requests per batch slot")
+    ap.add_argument("--out", default=None, help="also write the results JSON here")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads for both sides (1: the box is shared and oversubscribed)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    rows = []
+    print(TABLE_HEAD, flush=True)
+    with tempfile.TemporaryDirectory(prefix="rltool-bench-") as tmp:
+        workdir = Path(tmp)
+        for preset in args.presets.split(","):
+            model_dir = init_model(workdir / preset, arch="qwen2", preset=preset, seed=0)
+            for batch in (int(b) for b in args.batches.split(",")):
+                row = run_case(model_dir, preset, batch, quick=args.quick, workdir=workdir)
+                rows.append(row)
+                print(TABLE_ROW.format(**flat(row)), flush=True)
+    result = {
+        "benchmark": "engine_throughput",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "threads": args.threads,
+                    "torch": torch.__version__, "load_avg_1m_at_end": os.getloadavg()[0]},
+        "rows": rows,
+        "targets": {"throughput_ratio_b64": TARGET_RATIO_B64, "ttft_ratio_b1": 1.0},
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
