@@ -98,8 +98,11 @@ def publish_version(new_state_or_dir: Mapping[str, Any] | str | os.PathLike, *,
                     source_model_dir: str | os.PathLike | None = None, dtype: str = "fp32",
                     link_bandwidth_Bps: float | None = None, t0_s: float = 0.0,
                     cache_dir: str | os.PathLike | None = None,
-                    workers: int | None = None) -> dict[str, Any]:
-    """Publish `<publish_dir>/weight_v{version:06d}` as a full checkpoint or a delta on version-1.
+                    workers: int | None = None, base_version: int | None = None
+                    ) -> dict[str, Any]:
+    """Publish `<publish_dir>/weight_v{version:06d}` as a full checkpoint or a delta on version-1
+    (or on `base_version`, the previous published version when one step applied several
+    optimizer steps).
 
     `new_state_or_dir`: a full HF checkpoint directory, or a state dict (HF names; written with
     config/tokenizer from `source_model_dir` at `dtype`, like rltool.train.publish). Version 0's
@@ -111,6 +114,9 @@ def publish_version(new_state_or_dir: Mapping[str, Any] | str | os.PathLike, *,
         raise BadInputError(f"unknown --sync {mode!r}; choose one of {', '.join(MODES)}")
     if full_every < 1:
         raise BadInputError(f"--full-every must be >= 1, got {full_every}")
+    base = version - 1 if base_version is None else base_version
+    if version > 0 and not 0 <= base < version:
+        raise BadInputError(f"base version {base} must be below version {version}")
     t_start = time.perf_counter()
     publish_dir = Path(publish_dir)
     out = publish_dir / weight_dir_name(version)
@@ -142,14 +148,14 @@ def publish_version(new_state_or_dir: Mapping[str, Any] | str | os.PathLike, *,
         try:
             t = time.perf_counter()
             pulled = pull_weights(local_checkpoint_dir=cache, source_dir=publish_dir,
-                                  target_version=version - 1, base_model_path=base_model_path,
+                                  target_version=base, base_model_path=base_model_path,
                                   workers=workers)
             if pulled["changed"]:
                 _update(stats, "decode_Bps", full_bytes / max(time.perf_counter() - t, 1e-9))
             candidate = publish_dir / f".candidate-{out.name}"
             shutil.rmtree(candidate, ignore_errors=True)
             delta_stats = write_delta(open_checkpoint(cache), new, candidate, version=version,
-                                      base_version=version - 1, fmt=fmt, encoding=encoding,
+                                      base_version=base, fmt=fmt, encoding=encoding,
                                       workers=workers)
         except (DeltaChainError, BadInputError) as e:
             reason = f"no delta possible: {e}"
