@@ -86,6 +86,7 @@ def train(ctx: StepContext) -> None:
         if newest is None or newest <= state.policy_version:
             raise EngineError(f"the trainer finished without a checkpoint newer than version "
                               f"{state.policy_version} in {ctx.run.ckpt}")
+    state.base_version = state.policy_version  # the engines' version: the delta's base
     state.policy_version = newest
     check_align_gate(ctx)
 
@@ -140,7 +141,7 @@ def publish(ctx: StepContext) -> None:
     result = publish_version(
         ctx.run.ckpt_step(version) / MODEL_DIR, publish_dir=ctx.run.weights, version=version,
         mode=sync.sync, fmt=sync.delta_format, encoding=sync.delta_encoding,
-        full_every=sync.full_every,
+        full_every=sync.full_every, base_version=ctx.state.base_version,
         link_bandwidth_Bps=sync.link_bandwidth_gbps * 1e9 / 8 if sync.link_bandwidth_gbps else None)
     ctx.state.publish = {k: v for k, v in result.items() if isinstance(v, (int, float, str))}
 

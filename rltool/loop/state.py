@@ -2,7 +2,8 @@
 the policy version, rewritten atomically after every phase.
 
 ```
-{"step": 3, "phase": "train", "policy_version": 4, "num_steps": 10, "status": "running",
+{"step": 3, "phase": "train", "policy_version": 4, "base_version": 3, "num_steps": 10,
+ "status": "running",
  "phase_times": {"rollout": 1.2, "train": 0.8}, "publish": {...sync metrics of this step...}}
 ```
 `phase` is null at the start of a step. A phase is recorded only after its artifact's marker exists
@@ -32,6 +33,7 @@ class LoopState:
     step: int = 0
     phase: str | None = None
     policy_version: int = 0
+    base_version: int = 0  # the version before this step's training (a delta's base)
     num_steps: int = 0
     status: str = "running"
     phase_times: dict[str, float] = field(default_factory=dict)
