@@ -37,8 +37,8 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
     source = (inputs.new_group(p, n=cfg.n_samples_per_prompt, uid_prefix=f"eval{cfg.step:06d}")
               for p in range(num_prompts))
     result, router_stats = inputs.collect(cfg, source, target_groups=num_prompts, label="eval")
-    manifest = inputs.write(cfg, result.kept, producer=PRODUCER, config_name=CONFIG_NAME,
-                            extra={"pass_threshold": cfg.pass_threshold})
+    meta = inputs.shard_meta(cfg, producer=PRODUCER, extra={"pass_threshold": cfg.pass_threshold})
+    manifest = inputs.write(cfg, result.kept, meta=meta, config_name=CONFIG_NAME)
     metrics = eval_metrics(result.kept, pass_threshold=cfg.pass_threshold,
                            elapsed_s=result.elapsed_s, output_tokens=result.output_tokens)
     versions = [v for g in result.kept for s in g for v in s.weight_versions if v >= 0]

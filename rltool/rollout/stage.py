@@ -184,17 +184,21 @@ class StageInputs:
                               "the engines and re-run the step")
         return result, stats
 
-    def write(self, cfg: EngineStageConfig, groups: list[list[Sample]], *, producer: str,
-              config_name: str, extra: dict[str, Any]) -> dict[str, Any]:
-        """Publish the shard, then the resolved config (without api_key) inside it; the manifest."""
-        from rltool.data.shards import ShardMeta, write_shard
+    def shard_meta(self, cfg: EngineStageConfig, *, producer: str, extra: dict[str, Any]) -> Any:
+        from rltool.data.shards import ShardMeta
 
-        self.meta = ShardMeta(tokenizer_hash=self.tokenizer_hash, step=cfg.step, producer=producer,
-                              sampling=cfg.sampling(),
-                              extra={"prompts": str(cfg.prompts), "reward": cfg.reward,
-                                     "generate_fn": cfg.generate_fn or "single-turn",
-                                     "engines": self.urls, **extra})
-        manifest = write_shard(cfg.out, [to_row(s) for g in groups for s in g], self.meta)
+        return ShardMeta(tokenizer_hash=self.tokenizer_hash, step=cfg.step, producer=producer,
+                         sampling=cfg.sampling(),
+                         extra={"prompts": str(cfg.prompts), "reward": cfg.reward,
+                                "generate_fn": cfg.generate_fn or "single-turn",
+                                "engines": self.urls, **extra})
+
+    def write(self, cfg: EngineStageConfig, groups: list[list[Sample]], *, meta: Any,
+              config_name: str) -> dict[str, Any]:
+        """Publish the shard, then the resolved config (without api_key) inside it; the manifest."""
+        from rltool.data.shards import write_shard
+
+        manifest = write_shard(cfg.out, [to_row(s) for g in groups for s in g], meta)
         write_resolved(cfg.model_copy(update={"api_key": None}), Path(cfg.out) / config_name)
         return manifest
 
@@ -237,12 +241,15 @@ def run(cfg: RolloutConfig) -> dict[str, Any]:
                                           carried=carried, dynamic_filter=cfg.filter != "none",
                                           over_sample_factor=cfg.over_sample_factor,
                                           partial=cfg.partial)
-    manifest = inputs.write(cfg, result.kept, producer=PRODUCER, config_name=CONFIG_NAME,
-                            extra={"filter": cfg.filter, "partial": cfg.partial})
+    meta = inputs.shard_meta(cfg, producer=PRODUCER,
+                             extra={"filter": cfg.filter, "partial": cfg.partial})
     carry_path = None
     if cfg.partial:
+        # Before the shard: a crash in between re-runs this step, which reads the same earlier
+        # carry file again; the other order would let the next step resume it a second time.
         carry_path = partial_store.save_carry(carry_dir, step=cfg.step, groups=result.carry,
-                                              meta=inputs.meta)
+                                              meta=meta)
+    manifest = inputs.write(cfg, result.kept, meta=meta, config_name=CONFIG_NAME)
     metrics = rollout_metrics(result.kept, counts=result.counts, output_tokens=result.output_tokens,
                               elapsed_s=result.elapsed_s,
                               redispatched=router_stats["redispatched"])
