@@ -343,6 +343,10 @@ def _run(cfg: TrainConfig) -> TrainResult:
             else:
                 rows.append({"step": backend.optimizer_steps, "policy_version": version,
                              "time": time.time(), **metrics})
+            if backend.dp_rank == 0:
+                log.info("step %d/%d (policy version %d): loss %.4g, grad norm %.3g, %.2fs",
+                         step + 1, plan.num_steps, version, metrics.get("train/loss", 0.0),
+                         metrics["train/grad_norm"], metrics["perf/train_time"])
             last = step == plan.num_steps - 1
             if cfg.save and (last or (cfg.save_interval and (step + 1) % cfg.save_interval == 0)):
                 checkpoint = _save(cfg, backend, data, sample_set, plan, version=version,
