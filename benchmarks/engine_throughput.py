@@ -111,7 +111,8 @@ def hf_ttft(model, prompts, *, pad: int, eos: set[int]) -> float:
 
 # ----- builtin engine core in this process (scheduler thread, no HTTP) ------------------------
 
-def core_run(model_dir: Path, prompts, caps, batch: int) -> dict:
+def core_run(model_dir: Path, prompts, caps, batch: int, *, deterministic: bool = False,
+             return_logprob: bool = False) -> dict:
     """The same closed loop and TTFT wave against Scheduler directly: isolates the engine's
     batching from HTTP/JSON costs and from process scheduling on the shared box."""
     import threading
@@ -121,7 +122,7 @@ def core_run(model_dir: Path, prompts, caps, batch: int) -> dict:
     from rltool.rollout.engine.sampling import SamplingParams
     from rltool.rollout.engine.scheduler import Scheduler
 
-    sched = Scheduler(ModelRunner(model_dir), max_running=batch)
+    sched = Scheduler(ModelRunner(model_dir), max_running=batch, deterministic=deterministic)
     sched.start()
     lock, done = threading.Lock(), threading.Event()
     pending = list(range(len(prompts)))
@@ -129,7 +130,8 @@ def core_run(model_dir: Path, prompts, caps, batch: int) -> dict:
 
     def request(i: int, cap: int, **kw) -> Request:
         return Request(rid=f"r{i}-{cap}-{time.perf_counter_ns()}", prompt_ids=prompts[i],
-                       params=SamplingParams(max_new_tokens=cap, temperature=0.0), **kw)
+                       params=SamplingParams(max_new_tokens=cap, temperature=0.0),
+                       return_logprob=return_logprob, **kw)
 
     def next_one(_req: Request | None = None) -> None:
         with lock:
@@ -275,6 +277,20 @@ def flat(row: dict) -> dict:
             "http_ttft": row["builtin"]["ttft_s"] * 1e3, "http_ttft_x": row["ttft_ratio"]}
 
 
+def deterministic_cost(model_dir: Path, *, batch: int = 16, requests: int = 64) -> dict:
+    """Engine core, same requests with logprobs: --deterministic vs the batched default."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    prompts = make_prompts(tok, requests, 16, 64, seed=7)
+    caps = long_tail_lengths(requests, scale=6, cap=256, seed=7)
+    fast = core_run(model_dir, prompts, caps, batch, return_logprob=True)
+    det = core_run(model_dir, prompts, caps, batch, deterministic=True, return_logprob=True)
+    return {"batch": batch, "requests": requests, "batched": fast, "deterministic": det,
+            "throughput_ratio": det["tokens_per_s"] / fast["tokens_per_s"],
+            "ttft_ratio": det["ttft_s"] / fast["ttft_s"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--presets", default="tiny,qwen2.5-0.5b")
@@ -283,8 +299,18 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="also write the results JSON here")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads for both sides (1: the box is shared and oversubscribed)")
+    ap.add_argument("--deterministic-cost", action="store_true",
+                    help="only measure --deterministic against the default (tiny, engine core)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.deterministic_cost:
+        with tempfile.TemporaryDirectory(prefix="rltool-bench-") as tmp:
+            cost = deterministic_cost(init_model(Path(tmp) / "tiny", preset="tiny", seed=0))
+        print(f"deterministic / batched, B={cost['batch']}: throughput x{cost['throughput_ratio']:.2f}"
+              f", TTFT x{cost['ttft_ratio']:.2f}")
+        print(json.dumps({"benchmark": "engine_deterministic_cost", "load_avg_1m":
+                          os.getloadavg()[0], **cost}))
+        return
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     rows = []
     print(TABLE_HEAD, flush=True)

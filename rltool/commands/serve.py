@@ -34,6 +34,17 @@ FLAGS = ["engine", "model", "host", "port", "ready_file", "dtype", "max_running_
               default=None, help="Server log level (default info).")
 @click.option("--enable-debug-endpoints", is_flag=True, default=None,
               help="Mount POST /debug/hidden_states (align-gate --layerwise); off by default.")
+@click.option("--api-key", default=None, envvar="RLTOOL_API_KEY",
+              help="Bearer key every route but /health* needs (env RLTOOL_API_KEY).")
+@click.option("--admin-api-key", default=None, envvar="RLTOOL_ADMIN_API_KEY",
+              help="Bearer key for weight, cache, pause, abort and memory routes.")
+@click.option("--max-request-bytes", type=int, default=None,
+              help="Largest request body; 413 beyond (default 64 MiB).")
+@click.option("--local-checkpoint-dir", type=click.Path(file_okay=False), default=None,
+              help="Host-local directory /pull_weights writes into (an allowed weight root).")
+@click.option("--allowed-weight-root", type=click.Path(file_okay=False), multiple=True,
+              help="Weight paths must lie under one of these (repeatable; default: the model's "
+                   "parent directory and --local-checkpoint-dir).")
 @config_option
 @handle_errors
 def command(config_file, **_):

@@ -27,7 +27,8 @@ def det_engine(tiny_model_dir, tmp_path_factory):
     log_path: Path = tmp_path_factory.mktemp("engine-logs") / "det.log"
     proc = start_engine(["--engine", "builtin", "--model", str(tiny_model_dir), "--deterministic",
                          "--max-running-requests", "16", "--max-queued-requests", "64",
-                         "--max-prefill-tokens", "8", "--weight-version", "0"],
+                         "--max-prefill-tokens", "8", "--weight-version", "0",
+                         "--allowed-weight-root", str(tmp_path_factory.getbasetemp())],
                         log_path=log_path, ready_timeout_s=120.0)
     yield proc
     proc.stop()

@@ -26,9 +26,12 @@ from rltool.rollout.engine.config import ServeConfig
 from rltool.rollout.engine.model_runner import ModelRunner
 from rltool.rollout.engine.protocol import (AbortInput, ContinueInput, GenerateInput, MemoryInput, PauseInput,
                                             PullWeightsInput, UpdateWeightsFromDiskInput,
+                                            UpdateWeightVersionInput,
                                             expand_generate)
 from rltool.rollout.engine.request import Request, build_response
 from rltool.rollout.engine.scheduler import MEMORY_TAGS, QueueFullError, Scheduler
+from rltool.rollout.engine.security import (PayloadTooLargeError, check_auth, check_size,
+                                            confine)
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -54,7 +57,14 @@ def runtime_error(message: str, status_code: int = 400) -> JSONResponse:
 
 
 async def parse_body(request: HttpRequest, model: type[M], *, required: bool = True) -> M:
-    raw = await request.body()
+    limit = request.app.state.engine.cfg.max_request_bytes
+    parts, size = [], 0
+    async for chunk in request.stream():  # bounded even without a Content-Length header
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
+        parts.append(chunk)
+    raw = b"".join(parts)
     if not raw.strip():
         if required:
             raise RequestValidationError([{"msg": "a JSON body is required ({} works)"}])
@@ -84,6 +94,16 @@ def build_app(state: EngineState) -> FastAPI:
     app = FastAPI(title="rltool builtin engine", docs_url=None, redoc_url=None)
     app.state.engine = state
     sched, runner = state.scheduler, state.runner
+    cfg = state.cfg
+    weight_roots = cfg.weight_roots()
+
+    @app.middleware("http")
+    async def _guard(request: HttpRequest, call_next: Any) -> Response:
+        refused = (check_auth(request.url.path, request.headers.get("authorization"),
+                              api_key=cfg.api_key, admin_api_key=cfg.admin_api_key)
+                   or check_size(request.headers.get("content-length"),
+                                 limit_bytes=cfg.max_request_bytes))
+        return refused if refused is not None else await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(request: HttpRequest, exc: RequestValidationError) -> JSONResponse:
@@ -92,6 +112,10 @@ def build_app(state: EngineState) -> FastAPI:
     @app.exception_handler(QueueFullError)
     async def _on_queue_full(request: HttpRequest, exc: QueueFullError) -> JSONResponse:
         return runtime_error(str(exc), 429)
+
+    @app.exception_handler(PayloadTooLargeError)
+    async def _on_too_large(request: HttpRequest, exc: PayloadTooLargeError) -> JSONResponse:
+        return runtime_error(str(exc), 413)
 
     @app.exception_handler(BadInputError)
     async def _on_bad_input(request: HttpRequest, exc: BadInputError) -> JSONResponse:
@@ -303,9 +327,15 @@ def build_app(state: EngineState) -> FastAPI:
     async def update_weights_from_disk(request: HttpRequest) -> JSONResponse:
         body = await parse_body(request, UpdateWeightsFromDiskInput)
 
+        try:
+            path = confine(body.model_path, weight_roots, what="model_path")
+        except BadInputError as e:
+            return JSONResponse({"success": False, "message": str(e), "num_paused_requests": 0},
+                                status_code=400)
+
         def apply() -> int:
             paused = len(sched.running) + len(sched.prefilling) if sched.paused else 0
-            runner.load_weights(body.model_path)
+            runner.load_weights(path)
             if body.weight_version is not None:
                 runner.weight_version = body.weight_version
             return paused
@@ -323,13 +353,10 @@ def build_app(state: EngineState) -> FastAPI:
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: HttpRequest) -> JSONResponse:
-        data = await request.json() if (await request.body()).strip() else {}
-        version = data.get("new_version") if isinstance(data, dict) else None
-        if not isinstance(version, str) or not version:
-            return JSONResponse({"success": False, "message": "new_version (str) is required"},
-                                status_code=400)
-        if data.get("abort_all_requests", True):
+        body = await parse_body(request, UpdateWeightVersionInput)
+        if body.abort_all_requests:
             await on_thread(lambda: sched.abort(abort_all=True))
+        version = body.new_version
 
         def set_version() -> None:
             runner.weight_version = version
@@ -342,6 +369,7 @@ def build_app(state: EngineState) -> FastAPI:
     async def pull_weights(request: HttpRequest) -> JSONResponse:
         body = await parse_body(request, PullWeightsInput)
         try:
+            confine(body.local_checkpoint_dir, weight_roots, what="local_checkpoint_dir")
             message = await asyncio.to_thread(_pull_weights, body)
         except (BadInputError, EngineError, OSError) as e:
             return JSONResponse({"success": False, "message": str(e)}, status_code=400)

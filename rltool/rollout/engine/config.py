@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -30,10 +31,26 @@ class ServeConfig(StageConfig):
     weight_version: str = Field("default", description="Initial weight_version string.")
     served_model_name: str | None = Field(None, description="Name in /v1/models and model_info "
                                                             "(default: the model path).")
+    api_key: str | None = Field(None, description="Bearer key every route but /health* needs.")
+    admin_api_key: str | None = Field(None, description="Bearer key for weight, cache, pause, "
+                                                        "abort and memory routes.")
+    max_request_bytes: int = Field(64 * 1024 * 1024, ge=1024,
+                                   description="Largest request body (413 beyond).")
+    local_checkpoint_dir: Path | None = Field(None, description="Host-local directory "
+                                                                "/pull_weights writes into.")
+    allowed_weight_root: list[Path] = Field(
+        default_factory=list, description="Directories weight paths must lie under (default: "
+                                          "the model's parent and --local-checkpoint-dir).")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Server log level.")
     enable_debug_endpoints: bool = Field(False, description="Mount POST /debug/hidden_states "
                                          "(align-gate --layerwise); off: 404.")
+
+    def weight_roots(self) -> list[Path]:
+        roots = list(self.allowed_weight_root) or [self.model.parent]
+        if not self.allowed_weight_root and self.local_checkpoint_dir is not None:
+            roots.append(self.local_checkpoint_dir)
+        return [Path(os.path.realpath(r)) for r in roots]
 
     @model_validator(mode="after")
     def _model_exists(self) -> "ServeConfig":

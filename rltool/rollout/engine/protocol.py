@@ -69,6 +69,12 @@ class UpdateWeightsFromDiskInput(BaseModel):
     flush_cache: bool = True
 
 
+class UpdateWeightVersionInput(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    new_version: str = Field(min_length=1)
+    abort_all_requests: bool = True
+
+
 class MemoryInput(BaseModel):
     model_config = ConfigDict(extra="ignore")
     tags: list[str] | None = None
