@@ -121,3 +121,29 @@ def test_multi_process_bad_input_exits_2_before_launching(tiny_model_dir, bad_sh
                       "--save", tmp_path / "ckpt"])
     assert result.exit_code == 2 and "tokenizer" in result.stderr
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_broken_checkpoints_are_refused(tiny_model_dir, train_shard, tmp_path):
+    import shutil
+
+    from rltool.train import run
+    from rltool.train.config import TrainConfig
+
+    run(TrainConfig(rollouts=[str(train_shard)], load=str(tiny_model_dir), num_steps=1,
+                    save=str(tmp_path / "ckpt"), lr=1e-3))
+    good = tmp_path / "ckpt" / "step-000001"
+    cases = {"state": ("trainer_state.json", b"{not json", "not valid JSON"),
+             "optimizer": ("optimizer.safetensors", b"\x00" * 16, "unreadable safetensors"),
+             "missing": ("rng.safetensors", None, "missing rng.safetensors")}
+    for name, (file, content, fragment) in cases.items():
+        broken = tmp_path / name
+        shutil.copytree(good, broken)
+        if content is None:
+            (broken / file).unlink()
+        else:
+            (broken / file).write_bytes(content)
+        result = _invoke(["--rollouts", train_shard, "--load", broken, "--num-steps", 1,
+                          "--save", tmp_path / f"out-{name}"])
+        assert result.exit_code == 2, (name, result.output)
+        assert fragment in result.stderr, (name, result.stderr)
+        assert not (tmp_path / f"out-{name}").exists()
