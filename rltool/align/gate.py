@@ -112,7 +112,10 @@ def load_inputs(shard_dirs: list[str | Path], weights_dir: str | Path, *,
     if not weights.is_dir():
         raise CheckpointError(f"--weights {weights}: no such directory; pass the weights the "
                               "rollouts were sampled with (e.g. RUN/weights/weight_vNNNNNN)")
-    target = resolve_load(weights)
+    try:
+        target = resolve_load(weights)
+    except CheckpointError as e:  # its message names train's --load; here the flag is --weights
+        raise CheckpointError(str(e).replace("--load", "--weights", 1)) from e
     version = target.version if target.ckpt_dir is not None else declared_version(target.model_dir)
     expected_hash = tokenizer_hash(target.model_dir)
     samples: list[SampleRef] = []
