@@ -4,7 +4,8 @@ With `--partial`, the call for step K writes `<out parent>/partial/step-K.parque
 empty; atomic) holding every sample of the groups it carries over, in the shard schema. The call for
 step K reads the newest such file with a step below K and resumes its aborted samples from their
 tokens (finished members are kept as they are). So a re-run of step K after a crash reads the same
-carry-over again and nothing is lost or used twice; files older than K-1 are removed.
+carry-over again and nothing is lost or used twice; files older than the one
+step K read are removed.
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ def save_carry(directory: Path, *, step: int, groups: list[list[Sample]], meta: 
     path = directory / f"{step_dir_name(step)}.parquet"
     with atomic.atomic_path(path) as tmp:
         pq.write_table(table, tmp, compression="zstd")
-    for old_step, old in _steps(directory).items():
-        if old_step < step - 1:
+    found = _steps(directory)
+    resumed = max((s for s in found if s < step), default=None)  # what this call read
+    for old_step, old in found.items():
+        if resumed is not None and old_step < resumed:
             old.unlink(missing_ok=True)
     return path
