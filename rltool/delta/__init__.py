@@ -3,5 +3,6 @@ full-or-delta versions by a cost model, and pull a version into a host-local che
 
 Modules: safetensors_io (raw tensor bytes), checkpoint (full HF dirs), codec (encodings),
 deltadir (the delta directory layout), diff (encode), apply (rebuild + verify chains),
-verify, pull (engine side), publish (trainer side, cost model).
+verify, pull (engine side), publish (trainer side, cost model), config (DiffConfig, SyncConfig).
+Docs: docs/delta.md; formats: docs/formats.md "Delta versions".
 """
