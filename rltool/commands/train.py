@@ -3,17 +3,11 @@ import sys
 import click
 
 from rltool.commands.common import (config_option, echo_json, explicit_flags, handle_errors,
-                                    json_option, quiet_option, setup_logging)
-
-
-def _split_dirs(ctx, param, values):
-    if not values:
-        return None
-    return [d for value in values for d in value.split(",") if d]
+                                    json_option, quiet_option, setup_logging, split_dirs)
 
 
 @click.command("train")
-@click.option("--rollouts", multiple=True, callback=_split_dirs,
+@click.option("--rollouts", multiple=True, callback=split_dirs,
               help="Rollout shard directories (DIR[,DIR...]; repeatable).")
 @click.option("--prompts", default=None, help="Prompts JSONL for --loss sft without shards "
               "(target = label + EOS).")
