@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request as HttpRequest
@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 from rltool.errors import BadInputError, EngineError
 from rltool.rollout.engine.config import ServeConfig
 from rltool.rollout.engine.model_runner import ModelRunner
+from rltool.rollout.engine.openai import register_openai_routes
 from rltool.rollout.engine.protocol import (AbortInput, ContinueInput, GenerateInput, MemoryInput, PauseInput,
                                             PullWeightsInput, UpdateWeightsFromDiskInput,
                                             UpdateWeightVersionInput,
@@ -44,7 +45,8 @@ class EngineState:
     cfg: ServeConfig
     runner: ModelRunner
     scheduler: Scheduler
-    started: float
+    started: float  # time.monotonic() at start
+    started_wall_s: float = field(default_factory=time.time)
 
 
 def validation_error(message: str) -> JSONResponse:
@@ -144,9 +146,9 @@ def build_app(state: EngineState) -> FastAPI:
         except ValidationError as e:  # sampling_params
             raise BadInputError(_describe(e.errors())) from e
 
-    def respond(req: Request, index: int | None = None) -> dict[str, Any]:
+    def respond(req: Request) -> dict[str, Any]:
         return build_response(req, tokenizer=runner.tokenizer,
-                              weight_version=runner.weight_version, index=index)
+                              weight_version=runner.weight_version)
 
     async def run_requests(reqs: list[Request]) -> list[dict[str, Any]]:
         loop = asyncio.get_running_loop()
@@ -176,39 +178,46 @@ def build_app(state: EngineState) -> FastAPI:
                 return runtime_error(reason["message"], int(reason["status_code"]))
         return JSONResponse(outs if as_list else outs[0])
 
-    async def stream_events(reqs: list[Request], *, indexed: bool) -> AsyncIterator[bytes]:
-        """SGLang's SSE: cumulative events, `data: [DONE]` last, errors as events."""
+    async def updates(reqs: list[Request]) -> AsyncIterator[tuple[int, bool, dict[str, Any]]]:
+        """Submit `reqs`; yield (index, finished, cumulative response) after every new token.
+        Raises QueueFullError / BadInputError / EngineError if the scheduler refuses them."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         for i, req in enumerate(reqs):
-            index = i if indexed else None
-            req.on_token = (lambda r, i=index: loop.call_soon_threadsafe(
-                queue.put_nowait, (False, respond(r, i))))
-            req.on_finish = (lambda r, i=index: loop.call_soon_threadsafe(
-                queue.put_nowait, (True, respond(r, i))))
-        try:
-            sched.submit(reqs)
-        except (BadInputError, EngineError) as e:
-            code = 429 if isinstance(e, QueueFullError) else 400
-            yield _sse({"error": {"message": str(e), "type": "invalid_request_error",
-                                  "code": code, "retryable": code == 429}})
-            yield b"data: [DONE]\n\n"
-            return
+            req.on_token = (lambda r, i=i: loop.call_soon_threadsafe(
+                queue.put_nowait, (i, False, respond(r))))
+            req.on_finish = (lambda r, i=i: loop.call_soon_threadsafe(
+                queue.put_nowait, (i, True, respond(r))))
+        sched.submit(reqs)
         remaining = len(reqs)
         try:
             while remaining:
-                final, event = await queue.get()
+                i, final, event = await queue.get()
                 remaining -= final
+                yield i, final, event
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away
+            rids = [r.rid for r in reqs]
+            sched.call(lambda: [sched.abort(rid=rid) for rid in rids])
+            raise
+
+    async def stream_events(reqs: list[Request], *, indexed: bool) -> AsyncIterator[bytes]:
+        """SGLang's SSE: cumulative events, `data: [DONE]` last, errors as events."""
+        try:
+            async for i, final, event in updates(reqs):
+                if indexed:
+                    event["index"] = i
                 reason = event["meta_info"]["finish_reason"] or {}
                 if final and reason.get("type") == "abort" and reason.get("status_code"):
                     event = {"error": {"message": reason["message"], "type": "server_error",
                                        "code": reason["status_code"], "retryable": True}}
                 yield _sse(event)
-        except asyncio.CancelledError:
-            rids = [r.rid for r in reqs]
-            sched.call(lambda: [sched.abort(rid=rid) for rid in rids])
-            raise
+        except (BadInputError, EngineError) as e:
+            code = 429 if isinstance(e, QueueFullError) else 400
+            yield _sse({"error": {"message": str(e), "type": "invalid_request_error",
+                                  "code": code, "retryable": code == 429}})
         yield b"data: [DONE]\n\n"
+
+    register_openai_routes(app, state=state, expand=expand, run=run_requests, updates=updates)
 
     # ----- health and info -------------------------------------------------------------------
 

@@ -92,8 +92,7 @@ def _triples(pairs: list[tuple[float | None, int]], tokenizer: Any, with_text: b
     return [[lp, tok, tokenizer.decode([tok]) if with_text else None] for lp, tok in pairs]
 
 
-def build_response(req: Request, *, tokenizer: Any, weight_version: str,
-                   index: int | None = None) -> dict[str, Any]:
+def build_response(req: Request, *, tokenizer: Any, weight_version: str) -> dict[str, Any]:
     """The /generate object for `req` (cumulative so far when not finished)."""
     n_out = len(req.output_ids)
     meta: dict[str, Any] = {
@@ -127,7 +126,4 @@ def build_response(req: Request, *, tokenizer: Any, weight_version: str,
                 meta["input_top_logprobs"] = [None if top is None else
                                               _triples(top, tokenizer, with_text)
                                               for top in req.input_top_logprobs]
-    out: dict[str, Any] = {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
-    if index is not None:
-        out["index"] = index
-    return out
+    return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
