@@ -20,6 +20,7 @@ import asyncio
 import bisect
 import hashlib
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -50,6 +51,7 @@ class Engine:
     alive: bool = True
     requests: int = 0
     in_flight: set[str] = field(default_factory=set)
+    waiting: deque[asyncio.Future] = field(default_factory=deque)  # keyed requests for it
 
 
 def abort_response(message: str) -> dict[str, Any]:
@@ -75,7 +77,7 @@ class Router:
         self.via_gateway = via_gateway
         self.redispatched = 0
         self._turn = 0
-        self._slots: asyncio.Condition | None = None  # made inside the running loop
+        self._waiting: deque[asyncio.Future] = deque()  # unkeyed requests waiting for a slot
         self._aborted: set[str] = set()
         ring = sorted((_hash64(f"{e.url}#{i}"), idx) for idx, e in enumerate(self.engines)
                       for i in range(VIRTUAL_NODES))
@@ -109,22 +111,48 @@ class Router:
 
     async def _acquire(self, routing_key: str | None) -> Engine:
         # The engine is chosen when a slot is free, not when the request arrives, so a backlog
-        # drains to whichever engine finishes first (true least-outstanding).
-        if self._slots is None:
-            self._slots = asyncio.Condition()
-        async with self._slots:
-            while True:
-                engine = self.pick(routing_key)
-                if engine.active < self.concurrency:
-                    engine.active += 1
-                    return engine
-                await self._slots.wait()
+        # drains to whichever engine finishes first (true least-outstanding). Waiters queue per
+        # engine (keyed) or in one queue (unkeyed) and a freed slot wakes exactly one of them, so
+        # a backlog of thousands costs O(1) per request, not a thundering herd.
+        woken = False
+        while True:
+            engine = self.pick(routing_key)
+            if engine.active < self.concurrency:
+                engine.active += 1
+                return engine
+            queue = engine.waiting if routing_key and not self.via_gateway else self._waiting
+            waiter = asyncio.get_running_loop().create_future()
+            if woken:
+                queue.appendleft(waiter)  # keep its place: it was next before a newcomer won
+            else:
+                queue.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake(engine)  # pass on a wake-up this cancelled request received
+                raise
+            woken = True
 
-    async def _release(self, engine: Engine) -> None:
-        assert self._slots is not None
-        async with self._slots:
-            engine.active -= 1
-            self._slots.notify_all()
+    def _release(self, engine: Engine) -> None:
+        engine.active -= 1
+        self._wake(engine)
+
+    def _wake(self, engine: Engine) -> None:
+        """Hand a free slot of `engine` to one waiter: its own sessions first, then anyone."""
+        for queue in (engine.waiting, self._waiting):
+            while queue:
+                waiter = queue.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)
+                    return
+
+    def _mark_dead(self, engine: Engine) -> None:
+        engine.alive = False
+        while engine.waiting:  # its sessions re-pick: the ring moves them to a live engine
+            waiter = engine.waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def generate(self, payload: dict, *, routing_key: str | None = None) -> tuple[Any, str]:
         """Send one /generate; returns (response, engine url). Re-dispatches away from dead engines."""
@@ -132,7 +160,7 @@ class Router:
         while True:
             engine = await self._acquire(routing_key)
             if rid and rid in self._aborted:  # aborted while it waited for a slot
-                await self._release(engine)
+                self._release(engine)
                 return abort_response("aborted before dispatch"), engine.url
             if rid:
                 engine.in_flight.add(rid)
@@ -144,14 +172,14 @@ class Router:
                 if self.via_gateway or await self._healthy(engine):
                     raise
                 if engine.alive:
-                    engine.alive = False
+                    self._mark_dead(engine)
                     log.warning("engine %s failed (%s) and does not answer /health; re-dispatching "
                                 "its requests to the other engines", engine.url, e)
                 self.redispatched += 1
             finally:
                 if rid:
                     engine.in_flight.discard(rid)
-                await self._release(engine)
+                self._release(engine)
 
     async def _healthy(self, engine: Engine) -> bool:
         if not engine.alive:

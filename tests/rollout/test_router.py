@@ -112,3 +112,24 @@ def test_request_error_on_healthy_engine_is_not_redispatched():
     with pytest.raises(EngineError, match="too long"):
         asyncio.run(main())
     assert len(a.requests) + len(b.requests) == 1
+
+
+def test_cancelled_waiters_leak_no_slot_and_backlog_drains():
+    a = FakeEngine("http://a", delay_s=0.005)
+    a.eos_prob = 0.0
+
+    async def main():
+        router = Router({"http://a": a}, concurrency=2)
+        tasks = [asyncio.create_task(router.generate(payload(i, n=3), routing_key=(
+            f"k{i}" if i % 2 else None))) for i in range(40)]
+        await asyncio.sleep(0.02)
+        for t in tasks[10:30]:  # cancel queued (and maybe running) requests
+            t.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        return router, results
+
+    router, results = asyncio.run(main())
+    done = [r for r in results if not isinstance(r, BaseException)]
+    assert len(done) >= 20
+    assert router.engines[0].active == 0 and not router.engines[0].waiting and not router._waiting
+    assert a.max_in_flight <= 2
