@@ -91,10 +91,8 @@ def _fill_from_hf(slots: dict[name_map.Slot, list[Any]], tensors: dict[str, stio
     shapes = name_map.Shapes.from_hf(hf_config)
     tied = bool(hf_config.get("tie_word_embeddings", False))
     for (key, index), shards in slots.items():
-        kind = name_map.RULES[key][0] if key in name_map.RULES else None
-        if kind is None:
-            raise CheckpointError(f"megatron tensor {key} has no HF mapping")
-        names = name_map.hf_names(key, index, tied=tied)
+        names = name_map.hf_names(key, index, tied=tied)  # raises for an unmapped key
+        kind = name_map.RULES[key][0]
         dtype = shards[0].data.dtype
         hf = [stio.read_tensor(tensors[n]).to(dtype) for n in names]
         full = name_map.to_megatron(kind, hf, shapes=shapes, padded_vocab=padded_vocab)

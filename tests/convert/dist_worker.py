@@ -1,7 +1,7 @@
 """Worker for the torch_dist tests, run as `python dist_worker.py` or under torch.distributed.run.
 
 For each HF model given: convert it with hf_to_dist (every rank), load the checkpoint into this
-job's megatron-core GPTModel (tp/pp/ep from the flags), run a forward pass (pipeline stages
+job's megatron-core GPTModel (that model's tp/pp/ep from --sizes; one process group serves all), run a forward pass (pipeline stages
 exchange activations with send/recv, TP logits are all-gathered), compare with the transformers
 model's logits, then (rank 0, in a fresh one-process group) convert back with dist_to_hf and
 compare every tensor bit for bit. Results go to --result as JSON; the test asserts on them.
@@ -71,11 +71,11 @@ def main() -> None:
     parser.add_argument("--hf", nargs="+", required=True)
     parser.add_argument("--work", required=True)
     parser.add_argument("--result", required=True)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--ep", type=int, default=1)
-    parser.add_argument("--no-logits", action="store_true")
+    parser.add_argument("--sizes", nargs="+", default=None,
+                        help="tp,pp,ep for each --hf model (default 1,1,1)")
     args = parser.parse_args()
+    sizes = [dict(zip(("tp", "pp", "ep"), map(int, s.split(",")), strict=True))
+             for s in (args.sizes or ["1,1,1"] * len(args.hf))]
 
     import torch
     import torch.distributed as dist
@@ -87,14 +87,15 @@ def main() -> None:
     torch.set_num_threads(1)
     work = Path(args.work)
     results = {}
-    megatron_compat.init_distributed(tp=args.tp, pp=args.pp, ep=args.ep)
-    for hf in map(Path, args.hf):
-        dist_dir = work / f"{hf.name}-dist"
-        info = hf_to_dist(HfToDistConfig(hf=hf, out=dist_dir, tp=args.tp, pp=args.pp, ep=args.ep))
-        megatron_compat.init_distributed(tp=args.tp, pp=args.pp, ep=args.ep)
-        err = None if args.no_logits else _logits_error(hf, dist_dir, tp=args.tp, pp=args.pp,
-                                                        ep=args.ep)
-        results[hf.name] = {"padded_vocab_size": info["padded_vocab_size"], "logits_error": err}
+    jobs = [(f"{i}-{Path(hf).name}", Path(hf), size)
+            for i, (hf, size) in enumerate(zip(args.hf, sizes, strict=True))]
+    megatron_compat.init_distributed()  # one process group for all the models below
+    for name, hf, size in jobs:
+        dist_dir = work / f"{name}-dist"
+        info = hf_to_dist(HfToDistConfig(hf=hf, out=dist_dir, **size))
+        megatron_compat.init_distributed(**size)
+        results[name] = {"padded_vocab_size": info["padded_vocab_size"],
+                         "logits_error": _logits_error(hf, dist_dir, **size)}
     rank = dist.get_rank()
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, {k: v["logits_error"] for k, v in results.items()})
@@ -111,10 +112,10 @@ def main() -> None:
     # torchrun's agent store expects the whole world; a group of one rendezvous on its own port
     os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_PORT=str(port),
                       TORCHELASTIC_USE_AGENT_STORE="False")
-    for hf in map(Path, args.hf):
-        back = work / f"{hf.name}-back"
-        dist_to_hf(DistToHfConfig(dist=work / f"{hf.name}-dist", hf_config=hf, out=back))
-        results[hf.name]["mismatched"] = _bit_exact(hf, back)
+    for name, hf, _ in jobs:
+        back = work / f"{name}-back"
+        dist_to_hf(DistToHfConfig(dist=work / f"{name}-dist", hf_config=hf, out=back))
+        results[name]["mismatched"] = _bit_exact(hf, back)
     Path(args.result).write_text(json.dumps(results))
 
 

@@ -84,7 +84,7 @@ def _run_worker(tmp_path, hf_dirs, *, nproc=1, extra=()):
 def test_single_process_logits_and_bit_exact_round_trip(tmp_path, tiny_model_factory):
     """Every architecture: megatron GPTModel logits == transformers within 1e-5; HF->dist->HF exact."""
     results = _run_worker(tmp_path, [tiny_model_factory(a) for a in ARCHS])
-    assert set(results) == {f"tiny-{a}-0" for a in ARCHS}
+    assert set(results) == {f"{i}-tiny-{a}-0" for i, a in enumerate(ARCHS)}
     for name, r in results.items():
         assert r["logits_error"] < 1e-5, (name, r)
         assert r["mismatched"] == [], (name, r)
@@ -92,17 +92,18 @@ def test_single_process_logits_and_bit_exact_round_trip(tmp_path, tiny_model_fac
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flag,archs", [("--tp", ("qwen2", "qwen3_moe")), ("--pp", ("qwen3",)),
-                                        ("--ep", ("qwen3_moe",))])
-def test_two_gloo_processes(flag, archs, tmp_path, tiny_model_factory):
-    """TP=2 (vocab padded to 256, q/k/v groups and fc1 halves split), PP=2 (layers split with
-    activations sent between stages) and EP=2 (experts split), written by two ranks."""
-    results = _run_worker(tmp_path, [tiny_model_factory(a) for a in archs], nproc=2,
-                          extra=(flag, "2"))
-    for name, r in results.items():
+def test_two_gloo_processes(tmp_path, tiny_model_factory):
+    """Two ranks write and load: TP=2 (vocab padded to 256, q/k/v groups, fc1 halves and experts
+    split), PP=2 (layers split, activations sent between stages) and EP=2 (experts split)."""
+    layouts = [("qwen2", "2,1,1"), ("qwen3_moe", "2,1,1"), ("qwen3", "1,2,1"),
+               ("qwen3_moe", "1,1,2")]
+    results = _run_worker(tmp_path, [tiny_model_factory(a) for a, _ in layouts], nproc=2,
+                          extra=("--sizes", *[s for _, s in layouts]))
+    assert len(results) == len(layouts)
+    for (name, r), (_, size) in zip(sorted(results.items()), layouts, strict=True):
         assert r["logits_error"] < 1e-5, (name, r)
         assert r["mismatched"] == [], (name, r)
-        assert r["padded_vocab_size"] == (256 if flag == "--tp" else 128)
+        assert r["padded_vocab_size"] == (256 if size.startswith("2") else 128)
 
 
 def test_cli_hf_to_dist_and_back(tmp_path, tiny_model_factory):
