@@ -2,14 +2,19 @@ import click
 
 from rltool.commands.common import config_option, explicit_flags, handle_errors, setup_logging
 
-FLAGS = ["engine", "model", "host", "port", "ready_file", "dtype", "max_running_requests",
+FLAGS = ["engine", "url", "health_timeout_s", "model", "host", "port", "ready_file", "dtype", "max_running_requests",
          "max_queued_requests", "max_prefill_tokens", "deterministic", "num_threads", "weight_version",
          "served_model_name", "log_level", "enable_debug_endpoints"]
 
 
-@click.command("serve")
-@click.option("--engine", type=click.Choice(["builtin"]), default=None,
-              help="Rollout engine (default builtin).")
+@click.command("serve", context_settings={"ignore_unknown_options": True,
+                                          "allow_extra_args": True})
+@click.option("--engine", type=click.Choice(["builtin", "sglang", "external"]), default=None,
+              help="builtin (default), sglang (managed sglang.launch_server; --sglang-<opt> "
+                   "options pass through as --<opt>), or external (attach to --url).")
+@click.option("--url", default=None, help="--engine external: URL of the running engine.")
+@click.option("--health-timeout-s", type=float, default=None,
+              help="--engine sglang/external: seconds to wait for /health (default 600).")
 @click.option("--model", type=click.Path(file_okay=False), default=None,
               help="HF checkpoint directory to serve.")
 @click.option("--host", default=None, help="Bind address (default 127.0.0.1).")
@@ -48,19 +53,34 @@ FLAGS = ["engine", "model", "host", "port", "ready_file", "dtype", "max_running_
 @config_option
 @handle_errors
 def command(config_file, **_):
-    """Serve a model over SGLang's native HTTP API with the builtin continuous-batching engine.
+    """Serve a model over SGLang's HTTP API: the builtin continuous-batching engine, a managed
+    SGLang server, or an external engine to attach to.
 
-    Runs until SIGTERM/SIGINT. Endpoints, flags and differences from SGLang: docs/serve.md.
+    Runs until SIGTERM/SIGINT (external: returns once the engine is healthy). Endpoints, flags,
+    the SGLang flag mapping and differences from SGLang: docs/serve.md.
 
     Example:
       rltool serve --engine builtin --model models/tiny --port 0 --ready-file /tmp/engine.json
+      rltool serve --engine sglang --model models/qwen --sglang-tp-size 2 --port 30000
     """
     from rltool.config import resolve
     from rltool.rollout.engine.config import ServeConfig
-    from rltool.rollout.engine.server import serve
 
     ctx = click.get_current_context()
-    cfg = resolve(ServeConfig, config_file=config_file, section="serve",
-                  flags=explicit_flags(ctx, FLAGS))
+    flags = explicit_flags(ctx, FLAGS)
+    if ctx.args:
+        flags["sglang_args"] = list(ctx.args)
+    cfg = resolve(ServeConfig, config_file=config_file, section="serve", flags=flags)
     setup_logging()
-    serve(cfg)
+    if cfg.engine == "builtin":
+        from rltool.rollout.engine.server import serve
+
+        serve(cfg)
+    elif cfg.engine == "sglang":
+        from rltool.rollout.engine.sglang_server import serve_sglang
+
+        serve_sglang(cfg)
+    else:
+        from rltool.rollout.engine.sglang_server import attach_external
+
+        click.echo(attach_external(cfg))

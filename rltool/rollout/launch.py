@@ -63,9 +63,10 @@ def log_tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
         return ""
 
 
-def start_engine(args: list[str], *, log_path: Path, ready_timeout_s: float = 180.0
-                 ) -> EngineProcess:
-    """Run `python -m rltool serve *args` and return once it serves (see module docstring)."""
+def start_engine(args: list[str], *, log_path: Path, ready_timeout_s: float = 180.0,
+                 env: dict[str, str] | None = None) -> EngineProcess:
+    """Run `python -m rltool serve *args` and return once it serves (see module docstring).
+    `env` replaces the child's environment when given."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     ready_dir = Path(tempfile.mkdtemp(prefix="rltool-engine-"))
@@ -76,7 +77,7 @@ def start_engine(args: list[str], *, log_path: Path, ready_timeout_s: float = 18
     cmdline += ["--ready-file", str(ready_file)]
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(cmdline, stdout=log, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
+                                 stdin=subprocess.DEVNULL, start_new_session=True, env=env)
     deadline = time.monotonic() + ready_timeout_s
     try:
         while True:

@@ -12,8 +12,16 @@ from rltool.config import StageConfig
 
 
 class ServeConfig(StageConfig):
-    engine: Literal["builtin"] = Field("builtin", description="Rollout engine to serve.")
-    model: Path = Field(description="HF checkpoint directory (config.json, safetensors, tokenizer).")
+    engine: Literal["builtin", "sglang", "external"] = Field(
+        "builtin", description="builtin (this process), sglang (a managed "
+                               "sglang.launch_server) or external (attach to --url).")
+    model: Path | None = Field(None, description="HF checkpoint directory (config.json, "
+                                                 "safetensors, tokenizer).")
+    url: str | None = Field(None, description="--engine external: the running engine's URL.")
+    sglang_args: list[str] = Field(default_factory=list, description="--sglang-* options passed "
+                                                                     "to sglang.launch_server.")
+    health_timeout_s: float = Field(600.0, gt=0, description="--engine sglang/external: how long "
+                                                             "to wait for /health.")
     host: str = Field("127.0.0.1", description="Address to bind (loopback by default).")
     port: int = Field(30000, ge=0, le=65535, description="TCP port; 0 picks a free one.")
     ready_file: Path | None = Field(None, description="Written atomically with {url, pid} once "
@@ -47,6 +55,7 @@ class ServeConfig(StageConfig):
                                          "(align-gate --layerwise); off: 404.")
 
     def weight_roots(self) -> list[Path]:
+        assert self.model is not None
         roots = list(self.allowed_weight_root) or [self.model.parent]
         if not self.allowed_weight_root and self.local_checkpoint_dir is not None:
             roots.append(self.local_checkpoint_dir)
@@ -54,6 +63,17 @@ class ServeConfig(StageConfig):
 
     @model_validator(mode="after")
     def _model_exists(self) -> "ServeConfig":
+        if self.engine == "external":
+            if not self.url:
+                raise ValueError("--engine external needs --url URL of the running engine")
+            return self
+        unknown = [a for a in self.sglang_args if a.startswith("-") and not a.startswith("--sglang-")]
+        if unknown:
+            raise ValueError(f"unknown option {unknown[0]}; SGLang options go as --sglang-<name>")
+        if self.sglang_args and self.engine != "sglang":
+            raise ValueError("--sglang-* options need --engine sglang")
+        if self.model is None:
+            raise ValueError(f"--engine {self.engine} needs --model DIR")
         if not (self.model / "config.json").is_file():
             raise ValueError(f"--model {self.model} is not a HF checkpoint directory "
                              "(no config.json)")

@@ -1,0 +1,156 @@
+"""`rltool serve --engine sglang` and `--engine external`.
+
+sglang: build `python -m sglang.launch_server` from rltool's flags (mapping below) plus every
+`--sglang-<opt> [value]` passed through untouched as `--<opt> [value]`, start it in its own process
+group with its output in a log file, wait for `/health` (timeout), write the ready file with
+{url, pid} (pid = this supervising process), and end SGLang when this process gets SIGTERM/SIGINT
+or SGLang exits on its own (then exit with an error). With `--port 0` a free port is picked here
+and passed on (SGLang needs an explicit port).
+
+external: wait until `--url` answers `/health`, write the ready file ({url, pid: null}) and return.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from rltool import atomic
+from rltool.errors import BadInputError, EngineError, EngineTimeoutError
+from rltool.rollout.engine.config import ServeConfig
+
+log = logging.getLogger(__name__)
+POLL_S = 0.25
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def sglang_command(cfg: ServeConfig, *, port: int) -> list[str]:
+    """The launch_server command line. rltool flag -> SGLang flag:
+    --model -> --model-path, --host, --port, --dtype fp32|bf16 -> float32|bfloat16,
+    --max-running-requests, --max-queued-requests, --deterministic ->
+    --enable-deterministic-inference, --weight-version, --served-model-name, --api-key,
+    --admin-api-key, --log-level; then the --sglang-* options as given."""
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(cfg.model),
+           "--host", cfg.host, "--port", str(port), "--dtype", DTYPES[cfg.dtype],
+           "--max-running-requests", str(cfg.max_running_requests),
+           "--max-queued-requests", str(cfg.max_queued_requests),
+           "--weight-version", cfg.weight_version, "--log-level", cfg.log_level]
+    if cfg.deterministic:
+        cmd.append("--enable-deterministic-inference")
+    for flag, value in (("--served-model-name", cfg.served_model_name),
+                        ("--api-key", cfg.api_key), ("--admin-api-key", cfg.admin_api_key)):
+        if value:
+            cmd += [flag, value]
+    return cmd + passthrough(cfg.sglang_args)
+
+
+def passthrough(args: list[str]) -> list[str]:
+    """`--sglang-foo v --sglang-bar` -> `--foo v --bar` (values and order untouched)."""
+    out = []
+    for arg in args:
+        if arg.startswith("--sglang-"):
+            out.append("--" + arg[len("--sglang-"):])
+        elif arg.startswith("--"):
+            raise BadInputError(f"unknown option {arg}; pass SGLang's options as --sglang-<name>")
+        else:
+            out.append(arg)
+    return out
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, *, timeout_s: float, alive: "subprocess.Popen | None" = None,
+                 api_key: str | None = None) -> None:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=5.0, headers=headers) as client:
+        while time.monotonic() < deadline:
+            if alive is not None and alive.poll() is not None:
+                raise EngineError(f"the engine exited with code {alive.returncode} before it "
+                                  "was healthy")
+            with contextlib.suppress(httpx.HTTPError):
+                if client.get(f"{url}/health").status_code == 200:
+                    return
+            time.sleep(POLL_S)
+    raise EngineTimeoutError(f"{url} did not answer /health within {timeout_s:.0f}s")
+
+
+def attach_external(cfg: ServeConfig) -> str:
+    assert cfg.url is not None
+    url = cfg.url.rstrip("/")
+    wait_healthy(url, timeout_s=cfg.health_timeout_s, api_key=cfg.api_key)
+    if cfg.ready_file is not None:
+        atomic.write_json(cfg.ready_file, {"url": url, "pid": None})
+    return url
+
+
+def serve_sglang(cfg: ServeConfig, *, log_path: Path | None = None) -> None:
+    """Run SGLang until SIGTERM/SIGINT; raise EngineError if it dies or never gets healthy."""
+    from rltool.rollout.engine.server import url_of
+    from rltool.rollout.launch import log_tail
+
+    if importlib.util.find_spec("sglang") is None:
+        raise EngineError("--engine sglang needs the sglang package (pip install "
+                          "'rltool[sglang]', a CUDA machine); use --engine builtin on CPU")
+    port = cfg.port or free_port(cfg.host)
+    url = url_of(cfg.host, port)
+    cmd = sglang_command(cfg, port=port)
+    if log_path is None:
+        log_path = Path(cfg.ready_file).with_suffix(".sglang.log") if cfg.ready_file else \
+            Path(f"sglang-{port}.log")
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set())
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    log.info("starting %s (log %s)", " ".join(cmd), log_path)
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        try:
+            wait_healthy(url, timeout_s=cfg.health_timeout_s, alive=proc, api_key=cfg.api_key)
+        except EngineError as e:
+            raise type(e)(f"{e}; log {log_path} ends with:\n{log_tail(log_path)}") from e
+        if cfg.ready_file is not None:
+            atomic.write_json(cfg.ready_file, {"url": url, "pid": os.getpid()})
+        log.info("sglang ready at %s (pid %d)", url, proc.pid)
+        while not stop.is_set():
+            if proc.poll() is not None:
+                raise EngineError(f"sglang exited with code {proc.returncode}; log {log_path} "
+                                  f"ends with:\n{log_tail(log_path)}")
+            stop.wait(POLL_S)
+    finally:
+        _end(proc)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if cfg.ready_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(cfg.ready_file)
+
+
+def _end(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
+    """SIGTERM SGLang's process group (it forks schedulers), then SIGKILL it if needed."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=timeout_s)
