@@ -487,3 +487,13 @@ def test_engine_killed_mid_run_loses_no_sample(builtin_engine, engine_b, prompts
     # A request the victim finished before it died keeps its tokens; every other went elsewhere.
     assert all(e in ([builtin_engine.url], [victim.url]) for e in served)
     assert sum(e == [builtin_engine.url] for e in served) > 12
+
+
+def test_unreachable_engines_exit_3_and_write_nothing(tiny_model_dir, prompts, tmp_path):
+    out = tmp_path / "rollouts" / "step-000000"
+    result = rollout(["--engines", "http://127.0.0.1:9", "--prompts", prompts, "--out", out,
+                      "--tokenizer", tiny_model_dir, "--reward", "reverse",
+                      "--rollout-batch-size", 2, "--max-response-len", 4])
+    assert result.exit_code == 3, result.output
+    assert "every engine died" in result.output
+    assert not out.exists() and not (out.parent / "rollout.jsonl").exists()
