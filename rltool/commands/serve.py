@@ -4,7 +4,8 @@ from rltool.commands.common import config_option, explicit_flags, handle_errors,
 
 FLAGS = ["engine", "url", "health_timeout_s", "model", "host", "port", "ready_file", "dtype", "max_running_requests",
          "max_queued_requests", "max_prefill_tokens", "deterministic", "num_threads", "weight_version",
-         "served_model_name", "log_level", "enable_debug_endpoints"]
+         "served_model_name", "log_level", "enable_debug_endpoints", "local_checkpoint_dir",
+         "allowed_weight_root", "api_key", "admin_api_key", "max_request_bytes"]
 
 
 @click.command("serve", context_settings={"ignore_unknown_options": True,
@@ -50,6 +51,9 @@ FLAGS = ["engine", "url", "health_timeout_s", "model", "host", "port", "ready_fi
 @click.option("--allowed-weight-root", type=click.Path(file_okay=False), multiple=True,
               help="Weight paths must lie under one of these (repeatable; default: the model's "
                    "parent directory and --local-checkpoint-dir).")
+@click.option("--enable-debug-endpoints", is_flag=True, default=None,
+              help="Serve /debug/hidden_states (per-layer hidden states; for align-gate "
+                   "--layerwise).")
 @config_option
 @handle_errors
 def command(config_file, **_):
