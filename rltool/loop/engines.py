@@ -88,7 +88,10 @@ class EngineSet:
         return [p.url for p in self.procs]
 
     def start(self, model_dir: Path) -> None:
-        args = ["--engine", "builtin", "--model", str(model_dir), *self.engine_args]
+        # Weight paths the engines accept: the run's weights/ (the model's parent) and the
+        # host-local directory /pull_weights rebuilds delta versions in.
+        args = ["--engine", "builtin", "--model", str(model_dir), "--local-checkpoint-dir",
+                str(self.run.local_weights), *self.engine_args]
         if self.deterministic and "--deterministic" not in args:
             args.append("--deterministic")
         for i in range(self.num_engines):
