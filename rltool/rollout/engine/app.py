@@ -25,10 +25,10 @@ from rltool.errors import BadInputError, EngineError
 from rltool.rollout.engine.config import ServeConfig
 from rltool.rollout.engine.model_runner import ModelRunner
 from rltool.rollout.engine.openai import register_openai_routes
-from rltool.rollout.engine.protocol import (AbortInput, ContinueInput, GenerateInput, MemoryInput, PauseInput,
+from rltool.rollout.engine.protocol import (AbortInput, ContinueInput, GenerateInput,
+                                            HiddenStatesInput, MemoryInput, PauseInput,
                                             PullWeightsInput, UpdateWeightsFromDiskInput,
-                                            UpdateWeightVersionInput,
-                                            expand_generate)
+                                            UpdateWeightVersionInput, expand_generate)
 from rltool.rollout.engine.request import Request, build_response
 from rltool.rollout.engine.scheduler import MEMORY_TAGS, QueueFullError, Scheduler
 from rltool.rollout.engine.security import (PayloadTooLargeError, check_auth, check_size,
@@ -373,6 +373,21 @@ def build_app(state: EngineState) -> FastAPI:
         await on_thread(set_version)
         return JSONResponse({"success": True, "message": "Weight version updated.",
                              "new_version": version})
+
+    if cfg.enable_debug_endpoints:
+        @app.post("/debug/hidden_states")
+        async def hidden_states(request: HttpRequest) -> dict[str, Any]:
+            """Per-layer hidden states of one unpadded pass (align-gate --layerwise)."""
+            body = await parse_body(request, HiddenStatesInput)
+            if any(not 0 <= t < runner.vocab_size for t in body.input_ids):
+                raise BadInputError(f"token ids must be in [0, {runner.vocab_size})")
+            if len(body.input_ids) > runner.context_length:
+                raise BadInputError(f"at most {runner.context_length} tokens")
+            states = await on_thread(lambda: runner.hidden_states(body.input_ids))
+            return {"weight_version": runner.weight_version, "num_layers": len(states) - 1,
+                    "layer_names": ["embeddings"] + [f"layers.{i}" for i in
+                                                     range(len(states) - 1)],
+                    "hidden_states": [h.tolist() for h in states]}
 
     @app.post("/pull_weights")
     async def pull_weights(request: HttpRequest) -> JSONResponse:
