@@ -167,6 +167,9 @@ def test_info_routes(builtin_engine, tiny_model_dir):
     for key in ("tp_size", "dp_size", "context_length", "max_running_requests", "version"):
         assert key in server
     assert httpx.get(builtin_engine.url + "/health_generate", timeout=30).status_code == 200
+    assert httpx.get(builtin_engine.url + "/ready").status_code == 200
+    load = httpx.get(builtin_engine.url + "/v1/loads").json()["loads"][0]
+    assert load["dp_rank"] == 0 and load["num_waiting_reqs"] == 0
     assert engine_call(builtin_engine.url, "health") is True
 
 

@@ -226,6 +226,20 @@ def build_app(state: EngineState) -> FastAPI:
         # Deliberate difference (DESIGN.md): 200 while the engine lives, even paused or released.
         return Response(status_code=200 if sched.alive else 503)
 
+    @app.get("/ready")
+    async def ready() -> Response:
+        serving = sched.alive and sched.paused is None and not runner.released
+        return Response(status_code=200 if serving else 503)
+
+    @app.get("/v1/loads")
+    async def loads() -> dict[str, Any]:
+        """smg's load polling (least_load / power_of_two policies)."""
+        st = sched.stats()
+        return {"loads": [{"dp_rank": 0, "num_running_reqs": st["num_running_reqs"],
+                           "num_waiting_reqs": st["num_waiting_reqs"],
+                           "token_usage": st["num_running_reqs"] / state.cfg.max_running_requests,
+                           "gen_throughput": st["gen_throughput"]}]}
+
     @app.get("/health_generate")
     async def health_generate() -> Response:
         body = GenerateInput(input_ids=[0], sampling_params={"max_new_tokens": 1,
