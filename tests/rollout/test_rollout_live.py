@@ -22,7 +22,7 @@ from rltool.data.shards import open_shard
 from rltool.data.tasks import make_rows, write_prompts
 from rltool.data.tokenizer import tokenizer_hash
 from rltool.rollout.calculator import multi_turn
-from rltool.rollout.generate import generate_single_turn
+from rltool.rollout.generate import STATUS_BY_FINISH, finish_label
 from rltool.rollout.rewards import RewardResult
 from rltool.rundir import read_metrics
 
@@ -49,13 +49,17 @@ def distinct_reward(prompt, response, label, metadata):
     return RewardResult(reward=float(zlib.crc32(response.encode()) % 1000))
 
 
-async def late_batch_generate(sample, ctx):
-    """Groups 0 and 1 (the batch) answer late and short; the others start at once with the whole
-    budget, so they are mid-generation when the batch fills and get aborted."""
-    if sample.group_id < 2 and not sample.response_token_ids:
-        await asyncio.sleep(0.5)
-        ctx = dataclasses.replace(ctx, sampling={**ctx.sampling, "max_response_len": 4})
-    return await generate_single_turn(sample, ctx)
+async def short_batch_generate(sample, ctx):
+    """Groups 0 and 1 (the batch) answer in 2 tokens; the others must run their whole budget
+    (ignore_eos), so they are surely mid-generation when the batch fills and get aborted."""
+    short = sample.group_id < 2
+    params = ctx.sampling_params(max_new_tokens=2 if short else ctx.sampling["max_response_len"],
+                                 sample=sample, ignore_eos=not short)
+    response = await ctx.client.generate({"input_ids": sample.tokens, "return_logprob": True,
+                                          "sampling_params": params})
+    finish = sample.append_engine_output(response)
+    sample.status, sample.finish_reason = STATUS_BY_FINISH[finish], finish_label(finish, response)
+    return sample
 
 
 class RecordingClient:
@@ -286,14 +290,14 @@ def test_partial_rollout_carries_aborted_samples_to_the_next_step(tiny_model_dir
     from rltool.rollout.stage import RolloutConfig, run
 
     common = dict(prompts=str(prompts), n_samples_per_prompt=2, rollout_batch_size=2,
-                  max_response_len=120, reward=f"{HERE}:distinct_reward", partial=True,
+                  max_response_len=100, reward=f"{HERE}:distinct_reward", partial=True,
                   quiet=True, concurrency=16)
     own = start_engine(["--engine", "builtin", "--model", str(tiny_model_dir)],
                        log_path=tmp_path / "engine.log", ready_timeout_s=120.0)
     try:
         step0 = run(RolloutConfig(engines=[own.url], out=str(tmp_path / "step-000000"),
                                   filter="all-equal-reward", over_sample_factor=3.0,
-                                  max_prompts=6, generate_fn=f"{HERE}:late_batch_generate",
+                                  max_prompts=6, generate_fn=f"{HERE}:short_batch_generate",
                                   **common))
     finally:
         own.stop()
