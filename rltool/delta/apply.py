@@ -1,8 +1,8 @@
 """Rebuild a full checkpoint from a base and a chain of deltas, verifying every checksum.
 
 One pass over the base: each worker thread reads one tensor, applies every delta of the chain that
-touches it in order (checking the declared checksum after each) in place, inside an mmap of the
-output file into which it first kernel-copies (copy_file_range) the tensor's base bytes. The output keeps the base's file layout byte for byte
+touches it in order (checking the declared checksum after each) in a reused buffer, and writes
+the result at the base layout's offset in the output file. The output keeps the base's file layout byte for byte
 (same headers, same offsets); only tensor bytes differ. Nothing is published unless every check
 passes: the output directory appears whole (index last) or not at all.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,7 +24,7 @@ from rltool.delta import codec
 from rltool.delta.checkpoint import INDEX_NAME, Checkpoint
 from rltool.delta.deltadir import DeltaDir
 from rltool.delta.diff import default_workers
-from rltool.delta.safetensors_io import DTYPE_SIZES, patched_copy
+from rltool.delta.safetensors_io import DTYPE_SIZES, output_like, pwrite_all
 from rltool.errors import DeltaChainError
 
 
@@ -127,24 +128,24 @@ def apply_chain(base: Checkpoint, deltas: list[DeltaDir], out: str | os.PathLike
     names = base.names()
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(atomic.publish_dir(out)) if out is not None else None
-        # Each worker kernel-copies its tensor's bytes from the base file into the output file and
-        # patches them in place through a shared mmap while they are hot in cache; without an
-        # output each tensor is patched in a private copy.
-        files = {}
+        fds = {}
         if tmp is not None:
             for fname, f in base.files.items():
-                files[fname] = stack.enter_context(patched_copy(tmp / fname, like=f))
+                fds[fname] = stack.enter_context(output_like(tmp / fname, like=f))
         pool = stack.enter_context(ThreadPoolExecutor(workers))
+        scratch = threading.local()  # one reused buffer per worker: no page faults per tensor
 
         def work(name: str) -> bool:
-            if not files:
-                return _rebuild_tensor(name, base.read(name), base, deltas)
             e = base.entry(name)
-            return _rebuild_tensor(name, files[base.tensor_file[name]].copy(e.start, e.end), base,
-                                   deltas)
+            if getattr(scratch, "buf", None) is None or scratch.buf.nbytes < e.nbytes:
+                scratch.buf = np.empty(e.nbytes, dtype=np.uint8)
+            buf = base.read(name, out=scratch.buf[:e.nbytes])
+            changed = _rebuild_tensor(name, buf, base, deltas)
+            if fds:
+                pwrite_all(fds[base.tensor_file[name]], buf, e.start)
+            return changed
 
         changed = sum(pool.map(work, names))
-        files.clear()
         if tmp is not None:
             for rel, src in extras.items():
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)

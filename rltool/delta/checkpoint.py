@@ -39,9 +39,9 @@ class Checkpoint:
         e = self.entry(name)
         return e.dtype, e.shape, e.nbytes
 
-    def read(self, name: str, *, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
-        """A private writable copy of tensor bytes."""
-        return self.files[self.tensor_file[name]].read(name, offset=offset, nbytes=nbytes)
+    def read(self, name: str, *, out: np.ndarray | None = None) -> np.ndarray:
+        """A private writable copy of tensor bytes (into `out` when given)."""
+        return self.files[self.tensor_file[name]].read(name, out=out)
 
     def view(self, name: str, *, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
         """Read-only zero-copy bytes (mmap)."""
