@@ -128,11 +128,6 @@ def _validate_row(row: Any, *, index: int, where: str) -> Prompt:
                   row_index=index)
 
 
-def step_positions(*, step: int, batch_size: int) -> range:
-    """Stream positions a step takes first: `[step*P, (step+1)*P)`."""
-    return range(step * batch_size, (step + 1) * batch_size)
-
-
 def prompt_at(prompts: list[Prompt], position: int) -> Prompt:
     """The prompt at a stream position (the file cycles)."""
     return prompts[position % len(prompts)]

@@ -1,4 +1,4 @@
-"""Prompt files (JSONL and Parquet, chat lists, defaults), step positions, and the partial-rollout
+"""Prompt files (JSONL and Parquet, chat lists, defaults) and the partial-rollout
 carry files (newest earlier step wins, tokenizer check, pruning)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from rltool.data.shards import ShardMeta
 from rltool.errors import TokenizerMismatchError
 from rltool.rollout import partial
 from rltool.rollout.generate import Sample
-from rltool.rollout.prompts import load_prompts, prompt_at, render_prompt, step_positions
+from rltool.rollout.prompts import load_prompts, render_prompt
 
 
 def test_parquet_chat_prompts_and_defaults(tmp_path, tiny_model_dir):
@@ -35,12 +35,6 @@ def test_parquet_chat_prompts_and_defaults(tmp_path, tiny_model_dir):
     ids = render_prompt(tok, p)
     assert tok.decode(ids) == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\ncopy 12"
                                "<|im_end|>\n<|im_start|>assistant\n")
-
-
-def test_step_positions_cycle():
-    prompts = list(range(5))
-    assert list(step_positions(step=2, batch_size=3)) == [6, 7, 8]
-    assert [prompt_at(prompts, i) for i in step_positions(step=2, batch_size=3)] == [1, 2, 3]
 
 
 def carried_group(gid: int, *, status: str = "aborted") -> list[Sample]:
