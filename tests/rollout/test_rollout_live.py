@@ -3,7 +3,6 @@ killed mid-run, dynamic filtering counts, partial rollout, multi-turn token cont
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import os
