@@ -51,9 +51,6 @@ FLAGS = ["engine", "url", "health_timeout_s", "model", "host", "port", "ready_fi
 @click.option("--allowed-weight-root", type=click.Path(file_okay=False), multiple=True,
               help="Weight paths must lie under one of these (repeatable; default: the model's "
                    "parent directory and --local-checkpoint-dir).")
-@click.option("--enable-debug-endpoints", is_flag=True, default=None,
-              help="Serve /debug/hidden_states (per-layer hidden states; for align-gate "
-                   "--layerwise).")
 @config_option
 @handle_errors
 def command(config_file, **_):

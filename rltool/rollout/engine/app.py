@@ -26,7 +26,7 @@ from rltool.rollout.engine.config import ServeConfig
 from rltool.rollout.engine.model_runner import ModelRunner
 from rltool.rollout.engine.openai import register_openai_routes
 from rltool.rollout.engine.protocol import (AbortInput, ContinueInput, GenerateInput,
-                                            HiddenStatesInput, MemoryInput, PauseInput,
+                                            MemoryInput, PauseInput,
                                             PullWeightsInput, UpdateWeightsFromDiskInput,
                                             UpdateWeightVersionInput, expand_generate)
 from rltool.rollout.engine.request import Request, build_response
@@ -111,21 +111,10 @@ def build_app(state: EngineState) -> FastAPI:
     async def _on_validation(request: HttpRequest, exc: RequestValidationError) -> JSONResponse:
         return validation_error(_describe(exc.errors()))
 
-    @app.exception_handler(QueueFullError)
-    async def _on_queue_full(request: HttpRequest, exc: QueueFullError) -> JSONResponse:
-        return runtime_error(str(exc), 429)
-
-    @app.exception_handler(PayloadTooLargeError)
-    async def _on_too_large(request: HttpRequest, exc: PayloadTooLargeError) -> JSONResponse:
-        return runtime_error(str(exc), 413)
-
-    @app.exception_handler(BadInputError)
-    async def _on_bad_input(request: HttpRequest, exc: BadInputError) -> JSONResponse:
-        return runtime_error(str(exc), 400)
-
-    @app.exception_handler(EngineError)
-    async def _on_engine_error(request: HttpRequest, exc: EngineError) -> JSONResponse:
-        return runtime_error(str(exc), 503)
+    # Most specific first: Starlette picks the handler of the nearest class in the MRO.
+    for exc_type, status in ((QueueFullError, 429), (PayloadTooLargeError, 413),
+                             (BadInputError, 400), (EngineError, 503)):
+        app.add_exception_handler(exc_type, _status_handler(status))
 
     @app.exception_handler(Exception)
     async def _on_unexpected(request: HttpRequest, exc: Exception) -> JSONResponse:
@@ -388,21 +377,6 @@ def build_app(state: EngineState) -> FastAPI:
         return JSONResponse({"success": True, "message": "Weight version updated.",
                              "new_version": version})
 
-    if cfg.enable_debug_endpoints:
-        @app.post("/debug/hidden_states")
-        async def hidden_states(request: HttpRequest) -> dict[str, Any]:
-            """Per-layer hidden states of one unpadded pass (align-gate --layerwise)."""
-            body = await parse_body(request, HiddenStatesInput)
-            if any(not 0 <= t < runner.vocab_size for t in body.input_ids):
-                raise BadInputError(f"token ids must be in [0, {runner.vocab_size})")
-            if len(body.input_ids) > runner.context_length:
-                raise BadInputError(f"at most {runner.context_length} tokens")
-            states = await on_thread(lambda: runner.hidden_states(body.input_ids))
-            return {"weight_version": runner.weight_version, "num_layers": len(states) - 1,
-                    "layer_names": ["embeddings"] + [f"layers.{i}" for i in
-                                                     range(len(states) - 1)],
-                    "hidden_states": [h.tolist() for h in states]}
-
     @app.post("/pull_weights")
     async def pull_weights(request: HttpRequest) -> JSONResponse:
         body = await parse_body(request, PullWeightsInput)
@@ -429,6 +403,13 @@ def _pull_weights(body: PullWeightsInput) -> str:
         raise EngineError("this build has no delta-sync puller (rltool.delta.pull)") from e
     return pull_weights(local_checkpoint_dir=Path(body.local_checkpoint_dir),
                         source_dir=Path(body.source_dir), target_version=body.target_version)
+
+
+def _status_handler(status: int) -> Any:
+    async def handler(request: HttpRequest, exc: Exception) -> JSONResponse:
+        return runtime_error(str(exc), status)
+
+    return handler
 
 
 def _resolve(future: asyncio.Future, value: Any) -> None:

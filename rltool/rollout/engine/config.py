@@ -49,8 +49,6 @@ class ServeConfig(StageConfig):
     allowed_weight_root: list[Path] = Field(
         default_factory=list, description="Directories weight paths must lie under (default: "
                                           "the model's parent and --local-checkpoint-dir).")
-    enable_debug_endpoints: bool = Field(False, description="Serve /debug/hidden_states "
-                                                            "(per-layer activations).")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Server log level.")
     enable_debug_endpoints: bool = Field(False, description="Mount POST /debug/hidden_states "

@@ -257,15 +257,6 @@ class ModelRunner:
         ids = torch.tensor([token_ids], dtype=torch.long)
         return self.model(input_ids=ids, use_cache=False).logits[0][start - 1:-1]
 
-    @torch.no_grad()
-    def hidden_states(self, token_ids: list[int]) -> list[torch.Tensor]:
-        """transformers' output_hidden_states for one unpadded pass (the trainer's layout):
-        [embeddings, after layer 0, ..., after the last layer (final norm applied)], each
-        [T, H] float32."""
-        ids = torch.tensor([token_ids], dtype=torch.long)
-        out = self.model(input_ids=ids, use_cache=False, output_hidden_states=True)
-        return [h[0].float() for h in out.hidden_states]
-
     # ----- info ----------------------------------------------------------------------------
 
     def model_info(self) -> dict[str, Any]:

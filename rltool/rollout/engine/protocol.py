@@ -80,11 +80,6 @@ class MemoryInput(BaseModel):
     tags: list[str] | None = None
 
 
-class HiddenStatesInput(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    input_ids: list[int] = Field(min_length=1)
-
-
 class PullWeightsInput(BaseModel):
     """slime's /pull_weights body (engine-http-api.md §4); served once rltool.delta provides pull."""
 
