@@ -363,6 +363,8 @@ class Scheduler:
         if self.deterministic:
             logits = torch.stack([self.runner.decode_one(r.output_ids[-1], r.cache) for r in reqs])
         else:
+            # A request aborted between steps is gone from `running` but still in the batch.
+            ModelRunner.keep(self.batch, [rid for rid in self.batch.rids if rid in self.running])
             reqs = [self.running[rid] for rid in self.batch.rids]
             logits = self.runner.decode(self.batch, [r.output_ids[-1] for r in reqs])
         self.num_decode_forwards += 1
