@@ -167,6 +167,7 @@ def quantize_checkpoint(cfg: Fp8Config) -> dict[str, Any]:
         raise BadInputError(f"{cfg.hf} is already quantized ({config['quantization_config']}); "
                             "run `rltool convert dequant` first")
     tensors = stio.checkpoint_tensors(cfg.hf)
+    hf_writer.limit_heap_retention()
     errors: dict[str, float] | None = {} if cfg.verify else None
     jobs, skipped_modules = [], []
     for info in tensors.values():
@@ -220,6 +221,7 @@ def dequantize_checkpoint(cfg: DequantConfig) -> dict[str, Any]:
     block = tuple(qc["weight_block_size"])
     dtype = getattr(torch, cfg.dtype)
     tensors = stio.checkpoint_tensors(cfg.hf)
+    hf_writer.limit_heap_retention()
     jobs = []
     for info in tensors.values():
         if info.name.endswith(SCALE_SUFFIX):

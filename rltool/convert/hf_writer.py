@@ -46,6 +46,29 @@ class Job:
         return sum(stio.tensor_nbytes(dtype, shape) for _, dtype, shape in self.outputs)
 
 
+_M_MMAP_THRESHOLD = -3  # glibc malloc.h
+
+
+def limit_heap_retention(*, threshold_bytes: int = 1 << 20) -> None:
+    """Serve allocations above `threshold_bytes` with mmap, so freed tensors go back to the OS.
+
+    glibc raises its mmap threshold after each large free (up to 32 MB), after which tensor-sized
+    buffers come from the heap and stay resident once freed: converting a 1.26 GB model measured
+    ~0.3 GB of such garbage in the peak RSS. Setting the threshold explicitly turns that off for
+    the process (a no-op on other C libraries).
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        ctypes.CDLL(name).mallopt(_M_MMAP_THRESHOLD, threshold_bytes)
+    except (OSError, AttributeError):
+        log.debug("mallopt unavailable; freed memory may stay resident")
+
+
 def read_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     path = Path(hf_dir) / CONFIG_NAME
     if not path.exists():

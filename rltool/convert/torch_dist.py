@@ -88,6 +88,9 @@ def _region(sh: Any) -> tuple[slice, ...]:
 
 def _fill_from_hf(slots: dict[name_map.Slot, list[Any]], tensors: dict[str, stio.TensorInfo], *,
                   hf_config: dict[str, Any], padded_vocab: int) -> None:
+    """Fill every ShardedTensor for saving (the model's own parameters may stay unfilled)."""
+    import torch
+
     shapes = name_map.Shapes.from_hf(hf_config)
     tied = bool(hf_config.get("tie_word_embeddings", False))
     for (key, index), shards in slots.items():
@@ -104,8 +107,17 @@ def _fill_from_hf(slots: dict[name_map.Slot, list[Any]], tensors: dict[str, stio
         if tuple(full.shape) != expect:
             raise CheckpointError(f"{key}{list(index)} from {', '.join(names)} has shape "
                                   f"{list(full.shape)}, the model expects {list(expect)}")
+        released = []
         for sh in shards:
+            if sh.data.untyped_storage().nbytes() != sh.data.nbytes:
+                # A view into a parameter (fc1's gate/up halves): megatron's writer would clone it
+                # while saving. Give it its own storage and free the parameter's (the model is
+                # only a source of sharding metadata here), so no weight is held twice.
+                released.append(sh.data.untyped_storage())
+                sh.data = torch.empty_like(sh.data)
             sh.data.copy_(full[_region(sh)])
+        for storage in released:
+            storage.resize_(0)
         del full
 
 
@@ -188,6 +200,7 @@ def hf_to_dist(cfg: HfToDistConfig) -> dict[str, Any]:
     tensors = stio.checkpoint_tensors(cfg.hf)
     name_map.check_hf_tensors({n: i.shape for n, i in tensors.items()}, hf_config)
     dtype = _hf_dtype(tensors, cfg.dtype)
+    hf_writer.limit_heap_retention()
     # One process (not under torchrun) writes the same global tensors as a tp*pp*ep job would:
     # build an unsplit model and pad the vocabulary for cfg.tp.
     sizes = (dict(tp=cfg.tp, pp=cfg.pp, ep=cfg.ep) if int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -300,6 +313,7 @@ def dist_to_hf(cfg: DistToHfConfig) -> dict[str, Any]:
     hf_config = hf_writer.read_config(cfg.hf_config)
     hf_arch(hf_config)
     source = iteration_dir(cfg.dist)
+    hf_writer.limit_heap_retention()
     with megatron_compat.distributed():
         dtype, slots = _read_dist(source, hf_config)
     shapes = name_map.Shapes.from_hf(hf_config)
