@@ -2,10 +2,11 @@ import click
 
 from rltool.commands.common import config_option, explicit_flags, handle_errors, setup_logging
 
-FLAGS = ["engine", "url", "health_timeout_s", "model", "host", "port", "ready_file", "dtype", "max_running_requests",
-         "max_queued_requests", "max_prefill_tokens", "deterministic", "num_threads", "weight_version",
-         "served_model_name", "log_level", "enable_debug_endpoints", "local_checkpoint_dir",
-         "allowed_weight_root", "api_key", "admin_api_key", "max_request_bytes"]
+FLAGS = ["engine", "url", "health_timeout_s", "model", "host", "port", "ready_file", "dtype",
+         "max_running_requests", "max_queued_requests", "max_prefill_tokens", "deterministic",
+         "num_threads", "weight_version", "served_model_name", "log_level",
+         "enable_debug_endpoints", "local_checkpoint_dir", "allowed_weight_root", "api_key",
+         "admin_api_key", "max_request_bytes"]
 
 
 @click.command("serve", context_settings={"ignore_unknown_options": True,

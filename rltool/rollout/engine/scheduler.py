@@ -68,7 +68,9 @@ class Scheduler:
         self.running: dict[str, Request] = {}
         self.batch = DecodeBatch()
         self.paused: str | None = None
-        self._pending_update: tuple[int, Callable[[], None]] | None = None  # (cutoff seq, apply)
+        # (cutoff seq, apply, the caller's future): set by update_weights, run by the loop.
+        self._pending_update: (tuple[int, Callable[[], None], concurrent.futures.Future]
+                               | None) = None
         self._rids: set[str] = set()
         # Stats (read by other threads as plain values; exactness under races is not needed).
         self.max_decode_batch = 0
@@ -194,7 +196,7 @@ class Scheduler:
                 return
             if abort_all:
                 self.abort(abort_all=True)
-            self._pending_update = (cutoff, run)
+            self._pending_update = (cutoff, run, future)
 
         self._enqueue_op(op)
         return future
@@ -255,7 +257,7 @@ class Scheduler:
                 for op in ops:
                     op()
                 if self._update_ready():
-                    _, apply = self._pending_update
+                    _, apply, _ = self._pending_update
                     self._pending_update = None
                     apply()
                 if self._can_step():
@@ -272,7 +274,8 @@ class Scheduler:
             self._finish(req, {"type": "abort", "message": "The engine is shutting down.",
                                "status_code": 503, "err_type": None})
         if self._pending_update is not None:
-            self._pending_update[1]()
+            self._pending_update[2].set_exception(EngineError("the engine shut down before the "
+                                                              "weight update could run"))
 
     def _update_ready(self) -> bool:
         if self._pending_update is None:
