@@ -148,3 +148,19 @@ def test_bad_inputs(aligned_shard, tiny_model_dir, tmp_path):
         load_inputs([aligned_shard], v3)
     inputs = load_inputs([aligned_shard], v3, allow_version_mismatch=True)
     assert inputs.weights_version == 3 and inputs.shard_versions == [0]
+
+
+def test_exact_alignment_with_temperature_and_filters(align_engine, tiny_model_dir, tmp_path):
+    """Temperature scaling and top-p/top-k filtering keep exactness (logprobs are of the scaled,
+    unfiltered distribution on both sides)."""
+    from rltool.data.tasks import make_rows, write_prompts
+    from rltool.rollout.stage import RolloutConfig, run
+
+    prompts = write_prompts(make_rows("reverse", num=2, seed=4), tmp_path / "prompts.jsonl")
+    out = tmp_path / "shard"
+    run(RolloutConfig(engines=[align_engine.url], prompts=str(prompts), out=str(out),
+                      n_samples_per_prompt=2, max_response_len=10, reward="reverse",
+                      rollout_batch_size=2, seed=2, temperature=0.7, top_p=0.9, top_k=5,
+                      quiet=True))
+    result = check([out], tiny_model_dir, tol=0.0, deterministic=True)
+    assert result.metric == 0.0 and result.max_abs_diff == 0.0 and result.num_masked_tokens > 0
