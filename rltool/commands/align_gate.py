@@ -106,7 +106,8 @@ def _print_human(result) -> None:
                        f"|diff| {p['abs_diff']:.3e}")
     if result.layerwise is not None:
         lw = result.layerwise
-        click.echo(f"layerwise (samples {', '.join(lw['samples'])}, tol {lw['tol']:g}):")
+        click.echo(f"layerwise (engine weight_version {lw['engine_weight_version']}, samples "
+                   f"{', '.join(lw['samples'])}, tol {lw['tol']:g}):")
         for layer in lw["layers"]:
             click.echo(f"  {layer['name']:>14}  max {layer['max_abs_diff']:.3e}  "
                        f"mean {layer['mean_abs_diff']:.3e}")
