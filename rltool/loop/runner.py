@@ -25,10 +25,13 @@ from rltool.rundir import MetricsWriter, RunDir, list_versions, read_metrics
 
 log = logging.getLogger(__name__)
 StepCallback = Callable[[dict[str, Any]], None]
+# Called with the metrics rows so far after each step; True ends the run early (status "stopped").
+StopRule = Callable[[list[dict[str, Any]]], bool]
 
 
 def start(settings: LoopSettings, run_dir: str | Path, *,
-          on_step: StepCallback | None = None) -> dict[str, Any]:
+          on_step: StepCallback | None = None, stop_when: StopRule | None = None
+          ) -> dict[str, Any]:
     """Create RUN (refused if it already holds a run), publish version 0 and run every step."""
     run = RunDir(run_dir)
     if run.state.exists() or run.config.exists():
@@ -40,7 +43,7 @@ def start(settings: LoopSettings, run_dir: str | Path, *,
 
     run.create()
     atomic.write_text(run.config, tomli_w.dumps(settings.to_tables()))
-    return _run(run, settings, on_step=on_step)
+    return _run(run, settings, on_step=on_step, stop_when=stop_when)
 
 
 def resume(run_dir: str | Path, *, overrides: dict[str, dict[str, Any]] | None = None,
@@ -68,7 +71,8 @@ def _initial_weights(run: RunDir, settings: LoopSettings) -> None:
         publish_version(settings.model.path, publish_dir=run.weights, version=0, mode="full")
 
 
-def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None) -> dict[str, Any]:
+def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None,
+         stop_when: StopRule | None = None) -> dict[str, Any]:
     run.create()
     _initial_weights(run, settings)
     state = LoopState.load(run) or LoopState()
@@ -90,9 +94,11 @@ def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None) -
             engines.load_version(served, delta=phases.version_mode(run.weight_version(served))
                                  == "delta")
         with MetricsWriter(run.metrics_file("loop")) as writer:
-            while state.step < settings.loop.num_steps:
+            stopped = False
+            while state.step < settings.loop.num_steps and not stopped:
                 run_step(ctx, writer=writer, on_step=on_step)
-        state.status = "done"
+                stopped = stop_when is not None and stop_when(read_metrics(writer.path))
+        state.status = "stopped" if stopped else "done"
         state.save(run)
     except BaseException:
         state.status = "failed"
