@@ -6,8 +6,11 @@
                                                    it; the engine's pull rebuilds S bytes)
 with B the link bandwidth to the engines (given, or measured from full publishes) and decode_Bps
 measured on earlier publishes (an exponential average kept in `<publish_dir>/.publish_stats.json`,
-seeded from the benchmark). A full version is forced every `full_every` versions so that pull
-chains stay short, and whenever version N-1 cannot be reconstructed.
+seeded from the benchmark). Mid-chain, `auto` first predicts t_delta from history (the last wire
+ratio W/S and encode throughput, encode time included) and skips encoding when full clearly
+wins; right after a full version it always encodes and measures. A full version is forced when
+the chain of deltas ending at the base is `full_every - 1` long (so pulls apply at most that many
+deltas), and whenever the base cannot be reconstructed.
 
 The base (version N-1, complete) lives in a host-local cache directory kept by `pull_weights`,
 so the publisher reuses the engine-side code path, and every delta it publishes is decoded and
@@ -26,10 +29,11 @@ from typing import Any
 
 from rltool import atomic
 from rltool.data.models import VERSION_FILE
-from rltool.delta.checkpoint import INDEX_NAME, open_checkpoint
+from rltool.delta.checkpoint import INDEX_NAME, is_delta_dir, open_checkpoint
+from rltool.delta.deltadir import open_delta
 from rltool.delta.diff import write_delta
 from rltool.delta.pull import SYNC_DIR, swap_in, host_lock, pull_weights, read_local_version
-from rltool.errors import BadInputError, DeltaChainError
+from rltool.errors import BadInputError, CheckpointError, DeltaChainError
 from rltool.rundir import weight_dir_name
 
 MODES = ("full", "delta", "auto")
@@ -62,6 +66,20 @@ def predict_times(*, full_bytes: int, wire_bytes: int, link_Bps: float, decode_B
 def breakeven_bandwidth(*, full_bytes: int, wire_bytes: int, process_s: float) -> float:
     """Link bandwidth (bytes/s) below which a delta beats a full version: S/B > W/B + process_s."""
     return (full_bytes - wire_bytes) / process_s if process_s > 0 else float("inf")
+
+
+def _chain_length(publish_dir: Path, base: int) -> int:
+    """How many deltas in a row end at version `base` (0 when `base` is full or absent)."""
+    length, v = 0, base
+    while True:
+        path = publish_dir / weight_dir_name(v)
+        try:
+            if not path.is_dir() or not is_delta_dir(path):
+                return length
+            v = open_delta(path).base_version
+        except (CheckpointError, DeltaChainError):
+            return length  # a broken link: the pull will say so, and publish falls back to full
+        length += 1
 
 
 def _copy_full(src: Path, out: Path, *, version: int) -> None:
@@ -138,13 +156,24 @@ def publish_version(new_state_or_dir: Mapping[str, Any] | str | os.PathLike, *,
     decode_Bps = stats.get("decode_Bps", DEFAULT_DECODE_BPS)
 
     reason, delta_stats = "", None
+    chain = _chain_length(publish_dir, base) if version > 0 else 0
+    predicted_full = predicted_delta = None
     if mode == "full":
         reason = "--sync full"
     elif version == 0:
         reason = "version 0 has no base"
-    elif version % full_every == 0:
+    elif chain + 1 >= full_every:
         reason = f"a full version every {full_every} (--full-every)"
-    else:
+    elif mode == "auto" and chain > 0 and {"wire_ratio", "encode_Bps"} <= stats.keys():
+        # Mid-chain, with history: predict the delta (encode included) before paying for it.
+        # Right after a full version auto always measures again, so history cannot go stale.
+        predicted_full, predicted_delta = predict_times(
+            full_bytes=full_bytes, wire_bytes=int(full_bytes * stats["wire_ratio"]),
+            link_Bps=link, decode_Bps=decode_Bps, t0_s=t0_s)
+        predicted_delta += full_bytes / stats["encode_Bps"]
+        if predicted_delta >= predicted_full:
+            reason = "cost model (measured history): full faster"
+    if not reason:
         try:
             t = time.perf_counter()
             pulled = pull_weights(local_checkpoint_dir=cache, source_dir=publish_dir,
@@ -157,9 +186,10 @@ def publish_version(new_state_or_dir: Mapping[str, Any] | str | os.PathLike, *,
             delta_stats = write_delta(open_checkpoint(cache), new, candidate, version=version,
                                       base_version=base, fmt=fmt, encoding=encoding,
                                       workers=workers)
+            _update(stats, "encode_Bps", full_bytes / max(delta_stats["encode_s"], 1e-9))
+            _update(stats, "wire_ratio", delta_stats["wire_bytes"] / max(full_bytes, 1))
         except (DeltaChainError, BadInputError) as e:
             reason = f"no delta possible: {e}"
-    predicted_full = predicted_delta = None
     if delta_stats is not None:
         predicted_full, predicted_delta = predict_times(
             full_bytes=full_bytes, wire_bytes=delta_stats["wire_bytes"], link_Bps=link,

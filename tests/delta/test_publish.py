@@ -30,7 +30,7 @@ def test_publish_sequence(tiny_model_dir, tmp_path):
     publish = tmp_path / "weights"
     states = [base_state]
     common = dict(publish_dir=publish, base_model_path=tiny_model_dir,
-                  source_model_dir=tiny_model_dir, full_every=4)
+                  source_model_dir=tiny_model_dir, full_every=3)
 
     def step(seed):
         g = torch.Generator().manual_seed(seed)
@@ -49,13 +49,13 @@ def test_publish_sequence(tiny_model_dir, tmp_path):
     m2 = publish_version(step(2), version=2, mode="auto", link_bandwidth_Bps=1e3, **common)
     assert m2["sync/mode"] == "delta" and m2["sync/reason"] == "cost model: delta faster"
     assert m2["perf/update_weights_wire_bytes"] < m2["sync/full_bytes"]
-    m3 = publish_version(step(3), version=3, mode="auto", link_bandwidth_Bps=1e15, **common)
-    assert m3["sync/mode"] == "full" and m3["sync/reason"] == "cost model: full faster"
+    m3 = publish_version(step(3), version=3, mode="delta", **common)  # chain v1, v2 is 2 long
+    assert m3["sync/mode"] == "full" and "--full-every" in m3["sync/reason"]
     assert not is_delta_dir(publish / "weight_v000003")
-    assert m3["perf/update_weights_density"] == 1.0
-    m4 = publish_version(step(4), version=4, mode="delta", **common)
-    assert m4["sync/mode"] == "full" and "--full-every" in m4["sync/reason"]
-    m5 = publish_version(step(5), version=5, mode="delta", **common)
+    m4 = publish_version(step(4), version=4, mode="auto", link_bandwidth_Bps=1e15, **common)
+    assert m4["sync/mode"] == "full" and m4["sync/reason"] == "cost model: full faster"
+    assert m4["perf/update_weights_density"] == 1.0
+    m5 = publish_version(step(5), version=5, mode="delta", **common)  # a new chain after v4
     assert m5["sync/mode"] == "delta"
     for v in (2, 5):
         local = tmp_path / f"engine{v}"
@@ -79,3 +79,21 @@ def test_publish_from_directory(tmp_path):
     assert m["perf/update_weights_density"] == pytest.approx(1 / 512)
     pull_weights(local_checkpoint_dir=tmp_path / "local", source_dir=publish, target_version=1)
     assert same_bits(load_all(tmp_path / "local"), w1)
+
+
+def test_auto_skips_encoding_mid_chain_when_history_says_full(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    weights = [{"a": torch.randn(256, 8, generator=g).to(torch.bfloat16)}]
+    for _ in range(2):
+        weights.append({"a": (weights[-1]["a"].float() * 1.01).to(torch.bfloat16)})
+    publish = tmp_path / "weights"
+    publish_version(write_checkpoint(tmp_path / "w0", weights[0]), publish_dir=publish, version=0)
+    m1 = publish_version(write_checkpoint(tmp_path / "w1", weights[1]), publish_dir=publish,
+                         version=1, mode="delta")
+    assert m1["sync/mode"] == "delta"  # measures wire ratio and encode throughput
+    m2 = publish_version(write_checkpoint(tmp_path / "w2", weights[2]), publish_dir=publish,
+                         version=2, mode="auto", link_bandwidth_Bps=1e15)
+    assert m2["sync/mode"] == "full" and "history" in m2["sync/reason"]
+    assert not (publish / ".candidate-weight_v000002").exists()
+    pull_weights(local_checkpoint_dir=tmp_path / "local", source_dir=publish, target_version=2)
+    assert same_bits(load_all(tmp_path / "local"), weights[2])
