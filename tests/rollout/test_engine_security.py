@@ -76,3 +76,9 @@ def test_weight_paths_outside_the_allowed_roots_are_refused(secured, tmp_path):
     r = secured.post("/update_weights_from_disk", json={"model_path": "/etc/../etc"},
                      headers=auth("admin-key"))
     assert r.status_code == 400 and r.json()["success"] is False
+
+
+def test_debug_hidden_states_needs_the_admin_key(secured):
+    """Regression: /debug/hidden_states (weights introspection) only asked for the user key."""
+    body = {"input_ids": [5, 6]}
+    assert secured.post("/debug/hidden_states", json=body, headers=auth("user-key")).status_code == 401

@@ -27,7 +27,7 @@ OPEN_PATHS = frozenset({"/health", "/health_generate", "/ready", "/metrics"})
 ADMIN_PATHS = frozenset({
     "/update_weights_from_disk", "/pull_weights", "/update_weight_version", "/flush_cache",
     "/pause_generation", "/continue_generation", "/abort_request", "/release_memory_occupation",
-    "/resume_memory_occupation",
+    "/resume_memory_occupation", "/debug/hidden_states",
 })
 
 
