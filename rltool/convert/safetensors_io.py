@@ -127,29 +127,30 @@ def checkpoint_tensors(directory: str | os.PathLike) -> dict[str, TensorInfo]:
     return out
 
 
-def read_tensor(info: TensorInfo, *, fd: int | None = None) -> torch.Tensor:
-    """Read exactly one tensor's bytes (pread, no mapping) into a fresh CPU tensor."""
+def read_tensor(info: TensorInfo) -> torch.Tensor:
+    """One tensor, mapped from its file's byte range alone (private copy-on-write mapping).
+
+    Zero-copy from the page cache, and the mapping (so its pages in this process's RSS) lives only
+    as long as the returned tensor: a conversion holds the tensors in flight, never a whole file.
+    Writing to the tensor is safe: it copies the touched pages, the file never changes.
+    """
+    import mmap
+
     import torch
 
-    buf = bytearray(info.nbytes)
-    own = fd is None
-    if own:
-        fd = os.open(info.path, os.O_RDONLY)
-    try:
-        view = memoryview(buf)
-        done = 0
-        while done < info.nbytes:
-            got = os.preadv(fd, [view[done:]], info.start + done)
-            if got == 0:
-                raise CheckpointError(f"{info.path}: unexpected end of file reading {info.name}")
-            done += got
-    finally:
-        if own:
-            os.close(fd)
     dtype = torch_dtype(info.dtype)
     if info.nbytes == 0:
         return torch.empty(info.shape, dtype=dtype)
-    return torch.frombuffer(buf, dtype=dtype).reshape(info.shape)
+    aligned = info.start - info.start % mmap.ALLOCATIONGRANULARITY
+    with open(info.path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), info.end - aligned, offset=aligned,
+                           flags=mmap.MAP_PRIVATE | mmap.MAP_POPULATE,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    data = torch.frombuffer(mapped, dtype=torch.uint8, offset=info.start - aligned,
+                            count=info.nbytes)
+    if (info.start - aligned) % dtype.itemsize:  # the format does not promise aligned data
+        data = data.clone()
+    return data.view(dtype).reshape(info.shape)
 
 
 def tensor_nbytes(dtype: str, shape: Iterable[int]) -> int:
