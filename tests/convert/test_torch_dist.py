@@ -158,3 +158,23 @@ def test_missing_megatron_fails_with_clear_error(tmp_path, tiny_model_factory, m
     assert res.exit_code == 3
     assert "megatron-core is required" in res.output and "rltool[megatron]" in res.output
     assert not (tmp_path / "o").exists()
+
+
+def test_cpu_rng_tracker_forks_like_megatrons():
+    """The compat layer's tracker: a forked region draws from its own stream and leaves the
+    default CPU stream exactly where it was (what megatron's dropout and init rely on)."""
+    from megatron.core import tensor_parallel
+
+    from rltool import megatron_compat
+
+    with megatron_compat.distributed(seed=5):
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        state = torch.get_rng_state()
+        expected_default = torch.rand(4)
+        torch.set_rng_state(state)
+        with tracker.fork():
+            forked = torch.rand(4)
+        assert torch.equal(torch.rand(4), expected_default)
+        assert not torch.equal(forked, expected_default)
+        with tracker.fork():
+            assert not torch.equal(torch.rand(4), forked)  # the forked stream advanced
