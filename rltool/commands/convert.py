@@ -10,6 +10,7 @@ SECTION = "convert"
 def command():
     """Convert checkpoints: HF <-> Megatron torch_dist, and block-FP8 quantization.
 
+    \b
     Example:
       rltool convert fp8 --hf models/tiny --out models/tiny-fp8 --verify
     """
@@ -48,6 +49,7 @@ def fp8(ctx, hf, out, block, workers, verify, max_shard_mb, config_file, as_json
     Norms, embeddings, lm_head, router gates and biases keep their dtype; config.json gains a
     quantization_config that SGLang and vLLM understand.
 
+    \b
     Example:
       rltool convert fp8 --hf models/qwen --out models/qwen-fp8 --block 128 128 --verify
     """
@@ -79,6 +81,7 @@ def fp8(ctx, hf, out, block, workers, verify, max_shard_mb, config_file, as_json
 def dequant(ctx, hf, out, dtype, workers, max_shard_mb, config_file, as_json, quiet):
     """Dequantize a block-FP8 checkpoint (q * weight_scale_inv) back to bf16.
 
+    \b
     Example:
       rltool convert dequant --hf models/qwen-fp8 --out models/qwen-bf16
     """
@@ -108,6 +111,7 @@ def hf_to_dist(ctx, hf, out, tp, pp, ep, dtype, config_file, as_json, quiet):
     Writes OUT/iter_0000000/ and OUT/latest_checkpointed_iteration.txt. Run it as one process, or
     under torchrun with tp*pp processes (each rank then reads and writes only its shards).
 
+    \b
     Example:
       rltool convert hf-to-dist --hf models/qwen3 --out ckpt/qwen3_torch_dist --tp 2
       torchrun --nproc-per-node 2 -m rltool convert hf-to-dist --hf models/qwen3 --out ckpt/d --tp 2
@@ -139,6 +143,7 @@ def dist_to_hf(ctx, dist, hf_config, out, workers, max_shard_mb, config_file, as
     The checkpoint's metadata is unpickled by torch.distributed.checkpoint: only pass paths you
     trust (rltool never reads torch_dist from anywhere else).
 
+    \b
     Example:
       rltool convert dist-to-hf --dist ckpt/qwen3_torch_dist --hf-config models/qwen3 --out hf/
     """
