@@ -216,12 +216,13 @@ async def builtin_ttft(url: str, prompts) -> float:
 
 # ----- driver ---------------------------------------------------------------------------------
 
-def run_case(model_dir: Path, preset: str, batch: int, *, quick: bool, workdir: Path) -> dict:
+def run_case(model_dir: Path, preset: str, batch: int, *, quick: bool, workdir: Path,
+             requests: int | None = None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     plan = PLANS[preset]
-    n = plan["requests"][batch]
-    if quick:  # keep several requests per slot, or continuous batching has nothing to refill
+    n = requests or plan["requests"][batch]
+    if quick and not requests:  # keep several requests per slot, or continuous batching has nothing to refill
         n = max(min(n, 4 * batch), batch)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     prompts = make_prompts(tok, n, *plan["prompt"], seed=batch)
@@ -299,6 +300,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="also write the results JSON here")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads for both sides (1: the box is shared and oversubscribed)")
+    ap.add_argument("--requests", type=int, default=None,
+                    help="requests per batch size (default: the preset's plan)")
     ap.add_argument("--deterministic-cost", action="store_true",
                     help="only measure --deterministic against the default (tiny, engine core)")
     args = ap.parse_args()
@@ -319,7 +322,8 @@ def main() -> None:
         for preset in args.presets.split(","):
             model_dir = init_model(workdir / preset, arch="qwen2", preset=preset, seed=0)
             for batch in (int(b) for b in args.batches.split(",")):
-                row = run_case(model_dir, preset, batch, quick=args.quick, workdir=workdir)
+                row = run_case(model_dir, preset, batch, quick=args.quick, workdir=workdir,
+                               requests=args.requests)
                 rows.append(row)
                 print(TABLE_ROW.format(**flat(row)), flush=True)
     result = {
