@@ -263,8 +263,8 @@ def run_case(model_dir: Path, preset: str, batch: int, *, quick: bool, workdir: 
 TABLE_HEAD = ("| model | B | requests | generate tok/s | core tok/s (x) | HTTP tok/s (x) | "
               "HTTP per CPU-s (x) | generate TTFT ms | core TTFT ms (x) | HTTP TTFT ms (x) |\n"
               "|---|---|---|---|---|---|---|---|---|---|")
-TABLE_ROW = ("| {preset} | {batch} | {requests} | {hf_tps:.0f} | {core_tps:.0f} ({core_x:.2f}) | "
-             "{http_tps:.0f} ({http_x:.2f}) | {cpu_x:.2f} | {hf_ttft:.1f} | "
+TABLE_ROW = ("| {preset} | {batch} | {requests} | {hf_tps:.1f} | {core_tps:.1f} ({core_x:.2f}) | "
+             "{http_tps:.1f} ({http_x:.2f}) | {cpu_x:.2f} | {hf_ttft:.1f} | "
              "{core_ttft:.1f} ({core_ttft_x:.2f}) | {http_ttft:.1f} ({http_ttft_x:.2f}) |")
 
 
