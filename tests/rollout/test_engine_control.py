@@ -101,12 +101,16 @@ def test_pause_abort_blocks_new_requests_until_continue(det_engine):
                                                    {"max_new_tokens": 2}}))
             await asyncio.sleep(0.5)
             blocked = not late.done()
+            ready = httpx.get(det_engine.url + "/ready").status_code
+            health = await c.health()
             await c.continue_generation()
-            return aborted, blocked, await late
+            return aborted, blocked, await late, ready, health
 
-    aborted, blocked, late = run(main())
+    aborted, blocked, late, ready, health = run(main())
     assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
     assert blocked and late["meta_info"]["completion_tokens"] == 2
+    assert ready == 503 and health is True  # paused: not ready, but alive (DESIGN.md)
+    assert httpx.get(det_engine.url + "/ready").status_code == 200
 
 
 def test_pause_retract_recomputes_and_allows_flush(det_engine):
@@ -216,6 +220,17 @@ def test_release_and_resume_memory(det_engine):
     st, healthy, waited, out = run(main())
     assert st["weights_released"] is True and healthy and waited
     assert out["meta_info"]["completion_tokens"] == 3
+
+
+def test_update_weight_version_only_renames(det_engine):
+    r = httpx.post(det_engine.url + "/update_weight_version", timeout=30,
+                   json={"new_version": "7", "abort_all_requests": False})
+    assert r.status_code == 200 and r.json()["new_version"] == "7"
+    out = httpx.post(det_engine.url + "/generate", timeout=60,
+                     json={"text": "a", "sampling_params": {"max_new_tokens": 1}}).json()
+    assert out["meta_info"]["weight_version"] == "7"
+    assert httpx.post(det_engine.url + "/update_weight_version", json={},
+                      timeout=30).status_code == 400
 
 
 def test_queue_limit_gives_429(det_engine):
