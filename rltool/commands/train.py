@@ -15,6 +15,17 @@ from rltool.commands.common import (config_option, echo_json, explicit_flags, ha
               "dir (newest checkpoint).")
 @click.option("--save", default=None, help="Checkpoint parent (RUN/train/ckpt).")
 @click.option("--publish", default=None, help="Publish parent (RUN/weights): weight_vNNNNNN.")
+@click.option("--sync", type=click.Choice(["full", "delta", "auto"]), default=None,
+              help="Publish full checkpoints (default), deltas on the previous published "
+              "version, or auto (cost model; docs/delta.md).")
+@click.option("--delta-format", type=click.Choice(["rltool", "slime"]), default=None,
+              help="Delta format for --sync delta|auto (default rltool).")
+@click.option("--delta-encoding", type=click.Choice(["xor", "overwrite"]), default=None,
+              help="slime delta encoding (default xor).")
+@click.option("--full-every", type=int, default=None,
+              help="A full version every M versions keeps pull chains short (default 10).")
+@click.option("--link-bandwidth-gbps", type=float, default=None,
+              help="Trainer-to-engine bandwidth for --sync auto (default: measured).")
 @click.option("--ref", default=None, help="Reference weights for the KL terms.")
 @click.option("--metrics", default=None, help="train.jsonl path.")
 @click.option("--loss", type=click.Choice(["policy", "sft"]), default=None,

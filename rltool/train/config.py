@@ -6,11 +6,14 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rltool.config import StageConfig
+from rltool.delta.config import SyncConfig
 from rltool.errors import ConfigError
 
 
-class TrainConfig(StageConfig):
+class TrainConfig(SyncConfig):
+    """The train stage's keys; the weight-sync keys (--sync, --full-every, ...) come from
+    SyncConfig and apply to --publish."""
+
     # inputs and outputs
     rollouts: list[str] = Field(default_factory=list,
                                 description="Rollout shard directories to train on.")

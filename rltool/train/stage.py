@@ -356,15 +356,43 @@ def _run(cfg: TrainConfig) -> TrainResult:
             writer.close()
     published = None
     if cfg.publish:
-        from rltool.train.publish import publish_weights
-
         state = backend.export_hf_state_dict()
         if backend.dp_rank == 0:
-            published = str(publish_weights(state, source_model_dir=target.model_dir,
-                                            publish_dir=cfg.publish, version=version,
-                                            dtype=cfg.dtype))
+            sync_metrics = _publish(cfg, state, source_model_dir=target.model_dir, version=version)
+            published = sync_metrics["sync/path"]
+            if writer_path:
+                with MetricsWriter(writer_path) as sync_writer:
+                    sync_writer.log({k: v for k, v in sync_metrics.items()
+                                     if k.startswith("perf/") or k == "sync/mode"},
+                                    step=backend.optimizer_steps, policy_version=version)
     return TrainResult(policy_version=version, optimizer_steps=plan.num_steps - start_step,
                        checkpoint=checkpoint, published=published, metrics=rows)
+
+
+def _publish(cfg: TrainConfig, state: dict[str, Any], *, source_model_dir: Path,
+             version: int) -> dict[str, Any]:
+    """Publish `version` under --publish: a full checkpoint, or with --sync delta|auto a delta on
+    the newest version already published there (rltool.delta.publish)."""
+    if cfg.sync == "full":
+        from rltool.train.publish import publish_weights
+
+        start = time.perf_counter()
+        out = publish_weights(state, source_model_dir=source_model_dir, publish_dir=cfg.publish,
+                              version=version, dtype=cfg.dtype)
+        return {"perf/update_weights_density": 1.0,
+                "perf/update_weights_wire_bytes": sum(p.stat().st_size for p in
+                                                      Path(out).rglob("*") if p.is_file()),
+                "perf/update_weights_time": time.perf_counter() - start,
+                "sync/mode": "full", "sync/path": str(out)}
+    from rltool.delta.publish import publish_version
+    from rltool.rundir import list_versions
+
+    earlier = [v for v in list_versions(cfg.publish) if v < version]
+    return publish_version(
+        state, publish_dir=cfg.publish, version=version, mode=cfg.sync, fmt=cfg.delta_format,
+        encoding=cfg.delta_encoding, full_every=cfg.full_every, source_model_dir=source_model_dir,
+        dtype=cfg.dtype, base_version=earlier[-1] if earlier else None,
+        link_bandwidth_Bps=cfg.link_bandwidth_gbps * 1e9 / 8 if cfg.link_bandwidth_gbps else None)
 
 
 def _save(cfg: TrainConfig, backend: TorchBackend, data: SampleTensors, sample_set: SampleSet,

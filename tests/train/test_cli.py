@@ -28,8 +28,10 @@ def test_train_json_and_config_file(tiny_model_dir, train_shard, tmp_path):
     assert out["policy_version"] == 2 and out["optimizer_steps"] == 2
     assert out["published"].endswith("weight_v000002")
     assert out["last_metrics"]["train/lr"] == 0.001
-    metrics = (tmp_path / "run" / "metrics" / "train.jsonl").read_text().splitlines()
-    assert len(metrics) == 2  # RUN/metrics/train.jsonl when --save is RUN/train/ckpt
+    lines = (tmp_path / "run" / "metrics" / "train.jsonl").read_text().splitlines()
+    metrics = [json.loads(x) for x in lines]  # RUN/metrics/train.jsonl when --save is RUN/train/ckpt
+    assert sum("train/loss" in m for m in metrics) == 2
+    assert [m["sync/mode"] for m in metrics if "sync/mode" in m] == ["full"]  # the publish line
     saved = (tmp_path / "run" / "train" / "ckpt" / "step-000002" / "config.toml").read_text()
     assert "num_steps = 2" in saved and "lr = 0.001" in saved
 

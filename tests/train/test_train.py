@@ -230,3 +230,28 @@ def test_forward_logprobs_entropy_and_top_k(tiny_model_dir, train_shard):
             assert out.topk_ids[k][t].tolist() == best
             assert out.topk_logprobs[k][t].tolist() == pytest.approx([logp[v] for v in best],
                                                                      abs=1e-4)
+
+
+def test_sync_delta_publishes_a_delta_that_pulls_to_the_trained_weights(tiny_model_dir,
+                                                                        train_shard, tmp_path):
+    from rltool.delta.checkpoint import is_delta_dir
+    from rltool.delta.pull import pull_weights
+
+    weights, ckpt = tmp_path / "weights", tmp_path / "ckpt"
+    first = run(TrainConfig(rollouts=[str(train_shard)], load=str(tiny_model_dir), save=str(ckpt),
+                            publish=str(weights), sync="delta", num_steps=1, **COMMON))
+    assert not is_delta_dir(first.published)  # nothing published before it: no base
+    second = run(TrainConfig(rollouts=[str(train_shard)], load=str(ckpt), save=str(ckpt),
+                             publish=str(weights), sync="delta", num_steps=1, **COMMON))
+    assert second.published == str(weights / "weight_v000002") and is_delta_dir(second.published)
+    pull_weights(local_checkpoint_dir=tmp_path / "local", source_dir=weights, target_version=2)
+    pulled = load_file(tmp_path / "local" / "model.safetensors")
+    trained = load_file(ckpt / "step-000002" / "model" / "model.safetensors")
+    assert pulled.keys() == trained.keys()
+    assert all(torch.equal(pulled[n], trained[n]) for n in trained)
+    lines = [json.loads(x) for x in (tmp_path / "train.jsonl").read_text().splitlines()]
+    synced = [x for x in lines if "sync/mode" in x]
+    assert [x["sync/mode"] for x in synced] == ["full", "delta"]
+    assert [x["policy_version"] for x in synced] == [1, 2]
+    assert 0.0 < synced[1]["perf/update_weights_density"] <= 1.0
+    assert synced[1]["perf/update_weights_wire_bytes"] > 0
