@@ -82,3 +82,21 @@ def test_debug_hidden_states_needs_the_admin_key(secured):
     """Regression: /debug/hidden_states (weights introspection) only asked for the user key."""
     body = {"input_ids": [5, 6]}
     assert secured.post("/debug/hidden_states", json=body, headers=auth("user-key")).status_code == 401
+
+
+def test_pull_weights_seeds_version_0_from_the_engines_model_and_refuses_a_missing_link(
+        secured, tiny_model_dir, tmp_path):
+    """/pull_weights with an empty source: version 0 is the engine's own --model (slime's rule);
+    a version that is not published is refused with 400 and SGLang's {success, message} shape."""
+    local = tiny_model_dir.parent / f"pull-local-{tmp_path.name}"
+    source = tiny_model_dir.parent / f"pull-source-{tmp_path.name}"
+    source.mkdir()
+    body = {"local_checkpoint_dir": str(local), "source_dir": str(source), "target_version": 0}
+    r = secured.post("/pull_weights", json=body, headers=auth("admin-key"))
+    assert r.status_code == 200 and r.json()["success"] is True
+    assert r.json()["message"] == "Success."
+    assert (local / "model.safetensors").read_bytes() == \
+        (tiny_model_dir / "model.safetensors").read_bytes()
+    r = secured.post("/pull_weights", json={**body, "target_version": 3},
+                     headers=auth("admin-key"))
+    assert r.status_code == 400 and r.json()["success"] is False and r.json()["message"]

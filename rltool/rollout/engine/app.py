@@ -382,27 +382,25 @@ def build_app(state: EngineState) -> FastAPI:
         body = await parse_body(request, PullWeightsInput)
         try:
             confine(body.local_checkpoint_dir, weight_roots, what="local_checkpoint_dir")
-            message = await asyncio.to_thread(_pull_weights, body)
-        except (BadInputError, EngineError, OSError) as e:
+            result = await asyncio.to_thread(_pull_weights, body, base_model_path=state.cfg.model)
+        except (BadInputError, OSError) as e:
             return JSONResponse({"success": False, "message": str(e)}, status_code=400)
-        return JSONResponse({"success": True, "message": message})
+        # SGLang's shape ({success, message: str}) plus what was synced.
+        return JSONResponse({"success": True, "message": "Success.", "pull": result})
 
     return app
 
 
-def _pull_weights(body: PullWeightsInput) -> str:
+def _pull_weights(body: PullWeightsInput, *, base_model_path: Any) -> dict[str, Any]:
     """slime's /pull_weights: sync files only (the caller then sends /update_weights_from_disk).
-
-    The delta-sync library (rltool.delta) provides `pull_weights`; see docs/serve.md.
-    """
+    Version 0 is the engine's own --model when the source has no weight_v000000."""
     from pathlib import Path
 
-    try:
-        from rltool.delta.pull import pull_weights
-    except ImportError as e:
-        raise EngineError("this build has no delta-sync puller (rltool.delta.pull)") from e
+    from rltool.delta.pull import pull_weights
+
     return pull_weights(local_checkpoint_dir=Path(body.local_checkpoint_dir),
-                        source_dir=Path(body.source_dir), target_version=body.target_version)
+                        source_dir=Path(body.source_dir), target_version=body.target_version,
+                        base_model_path=base_model_path)
 
 
 def _status_handler(status: int) -> Any:
