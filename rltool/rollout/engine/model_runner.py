@@ -179,7 +179,9 @@ class ModelRunner:
         """One batched decode step: token_ids[i] is fed to row i. Returns logits [B, V] float32."""
         ids = torch.tensor(token_ids, dtype=torch.long).unsqueeze(1)
         mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch), 1)], dim=1)
-        out = self.model(input_ids=ids, attention_mask=mask,
+        # Without padding the mask changes nothing for a single query token; leaving it out
+        # skips building a 4-D mask every step (~15% of a tiny model's decode step).
+        out = self.model(input_ids=ids, attention_mask=None if bool(mask.all()) else mask,
                          position_ids=batch.next_pos.unsqueeze(1), cache=batch.cache,
                          use_cache=True)
         batch.mask = mask
