@@ -24,6 +24,7 @@ from rltool import atomic
 from rltool.errors import BadInputError
 
 PHASES = ("rollout", "train", "publish", "sync", "eval")
+VERSION_FILE = "rltool_version.json"  # {"version": N} inside a weights directory
 _WEIGHT_RE = re.compile(r"^weight_v(\d{6,})$")
 _STEP_RE = re.compile(r"^step-(\d{6,})$")
 log = logging.getLogger(__name__)
@@ -149,6 +150,21 @@ class RunDir:
 
     def write_engines(self, engines: list[dict[str, Any]]) -> None:
         atomic.write_json(self.engines, {"engines": engines})
+
+
+def declared_version(weights_dir: str | os.PathLike) -> int | None:
+    """The policy version a weights directory declares: `rltool_version.json` {"version": N},
+    else its name weight_vNNNNNN; None when it declares none."""
+    from rltool.errors import CheckpointError
+
+    weights_dir = Path(weights_dir)
+    marker = read_json_file(weights_dir / VERSION_FILE, what=VERSION_FILE)
+    if marker is not None:
+        if not (isinstance(marker, dict) and isinstance(marker.get("version"), int)):
+            raise CheckpointError(f"{weights_dir / VERSION_FILE} must be {{\"version\": <int>}}; "
+                                  "fix or delete it")
+        return marker["version"]
+    return parse_weight_dir_name(weights_dir.name)
 
 
 def list_versions(parent: str | os.PathLike) -> list[int]:

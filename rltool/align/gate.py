@@ -26,6 +26,7 @@ from typing import Any
 
 from rltool.align.config import DEFAULT_TOL, AlignGateConfig
 from rltool.errors import CheckpointError, ShardSchemaError
+from rltool.rundir import declared_version
 
 log = logging.getLogger(__name__)
 METRIC = "train_rollout_logprob_abs_diff"
@@ -88,18 +89,6 @@ class GateResult:
         return out
 
 
-def declared_version(model_dir: Path) -> int | None:
-    """The version a HF weights directory declares (rltool_version.json, else its name
-    weight_vNNNNNN), or None when it declares none."""
-    from rltool.data.models import VERSION_FILE
-    from rltool.rundir import parse_weight_dir_name, read_json_file
-
-    marker = read_json_file(model_dir / VERSION_FILE, what=VERSION_FILE)
-    if isinstance(marker, dict) and isinstance(marker.get("version"), int):
-        return int(marker["version"])
-    return parse_weight_dir_name(model_dir.name)
-
-
 def load_inputs(shard_dirs: list[str | Path], weights_dir: str | Path, *,
                 allow_version_mismatch: bool = False) -> Inputs:
     """Verify weights, shards, tokenizer and versions; read what the comparison needs."""
@@ -116,7 +105,8 @@ def load_inputs(shard_dirs: list[str | Path], weights_dir: str | Path, *,
         target = resolve_load(weights)
     except CheckpointError as e:  # its message names train's --load; here the flag is --weights
         raise CheckpointError(str(e).replace("--load", "--weights", 1)) from e
-    version = target.version if target.ckpt_dir is not None else declared_version(target.model_dir)
+    version = (target.version if target.ckpt_dir is not None
+               else declared_version(target.model_dir))
     expected_hash = tokenizer_hash(target.model_dir)
     samples: list[SampleRef] = []
     versions: set[int] = set()

@@ -43,7 +43,8 @@ def diff(ctx, base, new, out, format, encoding, workers, version, base_version, 
           --new runs/r1/train/out_v4 --out runs/r1/weights/weight_v000004 --json
     """
     from rltool.config import resolve
-    from rltool.delta.checkpoint import checkpoint_version, open_checkpoint
+    from rltool.delta.checkpoint import open_checkpoint
+    from rltool.rundir import declared_version
     from rltool.delta.config import DiffConfig
     from rltool.delta.diff import write_delta
     from rltool.errors import BadInputError
@@ -53,8 +54,8 @@ def diff(ctx, base, new, out, format, encoding, workers, version, base_version, 
                                              "version", "base_version"]) | {
                       "base": base, "new": new, "out": out})
     base_ckpt, new_ckpt = open_checkpoint(cfg.base), open_checkpoint(cfg.new)
-    v_base = cfg.base_version if cfg.base_version is not None else checkpoint_version(cfg.base)
-    v_new = cfg.version if cfg.version is not None else checkpoint_version(cfg.new)
+    v_base = cfg.base_version if cfg.base_version is not None else declared_version(cfg.base)
+    v_new = cfg.version if cfg.version is not None else declared_version(cfg.new)
     if v_base is None or v_new is None:
         raise BadInputError("cannot tell the versions of --base/--new (no rltool_version.json, "
                             "not named weight_vNNNNNN); pass --base-version and --version")
@@ -87,11 +88,12 @@ def apply(base, deltas, out, workers, as_json):
       rltool delta apply --base models/tiny --delta weights/weight_v000001 --out /tmp/v1
     """
     from rltool.delta.apply import apply_chain
-    from rltool.delta.checkpoint import checkpoint_version, open_checkpoint
+    from rltool.delta.checkpoint import open_checkpoint
+    from rltool.rundir import declared_version
     from rltool.delta.deltadir import open_delta
 
     chain = [open_delta(d) for d in deltas]
-    stats = apply_chain(open_checkpoint(base), chain, out, base_version=checkpoint_version(base),
+    stats = apply_chain(open_checkpoint(base), chain, out, base_version=declared_version(base),
                         workers=workers)
     _report(stats | {"out": out}, as_json, f"wrote {out} (version {stats['version']}): "
             f"{stats['tensors_changed']} tensors changed in {stats['decode_s']:.2f}s")

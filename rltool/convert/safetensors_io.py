@@ -156,8 +156,6 @@ def read_tensor(info: TensorInfo) -> torch.Tensor:
 def tensor_nbytes(dtype: str, shape: Iterable[int]) -> int:
     import math
 
-    import torch
-
     return math.prod(shape) * torch_dtype(dtype).itemsize
 
 

@@ -15,6 +15,7 @@ from pydantic import Field
 from rltool import atomic
 from rltool.config import StageConfig
 from rltool.errors import BadInputError
+from rltool.rundir import VERSION_FILE
 
 ARCHS = ("qwen2", "qwen3", "llama", "qwen3_moe")
 PRESETS: dict[str, dict[str, Any]] = {
@@ -29,7 +30,6 @@ PRESETS: dict[str, dict[str, Any]] = {
                          num_attention_heads=14, num_key_value_heads=2,
                          max_position_embeddings=32768, vocab_size=151936),
 }
-VERSION_FILE = "rltool_version.json"
 
 
 def build_config(arch: str, preset: str, *, vocab_size: int, eos_token_id: int,

@@ -14,11 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from rltool.data.models import VERSION_FILE
 from rltool.convert.safetensors_io import INDEX_NAME, TensorInfo
 from rltool.delta.safetensors_io import SafetensorsFile, read_header
 from rltool.errors import CheckpointError
-from rltool.rundir import parse_weight_dir_name
 
 _SKIP_PREFIXES = (".",)  # temporaries and the pull state directory
 
@@ -112,15 +110,3 @@ def open_checkpoint(root: str | os.PathLike) -> Checkpoint:
         if set(wm) != set(tensor_file) or any(tensor_file[t] != f for t, f in wm.items()):
             raise CheckpointError(f"{index}: weight_map does not match the shards' contents")
     return Checkpoint(root, files, tensor_file)
-
-
-def checkpoint_version(root: str | os.PathLike) -> int | None:
-    """The version a weights directory declares: `rltool_version.json`, else its name."""
-    root = Path(root)
-    vf = root / VERSION_FILE
-    if vf.is_file():
-        try:
-            return int(json.loads(vf.read_text())["version"])
-        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{vf}: malformed ({e!r})") from e
-    return parse_weight_dir_name(root.name)

@@ -10,10 +10,11 @@ import numpy as np
 import zstandard
 
 from rltool.delta.apply import apply_chain, decode_tensor
-from rltool.delta.checkpoint import checkpoint_version, is_delta_dir, open_checkpoint
+from rltool.delta.checkpoint import is_delta_dir, open_checkpoint
 from rltool.delta.deltadir import DeltaDir, open_delta
 from rltool.delta.safetensors_io import DTYPE_SIZES
 from rltool.errors import BadInputError, CheckpointError, DeltaChainError
+from rltool.rundir import declared_version
 
 
 def _check_blobs(delta: DeltaDir) -> None:
@@ -52,7 +53,7 @@ def verify_dir(path: str | os.PathLike, *, base: str | os.PathLike | None = None
         except CheckpointError as e:
             return {"ok": False, "kind": "full", "path": str(path), "problems": [str(e)]}
         return {"ok": True, "kind": "full", "path": str(path), "problems": [],
-                "tensors": len(ckpt.tensor_file), "version": checkpoint_version(path)}
+                "tensors": len(ckpt.tensor_file), "version": declared_version(path)}
     result: dict = {"kind": "delta", "path": str(path), "problems": [], "checked_checksums": False}
     try:
         d = open_delta(path)
@@ -65,7 +66,7 @@ def verify_dir(path: str | os.PathLike, *, base: str | os.PathLike | None = None
                 b = open_checkpoint(base)
             except CheckpointError as e:
                 raise BadInputError(f"--base: {e}") from e
-            apply_chain(b, [d], None, base_version=checkpoint_version(base), workers=workers)
+            apply_chain(b, [d], None, base_version=declared_version(base), workers=workers)
             result["checked_checksums"] = True
     except DeltaChainError as e:
         result["problems"].append(str(e))

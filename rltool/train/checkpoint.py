@@ -24,9 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from rltool import __version__, atomic
-from rltool.data.models import VERSION_FILE
 from rltool.errors import CheckpointError
-from rltool.rundir import parse_step_dir_name, parse_weight_dir_name, read_json_file
+from rltool.rundir import declared_version, parse_step_dir_name, read_json_file
 from rltool.train.publish import write_hf_dir
 
 FORMAT = "rltool-trainer-checkpoint"
@@ -59,22 +58,13 @@ def resolve_load(path: str | os.PathLike) -> LoadTarget:
         return LoadTarget(model_dir=path / MODEL_DIR, ckpt_dir=path,
                           version=int(state["policy_version"]))
     if (path / "config.json").exists():
-        return LoadTarget(model_dir=path, ckpt_dir=None, version=weights_version(path))
+        return LoadTarget(model_dir=path, ckpt_dir=None, version=declared_version(path) or 0)
     steps = sorted((s, p) for p in path.iterdir()
                    if (s := parse_step_dir_name(p.name)) is not None and (p / STATE_FILE).exists())
     if steps:
         return resolve_load(steps[-1][1])
     raise CheckpointError(f"--load {path}: neither a HF weights directory (config.json), a trainer "
                           f"checkpoint ({STATE_FILE}) nor a directory of step-NNNNNN checkpoints")
-
-
-def weights_version(model_dir: Path) -> int:
-    """The version a weights directory declares (rltool_version.json, or weight_vNNNNNN), else 0."""
-    marker = read_json_file(model_dir / VERSION_FILE, what=VERSION_FILE)
-    if isinstance(marker, dict) and isinstance(marker.get("version"), int):
-        return int(marker["version"])
-    from_name = parse_weight_dir_name(model_dir.name)
-    return 0 if from_name is None else from_name
 
 
 def read_trainer_state(ckpt_dir: Path) -> dict[str, Any]:
