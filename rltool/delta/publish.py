@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rltool import atomic
-from rltool.data.models import VERSION_FILE
+from rltool.rundir import VERSION_FILE
 from rltool.delta.checkpoint import INDEX_NAME, is_delta_dir, open_checkpoint
 from rltool.delta.deltadir import open_delta
 from rltool.delta.diff import write_delta

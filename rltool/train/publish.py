@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rltool import atomic
-from rltool.data.models import VERSION_FILE
+from rltool.rundir import VERSION_FILE
 from rltool.errors import CheckpointError
 from rltool.rundir import weight_dir_name
 
