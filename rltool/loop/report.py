@@ -37,7 +37,7 @@ PLOTS = (
     Plot("response_len.png", "Mean response length", "tokens",
          (("loop", "rollout/response_len/mean", "rollout"),)),
     Plot("kl.png", "KL", "nats",
-         (("train", "train/ppo_kl", "ppo_kl (new vs old)"),
+         (("train", "train/ppo_kl", "ppo_kl (new vs old, mean over the step)"),
           ("train", "train/kl_loss", "kl_loss (vs ref)"))),
     Plot("logprob_diff.png", "Train vs rollout logprob |diff|", "mean |Δ logprob|",
          (("loop", "train/train_rollout_logprob_abs_diff", "train_rollout_logprob_abs_diff"),)),
@@ -59,12 +59,18 @@ def load_metrics(run: RunDir) -> dict[str, list[dict[str, Any]]]:
     if not loop:
         raise BadInputError(f"{run.metrics_file('loop')}: no loop metrics; is {run.root} a "
                             "`rltool loop` run directory?")
-    # The loop's step for each train line is its rollout_step (several optimizer steps per loop
-    # step share one); a line repeated by a resumed step keeps the last copy.
-    train = {}
-    for r in read_metrics(run.metrics_file("train")):
-        train[r["policy_version"]] = dict(r, step=r.get("rollout_step", r["step"]))
-    return {"loop": loop, "train": sorted(train.values(), key=lambda r: r["policy_version"])}
+    # One train line per optimizer step, tagged with its loop step (rollout_step); a line repeated
+    # by a resumed step keeps the last copy. Plots show the mean over a loop step's lines.
+    by_version = {r["policy_version"]: r for r in read_metrics(run.metrics_file("train"))}
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for r in by_version.values():
+        by_step.setdefault(int(r.get("rollout_step", r["step"])), []).append(r)
+    train = []
+    for step, rows in sorted(by_step.items()):
+        keys = {k for r in rows for k, v in r.items() if isinstance(v, (int, float))}
+        train.append({"step": step, **{k: sum(float(r[k]) for r in rows if k in r) /
+                                       sum(1 for r in rows if k in r) for k in keys - {"step"}}})
+    return {"loop": loop, "train": train}
 
 
 def plot_all(metrics: dict[str, list[dict[str, Any]]], out: Path) -> list[tuple[str, str]]:
