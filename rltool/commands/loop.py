@@ -48,6 +48,7 @@ def command(config_file, run_dir, resume_dir, sync_mode, sets, as_json, quiet, *
     from rltool.loop.config import LoopSettings, parse_set_options
 
     setup_logging(quiet=quiet)
+    _sigterm_as_interrupt()
     overrides = parse_set_options(sets)
     loop_values = {k: v for k, v in loop_flags.items() if v is not None}
     if loop_values:
@@ -83,3 +84,13 @@ def _print_row(row):
                f"|dlogp| {fmt('train/train_rollout_logprob_abs_diff', '.2e')}  "
                f"eval {fmt('eval/mean_reward', '.3f')}  "
                f"time {fmt('perf/loop/step_time', '.1f')}s", err=True)
+
+
+def _sigterm_as_interrupt():
+    """SIGTERM unwinds like Ctrl-C, so the loop's `finally` ends its engines by PID."""
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)

@@ -160,7 +160,8 @@ def uids(shard: Path) -> list[str]:
             b.column("uid").to_pylist()]
 
 
-def test_ctrl_c_ends_the_engines(loop_config, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_ends_the_engines(loop_config, tmp_path, signum):
     run = tmp_path / "run"
     env = dict(os.environ)
     env.pop(KILL_ENV, None)
@@ -175,7 +176,7 @@ def test_ctrl_c_ends_the_engines(loop_config, tmp_path):
                 pids = [e["pid"] for e in RunDir(run).read_engines()]
             time.sleep(0.2)
         assert pids, "the loop never recorded its engine"
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         _, err = proc.communicate(timeout=120)
         assert proc.returncode != 0
         assert_no_children(run, pids)
