@@ -86,9 +86,9 @@ def warm_start(root: Path, model: Path, *, sft_steps: int, clock: Clock) -> Path
                       metrics=str(root / "sft" / "train.jsonl"), lr=3e-3, global_batch_size=32,
                       num_steps=sft_steps, seed=SEED)
     result = run_train(cfg)
-    last = result.metrics[-1] if result.metrics else {}
+    loss = (result.metrics[-1] if result.metrics else {}).get("train/sft_loss", float("nan"))
     clock.say(f"rltool train --loss sft --num-steps {sft_steps} --global-batch-size 32 --lr 3e-3:"
-              f" supervised warm start, final sft loss {last.get('train/sft_loss', float('nan')):.3f}")
+              f" supervised warm start, final sft loss {loss:.3f}")
     assert result.published is not None
     return Path(result.published)
 

@@ -1,6 +1,7 @@
 import click
 
-from rltool.commands.common import echo_json, handle_errors, json_option, quiet_option, setup_logging
+from rltool.commands.common import (echo_json, handle_errors, json_option, quiet_option,
+                                    setup_logging)
 
 # Flags that override a [loop] / [sync] key of the config file.
 LOOP_FLAGS = ("num_steps", "placement", "num_engines", "eval_interval", "align_gate",

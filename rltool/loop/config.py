@@ -176,7 +176,8 @@ def _validate(model: type[Any], values: dict[str, Any], section: str) -> Any:
 
 
 def parse_set_options(items: list[str] | tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """`--set table.key=value` (value parsed as TOML, else kept as a string) -> {table: {key: v}}."""
+    """`--set table.key=value` (the value parsed as TOML, else kept as a string) ->
+    {table: {key: value}}."""
     import tomllib
 
     out: dict[str, dict[str, Any]] = {}
