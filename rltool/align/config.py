@@ -30,6 +30,9 @@ class AlignGateConfig(StageConfig):
                                          "declare a version other than the shards' tokens.")
     dtype: Literal["fp32", "bf16"] = Field("fp32", description="Trainer compute dtype (as "
                                            "`rltool train --dtype`).")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "cpu", description="Where the trainer path recomputes. cpu (default) matches the builtin "
+        "engine, which runs on the CPU: exact alignment needs the same device on both sides.")
     deterministic: bool = Field(False, description="Trainer's deterministic layout: one unpadded "
                                 "forward per sample (as `rltool train --deterministic`).")
     max_tokens_per_microbatch: int = Field(4096, ge=1, description="Trainer micro-batch token cap "

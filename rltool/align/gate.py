@@ -205,7 +205,7 @@ def histogram(values: list[float]) -> list[dict[str, Any]]:
 def check(shard_dirs: list[str | Path], weights_dir: str | Path, *, tol: float = DEFAULT_TOL,
           deterministic: bool = False, dtype: str = "fp32", max_tokens_per_microbatch: int = 4096,
           global_batch_size: int | None = None, allow_version_mismatch: bool = False,
-          num_worst: int = 5) -> GateResult:
+          num_worst: int = 5, device: str = "cpu") -> GateResult:
     """The logprob gate without layerwise, report file or config file (what the loop calls).
 
     Raises BadInputError (and subclasses) on bad input; returns a GateResult whose `passed`
@@ -216,7 +216,7 @@ def check(shard_dirs: list[str | Path], weights_dir: str | Path, *, tol: float =
         deterministic=deterministic, dtype=dtype,
         max_tokens_per_microbatch=max_tokens_per_microbatch,
         global_batch_size=global_batch_size, allow_version_mismatch=allow_version_mismatch,
-        num_worst=num_worst))
+        num_worst=num_worst, device=device))
 
 
 def run(cfg: AlignGateConfig) -> GateResult:
@@ -229,7 +229,7 @@ def run(cfg: AlignGateConfig) -> GateResult:
     train_logprobs = recompute_logprobs(
         cfg.weights, list(cfg.rollouts), max_tokens_per_microbatch=cfg.max_tokens_per_microbatch,
         deterministic=cfg.deterministic, dtype=cfg.dtype,
-        global_batch_size=cfg.global_batch_size)
+        global_batch_size=cfg.global_batch_size, device=cfg.device)
     recompute_s = time.perf_counter() - t0
     numbers = compare(inputs.samples, train_logprobs, tol=cfg.tol, num_worst=cfg.num_worst)
     log.info("%s = %.3g over %d samples (max %.3g); tol %g", METRIC, numbers["metric"],
@@ -242,7 +242,7 @@ def run(cfg: AlignGateConfig) -> GateResult:
         chosen = [inputs.samples[i] for i in numbers["order"][:cfg.layerwise_samples]]
         layers = compare_layers(chosen, model_dir=inputs.model_dir, engine_url=cfg.engine,
                                 dtype=cfg.dtype, tol=cfg.effective_layer_tol,
-                                api_key=cfg.api_key, timeout_s=cfg.timeout_s)
+                                api_key=cfg.api_key, timeout_s=cfg.timeout_s, device=cfg.device)
     result = GateResult(
         metric=numbers["metric"], max_abs_diff=numbers["max_abs_diff"], tol=cfg.tol,
         passed=numbers["passed"], num_samples=len(inputs.samples),

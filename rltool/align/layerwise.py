@@ -64,10 +64,11 @@ def engine_hidden_states(url: str, token_ids: list[int], *, api_key: str | None 
 class TrainerModel:
     """The trainer's model for these weights, as the torch backend builds it (no optimizer)."""
 
-    def __init__(self, model_dir: str | Path, *, dtype: str = "fp32"):
+    def __init__(self, model_dir: str | Path, *, dtype: str = "fp32", device: str = "cpu"):
         from rltool.train.torch_backend import TorchBackend, TorchOptions
 
-        self.backend = TorchBackend(model_dir, options=TorchOptions(dtype=dtype, trainable=False))
+        self.backend = TorchBackend(model_dir, options=TorchOptions(dtype=dtype, trainable=False,
+                                                                    device=device))
         self.backend.inner.eval()
 
     def hidden_states(self, token_ids: list[int]) -> tuple[list["torch.Tensor"], "torch.Tensor"]:
@@ -85,7 +86,7 @@ class TrainerModel:
 
 def compare_layers(samples: list["SampleRef"], *, model_dir: str | Path, engine_url: str,
                    dtype: str = "fp32", tol: float = 1e-6, api_key: str | None = None,
-                   timeout_s: float = 120.0) -> dict[str, Any]:
+                   timeout_s: float = 120.0, device: str = "cpu") -> dict[str, Any]:
     """Per-entry diffs between the engine and the trainer model over `samples` (module docstring).
 
     Returns {"tol", "samples": [uid], "engine_weight_version", "layers": [{name, max_abs_diff,
@@ -93,7 +94,7 @@ def compare_layers(samples: list["SampleRef"], *, model_dir: str | Path, engine_
     """
     import torch
 
-    model = TrainerModel(model_dir, dtype=dtype)
+    model = TrainerModel(model_dir, dtype=dtype, device=device)
     names: list[str] | None = None
     max_diff: list[float] = []
     sums: list[float] = []

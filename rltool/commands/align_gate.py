@@ -21,6 +21,8 @@ FLAGS = ["rollouts", "weights", "backend", "tol", "allow_version_mismatch", "dty
               help="Pass when train_rollout_logprob_abs_diff <= TOL (default 1e-6).")
 @click.option("--allow-version-mismatch", is_flag=True, default=None,
               help="Compare even if the weights' version differs from the shards' tokens.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None,
+              help="Where the trainer path recomputes (default cpu, like the builtin engine).")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default=None,
               help="Trainer compute dtype, as in `rltool train` (default fp32).")
 @click.option("--deterministic/--no-deterministic", default=None,

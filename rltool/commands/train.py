@@ -81,6 +81,8 @@ from rltool.commands.common import (config_option, echo_json, explicit_flags, ha
 @click.option("--max-tokens-per-microbatch", type=int, default=None,
               help="Token cap per micro-batch (default 4096).")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default=None, help="fp32 or bf16.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None,
+              help="auto (default): CUDA when available; cpu: match a CPU engine.")
 @click.option("--parallel", type=click.Choice(["ddp", "fsdp"]), default=None,
               help="Data parallelism under torchrun.")
 @click.option("--deterministic/--no-deterministic", default=None,

@@ -96,6 +96,8 @@ class TrainConfig(SyncConfig):
     # execution
     dtype: Literal["fp32", "bf16"] = Field("fp32", description="fp32, or bf16 compute with fp32 "
                                            "master weights.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available; "
+                                                   "cpu: match an engine that runs on the CPU.")
     parallel: Literal["ddp", "fsdp"] = Field("ddp", description="Data parallelism under torchrun: "
                                              "DDP or FSDP2 (fully_shard).")
     deterministic: bool = Field(False, description="One unpadded forward per sample "

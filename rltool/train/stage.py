@@ -60,7 +60,7 @@ def backend_options(cfg: TrainConfig, *, trainable: bool = True) -> TorchOptions
                         lr_decay_steps=cfg.lr_decay_steps, weight_decay=cfg.weight_decay,
                         adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2,
                         adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad,
-                        value_head=trainable and cfg.value_head)
+                        value_head=trainable and cfg.value_head, device=cfg.device)
 
 
 def make_micro_batch(samples: list[Sample], indices: list[int]) -> MicroBatch:
@@ -412,7 +412,8 @@ def _save(cfg: TrainConfig, backend: TorchBackend, data: SampleTensors, sample_s
 
 def recompute_logprobs(weights_dir: str | Path, shard_dirs: list[str | Path], *,
                        max_tokens_per_microbatch: int, deterministic: bool, dtype: str = "fp32",
-                       global_batch_size: int | None = None) -> list[list[float]]:
+                       global_batch_size: int | None = None,
+                       device: str = "auto") -> list[list[float]]:
     """Logprobs of every shard row's response tokens (shard order) under `weights_dir`, computed
     exactly as training computes old logprobs: same reader checks, same DP micro-batch schedule per
     global batch, same temperature convention. Collective under torchrun (every rank returns all).
@@ -420,7 +421,7 @@ def recompute_logprobs(weights_dir: str | Path, shard_dirs: list[str | Path], *,
     cfg = TrainConfig(rollouts=[str(d) for d in shard_dirs], load=str(weights_dir),
                       max_tokens_per_microbatch=max_tokens_per_microbatch,
                       deterministic=deterministic, dtype=dtype,
-                      global_batch_size=global_batch_size)
+                      global_batch_size=global_batch_size, device=device)
     owns_group = not dist.is_initialized()
     try:
         target = resolve_load(cfg.load)

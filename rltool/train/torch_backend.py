@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rltool.errors import CheckpointError
+from rltool.errors import CheckpointError, ConfigError
 from rltool.logprobs import effective_temperature, logits_to_logprobs
 from rltool.train import checkpoint as ckpt
 from rltool.train.algo.losses import entropy_from_logits
@@ -53,19 +53,24 @@ class TorchOptions:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
+    device: str = "auto"  # auto: CUDA when available; cpu: always the CPU (e.g. to match a CPU engine)
     value_head: bool = False  # a scalar head on the last hidden state (PPO's critic)
 
 
 VALUE_HEAD = "value_head"  # attribute on the HF model, and the prefix of its state-dict keys
 
 
-def init_distributed() -> tuple[int, int, torch.device]:
-    """(rank, world size, device); joins the torchrun process group when WORLD_SIZE > 1."""
+def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
+    """(rank, world size, device); joins the torchrun process group when WORLD_SIZE > 1.
+    device: "auto" (CUDA when available), "cpu" or "cuda"."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but no CUDA device is visible; use --device auto or cpu")
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if use_cuda else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if torch.cuda.is_available():
+    if use_cuda:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         return rank, world, torch.device("cuda", local)
@@ -80,7 +85,7 @@ class TorchBackend:
 
         self.options = options
         self.model_dir = Path(model_dir)
-        self.dp_rank, self.dp_size, self.device = init_distributed()
+        self.dp_rank, self.dp_size, self.device = init_distributed(options.device)
         self.optimizer_steps = 0
         if options.trainable:  # a frozen reference must not reset the policy's RNG stream
             torch.manual_seed(options.seed + self.dp_rank)

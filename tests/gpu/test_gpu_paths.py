@@ -199,3 +199,19 @@ def test_megatron_gpt_model_on_cuda_matches_transformers(arch, tiny_model_factor
     with torch.no_grad():
         want = _hf_model(hf_dir, device="cuda")(ids).logits
     assert (got - want).abs().max().item() < 1e-4
+
+
+def test_trainer_can_stay_on_the_cpu_to_match_a_cpu_engine(tiny_model_dir, shard):
+    """The builtin engine runs on the CPU; the align gate recomputes there (--device cpu, its
+    default) so exact alignment holds on GPU hosts too."""
+    rows = open_shard(shard).rows()
+    on_cpu = recompute_logprobs(tiny_model_dir, [shard], max_tokens_per_microbatch=64,
+                                deterministic=True, device="cpu")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    for row, lps in zip(rows, on_cpu):
+        ids = list(row["prompt_token_ids"]) + list(row["response_token_ids"])
+        ref = sequence_logprobs(model, ids, response_start=len(row["prompt_token_ids"]),
+                                temperature=0.8)  # the shard's sampling temperature
+        assert torch.equal(torch.tensor(lps, dtype=torch.float32), ref)

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from rltool.data.shards import open_shard
+from rltool.errors import ConfigError
 from rltool.logprobs import sequence_logprobs
 from rltool.train import run
 from rltool.train.config import TrainConfig
@@ -255,3 +256,15 @@ def test_sync_delta_publishes_a_delta_that_pulls_to_the_trained_weights(tiny_mod
     assert [x["policy_version"] for x in synced] == [1, 2]
     assert 0.0 < synced[1]["perf/update_weights_density"] <= 1.0
     assert synced[1]["perf/update_weights_wire_bytes"] > 0
+
+
+def test_device_option(tiny_model_dir, train_shard):
+    from rltool.train.torch_backend import TorchBackend, TorchOptions
+
+    backend = TorchBackend(tiny_model_dir, options=TorchOptions(trainable=False, device="cpu"))
+    assert backend.device.type == "cpu"
+    assert all(p.device.type == "cpu" for p in backend.inner.parameters())
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="--device cuda"):
+            recompute_logprobs(tiny_model_dir, [train_shard], max_tokens_per_microbatch=40,
+                               deterministic=True, device="cuda")
