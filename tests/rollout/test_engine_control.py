@@ -115,7 +115,9 @@ def test_pause_abort_blocks_new_requests_until_continue(det_engine):
 
 def test_pause_retract_recomputes_and_allows_flush(det_engine):
     r = rid("pr")
-    sp = {"max_new_tokens": 60, "ignore_eos": True, "sampling_seed": 3}
+    # Long enough that the request is still decoding when the pause lands on a loaded machine
+    # (60 tokens finished before the pause under CI load).
+    sp = {"max_new_tokens": 300, "ignore_eos": True, "sampling_seed": 3}
 
     async def main():
         async with EngineClient(det_engine.url, timeout_s=60) as c:
