@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import Field
 
-from rltool.rollout.stage import EngineStageConfig, StageInputs, write_metrics
+from rltool.rollout.stage import EngineStageConfig, StageInputs, with_seed, write_metrics
 
 PRODUCER = "rltool eval"
 CONFIG_NAME = "eval_config.toml"
@@ -32,6 +32,7 @@ def run(cfg: EvalConfig) -> dict[str, Any]:
     """Evaluate; returns {out, rows, metrics, metrics_path, engines}."""
     from rltool.rollout.metrics import eval_metrics
 
+    cfg = with_seed(cfg)
     inputs = StageInputs(cfg)
     num_prompts = min(cfg.max_prompts or len(inputs.prompts), len(inputs.prompts))
     source = (inputs.new_group(p, n=cfg.n_samples_per_prompt, uid_prefix=f"eval{cfg.step:06d}")

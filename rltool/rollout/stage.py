@@ -221,11 +221,25 @@ def _engine_tokenizer_path(cfg: EngineStageConfig, url: str) -> str:
     return str(path)
 
 
+def with_seed(cfg: EngineStageConfig) -> EngineStageConfig:
+    """Fix a base seed when none was given, so every request carries a distinct sampling_seed.
+
+    A deterministic engine (SGLang's --enable-deterministic-inference, builtin --deterministic)
+    seeds a request without one with 42: every sample of a group would be the same, and GRPO would
+    see no variance. The seed drawn here goes into the shard metadata (sampling.seed)."""
+    if cfg.seed is not None:
+        return cfg
+    import secrets
+
+    return cfg.model_copy(update={"seed": secrets.randbelow(2**31)})
+
+
 def run(cfg: RolloutConfig) -> dict[str, Any]:
     """Run one rollout step; returns {out, rows, groups, metrics, counts, engines, ...}."""
     from rltool.rollout import partial as partial_store
     from rltool.rollout.metrics import rollout_metrics
 
+    cfg = with_seed(cfg)
     inputs = StageInputs(cfg)
     n, batch = cfg.n_samples_per_prompt, cfg.rollout_batch_size
     budget = (cfg.max_prompts or 4 * batch) if cfg.filter != "none" else batch

@@ -505,3 +505,16 @@ def test_unreachable_engines_exit_3_and_write_nothing(tiny_model_dir, prompts, t
     assert result.exit_code == 3, result.output
     assert "every engine died" in result.output
     assert not out.exists() and not (out.parent / "rollout.jsonl").exists()
+
+
+def test_groups_differ_on_a_deterministic_engine_without_a_seed(det_engine, prompts, tmp_path):
+    """Regression: without --seed no sampling_seed was sent, so a deterministic engine seeded every
+    request with 42 and the samples of a group were identical (zero GRPO advantage)."""
+    out = tmp_path / "shard"
+    result = rollout(["--engines", det_engine.url, "--prompts", prompts, "--out", out,
+                      "--n-samples-per-prompt", 4, "--rollout-batch-size", 2, "--reward", "reverse",
+                      "--max-response-len", 12, "--temperature", 1.0])
+    assert result.exit_code == 0, result.output
+    for group in rows_by_group(out).values():
+        assert len({tuple(r["response_token_ids"]) for r in group}) > 1
+    assert isinstance(open_shard(out).meta.sampling["seed"], int)
