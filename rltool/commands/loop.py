@@ -49,7 +49,7 @@ def command(config_file, run_dir, resume_dir, sync_mode, sets, as_json, quiet, *
     from rltool.loop.config import LoopSettings, parse_set_options
 
     setup_logging(quiet=quiet)
-    _sigterm_as_interrupt()
+    _signals_as_interrupt()
     overrides = parse_set_options(sets)
     loop_values = {k: v for k, v in loop_flags.items() if v is not None}
     if loop_values:
@@ -87,11 +87,15 @@ def _print_row(row):
                f"time {fmt('perf/loop/step_time', '.1f')}s", err=True)
 
 
-def _sigterm_as_interrupt():
-    """SIGTERM unwinds like Ctrl-C, so the loop's `finally` ends its engines by PID."""
+def _signals_as_interrupt():
+    """SIGINT and SIGTERM raise KeyboardInterrupt wherever the loop is, so its `finally` ends the
+    engines by PID. An explicit SIGINT handler also keeps asyncio.run from installing its own,
+    which only cancels the running task: a stage that absorbs the cancellation would let the
+    loop carry on after Ctrl-C (seen in a test run)."""
     import signal
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
+    signal.signal(signal.SIGINT, interrupt)
     signal.signal(signal.SIGTERM, interrupt)

@@ -171,11 +171,12 @@ def test_ctrl_c_ends_the_engines(loop_config, tmp_path, signum):
     try:
         deadline = time.monotonic() + 240
         pids: list[int] = []
+        # Interrupt mid-run (step 1 done), when any phase may be running, asyncio ones included.
         while time.monotonic() < deadline and not pids:
-            if (run / "engines.json").exists():
+            if (run / "rollouts" / "step-000001" / "_SUCCESS").exists():
                 pids = [e["pid"] for e in RunDir(run).read_engines()]
-            time.sleep(0.2)
-        assert pids, "the loop never recorded its engine"
+            time.sleep(0.05)
+        assert pids, "the loop never got to step 1 with a recorded engine"
         proc.send_signal(signum)
         _, err = proc.communicate(timeout=120)
         assert proc.returncode != 0
