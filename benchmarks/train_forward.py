@@ -56,6 +56,8 @@ def timed(fn, repeats: int) -> tuple[float, object]:
     for _ in range(repeats):
         start = time.perf_counter()
         result = fn()
+        if torch.cuda.is_available():  # CUDA calls return at launch: time the work, not the queue
+            torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times), result
 
