@@ -188,6 +188,9 @@ def main(argv: list[str] | None = None) -> None:
     # oversubscribed threads made every step several times slower on a 2-core machine.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a "Loading weights" bar per step drowns the step table
     parser = argparse.ArgumentParser(prog="python -m rltool.demo", description=__doc__.split(
         "\n")[0])
     parser.add_argument("dir", nargs="?", default="demo-run", help="Demo directory (recreated).")

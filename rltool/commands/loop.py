@@ -49,6 +49,9 @@ def command(config_file, run_dir, resume_dir, sync_mode, sets, as_json, quiet, *
     from rltool.loop.config import LoopSettings, parse_set_options
 
     setup_logging(quiet=quiet)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a "Loading weights" bar per step drowns the step lines
     _signals_as_interrupt()
     overrides = parse_set_options(sets)
     loop_values = {k: v for k, v in loop_flags.items() if v is not None}
