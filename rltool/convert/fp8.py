@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, field_validator
 
-from rltool import atomic
-from rltool.config import StageConfig, write_resolved
+from rltool.config import StageConfig
 from rltool.convert import hf_writer
 from rltool.convert import safetensors_io as stio
 from rltool.errors import BadInputError, CheckpointError
@@ -39,7 +38,6 @@ SKIP_SUBSTRINGS = ("norm", "embed", "router", "mlp.gate.", "lm_head", "eh_proj",
                    "conv1d", "A_log", "dt_bias", "in_proj_a", "in_proj_b")
 _FLOAT_CODES = ("F32", "F16", "BF16")
 SCALE_SUFFIX = "_scale_inv"
-RESOLVED_CONFIG = "rltool_convert.toml"
 
 
 def _default_workers() -> int:
@@ -180,13 +178,9 @@ def quantize_checkpoint(cfg: Fp8Config) -> dict[str, Any]:
     config["quantization_config"] = {
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
         "weight_block_size": list(cfg.block), "modules_to_not_convert": sorted(skipped_modules)}
-    with atomic.publish_dir(out) as tmp:
-        hf_writer.copy_side_files(cfg.hf, tmp)
-        written = hf_writer.write_checkpoint(tmp, jobs, workers=cfg.workers,
-                                             max_shard_bytes=int(cfg.max_shard_mb * 10**6))
-        write_resolved(cfg, tmp / RESOLVED_CONFIG)
-        # config.json last: it is the directory's completeness marker for HF loaders.
-        atomic.write_json(tmp / hf_writer.CONFIG_NAME, config)
+    written = hf_writer.publish_checkpoint(out, jobs, config=config, side_files_from=cfg.hf,
+                                           stage_config=cfg, workers=cfg.workers,
+                                           max_shard_mb=cfg.max_shard_mb)
     result = {"out": str(out), "tensors": len(tensors),
               "quantized": sum(len(j.outputs) == 2 for j in jobs),
               "bytes_in": sum(i.nbytes for i in tensors.values()),
@@ -243,11 +237,8 @@ def dequantize_checkpoint(cfg: DequantConfig) -> dict[str, Any]:
     for key in ("torch_dtype", "dtype"):
         if key in config:
             config[key] = cfg.dtype
-    with atomic.publish_dir(out) as tmp:
-        hf_writer.copy_side_files(cfg.hf, tmp)
-        written = hf_writer.write_checkpoint(tmp, jobs, workers=cfg.workers,
-                                             max_shard_bytes=int(cfg.max_shard_mb * 10**6))
-        write_resolved(cfg, tmp / RESOLVED_CONFIG)
-        atomic.write_json(tmp / hf_writer.CONFIG_NAME, config)
+    written = hf_writer.publish_checkpoint(out, jobs, config=config, side_files_from=cfg.hf,
+                                           stage_config=cfg, workers=cfg.workers,
+                                           max_shard_mb=cfg.max_shard_mb)
     return {"out": str(out), "tensors": len(jobs), "bytes_out": written["total_size"],
             "files": written["files"], "seconds": round(time.perf_counter() - started, 3)}

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 Entry = tuple[str, str, tuple[int, ...]]  # (name, safetensors dtype code, shape)
 CONFIG_NAME = "config.json"
+RESOLVED_CONFIG = "rltool_convert.toml"  # the convert command's resolved config, inside its output
 # Files of the source checkpoint that a conversion rewrites instead of copying.
 _REWRITTEN = {CONFIG_NAME, stio.INDEX_NAME}
 
@@ -115,6 +116,23 @@ def _ordered_results(jobs: list[Job], pool: ThreadPoolExecutor, *,
         for (name, _, _), tensor in zip(job.outputs, tensors, strict=True):
             yield name, tensor
         del tensors
+
+
+def publish_checkpoint(out: Path, jobs: list[Job], *, config: dict[str, Any],
+                       side_files_from: str | os.PathLike, stage_config: Any, workers: int,
+                       max_shard_mb: float) -> dict[str, Any]:
+    """Publish a complete HF checkpoint at `out` (atomic): side files copied from
+    `side_files_from`, the jobs' shards and index, the resolved stage config, and config.json last
+    (the directory's completeness marker for HF loaders). Returns write_checkpoint's result."""
+    from rltool.config import write_resolved
+
+    with atomic.publish_dir(out) as tmp:
+        copy_side_files(side_files_from, tmp)
+        written = write_checkpoint(tmp, jobs, workers=workers,
+                                   max_shard_bytes=int(max_shard_mb * 10**6))
+        write_resolved(stage_config, tmp / RESOLVED_CONFIG)
+        atomic.write_json(tmp / CONFIG_NAME, config)
+    return written
 
 
 def write_checkpoint(tmp_dir: Path, jobs: list[Job], *, workers: int,

@@ -40,7 +40,6 @@ log = logging.getLogger(__name__)
 
 ITER_DIR = "iter_0000000"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
-RESOLVED_CONFIG = "rltool_convert.toml"
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version, kept in the common state
 
 
@@ -177,7 +176,7 @@ def _build_fill_save(cfg: HfToDistConfig, out: Path, hf_config: dict[str, Any],
                                  "iteration": 0}, str(tmp / ITER_DIR))
         dist.barrier()
         if rank0:
-            write_resolved(cfg, tmp / RESOLVED_CONFIG)
+            write_resolved(cfg, tmp / hf_writer.RESOLVED_CONFIG)
             atomic.write_text(tmp / TRACKER_FILE, "0")  # written last: the layout's marker
             os.rename(tmp, out)
             atomic.fsync_dir(out.parent)
@@ -328,12 +327,9 @@ def dist_to_hf(cfg: DistToHfConfig) -> dict[str, Any]:
     for k in ("torch_dtype", "dtype"):
         if k in config:
             config[k] = str(dtype).removeprefix("torch.")
-    with atomic.publish_dir(out) as tmp:
-        hf_writer.copy_side_files(cfg.hf_config, tmp)
-        written = hf_writer.write_checkpoint(tmp, jobs, workers=cfg.workers,
-                                             max_shard_bytes=int(cfg.max_shard_mb * 10**6))
-        write_resolved(cfg, tmp / RESOLVED_CONFIG)
-        atomic.write_json(tmp / hf_writer.CONFIG_NAME, config)
+    written = hf_writer.publish_checkpoint(out, jobs, config=config,
+                                           side_files_from=cfg.hf_config, stage_config=cfg,
+                                           workers=cfg.workers, max_shard_mb=cfg.max_shard_mb)
     return {"out": str(out), "source": str(source), "tensors": sum(len(j.outputs) for j in jobs),
             "bytes_out": written["total_size"], "files": written["files"],
             "seconds": round(time.perf_counter() - started, 3)}
