@@ -128,13 +128,16 @@ def checkpoint_tensors(directory: str | os.PathLike) -> dict[str, TensorInfo]:
 
 
 def read_tensor(info: TensorInfo) -> torch.Tensor:
-    """One tensor, mapped from its file's byte range alone (private copy-on-write mapping).
+    """One tensor, mapped read-only from its file's byte range alone.
 
     Zero-copy from the page cache, and the mapping (so its pages in this process's RSS) lives only
     as long as the returned tensor: a conversion holds the tensors in flight, never a whole file.
-    Writing to the tensor is safe: it copies the touched pages, the file never changes.
+    The tensor is READ-ONLY: writing to it faults (SIGSEGV); callers copy before changing it. A
+    writable private mapping would be safe to write, but populating it copies every page
+    (measured: 0.5 s of kernel time per 1.26 GB read, against 0.02 s read-only).
     """
     import mmap
+    import warnings
 
     import torch
 
@@ -144,10 +147,11 @@ def read_tensor(info: TensorInfo) -> torch.Tensor:
     aligned = info.start - info.start % mmap.ALLOCATIONGRANULARITY
     with open(info.path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), info.end - aligned, offset=aligned,
-                           flags=mmap.MAP_PRIVATE | mmap.MAP_POPULATE,
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    data = torch.frombuffer(mapped, dtype=torch.uint8, offset=info.start - aligned,
-                            count=info.nbytes)
+                           flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+    with warnings.catch_warnings():  # "the given buffer is not writable": known, see above
+        warnings.simplefilter("ignore", UserWarning)
+        data = torch.frombuffer(mapped, dtype=torch.uint8, offset=info.start - aligned,
+                                count=info.nbytes)
     if (info.start - aligned) % dtype.itemsize:  # the format does not promise aligned data
         data = data.clone()
     return data.view(dtype).reshape(info.shape)
