@@ -24,7 +24,7 @@ from rltool.delta import codec
 from rltool.delta.checkpoint import INDEX_NAME, Checkpoint
 from rltool.delta.deltadir import DeltaDir
 from rltool.delta.diff import default_workers
-from rltool.delta.safetensors_io import DTYPE_SIZES, output_like, pwrite_all
+from rltool.delta.safetensors_io import DTYPE_SIZES, output_like
 from rltool.errors import DeltaChainError
 
 
@@ -128,10 +128,10 @@ def apply_chain(base: Checkpoint, deltas: list[DeltaDir], out: str | os.PathLike
     names = base.names()
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(atomic.publish_dir(out)) if out is not None else None
-        fds = {}
+        outs = {}
         if tmp is not None:
             for fname, f in base.files.items():
-                fds[fname] = stack.enter_context(output_like(tmp / fname, like=f))
+                outs[fname] = stack.enter_context(output_like(tmp / fname, like=f))
         pool = stack.enter_context(ThreadPoolExecutor(workers))
         scratch = threading.local()  # one reused buffer per worker: no page faults per tensor
 
@@ -141,8 +141,8 @@ def apply_chain(base: Checkpoint, deltas: list[DeltaDir], out: str | os.PathLike
                 scratch.buf = np.empty(e.nbytes, dtype=np.uint8)
             buf = base.read(name, out=scratch.buf[:e.nbytes])
             changed = _rebuild_tensor(name, buf, base, deltas)
-            if fds:
-                pwrite_all(fds[base.tensor_file[name]], buf, e.start)
+            if outs:
+                outs[base.tensor_file[name]].write(buf, e.start)
             return changed
 
         changed = sum(pool.map(work, names))
