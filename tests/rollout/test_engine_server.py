@@ -240,3 +240,23 @@ def test_duplicate_rid_in_flight_is_refused(builtin_engine):
     t.join()
     assert dup.status_code == 400 and "duplicate" in dup.json()["error"]["message"]
     assert result["r"].status_code == 200
+
+
+def test_listener_disables_nagle_and_fast_http_stack_is_installed():
+    """Accepted sockets inherit TCP_NODELAY from the listener: without it each keep-alive response
+    waited ~44 ms for the client's delayed ACK. uvloop and httptools are dependencies (the
+    engine's event loop and uvicorn's `http="auto"` pick them); a missing one must fail here."""
+    import socket
+
+    from rltool.rollout.engine.server import _loop_factory, bind_socket
+
+    sock = bind_socket("127.0.0.1", 0)
+    try:
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+    finally:
+        sock.close()
+    import uvloop
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    assert _loop_factory() is uvloop.new_event_loop
+    assert AutoHTTPProtocol.__name__ == "HttpToolsProtocol"

@@ -31,8 +31,7 @@ from rltool.rollout.engine.protocol import (AbortInput, ContinueInput, GenerateI
                                             UpdateWeightVersionInput, expand_generate)
 from rltool.rollout.engine.request import Request, build_response
 from rltool.rollout.engine.scheduler import MEMORY_TAGS, QueueFullError, Scheduler
-from rltool.rollout.engine.security import (PayloadTooLargeError, check_auth, check_size,
-                                            confine)
+from rltool.rollout.engine.security import Guard, PayloadTooLargeError, confine
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -99,13 +98,8 @@ def build_app(state: EngineState) -> FastAPI:
     cfg = state.cfg
     weight_roots = cfg.weight_roots()
 
-    @app.middleware("http")
-    async def _guard(request: HttpRequest, call_next: Any) -> Response:
-        refused = (check_auth(request.url.path, request.headers.get("authorization"),
-                              api_key=cfg.api_key, admin_api_key=cfg.admin_api_key)
-                   or check_size(request.headers.get("content-length"),
-                                 limit_bytes=cfg.max_request_bytes))
-        return refused if refused is not None else await call_next(request)
+    app.add_middleware(Guard, api_key=cfg.api_key, admin_api_key=cfg.admin_api_key,
+                       max_request_bytes=cfg.max_request_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(request: HttpRequest, exc: RequestValidationError) -> JSONResponse:

@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 import time
+from typing import Any
 
 from rltool import atomic
 from rltool.errors import EngineError
@@ -33,6 +34,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted sockets inherit this. With Nagle on, a keep-alive response's last segment waited
+    # for the client's delayed ACK: ~44 ms per request with httpx (4.8 ms with it off).
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
@@ -97,7 +101,8 @@ def serve(cfg: ServeConfig) -> None:
     # handler that would kill the process before the cleanup below, so the re-raise lands here.
     previous = {sig: signal.signal(sig, _note_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        asyncio.run(_run(server, sock, url, cfg))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner_:
+            runner_.run(_run(server, sock, url, cfg))
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -106,6 +111,17 @@ def serve(cfg: ServeConfig) -> None:
         if cfg.ready_file is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(cfg.ready_file)
+
+
+def _loop_factory() -> Any:
+    """uvloop's event loop when it is installed (a dependency; absent on hosts that run rltool
+    from a source tree), as uvicorn's own `loop="auto"` would pick: about 2x less event-loop CPU per
+    request than asyncio's, which the scheduler thread gets back through the GIL."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 def _note_signal(signum: int, frame: object) -> None:
