@@ -12,7 +12,9 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
-$(STAMP_DEV): pyproject.toml constraints.txt | $(PY)
+# setup.py and csrc/*.c: `pip install -e` compiles the native kernels (rltool/_native*.so), so a
+# changed kernel is rebuilt by the next make.
+$(STAMP_DEV): pyproject.toml constraints.txt setup.py $(wildcard csrc/*.c) | $(PY)
 	$(PIP) --quiet torch==2.13.0
 	$(PIP) --quiet -e '.[dev]'
 	touch $@
@@ -29,4 +31,4 @@ test-fast: $(STAMP_DEV)
 	$(PY) -m pytest -q -m "not slow" -p no:cacheprovider
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info rltool/_native*.so

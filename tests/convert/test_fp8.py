@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 from rltool.cli import main
-from rltool.convert import fp8
+from rltool.convert import fp8, fp8_native
 from rltool.errors import BadInputError, CheckpointError
 
 
@@ -67,31 +67,38 @@ def _reference_quantize(w: np.ndarray, block: tuple[int, int]):
     return q, scale
 
 
+# Both implementations: the native kernel (csrc/fp8.c) and the torch one (the fallback).
+IMPLEMENTATIONS = {"native": fp8_native.quantize, "torch": fp8.quantize_blocks_torch}
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("shape,block", [((5, 7), (2, 3)), ((64, 128), (128, 128)),
                                          ((130, 70), (64, 32)), ((4, 4), (4, 4))])
-def test_quantize_matches_float64_reference(shape, block):
+def test_quantize_matches_float64_reference(shape, block, impl):
     gen = torch.Generator().manual_seed(sum(shape))
     w = torch.randn(shape, generator=gen, dtype=torch.float32) * 0.05
     w[0, 0] = 3.0  # an outlier drives one block's scale
-    q, scale = fp8.quantize_blocks(w.to(torch.bfloat16), block)
+    q, scale = IMPLEMENTATIONS[impl](w.to(torch.bfloat16), block)
     q_ref, scale_ref = _reference_quantize(w.to(torch.bfloat16).float().numpy(), block)
     assert q.dtype == torch.float8_e4m3fn and tuple(q.shape) == shape
     assert scale.dtype == torch.float32 and tuple(scale.shape) == scale_ref.shape
     np.testing.assert_array_equal(scale.numpy(), scale_ref)
     np.testing.assert_array_equal(q.double().numpy(), q_ref)
-    deq = fp8.dequantize_blocks(q, scale, block, dtype=torch.float64)
+    deq = fp8.dequantize_blocks(q, scale, block, dtype=torch.float64)  # torch (fp64 output)
+    deq32 = fp8.dequantize_blocks(q, scale, block, dtype=torch.float32)  # native when built
     for i in range(shape[0]):
         for j in range(shape[1]):
             # dequantization multiplies in fp32, as the loaders do
             expect = float(np.float32(q_ref[i, j]) * scale_ref[i // block[0], j // block[1]])
-            assert float(deq[i, j]) == expect
+            assert float(deq[i, j]) == expect and float(deq32[i, j]) == expect
 
 
-def test_zero_blocks_and_odd_shapes_give_no_nan():
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_zero_blocks_and_odd_shapes_give_no_nan(impl):
     w = torch.zeros(3, 5)
     w[2, 4] = -1.0  # only the second column-block of the second row-block is non-zero
     w_before = w.clone()
-    q, scale = fp8.quantize_blocks(w, (2, 3))
+    q, scale = IMPLEMENTATIONS[impl](w, (2, 3))
     assert torch.equal(w, w_before), "an fp32 input must not be modified in place"
     assert not torch.isnan(q.float()).any() and not torch.isnan(scale).any()
     assert scale[0, 0].item() == pytest.approx(1e-12 / 448, rel=1e-6)
