@@ -2,10 +2,12 @@
 
 KV layout. A request being prefilled owns a batch-of-one `DynamicCache`. Once its prompt is in the
 cache it joins the running `DecodeBatch`: one batched `DynamicCache` of shape [B, H, L, D] per layer,
-left-padded, with a [B, L] attention mask and each row's next position id. Joining pads the shorter
-side on the left and concatenates along the batch; leaving selects rows and trims columns that are
-padding for every remaining row. So a decode step is one forward of [B, 1] tokens, and the cache is
-only copied when the batch membership changes, not on every step.
+left-padded, with a [B, L] attention mask and each row's next position id. A decode step is one
+forward of [B, 1] tokens. A finished row becomes a free slot (`free`): it keeps decoding junk for a
+few steps, and a row that joins meanwhile is written into it right-aligned (its unused columns masked
+out), so a busy batch does not copy its whole cache each time one request ends and another begins.
+Slots free for longer are dropped (`drop_idle`: select rows, trim columns that are padding for every
+remaining row); joining with no free slot pads the shorter side on the left and concatenates.
 
 Every method runs on the scheduler thread; nothing here is thread-safe on its own.
 """
@@ -13,6 +15,7 @@ Every method runs on the scheduler thread; nothing here is thread-safe on its ow
 from __future__ import annotations
 
 import gc
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,15 +47,20 @@ def _pad_left(t: torch.Tensor, n: int, *, dim: int) -> torch.Tensor:
 
 @dataclass
 class DecodeBatch:
-    """The running batch's shared KV cache. Row i belongs to `rids[i]`."""
+    """The running batch's shared KV cache. Row i belongs to `rids[i]`; None marks a free row."""
 
-    rids: list[str] = field(default_factory=list)
+    rids: list[str | None] = field(default_factory=list)
+    idle: list[int] = field(default_factory=list)  # decode steps each free row has been free
     cache: Any = None
     mask: torch.Tensor | None = None  # [B, L] int64, 1 = real token
     next_pos: torch.Tensor | None = None  # [B] int64, position id of the token fed next
 
     def __len__(self) -> int:
         return len(self.rids)
+
+    @property
+    def live(self) -> list[str]:
+        return [r for r in self.rids if r is not None]
 
 
 class ModelRunner:
@@ -186,6 +194,7 @@ class ModelRunner:
                          use_cache=True)
         batch.mask = mask
         batch.next_pos = batch.next_pos + 1
+        batch.idle = [n + (rid is None) for rid, n in zip(batch.rids, batch.idle)]
         return out.logits[:, -1].float()
 
     @torch.no_grad()
@@ -204,7 +213,7 @@ class ModelRunner:
         cache = _new_cache()
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
                          use_cache=True, logits_to_keep=1)
-        block = DecodeBatch(rids=list(rids), cache=cache, mask=mask,
+        block = DecodeBatch(rids=list(rids), idle=[0] * len(rids), cache=cache, mask=mask,
                             next_pos=torch.tensor([len(s) for s in seqs]))
         return out.logits[:, -1].float(), block
 
@@ -212,37 +221,76 @@ class ModelRunner:
     def single(rid: str, cache: Any) -> DecodeBatch:
         """A prefilled batch-of-one cache as a one-row DecodeBatch."""
         length = cache.get_seq_length()
-        return DecodeBatch(rids=[rid], cache=cache, mask=torch.ones(1, length, dtype=torch.long),
+        return DecodeBatch(rids=[rid], idle=[0], cache=cache,
+                           mask=torch.ones(1, length, dtype=torch.long),
                            next_pos=torch.tensor([length]))
 
     @staticmethod
     def join(batch: DecodeBatch, block: DecodeBatch) -> None:
-        """Append `block`'s rows to `batch` (left-padding whichever is narrower)."""
-        if not batch.rids:
-            batch.rids, batch.cache = list(block.rids), block.cache
+        """Add `block`'s rows to `batch`: into free rows first (written right-aligned, the columns
+        before them masked), the rest appended (left-padding whichever side is narrower)."""
+        if not batch.live:
+            batch.rids, batch.idle, batch.cache = list(block.rids), list(block.idle), block.cache
             batch.mask, batch.next_pos = block.mask, block.next_pos
             return
         width, other = batch.mask.shape[1], block.mask.shape[1]
         total = max(width, other)
+        if total > width:
+            for layer in _layers(batch.cache):
+                layer.keys = _pad_left(layer.keys, total - width, dim=2)
+                layer.values = _pad_left(layer.values, total - width, dim=2)
+            batch.mask = _pad_left(batch.mask, total - width, dim=1)
+        free = [i for i, rid in enumerate(batch.rids) if rid is None][:len(block)]
+        if free:
+            slots, rows = torch.tensor(free), torch.arange(len(free))
+            for mine, theirs in zip(_layers(batch.cache), _layers(block.cache)):
+                mine.keys[slots, :, total - other:] = theirs.keys[rows]
+                mine.values[slots, :, total - other:] = theirs.values[rows]
+            batch.mask[slots] = 0
+            batch.mask[slots, total - other:] = block.mask[rows]
+            batch.next_pos[slots] = block.next_pos[rows]
+            for slot, rid in zip(free, block.rids):
+                batch.rids[slot], batch.idle[slot] = rid, 0
+        if len(free) == len(block):
+            return
+        rest = slice(len(free), None)
         for mine, theirs in zip(_layers(batch.cache), _layers(block.cache)):
-            mine.keys = torch.cat([_pad_left(mine.keys, total - width, dim=2),
-                                   _pad_left(theirs.keys, total - other, dim=2)], dim=0)
-            mine.values = torch.cat([_pad_left(mine.values, total - width, dim=2),
-                                     _pad_left(theirs.values, total - other, dim=2)], dim=0)
-        batch.mask = torch.cat([_pad_left(batch.mask, total - width, dim=1),
-                                _pad_left(block.mask, total - other, dim=1)], dim=0)
-        batch.next_pos = torch.cat([batch.next_pos, block.next_pos])
-        batch.rids.extend(block.rids)
+            mine.keys = torch.cat([mine.keys, _pad_left(theirs.keys[rest], total - other, dim=2)])
+            mine.values = torch.cat([mine.values,
+                                     _pad_left(theirs.values[rest], total - other, dim=2)])
+        batch.mask = torch.cat([batch.mask, _pad_left(block.mask[rest], total - other, dim=1)])
+        batch.next_pos = torch.cat([batch.next_pos, block.next_pos[rest]])
+        batch.rids.extend(block.rids[rest])
+        batch.idle.extend(block.idle[rest])
+
+    @staticmethod
+    def free(batch: DecodeBatch, live: Collection[str]) -> None:
+        """Turn the rows of requests no longer in `live` into free rows (no copy)."""
+        for i, rid in enumerate(batch.rids):
+            if rid is not None and rid not in live:
+                batch.rids[i], batch.idle[i] = None, 0
+
+    @staticmethod
+    def drop_idle(batch: DecodeBatch, *, max_idle_steps: int) -> None:
+        """Drop rows free for at least `max_idle_steps` decode steps (0: every free row)."""
+        rows = [i for i, (rid, n) in enumerate(zip(batch.rids, batch.idle))
+                if rid is not None or n < max_idle_steps]
+        if len(rows) != len(batch):
+            ModelRunner._select(batch, rows)
 
     @staticmethod
     def keep(batch: DecodeBatch, rids: list[str]) -> None:
-        """Keep only `rids` (in their current order) and drop columns that are all padding."""
-        if rids == batch.rids:
+        """Keep only the requests `rids` (in their current order), no free rows, and drop columns
+        that are padding for every row kept."""
+        if rids != batch.rids:
+            ModelRunner._select(batch, [batch.rids.index(r) for r in rids])
+
+    @staticmethod
+    def _select(batch: DecodeBatch, rows: list[int]) -> None:
+        if not any(batch.rids[i] is not None for i in rows):
+            batch.rids, batch.idle, batch.cache, batch.mask, batch.next_pos = [], [], None, None, None
             return
-        if not rids:
-            batch.rids, batch.cache, batch.mask, batch.next_pos = [], None, None, None
-            return
-        index = torch.tensor([batch.rids.index(r) for r in rids])
+        index = torch.tensor(rows)
         mask = batch.mask[index]
         first = int((mask.sum(dim=0) > 0).nonzero()[0])
         for layer in _layers(batch.cache):
@@ -250,7 +298,8 @@ class ModelRunner:
             layer.values = layer.values[index, :, first:].contiguous()
         batch.mask = mask[:, first:].contiguous()
         batch.next_pos = batch.next_pos[index]
-        batch.rids = list(rids)
+        batch.idle = [batch.idle[i] for i in rows]
+        batch.rids = [batch.rids[i] for i in rows]
 
     @torch.no_grad()
     def full_pass_logits(self, token_ids: list[int], *, start: int) -> torch.Tensor:

@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("weights", "kv_cache")
 THROUGHPUT_WINDOW_S = 10.0
+# Decode steps a finished request's row stays in the batch as a free slot for a newcomer before it
+# is dropped: reusing it skips two whole-cache copies (leave, then join), dropping it stops paying
+# for a junk row. Over HTTP a closed-loop client's next request arrives within a step or two.
+FREE_ROW_STEPS = 2
 
 
 class QueueFullError(EngineError):
@@ -367,9 +371,15 @@ class Scheduler:
             logits = torch.stack([self.runner.decode_one(r.output_ids[-1], r.cache) for r in reqs])
         else:
             # A request aborted between steps is gone from `running` but still in the batch.
-            ModelRunner.keep(self.batch, [rid for rid in self.batch.rids if rid in self.running])
-            reqs = [self.running[rid] for rid in self.batch.rids]
-            logits = self.runner.decode(self.batch, [r.output_ids[-1] for r in reqs])
+            ModelRunner.free(self.batch, self.running)
+            ModelRunner.drop_idle(self.batch, max_idle_steps=FREE_ROW_STEPS)
+            rows = [i for i, rid in enumerate(self.batch.rids) if rid is not None]
+            reqs = [self.running[self.batch.rids[i]] for i in rows]
+            logits = self.runner.decode(self.batch, [
+                self.running[rid].output_ids[-1] if rid is not None else 0
+                for rid in self.batch.rids])
+            if len(rows) != len(self.batch):
+                logits = logits[rows]
         self.num_decode_forwards += 1
         self.max_decode_batch = max(self.max_decode_batch, len(reqs))
         self.decode_log.append([r.rid for r in reqs])
@@ -377,7 +387,7 @@ class Scheduler:
         for req, token, lp in zip(reqs, tokens, lps):
             self._accept(req, token, lp)
         if not self.deterministic:
-            ModelRunner.keep(self.batch, [rid for rid in self.batch.rids if rid in self.running])
+            ModelRunner.free(self.batch, self.running)
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
         suppressed = []
