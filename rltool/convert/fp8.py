@@ -94,18 +94,20 @@ def _pad_to_blocks(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     return w.view(nb, block[0], kb, block[1])
 
 
-def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int], *,
+                    out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D weight: (q float8_e4m3fn [N, K], scale_inv float32 [ceil(N/bn), ceil(K/bk)]).
 
     The native kernel (csrc/fp8.c, ~3x faster per core, no GIL) when it is built and takes `w`
     (a CPU bf16/fp16/fp32 tensor), else `quantize_blocks_torch`; both give the same bits.
+    `out`: an optional float8_e4m3fn [N, K] tensor to write q into.
     """
-    result = fp8_native.quantize(w, block)
-    return result if result is not None else quantize_blocks_torch(w, block)
+    result = fp8_native.quantize(w, block, out=out)
+    return result if result is not None else quantize_blocks_torch(w, block, out=out)
 
 
-def quantize_blocks_torch(w: torch.Tensor,
-                          block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blocks_torch(w: torch.Tensor, block: tuple[int, int], *,
+                          out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch implementation (any device, any float dtype), one row of blocks at a time so the
     fp32 temporaries stay in cache (about 2x faster than whole-tensor ops on CPU, same bits)."""
     import torch
@@ -113,7 +115,7 @@ def quantize_blocks_torch(w: torch.Tensor,
     n, k = w.shape
     bn, bk = block
     nb, kb = scale_shape(w.shape, block)
-    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=w.device) if out is None else out
     scale = torch.empty(nb, kb, dtype=torch.float32)
     for i in range(nb):
         rows = w[i * bn:(i + 1) * bn].to(torch.float32, copy=True)  # never modify the input
@@ -153,12 +155,12 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 def _quantize_job(info: stio.TensorInfo, block: tuple[int, int],
-                  errors: dict[str, float] | None) -> hf_writer.Job:
+                  errors: dict[str, float] | None, pool: hf_writer.BufferPool) -> hf_writer.Job:
     import torch
 
     def run() -> list[torch.Tensor]:
         w = stio.read_tensor(info)
-        q, scale = quantize_blocks(w, block)
+        q, scale = quantize_blocks(w, block, out=pool.take(info.shape, torch.float8_e4m3fn))
         if not torch.isfinite(scale).all():  # a block's max |w| is inf or NaN
             raise CheckpointError(f"{info.name} holds inf or NaN values; fix the checkpoint "
                                   "before quantizing (its FP8 blocks would be NaN)")
@@ -169,7 +171,7 @@ def _quantize_job(info: stio.TensorInfo, block: tuple[int, int],
 
     return hf_writer.Job(outputs=[(info.name, "F8_E4M3", info.shape),
                                   (info.name + SCALE_SUFFIX, "F32", scale_shape(info.shape, block))],
-                         run=run)
+                         run=run, release=lambda tensors: pool.give(tensors[0]))
 
 
 def _copy_job(info: stio.TensorInfo) -> hf_writer.Job:
@@ -189,9 +191,10 @@ def quantize_checkpoint(cfg: Fp8Config) -> dict[str, Any]:
     hf_writer.limit_heap_retention()
     errors: dict[str, float] | None = {} if cfg.verify else None
     jobs, skipped_modules = [], []
+    pool = hf_writer.BufferPool()
     for info in tensors.values():
         if should_quantize(info):
-            jobs.append(_quantize_job(info, cfg.block, errors))
+            jobs.append(_quantize_job(info, cfg.block, errors, pool))
         else:
             if info.name.endswith(".weight") and len(info.shape) == 2:
                 skipped_modules.append(info.name.removesuffix(".weight"))

@@ -44,8 +44,10 @@ def _code(dtype: torch.dtype) -> int | None:
     return {torch.float32: _F32, torch.bfloat16: _BF16, torch.float16: _F16}.get(dtype)
 
 
-def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(q float8_e4m3fn [N, K], scale_inv float32), or None if the kernel cannot take `w`."""
+def quantize(w: torch.Tensor, block: tuple[int, int], *,
+             out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q float8_e4m3fn [N, K], scale_inv float32), or None if the kernel cannot take `w`.
+    `out`: an optional contiguous float8_e4m3fn [N, K] CPU tensor to write q into."""
     import torch
 
     lib, code = _lib(), _code(w.dtype)
@@ -53,7 +55,13 @@ def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tor
         return None
     w = w.contiguous()
     n, k = w.shape
-    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    if out is None:
+        q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    elif (out.dtype, tuple(out.shape), out.device.type) == (torch.float8_e4m3fn, (n, k), "cpu") \
+            and out.is_contiguous():
+        q = out
+    else:
+        raise ValueError(f"out must be a contiguous CPU float8_e4m3fn tensor of shape {(n, k)}")
     scale = torch.empty(-(-n // block[0]), -(-k // block[1]), dtype=torch.float32)
     rc = lib.rltool_fp8_quantize(w.data_ptr(), code, n, k, block[0], block[1], q.data_ptr(),
                                  scale.data_ptr())

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,14 +39,42 @@ _REWRITTEN = {CONFIG_NAME, stio.INDEX_NAME}
 
 @dataclass
 class Job:
-    """Produces the tensors `outputs` describes, in that order, when `run()` is called."""
+    """Produces the tensors `outputs` describes, in that order, when `run()` is called;
+    `release`, if given, receives those tensors once they are written (to recycle buffers)."""
 
     outputs: list[Entry]
     run: Callable[[], list[torch.Tensor]]
+    release: Callable[[list[torch.Tensor]], None] | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(stio.tensor_nbytes(dtype, shape) for _, dtype, shape in self.outputs)
+
+
+class BufferPool:
+    """Output tensors recycled by shape and dtype between jobs (thread-safe).
+
+    Each fresh tensor-sized allocation is a new mapping whose every page faults on its first write
+    and is unmapped again once written (with threads, a TLB shootdown): for FP8 conversion that
+    was ~10% of the CPU time. Only as many buffers exist as jobs are in flight at once.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        import torch
+
+        with self._lock:
+            free = self._free.get((tuple(shape), dtype))
+            if free:
+                return free.pop()
+        return torch.empty(shape, dtype=dtype)
+
+    def give(self, tensor: torch.Tensor) -> None:
+        with self._lock:
+            self._free.setdefault((tuple(tensor.shape), tensor.dtype), []).append(tensor)
 
 
 _M_MMAP_THRESHOLD = -3  # glibc malloc.h
@@ -116,6 +145,8 @@ def _ordered_results(jobs: list[Job], pool: ThreadPoolExecutor, *,
                                   f"tensors, planned {len(job.outputs)}")
         for (name, _, _), tensor in zip(job.outputs, tensors, strict=True):
             yield name, tensor
+        if job.release is not None:  # the consumer asked for the next tensor: these are written
+            job.release(tensors)
         del tensors
 
 

@@ -190,9 +190,9 @@ def test_workers_share_the_cores_and_threads_are_restored(bf16_checkpoint, tmp_p
     seen = []
     real = fp8.quantize_blocks
 
-    def spy(w, block):
+    def spy(w, block, **kwargs):
         seen.append(torch.get_num_threads())
-        return real(w, block)
+        return real(w, block, **kwargs)
 
     monkeypatch.setattr(fp8, "quantize_blocks", spy)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
@@ -200,3 +200,15 @@ def test_workers_share_the_cores_and_threads_are_restored(bf16_checkpoint, tmp_p
     fp8.quantize_checkpoint(fp8.Fp8Config(hf=bf16_checkpoint, out=tmp_path / "q", workers=4))
     assert seen and set(seen) == {2}
     assert torch.get_num_threads() == before
+
+
+def test_buffer_pool_recycles_written_outputs():
+    from rltool.convert.hf_writer import BufferPool
+
+    pool = BufferPool()
+    a = pool.take((3, 4), torch.float8_e4m3fn)
+    pool.give(a)
+    assert pool.take((3, 4), torch.float8_e4m3fn).data_ptr() == a.data_ptr()
+    b = pool.take((3, 4), torch.float8_e4m3fn)  # the pool is empty again: a new buffer
+    assert b.data_ptr() != a.data_ptr() and tuple(b.shape) == (3, 4)
+    assert pool.take((4, 3), torch.float8_e4m3fn).data_ptr() != a.data_ptr()
