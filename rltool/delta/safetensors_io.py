@@ -210,36 +210,43 @@ def _sync_file_range():
 _SYNC_FILE_RANGE = _sync_file_range()
 _SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not wait for it
 _PAGE = mmap.PAGESIZE
-WRITE_PIECE_BYTES = 8 << 20
+WRITEBACK_BYTES = 8 << 20
 
 
 class OutputFile:
     """Positional writes into one output file from several threads.
 
-    Each piece is written under a lock (two threads pwriting one file contend on the inode lock,
-    and the kernel spins on it: ~10% of decode's CPU went there), then the writeback of its whole
-    pages is started at once with sync_file_range(SYNC_FILE_RANGE_WRITE): the disk works while
-    the next tensors decode, and the closing fsync only waits for the tail. Edge pages shared
-    with a neighbour are left to that fsync so no page is rewritten while under writeback."""
+    Writes go under a lock (two threads pwriting one file contend on the inode lock, and the
+    kernel spins on it: ~10% of decode's CPU went there). Each thread's contiguous run of writes
+    is handed to writeback every `WRITEBACK_BYTES` with sync_file_range(SYNC_FILE_RANGE_WRITE):
+    the disk works while later tensors decode, and the closing fsync only waits for the tail.
+    Only whole pages inside a run are kicked; edge pages shared with a neighbour are left to
+    that fsync, so no page is rewritten while under writeback."""
 
     def __init__(self, fd: int):
         self.fd = fd
         self._lock = threading.Lock()
+        self._run = threading.local()  # this thread's written-but-not-kicked [start, end)
 
     def write(self, data: Any, offset: int) -> None:
         view = memoryview(data).cast("B")
-        for start in range(0, len(view), WRITE_PIECE_BYTES):
-            piece = view[start:start + WRITE_PIECE_BYTES]
-            with self._lock:
-                pwrite_all(self.fd, piece, offset + start)
-            self._start_writeback(offset + start, len(piece))
+        with self._lock:
+            pwrite_all(self.fd, view, offset)
+        start, end = getattr(self._run, "range", (offset, offset))
+        if end != offset:
+            self._start_writeback(start, end)
+            start = offset
+        end = offset + len(view)
+        if end - start >= WRITEBACK_BYTES:
+            self._start_writeback(start, end)
+            start = end
+        self._run.range = (start, end)
 
-    def _start_writeback(self, offset: int, nbytes: int) -> None:
-        begin = -(-offset // _PAGE) * _PAGE
-        end = (offset + nbytes) // _PAGE * _PAGE
-        if _SYNC_FILE_RANGE is not None and end > begin:
+    def _start_writeback(self, start: int, end: int) -> None:
+        begin, stop = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
+        if _SYNC_FILE_RANGE is not None and stop > begin:
             # Advisory: on failure the closing fsync still writes (and reports) everything.
-            _SYNC_FILE_RANGE(self.fd, begin, end - begin, _SYNC_FILE_RANGE_WRITE)
+            _SYNC_FILE_RANGE(self.fd, begin, stop - begin, _SYNC_FILE_RANGE_WRITE)
 
 
 @contextlib.contextmanager
