@@ -212,3 +212,28 @@ def test_buffer_pool_recycles_written_outputs():
     b = pool.take((3, 4), torch.float8_e4m3fn)  # the pool is empty again: a new buffer
     assert b.data_ptr() != a.data_ptr() and tuple(b.shape) == (3, 4)
     assert pool.take((4, 3), torch.float8_e4m3fn).data_ptr() != a.data_ptr()
+
+
+def test_small_jobs_run_ahead_while_a_large_tensor_is_written():
+    """hf_writer's read-ahead: beyond the count window, jobs whose outputs fit in window_bytes
+    are started before the large tensor is written (the FP8 workers idled during embeddings)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rltool.convert.hf_writer import Job, _ordered_results
+
+    started = []
+
+    def job(name: str, numel: int) -> Job:
+        def run():
+            started.append(name)
+            return [torch.zeros(numel, dtype=torch.uint8)]
+
+        return Job(outputs=[(name, "U8", (numel,))], run=run)
+
+    jobs = [job("big", 1000)] + [job(f"s{i}", 10) for i in range(10)]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        results = _ordered_results(jobs, pool, window=1, window_bytes=50)
+        name, _ = next(results)  # the big tensor is now being written
+        pool.submit(lambda: None).result()  # let queued jobs start
+        assert name == "big" and started == ["big"] + [f"s{i}" for i in range(5)]
+        assert [n for n, _ in results] == [f"s{i}" for i in range(10)]
