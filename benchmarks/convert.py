@@ -5,8 +5,13 @@ lm_head: ~630M parameters, ~1.26 GB in one safetensors file, tensors written dir
 each in a fresh subprocess so peak RSS is per operation:
 
 - reference: safetensors `load_file` of every tensor + `save_file` of the same bytes (same run);
-- fp8: `rltool.convert.fp8.quantize_checkpoint` (block 128x128, --workers threads);
+- fp8: `rltool.convert.fp8.quantize_checkpoint` (block 128x128, --workers threads) with the
+  native kernel (csrc/fp8.c; the run fails if it is not built);
+- fp8-torch: the same with RLTOOL_NATIVE=0, the torch fallback (same output bits);
 - hf-to-dist: `rltool.convert.torch_dist.hf_to_dist` (one process, tp=1).
+
+Each operation runs --repeat times (hf-to-dist --dist-repeat times), round-robin; the table shows the median wall time and its
+spread, the median CPU seconds and the largest peak RSS.
 
 Wall time is measured inside the subprocess around the operation (interpreter start-up and imports
 excluded); GB/s is input bytes / wall time; peak RSS is the subprocess's VmHWM, shown as a multiple
@@ -14,7 +19,9 @@ of the model's bytes, which here is also the one (largest) input shard (hf-to-di
 fp8 target < 1.5x); "added" subtracts the RSS before the operation (interpreter, torch).
 Target: fp8 within 2x the reference's wall time.
 
-Usage: .venv/bin/python benchmarks/convert.py [--workers 2] [--out FILE.json]
+Usage: .venv/bin/python benchmarks/convert.py [--workers 2] [--repeat 3] [--dist-repeat 1]
+       [--ops reference fp8 ...]
+       [--out FILE.json]
 Prints a table and, last, one JSON line on stdout.
 """
 
@@ -24,6 +31,8 @@ import argparse
 import json
 import os
 import platform
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,7 +40,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-OPERATIONS = ("reference", "fp8", "hf-to-dist")
+from rltool import native
+
+OPERATIONS = ("reference", "fp8", "fp8-torch", "hf-to-dist")
 
 
 def make_checkpoint(out: Path) -> dict:
@@ -63,21 +74,21 @@ def _status_bytes(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _cpu_seconds() -> float:
-    """User + system CPU of this process and its reaped children: less sensitive than wall time
-    to the other processes sharing the machine."""
+def _cpu_seconds() -> tuple[float, float]:
+    """(user, system) CPU seconds of this process and its reaped children: less sensitive than
+    wall time to the other processes sharing the machine."""
     import resource
 
     own, children = (resource.getrusage(w) for w in (resource.RUSAGE_SELF,
                                                        resource.RUSAGE_CHILDREN))
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return own.ru_utime + children.ru_utime, own.ru_stime + children.ru_stime
 
 
 def run_one(op: str, src: Path, out: Path, workers: int) -> dict:
     """Body of one measurement subprocess."""
     from safetensors.torch import load_file, save_file
 
-    from rltool.convert import fp8, torch_dist
+    from rltool.convert import fp8, fp8_native, torch_dist
 
     if op == "hf-to-dist":
         import megatron.core  # noqa: F401  (its import is start-up, not conversion)
@@ -89,62 +100,105 @@ def run_one(op: str, src: Path, out: Path, workers: int) -> dict:
         out.mkdir()
         save_file(tensors, str(out / "model.safetensors"))
         del tensors
-    elif op == "fp8":
+    elif op in ("fp8", "fp8-torch"):
+        if fp8_native.available() != (op == "fp8"):
+            raise SystemExit(f"{op}: the native kernel is {'not ' * (op == 'fp8')}loaded; "
+                             "build it with `pip install -e .`")
         fp8.quantize_checkpoint(fp8.Fp8Config(hf=src, out=out, workers=workers))
     else:
         torch_dist.hf_to_dist(torch_dist.HfToDistConfig(hf=src, out=out))
     seconds = time.perf_counter() - start
-    cpu = _cpu_seconds() - cpu_before
-    return {"seconds": seconds, "cpu_seconds": cpu, "peak_rss_bytes": _status_bytes("VmHWM"),
+    user, system = (after - b for after, b in zip(_cpu_seconds(), cpu_before, strict=True))
+    return {"seconds": seconds, "cpu_seconds": user + system, "user_seconds": user,
+            "system_seconds": system, "peak_rss_bytes": _status_bytes("VmHWM"),
             "rss_before_bytes": before}
+
+
+def _child(op: str, src: Path, out: Path, workers: int) -> dict:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    if op == "fp8-torch":
+        env[native.DISABLE_ENV] = "0"
+    proc = subprocess.run([sys.executable, __file__, "--workers", str(workers), "--_child", op,
+                           str(src), str(out)], capture_output=True, text=True, check=False,
+                          env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"{op} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _summary(runs: list[dict], model_bytes: int) -> dict:
+    """The median run by wall time, with the spread of all runs."""
+    seconds = [r["seconds"] for r in runs]
+    r = dict(sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2])
+    r.update(seconds=statistics.median(seconds), seconds_min=min(seconds),
+             seconds_max=max(seconds),
+             cpu_seconds=statistics.median(r["cpu_seconds"] for r in runs),
+             system_seconds=statistics.median(r["system_seconds"] for r in runs),
+             peak_rss_bytes=max(r["peak_rss_bytes"] for r in runs))
+    r["gb_per_s"] = model_bytes / r["seconds"] / 1e9
+    r["peak_rss_x_model"] = r["peak_rss_bytes"] / model_bytes
+    r["added_rss_x_model"] = (r["peak_rss_bytes"] - r["rss_before_bytes"]) / model_bytes
+    return r
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3, help="Runs of each operation (median).")
+    parser.add_argument("--dist-repeat", type=int, default=1,
+                        help="Runs of hf-to-dist (~10x slower than the others; not the target).")
     parser.add_argument("--out", default=None, help="Result JSON file.")
+    parser.add_argument("--ops", nargs="+", choices=OPERATIONS, default=list(OPERATIONS),
+                        help="Operations to run (reference and fp8 are always compared).")
     parser.add_argument("--_child", nargs=3, metavar=("OP", "SRC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._child:
         op, src, out = args._child
         print(json.dumps(run_one(op, Path(src), Path(out), args.workers)))
         return
+    load_before = os.getloadavg()[0]
 
     with tempfile.TemporaryDirectory(prefix="rltool-bench-convert-") as tmp:
         src = Path(tmp) / "src"
         model = make_checkpoint(src)
-        rows = {}
-        for op in OPERATIONS:
-            proc = subprocess.run(
-                [sys.executable, __file__, "--workers", str(args.workers), "--_child", op,
-                 str(src), str(Path(tmp) / op)], capture_output=True, text=True, check=False,
-                env={**os.environ, "PYTHONWARNINGS": "ignore"})
-            if proc.returncode != 0:
-                raise SystemExit(f"{op} failed:\n{proc.stderr[-3000:]}")
-            r = json.loads(proc.stdout.strip().splitlines()[-1])
-            r["gb_per_s"] = model["bytes"] / r["seconds"] / 1e9
-            r["peak_rss_x_model"] = r["peak_rss_bytes"] / model["bytes"]
-            r["added_rss_x_model"] = (r["peak_rss_bytes"] - r["rss_before_bytes"]) / model["bytes"]
-            rows[op] = r
+        runs: dict[str, list[dict]] = {op: [] for op in args.ops}
+        # Round-robin so that a change of the machine's load hits every operation alike.
+        for i in range(args.repeat):
+            for op in args.ops:
+                if op == "hf-to-dist" and i >= args.dist_repeat:
+                    continue
+                out = Path(tmp) / f"{op}-{i}"
+                runs[op].append(_child(op, src, out, args.workers))
+                shutil.rmtree(out)
+    rows = {op: _summary(r, model["bytes"]) for op, r in runs.items()}
     result = {
         "benchmark": "convert", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {os.cpu_count()} CPUs, no GPU",
         "load_note": "2-core machine shared with other helpers' tests and benchmarks",
+        "load_average_1m_before": load_before, "load_average_1m_after": os.getloadavg()[0],
         "model": {"preset": "qwen2.5-0.5b", "dtype": "bfloat16", **model, "files": 1},
-        "workers": args.workers, "results": rows,
-        "fp8_time_vs_reference": rows["fp8"]["seconds"] / rows["reference"]["seconds"],
-        "fp8_cpu_vs_reference": rows["fp8"]["cpu_seconds"] / rows["reference"]["cpu_seconds"],
-        "hf_to_dist_time_vs_reference": rows["hf-to-dist"]["seconds"]
-        / rows["reference"]["seconds"],
+        "workers": args.workers, "repeat": args.repeat, "dist_repeat": args.dist_repeat,
+        "omp_num_threads":
+        os.environ.get("OMP_NUM_THREADS"), "results": rows, "runs": runs,
     }
-    print(f"{'operation':<12}{'wall s':>9}{'CPU s':>8}{'GB/s':>8}{'peak RSS GB':>13}"
-          f"{'x model':>9}{'added x model':>15}")
+    ref = rows.get("reference")
+    for op in args.ops:
+        if ref and op != "reference":
+            key = op.replace("-", "_")
+            result[f"{key}_time_vs_reference"] = rows[op]["seconds"] / ref["seconds"]
+            result[f"{key}_cpu_vs_reference"] = rows[op]["cpu_seconds"] / ref["cpu_seconds"]
+    print(f"median of {args.repeat} runs ({args.dist_repeat} of hf-to-dist); load average {load_before:.2f} before, "
+          f"{result['load_average_1m_after']:.2f} after")
+    print(f"{'operation':<16}{'wall s':>9}{'(min-max)':>13}{'CPU s':>8}{'sys s':>7}{'GB/s':>7}"
+          f"{'peak RSS GB':>13}{'x model':>9}{'added x model':>15}")
     for op, r in rows.items():
-        print(f"{op:<12}{r['seconds']:>9.2f}{r['cpu_seconds']:>8.2f}{r['gb_per_s']:>8.2f}"
-              f"{r['peak_rss_bytes'] / 1e9:>13.2f}{r['peak_rss_x_model']:>9.2f}"
-              f"{r['added_rss_x_model']:>15.2f}")
-    print(f"fp8 / reference: wall {result['fp8_time_vs_reference']:.2f}x (target <= 2x), "
-          f"CPU {result['fp8_cpu_vs_reference']:.2f}x")
+        print(f"{op:<16}{r['seconds']:>9.2f}{r['seconds_min']:>7.2f}-{r['seconds_max']:<5.2f}"
+              f"{r['cpu_seconds']:>8.2f}{r['system_seconds']:>7.2f}{r['gb_per_s']:>7.2f}"
+              f"{r['peak_rss_bytes'] / 1e9:>13.2f}"
+              f"{r['peak_rss_x_model']:>9.2f}{r['added_rss_x_model']:>15.2f}")
+    if "fp8_time_vs_reference" in result:
+        print(f"fp8 / reference: wall {result['fp8_time_vs_reference']:.2f}x (target <= 2x), "
+              f"CPU {result['fp8_cpu_vs_reference']:.2f}x")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
