@@ -10,8 +10,8 @@ no ignore_eos). Output lengths are capped per request by a long-tail draw of max
   requests through `model.generate` in chunks of B (left-padded; a chunk runs until its longest
   request is done). Useful output tokens / wall second; EOS and each request's own cap end it.
 * time to first token: B requests sent at once (streaming; the first SSE event is the first
-  token) vs `generate(max_new_tokens=1)` on the same B prompts. Mean over the wave; at B=1 over
-  TTFT_WAVES_B1 waves of one prompt each (a single prompt is too noisy a sample).
+  token) vs `generate(max_new_tokens=1)` on the same B prompts, the two alternating wave by wave.
+  Mean over the wave; at B=1 over up to TTFT_WAVES_B1 single prompts (one is too noisy a sample).
 
 The server is `rltool serve --engine builtin` in a subprocess (--max-running-requests B), so its
 times include HTTP and JSON. Both sides use the same torch thread count (--threads, default 1:
@@ -53,7 +53,7 @@ PLANS = {
                      "prompt": (16, 48)},
 }
 TARGET_RATIO_B64 = 3.0
-TTFT_WAVES_B1 = 5
+TTFT_WAVES_B1 = 16
 
 
 def long_tail_lengths(n: int, *, scale: int, cap: int, seed: int) -> list[int]:
@@ -302,8 +302,6 @@ def run_case(model_dir: Path, preset: str, batch: int, *, quick: bool, workdir: 
     hf_generate(model, prompts[:1], [2], pad=pad, eos=eos)  # warm-up
     hf = hf_throughput(model, prompts, caps, batch, pad=pad, eos=eos)
     waves = [prompts[s:s + batch] for s in ttft_starts(batch, n)]
-    hf["ttft_s"] = statistics.mean(hf_ttft(model, w, pad=pad, eos=eos) for w in waves)
-    del model
     core = core_run(model_dir, prompts, caps, batch)
 
     engine = start_engine(["--engine", "builtin", "--model", str(model_dir),
@@ -313,11 +311,18 @@ def run_case(model_dir: Path, preset: str, batch: int, *, quick: bool, workdir: 
     try:
         asyncio.run(builtin_throughput(engine.url, prompts[:1], [2], 1, pid=engine.pid))  # warm
         ours = asyncio.run(builtin_throughput(engine.url, prompts, caps, batch, pid=engine.pid))
-        ours["ttft_s"] = statistics.mean(asyncio.run(builtin_ttft(engine.url, w)) for w in waves)
+        # Wave by wave, generate then the engine: both sides see the same machine state (the
+        # shared box drifts by tens of percent between minutes, more than a tiny model's TTFT).
+        hf_ttfts, ttfts = [], []
+        for w in waves:
+            hf_ttfts.append(hf_ttft(model, w, pad=pad, eos=eos))
+            ttfts.append(asyncio.run(builtin_ttft(engine.url, w)))
+        hf["ttft_s"], ours["ttft_s"] = statistics.mean(hf_ttfts), statistics.mean(ttfts)
         info = httpx.get(engine.url + "/get_server_info", timeout=60).json()["internal_states"][0]
         ours["max_decode_batch_seen"] = info["max_decode_batch_seen"]
     finally:
         engine.stop()
+    del model
     return {"preset": preset, "batch": batch, "requests": n, "cap": plan["cap"],
             "mean_cap": statistics.mean(caps), "builtin": ours, "builtin_core": core,
             "hf_generate": hf,
