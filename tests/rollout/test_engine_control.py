@@ -249,7 +249,10 @@ def test_shutdown_leaves_no_process_behind(det_engine):
     async def main():
         async with EngineClient(det_engine.url, timeout_s=30, max_retries=0) as c:
             task = asyncio.create_task(c.generate({"text": "a", "sampling_params": LONG}))
-            await asyncio.sleep(0.5)
+            # Stop as soon as the request runs (a fixed sleep let a fast host finish all 400
+            # tokens first).
+            while (await c.get_server_info())["internal_states"][0]["num_running_reqs"] == 0:
+                await asyncio.sleep(0.01)
             code = await asyncio.to_thread(det_engine.stop, 15)
             try:
                 result = await task
