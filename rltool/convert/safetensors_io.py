@@ -190,21 +190,75 @@ def write_streaming(path: str | os.PathLike, entries: list[tuple[str, str, tuple
     import torch
 
     total = 0
-    # Unbuffered: a BufferedWriter measured ~3x slower than os.write for tensor-sized writes.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    out = DirectWriter(path)
     try:
-        _write_all(fd, memoryview(_header_bytes(entries, metadata)))
+        out.write(memoryview(_header_bytes(entries, metadata)))
         for (name, dtype, shape), (got_name, tensor) in zip(entries, tensors, strict=True):
             if got_name != name or dtype_code(tensor.dtype) != dtype or tuple(tensor.shape) != shape:
                 raise CheckpointError(
                     f"internal layout mismatch writing {path}: expected {name} {dtype} {shape}, "
                     f"got {got_name} {dtype_code(tensor.dtype)} {tuple(tensor.shape)}")
             data = tensor.contiguous().view(-1).view(torch.uint8)
-            _write_all(fd, memoryview(data.numpy()))
+            out.write(memoryview(data.numpy()))
             total += data.numel()
     finally:
-        os.close(fd)
+        out.close()
     return total
+
+
+class DirectWriter:
+    """Sequential file writer that bypasses the page cache (O_DIRECT) where the filesystem allows.
+
+    A checkpoint is written once and read later, so copying it into the page cache first only
+    costs: on the benchmark VM the kernel's copy into freshly allocated cache pages took 2-4x the
+    CPU per byte of the copy itself, varying run to run (freed memory goes back to the host). Bytes
+    are staged in a page-aligned buffer and written in aligned `chunk_bytes` pieces; the tail is
+    padded to the block size, then the file is truncated to its real length. Filesystems without
+    O_DIRECT (tmpfs) get plain unbuffered writes. The caller still fsyncs (atomic.atomic_path).
+    """
+
+    ALIGN = 4096
+
+    def __init__(self, path: str | os.PathLike, *, chunk_bytes: int = 8 << 20):
+        import mmap
+
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        try:
+            self.fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o666)
+            self.direct = hasattr(os, "O_DIRECT")
+        except OSError:  # EINVAL: no O_DIRECT on this filesystem
+            self.fd = os.open(path, flags, 0o666)
+            self.direct = False
+        self.buffer = mmap.mmap(-1, chunk_bytes) if self.direct else None
+        self.used = 0
+        self.size = 0
+
+    def write(self, view: memoryview) -> None:
+        view = view.cast("B")
+        self.size += len(view)
+        if not self.direct:
+            _write_all(self.fd, view)
+            return
+        while view:
+            n = min(len(view), len(self.buffer) - self.used)
+            self.buffer[self.used:self.used + n] = view[:n]
+            self.used += n
+            view = view[n:]
+            if self.used == len(self.buffer):
+                _write_all(self.fd, memoryview(self.buffer))
+                self.used = 0
+
+    def close(self) -> None:
+        try:
+            if self.direct and self.used:
+                padded = -(-self.used // self.ALIGN) * self.ALIGN
+                self.buffer[self.used:padded] = bytes(padded - self.used)
+                _write_all(self.fd, memoryview(self.buffer)[:padded])
+                os.ftruncate(self.fd, self.size)
+        finally:
+            os.close(self.fd)
+            if self.buffer is not None:
+                self.buffer.close()
 
 
 def _write_all(fd: int, view: memoryview) -> None:
