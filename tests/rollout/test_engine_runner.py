@@ -117,3 +117,20 @@ def test_free_rows_are_reused_in_place_and_idle_ones_dropped(runner):
     ModelRunner.drop_idle(batch, max_idle_steps=2)
     assert batch.rids == ["c"] and batch.mask.shape[0] == 1
     check("c", steps + 4)
+
+
+def test_cache_keyword_follows_the_installed_transformers():
+    """transformers renamed forward's `past_key_values` to `cache` (5.2x); an unknown keyword is
+    swallowed by **kwargs, so the wrong one would silently decode without the KV cache."""
+    from rltool.rollout.engine.model_runner import _cache_kwarg
+
+    class Old:
+        def forward(self, input_ids=None, past_key_values=None, **kwargs):
+            pass
+
+    class New:
+        def forward(self, input_ids=None, cache=None, **kwargs):
+            pass
+
+    assert _cache_kwarg(Old()) == "past_key_values"
+    assert _cache_kwarg(New()) == "cache"

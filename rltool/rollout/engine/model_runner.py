@@ -33,6 +33,16 @@ def _new_cache() -> Any:
     return DynamicCache()
 
 
+def _cache_kwarg(model: Any) -> str:
+    """The forward keyword of the KV cache: `cache` from transformers 5.2x on, `past_key_values`
+    before. An unknown keyword is swallowed by **kwargs, so passing the wrong one silently runs
+    every step without the cache (seen with transformers 5.17 on the GPU host)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def _layers(cache: Any) -> list[Any]:
     return list(cache.layers)
 
@@ -96,6 +106,7 @@ class ModelRunner:
         self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[self.dtype])
         self.model.eval()
         self.model.requires_grad_(False)
+        self._cache_kwarg = _cache_kwarg(self.model)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -172,8 +183,8 @@ class ModelRunner:
         start = cache.get_seq_length()
         ids = torch.tensor([token_ids], dtype=torch.long)
         pos = torch.arange(start, start + len(token_ids)).unsqueeze(0)
-        out = self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True,
-                         logits_to_keep=1)
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1,
+                         **{self._cache_kwarg: cache})
         return out.logits[0, -1].float(), cache
 
     @torch.no_grad()
@@ -190,8 +201,8 @@ class ModelRunner:
         # Without padding the mask changes nothing for a single query token; leaving it out
         # skips building a 4-D mask every step (~15% of a tiny model's decode step).
         out = self.model(input_ids=ids, attention_mask=None if bool(mask.all()) else mask,
-                         position_ids=batch.next_pos.unsqueeze(1), cache=batch.cache,
-                         use_cache=True)
+                         position_ids=batch.next_pos.unsqueeze(1), use_cache=True,
+                         **{self._cache_kwarg: batch.cache})
         batch.mask = mask
         batch.next_pos = batch.next_pos + 1
         batch.idle = [n + (rid is None) for rid, n in zip(batch.rids, batch.idle)]
@@ -211,8 +222,8 @@ class ModelRunner:
                             dtype=torch.long)
         pos = (mask.cumsum(dim=1) - 1).clamp(min=0)
         cache = _new_cache()
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
-                         use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                         logits_to_keep=1, **{self._cache_kwarg: cache})
         block = DecodeBatch(rids=list(rids), idle=[0] * len(rids), cache=cache, mask=mask,
                             next_pos=torch.tensor([len(s) for s in seqs]))
         return out.logits[:, -1].float(), block
