@@ -125,10 +125,10 @@ def core_run(model_dir: Path, prompts, caps, batch: int, *, deterministic: bool 
     batching from HTTP/JSON costs and from process scheduling on the shared box."""
     import threading
 
-    from rltool.rollout.engine.model_runner import ModelRunner
-    from rltool.rollout.engine.request import Request
-    from rltool.rollout.engine.sampling import SamplingParams
-    from rltool.rollout.engine.scheduler import Scheduler
+    from rltool.engine.model_runner import ModelRunner
+    from rltool.engine.request import Request
+    from rltool.engine.sampling import SamplingParams
+    from rltool.engine.scheduler import Scheduler
 
     sched = Scheduler(ModelRunner(model_dir), max_running=batch, deterministic=deterministic)
     sched.start()

@@ -2,7 +2,7 @@
 
 For each chosen sample (the gate's worst ones) both sides run one unpadded forward over prompt +
 response with `output_hidden_states=True`: the engine through its debug endpoint
-(rltool.rollout.engine.debug, `rltool serve --enable-debug-endpoints`), the trainer with the torch
+(rltool.engine.debug, `rltool serve --enable-debug-endpoints`), the trainer with the torch
 backend's model built from the weights directory, under the trainer's dtype (bf16 = autocast over
 fp32 weights, as training runs). Entries, in forward order:
 
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rltool.errors import BadInputError, EngineError, EngineTimeoutError
-from rltool.rollout.engine.debug import HIDDEN_STATES_PATH
+from rltool.engine.debug import HIDDEN_STATES_PATH
 
 if TYPE_CHECKING:
     import torch

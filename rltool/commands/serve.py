@@ -66,7 +66,7 @@ def command(config_file, **_):
       rltool serve --engine sglang --model models/qwen --sglang-tp-size 2 --port 30000
     """
     from rltool.config import resolve
-    from rltool.rollout.engine.config import ServeConfig
+    from rltool.engine.config import ServeConfig
 
     ctx = click.get_current_context()
     flags = explicit_flags(ctx, FLAGS)
@@ -75,14 +75,14 @@ def command(config_file, **_):
     cfg = resolve(ServeConfig, config_file=config_file, section="serve", flags=flags)
     setup_logging()
     if cfg.engine == "builtin":
-        from rltool.rollout.engine.server import serve
+        from rltool.engine.server import serve
 
         serve(cfg)
     elif cfg.engine == "sglang":
-        from rltool.rollout.engine.sglang_server import serve_sglang
+        from rltool.rollout.sglang_server import serve_sglang
 
         serve_sglang(cfg)
     else:
-        from rltool.rollout.engine.sglang_server import attach_external
+        from rltool.rollout.sglang_server import attach_external
 
         click.echo(attach_external(cfg))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rltool.rollout.engine.model_runner import DecodeBatch, ModelRunner
+from rltool.engine.model_runner import DecodeBatch, ModelRunner
 
 PROMPTS = {"a": [5, 6, 7, 8, 9], "b": [10, 11], "c": [12, 13, 14, 15, 16, 17, 18, 19, 20]}
 
@@ -122,7 +122,7 @@ def test_free_rows_are_reused_in_place_and_idle_ones_dropped(runner):
 def test_cache_keyword_follows_the_installed_transformers():
     """transformers renamed forward's `past_key_values` to `cache` (5.2x); an unknown keyword is
     swallowed by **kwargs, so the wrong one would silently decode without the KV cache."""
-    from rltool.rollout.engine.model_runner import _cache_kwarg
+    from rltool.engine.model_runner import _cache_kwarg
 
     class Old:
         def forward(self, input_ids=None, past_key_values=None, **kwargs):

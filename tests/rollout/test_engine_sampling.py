@@ -8,7 +8,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from rltool.rollout.engine.sampling import SamplingParams, _filter, make_generator, sample
+from rltool.engine.sampling import SamplingParams, _filter, make_generator, sample
 
 
 def ref_logprobs(row: list[float], temperature: float) -> list[float]:

@@ -7,10 +7,10 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from rltool.rollout.engine.app import EngineState, build_app
-from rltool.rollout.engine.config import ServeConfig
-from rltool.rollout.engine.model_runner import ModelRunner
-from rltool.rollout.engine.scheduler import Scheduler
+from rltool.engine.app import EngineState, build_app
+from rltool.engine.config import ServeConfig
+from rltool.engine.model_runner import ModelRunner
+from rltool.engine.scheduler import Scheduler
 
 
 @pytest.fixture(scope="module")

@@ -248,7 +248,7 @@ def test_listener_disables_nagle_and_fast_http_stack_is_installed():
     engine's event loop and uvicorn's `http="auto"` pick them); a missing one must fail here."""
     import socket
 
-    from rltool.rollout.engine.server import _loop_factory, bind_socket
+    from rltool.engine.server import _loop_factory, bind_socket
 
     sock = bind_socket("127.0.0.1", 0)
     try:

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rltool.errors import BadInputError, EngineError
-from rltool.rollout.engine.protocol import GenerateInput
+from rltool.engine.api import GenerateInput
 
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 

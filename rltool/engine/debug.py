@@ -21,8 +21,8 @@ from fastapi import FastAPI, Request as HttpRequest
 from pydantic import BaseModel, ConfigDict, Field
 
 from rltool.errors import BadInputError
-from rltool.rollout.engine.app import parse_body
-from rltool.rollout.engine.model_runner import ModelRunner
+from rltool.engine.app import parse_body
+from rltool.engine.model_runner import ModelRunner
 
 HIDDEN_STATES_PATH = "/debug/hidden_states"
 
@@ -58,7 +58,7 @@ def hidden_states(runner: ModelRunner, input_ids: list[int]) -> dict[str, Any]:
 
 
 def add_debug_routes(app: FastAPI) -> None:
-    """Mount the debug routes on an app built by rltool.rollout.engine.app.build_app."""
+    """Mount the debug routes on an app built by rltool.engine.app.build_app."""
     state = app.state.engine
 
     @app.post(HIDDEN_STATES_PATH)

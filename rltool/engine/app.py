@@ -22,16 +22,16 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 
 from rltool.errors import BadInputError, EngineError
-from rltool.rollout.engine.config import ServeConfig
-from rltool.rollout.engine.model_runner import ModelRunner
-from rltool.rollout.engine.openai import register_openai_routes
-from rltool.rollout.engine.protocol import (AbortInput, ContinueInput, GenerateInput,
+from rltool.engine.config import ServeConfig
+from rltool.engine.model_runner import ModelRunner
+from rltool.engine.openai import register_openai_routes
+from rltool.engine.api import (AbortInput, ContinueInput, GenerateInput,
                                             MemoryInput, PauseInput,
                                             PullWeightsInput, UpdateWeightsFromDiskInput,
                                             UpdateWeightVersionInput, expand_generate)
-from rltool.rollout.engine.request import Request, build_response
-from rltool.rollout.engine.scheduler import MEMORY_TAGS, QueueFullError, Scheduler
-from rltool.rollout.engine.security import Guard, PayloadTooLargeError, confine
+from rltool.engine.request import Request, build_response
+from rltool.engine.scheduler import MEMORY_TAGS, QueueFullError, Scheduler
+from rltool.engine.security import Guard, PayloadTooLargeError, confine
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)

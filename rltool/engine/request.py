@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rltool.rollout.engine.sampling import SamplingParams
+from rltool.engine.sampling import SamplingParams
 
 
 @dataclass(eq=False)

@@ -28,7 +28,7 @@ import httpx
 
 from rltool import atomic
 from rltool.errors import BadInputError, EngineError, EngineTimeoutError
-from rltool.rollout.engine.config import ServeConfig
+from rltool.engine.config import ServeConfig
 
 log = logging.getLogger(__name__)
 POLL_S = 0.25
@@ -101,7 +101,7 @@ def attach_external(cfg: ServeConfig) -> str:
 
 def serve_sglang(cfg: ServeConfig, *, log_path: Path | None = None) -> None:
     """Run SGLang until SIGTERM/SIGINT; raise EngineError if it dies or never gets healthy."""
-    from rltool.rollout.engine.server import url_of
+    from rltool.engine.server import url_of
     from rltool.rollout.launch import log_tail
 
     if importlib.util.find_spec("sglang") is None:

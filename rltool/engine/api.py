@@ -13,8 +13,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rltool.errors import BadInputError
-from rltool.rollout.engine.request import Request
-from rltool.rollout.engine.sampling import DEFAULT_SEED, SamplingParams, make_generator
+from rltool.engine.request import Request
+from rltool.engine.sampling import DEFAULT_SEED, SamplingParams, make_generator
 
 # Fields SGLang accepts that this engine cannot honour; a non-null value is a 400, not a silent no-op.
 UNSUPPORTED_FIELDS = ("lora_path", "image_data", "audio_data", "video_data", "session_params",

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 
 from rltool.errors import BadInputError, EngineError
-from rltool.rollout.engine.model_runner import DecodeBatch, ModelRunner
-from rltool.rollout.engine.request import Request
-from rltool.rollout.engine.sampling import sample
+from rltool.engine.model_runner import DecodeBatch, ModelRunner
+from rltool.engine.request import Request
+from rltool.engine.sampling import sample
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ from typing import Any
 
 from rltool import atomic
 from rltool.errors import EngineError
-from rltool.rollout.engine.app import EngineState, build_app
-from rltool.rollout.engine.config import ServeConfig
-from rltool.rollout.engine.model_runner import ModelRunner
-from rltool.rollout.engine.scheduler import Scheduler
+from rltool.engine.app import EngineState, build_app
+from rltool.engine.config import ServeConfig
+from rltool.engine.model_runner import ModelRunner
+from rltool.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 SELF_CHECK_TIMEOUT_S = 60.0
@@ -88,7 +88,7 @@ def serve(cfg: ServeConfig) -> None:
     app = build_app(EngineState(cfg=cfg, runner=runner, scheduler=scheduler,
                                 started=time.monotonic()))
     if cfg.enable_debug_endpoints:  # rltool align-gate --layerwise (docs/align.md)
-        from rltool.rollout.engine.debug import add_debug_routes
+        from rltool.engine.debug import add_debug_routes
 
         add_debug_routes(app)
     server = _Server(scheduler, uvicorn.Config(app, log_level=cfg.log_level, lifespan="off",
