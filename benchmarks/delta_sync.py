@@ -41,7 +41,7 @@ import torch
 from safetensors.torch import load_file
 
 from rltool.delta.apply import apply_chain
-from rltool.delta.checkpoint import open_checkpoint
+from rltool.io.checkpoint import open_checkpoint
 from rltool.delta.deltadir import open_delta
 from rltool.delta.diff import default_workers, write_delta
 from rltool.delta.publish import breakeven_bandwidth

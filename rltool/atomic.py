@@ -71,6 +71,46 @@ def write_json(path: str | os.PathLike, obj: Any, *, fsync: bool = True) -> None
     write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n", fsync=fsync)
 
 
+def create_temp(path: str | os.PathLike) -> tuple[int, Path]:
+    """An open temporary file next to `path` with the published mode: (fd, its path). Publish it
+    with `commit_temp`, or close and unlink it on failure (`discard_temp`)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.fchmod(fd, FILE_MODE)
+    return fd, Path(tmp)
+
+
+def commit_temp(fd: int, tmp: Path, path: str | os.PathLike) -> None:
+    """fsync and close `fd`, rename `tmp` onto `path`, fsync the directory."""
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(Path(path).parent)
+
+
+def discard_temp(fd: int, tmp: Path) -> None:
+    if fd >= 0:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def atomic_fd(path: str | os.PathLike) -> Iterator[int]:
+    """Yield a file descriptor of a temporary file next to `path` (published mode); on success it
+    is fsynced and renamed onto `path`, on error removed."""
+    fd, tmp = create_temp(path)
+    try:
+        yield fd
+    except BaseException:
+        discard_temp(fd, tmp)
+        raise
+    commit_temp(fd, tmp, path)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary file path next to `path`; rename it onto `path` if the block succeeds.

@@ -43,7 +43,7 @@ def diff(ctx, base, new, out, format, encoding, workers, version, base_version, 
           --new runs/r1/train/out_v4 --out runs/r1/weights/weight_v000004 --json
     """
     from rltool.config import resolve
-    from rltool.delta.checkpoint import open_checkpoint
+    from rltool.io.checkpoint import open_checkpoint
     from rltool.rundir import declared_version
     from rltool.delta.config import DiffConfig
     from rltool.delta.diff import write_delta
@@ -88,7 +88,7 @@ def apply(base, deltas, out, workers, as_json):
       rltool delta apply --base models/tiny --delta weights/weight_v000001 --out /tmp/v1
     """
     from rltool.delta.apply import apply_chain
-    from rltool.delta.checkpoint import open_checkpoint
+    from rltool.io.checkpoint import open_checkpoint
     from rltool.rundir import declared_version
     from rltool.delta.deltadir import open_delta
 

@@ -22,7 +22,10 @@ from pydantic import Field, field_validator
 
 from rltool.config import StageConfig
 from rltool.convert import fp8_native, hf_writer
-from rltool.convert import safetensors_io as stio
+from rltool.io import checkpoint as ckpt_io
+from rltool.io import header as st
+from rltool.io import reader as st_read
+from rltool.io import writer as st_write
 from rltool.errors import BadInputError, CheckpointError
 
 if TYPE_CHECKING:
@@ -74,7 +77,7 @@ class DequantConfig(StageConfig):
     max_shard_mb: float = Field(default=5000.0, gt=0, description="Largest output shard, in MB.")
 
 
-def should_quantize(info: stio.TensorInfo) -> bool:
+def should_quantize(info: st.TensorInfo) -> bool:
     return (info.name.endswith(".weight") and len(info.shape) == 2 and info.dtype in _FLOAT_CODES
             and not any(s in info.name for s in SKIP_SUBSTRINGS))
 
@@ -154,12 +157,12 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
     return diff / ref if ref > 0 else diff
 
 
-def _quantize_job(info: stio.TensorInfo, block: tuple[int, int],
+def _quantize_job(info: st.TensorInfo, block: tuple[int, int],
                   errors: dict[str, float] | None, pool: hf_writer.BufferPool) -> hf_writer.Job:
     import torch
 
     def run() -> list[torch.Tensor]:
-        w = stio.read_tensor(info)
+        w = st_read.read_tensor(info)
         q, scale = quantize_blocks(w, block, out=pool.take(info.shape, torch.float8_e4m3fn))
         if not torch.isfinite(scale).all():  # a block's max |w| is inf or NaN
             raise CheckpointError(f"{info.name} holds inf or NaN values; fix the checkpoint "
@@ -174,9 +177,9 @@ def _quantize_job(info: stio.TensorInfo, block: tuple[int, int],
                          run=run, release=lambda tensors: pool.give(tensors[0]))
 
 
-def _copy_job(info: stio.TensorInfo) -> hf_writer.Job:
+def _copy_job(info: st.TensorInfo) -> hf_writer.Job:
     return hf_writer.Job(outputs=[(info.name, info.dtype, info.shape)],
-                         run=lambda: [stio.read_tensor(info)])
+                         run=lambda: [st_read.read_tensor(info)])
 
 
 def quantize_checkpoint(cfg: Fp8Config) -> dict[str, Any]:
@@ -187,7 +190,7 @@ def quantize_checkpoint(cfg: Fp8Config) -> dict[str, Any]:
     if config.get("quantization_config"):
         raise BadInputError(f"{cfg.hf} is already quantized ({config['quantization_config']}); "
                             "run `rltool convert dequant` first")
-    tensors = stio.checkpoint_tensors(cfg.hf)
+    tensors = ckpt_io.checkpoint_tensors(cfg.hf)
     hf_writer.limit_heap_retention()
     errors: dict[str, float] | None = {} if cfg.verify else None
     jobs, skipped_modules = [], []
@@ -216,13 +219,13 @@ def quantize_checkpoint(cfg: Fp8Config) -> dict[str, Any]:
     return result
 
 
-def _dequant_job(weight: stio.TensorInfo, scale: stio.TensorInfo, block: tuple[int, int],
+def _dequant_job(weight: st.TensorInfo, scale: st.TensorInfo, block: tuple[int, int],
                  dtype: torch.dtype) -> hf_writer.Job:
     def run() -> list[torch.Tensor]:
-        return [dequantize_blocks(stio.read_tensor(weight), stio.read_tensor(scale), block,
+        return [dequantize_blocks(st_read.read_tensor(weight), st_read.read_tensor(scale), block,
                                   dtype=dtype)]
 
-    return hf_writer.Job(outputs=[(weight.name, stio.dtype_code(dtype), weight.shape)], run=run)
+    return hf_writer.Job(outputs=[(weight.name, st.dtype_code(dtype), weight.shape)], run=run)
 
 
 def dequantize_checkpoint(cfg: DequantConfig) -> dict[str, Any]:
@@ -238,7 +241,7 @@ def dequantize_checkpoint(cfg: DequantConfig) -> dict[str, Any]:
                             "quantization_config with quant_method fp8 and weight_block_size)")
     block = tuple(qc["weight_block_size"])
     dtype = getattr(torch, cfg.dtype)
-    tensors = stio.checkpoint_tensors(cfg.hf)
+    tensors = ckpt_io.checkpoint_tensors(cfg.hf)
     hf_writer.limit_heap_retention()
     jobs = []
     for info in tensors.values():

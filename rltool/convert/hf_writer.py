@@ -23,8 +23,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rltool import atomic
-from rltool.convert import safetensors_io as stio
+from rltool.io import checkpoint as ckpt_io
+from rltool.io import header as st
+from rltool.io import reader as st_read
+from rltool.io import writer as st_write
 from rltool.errors import BadInputError, CheckpointError
+from rltool.io.hf_dir import CONFIG_NAME, copy_side_files
 
 if TYPE_CHECKING:
     import torch
@@ -32,13 +36,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Entry = tuple[str, str, tuple[int, ...]]  # (name, safetensors dtype code, shape)
-CONFIG_NAME = "config.json"
 RESOLVED_CONFIG = "rltool_convert.toml"  # the convert command's resolved config, inside its output
 # Output bytes that jobs may produce ahead of the writer (beyond 2 x workers jobs): measured on
 # a 0.5B model, the FP8 workers otherwise idled while the embeddings were written.
 READ_AHEAD_BYTES = 256 << 20
-# Files of the source checkpoint that a conversion rewrites instead of copying.
-_REWRITTEN = {CONFIG_NAME, stio.INDEX_NAME}
 
 
 @dataclass
@@ -52,7 +53,7 @@ class Job:
 
     @property
     def nbytes(self) -> int:
-        return sum(stio.tensor_nbytes(dtype, shape) for _, dtype, shape in self.outputs)
+        return sum(st.tensor_nbytes(dtype, shape) for _, dtype, shape in self.outputs)
 
 
 class BufferPool:
@@ -119,15 +120,6 @@ def check_new_output(out: str | os.PathLike) -> Path:
     if out.exists():
         raise BadInputError(f"{out} already exists; choose a new --out directory")
     return out
-
-
-def copy_side_files(src: str | os.PathLike, dst: Path) -> None:
-    """Copy tokenizer, generation config and other small files; weights and config are rewritten."""
-    for entry in Path(src).iterdir():
-        if entry.name in _REWRITTEN or entry.suffix == ".safetensors" or entry.name.startswith("."):
-            continue
-        if entry.is_file():
-            shutil.copy2(entry, dst / entry.name)
 
 
 def _ordered_results(jobs: list[Job], pool: ThreadPoolExecutor, *, window: int,
@@ -214,7 +206,7 @@ def write_checkpoint(tmp_dir: Path, jobs: list[Job], *, workers: int,
             used = 0
         groups[-1].append(job)
         used += job.nbytes
-    files = [stio.SINGLE_NAME] if len(groups) == 1 else stio.shard_file_names(len(groups))
+    files = [st.SINGLE_NAME] if len(groups) == 1 else st.shard_file_names(len(groups))
     weight_map: dict[str, str] = {}
     total = 0
     with _intra_op_threads(workers), ThreadPoolExecutor(
@@ -222,11 +214,11 @@ def write_checkpoint(tmp_dir: Path, jobs: list[Job], *, workers: int,
         for fname, group in zip(files, groups, strict=True):
             entries = [e for job in group for e in job.outputs]
             with atomic.atomic_path(tmp_dir / fname) as path:
-                total += stio.write_streaming(
+                total += st_write.write_streaming(
                     path, entries, _ordered_results(group, pool, window=2 * workers,
                                                     window_bytes=READ_AHEAD_BYTES),
                     metadata={"format": "pt"})
             weight_map.update({e[0]: fname for e in entries})
             log.info("wrote %s (%d tensors)", fname, len(entries))
-    atomic.write_json(tmp_dir / stio.INDEX_NAME, stio.index_json(weight_map, total_size=total))
+    atomic.write_json(tmp_dir / st.INDEX_NAME, st.index_json(weight_map, total_size=total))
     return {"files": files, "total_size": total}

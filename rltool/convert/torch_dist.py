@@ -29,7 +29,10 @@ from pydantic import Field
 from rltool import atomic
 from rltool.config import StageConfig, write_resolved
 from rltool.convert import hf_writer, name_map
-from rltool.convert import safetensors_io as stio
+from rltool.io import checkpoint as ckpt_io
+from rltool.io import header as st
+from rltool.io import reader as st_read
+from rltool.io import writer as st_write
 from rltool.convert.gpt_model import build_gpt_model, hf_arch, padded_vocab_size
 from rltool.errors import CheckpointError
 
@@ -85,7 +88,7 @@ def _region(sh: Any) -> tuple[slice, ...]:
                                                   strict=True))
 
 
-def _fill_from_hf(slots: dict[name_map.Slot, list[Any]], tensors: dict[str, stio.TensorInfo], *,
+def _fill_from_hf(slots: dict[name_map.Slot, list[Any]], tensors: dict[str, st.TensorInfo], *,
                   hf_config: dict[str, Any], padded_vocab: int) -> None:
     """Fill every ShardedTensor for saving (the model's own parameters may stay unfilled)."""
     import torch
@@ -96,7 +99,7 @@ def _fill_from_hf(slots: dict[name_map.Slot, list[Any]], tensors: dict[str, stio
         names = name_map.hf_names(key, index, tied=tied)  # raises for an unmapped key
         kind = name_map.RULES[key][0]
         dtype = shards[0].data.dtype
-        hf = [stio.read_tensor(tensors[n]).to(dtype) for n in names]
+        hf = [st_read.read_tensor(tensors[n]).to(dtype) for n in names]
         if kind == "vocab":  # the largest tensors: copy rows into the shards, skip the padded copy
             _copy_vocab_rows(shards, hf[0], padded_vocab=padded_vocab)
             continue
@@ -132,12 +135,12 @@ def _copy_vocab_rows(shards: list[Any], weight: torch.Tensor, *, padded_vocab: i
         sh.data[real:].zero_()
 
 
-def _hf_dtype(tensors: dict[str, stio.TensorInfo], requested: str) -> torch.dtype:
+def _hf_dtype(tensors: dict[str, st.TensorInfo], requested: str) -> torch.dtype:
     import torch
 
     if requested != "auto":
         return getattr(torch, requested)
-    return stio.torch_dtype(tensors["model.embed_tokens.weight"].dtype)
+    return st.torch_dtype(tensors["model.embed_tokens.weight"].dtype)
 
 
 def _rank0_tempdir(out: Path) -> Path:
@@ -153,7 +156,7 @@ def _rank0_tempdir(out: Path) -> Path:
 
 
 def _build_fill_save(cfg: HfToDistConfig, out: Path, hf_config: dict[str, Any],
-                     tensors: dict[str, stio.TensorInfo], dtype: torch.dtype, *,
+                     tensors: dict[str, st.TensorInfo], dtype: torch.dtype, *,
                      sizes: dict[str, int]) -> None:
     import torch
     import torch.distributed as dist
@@ -196,7 +199,7 @@ def hf_to_dist(cfg: HfToDistConfig) -> dict[str, Any]:
     out = hf_writer.check_new_output(cfg.out)
     hf_config = hf_writer.read_config(cfg.hf)
     hf_arch(hf_config)
-    tensors = stio.checkpoint_tensors(cfg.hf)
+    tensors = ckpt_io.checkpoint_tensors(cfg.hf)
     name_map.check_hf_tensors({n: i.shape for n, i in tensors.items()}, hf_config)
     dtype = _hf_dtype(tensors, cfg.dtype)
     hf_writer.limit_heap_retention()
@@ -318,7 +321,7 @@ def dist_to_hf(cfg: DistToHfConfig) -> dict[str, Any]:
     shapes = name_map.Shapes.from_hf(hf_config)
     tied = bool(hf_config.get("tie_word_embeddings", False))
     expected = name_map.expected_hf_shapes(hf_config)
-    code = stio.dtype_code(dtype)
+    code = st.dtype_code(dtype)
     jobs = [hf_writer.Job(outputs=[(n, code, expected[n]) for n in name_map.hf_names(key, index)],
                           run=_split_job(key, shards, shapes))
             for (key, index), shards in slots.items()

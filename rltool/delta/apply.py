@@ -26,11 +26,12 @@ import xxhash
 
 from rltool import atomic
 from rltool.delta import codec
-from rltool.delta.checkpoint import INDEX_NAME, Checkpoint
 from rltool.delta.deltadir import DeltaDir
 from rltool.delta.diff import default_workers
-from rltool.delta.safetensors_io import DTYPE_SIZES, OutputFile, output_like
 from rltool.errors import DeltaChainError
+from rltool.io.checkpoint import Checkpoint
+from rltool.io.header import INDEX_NAME, element_size
+from rltool.io.writer import OutputFile, output_like
 
 BLOCK_BYTES = 512 << 10
 
@@ -44,7 +45,7 @@ class _RltoolPatch:
         if record.get("dtype") != dtype or not isinstance(record.get("chunks"), list):
             raise DeltaChainError(f"{what}: delta was made for dtype {record.get('dtype')!r}, "
                                   f"the base holds {dtype!r}")
-        self.width = codec.element_width(DTYPE_SIZES.get(dtype, 1), nbytes)
+        self.width = codec.element_width(element_size(dtype), nbytes)
         self.step = delta.chunk_elements * self.width
         self.records, self.nbytes, self.what = record["chunks"], nbytes, what
         if self.step <= 0 or len(self.records) != -(-nbytes // self.step):

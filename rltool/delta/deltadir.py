@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from rltool.delta.checkpoint import INDEX_NAME, read_index
-from rltool.convert.safetensors_io import TensorInfo
-from rltool.delta.safetensors_io import SafetensorsFile, pread_into, read_header
 from rltool.errors import CheckpointError, DeltaChainError
+from rltool.io.checkpoint import read_index
+from rltool.io.header import INDEX_NAME, TensorInfo
+from rltool.io.reader import SafetensorsFile, read_header, read_range
 
 RLTOOL_ENCODING = "rltool-v1"
 SLIME_ENCODINGS = ("xor", "overwrite")
@@ -63,15 +63,10 @@ class DeltaDir:
 
     def read_blob(self, name: str) -> np.ndarray:
         t = self.tensors[name]
-        buf = np.empty(t.blob.nbytes, dtype=np.uint8)
-        fd = os.open(t.file.path, os.O_RDONLY)
         try:
-            pread_into(fd, buf, t.blob.start)
+            return read_range(t.file.path, t.blob.start, t.blob.nbytes)
         except CheckpointError as e:
             raise DeltaChainError(str(e)) from e
-        finally:
-            os.close(fd)
-        return buf
 
     def wire_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file())

@@ -20,11 +20,12 @@ import xxhash
 
 from rltool import atomic
 from rltool.delta import codec
-from rltool.delta.checkpoint import INDEX_NAME, Checkpoint
 from rltool.delta.deltadir import (CHECKSUM_FORMAT, DELTA_FILE, FORMATS, RLTOOL_ENCODING,
                                    SLIME_ENCODINGS, format_version)
-from rltool.delta.safetensors_io import DTYPE_SIZES, BlobWriter, reserve_for
 from rltool.errors import BadInputError
+from rltool.io.checkpoint import Checkpoint
+from rltool.io.header import INDEX_NAME, element_size
+from rltool.io.writer import BlobWriter, reserve_for
 
 
 @dataclass
@@ -56,7 +57,7 @@ def _check_same_tensors(base: Checkpoint, new: Checkpoint) -> None:
 def _encode_tensor(name: str, base: Checkpoint, new: Checkpoint, *, fmt: str,
                    encoding: str) -> _Encoded:
     dtype, shape, nbytes = new.spec(name)
-    width = codec.element_width(DTYPE_SIZES.get(dtype, 1), nbytes)
+    width = codec.element_width(element_size(dtype), nbytes)
     numel = nbytes // width
     step = codec.CHUNK_ELEMENTS * width
     digest = xxhash.xxh3_128()

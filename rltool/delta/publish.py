@@ -1,6 +1,8 @@
-"""Trainer side of weight sync: publish version N as a full checkpoint or a delta on version N-1.
+"""Trainer side of weight sync: publish version N as a full checkpoint or a delta on the newest
+version published before it, in three steps: decide (the cost model), encode, commit.
 
-`auto` decides by the cost model t ≈ S/B + t0 (+ processing time) for each mode:
+`publish_version(src, sync)` is the one entry point; `train --publish` and `loop` call it the same
+way with their `SyncConfig` (`--sync full|delta|auto`). `auto` decides by the cost model t ≈ S/B + t0 (+ processing time) for each mode:
   full   t_full  = S/B + t0                       (S: full bytes; the engine loads it directly)
   delta  t_delta = W/B + t0 + S/decode_Bps        (W: the delta's wire bytes, measured by encoding
                                                    it; the engine's pull rebuilds S bytes)
@@ -24,19 +26,22 @@ import os
 import shutil
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rltool import atomic
-from rltool.rundir import VERSION_FILE
-from rltool.delta.checkpoint import INDEX_NAME, is_delta_dir, open_checkpoint
+from rltool.delta.config import SyncConfig
 from rltool.delta.deltadir import open_delta
 from rltool.delta.diff import write_delta
-from rltool.delta.pull import SYNC_DIR, swap_in, host_lock, pull_weights, read_local_version
+from rltool.delta.pull import (SYNC_DIR, host_lock, open_cached, pull_weights, read_local_version,
+                               swap_in)
 from rltool.errors import BadInputError, CheckpointError, DeltaChainError
-from rltool.rundir import weight_dir_name
+from rltool.io.checkpoint import Checkpoint, is_delta_dir, open_checkpoint
+from rltool.io.header import INDEX_NAME
+from rltool.io.hf_dir import write_hf_dir
+from rltool.rundir import VERSION_FILE, list_versions, weight_dir_name
 
-MODES = ("full", "delta", "auto")
 STATS_FILE = ".publish_stats.json"
 CACHE_DIR = ".publish_cache"
 # Seeds for the measured averages, from benchmarks/delta_sync.py on the 2-core CPU box (bytes/s).
@@ -95,12 +100,8 @@ def _copy_full(src: Path, out: Path, *, version: int) -> None:
             shutil.copyfile(src / INDEX_NAME, tmp / INDEX_NAME)
 
 
-def _stage_state_dict(state: Mapping[str, Any], cache: Path, *, source_model_dir: Path | None,
+def _stage_state_dict(state: Mapping[str, Any], cache: Path, *, source_model_dir: Path,
                       dtype: str, version: int) -> Path:
-    from rltool.train.publish import write_hf_dir
-
-    if source_model_dir is None:
-        raise BadInputError("publishing a state dict needs source_model_dir (config + tokenizer)")
     staging = cache / SYNC_DIR / "next"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -109,99 +110,146 @@ def _stage_state_dict(state: Mapping[str, Any], cache: Path, *, source_model_dir
     return staging
 
 
-def publish_version(new_state_or_dir: Mapping[str, Any] | str | os.PathLike, *,
-                    publish_dir: str | os.PathLike, version: int, mode: str = "auto",
-                    fmt: str = "rltool", encoding: str = "xor", full_every: int = 10,
-                    base_model_path: str | os.PathLike | None = None,
-                    source_model_dir: str | os.PathLike | None = None, dtype: str = "fp32",
-                    link_bandwidth_Bps: float | None = None, t0_s: float = 0.0,
-                    cache_dir: str | os.PathLike | None = None,
-                    workers: int | None = None, base_version: int | None = None
-                    ) -> dict[str, Any]:
-    """Publish `<publish_dir>/weight_v{version:06d}` as a full checkpoint or a delta on version-1
-    (or on `base_version`, the previous published version when one step applied several
-    optimizer steps).
+@dataclass(frozen=True)
+class Decision:
+    """The cost model's answer: publish a delta or not, why, and the predicted times (seconds)."""
 
-    `new_state_or_dir`: a full HF checkpoint directory, or a state dict (HF names; written with
-    config/tokenizer from `source_model_dir` at `dtype`, like rltool.train.publish). Version 0's
-    base is `base_model_path` when `publish_dir` has no weight_v000000. Returns metrics:
-    perf/update_weights_density, perf/update_weights_wire_bytes, perf/update_weights_time and
-    sync/* details (mode chosen, reason, predicted times).
+    delta: bool
+    reason: str
+    predicted_full_s: float | None = None
+    predicted_delta_s: float | None = None
+
+
+def link_bandwidth_Bps(sync: SyncConfig, stats: Mapping[str, float]) -> float:
+    """The trainer-to-engine bandwidth in bytes/s: `link_bandwidth_gbps` (gigabits/s) when given,
+    else measured from earlier full publishes, else DEFAULT_LINK_BPS."""
+    if sync.link_bandwidth_gbps:
+        return sync.link_bandwidth_gbps * 1e9 / 8
+    return stats.get("link_Bps", DEFAULT_LINK_BPS)
+
+
+def decide(sync: SyncConfig, *, version: int, chain_length: int, full_bytes: int,
+           stats: Mapping[str, float], t0_s: float = 0.0,
+           wire_bytes: int | None = None) -> Decision:
+    """Before encoding (`wire_bytes` None): whether a delta is worth encoding at all. After
+    (`wire_bytes` measured): whether to publish it."""
+    link = link_bandwidth_Bps(sync, stats)
+    decode_Bps = stats.get("decode_Bps", DEFAULT_DECODE_BPS)
+    if wire_bytes is not None:
+        t_full, t_delta = predict_times(full_bytes=full_bytes, wire_bytes=wire_bytes,
+                                        link_Bps=link, decode_Bps=decode_Bps, t0_s=t0_s)
+        if sync.sync == "delta":
+            return Decision(True, "--sync delta", t_full, t_delta)
+        if t_delta < t_full:
+            return Decision(True, "cost model: delta faster", t_full, t_delta)
+        return Decision(False, "cost model: full faster", t_full, t_delta)
+    if sync.sync == "full":
+        return Decision(False, "--sync full")
+    if version == 0:
+        return Decision(False, "version 0 has no base")
+    if chain_length + 1 >= sync.full_every:
+        return Decision(False, f"a full version every {sync.full_every} (--full-every)")
+    if sync.sync == "auto" and chain_length > 0 and {"wire_ratio", "encode_Bps"} <= stats.keys():
+        # Mid-chain, with history: predict the delta (encode included) before paying for it.
+        # Right after a full version auto always measures again, so history cannot go stale.
+        t_full, t_delta = predict_times(
+            full_bytes=full_bytes, wire_bytes=int(full_bytes * stats["wire_ratio"]),
+            link_Bps=link, decode_Bps=decode_Bps, t0_s=t0_s)
+        t_delta += full_bytes / stats["encode_Bps"]
+        if t_delta >= t_full:
+            return Decision(False, "cost model (measured history): full faster", t_full, t_delta)
+    return Decision(True, "encode and measure")
+
+
+def _encode(new: Checkpoint, candidate: Path, sync: SyncConfig, *, publish_dir: Path, cache: Path,
+            version: int, base: int, base_model_path: str | os.PathLike | None,
+            stats: dict[str, float], full_bytes: int, workers: int | None) -> dict[str, Any]:
+    """Bring the cache to version `base` (pull_weights, verified) and write the delta on it to
+    `candidate`; returns write_delta's stats. Raises DeltaChainError/BadInputError when no delta
+    is possible."""
+    t = time.perf_counter()
+    pulled = pull_weights(local_checkpoint_dir=cache, source_dir=publish_dir,
+                          target_version=base, base_model_path=base_model_path, workers=workers)
+    if pulled["changed"]:
+        _update(stats, "decode_Bps", full_bytes / max(time.perf_counter() - t, 1e-9))
+    shutil.rmtree(candidate, ignore_errors=True)
+    delta_stats = write_delta(open_cached(cache), new, candidate, version=version,
+                              base_version=base, fmt=sync.delta_format,
+                              encoding=sync.delta_encoding, workers=workers)
+    _update(stats, "encode_Bps", full_bytes / max(delta_stats["encode_s"], 1e-9))
+    _update(stats, "wire_ratio", delta_stats["wire_bytes"] / max(full_bytes, 1))
+    return delta_stats
+
+
+def _newest_below(publish_dir: Path, version: int) -> int:
+    earlier = [v for v in list_versions(publish_dir) if v < version]
+    return earlier[-1] if earlier else version - 1
+
+
+def publish_version(src: Mapping[str, Any] | str | os.PathLike, sync: SyncConfig, *,
+                    publish_dir: str | os.PathLike, version: int,
+                    base_version: int | None = None,
+                    source_model_dir: str | os.PathLike | None = None, dtype: str = "fp32",
+                    base_model_path: str | os.PathLike | None = None, t0_s: float = 0.0,
+                    cache_dir: str | os.PathLike | None = None, workers: int | None = None
+                    ) -> dict[str, Any]:
+    """Publish `<publish_dir>/weight_v{version:06d}` as a full checkpoint or, by `sync`, a delta on
+    `base_version` (default: the newest version published below `version`; version 0's base is
+    `base_model_path` when `publish_dir` has no weight_v000000).
+
+    `src`: a full HF checkpoint directory, or a state dict (HF names; written with config and
+    tokenizer from `source_model_dir` at `dtype`). Returns metrics: perf/update_weights_density,
+    perf/update_weights_wire_bytes, perf/update_weights_time and sync/* (mode chosen, reason,
+    predicted times, path).
     """
-    if mode not in MODES:
-        raise BadInputError(f"unknown --sync {mode!r}; choose one of {', '.join(MODES)}")
-    if full_every < 1:
-        raise BadInputError(f"--full-every must be >= 1, got {full_every}")
-    base = version - 1 if base_version is None else base_version
+    base = _newest_below(Path(publish_dir), version) if base_version is None else base_version
     if version > 0 and not 0 <= base < version:
         raise BadInputError(f"base version {base} must be below version {version}")
     t_start = time.perf_counter()
     publish_dir = Path(publish_dir)
     out = publish_dir / weight_dir_name(version)
     if out.exists():
-        raise BadInputError(f"{out} already exists; a published version is never replaced")
+        raise BadInputError(f"{out} already exists; a published version is never replaced "
+                            "(resume from the checkpoint that produced it, or publish elsewhere)")
+    is_state = isinstance(src, Mapping)
+    if is_state and source_model_dir is None:
+        raise BadInputError("publishing a state dict needs source_model_dir (config + tokenizer)")
+    if is_state and sync.sync == "full":
+        # No delta will ever be built on it: write the version in place, no staging copy.
+        with atomic.publish_dir(out, marker=VERSION_FILE, marker_content={"version": version}) \
+                as tmp:
+            write_hf_dir(tmp, dict(src), source_model_dir=source_model_dir, dtype=dtype)
+        return _metrics(out, None, Decision(False, "--sync full"), version=version,
+                        full_bytes=_full_bytes(open_checkpoint(out)), link=None, t_start=t_start)
     cache = Path(cache_dir) if cache_dir is not None else publish_dir / CACHE_DIR
     stats = _load_stats(publish_dir)
-    staged = None
-    if isinstance(new_state_or_dir, Mapping):
-        staged = _stage_state_dict(new_state_or_dir, cache, version=version, dtype=dtype,
-                                   source_model_dir=Path(source_model_dir) if source_model_dir
-                                   else None)
-        new_dir = staged
-    else:
-        new_dir = Path(new_state_or_dir)
+    staged = (_stage_state_dict(src, cache, version=version, dtype=dtype,
+                                source_model_dir=Path(source_model_dir)) if is_state else None)
+    new_dir = staged if staged is not None else Path(src)
     new = open_checkpoint(new_dir)
-    full_bytes = sum(new.spec(n)[2] for n in new.names())
-    link = link_bandwidth_Bps or stats.get("link_Bps", DEFAULT_LINK_BPS)
-    decode_Bps = stats.get("decode_Bps", DEFAULT_DECODE_BPS)
-
-    reason, delta_stats = "", None
-    chain = _chain_length(publish_dir, base) if version > 0 else 0
-    predicted_full = predicted_delta = None
-    if mode == "full":
-        reason = "--sync full"
-    elif version == 0:
-        reason = "version 0 has no base"
-    elif chain + 1 >= full_every:
-        reason = f"a full version every {full_every} (--full-every)"
-    elif mode == "auto" and chain > 0 and {"wire_ratio", "encode_Bps"} <= stats.keys():
-        # Mid-chain, with history: predict the delta (encode included) before paying for it.
-        # Right after a full version auto always measures again, so history cannot go stale.
-        predicted_full, predicted_delta = predict_times(
-            full_bytes=full_bytes, wire_bytes=int(full_bytes * stats["wire_ratio"]),
-            link_Bps=link, decode_Bps=decode_Bps, t0_s=t0_s)
-        predicted_delta += full_bytes / stats["encode_Bps"]
-        if predicted_delta >= predicted_full:
-            reason = "cost model (measured history): full faster"
-    if not reason:
+    full_bytes = _full_bytes(new)
+    # 1. decide whether a delta is worth encoding
+    decision = decide(sync, version=version, full_bytes=full_bytes, stats=stats, t0_s=t0_s,
+                      chain_length=_chain_length(publish_dir, base) if version > 0 else 0)
+    delta_stats = None
+    candidate = publish_dir / f".candidate-{out.name}"
+    if decision.delta:
+        # 2. encode it on the verified base, then decide with its measured size
         try:
-            t = time.perf_counter()
-            pulled = pull_weights(local_checkpoint_dir=cache, source_dir=publish_dir,
-                                  target_version=base, base_model_path=base_model_path,
-                                  workers=workers)
-            if pulled["changed"]:
-                _update(stats, "decode_Bps", full_bytes / max(time.perf_counter() - t, 1e-9))
-            candidate = publish_dir / f".candidate-{out.name}"
-            shutil.rmtree(candidate, ignore_errors=True)
-            delta_stats = write_delta(open_checkpoint(cache), new, candidate, version=version,
-                                      base_version=base, fmt=fmt, encoding=encoding,
-                                      workers=workers)
-            _update(stats, "encode_Bps", full_bytes / max(delta_stats["encode_s"], 1e-9))
-            _update(stats, "wire_ratio", delta_stats["wire_bytes"] / max(full_bytes, 1))
+            delta_stats = _encode(new, candidate, sync, publish_dir=publish_dir, cache=cache,
+                                  version=version, base=base, base_model_path=base_model_path,
+                                  stats=stats, full_bytes=full_bytes, workers=workers)
+            decision = decide(sync, version=version, chain_length=0, full_bytes=full_bytes,
+                              stats=stats, t0_s=t0_s, wire_bytes=delta_stats["wire_bytes"])
         except (DeltaChainError, BadInputError) as e:
-            reason = f"no delta possible: {e}"
-    if delta_stats is not None:
-        predicted_full, predicted_delta = predict_times(
-            full_bytes=full_bytes, wire_bytes=delta_stats["wire_bytes"], link_Bps=link,
-            decode_Bps=decode_Bps, t0_s=t0_s)
-        if mode == "delta" or predicted_delta < predicted_full:
-            os.rename(candidate, out)
-            atomic.fsync_dir(publish_dir)
-            reason = reason or ("--sync delta" if mode == "delta" else "cost model: delta faster")
-        else:
-            shutil.rmtree(candidate)
-            delta_stats, reason = None, "cost model: full faster"
-    if delta_stats is None:
+            decision = Decision(False, f"no delta possible: {e}")
+    # 3. commit: the delta candidate, or a full copy
+    if decision.delta:
+        os.rename(candidate, out)
+        atomic.fsync_dir(publish_dir)
+    else:
+        shutil.rmtree(candidate, ignore_errors=True)
+        delta_stats = None
         t = time.perf_counter()
         _copy_full(new_dir, out, version=version)
         _update(stats, "link_Bps", full_bytes / max(time.perf_counter() - t, 1e-9))
@@ -209,17 +257,28 @@ def publish_version(new_state_or_dir: Mapping[str, Any] | str | os.PathLike, *,
         # The staged state dict is exactly `version`: make it the cache's base for the next publish.
         with host_lock(cache / SYNC_DIR / "lock", timeout_s=600):
             if read_local_version(cache) != version:
-                swap_in(staged, cache, cache / SYNC_DIR / "state.json", version=version)
+                swap_in(staged, cache, version=version)
         shutil.rmtree(staged, ignore_errors=True)
     atomic.write_json(publish_dir / STATS_FILE, stats)
+    return _metrics(out, delta_stats, decision, version=version, full_bytes=full_bytes,
+                    link=link_bandwidth_Bps(sync, stats), t_start=t_start)
+
+
+def _full_bytes(ckpt: Checkpoint) -> int:
+    return sum(ckpt.spec(n)[2] for n in ckpt.names())
+
+
+def _metrics(out: Path, delta_stats: dict[str, Any] | None, decision: Decision, *, version: int,
+             full_bytes: int, link: float | None, t_start: float) -> dict[str, Any]:
     wire = delta_stats["wire_bytes"] if delta_stats else sum(
         p.stat().st_size for p in out.rglob("*") if p.is_file())
     return {
         "perf/update_weights_density": delta_stats["density"] if delta_stats else 1.0,
         "perf/update_weights_wire_bytes": wire,
         "perf/update_weights_time": time.perf_counter() - t_start,
-        "sync/mode": "delta" if delta_stats else "full", "sync/reason": reason,
+        "sync/mode": "delta" if delta_stats else "full", "sync/reason": decision.reason,
         "sync/version": version, "sync/full_bytes": full_bytes,
-        "sync/predicted_full_s": predicted_full, "sync/predicted_delta_s": predicted_delta,
+        "sync/predicted_full_s": decision.predicted_full_s,
+        "sync/predicted_delta_s": decision.predicted_delta_s,
         "sync/link_Bps": link, "sync/path": str(out),
     }

@@ -6,8 +6,10 @@ model path when the source has no `weight_v000000`) plus the deltas after it, in
 local directory itself when its state marker names a version on that chain. Everything is built
 in `<local>/.weight_sync/staging` and every checksum verified before the files are swapped in, so
 a wrong base, a missing link or a checksum mismatch leaves the local directory as it was. A per-host
-`fcntl` lock serialises engines sharing the directory; `state.json` ({"version": "000042"}) makes a
-repeated pull a no-op. It only syncs files: the caller then reloads the engine from the directory.
+`fcntl` lock serialises engines sharing the directory; `state.json` ({"version": "000042", "files":
+[...]}) makes a repeated pull a no-op and is the manifest of the files pulls wrote: the only files a
+pull deletes, so a local directory that also holds other files keeps them. It only syncs files:
+the caller then reloads the engine from the directory.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ from pathlib import Path
 
 from rltool import atomic
 from rltool.delta.apply import apply_chain
-from rltool.delta.checkpoint import is_delta_dir, open_checkpoint
 from rltool.delta.deltadir import DeltaDir, format_version, open_delta, parse_version
 from rltool.errors import CheckpointError, DeltaChainError
+from rltool.io.checkpoint import Checkpoint, check_name, is_delta_dir, open_checkpoint
 from rltool.rundir import weight_dir_name
 
 SYNC_DIR = ".weight_sync"
+STATE_FILE = f"{SYNC_DIR}/state.json"  # {"version": "000042", "files": [...]}: the manifest
 
 
 @contextlib.contextmanager
@@ -51,15 +54,37 @@ def host_lock(path: Path, *, timeout_s: float) -> Iterator[None]:
         os.close(fd)  # closing releases the flock
 
 
-def read_local_version(local_checkpoint_dir: str | os.PathLike) -> int | None:
-    """The complete version the local directory holds, or None when unknown (never synced or a
-    swap was interrupted)."""
-    state = Path(local_checkpoint_dir) / SYNC_DIR / "state.json"
+def _read_state(local: Path) -> dict:
     try:
-        version = json.loads(state.read_text()).get("version")
-    except (FileNotFoundError, json.JSONDecodeError, AttributeError):
+        state = json.loads((local / STATE_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def owned_files(local_checkpoint_dir: str | os.PathLike) -> frozenset[str]:
+    """The files pulls wrote into the local directory (the manifest in its state file); the only
+    files a pull ever replaces or deletes there. Empty when the directory was never synced."""
+    local = Path(local_checkpoint_dir)
+    files = _read_state(local).get("files")
+    if not isinstance(files, list):
+        return frozenset()
+    return frozenset(check_name(local, f, what=str(local / STATE_FILE)) for f in files)
+
+
+def read_local_version(local_checkpoint_dir: str | os.PathLike) -> int | None:
+    """The complete version the local directory holds, or None when unknown (never synced, a
+    swap was interrupted, or no manifest says which files are the version's)."""
+    state = _read_state(Path(local_checkpoint_dir))
+    version = state.get("version")
+    if version is None or not isinstance(state.get("files"), list):
         return None
-    return None if version is None else parse_version(version)
+    return parse_version(version)
+
+
+def open_cached(local_checkpoint_dir: str | os.PathLike) -> Checkpoint:
+    """The version a local directory holds, made of the files its manifest lists only."""
+    return open_checkpoint(local_checkpoint_dir, members=owned_files(local_checkpoint_dir))
 
 
 def plan_chain(source_dir: Path, target: int, *, base_model_path: Path | None,
@@ -96,24 +121,30 @@ def plan_chain(source_dir: Path, target: int, *, base_model_path: Path | None,
     return seed, v, chain
 
 
-def swap_in(staging: Path, local: Path, state: Path, *, version: int) -> None:
-    """Move the verified staging files into `local`. The marker is cleared first, so a crash in
-    the middle leaves 'unknown' and the next pull rebuilds from a full version."""
-    atomic.write_json(state, {"version": None, "pending": format_version(version)})
-    new_files = {p.relative_to(staging) for p in staging.rglob("*") if p.is_file()}
-    for rel in sorted(new_files):
+def swap_in(staging: Path, local: Path, *, version: int) -> None:
+    """Move the verified staging files into `local` and delete the files of the previous version
+    that the new one lacks: only files the manifest lists (pulls wrote them), never others. The
+    state is marked pending first, owning both versions' files, so a crash in the middle leaves
+    'unknown' and the next pull rebuilds from a full version and still cleans up."""
+    state = local / STATE_FILE
+    old_files = owned_files(local)
+    new_files = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*")
+                       if p.is_file())
+    atomic.write_json(state, {"version": None, "pending": format_version(version),
+                              "files": sorted(old_files | set(new_files))})
+    for rel in new_files:
         (local / rel).parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging / rel, local / rel)
-    for p in sorted(local.rglob("*"), reverse=True):
-        rel = p.relative_to(local)
-        if rel.parts[0].startswith(".") or rel in new_files:
-            continue
-        if p.is_file() or p.is_symlink():
-            p.unlink()
-        elif p.is_dir() and not any(p.iterdir()):
-            p.rmdir()
+    for rel in sorted(old_files - set(new_files), reverse=True):
+        path = local / rel
+        if path.is_file() or path.is_symlink():
+            path.unlink()
+        parent = path.parent
+        while parent != local and parent.is_dir() and not any(parent.iterdir()):
+            parent.rmdir()
+            parent = parent.parent
     atomic.fsync_dir(local)
-    atomic.write_json(state, {"version": format_version(version)})
+    atomic.write_json(state, {"version": format_version(version), "files": new_files})
 
 
 def pull_weights(*, local_checkpoint_dir: str | os.PathLike, source_dir: str | os.PathLike,
@@ -141,9 +172,10 @@ def pull_weights(*, local_checkpoint_dir: str | os.PathLike, source_dir: str | o
         staging = sync / "staging"
         shutil.rmtree(staging, ignore_errors=True)  # a crashed pull's leftovers (we hold the lock)
         try:
-            stats = apply_chain(open_checkpoint(seed), chain, staging, base_version=seed_version,
+            seed_ckpt = open_cached(local) if seed == local else open_checkpoint(seed)
+            stats = apply_chain(seed_ckpt, chain, staging, base_version=seed_version,
                                 workers=workers)
-            swap_in(staging, local, sync / "state.json", version=target)
+            swap_in(staging, local, version=target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return {"version": target, "changed": True, "seed": str(seed), "seed_version": seed_version,

@@ -10,10 +10,10 @@ import numpy as np
 import zstandard
 
 from rltool.delta.apply import apply_chain, decode_tensor
-from rltool.delta.checkpoint import is_delta_dir, open_checkpoint
 from rltool.delta.deltadir import DeltaDir, open_delta
-from rltool.delta.safetensors_io import DTYPE_SIZES
 from rltool.errors import BadInputError, CheckpointError, DeltaChainError
+from rltool.io.checkpoint import is_delta_dir, open_checkpoint
+from rltool.io.header import DTYPES
 from rltool.rundir import declared_version
 
 
@@ -23,7 +23,7 @@ def _check_blobs(delta: DeltaDir) -> None:
         if delta.fmt == "rltool":
             rec = t.record
             try:
-                nbytes = int(np.prod(rec["shape"], dtype=np.int64)) * DTYPE_SIZES[rec["dtype"]]
+                nbytes = int(np.prod(rec["shape"], dtype=np.int64)) * DTYPES[rec["dtype"]][1]
             except (KeyError, TypeError, ValueError) as e:
                 raise DeltaChainError(f"{delta.root}: bad record for {name!r}") from e
             decode_tensor(delta, name, np.zeros(nbytes, dtype=np.uint8), dtype=rec["dtype"])

@@ -2,7 +2,7 @@
 
 rollout  -> RUN/rollouts/step-K/ (shard, `_SUCCESS`), metrics/rollout.jsonl
 train    -> RUN/train/ckpt/step-V/ (`trainer_state.json`), metrics/train.jsonl
-publish  -> RUN/weights/weight_vV/ (full or delta, rltool.delta.publish)
+publish  -> RUN/weights/weight_vV/ (full or delta, rltool.delta.publish.publish_version)
 sync     -> every engine serves version V (pull for a delta, then /update_weights_from_disk)
 eval     -> RUN/eval/step-K/ (shard), metrics/eval.jsonl, every `eval_interval` steps
 
@@ -134,20 +134,17 @@ def publish(ctx: StepContext) -> None:
 
     version = ctx.state.policy_version
     out = ctx.run.weight_version(version)
-    sync = ctx.settings.sync
     if out.exists():
         ctx.state.publish = ctx.state.publish or {"sync/mode": version_mode(out)}
         return
-    result = publish_version(
-        ctx.run.ckpt_step(version) / MODEL_DIR, publish_dir=ctx.run.weights, version=version,
-        mode=sync.sync, fmt=sync.delta_format, encoding=sync.delta_encoding,
-        full_every=sync.full_every, base_version=ctx.state.base_version,
-        link_bandwidth_Bps=sync.link_bandwidth_gbps * 1e9 / 8 if sync.link_bandwidth_gbps else None)
+    result = publish_version(ctx.run.ckpt_step(version) / MODEL_DIR, ctx.settings.sync,
+                             publish_dir=ctx.run.weights, version=version,
+                             base_version=ctx.state.base_version)
     ctx.state.publish = {k: v for k, v in result.items() if isinstance(v, (int, float, str))}
 
 
 def version_mode(path: Path) -> str:
-    from rltool.delta.checkpoint import is_delta_dir
+    from rltool.io.checkpoint import is_delta_dir
 
     return "delta" if is_delta_dir(path) else "full"
 

@@ -68,7 +68,7 @@ def _initial_weights(run: RunDir, settings: LoopSettings) -> None:
 
     if not run.weight_version(0).exists():
         atomic.remove_stale_temporaries(run.weights)
-        publish_version(settings.model.path, publish_dir=run.weights, version=0, mode="full")
+        publish_version(settings.model.path, settings.sync, publish_dir=run.weights, version=0)
 
 
 def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None,

@@ -26,7 +26,7 @@ from typing import Any
 from rltool import __version__, atomic
 from rltool.errors import CheckpointError
 from rltool.rundir import declared_version, parse_step_dir_name, read_json_file
-from rltool.train.publish import write_hf_dir
+from rltool.io.hf_dir import write_hf_dir
 
 FORMAT = "rltool-trainer-checkpoint"
 FORMAT_VERSION = 1

@@ -371,28 +371,11 @@ def _run(cfg: TrainConfig) -> TrainResult:
 
 def _publish(cfg: TrainConfig, state: dict[str, Any], *, source_model_dir: Path,
              version: int) -> dict[str, Any]:
-    """Publish `version` under --publish: a full checkpoint, or with --sync delta|auto a delta on
-    the newest version already published there (rltool.delta.publish)."""
-    if cfg.sync == "full":
-        from rltool.train.publish import publish_weights
-
-        start = time.perf_counter()
-        out = publish_weights(state, source_model_dir=source_model_dir, publish_dir=cfg.publish,
-                              version=version, dtype=cfg.dtype)
-        return {"perf/update_weights_density": 1.0,
-                "perf/update_weights_wire_bytes": sum(p.stat().st_size for p in
-                                                      Path(out).rglob("*") if p.is_file()),
-                "perf/update_weights_time": time.perf_counter() - start,
-                "sync/mode": "full", "sync/path": str(out)}
+    """Publish `version` under --publish by --sync (rltool.delta.publish, as the loop does)."""
     from rltool.delta.publish import publish_version
-    from rltool.rundir import list_versions
 
-    earlier = [v for v in list_versions(cfg.publish) if v < version]
-    return publish_version(
-        state, publish_dir=cfg.publish, version=version, mode=cfg.sync, fmt=cfg.delta_format,
-        encoding=cfg.delta_encoding, full_every=cfg.full_every, source_model_dir=source_model_dir,
-        dtype=cfg.dtype, base_version=earlier[-1] if earlier else None,
-        link_bandwidth_Bps=cfg.link_bandwidth_gbps * 1e9 / 8 if cfg.link_bandwidth_gbps else None)
+    return publish_version(state, cfg, publish_dir=cfg.publish, version=version,
+                           source_model_dir=source_model_dir, dtype=cfg.dtype)
 
 
 def _save(cfg: TrainConfig, backend: TorchBackend, data: SampleTensors, sample_set: SampleSet,

@@ -214,7 +214,7 @@ def test_cli_fp8_verify_and_dequant(bf16_model, tmp_path):
 def test_direct_writer_output_matches_plain_writes(tmp_path):
     """O_DIRECT staging (aligned chunks, padded tail, truncate) writes exactly the bytes given,
     across chunk boundaries and odd sizes (plain writes where the filesystem lacks O_DIRECT)."""
-    from rltool.convert.safetensors_io import DirectWriter
+    from rltool.io.writer import DirectWriter
 
     rng = np.random.default_rng(0)
     pieces = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (8, 5000, 1, 20000, 4096,

@@ -10,7 +10,7 @@ import pytest
 import zstandard
 
 from rltool.delta import apply, codec
-from rltool.delta.checkpoint import open_checkpoint
+from rltool.io.checkpoint import open_checkpoint
 from rltool.delta.deltadir import open_delta
 from rltool.delta.diff import write_delta
 from rltool.errors import DeltaChainError

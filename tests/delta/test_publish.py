@@ -6,7 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rltool.delta.checkpoint import is_delta_dir
+from rltool.io.checkpoint import is_delta_dir
+from rltool.delta.config import SyncConfig
 from rltool.delta.publish import breakeven_bandwidth, predict_times, publish_version
 from rltool.delta.pull import pull_weights
 from rltool.errors import BadInputError
@@ -30,7 +31,11 @@ def test_publish_sequence(tiny_model_dir, tmp_path):
     publish = tmp_path / "weights"
     states = [base_state]
     common = dict(publish_dir=publish, base_model_path=tiny_model_dir,
-                  source_model_dir=tiny_model_dir, full_every=3)
+                  source_model_dir=tiny_model_dir)
+
+    def sync(mode, link_Bps=None):
+        return SyncConfig(sync=mode, full_every=3,
+                          link_bandwidth_gbps=link_Bps * 8 / 1e9 if link_Bps else None)
 
     def step(seed):
         g = torch.Generator().manual_seed(seed)
@@ -42,20 +47,20 @@ def test_publish_sequence(tiny_model_dir, tmp_path):
         states.append(new)
         return new
 
-    m1 = publish_version(step(1), version=1, mode="delta", **common)
+    m1 = publish_version(step(1), sync("delta"), version=1, **common)
     assert m1["sync/mode"] == "delta" and is_delta_dir(publish / "weight_v000001")
     assert 0 < m1["perf/update_weights_density"] < 0.2
     assert all(k in m1 for k in METRICS)
-    m2 = publish_version(step(2), version=2, mode="auto", link_bandwidth_Bps=1e3, **common)
+    m2 = publish_version(step(2), sync("auto", 1e3), version=2, **common)
     assert m2["sync/mode"] == "delta" and m2["sync/reason"] == "cost model: delta faster"
     assert m2["perf/update_weights_wire_bytes"] < m2["sync/full_bytes"]
-    m3 = publish_version(step(3), version=3, mode="delta", **common)  # chain v1, v2 is 2 long
+    m3 = publish_version(step(3), sync("delta"), version=3, **common)  # chain v1, v2 is 2 long
     assert m3["sync/mode"] == "full" and "--full-every" in m3["sync/reason"]
     assert not is_delta_dir(publish / "weight_v000003")
-    m4 = publish_version(step(4), version=4, mode="auto", link_bandwidth_Bps=1e15, **common)
+    m4 = publish_version(step(4), sync("auto", 1e15), version=4, **common)
     assert m4["sync/mode"] == "full" and m4["sync/reason"] == "cost model: full faster"
     assert m4["perf/update_weights_density"] == 1.0
-    m5 = publish_version(step(5), version=5, mode="delta", **common)  # a new chain after v4
+    m5 = publish_version(step(5), sync("delta"), version=5, **common)  # a new chain after v4
     assert m5["sync/mode"] == "delta"
     for v in (2, 5):
         local = tmp_path / f"engine{v}"
@@ -63,7 +68,7 @@ def test_publish_sequence(tiny_model_dir, tmp_path):
                      base_model_path=tiny_model_dir)
         assert same_bits(load_all(local), states[v])
     with pytest.raises(BadInputError, match="already exists"):
-        publish_version(states[5], version=5, mode="full", **common)
+        publish_version(states[5], sync("full"), version=5, **common)
 
 
 def test_publish_from_directory(tmp_path):
@@ -72,9 +77,10 @@ def test_publish_from_directory(tmp_path):
     w1 = {"a": w0["a"].clone()}
     w1["a"][0, 0] = 3.0
     publish = tmp_path / "weights"
-    publish_version(write_checkpoint(tmp_path / "w0", w0), publish_dir=publish, version=0)
-    m = publish_version(write_checkpoint(tmp_path / "w1", w1), publish_dir=publish, version=1,
-                        mode="delta")
+    publish_version(write_checkpoint(tmp_path / "w0", w0), SyncConfig(), publish_dir=publish,
+                    version=0)
+    m = publish_version(write_checkpoint(tmp_path / "w1", w1), SyncConfig(sync="delta"),
+                        publish_dir=publish, version=1)
     assert m["sync/mode"] == "delta"
     assert m["perf/update_weights_density"] == pytest.approx(1 / 512)
     pull_weights(local_checkpoint_dir=tmp_path / "local", source_dir=publish, target_version=1)
@@ -87,12 +93,14 @@ def test_auto_skips_encoding_mid_chain_when_history_says_full(tmp_path):
     for _ in range(2):
         weights.append({"a": (weights[-1]["a"].float() * 1.01).to(torch.bfloat16)})
     publish = tmp_path / "weights"
-    publish_version(write_checkpoint(tmp_path / "w0", weights[0]), publish_dir=publish, version=0)
-    m1 = publish_version(write_checkpoint(tmp_path / "w1", weights[1]), publish_dir=publish,
-                         version=1, mode="delta")
+    publish_version(write_checkpoint(tmp_path / "w0", weights[0]), SyncConfig(),
+                    publish_dir=publish, version=0)
+    m1 = publish_version(write_checkpoint(tmp_path / "w1", weights[1]),
+                         SyncConfig(sync="delta"), publish_dir=publish, version=1)
     assert m1["sync/mode"] == "delta"  # measures wire ratio and encode throughput
-    m2 = publish_version(write_checkpoint(tmp_path / "w2", weights[2]), publish_dir=publish,
-                         version=2, mode="auto", link_bandwidth_Bps=1e15)
+    m2 = publish_version(write_checkpoint(tmp_path / "w2", weights[2]),
+                         SyncConfig(sync="auto", link_bandwidth_gbps=8e6),
+                         publish_dir=publish, version=2)
     assert m2["sync/mode"] == "full" and "history" in m2["sync/reason"]
     assert not (publish / ".candidate-weight_v000002").exists()
     pull_weights(local_checkpoint_dir=tmp_path / "local", source_dir=publish, target_version=2)

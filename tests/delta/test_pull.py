@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from rltool.delta.checkpoint import open_checkpoint
+from rltool.io.checkpoint import open_checkpoint
 from rltool.delta.diff import write_delta
 from rltool.delta.pull import pull_weights, read_local_version
 from rltool.errors import DeltaChainError
@@ -52,7 +52,8 @@ def test_chain_of_five_then_noop(chain, tmp_path):
     assert result["changed"] and result["deltas_applied"] == [1, 2, 3, 4, 5]
     assert result["seed_version"] == 0
     assert same_bits(load_all(local), chain["weights"][NUM_VERSIONS])
-    assert json.loads((local / ".weight_sync/state.json").read_text()) == {"version": "000005"}
+    assert json.loads((local / ".weight_sync/state.json").read_text()) == {
+        "version": "000005", "files": ["config.json", "model.safetensors", "rltool_version.json"]}
     assert json.loads((local / "rltool_version.json").read_text()) == {"version": 5}
     before = snapshot(local)
     again = pull_weights(local_checkpoint_dir=local, source_dir=chain["source"],

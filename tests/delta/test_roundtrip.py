@@ -9,7 +9,7 @@ import torch
 
 from rltool.delta import codec
 from rltool.delta.apply import apply_chain
-from rltool.delta.checkpoint import open_checkpoint
+from rltool.io.checkpoint import open_checkpoint
 from rltool.delta.deltadir import open_delta
 from rltool.delta.diff import write_delta
 from rltool.errors import BadInputError

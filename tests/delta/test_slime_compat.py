@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file as save_numpy
 
 from rltool.delta.apply import apply_chain
-from rltool.delta.checkpoint import open_checkpoint
+from rltool.io.checkpoint import open_checkpoint
 from rltool.delta.deltadir import open_delta
 from rltool.delta.diff import write_delta
 from tests.delta.util import load_all, make_weights, perturb, same_bits, write_checkpoint

@@ -70,7 +70,7 @@ def served_tensors(run: Path, version: int, scratch: Path) -> dict:
     """The tensors an engine serves for `version` (a delta is rebuilt as the engine would)."""
     from safetensors.torch import load_file
 
-    from rltool.delta.checkpoint import is_delta_dir
+    from rltool.io.checkpoint import is_delta_dir
     from rltool.delta.pull import pull_weights
 
     path = RunDir(run).weight_version(version)

@@ -235,7 +235,7 @@ def test_forward_logprobs_entropy_and_top_k(tiny_model_dir, train_shard):
 
 def test_sync_delta_publishes_a_delta_that_pulls_to_the_trained_weights(tiny_model_dir,
                                                                         train_shard, tmp_path):
-    from rltool.delta.checkpoint import is_delta_dir
+    from rltool.io.checkpoint import is_delta_dir
     from rltool.delta.pull import pull_weights
 
     weights, ckpt = tmp_path / "weights", tmp_path / "ckpt"
