@@ -124,6 +124,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     os.close(fd)
     try:
         yield Path(tmp)
+        # Writers that replace the file (safetensors' save_file does) drop the mode set above.
+        os.chmod(tmp, FILE_MODE)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

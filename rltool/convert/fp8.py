@@ -25,7 +25,6 @@ from rltool.convert import fp8_native, hf_writer
 from rltool.io import checkpoint as ckpt_io
 from rltool.io import header as st
 from rltool.io import reader as st_read
-from rltool.io import writer as st_write
 from rltool.errors import BadInputError, CheckpointError
 
 if TYPE_CHECKING:

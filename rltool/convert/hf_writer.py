@@ -13,7 +13,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -23,9 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rltool import atomic
-from rltool.io import checkpoint as ckpt_io
 from rltool.io import header as st
-from rltool.io import reader as st_read
 from rltool.io import writer as st_write
 from rltool.errors import BadInputError, CheckpointError
 from rltool.io.hf_dir import CONFIG_NAME, copy_side_files

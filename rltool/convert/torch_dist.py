@@ -32,7 +32,6 @@ from rltool.convert import hf_writer, name_map
 from rltool.io import checkpoint as ckpt_io
 from rltool.io import header as st
 from rltool.io import reader as st_read
-from rltool.io import writer as st_write
 from rltool.convert.gpt_model import build_gpt_model, hf_arch, padded_vocab_size
 from rltool.errors import CheckpointError
 
@@ -225,7 +224,24 @@ def iteration_dir(dist_dir: str | os.PathLike) -> Path:
     if not (path / ".metadata").exists():
         raise CheckpointError(f"{dist_dir} is not a torch_dist checkpoint (no {TRACKER_FILE} and "
                               "no .metadata); pass the directory hf-to-dist wrote")
+    check_storage_files(path)
     return path
+
+
+def check_storage_files(iteration: Path) -> None:
+    """Refuse a checkpoint whose metadata names a data file outside its directory (an absolute
+    path, `..`, a link leading out): torch would read it as this checkpoint's tensors."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(iteration)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - torch raises anything for a corrupt .metadata
+        raise CheckpointError(f"{iteration}/.metadata is unreadable ({e}); pass the directory "
+                              "hf-to-dist wrote") from e
+    names = {getattr(info, "relative_path", None)
+             for info in (getattr(metadata, "storage_data", None) or {}).values()}
+    for name in sorted(names, key=str):
+        ckpt_io.check_name(iteration, name, what=f"{iteration}/.metadata")
 
 
 def _check_against_metadata(slots: dict[name_map.Slot, list[Any]], metadata: dict[str, Any]) -> None:

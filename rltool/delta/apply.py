@@ -121,7 +121,7 @@ def _rebuild_tensor(name: str, base: Checkpoint, deltas: list[DeltaDir], *, buf:
         if patch is not None:
             want, hasher = d.tensors[name].checksum, None
         elif d.all_checksums is not None:
-            want = d.all_checksums.get(name, "")
+            want = d.all_checksums[name]
         else:
             continue
         fresh = hasher is None
@@ -158,7 +158,7 @@ def _extra_files(base: Checkpoint, deltas: list[DeltaDir]) -> dict[str, Path]:
             path = d.root / rel
             if not path.is_file():
                 raise DeltaChainError(f"{d.root}: extra file {rel} is missing")
-            if want and codec.checksum(path.read_bytes()) != want:
+            if want is not None and codec.checksum(path.read_bytes()) != want:
                 raise DeltaChainError(f"{d.root}: extra file {rel} fails its checksum")
             files[rel] = path
     return files
@@ -177,6 +177,11 @@ def apply_chain(base: Checkpoint, deltas: list[DeltaDir], out: str | os.PathLike
         if unknown:
             raise DeltaChainError(f"{d.root} patches tensors the base lacks (e.g. {unknown[:3]}); "
                                   "wrong base")
+        unchecked = sorted(set(base.tensor_file) - set(d.all_checksums)
+                           if d.all_checksums is not None else ())
+        if unchecked:
+            raise DeltaChainError(f"{d.root} declares no checksum for tensors of its version "
+                                  f"(e.g. {unchecked[:3]}); it cannot be verified")
     extras = _extra_files(base, deltas)
     workers = workers or default_workers()
     names = base.names()

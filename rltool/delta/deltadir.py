@@ -58,7 +58,7 @@ class DeltaDir:
     tensors: dict[str, DeltaTensor]
     chunk_elements: int
     all_checksums: dict[str, str] | None  # rltool: every tensor of the reconstructed version
-    files: dict[str, str]  # extra file -> checksum (rltool), or name -> "" (slime: unchecked)
+    files: dict[str, str | None]  # extra file -> checksum; None: slime's format has none
     removed_files: list[str]
 
     def read_blob(self, name: str) -> np.ndarray:
@@ -70,6 +70,10 @@ class DeltaDir:
 
     def wire_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file())
+
+
+def _is_checksum(value: object) -> bool:
+    return isinstance(value, str) and bool(value.strip())
 
 
 def _require(cond: bool, root: Path, msg: str) -> None:
@@ -102,10 +106,13 @@ def open_delta(root: str | os.PathLike) -> DeltaDir:
         extra = index.get("rltool_delta")
         _require(isinstance(extra, dict) and isinstance(extra.get("tensors"), dict)
                  and isinstance(extra.get("checksums"), dict), root, "rltool_delta section missing")
+        for what, sums in (("tensor", extra["checksums"]), ("file", extra.get("files", {}))):
+            bad = sorted(n for n, c in sums.items() if not _is_checksum(c))
+            _require(not bad, root, f"{what} {bad[:1]} has a missing or empty checksum; the delta "
+                     "cannot be verified (rewrite it with `rltool delta diff`)")
     files: dict[str, SafetensorsFile] = {}
     tensors: dict[str, DeltaTensor] = {}
     for name, fname in index["weight_map"].items():
-        _require(isinstance(fname, str) and "/" not in fname, root, f"bad file name {fname!r}")
         if fname not in files:
             try:
                 files[fname] = read_header(root / fname)
@@ -120,14 +127,15 @@ def open_delta(root: str | os.PathLike) -> DeltaDir:
                      f"no record or checksum for {name!r}")
             tensors[name] = DeltaTensor(f.entries[name], f, extra["checksums"][name], record)
         else:
-            _require(name in f.metadata, root, f"no checksum for {name!r} in {fname} __metadata__")
+            _require(_is_checksum(f.metadata.get(name)), root,
+                     f"no checksum (or an empty one) for {name!r} in {fname} __metadata__")
             tensors[name] = DeltaTensor(f.entries[name], f, f.metadata[name], None)
     if fmt == "rltool":
         return DeltaDir(root, fmt, encoding, version, base_version, tensors,
                         int(extra.get("chunk_elements", 0)), dict(extra["checksums"]),
                         dict(extra.get("files", {})), list(extra.get("removed_files", [])))
     weight_files = set(files) | {INDEX_NAME}
-    present = {p.relative_to(root).as_posix(): "" for p in root.rglob("*")
+    present = {p.relative_to(root).as_posix(): None for p in root.rglob("*")
                if p.is_file() and p.relative_to(root).as_posix() not in weight_files
                and not p.name.startswith(".")}
     return DeltaDir(root, fmt, encoding, version, base_version, tensors, 0, None, present, [])
