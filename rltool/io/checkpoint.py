@@ -75,11 +75,13 @@ def read_index(path: Path) -> dict:
             raise CheckpointError(f"{path}: rltool_delta.files must be an object and "
                                   "removed_files a list")
         names = [check_name(root, n, what=what) for n in list(files) + removed]
+        # Extra files never shadow weights: those are rebuilt, not copied.
         clash = sorted({n for n in names if names.count(n) > 1}
+                       | {n for n in names if n.endswith(".safetensors")}
                        | (set(names) & (weight_files | {INDEX_NAME})))
         if clash:
-            raise CheckpointError(f"{path}: file {clash[0]!r} is named twice (extra, removed or "
-                                  "weight file); refusing the index")
+            raise CheckpointError(f"{path}: file {clash[0]!r} is named twice (as extra, removed "
+                                  "or weight file); refusing the index")
     return data
 
 
