@@ -136,29 +136,24 @@ class ModelRunner:
 
         Nothing changes unless the whole checkpoint matches. Returns the number of tensors loaded.
         """
-        from safetensors import safe_open
+        from rltool.io.checkpoint import open_checkpoint
+        from rltool.io.reader import read_tensor
 
         path = Path(path)
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
-        if not files:
-            raise CheckpointError(f"{path} holds no *.safetensors files; pass a HF checkpoint "
-                                  "directory as model_path")
         if self.model is None:
             raise BadInputError("weights are released; call /resume_memory_occupation first")
+        ckpt = open_checkpoint(path)  # index-aware, every file name and header checked
         params = dict(self.model.named_parameters(remove_duplicate=False))
         loaded: dict[str, torch.Tensor] = {}
-        for f in files:
-            with safe_open(str(f), framework="pt") as sf:
-                for name in sf.keys():
-                    if name not in params:
-                        raise CheckpointError(f"{f.name}: tensor {name!r} is not a parameter of "
-                                              "the served model")
-                    t = sf.get_tensor(name)
-                    if tuple(t.shape) != tuple(params[name].shape):
-                        raise CheckpointError(
-                            f"{f.name}: tensor {name!r} has shape {list(t.shape)}, the served "
-                            f"model expects {list(params[name].shape)}")
-                    loaded[name] = t
+        for name, info in ckpt.tensors().items():
+            if name not in params:
+                raise CheckpointError(f"{info.path.name}: tensor {name!r} is not a parameter of "
+                                      "the served model")
+            if info.shape != tuple(params[name].shape):
+                raise CheckpointError(
+                    f"{info.path.name}: tensor {name!r} has shape {list(info.shape)}, the served "
+                    f"model expects {list(params[name].shape)}")
+            loaded[name] = read_tensor(info)  # mapped read-only; copied into the parameter below
         # Tied parameters (e.g. lm_head = embed_tokens) appear under several names; one suffices.
         by_storage: dict[int, list[str]] = {}
         for name, p in params.items():
