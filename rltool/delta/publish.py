@@ -2,7 +2,8 @@
 version published before it, in three steps: decide (the cost model), encode, commit.
 
 `publish_version(src, sync)` is the one entry point; `train --publish` and `loop` call it the same
-way with their `SyncConfig` (`--sync full|delta|auto`). `auto` decides by the cost model t ≈ S/B + t0 (+ processing time) for each mode:
+way with their `SyncConfig` (`--sync full|delta|auto`). `auto` decides by the cost model
+t ≈ S/B + t0 (+ processing time) for each mode:
   full   t_full  = S/B + t0                       (S: full bytes; the engine loads it directly)
   delta  t_delta = W/B + t0 + S/decode_Bps        (W: the delta's wire bytes, measured by encoding
                                                    it; the engine's pull rebuilds S bytes)
@@ -14,7 +15,7 @@ wins; right after a full version it always encodes and measures. A full version 
 the chain of deltas ending at the base is `full_every - 1` long (so pulls apply at most that many
 deltas), and whenever the base cannot be reconstructed.
 
-The base (version N-1, complete) lives in a host-local cache directory kept by `pull_weights`,
+The base (the previous version, complete) lives in a host-local cache directory kept by `pull_weights`,
 so the publisher reuses the engine-side code path, and every delta it publishes is decoded and
 checksum-verified once before the next one is built on it.
 """

@@ -8,7 +8,8 @@ from safetensors.torch import load_file
 
 from rltool.io.checkpoint import is_delta_dir
 from rltool.delta.config import SyncConfig
-from rltool.delta.publish import breakeven_bandwidth, predict_times, publish_version
+from rltool.delta.publish import (breakeven_bandwidth, decide, link_bandwidth_Bps, predict_times,
+                                  publish_version)
 from rltool.delta.pull import pull_weights
 from rltool.errors import BadInputError
 from tests.delta.util import load_all, same_bits, write_checkpoint
@@ -24,6 +25,25 @@ def test_cost_model_by_hand():
     assert t_delta == pytest.approx(10 / 100 + 0.5 + 1000 / 500)
     # delta wins iff S/B > W/B + process: B < (S - W) / process
     assert breakeven_bandwidth(full_bytes=1000, wire_bytes=10, process_s=2.0) == pytest.approx(495)
+
+
+def test_decide_is_the_cost_model_and_gbps_is_converted_once():
+    """train and loop share one SyncConfig-to-cost-model mapping (the Gb/s -> bytes/s conversion
+    was copied in both)."""
+    stats = {"decode_Bps": 500.0, "link_Bps": 1.0}
+    assert link_bandwidth_Bps(SyncConfig(link_bandwidth_gbps=8.0), stats) == pytest.approx(1e9)
+    assert link_bandwidth_Bps(SyncConfig(), stats) == 1.0  # measured when not given
+    auto = SyncConfig(sync="auto", link_bandwidth_gbps=100 * 8 / 1e9)  # 100 B/s
+    d = decide(auto, version=3, chain_length=1, full_bytes=1000, stats=stats, wire_bytes=10)
+    assert d.delta and d.predicted_full_s == pytest.approx(1000 / 100)
+    assert d.predicted_delta_s == pytest.approx(10 / 100 + 1000 / 500)
+    assert not decide(auto, version=3, chain_length=0, full_bytes=1000, stats=stats,
+                      wire_bytes=900).delta
+    assert decide(SyncConfig(sync="delta"), version=3, chain_length=0, full_bytes=1000,
+                  stats=stats, wire_bytes=900).delta
+    assert "--full-every" in decide(SyncConfig(sync="delta", full_every=2), version=3,
+                                    chain_length=1, full_bytes=1000, stats=stats).reason
+    assert not decide(SyncConfig(), version=3, chain_length=0, full_bytes=1000, stats=stats).delta
 
 
 def test_publish_sequence(tiny_model_dir, tmp_path):
