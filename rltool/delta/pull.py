@@ -130,6 +130,8 @@ def swap_in(staging: Path, local: Path, *, version: int) -> None:
     old_files = owned_files(local)
     new_files = sorted(p.relative_to(staging).as_posix() for p in staging.rglob("*")
                        if p.is_file())
+    for rel in new_files:  # a link planted in `local` must not redirect a write out of it
+        check_name(local, rel, what=str(local))
     atomic.write_json(state, {"version": None, "pending": format_version(version),
                               "files": sorted(old_files | set(new_files))})
     for rel in new_files:

@@ -69,6 +69,7 @@ def test_full_checkpoint_index_names_refused_nothing_written(tmp_path, weight_ma
     assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "victim"]
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_torch_dist_metadata_file_names_refused(tmp_path):
     """Bug: torch_dist metadata file names were read as given, so a checkpoint could make
     dist-to-hf read (and publish) any file the user can read."""
