@@ -192,7 +192,9 @@ class MetricsWriter:
     """Single-writer JSONL metrics: one complete line per write, flushed.
 
     Every line carries `step`, `policy_version` and `time`. Readers skip a partial last line
-    (see `read_metrics`).
+    (see `read_metrics`). Opening a file whose last line was torn (its previous writer was killed
+    mid-write) truncates it to its last complete line, so the first new row starts on a line of
+    its own instead of being glued onto the torn one and lost to readers.
     """
 
     RESERVED = ("step", "policy_version", "time")
@@ -201,8 +203,14 @@ class MetricsWriter:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Unbuffered O_APPEND: each line goes out in one write() call, never split by a buffer
-        # boundary, so a reader sees whole lines or a torn last line only.
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        # boundary, so a reader sees whole lines or a torn last line only. O_RDWR rather than
+        # O_WRONLY so the torn tail of a previous writer can be found and cut.
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            _cut_torn_tail(self._fd, self.path)
+        except BaseException:
+            os.close(self._fd)
+            raise
 
     def log(self, metrics: dict[str, Any], *, step: int, policy_version: int) -> dict[str, Any]:
         clash = [k for k in self.RESERVED if k in metrics]
@@ -227,6 +235,29 @@ class MetricsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _cut_torn_tail(fd: int, path: Path, *, chunk_bytes: int = 1 << 16) -> None:
+    """Truncate the file open at `fd` after its last newline (to empty if it has none).
+
+    Safe because a metrics file has a single writer: nobody else is mid-line while we open it.
+    """
+    size = os.fstat(fd).st_size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return
+    end = size
+    keep = 0
+    while end > 0:
+        start = max(0, end - chunk_bytes)
+        newline = os.pread(fd, end - start, start).rfind(b"\n")
+        if newline >= 0:
+            keep = start + newline + 1
+            break
+        end = start
+    log.warning("%s: cutting a torn last line (%d bytes) left by a killed writer", path,
+                size - keep)
+    os.ftruncate(fd, keep)
+    os.fsync(fd)
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:

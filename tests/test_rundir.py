@@ -119,3 +119,30 @@ def test_read_metrics_skips_torn_lines(tmp_path):
     path.write_text(json.dumps(good[0]) + "\n")
     assert read_metrics(path) == [good[0]]
     assert read_metrics(tmp_path / "missing.jsonl") == []
+
+
+def test_metrics_writer_cuts_a_torn_last_line_before_appending(tmp_path):
+    """Bug: a metrics JSONL whose last line was torn by a kill got the next row glued onto the
+    torn line, so readers dropped that row too. The writer now cuts the torn tail on open."""
+    path = tmp_path / "train.jsonl"
+    with MetricsWriter(path) as w:
+        first = w.log({"x": 1}, step=1, policy_version=1)
+    with open(path, "a") as f:  # what a writer killed mid-line leaves behind
+        f.write('{"step": 2, "policy_version": 2, "ti')
+    with MetricsWriter(path) as w:
+        second = w.log({"x": 3}, step=3, policy_version=3)
+    assert read_metrics(path) == [first, second]
+    assert path.read_text() == json.dumps(first) + "\n" + json.dumps(second) + "\n"
+
+
+def test_metrics_writer_cuts_a_torn_only_line_longer_than_a_chunk(tmp_path):
+    """A torn tail with no newline before it (the first line was torn) is cut to empty, also
+    when it spans several read chunks; a complete file is left byte-for-byte alone."""
+    path = tmp_path / "rollout.jsonl"
+    path.write_text('{"step": 0, "pad": "' + "x" * 200_000)
+    with MetricsWriter(path) as w:
+        row = w.log({}, step=1, policy_version=0)
+    assert path.read_text() == json.dumps(row) + "\n"
+    before = path.read_bytes()
+    MetricsWriter(path).close()
+    assert path.read_bytes() == before
