@@ -5,6 +5,7 @@ exact token continuation of the previous one."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -103,3 +104,25 @@ def test_no_tool_call_ends_the_episode_and_budget_truncates(tok):
                                        ("1+", "error"), ("7//2", "3")])
 def test_evaluate_is_safe_arithmetic(expr, want):
     assert evaluate(expr) == want
+
+
+@pytest.mark.parametrize("expr", ["((9**64)**64)**2", "(((9**64)**64)**64)**64",
+                                  "(2**64)**16", "(2**63)**16*(2**63)**16", "(-8)**0.5",
+                                  "1e308*10", "1e999", "1j", "True", "0**-1", "-" * 100 + "1",
+                                  "(" * 150 + "1" + ")" * 150])
+def test_evaluate_is_bounded_and_never_raises(expr):
+    """Bug: `((9**64)**64)**2` raised in str() (an integer of ~7800 digits) and nested powers ran
+    away in time and memory. The evaluator caps integer size, exponent and operation count and
+    answers 'error' for anything it cannot evaluate, fast."""
+    t0 = time.perf_counter()
+    assert evaluate(expr) == "error"
+    assert time.perf_counter() - t0 < 0.5
+
+
+def test_evaluate_keeps_results_just_inside_the_caps():
+    """The caps are exact: the largest integer allowed prints in full and matches Python."""
+    assert evaluate("(2**63)**16") == str((2**63) ** 16)
+    assert evaluate("9**64") == str(9**64)
+    assert evaluate("-(2**62)**16*2**30") == str(-(2**62) ** 16 * 2**30)
+    assert evaluate("(2**60)**17*1.0") == f"{float(2**1020):.6g}"
+    assert evaluate("+".join(["1"] * 65)) == "65" and evaluate("+".join(["1"] * 66)) == "error"
