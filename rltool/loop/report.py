@@ -3,8 +3,9 @@
 Reads RUN/metrics/loop.jsonl (one line per loop step), train.jsonl and eval.jsonl; writes
 RUN/report/index.html with reward.png, response_len.png, kl.png, logprob_diff.png,
 step_time.png (and eval.png when there are eval lines). Plots use matplotlib's Agg backend (no
-display needed). Metrics missing from a run (e.g. KL without a reference model) are plotted as
-"not logged" rather than failing.
+display needed). Metrics missing from a run (e.g. KL without a reference model) or holding
+non-numbers are plotted as "not logged" rather than failing; a row without the integer `step` and
+`policy_version` every metrics row carries is bad input (one line naming file, row and field).
 """
 
 from __future__ import annotations
@@ -44,32 +45,63 @@ PLOTS = (
 )
 
 
+def _number(value: Any) -> float | None:
+    """A finite int/float metric value as float; None for anything else (missing, text, NaN)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
 def _series(rows: list[dict[str, Any]], key: str, *, x_key: str) -> tuple[list[float], list[float]]:
     xs, ys = [], []
     for r in rows:
-        v = r.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+        v = _number(r.get(key))
+        if v is not None:
             xs.append(r[x_key])
-            ys.append(float(v))
+            ys.append(v)
     return xs, ys
 
 
+def _checked_rows(path: Path, rows: list[dict[str, Any]], *,
+                  int_fields: tuple[str, ...] = ("step", "policy_version")) -> list[dict[str, Any]]:
+    """The rows, after checking the fields the report indexes by are integers; a BadInputError
+    naming the file, row and field otherwise (not a KeyError traceback)."""
+    for number, row in enumerate(rows, 1):
+        for field in int_fields:
+            value = row.get(field)
+            if not isinstance(value, int) or isinstance(value, bool):
+                problem = "has no" if value is None else "has a non-integer"
+                raise BadInputError(f"{path}: metrics row {number} {problem} {field!r} (every row "
+                                    "carries integer step and policy_version); fix or delete "
+                                    "that line")
+        rollout_step = row.get("rollout_step")
+        if rollout_step is not None and (not isinstance(rollout_step, int)
+                                         or isinstance(rollout_step, bool)):
+            raise BadInputError(f"{path}: metrics row {number} has a non-integer 'rollout_step'; "
+                                "fix or delete that line")
+    return rows
+
+
 def load_metrics(run: RunDir) -> dict[str, list[dict[str, Any]]]:
-    loop = read_metrics(run.metrics_file("loop"))
+    loop = _checked_rows(run.metrics_file("loop"), read_metrics(run.metrics_file("loop")))
     if not loop:
         raise BadInputError(f"{run.metrics_file('loop')}: no loop metrics; is {run.root} a "
                             "`rltool loop` run directory?")
     # One train line per optimizer step, tagged with its loop step (rollout_step); a line repeated
     # by a resumed step keeps the last copy. Plots show the mean over a loop step's lines.
-    by_version = {r["policy_version"]: r for r in read_metrics(run.metrics_file("train"))}
+    train_rows = _checked_rows(run.metrics_file("train"), read_metrics(run.metrics_file("train")))
+    by_version = {r["policy_version"]: r for r in train_rows}
     by_step: dict[int, list[dict[str, Any]]] = {}
     for r in by_version.values():
-        by_step.setdefault(int(r.get("rollout_step", r["step"])), []).append(r)
+        by_step.setdefault(r.get("rollout_step", r["step"]), []).append(r)
     train = []
     for step, rows in sorted(by_step.items()):
-        keys = {k for r in rows for k, v in r.items() if isinstance(v, (int, float))}
-        train.append({"step": step, **{k: sum(float(r[k]) for r in rows if k in r) /
-                                       sum(1 for r in rows if k in r) for k in keys - {"step"}}})
+        values: dict[str, list[float]] = {}
+        for r in rows:
+            for k, v in r.items():
+                if k != "step" and (number := _number(v)) is not None:
+                    values.setdefault(k, []).append(number)
+        train.append({"step": step, **{k: sum(vs) / len(vs) for k, vs in values.items()}})
     return {"loop": loop, "train": train}
 
 
@@ -101,11 +133,12 @@ def plot_all(metrics: dict[str, list[dict[str, Any]]], out: Path) -> list[tuple[
     steps = [r["step"] for r in rows]
     bottom = [0.0] * len(rows)
     for phase in PHASE_KEYS:
-        values = [float(r.get(f"perf/loop/{phase}_time", 0.0)) for r in rows]
+        values = [_number(r.get(f"perf/loop/{phase}_time")) or 0.0 for r in rows]
         if any(values):
             ax.bar(steps, values, bottom=bottom, label=phase, width=0.8)
             bottom = [b + v for b, v in zip(bottom, values)]
-    ax.legend(fontsize=8)
+    if any(bottom):
+        ax.legend(fontsize=8)
     _finish(fig, ax, "Step time by phase", "seconds", out / "step_time.png")
     plt.close(fig)
     made.append(("step_time.png", "Step time by phase"))
@@ -133,7 +166,7 @@ def summarize(metrics: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str, 
         _, ys = _series(rows, key, x_key="step")
         if ys:
             out.append((key, f"{ys[0]:.4g}", f"{ys[-1]:.4g}", f"{best(ys):.4g}" if best else "-"))
-    total = sum(float(r.get("perf/loop/step_time", 0.0)) for r in rows)
+    total = sum(_number(r.get("perf/loop/step_time")) or 0.0 for r in rows)
     out.append(("steps / policy version", str(rows[0]["step"]),
                 f"{rows[-1]['step']} / v{rows[-1]['policy_version']}", "-"))
     out.append(("total phase time (s)", "-", f"{total:.1f}", "-"))

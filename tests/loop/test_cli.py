@@ -51,3 +51,34 @@ def test_loop_refuses_an_existing_run(tiny_model_dir, tmp_path):
 def test_report_needs_loop_metrics(tmp_path):
     result = invoke("report", str(tmp_path))
     assert result.exit_code == 2 and "no loop metrics" in result.output
+
+
+def test_report_on_a_row_missing_a_field_is_one_line(tmp_path):
+    """Bug: `rltool report` on a metrics file whose row lacked `policy_version` (or had text where
+    a number belongs) died with a KeyError/ValueError traceback ("unexpected internal failure",
+    exit 3). It now names the file, row and field in one line and exits 2, writing nothing."""
+    import json
+
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    good = {"step": 0, "policy_version": 1, "time": 1.0, "rollout/raw_reward": 0.5}
+    cases = [("loop", [good, {"step": 1, "time": 2.0}], "row 2 has no 'policy_version'"),
+             ("loop", [{**good, "step": "0"}], "row 1 has a non-integer 'step'"),
+             ("train", [{"policy_version": 1, "train/ppo_kl": 0.1}], "row 1 has no 'step'"),
+             ("train", [{**good, "rollout_step": "x"}], "non-integer 'rollout_step'")]
+    for stage, rows, message in cases:
+        (metrics / "loop.jsonl").write_text(json.dumps(good) + "\n")
+        (metrics / "train.jsonl").unlink(missing_ok=True)
+        (metrics / f"{stage}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        result = invoke("report", str(tmp_path))
+        assert result.exit_code == 2, (stage, result.output)
+        assert message in result.output and f"{stage}.jsonl" in result.output
+        assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+        assert not (tmp_path / "report").exists()
+    # text in a metric value is not plotted, not a crash
+    (metrics / "loop.jsonl").write_text(json.dumps({**good, "perf/loop/train_time": "n/a"}) + "\n")
+    (metrics / "train.jsonl").write_text(json.dumps({**good, "train/ppo_kl": "n/a"}) + "\n"
+                                         + json.dumps({**good, "policy_version": 2,
+                                                       "train/ppo_kl": 0.5}) + "\n")
+    result = invoke("report", str(tmp_path), "--json")
+    assert result.exit_code == 0, result.output
