@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from rltool.engine.loading import check_servable, load_model, load_tokenizer
 from rltool.errors import BadInputError, CheckpointError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -78,18 +79,14 @@ class ModelRunner:
 
     def __init__(self, model_path: str | Path, *, dtype: str = "fp32",
                  weight_version: str = "default"):
-        from transformers import AutoTokenizer
-
         if dtype not in DTYPES:
             raise BadInputError(f"unknown --dtype {dtype!r}; choose fp32 or bf16")
         self.model_path = Path(model_path)
         self.tokenizer_path = self.model_path
         self.dtype = dtype
         self.weight_version = weight_version
-        if not (self.model_path / "config.json").is_file():
-            raise CheckpointError(f"{self.model_path} has no config.json; pass a HF checkpoint "
-                                  "directory as --model")
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        check_servable(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
         self.model: Any = None
         self._load_model(self.model_path)
         config = self.model.config
@@ -101,9 +98,7 @@ class ModelRunner:
     # ----- weights -------------------------------------------------------------------------
 
     def _load_model(self, path: Path) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[self.dtype])
+        self.model = load_model(path, dtype=DTYPES[self.dtype])
         self.model.eval()
         self.model.requires_grad_(False)
         self._cache_kwarg = _cache_kwarg(self.model)

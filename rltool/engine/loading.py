@@ -1,0 +1,76 @@
+"""Loading a checkpoint into the builtin engine, where every reason it cannot be served is a
+one-line CheckpointError (exit 2 from `rltool serve`, 400 from a weight route) rather than a
+library traceback.
+
+The builtin engine serves plain HF checkpoints in fp32/bf16. Quantized checkpoints (for example
+the block-FP8 ones `rltool convert fp8` writes) are refused up front with the two ways to serve
+them; anything else transformers cannot load (corrupt shards, unknown architectures) is reported
+with the library's own first line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rltool.errors import CheckpointError
+
+_MAX_REASON_CHARS = 300
+
+
+def check_servable(path: Path) -> dict[str, Any]:
+    """The checkpoint's config.json, after checking the builtin engine can serve it."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path} has no config.json; pass a HF checkpoint directory as "
+                              "--model")
+    try:
+        config = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{config_file} is not valid JSON ({e}); restore the checkpoint") \
+            from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_file} is not a JSON object; restore the checkpoint")
+    quant = config.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+        raise CheckpointError(
+            f"{path} is a quantized checkpoint (quant_method {method!r}); the builtin engine "
+            "serves fp32/bf16 only: serve it with --engine sglang, or `rltool convert dequant` it "
+            "first")
+    return config
+
+
+def load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return _loading(path, "tokenizer", lambda: AutoTokenizer.from_pretrained(str(path)))
+
+
+def load_model(path: Path, *, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    check_servable(path)
+    return _loading(path, "model",
+                    lambda: AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype))
+
+
+def _loading(path: Path, what: str, load: Any) -> Any:
+    try:
+        return load()
+    except (MemoryError, torch.OutOfMemoryError):
+        raise  # the checkpoint is fine; this host is short of memory (a runtime failure)
+    except Exception as e:  # transformers/safetensors raise many unrelated types for bad input
+        raise CheckpointError(f"cannot load the {what} of {path}: {one_line(e)}") from e
+
+
+def one_line(error: BaseException) -> str:
+    """The first non-empty line of an exception's message, capped in length."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = lines[0] if lines else type(error).__name__
+    if len(text) > _MAX_REASON_CHARS:
+        text = text[:_MAX_REASON_CHARS - 3] + "..."
+    return f"{type(error).__name__}: {text}"

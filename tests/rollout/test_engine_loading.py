@@ -1,0 +1,55 @@
+"""`rltool serve --engine builtin` on a checkpoint it cannot load: exit 2 with one line."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from rltool.cli import main as cli
+
+
+def serve(model_dir):
+    return CliRunner().invoke(cli, ["serve", "--engine", "builtin", "--model", str(model_dir),
+                                    "--port", "0"])
+
+
+def assert_one_line_bad_input(result, *needles):
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and "internal failure" not in result.output
+    error = [line for line in result.output.splitlines() if line.startswith("Error: ")]
+    assert len(error) == 1, result.output
+    for needle in needles:
+        assert needle in error[0], error[0]
+
+
+def test_block_fp8_checkpoint_is_refused_in_one_line(tiny_model_dir, tmp_path):
+    """Bug: serving a block-FP8 checkpoint (what `rltool convert fp8` writes) died in
+    transformers' quantizer with "unexpected internal failure" (exit 3). The builtin engine now
+    refuses it up front, naming the quantization and the two ways to serve it."""
+    from rltool.convert.fp8 import Fp8Config, quantize_checkpoint
+
+    quantize_checkpoint(Fp8Config(hf=tiny_model_dir, out=tmp_path / "fp8", block=(16, 16),
+                                  workers=1))
+    assert_one_line_bad_input(serve(tmp_path / "fp8"), "quantized", "'fp8'", "--engine sglang",
+                              "convert dequant")
+
+
+@pytest.mark.parametrize("damage", ["truncated_shard", "unknown_architecture", "config_not_json"])
+def test_unloadable_checkpoint_is_one_line_bad_input(tiny_model_dir, tmp_path, damage):
+    """Any other checkpoint transformers cannot load (corrupt shard, unknown model type, broken
+    config.json) is exit 2 with the library's reason in one line, not a traceback."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    if damage == "truncated_shard":
+        shard = model / "model.safetensors"
+        shard.write_bytes(shard.read_bytes()[:100])
+        needle = "SafetensorError"
+    elif damage == "unknown_architecture":
+        (model / "config.json").write_text('{"model_type": "no-such-arch"}')
+        needle = "no-such-arch"
+    else:
+        (model / "config.json").write_text("{not json")
+        needle = "not valid JSON"
+    assert_one_line_bad_input(serve(model), str(model), needle)
