@@ -466,10 +466,16 @@ class Scheduler:
         req.finish_reason = reason
         req.reset_cache()
         self._rids.discard(req.rid)
-        try:
-            self._final_logprobs(req)
-        except Exception:  # weights released or engine stopping: keep the sampling-time values
-            log.exception("recomputing logprobs for %s failed", req.rid)
+        if reason.get("status_code") is None:  # a request failing anyway needs no logprobs
+            try:
+                self._final_logprobs(req)
+            except Exception as e:
+                # Never hand back sampling-time values in place of the recomputed ones the
+                # client asked for: fail the request (HTTP 500 with the reason) instead.
+                log.exception("recomputing logprobs for %s failed", req.rid)
+                req.finish_reason = {"type": "abort", "status_code": 500,
+                                     "message": f"logprob recompute failed: {type(e).__name__}: "
+                                                f"{e}", "err_type": type(e).__name__}
         text = self._decode_text(req)
         req.text = text if req.matched_stop_at is None else text[:req.matched_stop_at]
         req.t_finish = time.monotonic()
@@ -478,7 +484,7 @@ class Scheduler:
 
     def _final_logprobs(self, req: Request) -> None:
         """Deterministic mode: logprobs from one unpadded pass (trainer layout); input logprobs."""
-        if not req.return_logprob or self.runner.released:
+        if not req.return_logprob:
             return
         from rltool.logprobs import logits_to_logprobs
 
@@ -488,6 +494,9 @@ class Scheduler:
         recompute = self.deterministic and req.output_ids
         if not (recompute or wants_input):
             return
+        if self.runner.released:
+            raise EngineError("the weights are released (/release_memory_occupation); resume "
+                              "them before asking for recomputed logprobs")
         start = max(req.logprob_start_len, 0) if wants_input else len(req.prompt_ids)
         first = max(start, 1)
         logits = self.runner.full_pass_logits(ids, start=first)
