@@ -67,6 +67,9 @@ def resolve_and_run(ctx, model, run, *, section, config_file, quiet):
               help="With --filter, most prompts to start (default 4 x batch).")
 @click.option("--partial", is_flag=True, default=None,
               help="Carry aborted samples (with their tokens) to the next step.")
+@click.option("--max-failed-rewards-frac", type=float, default=None,
+              help="Exit 3, writing nothing, when more than this share of the reward calls "
+                   "failed (raised or timed out) (default 0.05).")
 @config_option
 @json_option
 @quiet_option
@@ -78,7 +81,8 @@ def command(ctx, config_file, as_json, quiet, **_):
     Step K takes the prompts at positions [K*P, (K+1)*P) of --prompts (cycling), samples
     --n-samples-per-prompt responses for each through the engines, rewards them in worker threads
     and writes --out (refused if it exists) plus a metrics line (rollout.jsonl next to --out).
-    Exit 2 on bad input (nothing written), 3 when the engines fail.
+    Exit 2 on bad input (nothing written), 3 when the engines fail or more than
+    --max-failed-rewards-frac of the reward calls failed (nothing written).
 
     Example:
 

@@ -144,7 +144,8 @@ def step_metrics(ctx: phases.StepContext, *, eval_row: dict[str, Any],
     train = phases.train_metrics(ctx.run, state.step)
     row: dict[str, Any] = dict(phases.rollout_summary(ctx.run, state.step))
     for key in ("train/train_rollout_logprob_abs_diff", "train/ppo_kl", "train/kl_loss",
-                "train/pg_loss", "train/pg_clipfrac", "train/entropy_loss", "train/grad_norm"):
+                "train/pg_loss", "train/pg_clipfrac", "train/entropy_loss", "train/grad_norm",
+                "train/failed_groups_left_out"):
         if key in train:
             row[key] = train[key]
     for name, seconds in state.phase_times.items():

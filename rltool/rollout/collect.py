@@ -35,9 +35,10 @@ ABORT_GRACE_S = 10.0  # after /abort_request, how long aborted requests get to c
 class CollectResult:
     kept: list[list[Sample]]
     carry: list[list[Sample]]
-    counts: dict[str, int]
+    counts: dict[str, int]  # ... "reward_calls", "failed_rewards" (raised or timed out)
     output_tokens: int
     elapsed_s: float
+    first_reward_failure: str | None = None  # the finish_reason of the first failed reward call
 
 
 @dataclass
@@ -68,6 +69,8 @@ class Collector:
         self.options = options or {}
         self.progress = progress
         self.output_tokens = 0
+        self.reward_calls = 0
+        self.reward_failures: list[str] = []  # finish_reason of each failed call, in order
         self._pool: ThreadPoolExecutor | None = None
 
     async def run(self, source: Iterator[list[Sample]], *, target_groups: int,
@@ -134,10 +137,13 @@ class Collector:
             while len(kept) + len(pending) < target_groups and submit_fresh():
                 pass
         counts["carried_out_groups"] = len(carry)
+        counts["reward_calls"] = self.reward_calls
+        counts["failed_rewards"] = len(self.reward_failures)
         kept.sort(key=lambda g: g.group_id)
         return CollectResult(kept=[g.samples for g in kept], carry=[g.samples for g in carry],
                              counts=counts, output_tokens=self.output_tokens,
-                             elapsed_s=time.monotonic() - start)
+                             elapsed_s=time.monotonic() - start,
+                             first_reward_failure=next(iter(self.reward_failures), None))
 
     def _classify(self, group: _Group, *, kept: list[_Group], carry: list[_Group],
                   counts: dict[str, int], stopping: bool, dynamic_filter: bool, partial: bool,
@@ -226,9 +232,13 @@ class Collector:
         return samples
 
     async def _reward(self, s: Sample) -> None:
+        """Score one sample. A reward call that raises (a custom function's exception, a remote
+        reward model's error) or times out marks the sample failed with reward 0.0 and is
+        counted; the stage decides whether the call as a whole is still usable."""
         if s.status not in ("completed", "truncated"):
             s.reward = 0.0
             return
+        self.reward_calls += 1
         loop = asyncio.get_running_loop()
         call = loop.run_in_executor(self._pool, self.reward_fn, s.prompt, s.response, s.label,
                                     s.metadata)
@@ -241,10 +251,12 @@ class Collector:
             s.reward = 0.0
             s.fail(f"reward_timeout: no reward after {self.reward_timeout_s:g}s "
                    f"(generation finished as {s.finish_reason})")
+            self.reward_failures.append(s.finish_reason)
             return
         except Exception as e:  # noqa: BLE001 - any reward failure becomes the sample's status
             s.reward = 0.0
             s.fail(f"reward_error: {type(e).__name__}: {e}")
+            self.reward_failures.append(s.finish_reason)
             return
         s.reward = reward
         components = {k: float(v) for k, v in (result.components or {}).items()}

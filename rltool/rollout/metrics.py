@@ -37,6 +37,8 @@ def rollout_metrics(groups: list[list[Sample]], *, counts: dict[str, int], outpu
         "rollout/dynamic_filter/prompts_started": counts.get("fresh_groups", 0),
         "rollout/partial/carried_in_groups": counts.get("carried_in_groups", 0),
         "rollout/partial/carried_out_groups": counts.get("carried_out_groups", 0),
+        "rollout/reward_calls": counts.get("reward_calls", 0),
+        "rollout/failed_rewards": counts.get("failed_rewards", 0),
         "perf/rollout_time": elapsed_s,
         "perf/output_tokens": output_tokens,
         "perf/tokens_per_sec": output_tokens / elapsed_s if elapsed_s > 0 else 0.0,

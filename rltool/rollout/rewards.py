@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from rltool.data.tasks import TASKS, extract_answer, partial_reward
 from rltool.errors import BadInputError, EngineTimeoutError, RewardError
@@ -72,6 +72,17 @@ def resolve_reward(spec: str, *, timeout_s: float = 30.0) -> RewardFn:
                         f"(tasks: {', '.join(TASKS)})")
 
 
+def check_labels(reward_fn: RewardFn, prompts: list[Any], *, spec: str) -> None:
+    """BadInputError (before any sampling) when the reward needs labels and a prompt has none."""
+    if not getattr(reward_fn, "needs_label", False):
+        return
+    missing = next((p for p in prompts if p.label is None), None)
+    if missing is not None:
+        raise BadInputError(f"--reward {spec} needs a label, but prompt {missing.prompt_id!r} "
+                            f"(row {missing.row_index}) has none; add a \"label\" to every "
+                            "prompt row or choose another --reward")
+
+
 def _require_label(label: str | None, *, what: str) -> str:
     if label is None:
         raise BadInputError(f"reward {what} needs a label, but the prompt has none; add a "
@@ -88,6 +99,7 @@ class LabelReward:
 
     variant: str  # "exact" | "partial"
     task: str | None = None
+    needs_label: ClassVar[bool] = True  # the stage checks every prompt has one before sampling
 
     def __call__(self, prompt: str, response: str, label: str | None,
                  metadata: dict[str, Any]) -> RewardResult:
@@ -166,6 +178,8 @@ class MathReward:
 
     Components: `correct`, and `has_answer` (0 when nothing answer-like was found).
     """
+
+    needs_label: ClassVar[bool] = True
 
     def __call__(self, prompt: str, response: str, label: str | None,
                  metadata: dict[str, Any]) -> RewardResult:

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from rltool.config import StageConfig, write_resolved
-from rltool.errors import BadInputError, EngineError
+from rltool.errors import BadInputError, EngineError, RewardError
 from rltool.rollout.generate import Sample, load_generate_fn, to_row
 from rltool.rollout.prompts import Prompt, load_prompts, load_tokenizer, prompt_at, render_prompt
 
@@ -104,6 +104,10 @@ class RolloutConfig(EngineStageConfig):
                                     "step may start (default 4 x rollout_batch_size).")
     partial: bool = Field(False, description="Carry groups with aborted samples (with their "
                           "tokens) over to the next step instead of writing them.")
+    max_failed_rewards_frac: float = Field(
+        0.05, ge=0.0, le=1.0, description="Exit 3, writing nothing, when more than this share "
+        "of the step's reward calls failed (raised or timed out), so a broken reward function "
+        "cannot produce a shard of zeros.")
 
     @model_validator(mode="after")
     def _filter_needs_groups(self) -> "RolloutConfig":
@@ -117,7 +121,7 @@ class StageInputs:
     """Everything a stage resolves before generating: prompts, tokenizer, reward, generate fn."""
 
     def __init__(self, cfg: EngineStageConfig):
-        from rltool.rollout.rewards import resolve_reward
+        from rltool.rollout.rewards import check_labels, resolve_reward
 
         out = Path(cfg.out)
         if out.exists():
@@ -126,6 +130,7 @@ class StageInputs:
         self.prompts = load_prompts(cfg.prompts)
         self.generate_fn = load_generate_fn(cfg.generate_fn)
         self.reward_fn = resolve_reward(cfg.reward, timeout_s=cfg.reward_timeout_s)
+        check_labels(self.reward_fn, self.prompts, spec=cfg.reward)
         self.urls = cfg.engines or [cfg.router]
         self.via_gateway = cfg.router is not None
         self.tokenizer_dir = cfg.tokenizer or _engine_tokenizer_path(cfg, self.urls[0])
@@ -255,6 +260,7 @@ def run(cfg: RolloutConfig) -> dict[str, Any]:
                                           carried=carried, dynamic_filter=cfg.filter != "none",
                                           over_sample_factor=cfg.over_sample_factor,
                                           partial=cfg.partial)
+    check_reward_failures(result, max_frac=cfg.max_failed_rewards_frac, step=cfg.step)
     meta = inputs.shard_meta(cfg, producer=PRODUCER,
                              extra={"filter": cfg.filter, "partial": cfg.partial})
     carry_path = None
@@ -273,6 +279,22 @@ def run(cfg: RolloutConfig) -> dict[str, Any]:
             "counts": result.counts, "engines": router_stats["engines"],
             "carried_from": str(carried_from) if carried_from else None,
             "carried_to": str(carry_path) if carry_path else None}
+
+
+def check_reward_failures(result: Any, *, max_frac: float, step: int) -> None:
+    """RewardError (exit 3) when more than `max_frac` of the call's reward calls failed.
+
+    Runs before anything is written (carry file, shard, metrics), so the step can be re-run once
+    the reward is fixed. A failed call already marked its sample `failed` (reward 0.0); below the
+    threshold those samples go into the shard and the trainer leaves their groups out."""
+    calls = result.counts.get("reward_calls", 0)
+    failed = result.counts.get("failed_rewards", 0)
+    if calls and failed / calls > max_frac:
+        raise RewardError(
+            f"{failed} of {calls} reward calls failed at step {step} ({failed / calls:.0%}, more "
+            f"than --max-failed-rewards-frac {max_frac:g}); first: {result.first_reward_failure}; "
+            "nothing was written: fix the reward (or raise --max-failed-rewards-frac) and re-run "
+            "the step")
 
 
 def write_metrics(cfg: EngineStageConfig, metrics: dict[str, Any], *, default_name: str,

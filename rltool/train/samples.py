@@ -8,6 +8,7 @@ checkpoints record so a resumed run can tell it is continuing the same data.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,8 +18,9 @@ import xxhash
 
 from rltool.errors import BadInputError, ShardSchemaError
 
+log = logging.getLogger(__name__)
 SHARD_COLUMNS = ["uid", "group_id", "prompt_token_ids", "response_token_ids", "rollout_logprobs",
-                 "loss_mask", "reward"]
+                 "loss_mask", "reward", "status"]
 
 
 @dataclass
@@ -51,11 +53,18 @@ class SampleSet:
     set_id: str                      # xxh3-64 over the inputs' manifests / file bytes
     sources: list[str] = field(default_factory=list)
     rollout_step: int = 0            # the newest shard's step (0 for SFT prompts)
+    # Groups left out because one of their samples is `failed` (its reward raised or timed out,
+    # or its generation failed): a failed sample's reward 0.0 is not a score, and with it the
+    # group's advantages would be wrong for every member.
+    failed_groups: int = 0
+    failed_group_samples: int = 0    # samples (failed or not) in those groups
 
 
 def load_rollouts(shard_dirs: list[str | os.PathLike], *, tokenizer_hash: str,
                   vocab_size: int) -> SampleSet:
-    """Open, verify and read shards; refuse a tokenizer mismatch, mixed temperatures, bad ids."""
+    """Open, verify and read shards; refuse a tokenizer mismatch, mixed temperatures, bad ids.
+
+    Groups that contain a `failed` sample are left out (and counted in the SampleSet)."""
     from rltool.data.shards import MANIFEST, open_shard
 
     samples: list[Sample] = []
@@ -63,6 +72,7 @@ def load_rollouts(shard_dirs: list[str | os.PathLike], *, tokenizer_hash: str,
     temperatures: set[float] = set()
     h = xxhash.xxh3_64()
     step = 0
+    failed_groups = failed_group_samples = 0
     for k, d in enumerate(shard_dirs):
         shard = open_shard(d, expected_tokenizer_hash=tokenizer_hash)
         h.update((Path(d) / MANIFEST).read_bytes())
@@ -71,23 +81,36 @@ def load_rollouts(shard_dirs: list[str | os.PathLike], *, tokenizer_hash: str,
             raise ShardSchemaError(f"{d}: file metadata sampling has no temperature; the trainer "
                                    "needs it to recompute logprobs (DESIGN.md convention)")
         temperatures.add(float(shard.meta.sampling["temperature"]))
-        for batch in shard.iter_batches(columns=SHARD_COLUMNS):
-            for row in batch.to_pylist():
-                g = group_index.setdefault((k, row["group_id"]), len(group_index))
-                sample = Sample(uid=row["uid"], prompt_ids=row["prompt_token_ids"],
-                                response_ids=row["response_token_ids"],
-                                loss_mask=row["loss_mask"],
-                                rollout_logprobs=row["rollout_logprobs"],
-                                reward=float(row["reward"]), group=g)
-                _check_sample(sample, where=str(d), vocab_size=vocab_size)
-                samples.append(sample)
+        rows = [row for batch in shard.iter_batches(columns=SHARD_COLUMNS)
+                for row in batch.to_pylist()]
+        failed = {row["group_id"] for row in rows if row["status"] == "failed"}
+        failed_groups += len(failed)
+        for row in rows:
+            if row["group_id"] in failed:
+                failed_group_samples += 1
+                continue
+            g = group_index.setdefault((k, row["group_id"]), len(group_index))
+            sample = Sample(uid=row["uid"], prompt_ids=row["prompt_token_ids"],
+                            response_ids=row["response_token_ids"], loss_mask=row["loss_mask"],
+                            rollout_logprobs=row["rollout_logprobs"],
+                            reward=float(row["reward"]), group=g)
+            _check_sample(sample, where=str(d), vocab_size=vocab_size)
+            samples.append(sample)
     if len(temperatures) > 1:
         raise BadInputError(f"shards were sampled at different temperatures {sorted(temperatures)}; "
                             "train on shards of one temperature per run")
+    if not samples and failed_groups:
+        raise ShardSchemaError(f"{', '.join(map(str, shard_dirs))}: every group ({failed_groups}) "
+                               "holds a failed sample, so there is nothing to train on; fix the "
+                               "reward or engines (finish_reason says which) and re-run rollout")
     if not samples:
         raise ShardSchemaError(f"{', '.join(map(str, shard_dirs))}: no rows to train on")
+    if failed_groups:
+        log.warning("left out %d groups (%d samples) that hold a failed sample", failed_groups,
+                    failed_group_samples)
     return SampleSet(samples=samples, temperature=temperatures.pop(), set_id=h.hexdigest(),
-                     sources=[str(d) for d in shard_dirs], rollout_step=step)
+                     sources=[str(d) for d in shard_dirs], rollout_step=step,
+                     failed_groups=failed_groups, failed_group_samples=failed_group_samples)
 
 
 def _check_sample(sample: Sample, *, where: str, vocab_size: int) -> None:

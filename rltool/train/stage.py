@@ -334,6 +334,8 @@ def _run(cfg: TrainConfig) -> TrainResult:
             metrics.update(terms.metrics)
             metrics["perf/train_time"] = time.perf_counter() - t0
             metrics["train/num_samples"] = len(batch)
+            metrics["train/failed_groups_left_out"] = sample_set.failed_groups
+            metrics["train/failed_group_samples_left_out"] = sample_set.failed_group_samples
             metrics["rollout_step"] = sample_set.rollout_step
             if step == start_step:
                 metrics.update(timings)

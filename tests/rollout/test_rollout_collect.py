@@ -200,3 +200,72 @@ def test_without_partial_extra_groups_are_cancelled_not_aborted_on_the_engine():
     c = result.counts
     assert c["aborted_extra_groups"] >= 1
     assert c["fresh_groups"] == 2 + c["aborted_extra_groups"] + c["over_sampled_groups"]
+
+
+def test_raising_reward_marks_failed_and_is_counted():
+    """Bug (reward rule): reward failures were marked on the samples but not counted, so the
+    stage could not tell a broken reward function from bad answers. The collector now counts
+    every reward call and every failed one (raised or timed out) and keeps the first reason."""
+    def flaky(prompt, response, label, metadata):
+        if label == "1":
+            raise RuntimeError("reward crashed")
+        if label == "2":
+            time.sleep(1.5)
+        return RewardResult(reward=1.0)
+
+    result = collect([FakeEngine("http://a")], groups_source(3, 2), reward_fn=flaky,
+                     reward_timeout_s=0.5, reward_workers=6, target_groups=3)
+    by_group = {g[0].group_id: g for g in result.kept}
+    assert all(s.status != "failed" and s.reward == 1.0 for s in by_group[0])
+    assert all(s.status == "failed" and s.reward == 0.0 for s in by_group[1] + by_group[2])
+    assert all(s.finish_reason == "reward_error: RuntimeError: reward crashed"
+               for s in by_group[1])
+    assert all(s.finish_reason.startswith("reward_timeout") for s in by_group[2])
+    assert result.counts["reward_calls"] == 6 and result.counts["failed_rewards"] == 4
+    assert result.first_reward_failure.startswith(("reward_error", "reward_timeout"))
+
+
+def test_remote_reward_failures_follow_the_same_rule():
+    """A remote reward model that answers an error or does not answer within the timeout marks
+    the sample failed (reward 0.0) and is counted, exactly like a raising function."""
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from rltool.rollout.rewards import resolve_reward
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's naming)
+            label = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["label"]
+            if label == "2":
+                time.sleep(1.5)
+            status, body = (500, b'{"error": "down"}') if label == "1" else (200, b'{"reward": 1}')
+            try:
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client gave up on the slow answer
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        reward_fn = resolve_reward(f"http://127.0.0.1:{server.server_address[1]}/", timeout_s=0.5)
+        result = collect([FakeEngine("http://a")], groups_source(3, 2), reward_fn=reward_fn,
+                         reward_timeout_s=0.5, reward_workers=6, target_groups=3)
+        reward_fn.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+    by_group = {g[0].group_id: g for g in result.kept}
+    assert all(s.status != "failed" and s.reward == 1.0 for s in by_group[0])
+    assert all(s.status == "failed" and s.reward == 0.0 for s in by_group[1] + by_group[2])
+    assert all("HTTP 500" in s.finish_reason for s in by_group[1])
+    assert all(s.finish_reason.startswith(("reward_timeout", "reward_error: EngineTimeoutError"))
+               for s in by_group[2])
+    assert result.counts["reward_calls"] == 6 and result.counts["failed_rewards"] == 4
