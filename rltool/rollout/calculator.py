@@ -8,7 +8,8 @@ session routing), so nothing already generated is ever re-tokenized or re-templa
 
 The calculator (`--generate-fn rltool.rollout.calculator:generate`): the model writes
 `<calc>EXPR</calc>`; generation stops at `</calc>`, EXPR (numbers, + - * / // % **, parentheses)
-is evaluated safely (bounded in size and work; `error` for anything it cannot evaluate) and `<result>VALUE</result>` is appended for the model to continue from.
+is evaluated safely (bounded in size and work; `error` for anything it cannot evaluate) and
+`<result>VALUE</result>` is appended for the model to continue from.
 The observation stays inside the assistant turn (as in Search-R1-style tool use) rather than in a
 separate tool-role message, so the character tokenizer of the tiny models can express it.
 """
