@@ -2,7 +2,7 @@
 
 For each chosen sample (the gate's worst ones) both sides run one unpadded forward over prompt +
 response with `output_hidden_states=True`: the engine through its debug endpoint
-(rltool.engine.debug, `rltool serve --enable-debug-endpoints`), the trainer with the torch
+(rltool.engine.routes.debug, `rltool serve --enable-debug-endpoints`), the trainer with the torch
 backend's model built from the weights directory, under the trainer's dtype (bf16 = autocast over
 fp32 weights, as training runs). Entries, in forward order:
 
@@ -21,8 +21,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rltool.engine import api
 from rltool.errors import BadInputError, EngineError, EngineTimeoutError
-from rltool.engine.debug import HIDDEN_STATES_PATH
 
 if TYPE_CHECKING:
     import torch
@@ -42,10 +42,11 @@ def engine_hidden_states(url: str, token_ids: list[int], *, api_key: str | None 
     """POST /debug/hidden_states to one engine; a clear error when the route is not mounted."""
     import httpx
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    endpoint = url.rstrip("/") + HIDDEN_STATES_PATH
+    endpoint = url.rstrip("/") + api.DEBUG_HIDDEN_STATES
+    # Unvalidated here: the engine judges the body and answers 400 with the reason.
+    body = api.HiddenStatesInput.model_construct(input_ids=list(token_ids)).body()
     try:
-        response = httpx.post(endpoint, json={"input_ids": token_ids}, headers=headers,
+        response = httpx.post(endpoint, json=body, headers=api.bearer(api_key),
                               timeout=timeout_s)
     except httpx.TimeoutException as e:
         raise EngineTimeoutError(f"POST {endpoint}: no answer within {timeout_s:g}s") from e
@@ -53,7 +54,7 @@ def engine_hidden_states(url: str, token_ids: list[int], *, api_key: str | None 
         raise EngineError(f"POST {endpoint}: cannot reach the engine ({type(e).__name__}: "
                           f"{e})") from e
     if response.status_code == 404:
-        raise BadInputError(f"engine {url} has no {HIDDEN_STATES_PATH}; start it with "
+        raise BadInputError(f"engine {url} has no {api.DEBUG_HIDDEN_STATES}; start it with "
                             "`rltool serve --enable-debug-endpoints` (builtin engine only)")
     if response.status_code >= 400:
         raise EngineError(f"POST {endpoint} answered {response.status_code}: "

@@ -6,7 +6,7 @@ FLAGS = ["engine", "url", "health_timeout_s", "model", "host", "port", "ready_fi
          "max_running_requests", "max_queued_requests", "max_prefill_tokens", "deterministic",
          "num_threads", "weight_version", "served_model_name", "log_level",
          "enable_debug_endpoints", "local_checkpoint_dir", "allowed_weight_root", "api_key",
-         "admin_api_key", "max_request_bytes"]
+         "admin_api_key", "allow_unauthenticated_admin", "max_request_bytes"]
 
 
 @click.command("serve", context_settings={"ignore_unknown_options": True,
@@ -44,7 +44,10 @@ FLAGS = ["engine", "url", "health_timeout_s", "model", "host", "port", "ready_fi
 @click.option("--api-key", default=None, envvar="RLTOOL_API_KEY",
               help="Bearer key every route but /health* needs (env RLTOOL_API_KEY).")
 @click.option("--admin-api-key", default=None, envvar="RLTOOL_ADMIN_API_KEY",
-              help="Bearer key for weight, cache, pause, abort and memory routes.")
+              help="Bearer key for the routes that change state (weights, cache, pause, abort, "
+                   "memory, debug); required with a non-loopback --host.")
+@click.option("--allow-unauthenticated-admin", is_flag=True, default=None,
+              help="Serve on a non-loopback --host without --admin-api-key (refused otherwise).")
 @click.option("--max-request-bytes", type=int, default=None,
               help="Largest request body; 413 beyond (default 64 MiB).")
 @click.option("--local-checkpoint-dir", type=click.Path(file_okay=False), default=None,

@@ -1,28 +1,73 @@
-"""SGLang-native request bodies: validation and expansion of /generate into scheduler requests.
+"""The engine's HTTP contract, shared by the server (rltool.engine.routes) and its clients
+(rltool.rollout.client.EngineClient, rltool.align.layerwise): route paths, headers and the typed
+request and response bodies.
 
-Top-level unknown keys are ignored (gateways add their own, e.g. smg's `model`, `log_metrics`);
-`sampling_params` keys are strict. A batch (list of prompts) and/or `n > 1` expand prompt-major
-into one Request per sample, whose response goes at the same position of the returned list.
+Names and shapes are SGLang's (docs/engine-api.md), so the same client drives the builtin engine,
+SGLang and an smg gateway. This module imports only pydantic: a client importing it loads neither
+the server (fastapi) nor the model code (torch).
+
+Request bodies ignore unknown top-level keys (gateways add their own, e.g. smg's `model`,
+`log_metrics`); `sampling_params` keys are strict (rltool.engine.sampling).
 """
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from rltool.errors import BadInputError
-from rltool.engine.request import Request
-from rltool.engine.sampling import DEFAULT_SEED, SamplingParams, make_generator
+# ----- route paths ---------------------------------------------------------------------------
 
-# Fields SGLang accepts that this engine cannot honour; a non-null value is a 400, not a silent no-op.
-UNSUPPORTED_FIELDS = ("lora_path", "image_data", "audio_data", "video_data", "session_params",
-                      "bootstrap_host", "bootstrap_port", "bootstrap_room")
+GENERATE = "/generate"
+HEALTH = "/health"
+HEALTH_GENERATE = "/health_generate"
+READY = "/ready"
+METRICS = "/metrics"
+LOADS = "/v1/loads"
+MODEL_INFO = "/get_model_info"
+MODEL_INFO_ALIAS = "/model_info"
+SERVER_INFO = "/get_server_info"
+SERVER_INFO_ALIAS = "/server_info"
+WEIGHT_VERSION = "/get_weight_version"
+WEIGHT_VERSION_ALIAS = "/weight_version"
+
+FLUSH_CACHE = "/flush_cache"
+PAUSE_GENERATION = "/pause_generation"
+CONTINUE_GENERATION = "/continue_generation"
+ABORT_REQUEST = "/abort_request"
+RELEASE_MEMORY = "/release_memory_occupation"
+RESUME_MEMORY = "/resume_memory_occupation"
+
+UPDATE_WEIGHTS_FROM_DISK = "/update_weights_from_disk"
+UPDATE_WEIGHT_VERSION = "/update_weight_version"
+PULL_WEIGHTS = "/pull_weights"
+
+OPENAI_MODELS = "/v1/models"
+OPENAI_COMPLETIONS = "/v1/completions"
+OPENAI_CHAT_COMPLETIONS = "/v1/chat/completions"
+
+DEBUG_HIDDEN_STATES = "/debug/hidden_states"
+
+# Routes that answer without any key (liveness probes and load balancers poll them).
+OPEN_PATHS = frozenset({HEALTH, HEALTH_GENERATE, READY, METRICS})
+
+# ----- headers -------------------------------------------------------------------------------
+
+AUTHORIZATION = "Authorization"
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # smg's consistent-hash routing key
+
+
+def bearer(key: str | None) -> dict[str, str]:
+    """The Authorization header that carries `key` (none when there is no key)."""
+    return {AUTHORIZATION: f"Bearer {key}"} if key else {}
+
+
+# ----- request bodies ------------------------------------------------------------------------
 
 
 class GenerateInput(BaseModel):
-    """POST /generate body (engine-http-api.md §1)."""
+    """POST /generate body. A batch (list of prompts) and/or `n > 1` expand prompt-major into one
+    request per sample, whose response goes at the same position of the returned list."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -44,24 +89,33 @@ class GenerateInput(BaseModel):
         return defaults[info.field_name] if value is None else value
 
 
-class PauseInput(BaseModel):
+class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    def body(self) -> dict[str, Any]:
+        """The JSON a client sends: fields left at their default are omitted (SGLang's defaults
+        are the same), so the body stays valid for every engine that speaks the API."""
+        return self.model_dump(mode="json", exclude_defaults=True)
+
+
+class PauseInput(_Body):
     mode: str = Field("abort", description="abort, retract or in_place")
 
 
-class ContinueInput(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ContinueInput(_Body):
     torch_empty_cache: bool = True
 
 
-class AbortInput(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class AbortInput(_Body):
     rid: str = ""
     abort_all: bool = False
 
 
-class UpdateWeightsFromDiskInput(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class MemoryInput(_Body):
+    tags: list[str] | None = None
+
+
+class UpdateWeightsFromDiskInput(_Body):
     model_path: str
     load_format: str | None = None
     abort_all_requests: bool = False
@@ -69,102 +123,62 @@ class UpdateWeightsFromDiskInput(BaseModel):
     flush_cache: bool = True
 
 
-class UpdateWeightVersionInput(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class UpdateWeightVersionInput(_Body):
     new_version: str = Field(min_length=1)
     abort_all_requests: bool = True
 
 
-class MemoryInput(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    tags: list[str] | None = None
+class PullWeightsInput(_Body):
+    """slime's /pull_weights body: bring `local_checkpoint_dir` to `target_version` of the
+    versions published in `source_dir` (files only; the caller then loads them)."""
 
-
-class PullWeightsInput(BaseModel):
-    """slime's /pull_weights body (engine-http-api.md §4); served once rltool.delta provides pull."""
-
-    model_config = ConfigDict(extra="ignore")
     local_checkpoint_dir: str
     source_dir: str
     target_version: int
 
 
-def _per_item(value: Any, i: int, count: int, name: str) -> Any:
-    if isinstance(value, list):
-        if len(value) != count:
-            raise BadInputError(f"{name} has {len(value)} entries for {count} prompts")
-        return value[i]
-    return value
+class HiddenStatesInput(_Body):
+    model_config = ConfigDict(extra="forbid")
+
+    input_ids: list[int] = Field(min_length=2, description="Token ids, at least two.")
 
 
-def expand_generate(body: GenerateInput, *, tokenizer: Any, context_length: int,
-                    vocab_size: int, deterministic: bool) -> tuple[list[Request], bool]:
-    """Validate and expand a /generate body. Returns (requests, respond_with_list)."""
-    extra = body.model_extra or {}
-    for name in UNSUPPORTED_FIELDS:
-        if extra.get(name) not in (None, [], {}):
-            raise BadInputError(f"{name} is not supported by the builtin engine")
-    if (body.text is None) == (body.input_ids is None):
-        raise BadInputError("send exactly one of text or input_ids")
-    if body.text is not None:
-        batched = isinstance(body.text, list)
-        texts = body.text if batched else [body.text]
-        prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
-    else:
-        ids = body.input_ids
-        batched = bool(ids) and isinstance(ids[0], list)
-        prompts = ids if batched else [ids]
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise BadInputError("empty prompt: input_ids / text must hold at least one token")
-    for p in prompts:
-        bad = next((t for t in p if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise BadInputError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
-    count = len(prompts)
-    sp_raw = body.sampling_params if body.sampling_params is not None else {}
-    if isinstance(sp_raw, list) and len(sp_raw) != count:
-        raise BadInputError(f"sampling_params has {len(sp_raw)} entries for {count} prompts")
-    params = [SamplingParams(**(sp_raw[i] if isinstance(sp_raw, list) else sp_raw))
-              for i in range(count)]
-    n = params[0].n
-    if any(p.n != n for p in params):
-        raise BadInputError("n must be the same in every sampling_params of a batch")
-    if isinstance(body.rid, list) and len(body.rid) != count:
-        raise BadInputError(f"rid has {len(body.rid)} entries for {count} prompts")
-    if body.token_ids_logprob and any(not 0 <= t < vocab_size for t in body.token_ids_logprob):
-        raise BadInputError("token_ids_logprob holds ids outside the vocabulary")
-
-    reqs: list[Request] = []
-    for i, (prompt, sp) in enumerate(zip(prompts, params)):
-        if len(prompt) + sp.max_new_tokens > context_length:
-            raise BadInputError(
-                f"the prompt ({len(prompt)} tokens) plus max_new_tokens ({sp.max_new_tokens}) is "
-                f"longer than the model's context length ({context_length})")
-        top_n = _per_item(body.top_logprobs_num, i, count, "top_logprobs_num")
-        start = _per_item(body.logprob_start_len, i, count, "logprob_start_len")
-        if top_n < 0 or top_n > vocab_size:
-            raise BadInputError(f"top_logprobs_num must be in [0, {vocab_size}]")
-        if start < -1:
-            raise BadInputError("logprob_start_len must be >= -1")
-        base = _rid(body.rid, i, batched=batched)
-        for j in range(n):
-            rid = base if n == 1 else f"{base}_{j}"
-            generator = None
-            if deterministic and not sp.greedy:
-                seed = sp.sampling_seed if sp.sampling_seed is not None else DEFAULT_SEED
-                generator = make_generator(seed + j)
-            reqs.append(Request(
-                rid=rid, prompt_ids=list(prompt), params=sp,
-                return_logprob=bool(_per_item(body.return_logprob, i, count, "return_logprob")),
-                logprob_start_len=min(start, len(prompt) - 1), top_logprobs_num=top_n,
-                token_ids_logprob=body.token_ids_logprob,
-                return_text_in_logprobs=body.return_text_in_logprobs, generator=generator))
-    return reqs, batched or n > 1
+# ----- response bodies -----------------------------------------------------------------------
 
 
-def _rid(rid: str | list[str] | None, i: int, *, batched: bool) -> str:
-    if rid is None:
-        return uuid.uuid4().hex
-    if isinstance(rid, list):
-        return rid[i]
-    return f"{rid}_{i}" if batched else rid
+class UpdateWeightsResult(BaseModel):
+    """POST /update_weights_from_disk answer (200 on success, 400 with success=false)."""
+
+    model_config = ConfigDict(extra="allow")
+    success: bool
+    message: str
+    num_paused_requests: int = 0
+
+
+class PullWeightsResult(BaseModel):
+    """POST /pull_weights answer: SGLang's {success, message} plus what was synced."""
+
+    model_config = ConfigDict(extra="allow")
+    success: bool
+    message: str
+    pull: dict[str, Any] | None = None
+
+
+class UpdateWeightVersionResult(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    success: bool
+    message: str
+    new_version: str
+
+
+class ControlResult(BaseModel):
+    """POST /pause_generation and /continue_generation answer."""
+
+    model_config = ConfigDict(extra="allow")
+    message: str
+    status: str = "ok"
+
+
+class WeightVersionInfo(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    weight_version: str | None

@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from rltool.config import StageConfig
+
+
+INSECURE_HOST = ("--host {host} accepts connections from other machines, and without "
+                 "--admin-api-key anyone who reaches the port can replace the weights or stop "
+                 "generation; set --admin-api-key KEY, or pass --allow-unauthenticated-admin to "
+                 "accept that deliberately")
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine reaches (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
 
 
 class ServeConfig(StageConfig):
@@ -40,12 +58,19 @@ class ServeConfig(StageConfig):
     served_model_name: str | None = Field(None, description="Name in /v1/models and model_info "
                                                             "(default: the model path).")
     api_key: str | None = Field(None, description="Bearer key every route but /health* needs.")
-    admin_api_key: str | None = Field(None, description="Bearer key for weight, cache, pause, "
-                                                        "abort and memory routes.")
+    admin_api_key: str | None = Field(None, description="Bearer key for the routes that change "
+                                                        "the engine's state (weights, cache, "
+                                                        "pause, abort, memory, debug).")
+    allow_unauthenticated_admin: bool = Field(
+        False, description="Serve on a non-loopback --host without --admin-api-key (refused "
+                           "otherwise: anyone who reaches the port could replace the weights).")
     max_request_bytes: int = Field(64 * 1024 * 1024, ge=1024,
                                    description="Largest request body (413 beyond).")
     local_checkpoint_dir: Path | None = Field(None, description="Host-local directory "
-                                                                "/pull_weights writes into.")
+                                                                "/pull_weights writes into, the "
+                                                                "only one it may (or one under "
+                                                                "it); without it /pull_weights "
+                                                                "answers 400.")
     allowed_weight_root: list[Path] = Field(
         default_factory=list, description="Directories weight paths must lie under (default: "
                                           "the model's parent and --local-checkpoint-dir).")
@@ -74,6 +99,8 @@ class ServeConfig(StageConfig):
             raise ValueError("--sglang-* options need --engine sglang")
         if self.model is None:
             raise ValueError(f"--engine {self.engine} needs --model DIR")
+        if not (is_loopback(self.host) or self.admin_api_key or self.allow_unauthenticated_admin):
+            raise PydanticCustomError("insecure_host", INSECURE_HOST, {"host": self.host})
         if not (self.model / "config.json").is_file():
             raise ValueError(f"--model {self.model} is not a HF checkpoint directory "
                              "(no config.json)")

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from rltool import atomic
+from rltool.engine import api
 from rltool.errors import EngineError
 from rltool.engine.app import EngineState, build_app
 from rltool.engine.config import ServeConfig
@@ -87,10 +88,6 @@ def serve(cfg: ServeConfig) -> None:
     url = url_of(cfg.host, sock.getsockname()[1])
     app = build_app(EngineState(cfg=cfg, runner=runner, scheduler=scheduler,
                                 started=time.monotonic()))
-    if cfg.enable_debug_endpoints:  # rltool align-gate --layerwise (docs/align.md)
-        from rltool.engine.debug import add_debug_routes
-
-        add_debug_routes(app)
     server = _Server(scheduler, uvicorn.Config(app, log_level=cfg.log_level, lifespan="off",
                                            timeout_graceful_shutdown=1, access_log=False))
     # The scheduler thread runs Python-heavy model code; a short GIL switch interval keeps the
@@ -136,7 +133,7 @@ async def _run(server: object, sock: socket.socket, url: str, cfg: ServeConfig) 
         await asyncio.sleep(0.02)
     if not task.done():
         async with httpx.AsyncClient(timeout=SELF_CHECK_TIMEOUT_S) as client:
-            r = await client.get(f"{url}/health_generate")
+            r = await client.get(url + api.HEALTH_GENERATE)
         if r.status_code != 200:
             server.should_exit = True  # type: ignore[attr-defined]
             await task

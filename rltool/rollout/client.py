@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from rltool.engine import api
 from rltool.errors import EngineError, EngineTimeoutError
 
 log = logging.getLogger(__name__)
@@ -21,7 +22,6 @@ log = logging.getLogger(__name__)
 RETRY_STATUS = frozenset({429, 502, 503, 504})
 BACKOFF_BASE_S = 0.25
 BACKOFF_MAX_S = 4.0
-ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 
 
 class EngineClient:
@@ -31,9 +31,8 @@ class EngineClient:
                  connect_timeout_s: float = 5.0, max_retries: int = 3):
         self.url = url.rstrip("/")
         self.max_retries = max_retries
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(
-            base_url=self.url, headers=headers,
+            base_url=self.url, headers=api.bearer(api_key),
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s))
 
     async def __aenter__(self) -> "EngineClient":
@@ -95,65 +94,71 @@ class EngineClient:
     async def generate(self, payload: dict[str, Any], *,
                        routing_key: str | None = None) -> dict[str, Any] | list[dict[str, Any]]:
         """POST /generate. A batch or n > 1 returns a list (SGLang's shape)."""
-        headers = {ROUTING_KEY_HEADER: routing_key} if routing_key else None
-        return await self._json("POST", "/generate", json=payload, headers=headers)
+        headers = {api.ROUTING_KEY_HEADER: routing_key} if routing_key else None
+        return await self._json("POST", api.GENERATE, json=payload, headers=headers)
 
     # ----- health and info ---------------------------------------------------------------
 
     async def health(self) -> bool:
         """True when /health answers 2xx; False when it answers otherwise or cannot be reached."""
         try:
-            await self._request("GET", "/health")
+            await self._request("GET", api.HEALTH)
         except EngineError:
             return False
         return True
 
     async def health_generate(self) -> None:
         """GET /health_generate (really generates one token); raises EngineError if unhealthy."""
-        await self._request("GET", "/health_generate")
+        await self._request("GET", api.HEALTH_GENERATE)
 
     async def get_model_info(self) -> dict[str, Any]:
-        return await self._json("GET", "/get_model_info")
+        return await self._json("GET", api.MODEL_INFO)
 
     async def get_server_info(self) -> dict[str, Any]:
-        return await self._json("GET", "/get_server_info")
+        return await self._json("GET", api.SERVER_INFO)
 
     # ----- scheduling and cache ----------------------------------------------------------
 
     async def flush_cache(self) -> None:
-        await self._request("POST", "/flush_cache")
+        await self._request("POST", api.FLUSH_CACHE)
 
     async def abort_request(self, *, rid: str = "", abort_all: bool = False) -> None:
-        await self._request("POST", "/abort_request", json={"rid": rid, "abort_all": abort_all})
+        await self._request("POST", api.ABORT_REQUEST,
+                            json=api.AbortInput(rid=rid, abort_all=abort_all).body())
 
     async def pause_generation(self, mode: str = "abort") -> None:
-        await self._request("POST", "/pause_generation", json={"mode": mode})
+        await self._request("POST", api.PAUSE_GENERATION, json=api.PauseInput(mode=mode).body())
 
     async def continue_generation(self) -> None:
-        await self._request("POST", "/continue_generation", json={})
+        await self._request("POST", api.CONTINUE_GENERATION, json=api.ContinueInput().body())
 
     # ----- weights and memory ------------------------------------------------------------
 
     async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None,
                                        abort_all_requests: bool = False,
                                        flush_cache: bool = True) -> dict[str, Any]:
-        """Load a HF checkpoint directory; raises EngineError (status 400) when the engine refuses."""
-        body = {"model_path": model_path, "weight_version": weight_version,
-                "abort_all_requests": abort_all_requests, "flush_cache": flush_cache}
-        return await self._json("POST", "/update_weights_from_disk", json=body)
+        """Load a HF checkpoint directory; raises EngineError (status 400) when the engine refuses.
+        Returns the answer as a dict (`api.UpdateWeightsResult`'s fields)."""
+        body = api.UpdateWeightsFromDiskInput(model_path=model_path, weight_version=weight_version,
+                                              abort_all_requests=abort_all_requests,
+                                              flush_cache=flush_cache)
+        answer = await self._json("POST", api.UPDATE_WEIGHTS_FROM_DISK, json=body.body())
+        return api.UpdateWeightsResult.model_validate(answer).model_dump()
 
     async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
-        await self._request("POST", "/release_memory_occupation", json={"tags": tags})
+        await self._request("POST", api.RELEASE_MEMORY, json=api.MemoryInput(tags=tags).body())
 
     async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
-        await self._request("POST", "/resume_memory_occupation", json={"tags": tags})
+        await self._request("POST", api.RESUME_MEMORY, json=api.MemoryInput(tags=tags).body())
 
     async def pull_weights(self, *, local_checkpoint_dir: str, source_dir: str,
                            target_version: int) -> dict[str, Any]:
-        """slime's /pull_weights: sync a version's files; follow with update_weights_from_disk."""
-        body = {"local_checkpoint_dir": local_checkpoint_dir, "source_dir": source_dir,
-                "target_version": target_version}
-        return await self._json("POST", "/pull_weights", json=body)
+        """slime's /pull_weights: sync a version's files; follow with update_weights_from_disk.
+        Returns the answer as a dict (`api.PullWeightsResult`'s fields)."""
+        body = api.PullWeightsInput(local_checkpoint_dir=local_checkpoint_dir,
+                                    source_dir=source_dir, target_version=target_version)
+        answer = await self._json("POST", api.PULL_WEIGHTS, json=body.body())
+        return api.PullWeightsResult.model_validate(answer).model_dump(exclude_none=True)
 
 
 def _error_message(response: httpx.Response) -> str:

@@ -9,28 +9,21 @@ the weights the engine serves right now (on the scheduler thread, between steps)
 
 `rltool align-gate --layerwise` compares these with the trainer model's (rltool.align.layerwise).
 Values are the engine's tensors widened to float64 for JSON, so they round-trip exactly. Without
-the flag the route does not exist (404), so production engines expose no activations.
+the flag the route does not exist (404), so production engines expose no activations; with it,
+the route is an admin route (it reveals the weights' activations).
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
-from fastapi import FastAPI, Request as HttpRequest
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import APIRouter, Request as HttpRequest
 
-from rltool.errors import BadInputError
-from rltool.engine.app import parse_body
+from rltool.engine import api
 from rltool.engine.model_runner import ModelRunner
-
-HIDDEN_STATES_PATH = "/debug/hidden_states"
-
-
-class HiddenStatesInput(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    input_ids: list[int] = Field(min_length=2, description="Token ids, at least two.")
+from rltool.engine.routes.base import EngineState, parse_body
+from rltool.engine.security import ADMIN
+from rltool.errors import BadInputError
 
 
 def hidden_states(runner: ModelRunner, input_ids: list[int]) -> dict[str, Any]:
@@ -57,12 +50,12 @@ def hidden_states(runner: ModelRunner, input_ids: list[int]) -> dict[str, Any]:
             "token_logprobs": logprobs.double().tolist()}
 
 
-def add_debug_routes(app: FastAPI) -> None:
-    """Mount the debug routes on an app built by rltool.engine.app.build_app."""
-    state = app.state.engine
+def router(state: EngineState) -> APIRouter:
+    r = APIRouter()
 
-    @app.post(HIDDEN_STATES_PATH)
+    @r.post(api.DEBUG_HIDDEN_STATES, dependencies=[ADMIN])
     async def debug_hidden_states(request: HttpRequest) -> dict[str, Any]:
-        body = await parse_body(request, HiddenStatesInput)
-        future = state.scheduler.call(lambda: hidden_states(state.runner, body.input_ids))
-        return await asyncio.wrap_future(future)
+        body = await parse_body(request, api.HiddenStatesInput)
+        return await state.on_thread(lambda: hidden_states(state.runner, body.input_ids))
+
+    return r

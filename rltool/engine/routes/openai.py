@@ -9,18 +9,19 @@ Errors use OpenAI's `{"object":"error",...}` object; in streams they arrive as
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import FastAPI, Request as HttpRequest
+from fastapi import APIRouter, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rltool.errors import BadInputError, EngineError
+from rltool.engine import api
 from rltool.engine.api import GenerateInput
+from rltool.engine.routes.base import EngineState, read_body, sse as _sse
+from rltool.errors import BadInputError, EngineError
 
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -93,10 +94,6 @@ def openai_error(message: str, code: int = 400) -> JSONResponse:
                          "code": code}, status_code=code)
 
 
-def _sse(obj: Any) -> bytes:
-    return f"data: {json.dumps(obj)}\n\n".encode()
-
-
 def _usage(outs: list[dict[str, Any]], n: int) -> dict[str, int]:
     prompt = sum(o["meta_info"]["prompt_tokens"] for o in outs[::n])
     completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
@@ -111,11 +108,12 @@ def _finish(out: dict[str, Any]) -> tuple[str | None, Any]:
     return FINISH.get(reason["type"], reason["type"]), reason.get("matched")
 
 
-def register_openai_routes(app: FastAPI, *, state: Any, expand: Callable, run: Callable,
-                           updates: Callable) -> None:
+def router(state: EngineState) -> APIRouter:
+    r = APIRouter()
     runner, cfg = state.runner, state.cfg
     tokenizer = runner.tokenizer
-    served = cfg.served_model_name or str(cfg.model)
+    served = state.served_model_name
+    expand, run, updates = state.expand, state.run, state.updates
 
     def token_text(tok: int) -> str:
         return tokenizer.decode([tok])
@@ -123,9 +121,7 @@ def register_openai_routes(app: FastAPI, *, state: Any, expand: Callable, run: C
     async def parse(request: HttpRequest, model: type[BaseModel]) -> BaseModel:
         if "application/json" not in request.headers.get("content-type", ""):
             raise BadInputError("Content-Type must be application/json")
-        raw = await request.body()
-        if len(raw) > cfg.max_request_bytes:
-            raise BadInputError(f"request body exceeds {cfg.max_request_bytes} bytes")
+        raw = await read_body(request)
         try:
             return model.model_validate_json(raw)
         except ValidationError as e:
@@ -185,11 +181,11 @@ def register_openai_routes(app: FastAPI, *, state: Any, expand: Callable, run: C
                 "owned_by": "sglang", "root": served, "parent": None,
                 "max_model_len": runner.context_length}
 
-    @app.get("/v1/models")
+    @r.get(api.OPENAI_MODELS)
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @r.get(api.OPENAI_MODELS + "/{model_id:path}")
     async def model(model_id: str) -> JSONResponse:
         if model_id != served:
             return JSONResponse({"error": {"message": f"model {model_id!r} not found",
@@ -216,7 +212,7 @@ def register_openai_routes(app: FastAPI, *, state: Any, expand: Callable, run: C
                 "top_logprobs": [None if t is None else {token_text(x[1]): x[0] for x in t}
                                  for t in tops] if tops else [None] * len(tokens)}
 
-    @app.post("/v1/completions")
+    @r.post(api.OPENAI_COMPLETIONS)
     async def completions(request: HttpRequest) -> Response:
         try:
             body = await parse(request, CompletionRequest)
@@ -284,7 +280,7 @@ def register_openai_routes(app: FastAPI, *, state: Any, expand: Callable, run: C
             raise BadInputError(f"cannot apply the chat template: {e}") from e
         return tokenizer.encode(text, add_special_tokens=False)
 
-    @app.post("/v1/chat/completions")
+    @r.post(api.OPENAI_CHAT_COMPLETIONS)
     async def chat(request: HttpRequest) -> Response:
         try:
             body = await parse(request, ChatRequest)
@@ -321,3 +317,5 @@ def register_openai_routes(app: FastAPI, *, state: Any, expand: Callable, run: C
                                  "finish_reason": reason, "matched_stop": matched}]}
 
         return await answer(body, gen, shape=shape, chunk=chunk, kind="chatcmpl")
+
+    return r

@@ -1,0 +1,166 @@
+"""What every router of the builtin engine shares: the engine state with its generation plumbing,
+body parsing and the error shapes.
+
+Handlers run on the event loop and never touch the model: generation requests go to the
+scheduler thread with completion callbacks, control operations run on that thread through
+`Scheduler.call` (`EngineState.on_thread`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+from rltool.engine.api import GenerateInput
+from rltool.engine.config import ServeConfig
+from rltool.engine.expand import expand_generate
+from rltool.engine.model_runner import ModelRunner
+from rltool.engine.request import Request, build_response
+from rltool.engine.scheduler import Scheduler
+from rltool.engine.security import PayloadTooLargeError
+from rltool.errors import BadInputError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass
+class EngineState:
+    cfg: ServeConfig
+    runner: ModelRunner
+    scheduler: Scheduler
+    started: float  # time.monotonic() at start
+    started_wall_s: float = field(default_factory=time.time)
+
+    @property
+    def served_model_name(self) -> str:
+        return self.cfg.served_model_name or str(self.cfg.model)
+
+    async def on_thread(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the scheduler thread between steps and await its result."""
+        return await asyncio.wrap_future(self.scheduler.call(fn))
+
+    def expand(self, body: GenerateInput) -> tuple[list[Request], bool]:
+        runner = self.runner
+        try:
+            return expand_generate(body, tokenizer=runner.tokenizer,
+                                   context_length=runner.context_length,
+                                   vocab_size=runner.vocab_size,
+                                   deterministic=self.cfg.deterministic)
+        except ValidationError as e:  # sampling_params
+            raise BadInputError(describe_errors(e.errors())) from e
+
+    def respond(self, req: Request) -> dict[str, Any]:
+        return build_response(req, tokenizer=self.runner.tokenizer,
+                              weight_version=self.runner.weight_version)
+
+    def _abort(self, reqs: list[Request]) -> None:
+        sched = self.scheduler
+        rids = [r.rid for r in reqs]
+        sched.call(lambda: [sched.abort(rid=rid) for rid in rids])
+
+    async def run(self, reqs: list[Request]) -> list[dict[str, Any]]:
+        """Submit `reqs` and await their final responses (in order). Raises QueueFullError /
+        BadInputError / EngineError if the scheduler refuses them."""
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in reqs]
+        for req, fut in zip(reqs, futures):
+            req.on_finish = (lambda r, f=fut: loop.call_soon_threadsafe(
+                _resolve, f, self.respond(r)))
+        self.scheduler.submit(reqs)
+        try:
+            return list(await asyncio.gather(*futures))
+        except asyncio.CancelledError:  # client went away: free the engine
+            self._abort(reqs)
+            raise
+
+    async def updates(self, reqs: list[Request]
+                      ) -> AsyncIterator[tuple[int, bool, dict[str, Any]]]:
+        """Submit `reqs`; yield (index, finished, cumulative response) after every new token.
+        Raises QueueFullError / BadInputError / EngineError if the scheduler refuses them."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        for i, req in enumerate(reqs):
+            req.on_token = (lambda r, i=i: loop.call_soon_threadsafe(
+                queue.put_nowait, (i, False, self.respond(r))))
+            req.on_finish = (lambda r, i=i: loop.call_soon_threadsafe(
+                queue.put_nowait, (i, True, self.respond(r))))
+        self.scheduler.submit(reqs)
+        remaining = len(reqs)
+        try:
+            while remaining:
+                i, final, event = await queue.get()
+                remaining -= final
+                yield i, final, event
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away
+            self._abort(reqs)
+            raise
+
+
+def validation_error(message: str) -> JSONResponse:
+    """A body that fails validation: SGLang's OpenAI-style error object."""
+    return JSONResponse({"object": "error", "message": message, "type": "Bad Request",
+                         "param": None, "code": 400}, status_code=400)
+
+
+def runtime_error(message: str, status_code: int = 400) -> JSONResponse:
+    """A runtime refusal: `{"error": {"message": ...}}`."""
+    return JSONResponse({"error": {"message": message}}, status_code=status_code)
+
+
+def describe_errors(errors: Any) -> str:
+    parts = []
+    for e in errors:
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
+    return "; ".join(parts)
+
+
+async def read_body(request: HttpRequest) -> bytes:
+    """The request body, bounded by --max-request-bytes even without a Content-Length header."""
+    limit = request.app.state.engine.cfg.max_request_bytes
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLargeError(f"request body exceeds the limit of {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+async def parse_body(request: HttpRequest, model: type[M], *, required: bool = True) -> M:
+    """Read a JSON object body (`read_body`) and validate it; failures raise
+    RequestValidationError (400)."""
+    raw = await read_body(request)
+    if not raw.strip():
+        if required:
+            raise RequestValidationError([{"msg": "a JSON body is required ({} works)"}])
+        data: Any = {}
+    else:
+        try:
+            data = json.loads(raw)
+        except ValueError as e:
+            raise RequestValidationError([{"msg": f"body is not valid JSON: {e}"}]) from e
+    if not isinstance(data, dict):
+        raise RequestValidationError([{"msg": "body must be a JSON object"}])
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors()) from e
+
+
+def sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+def _resolve(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
