@@ -9,7 +9,6 @@ is removed so nobody reads a stale URL.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -18,13 +17,13 @@ import sys
 import time
 from typing import Any
 
-from rltool import atomic
 from rltool.engine import api
 from rltool.errors import EngineError
 from rltool.engine.app import EngineState, build_app
 from rltool.engine.config import ServeConfig
 from rltool.engine.model_runner import ModelRunner
 from rltool.engine.scheduler import Scheduler
+from rltool.supervisor import announce_ready, withdraw_ready
 
 log = logging.getLogger(__name__)
 SELF_CHECK_TIMEOUT_S = 60.0
@@ -105,9 +104,7 @@ def serve(cfg: ServeConfig) -> None:
             signal.signal(sig, handler)
         scheduler.stop()
         sock.close()
-        if cfg.ready_file is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(cfg.ready_file)
+        withdraw_ready(cfg.ready_file)
 
 
 def _loop_factory() -> Any:
@@ -139,6 +136,5 @@ async def _run(server: object, sock: socket.socket, url: str, cfg: ServeConfig) 
             await task
             raise EngineError(f"the engine's self-check /health_generate answered {r.status_code}")
         log.info("builtin engine ready at %s (pid %d)", url, os.getpid())
-        if cfg.ready_file is not None:
-            atomic.write_json(cfg.ready_file, {"url": url, "pid": os.getpid()})
+        announce_ready(cfg.ready_file, url=url, pid=os.getpid())
     await task

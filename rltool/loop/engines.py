@@ -9,10 +9,7 @@ belongs to someone else and is left alone).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import signal
-import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -21,6 +18,7 @@ from typing import Any
 from rltool.errors import EngineError
 from rltool.rollout.launch import EngineProcess, start_engine
 from rltool.rundir import RunDir
+from rltool.supervisor import start
 
 log = logging.getLogger(__name__)
 
@@ -163,21 +161,13 @@ class TrainerProcess:
 
     def run(self) -> tuple[int, str]:
         """Run to completion; returns (exit code, stdout). Ends the child on any interruption."""
-        with open(self.log_path, "ab") as log_file:
-            popen = subprocess.Popen(self.cmdline, stdout=subprocess.PIPE, stderr=log_file,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        self.registry.add(role="trainer", pid=popen.pid, cmdline=self.cmdline)
+        child = start(self.cmdline, log_path=self.log_path, name="trainer", capture_stdout=True)
+        self.registry.add(role="trainer", pid=child.pid, cmdline=self.cmdline)
         try:
-            out, _ = popen.communicate()
+            out, _ = child.popen.communicate()
         except BaseException:
-            with contextlib.suppress(ProcessLookupError):
-                popen.send_signal(signal.SIGTERM)
-            try:
-                popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                popen.kill()
-                popen.wait()
+            child.stop()
             raise
         finally:
-            self.registry.remove(popen.pid)
-        return popen.returncode, out.decode(errors="replace")
+            self.registry.remove(child.pid)
+        return child.popen.returncode, out.decode(errors="replace")

@@ -94,7 +94,7 @@ def train(ctx: StepContext) -> None:
 def _train_subprocess(ctx: StepContext, cfg: Any) -> None:
     import tomli_w
 
-    from rltool.rollout.launch import log_tail
+    from rltool.supervisor import log_tail
 
     config_file = ctx.run.root / "train" / f"step-{ctx.state.step:06d}.toml"
     atomic.write_text(config_file, tomli_w.dumps(

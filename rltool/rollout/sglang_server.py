@@ -12,26 +12,23 @@ external: wait until `--url` answers `/health`, write the ready file ({url, pid:
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
-import httpx
-
-from rltool import atomic
-from rltool.errors import BadInputError, EngineError, EngineTimeoutError
+from rltool.engine import api
 from rltool.engine.config import ServeConfig
+from rltool.errors import BadInputError, EngineError
+from rltool.supervisor import announce_ready, start, wait_healthy, withdraw_ready
 
 log = logging.getLogger(__name__)
 POLL_S = 0.25
+SGLANG_STOP_TIMEOUT_S = 15.0
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
@@ -74,35 +71,17 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, *, timeout_s: float, alive: "subprocess.Popen | None" = None,
-                 api_key: str | None = None) -> None:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=5.0, headers=headers) as client:
-        while time.monotonic() < deadline:
-            if alive is not None and alive.poll() is not None:
-                raise EngineError(f"the engine exited with code {alive.returncode} before it "
-                                  "was healthy")
-            with contextlib.suppress(httpx.HTTPError):
-                if client.get(f"{url}/health").status_code == 200:
-                    return
-            time.sleep(POLL_S)
-    raise EngineTimeoutError(f"{url} did not answer /health within {timeout_s:.0f}s")
-
-
 def attach_external(cfg: ServeConfig) -> str:
     assert cfg.url is not None
     url = cfg.url.rstrip("/")
-    wait_healthy(url, timeout_s=cfg.health_timeout_s, api_key=cfg.api_key)
-    if cfg.ready_file is not None:
-        atomic.write_json(cfg.ready_file, {"url": url, "pid": None})
+    wait_healthy(url, api.HEALTH, timeout_s=cfg.health_timeout_s, api_key=cfg.api_key)
+    announce_ready(cfg.ready_file, url=url, pid=None)
     return url
 
 
 def serve_sglang(cfg: ServeConfig, *, log_path: Path | None = None) -> None:
     """Run SGLang until SIGTERM/SIGINT; raise EngineError if it dies or never gets healthy."""
     from rltool.engine.server import url_of
-    from rltool.rollout.launch import log_tail
 
     if importlib.util.find_spec("sglang") is None:
         raise EngineError("--engine sglang needs the sglang package (pip install "
@@ -117,40 +96,19 @@ def serve_sglang(cfg: ServeConfig, *, log_path: Path | None = None) -> None:
     previous = {sig: signal.signal(sig, lambda *_: stop.set())
                 for sig in (signal.SIGTERM, signal.SIGINT)}
     log.info("starting %s (log %s)", " ".join(cmd), log_path)
-    with open(log_path, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+    # SGLang forks its scheduler and detokenizer processes: stop ends the whole group.
+    child = start(cmd, log_path=log_path, name="sglang server", term_group=True)
     try:
-        try:
-            wait_healthy(url, timeout_s=cfg.health_timeout_s, alive=proc, api_key=cfg.api_key)
-        except EngineError as e:
-            raise type(e)(f"{e}; log {log_path} ends with:\n{log_tail(log_path)}") from e
-        if cfg.ready_file is not None:
-            atomic.write_json(cfg.ready_file, {"url": url, "pid": os.getpid()})
-        log.info("sglang ready at %s (pid %d)", url, proc.pid)
+        child.wait_healthy(url, api.HEALTH, timeout_s=cfg.health_timeout_s, api_key=cfg.api_key)
+        announce_ready(cfg.ready_file, url=url, pid=os.getpid())
+        log.info("sglang ready at %s (pid %d)", url, child.pid)
         while not stop.is_set():
-            if proc.poll() is not None:
-                raise EngineError(f"sglang exited with code {proc.returncode}; log {log_path} "
-                                  f"ends with:\n{log_tail(log_path)}")
+            if not child.alive():
+                raise EngineError(child.with_log(f"sglang exited with code "
+                                                 f"{child.popen.returncode}"))
             stop.wait(POLL_S)
     finally:
-        _end(proc)
+        child.stop(SGLANG_STOP_TIMEOUT_S)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if cfg.ready_file is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(cfg.ready_file)
-
-
-def _end(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
-    """SIGTERM SGLang's process group (it forks schedulers), then SIGKILL it if needed."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=timeout_s)
+        withdraw_ready(cfg.ready_file)

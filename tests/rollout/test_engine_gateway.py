@@ -4,9 +4,9 @@ engine; when that engine dies its keys move and requests still succeed."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
-import subprocess
 import sys
 import time
 import uuid
@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from rltool.rollout.launch import start_engine
+from rltool.supervisor import start
 
 pytestmark = pytest.mark.slow
 
@@ -49,33 +50,23 @@ def gateway(builtin_engine, tiny_model_dir, tmp_path):
     second = start_engine(["--engine", "builtin", "--model", str(tiny_model_dir)],
                           log_path=tmp_path / "second.log", ready_timeout_s=120)
     port = free_port()
-    log = open(tmp_path / "smg.log", "wb")
-    proc = subprocess.Popen([smg, "launch", "--host", "127.0.0.1", "--port", str(port),
-                             "--worker-urls", builtin_engine.url, second.url,
-                             "--policy", "consistent_hashing", "--prometheus-host", "127.0.0.1",
-                             "--prometheus-port", str(free_port()),
-                             "--health-check-interval-secs", "1",
-                             "--health-failure-threshold", "1", "--log-level", "warn"],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start([smg, "launch", "--host", "127.0.0.1", "--port", str(port),
+                  "--worker-urls", builtin_engine.url, second.url,
+                  "--policy", "consistent_hashing", "--prometheus-host", "127.0.0.1",
+                  "--prometheus-port", str(free_port()),
+                  "--health-check-interval-secs", "1",
+                  "--health-failure-threshold", "1", "--log-level", "warn"],
+                 log_path=tmp_path / "smg.log", name="smg gateway")
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if generate(url, "warmup")[0].status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None, (tmp_path / "smg.log").read_text()
-        assert time.monotonic() < deadline, "smg never routed a request"
-        time.sleep(0.5)
+
+    def routes() -> bool:
+        with contextlib.suppress(httpx.HTTPError):
+            return generate(url, "warmup")[0].status_code == 200
+        return False
+
+    proc.wait_until(routes, timeout_s=60, what="routing requests", poll_s=0.5)
     yield url, {"first": builtin_engine.url, "second": second.url}, second
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log.close()
+    proc.stop()
     second.stop()
 
 

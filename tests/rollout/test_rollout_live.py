@@ -379,8 +379,9 @@ def check_multi_turn_shard(out, tok):
 def gateway(builtin_engine, engine_b, tmp_path_factory):
     """The real smg gateway over both engines with consistent hashing, ended by PID."""
     import socket
-    import subprocess
     import sys
+
+    from rltool.supervisor import start
 
     def free_port():
         with socket.socket() as sock:
@@ -389,34 +390,26 @@ def gateway(builtin_engine, engine_b, tmp_path_factory):
 
     port, metrics_port = free_port(), free_port()
     smg = Path(sys.executable).parent / "smg"
-    log = open(tmp_path_factory.mktemp("smg") / "smg.log", "wb")
-    proc = subprocess.Popen([str(smg), "launch", "--host", "127.0.0.1", "--port", str(port),
-                             "--worker-urls", builtin_engine.url, engine_b.url,
-                             "--policy", "consistent_hashing", "--prometheus-host", "127.0.0.1",
-                             "--prometheus-port", str(metrics_port)],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start([str(smg), "launch", "--host", "127.0.0.1", "--port", str(port),
+                  "--worker-urls", builtin_engine.url, engine_b.url,
+                  "--policy", "consistent_hashing", "--prometheus-host", "127.0.0.1",
+                  "--prometheus-port", str(metrics_port)],
+                 log_path=tmp_path_factory.mktemp("smg") / "smg.log", name="smg gateway")
     url = f"http://127.0.0.1:{port}"
+
+    def both_registered() -> bool:
+        try:
+            workers = httpx.get(f"{url}/workers", timeout=2).json()["workers"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False
+        return sum(w["is_healthy"] for w in workers) == 2
+
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, "smg exited; see its log"
-            try:
-                workers = httpx.get(f"{url}/workers", timeout=2).json()["workers"]
-                if sum(w["is_healthy"] for w in workers) == 2:
-                    break
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            assert time.monotonic() < deadline, "smg did not register both engines in 60 s"
-            time.sleep(0.2)
+        proc.wait_until(both_registered, timeout_s=60, what="registering both engines",
+                        poll_s=0.2)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-        log.close()
+        proc.stop()
 
 
 def test_router_flag_through_smg_gateway_keeps_sessions_sticky(gateway, prompts, tok, tmp_path):
