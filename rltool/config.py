@@ -18,7 +18,7 @@ from rltool import atomic
 from rltool.errors import ConfigError
 
 M = TypeVar("M", bound=BaseModel)
-# Tables a loop config may hold, one per stage (DESIGN.md "Config and CLI conventions").
+# Tables a loop config may hold, one per stage (docs/loop.md).
 STAGE_SECTIONS = ("model", "rollout", "train", "sync", "eval", "loop", "serve", "delta", "align",
                   "convert", "profile", "plan", "data", "init_model")
 

@@ -1,6 +1,6 @@
 """The one logprob convention shared by the rollout engine and the trainers.
 
-DESIGN.md: log-probabilities of the temperature-scaled distribution before top-p/top-k filtering.
+The convention: log-probabilities of the temperature-scaled distribution before top-p/top-k filtering.
 A temperature below 1e-6 means greedy sampling; its logprobs are reported at temperature 1.0.
 
 `sequence_logprobs` is *the* layout both sides use when exact alignment matters: one unpadded

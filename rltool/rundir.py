@@ -1,4 +1,4 @@
-"""The run directory: every path of DESIGN.md's layout, plus state.json, engines.json and metrics.
+"""The run directory: each path of docs/formats.md's layout, plus state.json, engines.json, metrics.
 
 ```
 RUN/config.toml  state.json  engines.json

@@ -1,6 +1,6 @@
 """Block-wise FP8 (DeepSeek-V3 style) quantization of HF checkpoints, and its inverse.
 
-Format (what SGLang / vLLM load, what slime writes; /work/shared/reference/fp8-block-format.md):
+Format (what SGLang / vLLM load, what slime writes; docs/formats.md):
 a quantized linear weight `<p>.weight` [N, K] becomes float8_e4m3fn of the same shape plus
 `<p>.weight_scale_inv` float32 [ceil(N/bn), ceil(K/bk)]. Per block: scale = max(|w|, 1e-12) / 448
 in fp32, q = clamp(w / scale, ±448) cast to e4m3, and dequantization is `q.float() * scale_inv` (the

@@ -1,6 +1,6 @@
 """Rollout shards: Parquet part files + a `_SUCCESS` manifest, one row per sample.
 
-Schema and file metadata are DESIGN.md's. A shard directory is published atomically (built under a
+Schema and file metadata: docs/formats.md. A shard directory is published atomically (built under a
 temporary name, `_SUCCESS` written last, renamed), so a directory that exists is complete; readers
 still verify the manifest: part files present, row counts and xxh3-128 checksums equal, columns
 and per-row invariants valid. Any defect raises `ShardSchemaError` naming the shard and the defect.

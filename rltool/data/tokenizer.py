@@ -82,7 +82,7 @@ def read_chat_template(model_dir: str | os.PathLike) -> str:
 
 
 def tokenizer_hash(model_dir: str | os.PathLike) -> str:
-    """xxh3-64 hex over tokenizer.json bytes + the chat template (DESIGN.md shard metadata)."""
+    """xxh3-64 hex over tokenizer.json bytes + the chat template (shard metadata, docs/formats.md)."""
     model_dir = Path(model_dir)
     path = model_dir / "tokenizer.json"
     if not path.exists():

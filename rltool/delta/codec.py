@@ -15,7 +15,7 @@ The scans over each chunk run in `csrc/delta.c` (one pass instead of numpy's com
 nonzero, gather, cast, cumsum and scatter passes) when rltool's native library is built; the numpy
 path below computes the same bytes and runs when it is not (or with RLTOOL_NATIVE=0).
 
-slime's codecs (`reference/slime-delta-format.md`) work on a whole tensor's bytes, dtype-blind:
+slime's codecs (docs/formats.md) work on a whole tensor's bytes, dtype-blind:
 `xor` (one zstd frame of new^old, streamed) and `overwrite` (u32 count, u32 byte positions, bytes).
 """
 

@@ -1,6 +1,6 @@
 """Per-request sampling parameters and batched token sampling.
 
-Logprob convention (rltool.logprobs, DESIGN.md): the reported logprob of a token is taken from the
+Logprob convention (rltool.logprobs): the reported logprob of a token is taken from the
 temperature-scaled distribution *before* top-k / top-p / min-p filtering; greedy requests report
 logprobs at temperature 1.0. Filtering only changes which token is drawn.
 

@@ -229,7 +229,7 @@ def load_generate_fn(spec: str | None) -> GenerateFn:
 
 
 def to_row(sample: Sample) -> dict[str, Any]:
-    """A finished sample as a shard row (DESIGN.md schema)."""
+    """A finished sample as a shard row (docs/formats.md schema)."""
     from rltool.data.shards import make_row
 
     assert sample.finished, f"sample {sample.uid} is still {sample.status}"

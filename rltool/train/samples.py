@@ -79,7 +79,7 @@ def load_rollouts(shard_dirs: list[str | os.PathLike], *, tokenizer_hash: str,
         step = max(step, shard.meta.step)
         if "temperature" not in shard.meta.sampling:
             raise ShardSchemaError(f"{d}: file metadata sampling has no temperature; the trainer "
-                                   "needs it to recompute logprobs (DESIGN.md convention)")
+                                   "needs it to recompute logprobs (the rltool.logprobs convention)")
         temperatures.add(float(shard.meta.sampling["temperature"]))
         rows = [row for batch in shard.iter_batches(columns=SHARD_COLUMNS)
                 for row in batch.to_pylist()]

@@ -1,4 +1,4 @@
-"""slime's on-disk delta format, both directions, following reference/slime-delta-format.md
+"""slime's on-disk delta format, both directions, as docs/formats.md describes it
 literally with independent tools (safetensors.numpy, zstandard, xxhash), not rltool's IO."""
 
 from __future__ import annotations

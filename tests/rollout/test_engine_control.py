@@ -109,7 +109,7 @@ def test_pause_abort_blocks_new_requests_until_continue(det_engine):
     aborted, blocked, late, ready, health = run(main())
     assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
     assert blocked and late["meta_info"]["completion_tokens"] == 2
-    assert ready == 503 and health is True  # paused: not ready, but alive (DESIGN.md)
+    assert ready == 503 and health is True  # paused: not ready, but alive (docs/serve.md)
     assert httpx.get(det_engine.url + "/ready").status_code == 200
 
 
