@@ -182,3 +182,8 @@ class ControlResult(BaseModel):
 class WeightVersionInfo(BaseModel):
     model_config = ConfigDict(extra="allow")
     weight_version: str | None
+
+
+def url_of(host: str, port: int) -> str:
+    """The base URL of an engine bound to `host` (IPv6 literals in brackets) and `port`."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

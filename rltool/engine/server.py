@@ -47,10 +47,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def url_of(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
 def _server_class() -> type:
     import uvicorn
 
@@ -84,7 +80,7 @@ def serve(cfg: ServeConfig) -> None:
                           max_prefill_tokens=cfg.max_prefill_tokens,
                           deterministic=cfg.deterministic)
     sock = bind_socket(cfg.host, cfg.port)
-    url = url_of(cfg.host, sock.getsockname()[1])
+    url = api.url_of(cfg.host, sock.getsockname()[1])
     app = build_app(EngineState(cfg=cfg, runner=runner, scheduler=scheduler,
                                 started=time.monotonic()))
     server = _Server(scheduler, uvicorn.Config(app, log_level=cfg.log_level, lifespan="off",

@@ -81,13 +81,12 @@ def attach_external(cfg: ServeConfig) -> str:
 
 def serve_sglang(cfg: ServeConfig, *, log_path: Path | None = None) -> None:
     """Run SGLang until SIGTERM/SIGINT; raise EngineError if it dies or never gets healthy."""
-    from rltool.engine.server import url_of
 
     if importlib.util.find_spec("sglang") is None:
         raise EngineError("--engine sglang needs the sglang package (pip install "
                           "'rltool[sglang]', a CUDA machine); use --engine builtin on CPU")
     port = cfg.port or free_port(cfg.host)
-    url = url_of(cfg.host, port)
+    url = api.url_of(cfg.host, port)
     cmd = sglang_command(cfg, port=port)
     if log_path is None:
         log_path = Path(cfg.ready_file).with_suffix(".sglang.log") if cfg.ready_file else \
