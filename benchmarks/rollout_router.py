@@ -3,9 +3,12 @@
 A rollout step queues every sample at once (P prompts x N samples, e.g. 512 x 16 = 8192) and the
 router hands them to engines as slots free. This measures the router alone: 4 in-process engines
 that answer instantly, 32 slots each, backlogs of 1k / 4k / 16k requests, unkeyed (least
-outstanding) and keyed (consistent hashing). Baseline in the same run: the same router with a
-wake-everyone release (what an asyncio.Condition + notify_all gives, the first version), against
-the shipped one-wake-up-per-freed-slot queues. Reported: requests/s (wall) and CPU µs per
+outstanding) and keyed (consistent hashing). Baselines in the same run, interleaved repeat by
+repeat: a plain least-outstanding round-robin client (one asyncio.Semaphore for every slot, the
+engine with the fewest in flight; benchmarks/router_policies.py, unkeyed only: it has no keyed
+mode) and the same router with a wake-everyone release (an asyncio.Condition + notify_all, the
+naive design), against the shipped one-wake-up-per-freed-slot queues. Routing quality against
+smg's policies is benchmarks/router_policies.py. Reported: requests/s (wall) and CPU µs per
 request, median of --repeats; the machine's load average is recorded (the box is shared).
 
 Usage: .venv/bin/python benchmarks/rollout_router.py [--repeats 3] [--out FILE.json]
@@ -24,6 +27,7 @@ import time
 from datetime import datetime, timezone
 
 from rltool.rollout.router import Engine, Router
+from router_policies import LeastOutstanding
 
 ENGINES = 4
 CONCURRENCY = 32
@@ -59,22 +63,25 @@ class WakeAllRouter(Router):
                     waiter.set_result(None)
 
 
-def measure(router_cls: type[Router], *, backlog: int, keyed: bool, repeats: int) -> dict:
-    rates, cpu_us = [], []
+def measure(routers: dict, *, backlog: int, keyed: bool, repeats: int) -> dict:
+    rates = {name: [] for name in routers}
+    cpu_us = {name: [] for name in routers}
     for _ in range(repeats):
-        async def run() -> None:
-            router = router_cls({f"http://e{i}": InstantEngine() for i in range(ENGINES)},
-                                concurrency=CONCURRENCY)
-            await asyncio.gather(*(router.generate({"rid": str(i)},
-                                                   routing_key=f"s{i}" if keyed else None)
-                                   for i in range(backlog)))
+        for name, router_cls in routers.items():
+            async def run() -> None:
+                router = router_cls({f"http://e{i}": InstantEngine() for i in range(ENGINES)},
+                                    concurrency=CONCURRENCY)
+                await asyncio.gather(*(router.generate({"rid": str(i)},
+                                                       routing_key=f"s{i}" if keyed else None)
+                                       for i in range(backlog)))
 
-        start, start_cpu = time.perf_counter(), time.process_time()
-        asyncio.run(run())
-        wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
-        rates.append(backlog / wall)
-        cpu_us.append(cpu / backlog * 1e6)
-    return {"req_per_s": statistics.median(rates), "cpu_us_per_req": statistics.median(cpu_us)}
+            start, start_cpu = time.perf_counter(), time.process_time()
+            asyncio.run(run())
+            wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+            rates[name].append(backlog / wall)
+            cpu_us[name].append(cpu / backlog * 1e6)
+    return {name: {"req_per_s": statistics.median(rates[name]),
+                   "cpu_us_per_req": statistics.median(cpu_us[name])} for name in routers}
 
 
 def main() -> None:
@@ -82,26 +89,36 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    load_before = os.getloadavg()
     rows = []
     for keyed in (False, True):
         for backlog in BACKLOGS:
-            base = measure(WakeAllRouter, backlog=backlog, keyed=keyed, repeats=args.repeats)
-            new = measure(Router, backlog=backlog, keyed=keyed, repeats=args.repeats)
-            rows.append({"routing": "keyed" if keyed else "unkeyed", "backlog": backlog,
-                         "baseline_req_per_s": base["req_per_s"],
-                         "router_req_per_s": new["req_per_s"],
-                         "baseline_cpu_us_per_req": base["cpu_us_per_req"],
-                         "router_cpu_us_per_req": new["cpu_us_per_req"],
-                         "speedup": new["req_per_s"] / base["req_per_s"]})
-    print(f"{'routing':8s} {'backlog':>7s} {'wake-all req/s':>15s} {'router req/s':>13s} "
-          f"{'µs/req (cpu)':>13s} {'speedup':>8s}")
+            routers = {"wake_all": WakeAllRouter, "router": Router}
+            if not keyed:
+                routers = {"least_outstanding": LeastOutstanding, **routers}
+            got = measure(routers, backlog=backlog, keyed=keyed, repeats=args.repeats)
+            row = {"routing": "keyed" if keyed else "unkeyed", "backlog": backlog}
+            for name, res in got.items():
+                row[f"{name}_req_per_s"] = res["req_per_s"]
+                row[f"{name}_cpu_us_per_req"] = res["cpu_us_per_req"]
+            row["speedup"] = row["router_req_per_s"] / row["wake_all_req_per_s"]
+            if not keyed:
+                row["speedup_vs_least_outstanding"] = (row["router_req_per_s"]
+                                                       / row["least_outstanding_req_per_s"])
+            rows.append(row)
+    print(f"{'routing':8s} {'backlog':>7s} {'LOR req/s':>10s} {'wake-all req/s':>15s} "
+          f"{'router req/s':>13s} {'µs/req (cpu)':>13s} {'vs wake-all':>12s} {'vs LOR':>7s}")
     for r in rows:
-        print(f"{r['routing']:8s} {r['backlog']:7d} {r['baseline_req_per_s']:15,.0f} "
+        has_lor = "speedup_vs_least_outstanding" in r
+        lor = f"{r['least_outstanding_req_per_s']:,.0f}" if has_lor else "-"
+        vs_lor = f"{r['speedup_vs_least_outstanding']:.2f}x" if has_lor else "-"
+        print(f"{r['routing']:8s} {r['backlog']:7d} {lor:>10s} {r['wake_all_req_per_s']:15,.0f} "
               f"{r['router_req_per_s']:13,.0f} {r['router_cpu_us_per_req']:13.1f} "
-              f"{r['speedup']:7.1f}x")
+              f"{r['speedup']:11.1f}x {vs_lor:>7s}")
     worst_16k = min(r["speedup"] for r in rows if r["backlog"] == 16000)
     result = {"benchmark": "rollout_router", "date": datetime.now(timezone.utc).isoformat(),
-              "machine": f"{platform.machine()} {os.cpu_count()} cpus", "load_avg": os.getloadavg(),
+              "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+              "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
               "engines": ENGINES, "concurrency": CONCURRENCY, "repeats": args.repeats,
               "rows": rows, "target_speedup_16k": TARGET_SPEEDUP_16K,
               "min_speedup_16k": worst_16k, "target_met": worst_16k >= TARGET_SPEEDUP_16K}
