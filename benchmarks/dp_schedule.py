@@ -3,8 +3,8 @@
 Cases: lengths (a) lognormal(ln 1500, sigma 1) clipped to 16..32768, 1024 samples, and
 (b) uniform 100..4000, 4096 samples; DP 8 and 64; cap 16384 tokens per micro-batch.
 Baselines, same lengths, same run: slime's schedule (Karmarkar-Karp on FLOPs over the ranks,
-first-fit micro-batch count, Karmarkar-Karp on tokens into micro-batches; benchmarks/slime_schedule.py)
-and naive round-robin. The three run interleaved, repeat by repeat.
+first-fit micro-batch count, Karmarkar-Karp on tokens into micro-batches;
+benchmarks/slime_schedule.py) and naive round-robin. The three run interleaved, repeat by repeat.
 Reports FLOPs imbalance next to its floor, packing efficiency next to its ceiling (see
 rltool.train.dp_schedule.schedule_stats) and the schedule time: wall and process CPU time, median
 of --repeats (CPU time is the fairer figure on a shared machine; the load average is recorded).
