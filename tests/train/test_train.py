@@ -15,7 +15,7 @@ from rltool.logprobs import sequence_logprobs
 from rltool.train import run
 from rltool.train.config import TrainConfig
 from rltool.train.stage import recompute_logprobs
-from tests.train.conftest import REWARDS
+from tests.helpers.shards import REWARDS, make_shard, shard_rows
 
 COMMON = dict(lr=3e-3, max_tokens_per_microbatch=40, global_batch_size=6)
 
@@ -130,12 +130,90 @@ def test_reference_kl_is_zero_against_itself(tiny_model_dir, train_shard, tmp_pa
         assert name in lines[0], name
 
 
-@pytest.mark.parametrize("estimator", ["gspo", "reinforce_plus_plus"])
-def test_other_estimators_train(tiny_model_dir, train_shard, estimator):
+def test_reinforce_plus_plus_trains(tiny_model_dir, train_shard):
     result = run(TrainConfig(rollouts=[str(train_shard)], load=str(tiny_model_dir), num_steps=2,
-                             advantage_estimator=estimator, eps_clip_c=3.0, eps_clip_high=0.28,
-                             loss_aggregation="group", **COMMON))
+                             advantage_estimator="reinforce_plus_plus", eps_clip_c=3.0,
+                             eps_clip_high=0.28, loss_aggregation="group", **COMMON))
     assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in result.metrics)
+
+
+# Per-sample policy ratio pi_theta / pi_old the rollout logprobs are built to give, chosen so every
+# branch of the loss is taken (advantage signs follow REWARDS): s0 1.25 with A > 0 is inside the
+# high clip 1.28 but outside a symmetric 1.2; s3 and s9 are clipped high; s1 and s10 (A < 0, ratio
+# > c = 3) are capped by the dual clip; s4 (A < 0, ratio 2) is not; s2 and s11 are clipped low.
+E2E_RATIOS = [1.25, 4.5, 0.5, 1.6, 2.0, 0.9, 0.5, 1.1, 1.0, 3.5, 6.0, 0.3]
+
+
+def _float64_logprobs(model_dir, rows, *, temperature: float) -> list[list[float]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir)).double().eval()
+    out = []
+    with torch.no_grad():
+        for row in rows:
+            ids = row["prompt_token_ids"] + row["response_token_ids"]
+            logits = model(input_ids=torch.tensor([ids])).logits[0].tolist()
+            start = len(row["prompt_token_ids"])
+            lps = []
+            for pos, token in enumerate(row["response_token_ids"]):
+                scaled = [x / temperature for x in logits[start + pos - 1]]
+                top = max(scaled)
+                log_z = top + math.log(sum(math.exp(x - top) for x in scaled))
+                lps.append(scaled[token] - log_z)
+            out.append(lps)
+    return out
+
+
+def test_gspo_dual_clip_clip_high_group_aggregation_end_to_end(tiny_model_dir, tmp_path):
+    """One train step (GSPO, eps_clip 0.2 / high 0.28, dual clip c = 3, group aggregation, the
+    rollout logprobs as old ones) reports the loss, clip fraction and KL that a float64 reference
+    written here with plain loops computes from the model's logprobs."""
+    temperature, eps, high, c = 0.8, 0.2, 0.28, 3.0
+    rows = shard_rows(REWARDS, seed=11)
+    new = _float64_logprobs(tiny_model_dir, rows, temperature=temperature)
+    for row, lps, ratio in zip(rows, new, E2E_RATIOS):
+        row["rollout_logprobs"] = [lp - math.log(ratio) if m else 0.0
+                                   for lp, m in zip(lps, row["loss_mask"])]
+    shard = make_shard(tmp_path / "rollouts" / "step-000001", tiny_model_dir, rows,
+                       temperature=temperature)
+
+    # Reference: GRPO advantages (unbiased group std), GSPO sequence ratio, clipped surrogate.
+    groups = [row["group_id"] for row in rows]
+    rewards = [row["reward"] for row in rows]
+    adv = []
+    for g, r in zip(groups, rewards):
+        members = [x for h, x in zip(groups, rewards) if h == g]
+        mean = sum(members) / len(members)
+        std = math.sqrt(sum((x - mean) ** 2 for x in members) / (len(members) - 1))
+        adv.append((r - mean) / (std + 1e-6))
+    group_tokens = {g: sum(sum(row["loss_mask"]) for row in rows if row["group_id"] == g)
+                    for g in set(groups)}
+    want = {"train/pg_loss": 0.0, "train/pg_clipfrac": 0.0, "train/ppo_kl": 0.0}
+    capped = 0
+    for row, lps, a in zip(rows, new, adv):
+        mask = row["loss_mask"]
+        diffs = [lp - o for lp, o, m in zip(lps, row["rollout_logprobs"], mask) if m]
+        log_ratio = sum(diffs) / len(diffs)
+        ratio = math.exp(log_ratio)
+        unclipped = -ratio * a
+        clipped = -min(max(ratio, 1 - eps), 1 + high) * a
+        loss = max(unclipped, clipped)
+        if a < 0 and -c * a < loss:
+            loss, capped = -c * a, capped + 1
+        weight = sum(mask) / group_tokens[row["group_id"]] / len(group_tokens)
+        want["train/pg_loss"] += weight * loss
+        want["train/pg_clipfrac"] += weight * (1.0 if clipped > unclipped else 0.0)
+        want["train/ppo_kl"] += weight * -log_ratio
+    assert capped == 2  # the dual clip really is exercised
+
+    result = run(TrainConfig(rollouts=[str(shard)], load=str(tiny_model_dir), num_steps=1,
+                             global_batch_size=len(rows), max_tokens_per_microbatch=40,
+                             advantage_estimator="gspo", eps_clip=eps, eps_clip_high=high,
+                             eps_clip_c=c, loss_aggregation="group", bypass=True, lr=1e-3))
+    got = result.metrics[0]
+    for name, value in want.items():
+        assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+    assert got["train/loss"] == pytest.approx(want["train/pg_loss"], rel=1e-5)
 
 
 def test_bf16_trains_and_publishes_bf16(tiny_model_dir, train_shard, tmp_path):
