@@ -167,23 +167,44 @@ def _ref_ppo(logp, proximal, adv, eps):
 
 
 def test_decoupled_ppo_three_policies():
-    """Decoupled PPO: clip anchored at pi_old, behaviour weight pi_old/pi_rollout truncated at 2."""
+    """Decoupled PPO through the train stage's own loss (rltool.train.objective): clip anchored at
+    pi_old, behaviour weight pi_old/pi_rollout truncated at 2, token aggregation."""
+    from rltool.train.backend import ForwardOutput, MicroBatch
+    from rltool.train.config import TrainConfig
+    from rltool.train.objective import SampleTensors, batch_terms, make_loss_fn
+
     old, rollout, mask = _batch(7)
+    # The trainer's old logprobs come from a forward pass, finite everywhere; keep the garbage
+    # at masked positions finite here too.
+    old = [[x if math.isfinite(x) else -30.0 for x in row] for row in old]
+    rollout = [[x if math.isfinite(x) else -30.0 for x in row] for row in rollout]
     rng = random.Random(7)
     cur = [[old[b][t] + rng.gauss(0, 0.2) for t in range(T)] for b in range(B)]
     adv = [[rng.gauss(0, 1) for _ in range(T)] for _ in range(B)]
     eps = 0.2
-    expected = [[(min(math.exp(old[b][t] - rollout[b][t]), 2.0)
-                  * _ref_ppo(cur[b][t], old[b][t], adv[b][t], eps)) if mask[b][t] else 0.0
-                 for t in range(T)] for b in range(B)]
+    masked = sum(sum(row) for row in mask)
+    expected = sum(min(math.exp(old[b][t] - rollout[b][t]), 2.0)
+                   * _ref_ppo(cur[b][t], old[b][t], adv[b][t], eps)
+                   for b in range(B) for t in range(T) if mask[b][t]) / masked
 
-    corr = rollout_correction(_t(rollout), loss_mask=_t(mask), old_logprobs=_t(old),
-                              tis_mode="truncate", tis_clip_high=2.0)
-    ratio = (_t(cur) - corr.proximal_logprobs).exp()
-    advt = _t(adv)
-    pg = torch.maximum(-ratio * advt, -ratio.clamp(1 - eps, 1 + eps) * advt)
-    got = torch.where(corr.loss_mask != 0, pg * corr.weights, torch.zeros((), dtype=pg.dtype))
-    _close(got, expected)
+    cfg = TrainConfig(rollouts=["unused"], load="unused", tis_mode="truncate", tis_clip_high=2.0,
+                      eps_clip=eps, loss_aggregation="token")
+    rows = lambda x: [torch.tensor(r, dtype=torch.float64) for r in x]  # noqa: E731
+    data = SampleTensors(masks=[torch.tensor(m) for m in mask], rollout_logprobs=rows(rollout),
+                         old_logprobs=rows(old), advantages=rows(adv))
+    batch = list(range(B))
+    terms = batch_terms(cfg, data, batch, torch.zeros(B, dtype=torch.long))
+    loss_fn = make_loss_fn(cfg, data, terms)
+    cur_t = [t.requires_grad_() for t in rows(cur)]
+    loss, metrics = loss_fn(ForwardOutput(logprobs=cur_t),
+                            MicroBatch(indices=batch, tokens=[[0]] * B, response_starts=[1] * B))
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert metrics["train/pg_loss"].item() == pytest.approx(expected, rel=1e-6)
+    loss.backward()  # no gradient reaches masked tokens, whatever their logprobs
+    for b in range(B):
+        for t in range(T):
+            if not mask[b][t]:
+                assert cur_t[b].grad[t] == 0.0
 
 
 def test_bypass_uses_rollout_as_old():
