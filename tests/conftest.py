@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-init models and tokenizers made in the test session (no network)."""
+"""Shared fixtures: tiny random-init models and tokenizers made in the test session (no network),
+and engines serving them. Helper functions live in tests/helpers/."""
 
 from __future__ import annotations
 
@@ -57,3 +58,25 @@ def builtin_engine(tiny_model_dir, tmp_path_factory):
                         log_path=log_path, ready_timeout_s=120.0)
     yield proc
     proc.stop()
+
+
+@pytest.fixture(scope="module")
+def det_engine(tiny_model_dir, tmp_path_factory):
+    """A deterministic engine these tests may pause, re-weight and finally shut down (one per
+    module; the session-wide `builtin_engine` stays untouched)."""
+    from rltool.rollout.launch import start_engine
+
+    log_path = tmp_path_factory.mktemp("engine-logs") / "det.log"
+    proc = start_engine(["--engine", "builtin", "--model", str(tiny_model_dir), "--deterministic",
+                         "--max-running-requests", "16", "--max-queued-requests", "64",
+                         "--max-prefill-tokens", "8", "--weight-version", "0",
+                         "--allowed-weight-root", str(tmp_path_factory.getbasetemp())],
+                        log_path=log_path, ready_timeout_s=120.0)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def other_weights_dir(tiny_model_factory):
+    """Same shapes as tiny_model_dir, different values (seed 1)."""
+    return tiny_model_factory("qwen2", 1)

@@ -4,13 +4,11 @@ other tokenizer)."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 
-PERTURBED_TENSOR = "model.layers.1.mlp.down_proj.weight"
+from tests.helpers.weights import PERTURBED_TENSOR, copy_weights
 
 
 @pytest.fixture(scope="session")
@@ -39,14 +37,6 @@ def aligned_shard(align_engine, tmp_path_factory) -> Path:
                       n_samples_per_prompt=2, max_response_len=12, reward="reverse",
                       rollout_batch_size=4, seed=7, temperature=1.0, quiet=True))
     return out
-
-
-def copy_weights(src: Path, dst: Path, *, version: int | None = None) -> Path:
-    """A copy of a HF weights dir; `version` rewrites rltool_version.json."""
-    shutil.copytree(src, dst)
-    if version is not None:
-        (dst / "rltool_version.json").write_text(json.dumps({"version": version}))
-    return dst
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import shutil
 from click.testing import CliRunner
 
 from rltool.cli import main
-from tests.align.conftest import copy_weights
+from tests.helpers.weights import copy_weights
 
 
 def invoke(*args):

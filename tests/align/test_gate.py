@@ -11,7 +11,7 @@ import pytest
 from rltool.align.gate import (HISTOGRAM_EDGES, SampleRef, check, compare, declared_version,
                                histogram, load_inputs)
 from rltool.errors import BadInputError, CheckpointError, ShardSchemaError, TokenizerMismatchError
-from tests.align.conftest import PERTURBED_TENSOR, copy_weights
+from tests.helpers.weights import PERTURBED_TENSOR, copy_weights
 
 
 def _samples(seed: int = 0) -> tuple[list[SampleRef], list[list[float]]]:

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from rltool.cli import main
 from rltool.data.shards import MANIFEST, SCHEMA, write_shard
-from tests.data.shard_rows import fake_meta, fake_rows, write_raw_shard
+from tests.helpers.shards import random_rewards, shard_meta, shard_rows, write_raw_shard
 
 
 def _inspect(path, *extra):
@@ -18,10 +18,10 @@ def _inspect(path, *extra):
 
 
 def test_inspect_valid_shard(tmp_path):
-    rows = fake_rows(num_groups=3, group_size=2, version=2)
+    rows = shard_rows(random_rewards(3, 2), version=2)
     rows[0]["status"] = "truncated"
     rows[1]["weight_versions"] = [3] * len(rows[1]["weight_versions"])
-    write_shard(tmp_path / "s", rows, fake_meta(step=4), rows_per_part=4)
+    write_shard(tmp_path / "s", rows, shard_meta(step=4), rows_per_part=4)
     result = _inspect(tmp_path / "s", "--json")
     assert result.exit_code == 0, result.output
     stats = json.loads(result.stdout)
@@ -41,7 +41,7 @@ def test_inspect_valid_shard(tmp_path):
 
 
 def _table(mutate=None):
-    rows = fake_rows(num_groups=2, group_size=3)
+    rows = shard_rows(random_rewards())
     if mutate:
         mutate(rows)
     return pa.Table.from_pylist(rows, schema=SCHEMA)
@@ -92,7 +92,7 @@ def _build(kind, path):
         write_raw_shard(path, [_table(lambda rows: rows[1]["rollout_logprobs"].__setitem__(
             0, float("-inf")))])
     elif kind == "null-required":
-        rows = fake_rows()
+        rows = shard_rows(random_rewards())
         rows[3]["prompt_id"] = None
         write_raw_shard(path, [pa.Table.from_pylist(rows, schema=_nullable_schema())])
     elif kind == "no-metadata":
@@ -100,14 +100,14 @@ def _build(kind, path):
         _rewrite_part(path, 0, _table(), metadata=None)
     elif kind == "bad-metadata":
         write_raw_shard(path, [_table()])
-        raw = fake_meta().to_parquet()
+        raw = shard_meta().to_parquet()
         raw[b"rltool.sampling"] = b"{not json"
         _rewrite_part(path, 0, _table(), metadata=raw)
     elif kind == "meta-mismatch":
         write_raw_shard(path, [_table(), _table()])
-        _rewrite_part(path, 1, _table(), metadata=fake_meta(tokenizer_hash="f" * 16).to_parquet())
+        _rewrite_part(path, 1, _table(), metadata=shard_meta(tokenizer_hash="f" * 16).to_parquet())
     else:
-        write_shard(path, fake_rows(num_groups=4), fake_meta(), rows_per_part=6)
+        write_shard(path, shard_rows(random_rewards(4, 3)), shard_meta(), rows_per_part=6)
         manifest = json.loads((path / MANIFEST).read_text())
         if kind == "missing-part":
             (path / "part-00001.parquet").unlink()
@@ -180,8 +180,9 @@ def test_not_a_shard_directory(tmp_path):
 def test_inspect_checks_the_tokenizer(tmp_path, tiny_model_dir):
     from rltool.data.tokenizer import tokenizer_hash
 
-    write_shard(tmp_path / "ok", fake_rows(), fake_meta(tokenizer_hash=tokenizer_hash(tiny_model_dir)))
-    write_shard(tmp_path / "other", fake_rows(), fake_meta(tokenizer_hash="f" * 16))
+    rows = shard_rows(random_rewards())
+    write_shard(tmp_path / "ok", rows, shard_meta(tokenizer_hash=tokenizer_hash(tiny_model_dir)))
+    write_shard(tmp_path / "other", rows, shard_meta(tokenizer_hash="f" * 16))
     assert _inspect(tmp_path / "ok", "--tokenizer", str(tiny_model_dir)).exit_code == 0
     result = _inspect(tmp_path / "other", "--tokenizer", str(tiny_model_dir))
     assert result.exit_code == 2 and "written with tokenizer ffffffffffffffff" in result.output

@@ -12,7 +12,7 @@ import pytest
 from rltool.data.shards import (COLUMNS, MANIFEST, SCHEMA, STATUSES, ShardMeta, make_row,
                                 open_shard, shard_stats, write_shard)
 from rltool.errors import BadInputError, ShardSchemaError, TokenizerMismatchError
-from tests.data.shard_rows import fake_meta, fake_rows, write_raw_shard
+from tests.helpers.shards import random_rewards, shard_meta, shard_rows, write_raw_shard
 
 DOCUMENTED_COLUMNS = ["uid", "prompt_id", "group_id", "sample_index", "prompt", "prompt_token_ids",
                       "response", "response_token_ids", "rollout_logprobs", "loss_mask",
@@ -21,7 +21,7 @@ DOCUMENTED_COLUMNS = ["uid", "prompt_id", "group_id", "sample_index", "prompt", 
 
 
 def _rows():
-    rows = fake_rows(num_groups=3, group_size=4, seed=1)
+    rows = shard_rows(random_rewards(3, 4, seed=1), seed=1)
     rows[0]["rewards"] = {"exact": 1.0, "format": 0.5}
     rows[1]["teacher_logprobs"] = [-0.5] * len(rows[1]["response_token_ids"])
     rows[2]["status"] = "truncated"
@@ -35,7 +35,7 @@ def _rows():
 
 def test_round_trip_multiple_parts_and_row_groups(tmp_path):
     rows = _rows()
-    manifest = write_shard(tmp_path / "s", rows, fake_meta(step=7), rows_per_part=5,
+    manifest = write_shard(tmp_path / "s", rows, shard_meta(step=7), rows_per_part=5,
                            row_group_size=2)
     assert [p["rows"] for p in manifest["parts"]] == [5, 5, 2]
     assert manifest["num_rows"] == 12 and manifest["step"] == 7
@@ -45,7 +45,7 @@ def test_round_trip_multiple_parts_and_row_groups(tmp_path):
     assert pq.ParquetFile(tmp_path / "s" / "part-00000.parquet").num_row_groups == 3
 
     shard = open_shard(tmp_path / "s", expected_tokenizer_hash="0" * 16)
-    assert shard.num_rows == 12 and shard.meta == fake_meta(step=7)
+    assert shard.num_rows == 12 and shard.meta == shard_meta(step=7)
     back = shard.rows()
     assert len(back) == len(rows)
     for want, got in zip(rows, back):
@@ -68,7 +68,7 @@ def test_file_metadata_keys(tmp_path):
     meta = ShardMeta(tokenizer_hash="abcdef0123456789", step=3, producer="rltool rollout",
                      sampling={"temperature": 0.7, "top_p": 0.9, "top_k": 20},
                      extra={"engine": "builtin"})
-    write_shard(tmp_path / "s", fake_rows(), meta)
+    write_shard(tmp_path / "s", shard_rows(random_rewards()), meta)
     md = pq.read_metadata(tmp_path / "s" / "part-00000.parquet").metadata
     kv = {k.decode(): v.decode() for k, v in md.items() if k.startswith(b"rltool.")}
     assert kv == {"rltool.schema_version": "1", "rltool.tokenizer_hash": "abcdef0123456789",
@@ -82,7 +82,7 @@ def test_pandas_reads_the_documented_columns(tmp_path):
     import pandas as pd
 
     rows = _rows()
-    write_shard(tmp_path / "s", rows, fake_meta(), rows_per_part=5)
+    write_shard(tmp_path / "s", rows, shard_meta(), rows_per_part=5)
     assert list(SCHEMA.names) == DOCUMENTED_COLUMNS
     df = pd.read_parquet(tmp_path / "s")  # the whole directory: _SUCCESS is ignored
     assert list(df.columns) == DOCUMENTED_COLUMNS and len(df) == len(rows)
@@ -97,7 +97,7 @@ def test_pandas_reads_the_documented_columns(tmp_path):
 def test_stats_match_an_independent_computation(tmp_path):
     rows = _rows()
     rows[5]["weight_versions"] = [4] * len(rows[5]["weight_versions"])
-    write_shard(tmp_path / "s", rows, fake_meta(step=2), rows_per_part=5)
+    write_shard(tmp_path / "s", rows, shard_meta(step=2), rows_per_part=5)
     stats = shard_stats(open_shard(tmp_path / "s"))
     rewards = [r["reward"] for r in rows]
     mean = sum(rewards) / len(rewards)
@@ -113,23 +113,23 @@ def test_stats_match_an_independent_computation(tmp_path):
 
 
 def test_empty_shard(tmp_path):
-    manifest = write_shard(tmp_path / "s", [], fake_meta())
+    manifest = write_shard(tmp_path / "s", [], shard_meta())
     assert manifest["num_rows"] == 0 and len(manifest["parts"]) == 1
     stats = shard_stats(open_shard(tmp_path / "s"))
     assert stats["rows"] == 0 and stats["weight_version_min"] is None
 
 
 def test_writer_refuses_existing_and_leaves_nothing_on_a_bad_row(tmp_path):
-    write_shard(tmp_path / "s", fake_rows(), fake_meta())
+    write_shard(tmp_path / "s", shard_rows(random_rewards()), shard_meta())
     with pytest.raises(BadInputError, match="already a complete shard"):
-        write_shard(tmp_path / "s", fake_rows(), fake_meta())
+        write_shard(tmp_path / "s", shard_rows(random_rewards()), shard_meta())
     (tmp_path / "partial").mkdir()
     with pytest.raises(BadInputError, match="not a complete shard"):
-        write_shard(tmp_path / "partial", fake_rows(), fake_meta())
-    rows = fake_rows(num_groups=4)
+        write_shard(tmp_path / "partial", shard_rows(random_rewards()), shard_meta())
+    rows = shard_rows(random_rewards(4, 3))
     rows[-1]["status"] = "exploded"  # in the second part: the first part was already written
     with pytest.raises(ShardSchemaError, match="unknown status 'exploded'"):
-        write_shard(tmp_path / "bad", rows, fake_meta(), rows_per_part=6)
+        write_shard(tmp_path / "bad", rows, shard_meta(), rows_per_part=6)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["partial", "s"]
 
 
@@ -143,21 +143,21 @@ def test_writer_refuses_existing_and_leaves_nothing_on_a_bad_row(tmp_path):
     (lambda r: r.update(teacher_logprobs=[0.0]), "teacher_logprobs length"),
 ])
 def test_writer_rejects_bad_rows(tmp_path, mutate, match):
-    rows = fake_rows()
+    rows = shard_rows(random_rewards())
     mutate(rows[1])
     with pytest.raises(ShardSchemaError, match=match):
-        write_shard(tmp_path / "s", rows, fake_meta())
+        write_shard(tmp_path / "s", rows, shard_meta())
     assert not (tmp_path / "s").exists()
 
 
 def test_tokenizer_mismatch(tmp_path):
-    write_shard(tmp_path / "s", fake_rows(), fake_meta(tokenizer_hash="a" * 16))
+    write_shard(tmp_path / "s", shard_rows(random_rewards()), shard_meta(tokenizer_hash="a" * 16))
     with pytest.raises(TokenizerMismatchError, match="a" * 16):
         open_shard(tmp_path / "s", expected_tokenizer_hash="b" * 16)
 
 
 def test_reader_rejects_foreign_parquet_without_metadata(tmp_path):
-    table = pa.Table.from_pylist(fake_rows(), schema=SCHEMA)
+    table = pa.Table.from_pylist(shard_rows(random_rewards()), schema=SCHEMA)
     write_raw_shard(tmp_path / "s", [table])
     pq.write_table(table, tmp_path / "plain.parquet")  # no rltool.* metadata
     (tmp_path / "s" / "part-00000.parquet").write_bytes((tmp_path / "plain.parquet").read_bytes())
@@ -223,7 +223,7 @@ def test_round_trip_property(tmp_path_factory):
     @given(rows=rows_st, rows_per_part=st.integers(1, 5), row_group_size=st.integers(1, 4))
     def check(rows, rows_per_part, row_group_size):
         out = tmp_path_factory.mktemp("prop") / "s"
-        manifest = write_shard(out, list(rows), fake_meta(), rows_per_part=rows_per_part,
+        manifest = write_shard(out, list(rows), shard_meta(), rows_per_part=rows_per_part,
                                row_group_size=row_group_size)
         assert manifest["num_rows"] == len(rows)
         back = open_shard(out).rows()

@@ -19,7 +19,7 @@ from rltool.logprobs import sequence_logprobs
 from rltool.train import run
 from rltool.train.config import TrainConfig
 from rltool.train.stage import recompute_logprobs
-from tests.train.conftest import REWARDS, make_shard, rows_for_groups
+from tests.helpers.shards import REWARDS, make_shard, shard_rows
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -31,7 +31,7 @@ COMMON = dict(lr=3e-3, max_tokens_per_microbatch=40, global_batch_size=6)
 def shard(tiny_model_dir, tmp_path_factory):
     """12 samples in 3 groups of 4, sampled at temperature 0.8 (as tests/train's train_shard)."""
     return make_shard(tmp_path_factory.mktemp("gpu") / "rollouts" / "step-000001",
-                      tiny_model_dir, rows_for_groups(REWARDS), temperature=0.8)
+                      tiny_model_dir, shard_rows(REWARDS), temperature=0.8)
 
 
 def _hf_model(model_dir, *, device: str, dtype=torch.float32):

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from rltool.rollout.client import EngineClient
-from tests.rollout.conftest import engine_call
+from tests.helpers.engines import engine_call
 
 META_KEYS = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
              "reasoning_tokens", "weight_version", "weight_versions", "e2e_latency"}

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from rltool.cli import main
-from tests.train.conftest import make_shard, rows_for_groups
+from tests.helpers.shards import make_shard, shard_rows
 
 
 def _invoke(args):
@@ -46,18 +46,18 @@ def _corrupt_part(shard):
 def _bad_shards(tiny_model_dir, root):
     """name -> (shard dir, expected message fragment)."""
     out = {}
-    out["tokenizer"] = (make_shard(root / "tok", tiny_model_dir, rows_for_groups([[1.0, 0.0]]),
+    out["tokenizer"] = (make_shard(root / "tok", tiny_model_dir, shard_rows([[1.0, 0.0]]),
                                    tok_hash="0123456789abcdef"), "tokenizer")
-    out["checksum"] = (make_shard(root / "sum", tiny_model_dir, rows_for_groups([[1.0, 0.0]])),
+    out["checksum"] = (make_shard(root / "sum", tiny_model_dir, shard_rows([[1.0, 0.0]])),
                        "checksum")
     _corrupt_part(out["checksum"][0])
-    out["manifest"] = (make_shard(root / "man", tiny_model_dir, rows_for_groups([[1.0, 0.0]])),
+    out["manifest"] = (make_shard(root / "man", tiny_model_dir, shard_rows([[1.0, 0.0]])),
                        "_SUCCESS")
     (out["manifest"][0] / "_SUCCESS").unlink()
-    vocab = rows_for_groups([[1.0, 0.0]])
+    vocab = shard_rows([[1.0, 0.0]])
     vocab[0]["response_token_ids"][0] = 999
     out["vocab"] = (make_shard(root / "voc", tiny_model_dir, vocab), "outside the model")
-    no_temp = make_shard(root / "temp", tiny_model_dir, rows_for_groups([[1.0, 0.0]]))
+    no_temp = make_shard(root / "temp", tiny_model_dir, shard_rows([[1.0, 0.0]]))
     part = sorted(no_temp.glob("part-*.parquet"))[0]
     table = pq.read_table(part)
     meta = {k: v for k, v in table.schema.metadata.items()}

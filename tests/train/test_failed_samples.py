@@ -9,9 +9,7 @@ from rltool.errors import ShardSchemaError
 from rltool.train import run
 from rltool.train.config import TrainConfig
 from rltool.train.samples import load_rollouts
-from tests.train.conftest import VOCAB, make_shard, rows_for_groups
-
-REWARDS = [[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 0.5, 0.0], [1.0, 1.0, 0.0, 0.25]]
+from tests.helpers.shards import REWARDS, VOCAB, make_shard, shard_rows
 
 
 def with_failed(rows, uid):
@@ -28,10 +26,10 @@ def test_groups_with_a_failed_sample_are_left_out_and_counted(tiny_model_dir, tm
     counted as a real reward of 0.0 and skewed its whole group's advantages. Their groups are now
     left out of the step, and train.jsonl counts them; the step equals one on a shard that never
     held those groups."""
-    rows = with_failed(rows_for_groups(REWARDS), "g1-s2")
+    rows = with_failed(shard_rows(REWARDS), "g1-s2")
     shard = make_shard(tmp_path / "with-failed", tiny_model_dir, rows)
     clean = make_shard(tmp_path / "clean", tiny_model_dir,
-                       [r for r in rows_for_groups(REWARDS) if r["group_id"] != 1])
+                       [r for r in shard_rows(REWARDS) if r["group_id"] != 1])
     loaded = load_rollouts([shard], tokenizer_hash=tokenizer_hash(tiny_model_dir),
                            vocab_size=VOCAB)
     assert [s.uid for s in loaded.samples] == [f"g{g}-s{i}" for g in (0, 2) for i in range(4)]
@@ -53,7 +51,7 @@ def test_groups_with_a_failed_sample_are_left_out_and_counted(tiny_model_dir, tm
 
 
 def test_a_shard_of_only_failed_groups_is_refused(tiny_model_dir, tmp_path):
-    rows = rows_for_groups(REWARDS[:2])
+    rows = shard_rows(REWARDS[:2])
     for uid in ("g0-s0", "g1-s3"):
         with_failed(rows, uid)
     shard = make_shard(tmp_path / "all-failed", tiny_model_dir, rows)
