@@ -1,4 +1,4 @@
-"""What exact train/rollout alignment costs, and what the other modes give (issue 11, part 3).
+"""What exact train/rollout alignment costs, and what the other modes give.
 
 For each model preset and each engine mode (fp32 | bf16) x (deterministic | not), one real rollout
 (`rltool.rollout.stage.run` through `rltool serve --engine builtin`, same prompts, n samples per

@@ -1,4 +1,4 @@
-"""Benchmark delta weight sync against full checkpoints in the same run (issue 9, part 5).
+"""Benchmark delta weight sync against full checkpoints in the same run.
 
 A random bf16 checkpoint with Qwen2.5-0.5B's tensor shapes (tied embeddings, ~494M parameters,
 ~0.99 GB; matrices std 0.02, norms 1, biases 0) is built directly as tensors (no model). The next

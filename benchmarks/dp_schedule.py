@@ -9,7 +9,7 @@ Reports FLOPs imbalance next to its floor, packing efficiency next to its ceilin
 rltool.train.dp_schedule.schedule_stats) and the schedule time: wall and process CPU time, median
 of --repeats (CPU time is the fairer figure on a shared machine; the load average is recorded).
 Targets: imbalance <= 1.05 x floor, packing >= 0.95 x ceiling, 4096 samples in < 50 ms.
-A third case beyond the issue, "heavy" (lognormal(ln 300, sigma 2) clipped to 1..100000, 4096
+A third case, "heavy" (lognormal(ln 300, sigma 2) clipped to 1..100000, 4096
 samples), shows where the targets stop holding; it is reported but not counted in the targets.
 
 Usage: .venv/bin/python benchmarks/dp_schedule.py [--out FILE.json]
