@@ -94,7 +94,8 @@ def run_one(op: str, src: Path, out: Path, workers: int) -> dict:
     from safetensors.torch import load_file, save_file
 
     from rltool.convert import fp8, fp8_native, torch_dist
-    from rltool.convert.safetensors_io import dtype_code, write_streaming
+    from rltool.io.header import dtype_code
+    from rltool.io.writer import write_streaming
 
     if op == "hf-to-dist":
         import megatron.core  # noqa: F401  (its import is start-up, not conversion)
