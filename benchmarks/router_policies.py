@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -36,7 +37,6 @@ import platform
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections import OrderedDict
@@ -45,6 +45,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+
+from rltool.supervisor import Child, start
 
 SLOTS = 8
 SPEEDS = (1.0, 1.0, 1.0, 0.5)
@@ -178,17 +180,17 @@ async def drive(router, convs: list[list[dict]], *, keyed: bool) -> dict:
             ids = ids + [5] * turn["prompt"]
             payload = {"input_ids": ids, "rid": f"c{c}-t{t}",
                        "sampling_params": {"max_new_tokens": turn["output"]}}
-            start = time.perf_counter()
+            t0 = time.perf_counter()
             out, _ = await router.generate(payload, routing_key=f"conv-{head}" if keyed else None)
-            latencies.append(time.perf_counter() - start)
+            latencies.append(time.perf_counter() - t0)
             meta = out["meta_info"]
             hit += meta["cached_tokens"]
             prompt += meta["prompt_tokens"]
             ids = ids + out["output_ids"]
 
-    start = time.perf_counter()
+    t0 = time.perf_counter()
     await asyncio.gather(*(conversation(c, turns) for c, turns in enumerate(convs)))
-    return {"makespan_s": time.perf_counter() - start, "mean_latency_s": statistics.mean(latencies),
+    return {"makespan_s": time.perf_counter() - t0, "mean_latency_s": statistics.mean(latencies),
             "p90_latency_s": float(np.percentile(latencies, 90)), "cache_hit_rate": hit / prompt}
 
 
@@ -198,55 +200,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_http(url: str, proc: subprocess.Popen, *, path: str = "/health",
-              timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}")
-        try:
-            if httpx.get(url + path, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} not ready in {timeout_s}s")
-
-
-def start_smg(engine_urls: list[str], policy: str, log_path: Path) -> tuple[subprocess.Popen, str]:
+def start_smg(engine_urls: list[str], policy: str, log_path: Path) -> tuple[Child, str]:
     smg = shutil.which("smg", path=str(Path(sys.executable).parent))
     if smg is None:
         raise SystemExit("smg not found next to this python: install the dev extra")
     port = free_port()
-    proc = subprocess.Popen([smg, "launch", "--host", "127.0.0.1", "--port", str(port),
-                             "--worker-urls", *engine_urls, "--policy", policy,
-                             "--prometheus-host", "127.0.0.1", "--prometheus-port",
-                             str(free_port()), "--log-level", "warn"],
-                            stdout=open(log_path, "ab"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    child = start([smg, "launch", "--host", "127.0.0.1", "--port", str(port),
+                   "--worker-urls", *engine_urls, "--policy", policy,
+                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                   "--log-level", "warn"], log_path=log_path, name=f"smg --policy {policy}")
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:  # ready when it routes a request
-        try:
-            r = httpx.post(url + "/generate", timeout=10, json={
-                "input_ids": [9, 9, 9, 9], "sampling_params": {"max_new_tokens": 1}})
-            if r.status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"smg --policy {policy} never routed a request; see {log_path}")
-        time.sleep(0.3)
 
+    def routes() -> bool:  # ready when it routes a request
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.post(url + "/generate", timeout=10, json={
+                "input_ids": [9, 9, 9, 9], "sampling_params": {"max_new_tokens": 1}}
+            ).status_code == 200
+        return False
 
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    child.wait_until(routes, timeout_s=60, what="routing requests", poll_s=0.3)
+    return child, url
 
 
 def run_all(args) -> list[dict]:
@@ -257,14 +230,13 @@ def run_all(args) -> list[dict]:
     engines, urls = [], []
     for speed in SPEEDS:
         port = free_port()
-        engines.append(subprocess.Popen([sys.executable, __file__, "--serve-engine", str(port),
-                                         str(speed)], stdout=open(log_path, "ab"),
-                                        stderr=subprocess.STDOUT))
+        engines.append(start([sys.executable, __file__, "--serve-engine", str(port), str(speed)],
+                             log_path=log_path, name="simulated engine"))
         urls.append(f"http://127.0.0.1:{port}")
     rows = []
     try:
-        for url, proc in zip(urls, engines):
-            wait_http(url, proc)
+        for url, child in zip(urls, engines):
+            child.wait_healthy(url, "/health", timeout_s=60)
 
         def client(url):
             return EngineClient(url, timeout_s=120.0, max_retries=0)
@@ -283,8 +255,8 @@ def run_all(args) -> list[dict]:
         }
         gateways = {}
         for policy in SMG_POLICIES:
-            proc, url = start_smg(urls, policy, log_path)
-            gateways[policy] = proc
+            child, url = start_smg(urls, policy, log_path)
+            gateways[policy] = child
             makers[f"smg {policy}"] = (lambda url=url: Router(
                 {url: client(url)}, concurrency=SLOTS * len(urls), via_gateway=True))
         try:
@@ -299,11 +271,11 @@ def run_all(args) -> list[dict]:
                               f"mean {res['mean_latency_s']:.3f}s hit {res['cache_hit_rate']:.3f}",
                               flush=True)
         finally:
-            for proc in gateways.values():
-                stop(proc)
+            for child in gateways.values():
+                child.stop()
     finally:
-        for proc in engines:
-            stop(proc)
+        for child in engines:
+            child.stop()
     return rows
 
 
