@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from rltool.cli import main
-from tests.delta.util import load_all, make_weights, perturb, same_bits, write_checkpoint
+from tests.helpers.checkpoints import load_all, make_weights, perturb, same_bits, write_checkpoint
 
 
 @pytest.fixture

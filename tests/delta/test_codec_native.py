@@ -14,7 +14,7 @@ from rltool.io.checkpoint import open_checkpoint
 from rltool.delta.deltadir import open_delta
 from rltool.delta.diff import write_delta
 from rltool.errors import DeltaChainError
-from tests.delta.util import load_all, make_weights, perturb, same_bits, write_checkpoint
+from tests.helpers.checkpoints import load_all, make_weights, perturb, same_bits, write_checkpoint
 
 WIDTHS = (1, 2, 4, 8)
 # Around the sparse/dense threshold (1/8) on both sides, empty, and every element changed.

@@ -16,7 +16,7 @@ from rltool.delta.publish import publish_version
 from rltool.delta.pull import pull_weights
 from rltool.errors import BadInputError
 from rltool.io.checkpoint import open_checkpoint
-from tests.delta.util import load_all, make_weights, perturb, same_bits, write_checkpoint
+from tests.helpers.checkpoints import load_all, make_weights, perturb, same_bits, write_checkpoint
 
 INDEX = "model.safetensors.index.json"
 

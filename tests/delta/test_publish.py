@@ -12,7 +12,7 @@ from rltool.delta.publish import (breakeven_bandwidth, decide, link_bandwidth_Bp
                                   publish_version)
 from rltool.delta.pull import pull_weights
 from rltool.errors import BadInputError
-from tests.delta.util import load_all, same_bits, write_checkpoint
+from tests.helpers.checkpoints import load_all, same_bits, write_checkpoint
 
 METRICS = ("perf/update_weights_density", "perf/update_weights_wire_bytes",
            "perf/update_weights_time")

@@ -15,7 +15,7 @@ from rltool.io.checkpoint import open_checkpoint
 from rltool.delta.diff import write_delta
 from rltool.delta.pull import pull_weights, read_local_version
 from rltool.errors import DeltaChainError
-from tests.delta.util import load_all, make_weights, perturb, same_bits, write_checkpoint
+from tests.helpers.checkpoints import load_all, make_weights, perturb, same_bits, write_checkpoint
 
 NUM_VERSIONS = 5
 

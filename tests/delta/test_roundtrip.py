@@ -13,7 +13,7 @@ from rltool.io.checkpoint import open_checkpoint
 from rltool.delta.deltadir import open_delta
 from rltool.delta.diff import write_delta
 from rltool.errors import BadInputError
-from tests.delta.util import load_all, make_weights, perturb, same_bits, write_checkpoint
+from tests.helpers.checkpoints import load_all, make_weights, perturb, same_bits, write_checkpoint
 
 FORMATS = [("rltool", "xor"), ("slime", "xor"), ("slime", "overwrite")]
 

@@ -18,7 +18,7 @@ from rltool.delta.apply import apply_chain
 from rltool.io.checkpoint import open_checkpoint
 from rltool.delta.deltadir import open_delta
 from rltool.delta.diff import write_delta
-from tests.delta.util import load_all, make_weights, perturb, same_bits, write_checkpoint
+from tests.helpers.checkpoints import load_all, make_weights, perturb, same_bits, write_checkpoint
 
 
 def raw(t: torch.Tensor) -> np.ndarray:

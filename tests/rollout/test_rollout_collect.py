@@ -14,7 +14,7 @@ from rltool.rollout.collect import Collector
 from rltool.rollout.generate import Sample, generate_single_turn, parse_engine_output
 from rltool.rollout.rewards import RewardResult
 from rltool.rollout.router import Router
-from tests.rollout.rollout_fakes import FakeEngine, FakeTokenizer
+from tests.helpers.rollout_fakes import FakeEngine, FakeTokenizer
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_response_len": 8, "seed": 3,
             "n_samples_per_prompt": 4}

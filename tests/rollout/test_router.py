@@ -10,7 +10,7 @@ import pytest
 
 from rltool.errors import EngineError
 from rltool.rollout.router import Router
-from tests.rollout.rollout_fakes import FakeEngine
+from tests.helpers.rollout_fakes import FakeEngine
 
 
 def payload(i: int, n: int = 4) -> dict:
