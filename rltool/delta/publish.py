@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rltool import atomic
+from rltool import atomic, trace
 from rltool.delta.config import SyncConfig
 from rltool.delta.deltadir import open_delta
 from rltool.delta.diff import write_delta
@@ -174,9 +174,10 @@ def _encode(new: Checkpoint, candidate: Path, sync: SyncConfig, *, publish_dir: 
     if pulled["changed"]:
         _update(stats, "decode_Bps", full_bytes / max(time.perf_counter() - t, 1e-9))
     shutil.rmtree(candidate, ignore_errors=True)
-    delta_stats = write_delta(open_cached(cache), new, candidate, version=version,
-                              base_version=base, fmt=sync.delta_format,
-                              encoding=sync.delta_encoding, workers=workers)
+    with trace.span("encode", cat="publish", version=version, base=base):
+        delta_stats = write_delta(open_cached(cache), new, candidate, version=version,
+                                  base_version=base, fmt=sync.delta_format,
+                                  encoding=sync.delta_encoding, workers=workers)
     _update(stats, "encode_Bps", full_bytes / max(delta_stats["encode_s"], 1e-9))
     _update(stats, "wire_ratio", delta_stats["wire_bytes"] / max(full_bytes, 1))
     return delta_stats

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from rltool import trace
 from rltool.errors import EngineError
 from rltool.rollout.launch import EngineProcess, start_engine
 from rltool.rundir import RunDir
@@ -93,8 +94,9 @@ class EngineSet:
         if self.deterministic and "--deterministic" not in args:
             args.append("--deterministic")
         for i in range(self.num_engines):
-            proc = start_engine(args, log_path=self.run.log_file(f"engine-{i}"),
-                                ready_timeout_s=self.ready_timeout_s)
+            with trace.span("engine_start", cat="wait", engine=i):
+                proc = start_engine(args, log_path=self.run.log_file(f"engine-{i}"),
+                                    ready_timeout_s=self.ready_timeout_s)
             self.procs.append(proc)
             self.registry.add(role="engine", pid=proc.pid, cmdline=proc.cmdline, url=proc.url)
 
@@ -125,10 +127,12 @@ class EngineSet:
         return asyncio.run(run_all())
 
     def release_memory(self) -> None:
-        self._each(lambda c: c.release_memory_occupation())
+        with trace.span("offload", cat="memory"):
+            self._each(lambda c: c.release_memory_occupation())
 
     def resume_memory(self) -> None:
-        self._each(lambda c: c.resume_memory_occupation())
+        with trace.span("reload", cat="memory"):
+            self._each(lambda c: c.resume_memory_occupation())
 
     def load_version(self, version: int, *, delta: bool) -> float:
         """Make every engine serve `version`; returns the seconds it took.
@@ -144,7 +148,8 @@ class EngineSet:
                                                 source_dir=str(self.run.weights),
                                                 target_version=version))
             path = local
-        self._each(lambda c: c.update_weights_from_disk(str(path), weight_version=str(version)))
+        with trace.span("weight_load", cat="weights", version=version, delta=delta):
+            self._each(lambda c: c.update_weights_from_disk(str(path), weight_version=str(version)))
         return time.perf_counter() - t0
 
 

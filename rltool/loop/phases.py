@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rltool import atomic
+from rltool import atomic, trace
 from rltool.errors import EngineError, GateFailedError
 from rltool.loop.config import LoopSettings
 from rltool.loop.engines import ChildRegistry, EngineSet, TrainerProcess
@@ -189,5 +189,6 @@ def rollout_summary(run: RunDir, step: int) -> dict[str, float]:
 
 def timed(fn: Any, ctx: StepContext) -> tuple[Any, float]:
     t0 = time.perf_counter()
-    result = fn(ctx)
+    with trace.span(fn.__name__, cat="phase", step=ctx.state.step):
+        result = fn(ctx)
     return result, time.perf_counter() - t0

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rltool import atomic
+from rltool import atomic, trace
 from rltool.errors import BadInputError
 from rltool.loop import phases
 from rltool.loop.config import LoopSettings
@@ -74,6 +74,7 @@ def _initial_weights(run: RunDir, settings: LoopSettings) -> None:
 def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None,
          stop_when: StopRule | None = None) -> dict[str, Any]:
     run.create()
+    trace.configure(run.trace, role="loop")
     _initial_weights(run, settings)
     state = LoopState.load(run) or LoopState()
     state.num_steps = settings.loop.num_steps
@@ -96,7 +97,8 @@ def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None,
         with MetricsWriter(run.metrics_file("loop")) as writer:
             stopped = False
             while state.step < settings.loop.num_steps and not stopped:
-                run_step(ctx, writer=writer, on_step=on_step)
+                with trace.span("step", cat="step", step=state.step):
+                    run_step(ctx, writer=writer, on_step=on_step)
                 stopped = stop_when is not None and stop_when(read_metrics(writer.path))
         state.status = "stopped" if stopped else "done"
         state.save(run)
@@ -106,6 +108,7 @@ def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None,
         raise
     finally:
         engines.stop()
+        trace.configure(None, role="loop")
     return {"run_dir": str(run.root), "steps": state.step, "policy_version": state.policy_version,
             "elapsed_s": time.perf_counter() - t_start,
             "metrics": str(run.metrics_file("loop"))}

@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from rltool import trace
 from rltool.engine import api
 from rltool.errors import EngineError, EngineTimeoutError
 
@@ -95,7 +96,8 @@ class EngineClient:
                        routing_key: str | None = None) -> dict[str, Any] | list[dict[str, Any]]:
         """POST /generate. A batch or n > 1 returns a list (SGLang's shape)."""
         headers = {api.ROUTING_KEY_HEADER: routing_key} if routing_key else None
-        return await self._json("POST", api.GENERATE, json=payload, headers=headers)
+        with trace.span("generate", cat="request", engine=self.url):
+            return await self._json("POST", api.GENERATE, json=payload, headers=headers)
 
     # ----- health and info ---------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from rltool import trace
 from rltool.errors import EngineError
 from rltool.rollout.generate import GenerateContext, GenerateFn, Sample, SessionClient
 
@@ -243,7 +244,8 @@ class Collector:
         call = loop.run_in_executor(self._pool, self.reward_fn, s.prompt, s.response, s.label,
                                     s.metadata)
         try:
-            result = await asyncio.wait_for(call, self.reward_timeout_s)
+            with trace.span("reward", cat="reward"):
+                result = await asyncio.wait_for(call, self.reward_timeout_s)
             reward = float(result.reward)
             if not math.isfinite(reward):
                 raise ValueError(f"reward is {reward}")

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from rltool import trace
 from rltool.config import StageConfig, write_resolved
 from rltool.errors import BadInputError, EngineError, RewardError
 from rltool.rollout.generate import Sample, load_generate_fn, to_row
@@ -241,6 +242,11 @@ def with_seed(cfg: EngineStageConfig) -> EngineStageConfig:
 
 def run(cfg: RolloutConfig) -> dict[str, Any]:
     """Run one rollout step; returns {out, rows, groups, metrics, counts, engines, ...}."""
+    with trace.scope(Path(cfg.out).parent / "trace", role="rollout"):
+        return _run(cfg)
+
+
+def _run(cfg: RolloutConfig) -> dict[str, Any]:
     from rltool.rollout import partial as partial_store
     from rltool.rollout.metrics import rollout_metrics
 

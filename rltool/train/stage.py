@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rltool import trace
 from rltool.errors import CheckpointError, ConfigError
 from rltool.rundir import MetricsWriter, RunDir, step_dir_name, weight_dir_name
 from rltool.train.algo.advantages import compute_advantages, gae, masked_whiten
@@ -88,7 +89,8 @@ def compute_logprobs(backend: TrainerBackend, samples: list[Sample], batches: li
     for batch in batches:
         for mb in rank_micro_batches(backend, samples, batch,
                                      max_tokens_per_microbatch=max_tokens_per_microbatch):
-            out = backend.forward_logprobs(mb, temperature=temperature)
+            with trace.span("logprob_recompute", cat="train", samples=len(mb.indices)):
+                out = backend.forward_logprobs(mb, temperature=temperature)
             per_key = {"logprobs": out.logprobs, "values": out.extras.get("values", [])}
             for key in keys:
                 own[key].update((i, t.detach().cpu()) for i, t in zip(mb.indices, per_key[key]))
@@ -229,7 +231,8 @@ def run(cfg: TrainConfig) -> TrainResult:
     """Train on cfg's samples; see the module docstring. Collective under torchrun."""
     owns_group = not dist.is_initialized()
     try:
-        return _run(cfg)
+        with trace.scope(Path(cfg.save).parent / "trace" if cfg.save else None, role="train"):
+            return _run(cfg)
     finally:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -328,8 +331,9 @@ def _run(cfg: TrainConfig) -> TrainResult:
                                 torch.tensor([samples[i].group for i in batch]))
             micro = rank_micro_batches(backend, samples, batch,
                                        max_tokens_per_microbatch=cfg.max_tokens_per_microbatch)
-            metrics = backend.train_step(micro, make_loss_fn(cfg, data, terms),
-                                         temperature=temperature, with_entropy=True)
+            with trace.span("train_step", cat="train", micro_batches=len(micro)):
+                metrics = backend.train_step(micro, make_loss_fn(cfg, data, terms),
+                                             temperature=temperature, with_entropy=True)
             version += 1
             metrics.update(terms.metrics)
             metrics["perf/train_time"] = time.perf_counter() - t0

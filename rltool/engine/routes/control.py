@@ -9,6 +9,7 @@ import time
 from fastapi import APIRouter, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from rltool import trace
 from rltool.engine import api
 from rltool.engine.routes.base import EngineState, parse_body
 from rltool.engine.scheduler import MEMORY_TAGS
@@ -72,14 +73,16 @@ def router(state: EngineState) -> APIRouter:
             if "weights" in tags:
                 runner.release()
 
-        await state.on_thread(release)
+        with trace.span("offload", cat="memory"):
+            await state.on_thread(release)
         return JSONResponse(None)
 
     @r.api_route(api.RESUME_MEMORY, methods=["GET", "POST"], dependencies=[ADMIN])
     async def resume_memory(request: HttpRequest) -> JSONResponse:
         tags = await memory_tags(request)
         if "weights" in tags:
-            await state.on_thread(runner.resume)
+            with trace.span("reload", cat="memory"):
+                await state.on_thread(runner.resume)
         return JSONResponse(None)
 
     return r

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import APIRouter, Request as HttpRequest
 from fastapi.responses import JSONResponse
 
+from rltool import trace
 from rltool.engine import api
 from rltool.engine.routes.base import EngineState, parse_body
 from rltool.engine.security import ADMIN, confine, confine_local
@@ -39,7 +40,8 @@ def router(state: EngineState) -> APIRouter:
 
         def apply() -> int:
             paused = len(sched.running) + len(sched.prefilling) if sched.paused else 0
-            runner.load_weights(path)
+            with trace.span("weight_load", cat="weights"):
+                runner.load_weights(path)
             if body.weight_version is not None:
                 runner.weight_version = body.weight_version
             return paused
