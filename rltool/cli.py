@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "align-gate": ("align_gate", "Gate: trainer-recomputed vs rollout logprobs (and per layer)."),
     "loop": ("loop", "Run the synchronous RL loop (rollout, train, publish, sync, eval); resumable."),
     "report": ("report", "HTML page with PNG plots and a summary table of a loop run's metrics."),
+    "profile": ("profile", "Phase table, wait ratios, async speedup and Chrome trace of a traced run."),
+    "plan": ("plan", "Cost models: placement, memory, weight sync, async, precision, caches, PD."),
 }
 
 

@@ -59,7 +59,7 @@ class TraceWriter:
 
     def emit(self, event: dict[str, Any]) -> None:
         event.setdefault("pid", self.pid)
-        event.setdefault("tid", threading.get_ident() & 0x7FFFFFFF)
+        event.setdefault("tid", threading.get_ident() & 0x3FFFFFFF)
         line = json.dumps(event, separators=(",", ":"), default=str) + "\n"
         with self._lock:
             self._buffer.append(line)

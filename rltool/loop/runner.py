@@ -132,9 +132,10 @@ def run_step(ctx: phases.StepContext, *, writer: MetricsWriter,
     if ctx.settings.is_eval_step(state.step) and not state.completed("eval"):
         eval_row, seconds = phases.timed(phases.evaluate, ctx)
         state.done(run, "eval", seconds=seconds)
-    row = step_metrics(ctx, eval_row=eval_row, wall_s=time.perf_counter() - t_step)
-    if not any(r.get("step") == state.step for r in read_metrics(writer.path)):
-        row = writer.log(row, step=state.step, policy_version=state.policy_version)
+    with trace.span("record", cat="phase", step=state.step):
+        row = step_metrics(ctx, eval_row=eval_row, wall_s=time.perf_counter() - t_step)
+        if not any(r.get("step") == state.step for r in read_metrics(writer.path)):
+            row = writer.log(row, step=state.step, policy_version=state.policy_version)
     if on_step is not None:
         on_step(row)
     state.next_step(run)

@@ -96,8 +96,10 @@ class EngineClient:
                        routing_key: str | None = None) -> dict[str, Any] | list[dict[str, Any]]:
         """POST /generate. A batch or n > 1 returns a list (SGLang's shape)."""
         headers = {api.ROUTING_KEY_HEADER: routing_key} if routing_key else None
-        with trace.span("generate", cat="request", engine=self.url):
-            return await self._json("POST", api.GENERATE, json=payload, headers=headers)
+        with trace.span("generate", cat="request", engine=self.url) as event:
+            out = await self._json("POST", api.GENERATE, json=payload, headers=headers)
+            event.update(token_counts(out))
+            return out
 
     # ----- health and info ---------------------------------------------------------------
 
@@ -161,6 +163,18 @@ class EngineClient:
                                     source_dir=source_dir, target_version=target_version)
         answer = await self._json("POST", api.PULL_WEIGHTS, json=body.body())
         return api.PullWeightsResult.model_validate(answer).model_dump(exclude_none=True)
+
+
+def token_counts(response: Any) -> dict[str, int]:
+    """Prompt, completion and cached tokens of a /generate response (summed over a batch), for
+    the request's trace event."""
+    counts = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+    for item in response if isinstance(response, list) else [response]:
+        meta = item.get("meta_info", {}) if isinstance(item, dict) else {}
+        for key in counts:
+            value = meta.get(key)
+            counts[key] += value if isinstance(value, int) else 0
+    return counts
 
 
 def _error_message(response: httpx.Response) -> str:

@@ -1,0 +1,28 @@
+import click
+
+from rltool.commands.common import echo_json, handle_errors, json_option
+
+
+@click.command("profile")
+@click.argument("run_dir", type=click.Path(exists=True))
+@click.option("--out", default=None, type=click.Path(dir_okay=False),
+              help="Where to write the Chrome/Perfetto trace (default RUN/profile/chrome_trace.json).")
+@json_option
+@handle_errors
+def command(run_dir, out, as_json):
+    """Phase table, wait ratios and async speedup of a traced run, and its Chrome trace.
+
+    RUN_DIR is a loop run directory (its trace/ folder) or a folder of trace JSONL files.
+
+    Example:
+      rltool profile runs/demo && open ui.perfetto.dev with runs/demo/profile/chrome_trace.json
+    """
+    from rltool.profile.stage import profile_run
+
+    result = profile_run(run_dir, out=out)
+    if as_json:
+        echo_json(result)
+        return
+    from rltool.commands.tables import print_profile
+
+    print_profile(result)
