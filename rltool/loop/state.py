@@ -19,6 +19,7 @@ import signal
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rltool import trace
 from rltool.errors import BadInputError
 from rltool.rundir import PHASES, RunDir
 
@@ -53,7 +54,8 @@ class LoopState:
         return state
 
     def save(self, run: RunDir) -> None:
-        run.write_state(asdict(self))
+        with trace.span("record", cat="phase", step=self.step):
+            run.write_state(asdict(self))
 
     def done(self, run: RunDir, phase: str, *, seconds: float | None = None) -> None:
         """Record `phase` of the current step as completed (its marker exists)."""

@@ -1,0 +1,98 @@
+"""A short CPU loop profiled end to end: the phases of every step cover its wall time within 5%,
+the Chrome trace holds only the Trace Event Format's documented fields (reference data checked
+in beside this test), and `plan --check` reports the error of each checkable prediction."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from rltool.cli import main as cli
+from rltool.data.tasks import make_rows, write_prompts
+from rltool.loop.config import LoopSettings
+from rltool.loop.runner import start
+
+REFERENCE = json.loads((Path(__file__).parent / "trace_event_format.json").read_text())
+TYPES = {"string": str, "number": (int, float), "integer": int, "object": dict}
+
+
+@pytest.fixture(scope="module")
+def traced_run(tiny_model_dir, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("profiled")
+    write_prompts(make_rows("reverse", num=8, seed=1), root / "rl.jsonl")
+    settings = LoopSettings.from_tables({
+        "model": {"path": str(tiny_model_dir)},
+        "rollout": {"prompts": str(root / "rl.jsonl"), "reward": "reverse:partial",
+                    "n_samples_per_prompt": 2, "rollout_batch_size": 2, "max_response_len": 6},
+        "train": {"lr": 1e-2, "global_batch_size": 2},
+        "sync": {"sync": "full"},
+        "loop": {"num_steps": 3, "seed": 3}})
+    start(settings, root / "run")
+    return root / "run"
+
+
+def validate_chrome_trace(doc: dict) -> None:
+    fmt = REFERENCE["object_format"]
+    assert set(fmt["required"]) <= doc.keys() <= set(fmt["required"] + fmt["optional"])
+    assert doc["displayTimeUnit"] in fmt["displayTimeUnit"]
+    for event in doc["traceEvents"]:
+        spec = REFERENCE["phases"][event["ph"]]
+        assert set(spec["required"]) <= event.keys(), event
+        for key, value in event.items():
+            assert isinstance(value, TYPES[REFERENCE["event_fields"][key]]), (key, event)
+        if event["ph"] == "M":
+            assert event["name"] in spec["names"] and isinstance(event["args"]["name"], str)
+        if event["ph"] == "C":
+            assert all(isinstance(v, (int, float)) for v in event["args"].values())
+    # complete events of one thread nest
+    stacks: dict[tuple, list[float]] = {}
+    for e in sorted((e for e in doc["traceEvents"] if e["ph"] == "X"),
+                    key=lambda e: (e["ts"], -e["dur"])):
+        stack = stacks.setdefault((e["pid"], e["tid"]), [])
+        while stack and stack[-1] <= e["ts"]:
+            stack.pop()
+        assert not stack or e["ts"] + e["dur"] <= stack[-1] + 1.0, e
+        stack.append(e["ts"] + e["dur"])
+
+
+def test_profile_of_a_short_loop(traced_run, tmp_path):
+    result = CliRunner().invoke(cli, ["profile", str(traced_run), "--json", "--out",
+                                      str(tmp_path / "t.json")])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output)
+    assert [r["step"] for r in summary["steps"]] == [0, 1, 2]
+    for row in summary["steps"]:
+        phases = sum(row.get(p, 0.0) for p in ("rollout", "train", "publish", "sync", "record"))
+        assert abs(phases - row["wall_s"]) <= 0.05 * row["wall_s"], row
+    assert {"loop", "serve"} <= set(summary["processes"])
+    engine = next(iter(summary["engines"].values()))
+    assert engine["requests"] == 3 * 2 * 2 and engine["completion_tokens"] > 0
+    assert 0 < summary["wait_ratios"]["trainer"]["wait_ratio"] < 1
+    assert summary["async"]["measured_speedup"] == pytest.approx(1.0, abs=0.01)
+    doc = json.loads((tmp_path / "t.json").read_text())
+    validate_chrome_trace(doc)
+    names = {e["name"] for e in doc["traceEvents"]}
+    assert {"step", "rollout", "train", "publish", "sync", "generate", "reward", "train_step",
+            "weight_load", "offload", "reload", "engine_start"} <= names
+
+
+def test_plan_check_on_the_run(traced_run):
+    result = CliRunner().invoke(cli, ["plan", "--check", str(traced_run), "--json"])
+    assert result.exit_code == 0, result.output
+    checks = {c["prediction"].split(" (")[0]: c for c in json.loads(result.output)["checks"]}
+    # norms and biases are all the formula leaves out of the tiny qwen2
+    assert abs(checks["weight bytes"]["relative_error"]) < 0.02
+    assert checks["t_W"]["measured"] > 0 and checks["t_sync"]["measured"] > 0
+
+
+def test_plan_from_profile_uses_measurements(traced_run, tiny_model_dir):
+    result = CliRunner().invoke(cli, ["plan", "--model", str(tiny_model_dir), "--from-profile",
+                                      str(traced_run), "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    async_model = next(m for m in out["models"] if m["model"] == "async")
+    assert async_model["inputs"]["t_R_s"] == pytest.approx(out["measured"]["t_R_s"])
+    assert out["measured"]["prompt_tokens"] > 0
