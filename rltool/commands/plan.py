@@ -23,10 +23,21 @@ def _input_options(fn):
                    "assumptions.")
 @click.option("--check", "check_run", type=click.Path(exists=True), default=None,
               help="A traced loop run: print each checkable prediction's error.")
+@click.option("--emit-sglang-config", "emit", type=click.Path(dir_okay=False), default=None,
+              help="Write prefill/decode server groups in slime's --sglang-config YAML format, "
+                   "and serving-reference.sh beside it.")
+@click.option("--prefill-engines", type=int, default=None,
+              help="Prefill engines of the SGLang config (default: the PD model's balanced "
+                   "split).")
+@click.option("--hicache/--no-hicache", default=True,
+              help="Hierarchical cache on the prefill group.")
+@click.option("--engine-urls", default=None,
+              help="External engine addresses (refused with --emit-sglang-config).")
 @_input_options
 @json_option
 @handle_errors
-def command(model, from_profile, check_run, as_json, **values):
+def command(model, from_profile, check_run, emit, prefill_engines, hicache, engine_urls, as_json,
+            **values):
     """Cost models for a model config and cluster: placement and memory, weight sync,
     async, precision, hybrid cache, prefill/decode disaggregation, HiCache.
 
@@ -56,12 +67,35 @@ def command(model, from_profile, check_run, as_json, **values):
     measured = None
     if from_profile:
         inputs, measured = planner.from_profile(inputs, from_profile)
-    result = planner.plan(model, inputs)
+    result = planner.plan(model, inputs, profile_run=from_profile)
     if measured is not None:
         result["measured"] = measured
+    if emit:
+        result["deployment"] = _emit(emit, model, inputs, prefill_engines=prefill_engines,
+                                     hicache=hicache, engine_urls=engine_urls)
     if as_json:
         echo_json(result)
         return
     from rltool.commands.tables import print_plan
 
     print_plan(result)
+
+
+def _emit(out, model, inputs, *, prefill_engines, hicache, engine_urls):
+    from pathlib import Path
+
+    from rltool.profile.caches import pd_split
+    from rltool.profile.sglang import pd_groups, write_deployment
+
+    rollout_gpus = inputs.rollout_gpus or inputs.gpus // 2
+    engines = rollout_gpus // max(inputs.engine_tp, 1)
+    if prefill_engines is None and engines >= 2:
+        prefill_engines = pd_split(engines, mu_p=inputs.mu_P_rps, mu_d=inputs.mu_D_rps)
+    groups = pd_groups(rollout_gpus=rollout_gpus, gpus_per_engine=inputs.engine_tp,
+                       gpus_per_node=inputs.gpus_per_node, prefill_engines=prefill_engines or 0,
+                       hicache=hicache,
+                       engine_urls=[u for u in (engine_urls or "").split(",") if u])
+    model_path = Path(model)
+    model_path = model_path if model_path.is_dir() else model_path.parent
+    return write_deployment(out, groups, model_path=str(model_path.resolve()),
+                            gpus_per_node=inputs.gpus_per_node)

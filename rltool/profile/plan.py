@@ -66,14 +66,23 @@ class PlanInputs(BaseModel):
     t_prefill_s: float = Field(0.2, ge=0, description="Prefill seconds of one request.")
     B_io_GBps: float = Field(20.0, gt=0, description="Host-to-device KV bandwidth.")
     t_book_s: float = Field(0.001, ge=0, description="HiCache bookkeeping per request.")
+    kv_pool_tokens: int = Field(0, ge=0, description="KV pool tokens per engine for the "
+                                "recommendations (0: the placement model's estimate).")
 
     model_config = {"extra": "forbid"}
 
 
-def plan(model: str | Path, inputs: PlanInputs) -> dict[str, Any]:
+def plan(model: str | Path, inputs: PlanInputs, *,
+         profile_run: str | Path | None = None) -> dict[str, Any]:
+    """Every model; with a profiled run also the workload-aware recommendations."""
+    from rltool.profile.recommend import recommend
+
     shape = load_shape(model)
-    return {"model_config": str(model), "models": run_models(shape, inputs),
-            "inputs": inputs.model_dump()}
+    out = run_models(shape, inputs)
+    if profile_run is not None:
+        pool = inputs.kv_pool_tokens or out[0]["rows"][0].get("kv_tokens_per_engine", 0)
+        out.append(recommend(read_events(profile_run), kv_pool_tokens=pool))
+    return {"model_config": str(model), "models": out, "inputs": inputs.model_dump()}
 
 
 def run_models(shape: ModelShape, x: PlanInputs) -> list[dict[str, Any]]:
