@@ -8,7 +8,7 @@ def _input_options(fn):
     from rltool.profile.plan import PlanInputs
 
     for name, field in reversed(list(PlanInputs.model_fields.items())):
-        flag = "--" + name.replace("_", "-")
+        flag = "--" + name.lower().replace("_", "-")
         kind = {int: int, float: float, str: str}.get(field.annotation, float)
         fn = click.option(flag, name, type=kind, default=None,
                           help=f"{field.description or name} [default: {field.default}]")(fn)

@@ -4,8 +4,9 @@ chunked-prefill size, each naming the measurement it rests on.
 Concurrency = min(KV pool tokens / mean live sequence length, the saturation concurrency). The
 saturation concurrency comes from the trace itself: each request's concurrency is the mean
 number of requests of its engine in flight during its life; requests are grouped by that number
-(rounded), a group's throughput is k x its mean tokens per second per request, and the saturation
-concurrency is the smallest k whose throughput reaches 90% of the best group's.
+rounded to a power of two (a sweep's usual levels; finer groups hold a handful of requests from
+the ramp-up and tail of a batch and are mostly noise), a group's throughput is k x its mean tokens per second per request, and the saturation
+concurrency is the smallest k beyond which no group gains more than 5% throughput.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 from rltool.profile.events import spans
 from rltool.profile.models import Model
 
-SATURATION = 0.9
+GAIN = 0.05  # more concurrency must buy more than this much throughput
 
 
 def _mean_overlap(req: dict[str, Any], peers: list[dict[str, Any]]) -> float:
@@ -39,7 +40,7 @@ def throughput_by_concurrency(events: list[dict[str, Any]]) -> dict[int, float]:
         for r in reqs:
             tokens = r.get("args", {}).get("completion_tokens", 0)
             if r["dur"] > 0 and tokens:
-                k = max(1, round(_mean_overlap(r, reqs)))
+                k = 2 ** max(0, round(math.log2(max(_mean_overlap(r, reqs), 1.0))))
                 rates[k].append(tokens / (r["dur"] * 1e-6))
     return {k: k * mean(v) for k, v in sorted(rates.items())}
 
@@ -47,8 +48,8 @@ def throughput_by_concurrency(events: list[dict[str, Any]]) -> dict[int, float]:
 def saturation_concurrency(curve: dict[int, float]) -> int | None:
     if not curve:
         return None
-    best = max(curve.values())
-    return min(k for k, v in curve.items() if v >= SATURATION * best)
+    return min(k for k, v in curve.items()
+               if all(w <= (1 + GAIN) * v for j, w in curve.items() if j > k))
 
 
 def recommend(events: list[dict[str, Any]], *, kv_pool_tokens: int) -> dict[str, Any]:

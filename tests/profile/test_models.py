@@ -176,3 +176,28 @@ def test_plan_command_json_and_errors(tmp_path):
                           (["plan", "--model", str(config), "--recompute", "some"], "recompute")):
         bad = CliRunner().invoke(cli, args)
         assert bad.exit_code == 2 and message in bad.output, (args, bad.output)
+
+
+def test_saturation_is_where_more_concurrency_stops_paying():
+    from rltool.profile.recommend import saturation_concurrency
+
+    assert saturation_concurrency({1: 100, 2: 190, 4: 300, 8: 310, 16: 312}) == 4
+    assert saturation_concurrency({1: 100, 2: 200, 7: 700, 8: 800}) == 8  # still climbing
+    assert saturation_concurrency({}) is None
+
+
+def test_recommendations_cap_concurrency_by_kv_memory_and_size_chunks_by_p90():
+    from rltool.profile.recommend import recommend
+
+    # two requests of one engine, fully overlapping: 100 prompt + 28 completion tokens each
+    events = [{"name": "generate", "cat": "request", "ph": "X", "ts": 0, "dur": 1e6, "pid": 1,
+               "tid": 1, "_role": "loop", "args": {"engine": "e", "prompt_tokens": 100,
+                                                   "completion_tokens": 28, "cached_tokens": 50}}
+              for _ in range(2)]
+    result = recommend(events, kv_pool_tokens=256)
+    rows = {r["setting"]: r for r in result["rows"]}
+    assert rows["concurrency per engine"]["value"] == 2  # min(256 // 128, saturation 2)
+    assert recommend(events, kv_pool_tokens=128)["rows"][0]["value"] == 1  # memory-bound
+    assert rows["chunked prefill size"]["value"] == 128  # p90 prompt 100 -> 128
+    assert result["inputs"]["prefix_hit_rate"] == 0.5
+    assert result["inputs"]["throughput_by_concurrency"] == {"2": 56.0}
