@@ -32,6 +32,8 @@ from typing import Any
 
 ENV_DIR = "RLTOOL_TRACE_DIR"
 ENV_ROLE = "RLTOOL_TRACE_ROLE"
+ENV_TORCH_STEPS = "RLTOOL_TORCH_PROFILE_STEPS"  # e.g. "2,3": kernel traces of these loop steps
+TORCH_DIR = "torch"
 FLUSH_EVENTS = 512  # events buffered before a write; a flush also happens at exit and on close
 FLUSH_INTERVAL_S = 2.0
 
@@ -163,6 +165,40 @@ def span(name: str, *, cat: str = "phase", **args: Any) -> Iterator[dict[str, An
         yield args
     finally:
         w.complete(name, cat=cat, start_us=start, dur_us=w.now_us() - start, args=args)
+
+
+def torch_steps() -> set[int]:
+    raw = os.environ.get(ENV_TORCH_STEPS, "")
+    try:
+        return {int(s) for s in raw.split(",") if s.strip()}
+    except ValueError:
+        return set()  # a malformed value must not break training; `rltool profile` reports it
+
+
+def torch_trace_path(directory: Path, *, name: str, step: int, pid: int) -> Path:
+    return directory / TORCH_DIR / f"{name}-step-{step:06d}-{pid}.json"
+
+
+@contextlib.contextmanager
+def torch_profile(*, step: int | None, name: str) -> Iterator[None]:
+    """torch.profiler around the block when `step` is one of RLTOOL_TORCH_PROFILE_STEPS and this
+    process traces; the kernel trace goes to TRACE_DIR/torch/<name>-step-K-<pid>.json."""
+    w = writer()
+    if w is None or step is None or step not in torch_steps():
+        yield
+        return
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        yield
+    out = torch_trace_path(w.path.parent, name=name, step=step, pid=os.getpid())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    prof.export_chrome_trace(str(tmp))
+    os.replace(tmp, out)  # readers never see half a trace
 
 
 def counter(name: str, **values: float) -> None:

@@ -7,9 +7,12 @@ from rltool.commands.common import echo_json, handle_errors, json_option
 @click.argument("run_dir", type=click.Path(exists=True))
 @click.option("--out", default=None, type=click.Path(dir_okay=False),
               help="Where to write the Chrome/Perfetto trace (default RUN/profile/chrome_trace.json).")
+@click.option("--torch-profiler", "torch_steps", default=None,
+              help="Loop steps (e.g. 2,3) whose torch.profiler kernel traces to summarize; capture "
+                   "them by running the loop with RLTOOL_TORCH_PROFILE_STEPS=2,3.")
 @json_option
 @handle_errors
-def command(run_dir, out, as_json):
+def command(run_dir, out, torch_steps, as_json):
     """Phase table, wait ratios and async speedup of a traced run, and its Chrome trace.
 
     RUN_DIR is a loop run directory (its trace/ folder) or a folder of trace JSONL files.
@@ -19,7 +22,16 @@ def command(run_dir, out, as_json):
     """
     from rltool.profile.stage import profile_run
 
-    result = profile_run(run_dir, out=out)
+    from rltool.errors import BadInputError
+
+    steps = None
+    if torch_steps:
+        try:
+            steps = [int(s) for s in torch_steps.split(",") if s.strip()]
+        except ValueError:
+            raise BadInputError(f"--torch-profiler {torch_steps!r}: expected step numbers like "
+                                "2,3") from None
+    result = profile_run(run_dir, out=out, torch_steps=steps)
     if as_json:
         echo_json(result)
         return

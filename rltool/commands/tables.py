@@ -35,6 +35,8 @@ def print_profile(result: dict[str, Any]) -> None:
     if result["engines"]:
         print_rows("engines", [{"engine": k, **v} for k, v in result["engines"].items()])
     print_rows("async speedup (measured vs predicted bound)", [result["async"]])
+    for step, kernels in result.get("kernel_traces", {}).items():
+        print_rows(f"step {step}: top operations (torch.profiler)", kernels["top_ops"])
     click.echo(f"chrome trace: {result['chrome_trace']}", err=True)
 
 

@@ -331,7 +331,8 @@ def _run(cfg: TrainConfig) -> TrainResult:
                                 torch.tensor([samples[i].group for i in batch]))
             micro = rank_micro_batches(backend, samples, batch,
                                        max_tokens_per_microbatch=cfg.max_tokens_per_microbatch)
-            with trace.span("train_step", cat="train", micro_batches=len(micro)):
+            with trace.span("train_step", cat="train", micro_batches=len(micro)), \
+                    trace.torch_profile(step=sample_set.rollout_step, name="train"):
                 metrics = backend.train_step(micro, make_loss_fn(cfg, data, terms),
                                              temperature=temperature, with_entropy=True)
             version += 1

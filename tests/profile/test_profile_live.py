@@ -5,11 +5,13 @@ in beside this test), and `plan --check` reports the error of each checkable pre
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
+from rltool import trace
 from rltool.cli import main as cli
 from rltool.data.tasks import make_rows, write_prompts
 from rltool.loop.config import LoopSettings
@@ -30,7 +32,11 @@ def traced_run(tiny_model_dir, tmp_path_factory) -> Path:
         "train": {"lr": 1e-2, "global_batch_size": 2},
         "sync": {"sync": "full"},
         "loop": {"num_steps": 3, "seed": 3}})
-    start(settings, root / "run")
+    os.environ[trace.ENV_TORCH_STEPS] = "1"
+    try:
+        start(settings, root / "run")
+    finally:
+        del os.environ[trace.ENV_TORCH_STEPS]
     return root / "run"
 
 
@@ -96,3 +102,13 @@ def test_plan_from_profile_uses_measurements(traced_run, tiny_model_dir):
     async_model = next(m for m in out["models"] if m["model"] == "async")
     assert async_model["inputs"]["t_R_s"] == pytest.approx(out["measured"]["t_R_s"])
     assert out["measured"]["prompt_tokens"] > 0
+
+
+def test_torch_profiler_steps(traced_run):
+    ok = CliRunner().invoke(cli, ["profile", str(traced_run), "--torch-profiler", "1", "--json"])
+    assert ok.exit_code == 0, ok.output
+    kernels = json.loads(ok.output)["kernel_traces"]["1"]
+    assert kernels["files"] and any(k["op"].startswith("aten::") for k in kernels["top_ops"])
+    for steps, message in (("0", "RLTOOL_TORCH_PROFILE_STEPS=0"), ("x", "step numbers")):
+        bad = CliRunner().invoke(cli, ["profile", str(traced_run), "--torch-profiler", steps])
+        assert bad.exit_code == 2 and message in bad.output, bad.output
