@@ -52,19 +52,27 @@ class TraceWriter:
         # durations immune to clock steps.
         self._wall0_us = time.time_ns() / 1000.0
         self._perf0 = time.perf_counter()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self.emit({"name": "process_name", "ph": "M", "ts": 0, "args": {"name": role}})
+        # The folder and file appear with the first event: a stage that refuses its input
+        # before doing anything leaves nothing on disk.
+        self._fd = -1
+        self._closed = False
+        self._events = 0  # events emitted, not counting the process-name line
+        self._buffer.append(self._line({"name": "process_name", "ph": "M", "ts": 0,
+                                        "args": {"name": role}}))
 
     def now_us(self) -> float:
         return self._wall0_us + (time.perf_counter() - self._perf0) * 1e6
 
-    def emit(self, event: dict[str, Any]) -> None:
+    def _line(self, event: dict[str, Any]) -> str:
         event.setdefault("pid", self.pid)
         event.setdefault("tid", threading.get_ident() & 0x3FFFFFFF)
-        line = json.dumps(event, separators=(",", ":"), default=str) + "\n"
+        return json.dumps(event, separators=(",", ":"), default=str) + "\n"
+
+    def emit(self, event: dict[str, Any]) -> None:
+        line = self._line(event)
         with self._lock:
             self._buffer.append(line)
+            self._events += 1
             due = (len(self._buffer) >= FLUSH_EVENTS
                    or time.monotonic() - self._last_flush >= FLUSH_INTERVAL_S)
         if due:
@@ -80,14 +88,20 @@ class TraceWriter:
 
     def flush(self) -> None:
         with self._lock:
+            if self._closed or self._events <= 0:
+                return  # nothing but the process name yet
+            if self._fd < 0:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             data, self._buffer = "".join(self._buffer), []
             self._last_flush = time.monotonic()
-            if data and self._fd >= 0:
+            if data:
                 os.write(self._fd, data.encode())
 
     def close(self) -> None:
         self.flush()
         with self._lock:
+            self._closed = True
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1

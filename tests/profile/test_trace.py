@@ -90,3 +90,11 @@ def test_overlapping_requests_get_lanes_and_nested_spans_do_not():
     assert tids["outer"] == tids["inner"] == tids["r1"] == 7
     assert tids["r2"] != 7  # starts inside r1 and ends after it
     assert any(e["ph"] == "M" and e["tid"] == tids["r2"] for e in out)
+
+
+def test_no_event_no_file(tmp_path):
+    """A stage that refuses its input before any span leaves nothing on disk (the trace folder
+    beside its output used to appear at once)."""
+    with trace.scope(tmp_path / "runs" / "trace", role="rollout"):
+        pass
+    assert not (tmp_path / "runs").exists()
