@@ -201,3 +201,17 @@ def test_recommendations_cap_concurrency_by_kv_memory_and_size_chunks_by_p90():
     assert rows["chunked prefill size"]["value"] == 128  # p90 prompt 100 -> 128
     assert result["inputs"]["prefix_hit_rate"] == 0.5
     assert result["inputs"]["throughput_by_concurrency"] == {"2": 56.0}
+
+
+def test_model_file_errors(tmp_path):
+    from rltool.profile.modelcfg import load_shape
+
+    (tmp_path / "bad.json").write_text("{")
+    (tmp_path / "list.json").write_text("[]")
+    (tmp_path / "hybrid.json").write_text(json.dumps(
+        {k: v for k, v in HYBRID.items() if k != "linear_value_head_dim"}))
+    for name, message in (("bad.json", "not valid JSON"), ("list.json", "not a JSON object"),
+                          ("hybrid.json", "linear-attention layers without"),
+                          ("none.json", "no such file")):
+        with pytest.raises(BadInputError, match=message):
+            load_shape(tmp_path / name)
