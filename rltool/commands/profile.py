@@ -6,7 +6,8 @@ from rltool.commands.common import echo_json, handle_errors, json_option
 @click.command("profile")
 @click.argument("run_dir", type=click.Path(exists=True))
 @click.option("--out", default=None, type=click.Path(dir_okay=False),
-              help="Where to write the Chrome/Perfetto trace (default RUN/profile/chrome_trace.json).")
+              help="Where to write the Chrome/Perfetto trace "
+                   "(default RUN/profile/chrome_trace.json).")
 @click.option("--torch-profiler", "torch_steps", default=None,
               help="Loop steps (e.g. 2,3) whose torch.profiler kernel traces to summarize; capture "
                    "them by running the loop with RLTOOL_TORCH_PROFILE_STEPS=2,3.")

@@ -125,6 +125,7 @@ def load_shape(path: str | Path) -> ModelShape:
         raise BadInputError(f"--model {path} is not a JSON object")
     shape = shape_from_config(cfg)
     if shape.linear_layers and not (shape.lin_v_heads and shape.lin_k_dim and shape.lin_v_dim):
-        raise BadInputError(f"--model {path}: linear-attention layers without linear_num_value_heads"
-                            ", linear_key_head_dim and linear_value_head_dim")
+        raise BadInputError(f"--model {path}: linear-attention layers without "
+                            "linear_num_value_heads, linear_key_head_dim and "
+                            "linear_value_head_dim")
     return shape

@@ -151,7 +151,8 @@ def precision(shape: ModelShape, *, kv_tokens: int, rollout_bits: int, kv_bits: 
     kv_elems = kv_tokens * 2 * shape.attention_layers * shape.kv_heads * shape.head_dim
     classes = [("trainer weights", n, 16, 16), ("gradients (fp32 main grads)", n, 32, 32),
                ("optimizer (fp32 master + 2 moments)", 3 * n, 32, 32),
-               ("engine weights", n, 16, rollout_bits), ("weight sync payload", n, 16, rollout_bits),
+               ("engine weights", n, 16, rollout_bits),
+               ("weight sync payload", n, 16, rollout_bits),
                ("KV cache", kv_elems, 16, kv_bits)]
     rows = [{"tensor": name, "elements": count, "bits_bf16": b0, "bytes_bf16": count * b0 / 8,
              "bits_planned": b1, "bytes_planned": count * b1 / 8,

@@ -5,8 +5,9 @@ Concurrency = min(KV pool tokens / mean live sequence length, the saturation con
 saturation concurrency comes from the trace itself: each request's concurrency is the mean
 number of requests of its engine in flight during its life; requests are grouped by that number
 rounded to a power of two (a sweep's usual levels; finer groups hold a handful of requests from
-the ramp-up and tail of a batch and are mostly noise), a group's throughput is k x its mean tokens per second per request, and the saturation
-concurrency is the smallest k beyond which no group gains more than 5% throughput.
+the ramp-up and tail of a batch and are mostly noise), a group's throughput is k x its mean tokens
+per second per request, and the saturation concurrency is the smallest k beyond which no group
+gains more than 5% throughput.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from rltool.profile.recommend import recommend
 from rltool.rollout.client import EngineClient
 
 SWEEP = (2, 4, 8, 16)
-REQUESTS = 48
+REQUESTS = 32
 NEW_TOKENS = 24
 
 
