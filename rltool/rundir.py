@@ -4,7 +4,7 @@
 RUN/config.toml  state.json  engines.json
 RUN/weights/weight_vNNNNNN/      RUN/train/ckpt/step-NNNNNN/
 RUN/rollouts/step-NNNNNN/        RUN/eval/step-NNNNNN/
-RUN/metrics/<stage>.jsonl        RUN/trace/<role>.jsonl     RUN/logs/
+RUN/metrics/<stage>.jsonl        RUN/trace/<role>-<pid>.jsonl   RUN/profile/   RUN/logs/
 ```
 No other module builds these paths by hand.
 """
@@ -92,6 +92,11 @@ class RunDir:
     @property
     def trace(self) -> Path:
         return self.root / "trace"
+
+    @property
+    def profile(self) -> Path:
+        """`rltool profile`'s output (the Chrome trace)."""
+        return self.root / "profile"
 
     @property
     def logs(self) -> Path:

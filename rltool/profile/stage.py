@@ -9,6 +9,7 @@ from rltool import trace
 from rltool.errors import BadInputError
 from rltool.profile.analyze import summarize
 from rltool.profile.events import read_events, trace_dir, write_chrome_trace
+from rltool.rundir import RunDir
 
 CHROME_TRACE = "chrome_trace.json"
 
@@ -43,11 +44,11 @@ def kernel_traces(folder: Path, steps: list[int], *, top: int = 10) -> dict[str,
 
 def profile_run(run: str | Path, *, out: str | Path | None = None,
                 torch_steps: list[int] | None = None) -> dict[str, Any]:
-    """Summary of a traced run plus the path of its Chrome trace (default RUN/trace/../
-    profile/chrome_trace.json, i.e. beside the trace folder)."""
+    """Summary of a traced run plus the path of its Chrome trace (default
+    RUN/profile/chrome_trace.json, RUN being the folder that holds trace/)."""
     events = read_events(run)
     folder = trace_dir(run)
-    target = Path(out) if out else folder.parent / "profile" / CHROME_TRACE
+    target = Path(out) if out else RunDir(folder.parent).profile / CHROME_TRACE
     result = summarize(events)
     result["chrome_trace"] = str(write_chrome_trace(events, target))
     result["trace_dir"] = str(folder)
