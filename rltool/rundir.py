@@ -122,9 +122,6 @@ class RunDir:
     def metrics_file(self, stage: str) -> Path:
         return self.metrics / f"{stage}.jsonl"
 
-    def trace_file(self, role: str) -> Path:
-        return self.trace / f"{role}.jsonl"
-
     def log_file(self, name: str) -> Path:
         return self.logs / f"{name}.log"
 

@@ -23,7 +23,6 @@ def test_paths_follow_the_design_layout(tmp_path):
     assert run.rollout_step(7) == r / "rollouts" / "step-000007"
     assert run.eval_step(10) == r / "eval" / "step-000010"
     assert run.metrics_file("rollout") == r / "metrics" / "rollout.jsonl"
-    assert run.trace_file("trainer") == r / "trace" / "trainer.jsonl"
     assert run.log_file("engine-0") == r / "logs" / "engine-0.log"
     run.create()
     for d in ("weights", "train/ckpt", "rollouts", "eval", "metrics", "trace", "logs"):

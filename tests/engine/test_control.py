@@ -172,21 +172,25 @@ def test_weight_update_in_place_mid_generation_gives_version_spans(det_engine, o
 
 
 def test_weight_update_waits_for_in_flight_requests(det_engine, other_weights_dir):
+    """An unpaused update waits for the request in flight (SGLang's writer lock): every token of
+    that request comes from the version served before the update, whatever version the shared
+    engine serves when the test starts."""
     r = rid("wait")
 
     async def main():
         async with EngineClient(det_engine.url, timeout_s=60) as c:
+            before = (await c.get_model_info())["weight_version"]
             task = asyncio.create_task(c.generate({"text": "ab", "rid": r, "sampling_params":
                                                    {"max_new_tokens": 80, "ignore_eos": True}}))
             await wait_decoding(c, r)
             res = await c.update_weights_from_disk(str(other_weights_dir), weight_version="3")
-            done_first = task.done()
-            return res, done_first, await task
+            after = (await c.get_model_info())["weight_version"]
+            return before, res, after, await task
 
-    res, done_first, out = run(main())
+    before, res, after, out = run(main())
+    assert before != "3" and after == "3"
     assert res["success"] and res["num_paused_requests"] == 0
-    assert done_first  # the update returned only after the in-flight request finished
-    assert out["meta_info"]["weight_versions"] == [{"version": "2", "start": 0, "end": 80}]
+    assert out["meta_info"]["weight_versions"] == [{"version": before, "start": 0, "end": 80}]
 
 
 def test_wrong_shape_checkpoint_is_refused_and_serving_continues(det_engine, tiny_model_dir,
