@@ -135,10 +135,11 @@ def _filter(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Zero the tokens top-k / top-p / min-p remove (rows without filters are untouched)."""
     sorted_p, order = probs.sort(dim=-1, descending=True)
     vocab = probs.shape[-1]
-    ranks = torch.arange(vocab).unsqueeze(0)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).unsqueeze(1)
-    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype).unsqueeze(1)
-    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).unsqueeze(1)
+    dev = probs.device
+    ranks = torch.arange(vocab, device=dev).unsqueeze(0)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).to(dev).unsqueeze(1)
+    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype).to(dev).unsqueeze(1)
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).to(dev).unsqueeze(1)
     exclusive_mass = sorted_p.cumsum(dim=-1) - sorted_p
     remove = (ranks >= top_k) | (exclusive_mass > top_p) | (sorted_p < min_p * sorted_p[:, :1])
     remove[:, 0] = False  # the most likely token always survives

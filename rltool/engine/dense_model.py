@@ -1,0 +1,271 @@
+"""The engine's own model definition for dense decoder-only LMs: the qwen2, qwen3 and llama families.
+
+Loaded straight from a HF checkpoint (config.json + *.safetensors). Projections are fused for speed
+(q/k/v into one matrix, gate/up into one); `load_tensors` maps HF tensor names onto the fused
+slices, so weight updates by name (from disk today, from tensors later) need no HF model.
+
+The forward pass is packed: one flat [T] stream of tokens from any number of sequences, with
+`positions` [T]. Attention is delegated to an `attend(layer, q, k, v)` callback that owns the KV
+cache (rltool.engine.paged), so this module knows nothing about pages, batches or devices.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from rltool.errors import CheckpointError
+
+ARCHS = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+
+# attend(layer index, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    arch: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    qkv_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes per token per element byte (times 2 for bf16)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def read_spec(model_dir: str | Path) -> ModelSpec:
+    """The spec of a HF checkpoint; a one-line CheckpointError for anything not supported."""
+    path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from e
+    archs = cfg.get("architectures") or []
+    arch = ARCHS.get(archs[0]) if archs else None
+    if arch is None:
+        raise CheckpointError(f"{path}: architecture {archs or cfg.get('model_type')!r} is not "
+                              f"supported by the engine's model; supported: {', '.join(ARCHS)}")
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
+    if rope_type != "default":
+        raise CheckpointError(f"{path}: rope scaling {rope_type!r} is not supported by the "
+                              "engine's model; serve it with --device cpu or --engine sglang")
+    theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0) if rope else 10000.0)
+    if arch == "llama" and cfg.get("mlp_bias"):
+        raise CheckpointError(f"{path}: llama with mlp_bias is not supported by the engine's model")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{path}: hidden_act {cfg['hidden_act']!r} is not supported "
+                              "(silu only)")
+    heads = int(cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // heads
+    if arch == "qwen2":
+        qkv_bias = True
+    else:
+        qkv_bias = bool(cfg.get("attention_bias", False))
+    return ModelSpec(
+        arch=arch, hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(head_dim), vocab_size=int(cfg["vocab_size"]),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
+        qkv_bias=qkv_bias, qk_norm=arch == "qwen3",
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # transformers' order of operations: normalise in fp32, cast back, then scale.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x [T, heads, D]; cos/sin [T, D] (each half repeated)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+class DenseLM:
+    """Parameters as plain tensors (HF naming, fused where noted) and a packed forward."""
+
+    def __init__(self, spec: ModelSpec, *, device: torch.device | str, dtype: torch.dtype):
+        self.spec = spec
+        self.device = torch.device(device)
+        self.dtype = dtype
+        s = spec
+        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        empty = lambda *shape: torch.empty(*shape, device=self.device, dtype=dtype)  # noqa: E731
+        self.embed = empty(s.vocab_size, s.hidden_size)
+        self.lm_head = self.embed if s.tie_word_embeddings else empty(s.vocab_size, s.hidden_size)
+        self.norm = empty(s.hidden_size)
+        self.layers: list[dict[str, torch.Tensor]] = []
+        for _ in range(s.num_layers):
+            layer = {"qkv": empty(q + 2 * kv, s.hidden_size), "o": empty(s.hidden_size, q),
+                     "gate_up": empty(2 * s.intermediate_size, s.hidden_size),
+                     "down": empty(s.hidden_size, s.intermediate_size),
+                     "ln1": empty(s.hidden_size), "ln2": empty(s.hidden_size)}
+            if s.qkv_bias:
+                layer["qkv_bias"] = empty(q + 2 * kv)
+            if s.qk_norm:
+                layer["q_norm"], layer["k_norm"] = empty(s.head_dim), empty(s.head_dim)
+            self.layers.append(layer)
+        # transformers' default RoPE, computed the same way (fp32) so fp32 logits match it.
+        self._inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.int64)
+                                                 .float() / s.head_dim))
+        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # ----- weights -------------------------------------------------------------------------
+
+    def _targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """HF tensor name -> (destination tensor, row offset, rows) in the fused layout."""
+        s = self.spec
+        q, kv, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
+        out: dict[str, tuple[torch.Tensor, int, int]] = {
+            "model.embed_tokens.weight": (self.embed, 0, s.vocab_size),
+            "model.norm.weight": (self.norm, 0, s.hidden_size)}
+        if not s.tie_word_embeddings:
+            out["lm_head.weight"] = (self.lm_head, 0, s.vocab_size)
+        for i, L in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            out.update({
+                p + "self_attn.q_proj.weight": (L["qkv"], 0, q),
+                p + "self_attn.k_proj.weight": (L["qkv"], q, kv),
+                p + "self_attn.v_proj.weight": (L["qkv"], q + kv, kv),
+                p + "self_attn.o_proj.weight": (L["o"], 0, s.hidden_size),
+                p + "mlp.gate_proj.weight": (L["gate_up"], 0, inter),
+                p + "mlp.up_proj.weight": (L["gate_up"], inter, inter),
+                p + "mlp.down_proj.weight": (L["down"], 0, s.hidden_size),
+                p + "input_layernorm.weight": (L["ln1"], 0, s.hidden_size),
+                p + "post_attention_layernorm.weight": (L["ln2"], 0, s.hidden_size)})
+            if s.qkv_bias:
+                out.update({p + "self_attn.q_proj.bias": (L["qkv_bias"], 0, q),
+                            p + "self_attn.k_proj.bias": (L["qkv_bias"], q, kv),
+                            p + "self_attn.v_proj.bias": (L["qkv_bias"], q + kv, kv)})
+            if s.qk_norm:
+                out[p + "self_attn.q_norm.weight"] = (L["q_norm"], 0, s.head_dim)
+                out[p + "self_attn.k_norm.weight"] = (L["k_norm"], 0, s.head_dim)
+        return out
+
+    def check_tensors(self, shapes: dict[str, tuple[int, ...]], *, where: str) -> None:
+        """Refuse a set of HF tensors that is not exactly this model's (names and shapes)."""
+        targets = self._targets()
+        for name, shape in shapes.items():
+            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                continue  # some tied checkpoints store the head as well
+            if name not in targets:
+                raise CheckpointError(f"{where}: tensor {name!r} is not a parameter of the "
+                                      "served model")
+            dest, _, rows = targets[name]
+            want = (rows, *dest.shape[1:])
+            if tuple(shape) != want:
+                raise CheckpointError(f"{where}: tensor {name!r} has shape {list(shape)}, the "
+                                      f"served model expects {list(want)}")
+        missing = [n for n in targets if n not in shapes]
+        if missing:
+            raise CheckpointError(f"{where} lacks {len(missing)} tensors of the served model, "
+                                  f"e.g. {missing[0]!r}")
+
+    @torch.no_grad()
+    def load_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy named HF tensors into place (names already checked). Returns how many."""
+        targets = self._targets()
+        n = 0
+        for name, t in tensors:
+            if name not in targets:
+                continue
+            dest, start, rows = targets[name]
+            dest[start:start + rows].copy_(t, non_blocking=True)
+            n += 1
+        return n
+
+    def nbytes(self) -> int:
+        tensors = {id(t): t for L in self.layers for t in L.values()}
+        for t in (self.embed, self.lm_head, self.norm):
+            tensors[id(t)] = t
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    # ----- forward -------------------------------------------------------------------------
+
+    def rope_table(self, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [max_positions, D] in the model dtype, built once (CUDA graphs index it)."""
+        if self._rope_cache is None or self._rope_cache[0].shape[0] < max_positions:
+            t = torch.arange(max_positions, dtype=torch.float32)
+            freqs = torch.outer(t, self._inv_freq)
+            emb = torch.cat([freqs, freqs], dim=-1)
+            self._rope_cache = (emb.cos().to(self.device, self.dtype),
+                                emb.sin().to(self.device, self.dtype))
+        return self._rope_cache
+
+    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend
+               ) -> torch.Tensor:
+        """Final-norm hidden states [T, hidden] of a packed token stream."""
+        s = self.spec
+        cos_t, sin_t = self.rope_table(s.max_position_embeddings)
+        cos, sin = cos_t[positions], sin_t[positions]
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        x = F.embedding(input_ids, self.embed)
+        T = x.shape[0]
+        for i, L in enumerate(self.layers):
+            h = rms_norm(x, L["ln1"], s.rms_norm_eps)
+            qkv = F.linear(h, L["qkv"], L.get("qkv_bias"))
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(T, s.num_heads, s.head_dim)
+            k = k.view(T, s.num_kv_heads, s.head_dim)
+            v = v.view(T, s.num_kv_heads, s.head_dim)
+            if s.qk_norm:
+                q = rms_norm(q, L["q_norm"], s.rms_norm_eps)
+                k = rms_norm(k, L["k_norm"], s.rms_norm_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            a = attend(i, q, k, v).reshape(T, q_size)
+            x = x + F.linear(a, L["o"])
+            h = rms_norm(x, L["ln2"], s.rms_norm_eps)
+            gate, up = F.linear(h, L["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, L["down"])
+        return rms_norm(x, self.norm, s.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 logits [N, vocab]."""
+        return F.linear(hidden, self.lm_head).float()
+
+
+def load_model(model_dir: str | Path, *, device: torch.device | str, dtype: torch.dtype,
+               spec: ModelSpec | None = None) -> DenseLM:
+    """Build a DenseLM from a HF checkpoint directory (every tensor checked before any is kept)."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    spec = spec or read_spec(model_dir)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir} holds no *.safetensors files; pass a HF checkpoint "
+                              "directory")
+    model = DenseLM(spec, device=device, dtype=dtype)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                shapes[name] = tuple(sf.get_slice(name).get_shape())
+    model.check_tensors(shapes, where=str(model_dir))
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            model.load_tensors((name, sf.get_tensor(name)) for name in sf.keys())
+    return model

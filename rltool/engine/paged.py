@@ -1,0 +1,173 @@
+"""Paged KV cache: the page allocator, the per-request page table, and the pool's tensors.
+
+Bookkeeping is plain Python and device-independent: a request owns a list of page ids and a token
+count; token j of a request lives in pool slot `pages[j // page_size] * page_size + j % page_size`.
+The device mirror of the page table (`req_to_page`, [max_requests + 1, max_pages_per_request]) is
+written incrementally (only new pages, one scatter per step), so a decode step never rebuilds it.
+
+Page 0 and table row 0 are scratch: padded rows of a CUDA-graph batch point at them, read one junk
+token and write their junk KV there, so graph replay needs no branches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rltool.errors import EngineError
+
+
+class OutOfPagesError(EngineError):
+    """The KV pool has no free page for a request (the scheduler retracts or waits)."""
+
+
+class PageAllocator:
+    """Free list of page ids 1..num_pages-1; page 0 is the scratch page."""
+
+    def __init__(self, num_pages: int):
+        if num_pages < 2:
+            raise EngineError(f"the KV pool needs at least 2 pages, got {num_pages}")
+        self.num_pages = num_pages
+        # Popped from the end: low ids first, so a fresh engine fills the pool from its start.
+        self._free = list(range(num_pages - 1, 0, -1))
+
+    @property
+    def available(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPagesError(f"need {n} KV pages, {len(self._free)} free")
+        if n == 0:
+            return []
+        out = self._free[-n:]
+        del self._free[-n:]
+        out.reverse()
+        return out
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+
+@dataclass
+class PageEntry:
+    row: int  # row of req_to_page
+    pages: list[int] = field(default_factory=list)
+    length: int = 0  # tokens whose KV is (or is being) written
+
+
+class PageTable:
+    """Which pages each request owns, and the device-side copy the attention kernels read."""
+
+    def __init__(self, *, num_pages: int, page_size: int, max_requests: int,
+                 max_pages_per_request: int, device: torch.device | str):
+        self.page_size = page_size
+        self.allocator = PageAllocator(num_pages)
+        self.max_pages_per_request = max_pages_per_request
+        self.entries: dict[str, PageEntry] = {}
+        self._rows = list(range(max_requests, 0, -1))  # row 0 is scratch
+        self.req_to_page = torch.zeros(max_requests + 1, max_pages_per_request, dtype=torch.int32,
+                                       device=device)
+        self._pending: list[tuple[int, int, int]] = []  # (row, page index, page id)
+
+    @property
+    def free_pages(self) -> int:
+        return self.allocator.available
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def extra_pages(self, rid: str, length: int) -> int:
+        """Pages `rid` would need to hold `length` tokens (0 if it already can)."""
+        entry = self.entries.get(rid)
+        have = len(entry.pages) if entry is not None else 0
+        return max(self.pages_for(length) - have, 0)
+
+    def add(self, rid: str) -> PageEntry:
+        if rid in self.entries:
+            return self.entries[rid]
+        if not self._rows:
+            raise EngineError("no free page-table row; more requests than --max-running-requests")
+        entry = PageEntry(row=self._rows.pop())
+        self.entries[rid] = entry
+        return entry
+
+    def extend(self, rid: str, length: int) -> PageEntry:
+        """Grow `rid` to hold `length` tokens, allocating pages as needed (all or nothing)."""
+        entry = self.entries[rid]
+        need = self.pages_for(length)
+        if need > self.max_pages_per_request:
+            raise EngineError(f"request {rid} needs {need} pages; at most "
+                              f"{self.max_pages_per_request} fit its page-table row")
+        new = self.allocator.alloc(need - len(entry.pages)) if need > len(entry.pages) else []
+        for page in new:
+            self._pending.append((entry.row, len(entry.pages), page))
+            entry.pages.append(page)
+        entry.length = max(entry.length, length)
+        return entry
+
+    def slots(self, rid: str, start: int, end: int) -> list[int]:
+        """Pool slots of tokens [start, end) of `rid`."""
+        pages, ps = self.entries[rid].pages, self.page_size
+        return [pages[j // ps] * ps + j % ps for j in range(start, end)]
+
+    def remove(self, rid: str) -> None:
+        entry = self.entries.pop(rid, None)
+        if entry is None:
+            return
+        self.allocator.free(entry.pages)
+        self._rows.append(entry.row)
+
+    def clear(self) -> None:
+        for rid in list(self.entries):
+            self.remove(rid)
+        self._pending.clear()
+
+    def flush(self) -> None:
+        """Write the page ids allocated since the last flush into `req_to_page` (one scatter)."""
+        if not self._pending:
+            return
+        rows, cols, pages = zip(*self._pending)
+        self._pending.clear()
+        index = torch.tensor([rows, cols], dtype=torch.long)
+        values = torch.tensor(pages, dtype=torch.int32)
+        dev = self.req_to_page.device
+        self.req_to_page.index_put_((index[0].to(dev, non_blocking=True),
+                                     index[1].to(dev, non_blocking=True)),
+                                    values.to(dev, non_blocking=True))
+
+
+class KVPool:
+    """K and V for every layer: [layers, num_pages * page_size, kv_heads, head_dim] each."""
+
+    def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+                         req_to_page: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
+                         page_size: int, max_len: int, scale: float) -> torch.Tensor:
+    """Reference paged decode attention (pure torch). q [B, H, D]; k/v_cache [slots, KVH, D];
+    rows [B] page-table rows; seq_lens [B] tokens to attend to (the new one included).
+    Returns [B, H, D] in q's dtype, softmax in fp32."""
+    B, H, D = q.shape
+    kvh = k_cache.shape[1]
+    pos = torch.arange(max_len, device=q.device)
+    pages = req_to_page[rows.long()][:, pos // page_size].long()  # [B, max_len]
+    slots = pages * page_size + pos % page_size
+    k = k_cache[slots].float()  # [B, L, KVH, D]
+    v = v_cache[slots].float()
+    qg = q.float().view(B, kvh, H // kvh, D)
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale
+    valid = pos.unsqueeze(0) < seq_lens.unsqueeze(1).long()  # [B, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgl,blhd->bhgd", probs, v)
+    return out.reshape(B, H, D).to(q.dtype)

@@ -1,0 +1,368 @@
+"""The paged model runner: the engine's own model over a paged KV pool, on CUDA or CPU.
+
+Prefill is packed: the chunks of every request prefilled in a step form one token stream (no
+padding) through the projections and MLPs; attention runs per group of equal-length fresh chunks
+(one batched SDPA call, causal) and per chunk that continues a cached prefix (SDPA over the
+prefix gathered from its pages). Decode runs the whole running batch as one step over the paged
+pool: on CUDA with the Triton split-KV kernel, captured in a CUDA graph per batch-size bucket and
+replayed; on CPU with the torch reference attention.
+
+Memory on CUDA: weights, then the KV pool sized once from what `--mem-fraction-static` leaves
+(fraction x total memory, minus what is in use), then the graphs. `release` frees all three;
+`resume` reloads the weights from the checkpoint last loaded and recaptures the graphs.
+
+Every method runs on the scheduler thread.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rltool.engine.dense_model import DenseLM, load_model, read_spec
+from rltool.engine.paged import KVPool, PageTable, decode_attention_ref
+from rltool.errors import BadInputError, CheckpointError, EngineError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256,
+                 320, 384, 448, 512)
+META_ROWS = 5  # input ids, positions, page-table rows, sequence lengths, output slots
+
+
+class PagedRunner:
+    paged = True
+
+    def __init__(self, model_path: str | Path, *, device: str = "cuda", dtype: str = "bf16",
+                 weight_version: str = "default", max_running: int = 64, page_size: int = 16,
+                 mem_fraction_static: float = 0.85, max_total_tokens: int | None = None,
+                 cuda_graph_max_bs: int = 256, disable_cuda_graph: bool = False):
+        from transformers import AutoTokenizer
+
+        if dtype not in DTYPES:
+            raise BadInputError(f"unknown --dtype {dtype!r}; choose fp32 or bf16")
+        self.model_path = Path(model_path)
+        self.tokenizer_path = self.model_path
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.weight_version = weight_version
+        self.spec = read_spec(self.model_path)
+        self.config_json = json.loads((self.model_path / "config.json").read_text())
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        self.context_length = self.spec.max_position_embeddings
+        self.vocab_size = self.spec.vocab_size
+        self.eos_token_ids = self._eos_ids()
+        self.max_running = max_running
+        self.page_size = page_size
+        self.mem_fraction_static = mem_fraction_static
+        self.max_total_tokens = max_total_tokens
+        self.use_graphs = self.device.type == "cuda" and not disable_cuda_graph
+        self.cuda_graph_max_bs = min(cuda_graph_max_bs, max_running)
+        self.scale = self.spec.head_dim ** -0.5
+        self.model: DenseLM | None = None
+        self.pool: KVPool | None = None
+        self.table: PageTable | None = None
+        self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._meta: torch.Tensor | None = None
+        self._host_meta: torch.Tensor | None = None
+        self._max_len = 1
+        self._build()
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        sources = [self.config_json.get("eos_token_id"), self.tokenizer.eos_token_id]
+        gen = self.model_path / "generation_config.json"
+        if gen.is_file():
+            sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+        for source in sources:
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, (list, tuple)):
+                ids.update(int(x) for x in source)
+        return ids
+
+    # ----- memory --------------------------------------------------------------------------
+
+    def _build(self) -> None:
+        self.model = load_model(self.model_path, device=self.device, dtype=DTYPES[self.dtype],
+                                spec=self.spec)
+        self.model.rope_table(self.context_length)
+        elem = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        per_token = self.spec.kv_bytes_per_token * elem
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            gc.collect()
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - total * (1.0 - self.mem_fraction_static)
+            tokens = int(budget // per_token)
+        else:
+            tokens = self.max_running * min(self.context_length, 4096)
+        if self.max_total_tokens:
+            tokens = min(tokens, self.max_total_tokens)
+        num_pages = tokens // self.page_size
+        if num_pages < 2:
+            raise EngineError(f"no room for a KV pool ({tokens} tokens) after the weights; raise "
+                              "--mem-fraction-static")
+        self.pool = KVPool(num_layers=self.spec.num_layers, num_pages=num_pages,
+                           page_size=self.page_size, num_kv_heads=self.spec.num_kv_heads,
+                           head_dim=self.spec.head_dim, dtype=DTYPES[self.dtype],
+                           device=self.device)
+        self.table = PageTable(num_pages=num_pages, page_size=self.page_size,
+                               max_requests=self.max_running,
+                               max_pages_per_request=-(-self.context_length // self.page_size),
+                               device=self.device)
+        self.max_total_num_tokens = (num_pages - 1) * self.page_size
+        log.info("KV pool: %d pages of %d tokens (%.2f GiB); weights %.2f GiB", num_pages,
+                 self.page_size, self.pool.nbytes() / 2**30, self.model.nbytes() / 2**30)
+        if self.use_graphs:
+            self._capture()
+
+    @property
+    def released(self) -> bool:
+        return self.model is None
+
+    def release(self) -> None:
+        """Free weights, KV pool and CUDA graphs (the scheduler has retracted every request)."""
+        self.graphs.clear()
+        self.model = self.pool = self.table = None
+        self._meta = self._host_meta = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def resume(self) -> None:
+        if self.model is None:
+            self._build()
+
+    def load_weights(self, path: str | Path) -> int:
+        """Copy a HF checkpoint's tensors into the live model after checking every name and shape.
+        Nothing changes unless the whole checkpoint matches."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+        if not files:
+            raise CheckpointError(f"{path} holds no *.safetensors files; pass a HF checkpoint "
+                                  "directory as model_path")
+        if self.model is None:
+            raise BadInputError("weights are released; call /resume_memory_occupation first")
+        shapes: dict[str, tuple[int, ...]] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():
+                    shapes[name] = tuple(sf.get_slice(name).get_shape())
+        self.model.check_tensors(shapes, where=str(path))
+        n = 0
+        for f in files:
+            with safe_open(str(f), framework="pt") as sf:
+                n += self.model.load_tensors((name, sf.get_tensor(name)) for name in sf.keys())
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.model_path = path
+        return n
+
+    # ----- bookkeeping used by the scheduler -----------------------------------------------
+
+    def free_pages(self) -> int:
+        return self.table.free_pages if self.table is not None else 0
+
+    def extra_pages(self, rid: str, length: int) -> int:
+        return self.table.extra_pages(rid, length)
+
+    def remove(self, rid: str) -> None:
+        if self.table is not None:
+            self.table.remove(rid)
+
+    def clear(self) -> None:
+        if self.table is not None:
+            self.table.clear()
+
+    # ----- forwards ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, chunks: list[tuple[str, list[int], int]], *, want: list[bool]
+                ) -> torch.Tensor | None:
+        """Write the KV of each chunk (rid, token ids, first position) into the pool in one packed
+        forward. Returns float32 logits of the last token of each chunk with want[i], in order."""
+        table, dev = self.table, self.device
+        order = sorted(range(len(chunks)), key=lambda i: (chunks[i][2] > 0, len(chunks[i][1])))
+        ids: list[int] = []
+        pos: list[int] = []
+        loc: list[int] = []
+        last: dict[int, int] = {}
+        groups: list[tuple[int, int, int]] = []  # fresh chunks: (offset, count, length)
+        cont: list[tuple[int, int, int, list[int]]] = []  # (offset, length, start, kv slots)
+        for i in order:
+            rid, toks, start = chunks[i]
+            n = len(toks)
+            table.add(rid)
+            table.extend(rid, start + n)
+            offset = len(ids)
+            ids += toks
+            pos += range(start, start + n)
+            loc += table.slots(rid, start, start + n)
+            last[i] = offset + n - 1
+            if start > 0:
+                cont.append((offset, n, start, table.slots(rid, 0, start + n)))
+            elif groups and groups[-1][2] == n and groups[-1][0] + groups[-1][1] * n == offset:
+                o, c, _ = groups[-1]
+                groups[-1] = (o, c + 1, n)
+            else:
+                groups.append((offset, 1, n))
+        table.flush()
+        ids_t = torch.tensor(ids).to(dev, non_blocking=True)
+        pos_t = torch.tensor(pos).to(dev, non_blocking=True)
+        loc_t = torch.tensor(loc).to(dev, non_blocking=True)
+        cont_t = [(o, n, s, torch.tensor(sl).to(dev, non_blocking=True)) for o, n, s, sl in cont]
+        pool = self.pool
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kc, vc = pool.k[layer], pool.v[layer]
+            kc.index_copy_(0, loc_t, k)
+            vc.index_copy_(0, loc_t, v)
+            out = torch.empty_like(q)
+            for o, c, n in groups:
+                out[o:o + c * n] = _sdpa(q[o:o + c * n].view(c, n, *q.shape[1:]),
+                                         k[o:o + c * n].view(c, n, *k.shape[1:]),
+                                         v[o:o + c * n].view(c, n, *v.shape[1:]),
+                                         scale=self.scale).reshape(c * n, *q.shape[1:])
+            for o, n, s, slots in cont_t:
+                mask = (torch.arange(s + n, device=dev).unsqueeze(0)
+                        <= torch.arange(s, s + n, device=dev).unsqueeze(1))
+                out[o:o + n] = _sdpa(q[o:o + n].unsqueeze(0), kc[slots].unsqueeze(0),
+                                     vc[slots].unsqueeze(0), scale=self.scale,
+                                     mask=mask).squeeze(0)
+            return out
+
+        hidden = self.model.hidden(ids_t, pos_t, attend)
+        rows = [last[i] for i in range(len(chunks)) if want[i]]
+        if not rows:
+            return None
+        return self.model.logits(hidden[torch.tensor(rows).to(dev)])
+
+    @torch.no_grad()
+    def decode(self, rids: list[str], token_ids: list[int]) -> torch.Tensor:
+        """One decode step: token_ids[i] is fed to request rids[i] (its KV grows by one token).
+        Returns float32 logits [B, V]."""
+        table, B = self.table, len(rids)
+        bucket = next((b for b in sorted(self.graphs) if b >= B), None)
+        n = bucket or B
+        host = torch.zeros(META_ROWS, n, dtype=torch.long)
+        host[3] = 1  # padded rows: one junk token of the scratch page
+        rows, lens, locs, positions = [], [], [], []
+        for rid in rids:
+            entry = table.entries[rid]
+            p = entry.length
+            table.extend(rid, p + 1)
+            rows.append(entry.row)
+            positions.append(p)
+            lens.append(p + 1)
+            locs.append(entry.pages[p // self.page_size] * self.page_size + p % self.page_size)
+        host[:, :B] = torch.tensor([token_ids, positions, rows, lens, locs])
+        table.flush()
+        self._max_len = max(lens)
+        if bucket is None:
+            return self._decode_forward(host.to(self.device))[:B]
+        self._host_meta[:, :n].copy_(host)
+        self._meta[:, :n].copy_(self._host_meta[:, :n], non_blocking=True)
+        graph, out = self.graphs[bucket]
+        graph.replay()
+        return out[:B]
+
+    def _decode_forward(self, meta: torch.Tensor) -> torch.Tensor:
+        ids, pos, rows, seq_lens, loc = meta
+        pool, table = self.pool, self.table
+        if self.device.type == "cuda":
+            from rltool.engine.decode_attention import decode_attention, num_splits_for
+
+            splits = num_splits_for(meta.shape[1], self.spec.num_kv_heads)
+
+            def attn(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+                return decode_attention(q, kc, vc, req_to_page=table.req_to_page, rows=rows,
+                                        seq_lens=seq_lens, page_size=self.page_size,
+                                        scale=self.scale, num_splits=splits)
+        else:
+            def attn(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+                return decode_attention_ref(q, kc, vc, req_to_page=table.req_to_page, rows=rows,
+                                            seq_lens=seq_lens, page_size=self.page_size,
+                                            max_len=self._max_len, scale=self.scale)
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kc, vc = pool.k[layer], pool.v[layer]
+            kc.index_copy_(0, loc, k)
+            vc.index_copy_(0, loc, v)
+            return attn(q, kc, vc)
+
+        return self.model.logits(self.model.hidden(ids, pos, attend))
+
+    def _capture(self) -> None:
+        """Capture the decode step for each batch-size bucket, largest first, in one memory pool."""
+        top = self.cuda_graph_max_bs
+        buckets = sorted({b for b in GRAPH_BUCKETS if b <= top} | {top})
+        self._meta = torch.zeros(META_ROWS, top, dtype=torch.long, device=self.device)
+        self._meta[3] = 1
+        self._host_meta = torch.zeros(META_ROWS, top, dtype=torch.long).pin_memory()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for bs in reversed(buckets):
+            meta = self._meta[:, :bs]
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compiles the Triton kernel, warms cuBLAS
+                    self._decode_forward(meta)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                out = self._decode_forward(meta)
+            self.graphs[bs] = (graph, out)
+        torch.cuda.synchronize(self.device)
+
+    @torch.no_grad()
+    def full_pass_logits(self, token_ids: list[int], *, start: int) -> torch.Tensor:
+        """Logits [T - start, V] (float32, on the CPU) predicting token_ids[start:], from one
+        unpadded causal pass over the whole sequence, without touching the KV pool."""
+        dev = self.device
+        ids = torch.tensor(token_ids).to(dev)
+        pos = torch.arange(len(token_ids), device=dev)
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return _sdpa(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                         scale=self.scale).squeeze(0)
+
+        hidden = self.model.hidden(ids, pos, attend)
+        return self.model.logits(hidden[start - 1:-1]).cpu()
+
+    # ----- info ----------------------------------------------------------------------------
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": str(self.model_path),
+            "tokenizer_path": str(self.tokenizer_path),
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": self.config_json.get("model_type"),
+            "architectures": list(self.config_json.get("architectures") or []),
+            "device": self.device.type,
+            "dtype": self.dtype,
+        }
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+          mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q [G, n, H, D], k/v [G, L, KVH, D] -> [G, n, H, D]; causal unless `mask` [n, L] is given."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask, is_causal=mask is None, scale=scale,
+                                         enable_gqa=True)
+    return out.transpose(1, 2)

@@ -1,0 +1,153 @@
+"""The scheduler over a paged runner (rltool.engine.paged_runner): same loop, same control
+operations (pause modes, weight updates, abort, memory), same request accounting as `Scheduler`;
+what differs is how a step touches the KV cache and samples.
+
+A step: admit while fewer than `max_running` are in flight; prefill chunks of several requests in
+one packed forward, up to `max_prefill_tokens` tokens in all, each chunk at most
+`chunked_prefill_size` tokens and starting at a fixed multiple of it inside its prompt; then one
+decode forward over every running request, and one batched sampling call on the device with a
+single transfer back. KV pages are reserved before a forward: a prompt waits while its pages
+(plus one per running request for the next token) are not free, and a decode step that would run
+out of pages first retracts the most recently admitted requests (recomputed later).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from typing import Any
+
+import torch
+
+from rltool.engine.batch_sampling import sample_batch
+from rltool.engine.request import Request
+from rltool.engine.scheduler import THROUGHPUT_WINDOW_S, Scheduler
+
+
+class PagedScheduler(Scheduler):
+    def __init__(self, runner: Any, *, chunked_prefill_size: int, **kwargs: Any):
+        super().__init__(runner, **kwargs)
+        self.chunked_prefill_size = chunked_prefill_size
+        self.num_retractions = 0
+        self._shared_generator = torch.Generator(device=runner.device)
+        self._shared_generator.seed()
+        self._generators: dict[str, torch.Generator] = {}
+
+    # ----- steps ---------------------------------------------------------------------------
+
+    def _prefill_step(self) -> None:
+        runner = self.runner
+        budget = self.max_prefill_tokens
+        chunk = self.chunked_prefill_size
+        free = runner.free_pages() - len(self.running)  # a page per running request's next token
+        chunks: list[tuple[str, list[int], int]] = []
+        want: list[bool] = []
+        reqs: list[Request] = []
+        done: list[Request] = []
+        for req in list(self.prefilling):
+            start, target = req.num_cached, req.prefill_target
+            end = min(target, (start // chunk + 1) * chunk)
+            if chunks and end - start > budget:
+                break
+            need = runner.extra_pages(req.rid, end)
+            if need > free:
+                break
+            free -= need
+            chunks.append((req.rid, req.all_ids()[start:end], start))
+            want.append(end == target and not req.output_ids)
+            reqs.append(req)
+            req.num_cached = end
+            budget -= end - start
+            if end == target:
+                done.append(req)
+            if budget <= 0:
+                break
+        if not chunks:
+            if self.prefilling and not self.running:
+                req = self.prefilling[0]
+                self._finish(req, {"type": "abort", "status_code": 400, "err_type": "BadRequest",
+                                   "message": f"the prompt needs {req.prefill_target} tokens of "
+                                              "KV cache, more than the pool holds; raise "
+                                              "--mem-fraction-static or shorten it"})
+            return
+        logits = runner.prefill(chunks, want=want)
+        self.num_prefill_forwards += 1
+        for req in done:
+            self.prefilling.remove(req)
+        fresh = [r for r, w in zip(reqs, want) if w]
+        if fresh:
+            self._sample_and_accept(fresh, logits)
+        for req in done:
+            if not req.finished:
+                self.running[req.rid] = req
+
+    def _decode_step(self) -> None:
+        runner = self.runner
+        reqs = sorted(self.running.values(), key=lambda r: r.seq)
+        need = sum(runner.extra_pages(r.rid, len(r.prompt_ids) + len(r.output_ids)) for r in reqs)
+        while need > runner.free_pages() and len(reqs) > 1:
+            victim = reqs.pop()
+            need -= runner.extra_pages(victim.rid, len(victim.prompt_ids) + len(victim.output_ids))
+            self._retract(victim)
+        logits = runner.decode([r.rid for r in reqs], [r.output_ids[-1] for r in reqs])
+        self.num_decode_forwards += 1
+        self.max_decode_batch = max(self.max_decode_batch, len(reqs))
+        self.decode_log.append([r.rid for r in reqs])
+        self._sample_and_accept(reqs, logits)
+
+    def _sample_and_accept(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        eos = self.runner.eos_token_ids
+        suppressed = [sorted(eos | set(r.params.stop_token_ids))
+                      if len(r.output_ids) < r.params.min_new_tokens else [] for r in reqs]
+        drawn = sample_batch(
+            logits, [r.params for r in reqs], generators=[self._generator(r) for r in reqs],
+            suppressed=suppressed,
+            top_n=[r.top_logprobs_num if r.return_logprob else 0 for r in reqs],
+            token_ids=[r.token_ids_logprob if r.return_logprob else None for r in reqs],
+            shared_generator=self._shared_generator)
+        now = time.monotonic()
+        self.total_output_tokens += len(reqs)
+        self._token_times.append((now, len(reqs)))
+        while self._token_times and now - self._token_times[0][0] > THROUGHPUT_WINDOW_S:
+            self._token_times.popleft()
+        version = self.runner.weight_version
+        for i, req in enumerate(reqs):
+            token = drawn.tokens[i]
+            req.record_token(token, drawn.logprobs[i], version=version, top=drawn.top[i],
+                             ids_lp=drawn.ids_logprobs[i])
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self._finish(req, reason)
+            elif req.on_token is not None:
+                req.text = self._decode_text(req)
+                req.on_token(req)
+
+    def _generator(self, req: Request) -> torch.Generator | None:
+        """The request's own generator on the runner's device (seeded like its CPU one)."""
+        if req.generator is None or self.runner.device.type == "cpu":
+            return req.generator
+        gen = self._generators.get(req.rid)
+        if gen is None:
+            gen = torch.Generator(device=self.runner.device)
+            gen.manual_seed(req.generator.initial_seed())
+            self._generators[req.rid] = gen
+        return gen
+
+    # ----- KV ownership --------------------------------------------------------------------
+
+    def _retract(self, req: Request) -> None:
+        self.runner.remove(req.rid)
+        self.running.pop(req.rid, None)
+        req.reset_cache()
+        bisect.insort(self.waiting, req, key=lambda r: r.seq)
+        self.num_retractions += 1
+
+    def _finish(self, req: Request, reason: dict[str, Any]) -> None:
+        if not req.finished:
+            self.runner.remove(req.rid)
+            self._generators.pop(req.rid, None)
+        super()._finish(req, reason)
+
+    def _retract_all(self) -> None:
+        self.runner.clear()
+        super()._retract_all()
