@@ -2,7 +2,9 @@ import click
 
 from rltool.commands.common import config_option, explicit_flags, handle_errors, setup_logging
 
-FLAGS = ["engine", "url", "health_timeout_s", "model", "host", "port", "ready_file", "dtype",
+FLAGS = ["engine", "url", "health_timeout_s", "model", "host", "port", "ready_file", "device", "dtype",
+         "mem_fraction_static", "page_size", "chunked_prefill_size", "cuda_graph_max_bs",
+         "disable_cuda_graph",
          "max_running_requests", "max_queued_requests", "max_prefill_tokens", "deterministic",
          "num_threads", "weight_version", "served_model_name", "log_level",
          "enable_debug_endpoints", "local_checkpoint_dir", "allowed_weight_root", "api_key",
@@ -23,14 +25,29 @@ FLAGS = ["engine", "url", "health_timeout_s", "model", "host", "port", "ready_fi
 @click.option("--port", type=int, default=None, help="Port (default 30000; 0 = any free port).")
 @click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
               help="Write {url, pid} here (atomically) once the engine serves.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None,
+              help="--engine builtin: cuda (paged KV, CUDA graphs), cpu, or auto (default: cuda "
+                   "when available).")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default=None,
-              help="Weight/compute dtype (default fp32).")
+              help="Weight/compute dtype (default bf16 on cuda, fp32 on cpu).")
+@click.option("--mem-fraction-static", type=float, default=None,
+              help="cuda: weights + KV pool as a fraction of GPU memory (default 0.85).")
+@click.option("--page-size", type=int, default=None,
+              help="cuda: tokens per KV-cache page (default 16).")
+@click.option("--chunked-prefill-size", type=int, default=None,
+              help="Largest prefill chunk of one prompt (default 8192 on cuda, "
+                   "--max-prefill-tokens on cpu).")
+@click.option("--cuda-graph-max-bs", type=int, default=None,
+              help="cuda: largest decode batch replayed from a CUDA graph (default 256).")
+@click.option("--disable-cuda-graph", is_flag=True, default=None,
+              help="cuda: run every decode step eagerly.")
 @click.option("--max-running-requests", type=int, default=None,
               help="Largest decode batch (default 64).")
 @click.option("--max-queued-requests", type=int, default=None,
               help="Waiting requests beyond the running ones before 429 (default 4096).")
 @click.option("--max-prefill-tokens", type=int, default=None,
-              help="Prompt tokens prefilled per scheduler step (default 512).")
+              help="Prompt tokens prefilled per scheduler step (default 16384 on cuda, 512 "
+                   "on cpu).")
 @click.option("--deterministic", is_flag=True, default=None,
               help="Seeded, batch-invariant sampling; logprobs in the trainer's layout.")
 @click.option("--num-threads", type=int, default=None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -44,12 +44,29 @@ class ServeConfig(StageConfig):
     port: int = Field(30000, ge=0, le=65535, description="TCP port; 0 picks a free one.")
     ready_file: Path | None = Field(None, description="Written atomically with {url, pid} once "
                                                       "the engine answers requests.")
-    dtype: Literal["fp32", "bf16"] = Field("fp32", description="Weight and compute dtype.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="--engine builtin: cuda (the paged engine), cpu, or auto (cuda when "
+                            "available).")
+    dtype: Literal["fp32", "bf16"] | None = Field(None, description="Weight and compute dtype "
+                                                                    "(default bf16 on cuda, fp32 "
+                                                                    "on cpu).")
+    mem_fraction_static: float = Field(0.85, gt=0, lt=1, description="cuda: weights + KV pool "
+                                                                     "as a fraction of GPU memory.")
+    page_size: int = Field(16, ge=1, description="cuda: tokens per KV-cache page.")
+    chunked_prefill_size: int | None = Field(None, ge=1, description="Largest prefill chunk of "
+                                                                     "one prompt (default: 8192 "
+                                                                     "on cuda, "
+                                                                     "--max-prefill-tokens on "
+                                                                     "cpu).")
+    cuda_graph_max_bs: int = Field(256, ge=1, description="cuda: largest decode batch replayed "
+                                                          "from a CUDA graph.")
+    disable_cuda_graph: bool = Field(False, description="cuda: run decode eagerly.")
     max_running_requests: int = Field(64, ge=1, description="Largest decode batch.")
     max_queued_requests: int = Field(4096, ge=0, description="Waiting requests beyond the "
                                                              "running ones before 429.")
-    max_prefill_tokens: int = Field(512, ge=1, description="Prompt tokens prefilled per step "
-                                                           "(and the prefill chunk size).")
+    max_prefill_tokens: int | None = Field(None, ge=1, description="Prompt tokens prefilled "
+                                                                   "per step (default 16384 on "
+                                                                   "cuda, 512 on cpu).")
     deterministic: bool = Field(False, description="Seeded, batch-invariant sampling; logprobs "
                                                    "from one unpadded pass (trainer layout).")
     num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's "
@@ -79,6 +96,28 @@ class ServeConfig(StageConfig):
     enable_debug_endpoints: bool = Field(False, description="Mount POST /debug/hidden_states "
                                          "(align-gate --layerwise); off: 404.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _device_defaults(cls, data: Any) -> Any:
+        """Defaults that depend on the device: filled in before validation, so the fields always
+        hold concrete values."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        cuda = data.get("engine", "builtin") == "builtin" and resolve_device(
+            data.get("device") or "auto") == "cuda"
+        if data.get("dtype") is None:
+            data["dtype"] = "bf16" if cuda else "fp32"
+        if data.get("max_prefill_tokens") is None:
+            data["max_prefill_tokens"] = 16384 if cuda else 512
+        if data.get("chunked_prefill_size") is None:
+            data["chunked_prefill_size"] = 8192 if cuda else data["max_prefill_tokens"]
+        return data
+
+    @property
+    def engine_device(self) -> str:
+        return resolve_device(self.device)
+
     def weight_roots(self) -> list[Path]:
         assert self.model is not None
         roots = list(self.allowed_weight_root) or [self.model.parent]
@@ -101,7 +140,25 @@ class ServeConfig(StageConfig):
             raise ValueError(f"--engine {self.engine} needs --model DIR")
         if not (is_loopback(self.host) or self.admin_api_key or self.allow_unauthenticated_admin):
             raise PydanticCustomError("insecure_host", INSECURE_HOST, {"host": self.host})
+        if self.engine == "builtin" and self.engine_device == "cuda":
+            if self.deterministic:
+                raise ValueError("--deterministic is not supported with --device cuda yet; use "
+                                 "--device cpu")
+            if self.enable_debug_endpoints:
+                raise ValueError("--enable-debug-endpoints needs --device cpu")
         if not (self.model / "config.json").is_file():
             raise ValueError(f"--model {self.model} is not a HF checkpoint directory "
                              "(no config.json)")
         return self
+
+
+def resolve_device(device: str) -> str:
+    """auto -> cuda when torch sees a GPU, else cpu; cuda without a GPU is refused."""
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    available = torch.cuda.is_available()
+    if device == "cuda" and not available:
+        raise ValueError("--device cuda: torch sees no CUDA GPU; use --device cpu")
+    return "cuda" if available else "cpu"

@@ -25,9 +25,8 @@ from rltool.engine.scheduler import THROUGHPUT_WINDOW_S, Scheduler
 
 
 class PagedScheduler(Scheduler):
-    def __init__(self, runner: Any, *, chunked_prefill_size: int, **kwargs: Any):
+    def __init__(self, runner: Any, **kwargs: Any):
         super().__init__(runner, **kwargs)
-        self.chunked_prefill_size = chunked_prefill_size
         self.num_retractions = 0
         self._shared_generator = torch.Generator(device=runner.device)
         self._shared_generator.seed()

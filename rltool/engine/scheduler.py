@@ -1,8 +1,8 @@
 """Continuous-batching scheduler: one thread owns the model and runs steps.
 
 A step: (1) admit waiting requests while fewer than `max_running` are in flight; (2) prefill at
-most `max_prefill_tokens` prompt tokens (chunks start at fixed multiples of that size inside each
-prompt, so a chunk's shape never depends on other requests); a request whose prompt is fully cached
+most `max_prefill_tokens` prompt tokens (chunks of `chunked_prefill_size` start at fixed multiples
+of it inside each prompt, so a chunk's shape never depends on other requests); a request whose prompt is fully cached
 samples its first token and joins the decode batch; (3) one batched decode forward for every
 running request, sample per request, retire the finished ones. Requests join and leave only at
 step boundaries, so a long prompt costs the running batch at most one chunk of latency per step.
@@ -53,12 +53,13 @@ class QueueFullError(EngineError):
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, *, max_running: int = 64, max_queued: int = 4096,
-                 max_prefill_tokens: int = 512, deterministic: bool = False,
-                 decode_log_size: int = 256):
+                 max_prefill_tokens: int = 512, chunked_prefill_size: int | None = None,
+                 deterministic: bool = False, decode_log_size: int = 256):
         self.runner = runner
         self.max_running = max_running
         self.max_queued = max_queued
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_tokens = max_prefill_tokens  # prompt tokens per step
+        self.chunked_prefill_size = chunked_prefill_size or max_prefill_tokens  # one chunk
         self.deterministic = deterministic
         self._cond = threading.Condition()
         self._incoming: list[Request] = []
@@ -306,7 +307,7 @@ class Scheduler:
         budget = self.max_prefill_tokens
         if not self.deterministic:
             budget = self._prefill_together(budget)
-        chunk_size = self.max_prefill_tokens
+        chunk_size = self.chunked_prefill_size
         for req in list(self.prefilling):
             if budget <= 0:
                 return
@@ -338,7 +339,7 @@ class Scheduler:
         width = 0
         for req in self.prefilling:
             n = req.prefill_target
-            if req.num_cached or n > self.max_prefill_tokens:
+            if req.num_cached or n > self.chunked_prefill_size:
                 continue
             if group and (len(group) + 1) * max(width, n) > budget:
                 break

@@ -65,6 +65,27 @@ def _server_class() -> type:
     return Server
 
 
+def build_engine(cfg: ServeConfig) -> tuple[Any, Scheduler]:
+    """The runner and scheduler for the configured device: the paged engine on cuda, the
+    transformers runner on cpu."""
+    common = dict(max_running=cfg.max_running_requests, max_queued=cfg.max_queued_requests,
+                  max_prefill_tokens=cfg.max_prefill_tokens,
+                  chunked_prefill_size=cfg.chunked_prefill_size, deterministic=cfg.deterministic)
+    if cfg.engine_device == "cuda":
+        from rltool.engine.paged_runner import PagedRunner
+        from rltool.engine.paged_scheduler import PagedScheduler
+
+        runner = PagedRunner(cfg.model, device="cuda", dtype=cfg.dtype,
+                             weight_version=cfg.weight_version,
+                             max_running=cfg.max_running_requests, page_size=cfg.page_size,
+                             mem_fraction_static=cfg.mem_fraction_static,
+                             cuda_graph_max_bs=cfg.cuda_graph_max_bs,
+                             disable_cuda_graph=cfg.disable_cuda_graph)
+        return runner, PagedScheduler(runner, **common)
+    runner = ModelRunner(cfg.model, dtype=cfg.dtype, weight_version=cfg.weight_version)
+    return runner, Scheduler(runner, **common)
+
+
 def serve(cfg: ServeConfig) -> None:
     """Serve until SIGTERM/SIGINT (blocking)."""
     import uvicorn
@@ -74,11 +95,7 @@ def serve(cfg: ServeConfig) -> None:
         import torch
 
         torch.set_num_threads(cfg.num_threads)
-    runner = ModelRunner(cfg.model, dtype=cfg.dtype, weight_version=cfg.weight_version)
-    scheduler = Scheduler(runner, max_running=cfg.max_running_requests,
-                          max_queued=cfg.max_queued_requests,
-                          max_prefill_tokens=cfg.max_prefill_tokens,
-                          deterministic=cfg.deterministic)
+    runner, scheduler = build_engine(cfg)
     sock = bind_socket(cfg.host, cfg.port)
     url = api.url_of(cfg.host, sock.getsockname()[1])
     app = build_app(EngineState(cfg=cfg, runner=runner, scheduler=scheduler,
