@@ -66,6 +66,9 @@ class PagedRunner:
         self.use_graphs = self.device.type == "cuda" and not disable_cuda_graph
         self.cuda_graph_max_bs = min(cuda_graph_max_bs, max_running)
         self.scale = self.spec.head_dim ** -0.5
+        top = self.cuda_graph_max_bs
+        self._buckets = (sorted({b for b in GRAPH_BUCKETS if b <= top} | {top})
+                         if self.device.type == "cuda" else [])
         self.model: DenseLM | None = None
         self.pool: KVPool | None = None
         self.table: PageTable | None = None
@@ -254,7 +257,8 @@ class PagedRunner:
         """One decode step: token_ids[i] is fed to request rids[i] (its KV grows by one token).
         Returns float32 logits [B, V]."""
         table, B = self.table, len(rids)
-        bucket = next((b for b in sorted(self.graphs) if b >= B), None)
+        # Eager decode on CUDA pads to the same buckets, so it computes exactly what a replay does.
+        bucket = next((b for b in self._buckets if b >= B), None)
         n = bucket or B
         host = torch.zeros(META_ROWS, n, dtype=torch.long)
         host[3] = 1  # padded rows: one junk token of the scratch page
@@ -270,7 +274,7 @@ class PagedRunner:
         host[:, :B] = torch.tensor([token_ids, positions, rows, lens, locs])
         table.flush()
         self._max_len = max(lens)
-        if bucket is None:
+        if bucket not in self.graphs:
             return self._decode_forward(host.to(self.device))[:B]
         self._host_meta[:, :n].copy_(host)
         self._meta[:, :n].copy_(self._host_meta[:, :n], non_blocking=True)
@@ -306,8 +310,7 @@ class PagedRunner:
 
     def _capture(self) -> None:
         """Capture the decode step for each batch-size bucket, largest first, in one memory pool."""
-        top = self.cuda_graph_max_bs
-        buckets = sorted({b for b in GRAPH_BUCKETS if b <= top} | {top})
+        top, buckets = self.cuda_graph_max_bs, self._buckets
         self._meta = torch.zeros(META_ROWS, top, dtype=torch.long, device=self.device)
         self._meta[3] = 1
         self._host_meta = torch.zeros(META_ROWS, top, dtype=torch.long).pin_memory()

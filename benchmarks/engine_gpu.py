@@ -1,0 +1,299 @@
+"""Benchmark the paged CUDA engine on one GPU against transformers `generate` and the roofline.
+
+Workloads (random-init models with real shapes, bf16; random prompt ids; sampling at temperature
+1.0; every request exactly 256 output tokens with ignore_eos):
+  (a) B = 64 and 256 concurrent requests of 128-token prompts: output tokens per second, in
+      process (the scheduler driven directly) and over HTTP (`rltool serve --device cuda`, B
+      concurrent /generate calls);
+  (c) time to first token at batch 1 (prefill + first sample), in process.
+Beside it, in the same run: `generate` naive (dynamic cache) and at its best measured here (static
+cache; `--hf-compile` adds torch.compile), and the workload's roofline: the sum over its prefill
+and decode steps of max(bytes moved / measured copy bandwidth, FLOPs / 989 TFLOP/s).
+
+What limits each figure: per decode step at B, the GPU time of one graph replay (CUDA events),
+the sampling time, and the scheduler's wall time per step (the rest is host work); a short torch
+profiler trace of the steady state lists the top kernels.
+
+Usage: python benchmarks/engine_gpu.py [--presets qwen2.5-0.5b,qwen2.5-7b] [--batches 64,256]
+       [--quick] [--skip-http] [--hf-compile] [--out FILE.json]
+Prints a table and, last, one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from rltool.data.models import init_model
+from rltool.engine.paged_runner import PagedRunner
+from rltool.engine.paged_scheduler import PagedScheduler
+from rltool.engine.request import Request
+from rltool.engine.sampling import SamplingParams
+
+PROMPT_LEN = 128
+OUTPUT_LEN = 256
+PEAK_BF16 = 989e12
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (4 GiB buffers)."""
+    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize()
+    bw = 2 * a.numel() * 10 / (start.elapsed_time(end) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return bw
+
+
+def roofline(spec, batch: int, *, bw: float, weight_bytes: int) -> dict:
+    """Seconds of the workload's prefill and decode steps at the roofline (bf16 everywhere).
+    Bytes: weights read once per forward (the embedding table only for the rows looked up), KV
+    read and written, logits written once; FLOPs: matmuls (2 per weight per token) + attention."""
+    layers, hd = spec.num_layers, spec.head_dim
+    kv_tok = spec.kv_bytes_per_token * 2
+    head = spec.vocab_size * spec.hidden_size
+    params = weight_bytes / 2
+    body = params - head - (0 if spec.tie_word_embeddings else head)  # matmul weights, no head
+    read = weight_bytes - (0 if spec.tie_word_embeddings else 2 * head)
+    attn = lambda q, ctx: 4 * q * ctx * layers * spec.num_heads * hd  # noqa: E731
+    T = batch * PROMPT_LEN
+    pre_flops = 2 * body * T + attn(T, PROMPT_LEN / 2) + 2 * head * batch
+    pre_bytes = read + T * kv_tok + batch * spec.vocab_size * 2
+    total = max(pre_bytes / bw, pre_flops / PEAK_BF16)
+    for step in range(OUTPUT_LEN - 1):
+        ctx = PROMPT_LEN + step + 1
+        flops = 2 * (body + head) * batch + attn(batch, ctx)
+        bytes_ = read + batch * ctx * kv_tok + batch * spec.vocab_size * 2
+        total += max(bytes_ / bw, flops / PEAK_BF16)
+    return {"seconds": total, "tokens_per_s": batch * OUTPUT_LEN / total}
+
+
+def prompts_for(n: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab - 100) for _ in range(PROMPT_LEN)] for _ in range(n)]
+
+
+def run_batch(sched: PagedScheduler, prompts, *, max_new: int = OUTPUT_LEN) -> dict:
+    done, finished = threading.Event(), []
+
+    def on_finish(req):
+        finished.append(req)
+        if len(finished) == len(prompts):
+            done.set()
+
+    tag = sched.next_seq()
+    reqs = [Request(rid=f"b{tag}-{i}", prompt_ids=p, on_finish=on_finish, return_logprob=True,
+                    params=SamplingParams(max_new_tokens=max_new, temperature=1.0,
+                                          ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    steps0 = sched.num_decode_forwards
+    t0 = time.perf_counter()
+    sched.submit(reqs)
+    assert done.wait(600), "engine run did not finish"
+    elapsed = time.perf_counter() - t0
+    out = sum(len(r.output_ids) for r in reqs)
+    assert all(len(r.output_ids) == max_new for r in reqs)
+    ttft = statistics.mean(r.t_first_token - r.t_arrival for r in reqs)
+    return {"seconds": elapsed, "output_tokens": out, "tokens_per_s": out / elapsed,
+            "decode_steps": sched.num_decode_forwards - steps0, "mean_ttft_s": ttft}
+
+
+def step_breakdown(runner: PagedRunner, batch: int) -> dict:
+    """GPU time of one decode graph replay and of sampling at `batch`, by CUDA events."""
+    from rltool.engine.batch_sampling import sample_batch
+
+    rids = [f"prof{i}" for i in range(batch)]
+    runner.prefill([(r, list(range(1, PROMPT_LEN + 1)), 0) for r in rids], want=[False] * batch)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        logits = runner.decode(rids, [1] * batch)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(20):
+        logits = runner.decode(rids, [1] * batch)
+    end.record()
+    torch.cuda.synchronize()
+    decode_gpu = start.elapsed_time(end) / 20 / 1e3
+    decode_wall = (time.perf_counter() - t0) / 20
+    params = [SamplingParams(temperature=1.0)] * batch
+    kw = dict(generators=[None] * batch, suppressed=[[]] * batch, top_n=[0] * batch,
+              token_ids=[None] * batch)
+    sample_batch(logits, params, **kw)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        sample_batch(logits, params, **kw)
+    sample_wall = (time.perf_counter() - t0) / 20
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            sample_batch(runner.decode(rids, [1] * batch), params, **kw)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
+    for r in rids:
+        runner.remove(r)
+    return {"decode_graph_gpu_s": decode_gpu, "decode_call_wall_s": decode_wall,
+            "sampling_wall_s": sample_wall, "profile_top": table}
+
+
+def hf_generate(model_dir: Path, batch: int, vocab: int, *, mode: str, compile_: bool) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).cuda()
+    model.eval()
+    ids = torch.tensor(prompts_for(batch, vocab, 7), device="cuda")
+    kw = dict(max_new_tokens=OUTPUT_LEN, min_new_tokens=OUTPUT_LEN, do_sample=True,
+              temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
+    if mode == "static":
+        kw["cache_implementation"] = "static"
+        if not compile_:
+            kw["disable_compile"] = True
+    with torch.no_grad():
+        model.generate(ids[:, :16], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate(ids, **kw)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+        n = (out.shape[1] - PROMPT_LEN) * batch
+        one = ids[:1]
+        t1 = time.perf_counter()
+        model.generate(one, **{**kw, "max_new_tokens": 1, "min_new_tokens": 1})
+        torch.cuda.synchronize()
+        ttft = time.perf_counter() - t1
+    del model
+    torch.cuda.empty_cache()
+    return {"seconds": elapsed, "tokens_per_s": n / elapsed, "ttft_b1_s": ttft}
+
+
+async def _http_batch(url: str, prompts) -> dict:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1024)) as c:
+        body = lambda p: {"input_ids": p, "sampling_params": {  # noqa: E731
+            "max_new_tokens": OUTPUT_LEN, "temperature": 1.0, "ignore_eos": True}}
+        await c.post(url + "/generate", json=body(prompts[0][:8]))
+        t0 = time.perf_counter()
+        rs = await asyncio.gather(*[c.post(url + "/generate", json=body(p)) for p in prompts])
+        elapsed = time.perf_counter() - t0
+    n = sum(len(r.json()["output_ids"]) for r in rs)
+    return {"seconds": elapsed, "output_tokens": n, "tokens_per_s": n / elapsed}
+
+
+def http_runs(model_dir: Path, batches, vocab: int) -> dict:
+    from rltool.rollout.launch import start_engine
+
+    proc = start_engine(["--engine", "builtin", "--device", "cuda", "--model", str(model_dir),
+                         "--max-running-requests", str(max(batches)), "--log-level", "warning"],
+                        log_path=Path(tempfile.mkdtemp()) / "serve.log", ready_timeout_s=300)
+    try:
+        return {b: asyncio.run(_http_batch(proc.url, prompts_for(b, vocab, 11))) for b in batches}
+    finally:
+        proc.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", default="qwen2.5-0.5b")
+    ap.add_argument("--batches", default="64,256")
+    ap.add_argument("--quick", action="store_true", help="skip transformers generate")
+    ap.add_argument("--skip-http", action="store_true")
+    ap.add_argument("--hf-compile", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    bw = copy_bandwidth()
+    results: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                     "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                     "copy_bandwidth_Bps": bw, "prompt_len": PROMPT_LEN,
+                     "output_len": OUTPUT_LEN, "models": {}}
+    rows = []
+    for preset in args.presets.split(","):
+        model_dir = init_model(Path(tempfile.mkdtemp()) / preset, arch="qwen2", preset=preset,
+                               dtype="bfloat16")
+        runner = PagedRunner(model_dir, device="cuda", dtype="bf16", max_running=max(batches),
+                             cuda_graph_max_bs=max(batches))
+        sched = PagedScheduler(runner, max_running=max(batches), max_prefill_tokens=16384,
+                               chunked_prefill_size=8192)
+        sched.start()
+        vocab = runner.vocab_size
+        r: dict = {"weight_bytes": runner.model.nbytes(), "kv_pool_bytes": runner.pool.nbytes(),
+                   "engine": {}, "roofline": {}, "breakdown": {}}
+        run_batch(sched, prompts_for(8, vocab, 1), max_new=16)  # warm-up
+        for b in batches:
+            r["engine"][b] = run_batch(sched, prompts_for(b, vocab, 3 + b))
+            r["roofline"][b] = roofline(runner.spec, b, bw=bw, weight_bytes=r["weight_bytes"])
+        ttfts = [run_batch(sched, prompts_for(1, vocab, 100 + i), max_new=1)["mean_ttft_s"]
+                 for i in range(8)]
+        r["engine_ttft_b1_s"] = statistics.median(ttfts)
+        sched.stop()
+        for b in batches:
+            bd = step_breakdown(runner, b)
+            print(bd.pop("profile_top"), flush=True)
+            r["breakdown"][b] = bd
+        runner.release()
+        del runner, sched
+        torch.cuda.empty_cache()
+        if not args.skip_http:
+            r["http"] = http_runs(model_dir, batches, vocab)
+        if not args.quick:
+            r["hf"] = {}
+            for mode in ("dynamic", "static"):
+                r["hf"][mode] = {}
+                for b in batches:
+                    try:
+                        r["hf"][mode][b] = hf_generate(model_dir, b, vocab, mode=mode,
+                                                       compile_=args.hf_compile)
+                    except Exception as e:  # recorded, so the engine's figures still come out
+                        r["hf"][mode][b] = {"error": f"{type(e).__name__}: {e}"[:300]}
+                    print("generate", mode, b, r["hf"][mode][b], flush=True)
+        results["models"][preset] = r
+        for b in batches:
+            e, roof = r["engine"][b], r["roofline"][b]
+            rows.append((preset, b, e["tokens_per_s"],
+                         r.get("http", {}).get(b, {}).get("tokens_per_s"),
+                         r.get("hf", {}).get("dynamic", {}).get(b, {}).get("tokens_per_s"),
+                         r.get("hf", {}).get("static", {}).get(b, {}).get("tokens_per_s"),
+                         roof["tokens_per_s"], e["tokens_per_s"] / roof["tokens_per_s"],
+                         r["breakdown"][b]["decode_graph_gpu_s"] * 1e3,
+                         e["seconds"] / max(e["decode_steps"], 1) * 1e3))
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    print(f"{'model':14} {'B':>4} {'engine tok/s':>13} {'http tok/s':>11} {'hf dyn':>9} "
+          f"{'hf static':>10} {'roofline':>10} {'of roof':>8} {'gpu ms/step':>12} "
+          f"{'wall ms/step':>13}")
+    fmt = lambda x, w, p=0: f"{x:>{w}.{p}f}" if x is not None else f"{'-':>{w}}"  # noqa: E731
+    for p, b, e, h, hd, hs, roof, frac, gpu, wall in rows:
+        print(f"{p:14} {b:>4} {fmt(e, 13)} {fmt(h, 11)} {fmt(hd, 9)} {fmt(hs, 10)} "
+              f"{fmt(roof, 10)} {frac:>8.1%} {gpu:>12.2f} {wall:>13.2f}")
+    for p, r in results["models"].items():
+        hf_ttft = r.get("hf", {}).get("static", {}).get(batches[0], {}).get("ttft_b1_s")
+        print(f"{p}: TTFT at batch 1: engine {r['engine_ttft_b1_s'] * 1e3:.1f} ms, generate "
+              f"best {hf_ttft * 1e3 if hf_ttft else float('nan'):.1f} ms")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+    print(json.dumps(results, default=str))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
