@@ -91,3 +91,28 @@ def test_greedy_requests_match_transformers_alone(tiny_model_dir, max_total_toke
     assert sched.max_decode_batch > 1
     if max_total_tokens == 48:
         assert sched.num_retractions > 0
+
+
+def test_batched_sampling_matches_the_reference_sampler():
+    """Same noise source, same draw: tokens and logprobs equal `sampling.sample`'s, and the
+    top-k / token-id logprobs are read off the same distribution."""
+    from rltool.engine.batch_sampling import sample_batch
+    from rltool.engine.sampling import sample
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50) * 3
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.7, top_p=0.9, top_k=5),
+              SamplingParams(temperature=1.3, min_p=0.1),
+              SamplingParams(temperature=1.0, logit_bias={"7": 5.0})]
+    suppressed = [[], [], [3], [], []]
+    ref_tokens, ref_lp = sample(logits, params, generators=[None] * 5, suppressed=suppressed,
+                                shared_generator=torch.Generator().manual_seed(5))
+    got = sample_batch(logits, params, generators=[None] * 5, suppressed=suppressed,
+                       top_n=[3, 0, 0, 1, 0], token_ids=[None, [1, 2], None, None, None],
+                       shared_generator=torch.Generator().manual_seed(5))
+    assert got.tokens == ref_tokens.tolist()
+    assert got.logprobs == [float(ref_lp[i, t]) for i, t in enumerate(got.tokens)]
+    values, idx = ref_lp[0].topk(3)
+    assert got.top[0] == list(zip(values.tolist(), idx.tolist())) and got.top[1] is None
+    assert got.ids_logprobs[1] == [(float(ref_lp[1, 1]), 1), (float(ref_lp[1, 2]), 2)]
