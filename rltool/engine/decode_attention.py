@@ -3,7 +3,7 @@
 Stage 1: one program per (request, KV head, split). It handles the query heads sharing that KV
 head together (GQA: the group is padded to 16 rows so both products run on tensor cores), walks its
 split of the request's tokens through the page table, and writes the split's normalised output and
-log-sum-exp. Stage 2 (torch) merges the splits with softmax weights of their log-sum-exps.
+log-sum-exp. Stage 2 merges the splits with softmax weights of their log-sum-exps.
 
 The number of splits is fixed per call, so a CUDA graph captured for a batch size replays with any
 sequence lengths: a split longer than the sequence simply has no tokens (lse = -inf, weight 0).
@@ -72,6 +72,26 @@ def _stage1(Q, K, V, ReqToPage, Rows, SeqLens, MidO, MidLse,
     tl.store(MidLse + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
 
 
+@triton.jit
+def _stage2(MidO, MidLse, Out, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+            stride_xb, stride_xh, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_SPLITS
+    lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=mask_s,
+                  other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, axis=0))
+    o = tl.load(MidO + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os
+                + offs_d[None, :], mask=mask_s[:, None] & (offs_d[None, :] < HEAD_DIM),
+                other=0.0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+    tl.store(Out + b * stride_xb + h * stride_xh + offs_d, out.to(Out.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
 def num_splits_for(batch: int, num_kv_heads: int, *, max_len: int = 1 << 30,
                    target_programs: int = 264) -> int:
     """Enough splits to give ~2 programs per SM of an H100/H200, never splits shorter than a block."""
@@ -97,7 +117,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, PAGE=page_size, HEAD_DIM=D, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(D)), NUM_SPLITS=num_splits,
         PRECISION=precision, num_warps=4, num_stages=2)
-    if num_splits == 1:
-        return mid_o[:, :, 0].to(q.dtype)
-    weights = torch.softmax(mid_lse, dim=-1).unsqueeze(-1)
-    return (weights * mid_o).sum(dim=2).to(q.dtype)
+    out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
+    _stage2[(B, H)](mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+                    mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
+                    NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+                    HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), num_warps=2)
+    return out

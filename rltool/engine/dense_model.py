@@ -4,9 +4,10 @@ Loaded straight from a HF checkpoint (config.json + *.safetensors). Projections 
 (q/k/v into one matrix, gate/up into one); `load_tensors` maps HF tensor names onto the fused
 slices, so weight updates by name (from disk today, from tensors later) need no HF model.
 
-The forward pass is packed: one flat [T] stream of tokens from any number of sequences, with
-`positions` [T]. Attention is delegated to an `attend(layer, q, k, v)` callback that owns the KV
-cache (rltool.engine.paged), so this module knows nothing about pages, batches or devices.
+The forward pass is packed: one flat [T] stream of tokens from any number of sequences. Attention
+is delegated to an `attend(layer, q, k, v)` callback that owns the KV cache and the positions
+(rltool.engine.paged_runner), so this module knows nothing about pages or batches. On CUDA the
+elementwise work runs in fused Triton kernels (rltool.engine.fused), on CPU as torch ops.
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ class DenseLM:
         self.spec = spec
         self.device = torch.device(device)
         self.dtype = dtype
+        self.fused = self.device.type == "cuda"  # Triton kernels; torch ops on CPU
         s = spec
         q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         empty = lambda *shape: torch.empty(*shape, device=self.device, dtype=dtype)  # noqa: E731
@@ -215,17 +217,31 @@ class DenseLM:
                                 emb.sin().to(self.device, self.dtype))
         return self._rope_cache
 
-    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend
-               ) -> torch.Tensor:
-        """Final-norm hidden states [T, hidden] of a packed token stream."""
+    def rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   positions: torch.Tensor, *, k_cache: torch.Tensor | None = None,
+                   v_cache: torch.Tensor | None = None, loc: torch.Tensor | None = None) -> None:
+        """Rotate q and k in place by their positions; write k, v into cache slots `loc`."""
+        from rltool.engine import fused
+
+        cos, sin = self.rope_table(self.spec.max_position_embeddings)
+        fn = fused.rope_store if self.fused else fused.rope_store_ref
+        fn(q, k, v, cos, sin, positions, k_cache=k_cache, v_cache=v_cache, loc=loc)
+
+    def hidden(self, input_ids: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Final-norm hidden states [T, hidden] of a packed token stream. `attend` gets q, k, v
+        before RoPE (it applies `rope_store`, so the cache write can be fused with it)."""
+        from rltool.engine import fused
+
         s = self.spec
-        cos_t, sin_t = self.rope_table(s.max_position_embeddings)
-        cos, sin = cos_t[positions], sin_t[positions]
+        add_norm = fused.add_rms_norm if self.fused else fused.add_rms_norm_ref
+        silu_mul = fused.silu_mul if self.fused else fused.silu_mul_ref
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         x = F.embedding(input_ids, self.embed)
         T = x.shape[0]
+        # Residual stream as transformers adds it: residual = residual + sublayer output (in the
+        # model dtype), each norm reading the updated residual.
+        h, residual = add_norm(x, None, self.layers[0]["ln1"], s.rms_norm_eps)
         for i, L in enumerate(self.layers):
-            h = rms_norm(x, L["ln1"], s.rms_norm_eps)
             qkv = F.linear(h, L["qkv"], L.get("qkv_bias"))
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = q.view(T, s.num_heads, s.head_dim)
@@ -234,13 +250,12 @@ class DenseLM:
             if s.qk_norm:
                 q = rms_norm(q, L["q_norm"], s.rms_norm_eps)
                 k = rms_norm(k, L["k_norm"], s.rms_norm_eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             a = attend(i, q, k, v).reshape(T, q_size)
-            x = x + F.linear(a, L["o"])
-            h = rms_norm(x, L["ln2"], s.rms_norm_eps)
-            gate, up = F.linear(h, L["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, L["down"])
-        return rms_norm(x, self.norm, s.rms_norm_eps)
+            h, residual = add_norm(F.linear(a, L["o"]), residual, L["ln2"], s.rms_norm_eps)
+            m = F.linear(silu_mul(F.linear(h, L["gate_up"])), L["down"])
+            after = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.norm
+            h, residual = add_norm(m, residual, after, s.rms_norm_eps)
+        return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""

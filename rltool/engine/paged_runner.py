@@ -226,12 +226,11 @@ class PagedRunner:
         pos_t = torch.tensor(pos).to(dev, non_blocking=True)
         loc_t = torch.tensor(loc).to(dev, non_blocking=True)
         cont_t = [(o, n, s, torch.tensor(sl).to(dev, non_blocking=True)) for o, n, s, sl in cont]
-        pool = self.pool
+        pool, model = self.pool, self.model
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kc, vc = pool.k[layer], pool.v[layer]
-            kc.index_copy_(0, loc_t, k)
-            vc.index_copy_(0, loc_t, v)
+            model.rope_store(q, k, v, pos_t, k_cache=kc, v_cache=vc, loc=loc_t)
             out = torch.empty_like(q)
             for o, c, n in groups:
                 out[o:o + c * n] = _sdpa(q[o:o + c * n].view(c, n, *q.shape[1:]),
@@ -246,7 +245,7 @@ class PagedRunner:
                                      mask=mask).squeeze(0)
             return out
 
-        hidden = self.model.hidden(ids_t, pos_t, attend)
+        hidden = model.hidden(ids_t, attend)
         rows = [last[i] for i in range(len(chunks)) if want[i]]
         if not rows:
             return None
@@ -284,7 +283,7 @@ class PagedRunner:
 
     def _decode_forward(self, meta: torch.Tensor) -> torch.Tensor:
         ids, pos, rows, seq_lens, loc = meta
-        pool, table = self.pool, self.table
+        pool, table, model = self.pool, self.table, self.model
         if self.device.type == "cuda":
             from rltool.engine.decode_attention import decode_attention, num_splits_for
 
@@ -302,11 +301,10 @@ class PagedRunner:
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kc, vc = pool.k[layer], pool.v[layer]
-            kc.index_copy_(0, loc, k)
-            vc.index_copy_(0, loc, v)
+            model.rope_store(q, k, v, pos, k_cache=kc, v_cache=vc, loc=loc)
             return attn(q, kc, vc)
 
-        return self.model.logits(self.model.hidden(ids, pos, attend))
+        return model.logits(model.hidden(ids, attend))
 
     def _capture(self) -> None:
         """Capture the decode step for each batch-size bucket, largest first, in one memory pool."""
@@ -338,10 +336,11 @@ class PagedRunner:
         pos = torch.arange(len(token_ids), device=dev)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            self.model.rope_store(q, k, v, pos)
             return _sdpa(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                          scale=self.scale).squeeze(0)
 
-        hidden = self.model.hidden(ids, pos, attend)
+        hidden = self.model.hidden(ids, attend)
         return self.model.logits(hidden[start - 1:-1]).cpu()
 
     # ----- info ----------------------------------------------------------------------------
