@@ -29,34 +29,29 @@ class Drawn:
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams], *,
                  generators: list[torch.Generator | None], suppressed: list[list[int]],
                  top_n: list[int], token_ids: list[list[int] | None],
-                 shared_generator: torch.Generator | None = None) -> Drawn:
+                 shared_generator: torch.Generator | None = None,
+                 seeds: list[int] | None = None, use_kernel: bool = False) -> Drawn:
     """logits [B, V] float32 on any device. top_n[i] > 0 asks row i for its top logprobs;
-    token_ids[i] for the logprobs of given ids."""
+    token_ids[i] for the logprobs of given ids. With `use_kernel` (CUDA) and per-row `seeds`
+    (31-bit, already mixed with the step), plain rows go through `sampling_kernel.sample_rows`."""
     B = logits.shape[0]
     dev = logits.device
     temps = [effective_temperature(p.temperature) for p in params]
-    temp_t = torch.tensor(temps, dtype=torch.float32).to(dev, non_blocking=True).unsqueeze(1)
-    logprobs = torch.log_softmax(logits / temp_t, dim=-1)
-    biased = bias_logits(logits, params, suppressed=suppressed)
-    draw = logprobs if biased is logits else torch.log_softmax(biased / temp_t, dim=-1)
-    tokens = draw.argmax(dim=-1)
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
-    if sampled:
-        rows = torch.tensor(sampled).to(dev, non_blocking=True)
-        sub = [params[i] for i in sampled]
-        probs = draw[rows].exp() if len(sampled) < B else draw.exp()
-        if any(p.needs_filter for p in sub):
-            probs = _filter(probs, sub)
-        noise = torch.empty_like(probs).exponential_(generator=shared_generator)
-        for j, i in enumerate(sampled):
-            if generators[i] is not None:
-                noise[j].exponential_(generator=generators[i])
-        drawn = (probs / noise).argmax(dim=-1)
-        if len(sampled) == B:
-            tokens = drawn
-        else:
-            tokens = tokens.index_copy(0, rows, drawn)
-    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    fast = [i for i, p in enumerate(params) if use_kernel and seeds is not None
+            and not p.needs_filter and not p.logit_bias and not suppressed[i]]
+    if len(fast) == B:
+        from rltool.engine.sampling_kernel import sample_rows
+
+        meta = torch.tensor([temps, seeds, [p.greedy for p in params]], dtype=torch.float64)
+        meta = meta.to(dev, non_blocking=True)
+        tokens, chosen = sample_rows(logits, meta[0].float(), meta[1].int(), meta[2].int())
+    else:  # a mixed batch: the torch path for all rows (same distribution, other noise)
+        tokens, chosen = _torch_sample(logits, params, temps, generators=generators,
+                                       suppressed=suppressed, shared_generator=shared_generator)
+    logprobs = None
+    if any(top_n) or any(token_ids):
+        temp_t = torch.tensor(temps, dtype=torch.float32).to(dev, non_blocking=True).unsqueeze(1)
+        logprobs = torch.log_softmax(logits / temp_t, dim=-1)
     parts = [tokens.to(torch.float64), chosen.to(torch.float64)]
     k = max(top_n) if top_n else 0
     if k > 0:
@@ -83,3 +78,29 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], *,
         at += n
     return Drawn(out_tokens, out_lp, top, ids_lp)
 
+
+def _torch_sample(logits: torch.Tensor, params: list[SamplingParams], temps: list[float], *,
+                  generators: list[torch.Generator | None], suppressed: list[list[int]],
+                  shared_generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sampling.sample` with every op on the logits' device: (tokens [B], chosen logprobs [B])."""
+    B = logits.shape[0]
+    dev = logits.device
+    temp_t = torch.tensor(temps, dtype=torch.float32).to(dev, non_blocking=True).unsqueeze(1)
+    logprobs = torch.log_softmax(logits / temp_t, dim=-1)
+    biased = bias_logits(logits, params, suppressed=suppressed)
+    draw = logprobs if biased is logits else torch.log_softmax(biased / temp_t, dim=-1)
+    tokens = draw.argmax(dim=-1)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        rows = torch.tensor(sampled).to(dev, non_blocking=True)
+        sub = [params[i] for i in sampled]
+        probs = draw[rows].exp() if len(sampled) < B else draw.exp()
+        if any(p.needs_filter for p in sub):
+            probs = _filter(probs, sub)
+        noise = torch.empty_like(probs).exponential_(generator=shared_generator)
+        for j, i in enumerate(sampled):
+            if generators[i] is not None:
+                noise[j].exponential_(generator=generators[i])
+        drawn = (probs / noise).argmax(dim=-1)
+        tokens = drawn if len(sampled) == B else tokens.index_copy(0, rows, drawn)
+    return tokens, logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)

@@ -262,14 +262,18 @@ class PagedRunner:
         host = torch.zeros(META_ROWS, n, dtype=torch.long)
         host[3] = 1  # padded rows: one junk token of the scratch page
         rows, lens, locs, positions = [], [], [], []
-        for rid in rids:
-            entry = table.entries[rid]
+        entries, ps = table.entries, self.page_size
+        for rid in rids:  # the per-request host work of a step: keep it lean
+            entry = entries[rid]
             p = entry.length
-            table.extend(rid, p + 1)
+            if p == len(entry.pages) * ps:
+                table.extend(rid, p + 1)
+            else:
+                entry.length = p + 1
             rows.append(entry.row)
             positions.append(p)
             lens.append(p + 1)
-            locs.append(entry.pages[p // self.page_size] * self.page_size + p % self.page_size)
+            locs.append(entry.pages[p // ps] * ps + p % ps)
         host[:, :B] = torch.tensor([token_ids, positions, rows, lens, locs])
         table.flush()
         self._max_len = max(lens)

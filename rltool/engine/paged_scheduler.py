@@ -14,6 +14,7 @@ out of pages first retracts the most recently admitted requests (recomputed late
 from __future__ import annotations
 
 import bisect
+import random
 import time
 from typing import Any
 
@@ -24,6 +25,9 @@ from rltool.engine.request import Request
 from rltool.engine.scheduler import THROUGHPUT_WINDOW_S, Scheduler
 
 
+SEED_MODULUS = 2**31 - 1  # the sampling kernel's Philox seeds are 31-bit here
+
+
 class PagedScheduler(Scheduler):
     def __init__(self, runner: Any, **kwargs: Any):
         super().__init__(runner, **kwargs)
@@ -31,6 +35,10 @@ class PagedScheduler(Scheduler):
         self._shared_generator = torch.Generator(device=runner.device)
         self._shared_generator.seed()
         self._generators: dict[str, torch.Generator] = {}
+        # Each request's base seed for the sampling kernel: its own (sampling_seed), else drawn.
+        self._seeds: dict[str, int] = {}
+        self._seed_rng = random.Random()
+        self._use_kernel = runner.device.type == "cuda"
 
     # ----- steps ---------------------------------------------------------------------------
 
@@ -82,12 +90,16 @@ class PagedScheduler(Scheduler):
 
     def _decode_step(self) -> None:
         runner = self.runner
-        reqs = sorted(self.running.values(), key=lambda r: r.seq)
-        need = sum(runner.extra_pages(r.rid, len(r.prompt_ids) + len(r.output_ids)) for r in reqs)
-        while need > runner.free_pages() and len(reqs) > 1:
-            victim = reqs.pop()
-            need -= runner.extra_pages(victim.rid, len(victim.prompt_ids) + len(victim.output_ids))
-            self._retract(victim)
+        reqs = list(self.running.values())
+        if runner.free_pages() < len(reqs):  # each needs at most one new page; count exactly
+            reqs.sort(key=lambda r: r.seq)
+            need = sum(runner.extra_pages(r.rid, len(r.prompt_ids) + len(r.output_ids))
+                       for r in reqs)
+            while need > runner.free_pages() and len(reqs) > 1:
+                victim = reqs.pop()
+                need -= runner.extra_pages(victim.rid,
+                                           len(victim.prompt_ids) + len(victim.output_ids))
+                self._retract(victim)
         logits = runner.decode([r.rid for r in reqs], [r.output_ids[-1] for r in reqs])
         self.num_decode_forwards += 1
         self.max_decode_batch = max(self.max_decode_batch, len(reqs))
@@ -103,7 +115,9 @@ class PagedScheduler(Scheduler):
             suppressed=suppressed,
             top_n=[r.top_logprobs_num if r.return_logprob else 0 for r in reqs],
             token_ids=[r.token_ids_logprob if r.return_logprob else None for r in reqs],
-            shared_generator=self._shared_generator)
+            shared_generator=self._shared_generator,
+            seeds=[self._step_seed(r) for r in reqs] if self._use_kernel else None,
+            use_kernel=self._use_kernel)
         now = time.monotonic()
         self.total_output_tokens += len(reqs)
         self._token_times.append((now, len(reqs)))
@@ -120,6 +134,14 @@ class PagedScheduler(Scheduler):
             elif req.on_token is not None:
                 req.text = self._decode_text(req)
                 req.on_token(req)
+
+    def _step_seed(self, req: Request) -> int:
+        base = self._seeds.get(req.rid)
+        if base is None:
+            base = (req.generator.initial_seed() if req.generator is not None
+                    else self._seed_rng.getrandbits(62))
+            self._seeds[req.rid] = base
+        return (base * 1_000_003 + len(req.output_ids)) % SEED_MODULUS
 
     def _generator(self, req: Request) -> torch.Generator | None:
         """The request's own generator on the runner's device (seeded like its CPU one)."""
@@ -145,6 +167,7 @@ class PagedScheduler(Scheduler):
         if not req.finished:
             self.runner.remove(req.rid)
             self._generators.pop(req.rid, None)
+            self._seeds.pop(req.rid, None)
         super()._finish(req, reason)
 
     def _retract_all(self) -> None:

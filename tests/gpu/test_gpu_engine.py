@@ -132,3 +132,17 @@ def test_pause_modes(mode, tiny_model_dir):
         assert not runner.table.entries
     finally:
         sched.stop()
+
+
+def test_sampling_kernel_distribution_on_the_gpu():
+    from rltool.engine.sampling_kernel import sample_rows
+
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05] + [0.0] * 60, device="cuda")
+    n = 20000  # frequency standard deviation <= 0.0036
+    rows = (probs + 1e-30).log().repeat(n, 1) * 0.5  # temperature 0.5 undoes the halving
+    toks, lps = sample_rows(rows, torch.full((n,), 0.5, device="cuda"),
+                            torch.arange(n, dtype=torch.int32, device="cuda"),
+                            torch.zeros(n, dtype=torch.int32, device="cuda"))
+    freq = torch.bincount(toks, minlength=64).float() / n
+    assert (freq - probs).abs().max() < 0.015, freq[:4]
+    assert torch.allclose(lps, probs.log()[toks], atol=1e-4)
