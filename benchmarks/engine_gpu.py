@@ -138,7 +138,7 @@ def step_breakdown(runner: PagedRunner, batch: int) -> dict:
     decode_wall = (time.perf_counter() - t0) / 20
     params = [SamplingParams(temperature=1.0)] * batch
     kw = dict(generators=[None] * batch, suppressed=[[]] * batch, top_n=[0] * batch,
-              token_ids=[None] * batch)
+              token_ids=[None] * batch, seeds=list(range(batch)), use_kernel=True)
     sample_batch(logits, params, **kw)
     t0 = time.perf_counter()
     for _ in range(20):
