@@ -257,9 +257,10 @@ class DenseLM:
             h, residual = add_norm(m, residual, after, s.rms_norm_eps)
         return h
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> float32 logits [N, vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+    def logits(self, hidden: torch.Tensor, *, upcast: bool = True) -> torch.Tensor:
+        """[N, hidden] -> logits [N, vocab], float32 unless `upcast` is off (model dtype)."""
+        out = F.linear(hidden, self.lm_head)
+        return out.float() if upcast else out
 
 
 def load_model(model_dir: str | Path, *, device: torch.device | str, dtype: torch.dtype,

@@ -18,6 +18,9 @@ import torch
 from rltool.errors import EngineError
 
 
+STAGING_CAPACITY = 4096  # page-table updates one flush stages in pinned memory
+
+
 class OutOfPagesError(EngineError):
     """The KV pool has no free page for a request (the scheduler retracts or waits)."""
 
@@ -70,6 +73,11 @@ class PageTable:
         self.req_to_page = torch.zeros(max_requests + 1, max_pages_per_request, dtype=torch.int32,
                                        device=device)
         self._pending: list[tuple[int, int, int]] = []  # (row, page index, page id)
+        # Pinned staging for the scatter, used alternately: a copy from pageable memory would
+        # wait for the device to finish queued work, which breaks overlapped decoding.
+        self._staging = ([torch.empty(3, STAGING_CAPACITY, dtype=torch.long).pin_memory()
+                          for _ in range(2)] if torch.device(device).type == "cuda" else [])
+        self._flushes = 0
 
     @property
     def free_pages(self) -> int:
@@ -128,14 +136,16 @@ class PageTable:
         """Write the page ids allocated since the last flush into `req_to_page` (one scatter)."""
         if not self._pending:
             return
-        rows, cols, pages = zip(*self._pending)
+        n = len(self._pending)
+        host = torch.tensor(list(zip(*self._pending)), dtype=torch.long)
         self._pending.clear()
-        index = torch.tensor([rows, cols], dtype=torch.long)
-        values = torch.tensor(pages, dtype=torch.int32)
-        dev = self.req_to_page.device
-        self.req_to_page.index_put_((index[0].to(dev, non_blocking=True),
-                                     index[1].to(dev, non_blocking=True)),
-                                    values.to(dev, non_blocking=True))
+        if self._staging and n <= STAGING_CAPACITY:
+            self._flushes += 1
+            staging = self._staging[self._flushes % 2][:, :n]
+            staging.copy_(host)
+            host = staging
+        dev = host.to(self.req_to_page.device, non_blocking=True)
+        self.req_to_page.index_put_((dev[0], dev[1]), dev[2].to(torch.int32))
 
 
 class KVPool:

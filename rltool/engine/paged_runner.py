@@ -34,7 +34,9 @@ log = logging.getLogger(__name__)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256,
                  320, 384, 448, 512)
-META_ROWS = 5  # input ids, positions, page-table rows, sequence lengths, output slots
+# input ids, positions, page-table rows, sequence lengths, output slots, and the row of the previous
+# step's sampled tokens each input id is taken from (when they stay on the device)
+META_ROWS = 6
 
 
 class PagedRunner:
@@ -74,7 +76,8 @@ class PagedRunner:
         self.table: PageTable | None = None
         self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
         self._meta: torch.Tensor | None = None
-        self._host_meta: torch.Tensor | None = None
+        self._host_meta: list[torch.Tensor] = []  # pinned, two (see `decode`)
+        self._calls = 0
         self._max_len = 1
         self._build()
 
@@ -136,7 +139,8 @@ class PagedRunner:
         """Free weights, KV pool and CUDA graphs (the scheduler has retracted every request)."""
         self.graphs.clear()
         self.model = self.pool = self.table = None
-        self._meta = self._host_meta = None
+        self._meta = None
+        self._host_meta = []
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -252,9 +256,15 @@ class PagedRunner:
         return self.model.logits(hidden[torch.tensor(rows).to(dev)])
 
     @torch.no_grad()
-    def decode(self, rids: list[str], token_ids: list[int]) -> torch.Tensor:
-        """One decode step: token_ids[i] is fed to request rids[i] (its KV grows by one token).
-        Returns float32 logits [B, V]."""
+    def decode(self, rids: list[str], token_ids: list[int] | None, *,
+               prev_tokens: torch.Tensor | None = None,
+               src_rows: list[int] | None = None) -> torch.Tensor:
+        """One decode step: token_ids[i] is fed to request rids[i] (its KV grows by one token), or,
+        with `prev_tokens` (a device tensor of the last step's samples), prev_tokens[src_rows[i]],
+        so the step can be queued before the host has seen those tokens. Returns logits [B, V].
+
+        Nothing here waits for the device: host buffers the copies read from are pinned and used
+        alternately, and the caller waits for step N before it queues step N + 2."""
         table, B = self.table, len(rids)
         # Eager decode on CUDA pads to the same buckets, so it computes exactly what a replay does.
         bucket = next((b for b in self._buckets if b >= B), None)
@@ -274,19 +284,27 @@ class PagedRunner:
             positions.append(p)
             lens.append(p + 1)
             locs.append(entry.pages[p // ps] * ps + p % ps)
-        host[:, :B] = torch.tensor([token_ids, positions, rows, lens, locs])
+        host[:, :B] = torch.tensor([token_ids or [0] * B, positions, rows, lens, locs,
+                                    src_rows or [0] * B])
         table.flush()
         self._max_len = max(lens)
         if bucket not in self.graphs:
-            return self._decode_forward(host.to(self.device))[:B]
-        self._host_meta[:, :n].copy_(host)
-        self._meta[:, :n].copy_(self._host_meta[:, :n], non_blocking=True)
+            meta = host.to(self.device)
+            if prev_tokens is not None:
+                meta[0, :B] = prev_tokens[meta[5, :B]]
+            return self._decode_forward(meta)[:B]
+        self._calls += 1
+        staging = self._host_meta[self._calls % 2]
+        staging[:, :n].copy_(host)
+        self._meta[:, :n].copy_(staging[:, :n], non_blocking=True)
+        if prev_tokens is not None:
+            torch.index_select(prev_tokens, 0, self._meta[5, :B], out=self._meta[0, :B])
         graph, out = self.graphs[bucket]
         graph.replay()
         return out[:B]
 
     def _decode_forward(self, meta: torch.Tensor) -> torch.Tensor:
-        ids, pos, rows, seq_lens, loc = meta
+        ids, pos, rows, seq_lens, loc, _ = meta
         pool, table, model = self.pool, self.table, self.model
         if self.device.type == "cuda":
             from rltool.engine.decode_attention import decode_attention, num_splits_for
@@ -308,14 +326,17 @@ class PagedRunner:
             model.rope_store(q, k, v, pos, k_cache=kc, v_cache=vc, loc=loc)
             return attn(q, kc, vc)
 
-        return model.logits(model.hidden(ids, attend))
+        # Logits stay in the model dtype here (the sampling kernel reads them as they are): the
+        # float32 copy of a [256, 152k] batch would cost as much as a layer.
+        return model.logits(model.hidden(ids, attend), upcast=self.device.type != "cuda")
 
     def _capture(self) -> None:
         """Capture the decode step for each batch-size bucket, largest first, in one memory pool."""
         top, buckets = self.cuda_graph_max_bs, self._buckets
         self._meta = torch.zeros(META_ROWS, top, dtype=torch.long, device=self.device)
         self._meta[3] = 1
-        self._host_meta = torch.zeros(META_ROWS, top, dtype=torch.long).pin_memory()
+        self._host_meta = [torch.zeros(META_ROWS, top, dtype=torch.long).pin_memory()
+                           for _ in range(2)]
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for bs in reversed(buckets):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import random
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,13 +24,39 @@ import torch
 from rltool.engine.batch_sampling import sample_batch
 from rltool.engine.request import Request
 from rltool.engine.scheduler import THROUGHPUT_WINDOW_S, Scheduler
+from rltool.logprobs import effective_temperature
 
 
 SEED_MODULUS = 2**31 - 1  # the sampling kernel's Philox seeds are 31-bit here
 
 
+@dataclass
+class _Buffers:
+    """Pinned host memory one overlapped step reads its sampling parameters from and writes its
+    tokens to (two sets, used alternately)."""
+
+    params: torch.Tensor
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+
+    @staticmethod
+    def make(n: int) -> "_Buffers":
+        return _Buffers(torch.empty(3, n, dtype=torch.float64).pin_memory(),
+                        torch.empty(n, dtype=torch.int64).pin_memory(),
+                        torch.empty(n, dtype=torch.float32).pin_memory())
+
+
+@dataclass
+class _Inflight:
+    reqs: list[Request]
+    rows: dict[str, int]
+    tokens: torch.Tensor  # on the device
+    buf: _Buffers
+    event: Any
+
+
 class PagedScheduler(Scheduler):
-    def __init__(self, runner: Any, **kwargs: Any):
+    def __init__(self, runner: Any, *, overlap: bool = True, **kwargs: Any):
         super().__init__(runner, **kwargs)
         self.num_retractions = 0
         self._shared_generator = torch.Generator(device=runner.device)
@@ -39,6 +66,11 @@ class PagedScheduler(Scheduler):
         self._seeds: dict[str, int] = {}
         self._seed_rng = random.Random()
         self._use_kernel = runner.device.type == "cuda"
+        self._overlap = self._use_kernel and overlap
+        self._inflight: _Inflight | None = None
+        self._launches = 0
+        self._buffers = [_Buffers.make(self.max_running) for _ in range(2)] if self._overlap \
+            else []
 
     # ----- steps ---------------------------------------------------------------------------
 
@@ -69,6 +101,8 @@ class PagedScheduler(Scheduler):
                 done.append(req)
             if budget <= 0:
                 break
+        if chunks:
+            self._drain()  # the prefill changes the batch; results of a queued step come first
         if not chunks:
             if self.prefilling and not self.running:
                 req = self.prefilling[0]
@@ -90,7 +124,12 @@ class PagedScheduler(Scheduler):
 
     def _decode_step(self) -> None:
         runner = self.runner
+        prev = self._inflight
         reqs = list(self.running.values())
+        overlap = self._overlap and all(self._plain(r) for r in reqs)
+        if prev is not None and not (overlap and all(r.rid in prev.rows for r in reqs)):
+            self._drain()
+            prev = None
         if runner.free_pages() < len(reqs):  # each needs at most one new page; count exactly
             reqs.sort(key=lambda r: r.seq)
             need = sum(runner.extra_pages(r.rid, len(r.prompt_ids) + len(r.output_ids))
@@ -100,11 +139,82 @@ class PagedScheduler(Scheduler):
                 need -= runner.extra_pages(victim.rid,
                                            len(victim.prompt_ids) + len(victim.output_ids))
                 self._retract(victim)
-        logits = runner.decode([r.rid for r in reqs], [r.output_ids[-1] for r in reqs])
+        rids = [r.rid for r in reqs]
+        if prev is not None:
+            logits = runner.decode(rids, None, prev_tokens=prev.tokens,
+                                   src_rows=[prev.rows[rid] for rid in rids])
+        else:
+            logits = runner.decode(rids, [r.output_ids[-1] for r in reqs])
         self.num_decode_forwards += 1
         self.max_decode_batch = max(self.max_decode_batch, len(reqs))
-        self.decode_log.append([r.rid for r in reqs])
-        self._sample_and_accept(reqs, logits)
+        self.decode_log.append(rids)
+        if not overlap:
+            self._sample_and_accept(reqs, logits)
+            return
+        self._inflight = self._launch_sampling(reqs, logits, ahead=int(prev is not None))
+        if prev is not None:
+            self._accept_inflight(prev)
+
+    # ----- overlapped decoding -------------------------------------------------------------
+    # Step N + 1 is queued on the device, fed straight from step N's sampled tokens, before the
+    # host reads step N's tokens back; the host's per-request work then runs while the device
+    # computes. A request that stops at step N has computed one extra token, which is dropped.
+    # Prefill, control operations and batches that need the torch sampler drain first.
+
+    def _plain(self, req: Request) -> bool:
+        p = req.params
+        return not (p.needs_filter or p.logit_bias or req.top_logprobs_num
+                    or req.token_ids_logprob or len(req.output_ids) < p.min_new_tokens)
+
+    def _launch_sampling(self, reqs: list[Request], logits: torch.Tensor, *, ahead: int
+                         ) -> "_Inflight":
+        from rltool.engine.sampling_kernel import sample_rows
+
+        B = len(reqs)
+        self._launches += 1
+        buf = self._buffers[self._launches % 2]
+        params = torch.tensor([[effective_temperature(r.params.temperature) for r in reqs],
+                               [self._step_seed(r, ahead=ahead) for r in reqs],
+                               [r.params.greedy for r in reqs]], dtype=torch.float64)
+        buf.params[:, :B].copy_(params)
+        dev = buf.params[:, :B].to(logits.device, non_blocking=True)
+        tokens, logprobs = sample_rows(logits, dev[0].float(), dev[1].int(), dev[2].int())
+        buf.tokens[:B].copy_(tokens, non_blocking=True)
+        buf.logprobs[:B].copy_(logprobs, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return _Inflight(reqs=reqs, rows={r.rid: i for i, r in enumerate(reqs)}, tokens=tokens,
+                         buf=buf, event=event)
+
+    def _accept_inflight(self, step: "_Inflight") -> None:
+        step.event.synchronize()
+        B = len(step.reqs)
+        tokens = step.buf.tokens[:B].tolist()
+        logprobs = step.buf.logprobs[:B].tolist()
+        live = [(i, r) for i, r in enumerate(step.reqs) if not r.finished
+                and self.running.get(r.rid) is r]
+        self._count_tokens(len(live))
+        version = self.runner.weight_version
+        for i, req in live:
+            self._record(req, tokens[i], logprobs[i], None, None, version)
+
+    def _drain(self) -> None:
+        step, self._inflight = self._inflight, None
+        if step is not None:
+            self._accept_inflight(step)
+
+    def _quiesce(self) -> None:
+        self._drain()
+
+    def _can_step(self) -> bool:
+        return self._inflight is not None or super()._can_step()
+
+    def _step(self) -> None:
+        if self._inflight is not None and (self.paused is not None or self.runner.released
+                                           or not self.running):
+            self._drain()
+        if self.paused is None and not self.runner.released:
+            super()._step()
 
     def _sample_and_accept(self, reqs: list[Request], logits: torch.Tensor) -> None:
         eos = self.runner.eos_token_ids
@@ -118,30 +228,37 @@ class PagedScheduler(Scheduler):
             shared_generator=self._shared_generator,
             seeds=[self._step_seed(r) for r in reqs] if self._use_kernel else None,
             use_kernel=self._use_kernel)
-        now = time.monotonic()
-        self.total_output_tokens += len(reqs)
-        self._token_times.append((now, len(reqs)))
-        while self._token_times and now - self._token_times[0][0] > THROUGHPUT_WINDOW_S:
-            self._token_times.popleft()
+        self._count_tokens(len(reqs))
         version = self.runner.weight_version
         for i, req in enumerate(reqs):
-            token = drawn.tokens[i]
-            req.record_token(token, drawn.logprobs[i], version=version, top=drawn.top[i],
-                             ids_lp=drawn.ids_logprobs[i])
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                self._finish(req, reason)
-            elif req.on_token is not None:
-                req.text = self._decode_text(req)
-                req.on_token(req)
+            self._record(req, drawn.tokens[i], drawn.logprobs[i], drawn.top[i],
+                         drawn.ids_logprobs[i], version)
 
-    def _step_seed(self, req: Request) -> int:
+    def _count_tokens(self, n: int) -> None:
+        now = time.monotonic()
+        self.total_output_tokens += n
+        self._token_times.append((now, n))
+        while self._token_times and now - self._token_times[0][0] > THROUGHPUT_WINDOW_S:
+            self._token_times.popleft()
+
+    def _record(self, req: Request, token: int, logprob: float, top: Any, ids_lp: Any,
+                version: str) -> None:
+        req.record_token(token, logprob, version=version, top=top, ids_lp=ids_lp)
+        reason = self._stop_reason(req, token)
+        if reason is not None:
+            self._finish(req, reason)
+        elif req.on_token is not None:
+            req.text = self._decode_text(req)
+            req.on_token(req)
+
+    def _step_seed(self, req: Request, *, ahead: int = 0) -> int:
+        """The kernel's seed for the request's next draw (`ahead` draws not yet recorded)."""
         base = self._seeds.get(req.rid)
         if base is None:
             base = (req.generator.initial_seed() if req.generator is not None
                     else self._seed_rng.getrandbits(62))
             self._seeds[req.rid] = base
-        return (base * 1_000_003 + len(req.output_ids)) % SEED_MODULUS
+        return (base * 1_000_003 + len(req.output_ids) + ahead) % SEED_MODULUS
 
     def _generator(self, req: Request) -> torch.Generator | None:
         """The request's own generator on the runner's device (seeded like its CPU one)."""

@@ -259,6 +259,8 @@ class Scheduler:
                 self._incoming.clear()
                 ops, self._ops = self._ops, []
             try:
+                if ops or self._update_ready():
+                    self._quiesce()
                 for op in ops:
                     op()
                 if self._update_ready():
@@ -281,6 +283,10 @@ class Scheduler:
         if self._pending_update is not None:
             self._pending_update[2].set_exception(EngineError("the engine shut down before the "
                                                               "weight update could run"))
+
+    def _quiesce(self) -> None:
+        """Before control operations: finish any step still running on the device (a runner
+        that overlaps steps overrides this)."""
 
     def _update_ready(self) -> bool:
         if self._pending_update is None:
