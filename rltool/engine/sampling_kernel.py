@@ -1,12 +1,14 @@
-"""One Triton kernel that samples a token per row and returns its logprob (CUDA fast path).
+"""Triton kernels that sample a token per row and return its logprob (the CUDA fast path).
 
 For rows without top-k / top-p / min-p, logit_bias or suppressed ids, which is what RL rollouts
-send. Per row: pass 1 finds the log-sum-exp of logits / T (online max and sum); pass 2 draws with
-the Gumbel-max trick (the exponential race of `sampling.sample` in log space: argmax of
+send. Per row, in one pass: the log-sum-exp of logits / T (online max and sum) and a draw by the
+Gumbel-max trick (the exponential race of `sampling.sample` in log space: argmax of
 log p - log E with E = -log U ~ Exp(1)), U from Philox keyed by the row's seed and the token id, so
 a request's draw depends only on its seed and step, not on its batch. Greedy rows take the plain
 argmax (first index on ties, as torch does). The logprob is that of the temperature-scaled
-distribution (the project's convention). Two reads of the logits, no [B, V] intermediate.
+distribution (the project's convention). One read of the logits, no [B, V] intermediate: a row
+is split into chunks (so a small batch still fills the GPU) whose partial log-sum-exps and best
+keys a second, tiny kernel combines.
 """
 
 from __future__ import annotations
@@ -15,13 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 2048
+BLOCK = 1024
+TARGET_PROGRAMS = 1024  # ~8 per SM of an H100/H200
 
 
 @triton.jit
-def _sample_rows(Logits, stride_l, Temps, Seeds, Greedy, OutTok, OutLp, V,
-                 BLOCK: tl.constexpr):
+def _partial(Logits, stride_l, Temps, Seeds, Greedy, PartM, PartS, PartKey, PartIdx, V, CHUNK,
+             NCHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """One pass over a chunk of a row: running max and sum of exp of x = logit / T (for the
+    log-sum-exp) and the best race key (x, plus Gumbel noise unless greedy) with its index."""
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
     inv_t = 1.0 / tl.load(Temps + row)
     seed = tl.load(Seeds + row)
     greedy = tl.load(Greedy + row) != 0
@@ -29,36 +35,52 @@ def _sample_rows(Logits, stride_l, Temps, Seeds, Greedy, OutTok, OutLp, V,
     arange = tl.arange(0, BLOCK)
     m_vec = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     s_vec = tl.zeros([BLOCK], dtype=tl.float32)
-    start = 0
-    while start < V:  # while, not range: Triton's interpreter cannot range() over an argument
+    best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    best_idx = tl.zeros([BLOCK], dtype=tl.int32)
+    start = chunk * CHUNK
+    end = tl.minimum(start + CHUNK, V)
+    while start < end:  # while, not range: Triton's interpreter cannot range() over program ids
         offs = start + arange
-        x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_t
+        mask = offs < end
+        x = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
         m_new = tl.maximum(m_vec, x)
         safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         s_vec = s_vec * tl.exp(m_vec - safe) + tl.exp(x - safe)
         m_vec = m_new
-        start += BLOCK
-    m = tl.max(m_vec, axis=0)
-    lse = m + tl.log(tl.sum(s_vec * tl.exp(m_vec - m), axis=0))
-    best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-    best_idx = tl.zeros([BLOCK], dtype=tl.int32)
-    start = 0
-    while start < V:
-        offs = start + arange
-        mask = offs < V
-        x = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
         u = tl.rand(seed, offs)
-        gumbel = -tl.log(-tl.log(tl.maximum(u, 1e-20)))
-        key = tl.where(greedy, x, x + gumbel)
+        key = tl.where(greedy, x, x - tl.log(-tl.log(tl.maximum(u, 1e-20))))
         key = tl.where(mask, key, float("-inf"))
         take = key > best
         best = tl.where(take, key, best)
         best_idx = tl.where(take, offs, best_idx)
         start += BLOCK
+    m = tl.max(m_vec, axis=0)
+    s = tl.sum(s_vec * tl.exp(m_vec - tl.where(m == float("-inf"), 0.0, m)), axis=0)
     top = tl.max(best, axis=0)
     idx = tl.min(tl.where(best == top, best_idx, V), axis=0)
-    chosen = tl.load(base + idx).to(tl.float32) * inv_t - lse
-    tl.store(OutTok + row, idx.to(tl.int64))
+    out = row * NCHUNK + chunk
+    tl.store(PartM + out, m)
+    tl.store(PartS + out, s)
+    tl.store(PartKey + out, top)
+    tl.store(PartIdx + out, idx)
+
+
+@triton.jit
+def _combine(Logits, stride_l, Temps, PartM, PartS, PartKey, PartIdx, OutTok, OutLp, V,
+             NCHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_C)
+    mask = offs < NCHUNK
+    m = tl.load(PartM + row * NCHUNK + offs, mask=mask, other=float("-inf"))
+    s = tl.load(PartS + row * NCHUNK + offs, mask=mask, other=0.0)
+    key = tl.load(PartKey + row * NCHUNK + offs, mask=mask, other=float("-inf"))
+    idx = tl.load(PartIdx + row * NCHUNK + offs, mask=mask, other=V)
+    big = tl.max(m, axis=0)
+    lse = big + tl.log(tl.sum(s * tl.exp(m - big), axis=0))
+    top = tl.max(key, axis=0)
+    tok = tl.min(tl.where(key == top, idx, V), axis=0)  # chunks are in index order: first wins
+    chosen = tl.load(Logits + row * stride_l + tok).to(tl.float32) / tl.load(Temps + row) - lse
+    tl.store(OutTok + row, tok.to(tl.int64))
     tl.store(OutLp + row, chosen)
 
 
@@ -67,8 +89,20 @@ def sample_rows(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor,
     """logits [B, V] (any float dtype, last dim contiguous); temps [B] float32 (greedy rows 1.0);
     seeds [B] int32; greedy [B] int32. Returns (tokens [B] int64, logprobs [B] float32)."""
     B, V = logits.shape
-    tokens = torch.empty(B, dtype=torch.int64, device=logits.device)
-    logprobs = torch.empty(B, dtype=torch.float32, device=logits.device)
-    _sample_rows[(B,)](logits, logits.stride(0), temps, seeds, greedy, tokens, logprobs, V,
-                       BLOCK=block, num_warps=8)
+    # Enough programs to keep every SM streaming: a row is split into chunks when B is small.
+    nchunk = max(1, min(64, -(-TARGET_PROGRAMS // B), -(-V // block)))
+    chunk = -(-(-(-V // nchunk)) // block) * block
+    nchunk = -(-V // chunk)
+    dev = logits.device
+    part_m = torch.empty(B, nchunk, dtype=torch.float32, device=dev)
+    part_s = torch.empty_like(part_m)
+    part_key = torch.empty_like(part_m)
+    part_idx = torch.empty(B, nchunk, dtype=torch.int32, device=dev)
+    _partial[(B, nchunk)](logits, logits.stride(0), temps, seeds, greedy, part_m, part_s,
+                          part_key, part_idx, V, chunk, NCHUNK=nchunk, BLOCK=block, num_warps=4)
+    tokens = torch.empty(B, dtype=torch.int64, device=dev)
+    logprobs = torch.empty(B, dtype=torch.float32, device=dev)
+    _combine[(B,)](logits, logits.stride(0), temps, part_m, part_s, part_key, part_idx, tokens,
+                   logprobs, V, NCHUNK=nchunk, BLOCK_C=max(2, triton.next_power_of_2(nchunk)),
+                   num_warps=1)
     return tokens, logprobs
