@@ -75,8 +75,9 @@ class PageTable:
         self._pending: list[tuple[int, int, int]] = []  # (row, page index, page id)
         # Pinned staging for the scatter, used alternately: a copy from pageable memory would
         # wait for the device to finish queued work, which breaks overlapped decoding.
-        self._staging = ([torch.empty(3, STAGING_CAPACITY, dtype=torch.long).pin_memory()
-                          for _ in range(2)] if torch.device(device).type == "cuda" else [])
+        self._staging = ([(torch.empty(3, STAGING_CAPACITY, dtype=torch.long).pin_memory(),
+                           torch.cuda.Event()) for _ in range(2)]
+                         if torch.device(device).type == "cuda" else [])
         self._flushes = 0
 
     @property
@@ -139,12 +140,16 @@ class PageTable:
         n = len(self._pending)
         host = torch.tensor(list(zip(*self._pending)), dtype=torch.long)
         self._pending.clear()
+        copied = None
         if self._staging and n <= STAGING_CAPACITY:
             self._flushes += 1
-            staging = self._staging[self._flushes % 2][:, :n]
-            staging.copy_(host)
-            host = staging
+            staging, copied = self._staging[self._flushes % 2]
+            copied.synchronize()  # the copy queued from this buffer two flushes ago has run
+            staging[:, :n].copy_(host)
+            host = staging[:, :n]
         dev = host.to(self.req_to_page.device, non_blocking=True)
+        if copied is not None:
+            copied.record()
         self.req_to_page.index_put_((dev[0], dev[1]), dev[2].to(torch.int32))
 
 

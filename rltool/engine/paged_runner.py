@@ -76,7 +76,7 @@ class PagedRunner:
         self.table: PageTable | None = None
         self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
         self._meta: torch.Tensor | None = None
-        self._host_meta: list[torch.Tensor] = []  # pinned, two (see `decode`)
+        self._host_meta: list[tuple[torch.Tensor, Any]] = []  # pinned, two (see `decode`)
         self._calls = 0
         self._max_len = 1
         self._build()
@@ -261,10 +261,11 @@ class PagedRunner:
                src_rows: list[int] | None = None) -> torch.Tensor:
         """One decode step: token_ids[i] is fed to request rids[i] (its KV grows by one token), or,
         with `prev_tokens` (a device tensor of the last step's samples), prev_tokens[src_rows[i]],
-        so the step can be queued before the host has seen those tokens. Returns logits [B, V].
+        so the step can be queued before the host has seen those tokens. Returns logits [B, V]
+        (on CUDA in the model dtype, in a graph's output buffer: valid until the next call).
 
-        Nothing here waits for the device: host buffers the copies read from are pinned and used
-        alternately, and the caller waits for step N before it queues step N + 2."""
+        Nothing here waits for the device unless the host is two steps ahead: the host buffers
+        the copies read from are pinned and used alternately."""
         table, B = self.table, len(rids)
         # Eager decode on CUDA pads to the same buckets, so it computes exactly what a replay does.
         bucket = next((b for b in self._buckets if b >= B), None)
@@ -294,9 +295,11 @@ class PagedRunner:
                 meta[0, :B] = prev_tokens[meta[5, :B]]
             return self._decode_forward(meta)[:B]
         self._calls += 1
-        staging = self._host_meta[self._calls % 2]
+        staging, copied = self._host_meta[self._calls % 2]
+        copied.synchronize()  # the copy queued from this buffer two calls ago has run
         staging[:, :n].copy_(host)
         self._meta[:, :n].copy_(staging[:, :n], non_blocking=True)
+        copied.record()
         if prev_tokens is not None:
             torch.index_select(prev_tokens, 0, self._meta[5, :B], out=self._meta[0, :B])
         graph, out = self.graphs[bucket]
@@ -335,8 +338,8 @@ class PagedRunner:
         top, buckets = self.cuda_graph_max_bs, self._buckets
         self._meta = torch.zeros(META_ROWS, top, dtype=torch.long, device=self.device)
         self._meta[3] = 1
-        self._host_meta = [torch.zeros(META_ROWS, top, dtype=torch.long).pin_memory()
-                           for _ in range(2)]
+        self._host_meta = [(torch.zeros(META_ROWS, top, dtype=torch.long).pin_memory(),
+                            torch.cuda.Event()) for _ in range(2)]
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for bs in reversed(buckets):
