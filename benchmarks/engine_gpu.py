@@ -36,7 +36,6 @@ from pathlib import Path
 
 import torch
 
-from rltool.data.models import init_model
 from rltool.engine.paged_runner import PagedRunner
 from rltool.engine.paged_scheduler import PagedScheduler
 from rltool.engine.request import Request
@@ -86,6 +85,46 @@ def roofline(spec, batch: int, *, bw: float, weight_bytes: int) -> dict:
         bytes_ = read + batch * ctx * kv_tok + batch * spec.vocab_size * 2
         total += max(bytes_ / bw, flops / PEAK_BF16)
     return {"seconds": total, "tokens_per_s": batch * OUTPUT_LEN / total}
+
+
+def random_checkpoint(out: Path, preset: str) -> Path:
+    """A random-init bf16 checkpoint of the preset's shapes, drawn on the GPU (a 7B model takes
+    seconds, not the minutes of transformers' CPU init): N(0, 0.02) matrices, unit norms, zero
+    biases; tensor names and shapes from the transformers model built on the meta device."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rltool.data.models import build_config
+    from rltool.data.tokenizer import build_tokenizer
+
+    out.mkdir(parents=True)
+    build_tokenizer(out)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    config = build_config("qwen2", preset, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                          pad_token_id=tok.pad_token_id)
+    config.torch_dtype = "bfloat16"
+    config.save_pretrained(str(out))
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shard: dict[str, torch.Tensor] = {}
+    n_shard, size = 0, 0
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            t = torch.ones(shape, dtype=torch.bfloat16)
+        elif name.endswith(".bias"):
+            t = torch.zeros(shape, dtype=torch.bfloat16)
+        else:
+            t = torch.empty(shape, dtype=torch.bfloat16, device="cuda").normal_(
+                0, 0.02, generator=gen).cpu()
+        shard[name] = t
+        size += t.numel() * 2
+        if size > 4 << 30:
+            save_file(shard, str(out / f"model-{n_shard:05d}.safetensors"))
+            shard, size, n_shard = {}, 0, n_shard + 1
+    if shard:
+        save_file(shard, str(out / f"model-{n_shard:05d}.safetensors"))
+    return out
 
 
 def prompts_for(n: int, vocab: int, seed: int) -> list[list[int]]:
@@ -193,7 +232,11 @@ async def _http_batch(url: str, prompts) -> dict:
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1024)) as c:
         body = lambda p: {"input_ids": p, "sampling_params": {  # noqa: E731
             "max_new_tokens": OUTPUT_LEN, "temperature": 1.0, "ignore_eos": True}}
-        await c.post(url + "/generate", json=body(prompts[0][:8]))
+        # Warm-up at full concurrency opens the connections (a rollout client keeps them).
+        warm = {"max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True}
+        await asyncio.gather(*[c.post(url + "/generate", json={"input_ids": p,
+                                                               "sampling_params": warm})
+                               for p in prompts])
         t0 = time.perf_counter()
         rs = await asyncio.gather(*[c.post(url + "/generate", json=body(p)) for p in prompts])
         elapsed = time.perf_counter() - t0
@@ -220,6 +263,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="skip transformers generate")
     ap.add_argument("--skip-http", action="store_true")
     ap.add_argument("--hf-compile", action="store_true")
+    ap.add_argument("--engine-only", default="", help="presets measured without HTTP and "
+                                                      "transformers (e.g. qwen2.5-7b)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -230,8 +275,7 @@ def main() -> None:
                      "output_len": OUTPUT_LEN, "models": {}}
     rows = []
     for preset in args.presets.split(","):
-        model_dir = init_model(Path(tempfile.mkdtemp()) / preset, arch="qwen2", preset=preset,
-                               dtype="bfloat16")
+        model_dir = random_checkpoint(Path(tempfile.mkdtemp()) / preset, preset)
         runner = PagedRunner(model_dir, device="cuda", dtype="bf16", max_running=max(batches),
                              cuda_graph_max_bs=max(batches))
         sched = PagedScheduler(runner, max_running=max(batches), max_prefill_tokens=16384,
@@ -255,9 +299,10 @@ def main() -> None:
         runner.release()
         del runner, sched
         torch.cuda.empty_cache()
-        if not args.skip_http:
+        engine_only = preset in args.engine_only.split(",")
+        if not args.skip_http and not engine_only:
             r["http"] = http_runs(model_dir, batches, vocab)
-        if not args.quick:
+        if not args.quick and not engine_only:
             r["hf"] = {}
             for mode in ("dynamic", "static"):
                 r["hf"][mode] = {}
@@ -287,7 +332,9 @@ def main() -> None:
         print(f"{p:14} {b:>4} {fmt(e, 13)} {fmt(h, 11)} {fmt(hd, 9)} {fmt(hs, 10)} "
               f"{fmt(roof, 10)} {frac:>8.1%} {gpu:>12.2f} {wall:>13.2f}")
     for p, r in results["models"].items():
-        hf_ttft = r.get("hf", {}).get("static", {}).get(batches[0], {}).get("ttft_b1_s")
+        hf_ttft = min((x["ttft_b1_s"] for mode in r.get("hf", {}).values() for x in mode.values()
+                       if "ttft_b1_s" in x), default=None)
+        r["hf_ttft_b1_best_s"] = hf_ttft
         print(f"{p}: TTFT at batch 1: engine {r['engine_ttft_b1_s'] * 1e3:.1f} ms, generate "
               f"best {hf_ttft * 1e3 if hf_ttft else float('nan'):.1f} ms")
     if args.out:
