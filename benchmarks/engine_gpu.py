@@ -102,7 +102,8 @@ def random_checkpoint(out: Path, preset: str) -> Path:
     tok = AutoTokenizer.from_pretrained(str(out))
     config = build_config("qwen2", preset, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
                           pad_token_id=tok.pad_token_id)
-    config.torch_dtype = "bfloat16"
+    config.dtype = "bfloat16"
+    config.architectures = ["Qwen2ForCausalLM"]
     config.save_pretrained(str(out))
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}

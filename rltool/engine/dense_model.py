@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from rltool.errors import CheckpointError
 
 ARCHS = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+MODEL_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama"}  # config.json without architectures
 
 # attend(layer index, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -59,7 +60,7 @@ def read_spec(model_dir: str | Path) -> ModelSpec:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot read {path}: {e}") from e
     archs = cfg.get("architectures") or []
-    arch = ARCHS.get(archs[0]) if archs else None
+    arch = ARCHS.get(archs[0]) if archs else MODEL_TYPES.get(cfg.get("model_type"))
     if arch is None:
         raise CheckpointError(f"{path}: architecture {archs or cfg.get('model_type')!r} is not "
                               f"supported by the engine's model; supported: {', '.join(ARCHS)}")
