@@ -109,7 +109,7 @@ def random_checkpoint(out: Path, preset: str) -> Path:
         shapes = {k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
     gen = torch.Generator(device="cuda").manual_seed(0)
     shard: dict[str, torch.Tensor] = {}
-    n_shard, size = 0, 0
+    n_shard, size, index = 0, 0, {}
     for name, shape in shapes.items():
         if name.endswith("norm.weight"):
             t = torch.ones(shape, dtype=torch.bfloat16)
@@ -119,12 +119,15 @@ def random_checkpoint(out: Path, preset: str) -> Path:
             t = torch.empty(shape, dtype=torch.bfloat16, device="cuda").normal_(
                 0, 0.02, generator=gen).cpu()
         shard[name] = t
+        index[name] = f"model-{n_shard:05d}.safetensors"
         size += t.numel() * 2
         if size > 4 << 30:
-            save_file(shard, str(out / f"model-{n_shard:05d}.safetensors"))
+            save_file(shard, str(out / index[name]), metadata={"format": "pt"})
             shard, size, n_shard = {}, 0, n_shard + 1
     if shard:
-        save_file(shard, str(out / f"model-{n_shard:05d}.safetensors"))
+        save_file(shard, str(out / f"model-{n_shard:05d}.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {},
+                                                                 "weight_map": index}))
     return out
 
 
@@ -228,21 +231,41 @@ def hf_generate(model_dir: Path, batch: int, vocab: int, *, mode: str, compile_:
 
 
 async def _http_batch(url: str, prompts) -> dict:
-    import httpx
+    """B concurrent /generate calls (aiohttp: httpx's pool is slow at this concurrency), then the
+    same prompts as one batched /generate call; server-side decode steps from /get_server_info."""
+    import aiohttp
 
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1024)) as c:
-        body = lambda p: {"input_ids": p, "sampling_params": {  # noqa: E731
-            "max_new_tokens": OUTPUT_LEN, "temperature": 1.0, "ignore_eos": True}}
+    sp = {"max_new_tokens": OUTPUT_LEN, "temperature": 1.0, "ignore_eos": True}
+    out = {}
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn,
+                                     timeout=aiohttp.ClientTimeout(total=600)) as s:
+        async def post(body):
+            async with s.post(url + "/generate", json=body) as r:
+                return await r.json()
+
+        async def steps():
+            async with s.get(url + "/get_server_info") as r:
+                return (await r.json())["internal_states"][0]["num_decode_forwards"]
+
         # Warm-up at full concurrency opens the connections (a rollout client keeps them).
-        warm = {"max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True}
-        await asyncio.gather(*[c.post(url + "/generate", json={"input_ids": p,
-                                                               "sampling_params": warm})
+        await asyncio.gather(*[post({"input_ids": p, "sampling_params": {**sp,
+                                                                         "max_new_tokens": 4}})
                                for p in prompts])
-        t0 = time.perf_counter()
-        rs = await asyncio.gather(*[c.post(url + "/generate", json=body(p)) for p in prompts])
-        elapsed = time.perf_counter() - t0
-    n = sum(len(r.json()["output_ids"]) for r in rs)
-    return {"seconds": elapsed, "output_tokens": n, "tokens_per_s": n / elapsed}
+        for mode in ("concurrent", "batched"):
+            s0 = await steps()
+            t0 = time.perf_counter()
+            if mode == "concurrent":
+                rs = await asyncio.gather(*[post({"input_ids": p, "sampling_params": sp})
+                                            for p in prompts])
+            else:
+                rs = await post({"input_ids": prompts, "sampling_params": sp})
+            elapsed = time.perf_counter() - t0
+            n = sum(len(r["output_ids"]) for r in rs)
+            out[mode] = {"seconds": elapsed, "output_tokens": n, "tokens_per_s": n / elapsed,
+                         "server_decode_steps": await steps() - s0}
+    out["tokens_per_s"] = out["concurrent"]["tokens_per_s"]
+    return out
 
 
 def http_runs(model_dir: Path, batches, vocab: int) -> dict:
@@ -336,6 +359,11 @@ def main() -> None:
         hf_ttft = min((x["ttft_b1_s"] for mode in r.get("hf", {}).values() for x in mode.values()
                        if "ttft_b1_s" in x), default=None)
         r["hf_ttft_b1_best_s"] = hf_ttft
+        for b, h in r.get("http", {}).items():
+            print(f"{p} B={b} over HTTP: {h['concurrent']['tokens_per_s']:.0f} tok/s as {b} "
+                  f"concurrent requests ({h['concurrent']['server_decode_steps']} server decode "
+                  f"steps), {h['batched']['tokens_per_s']:.0f} tok/s as one batched request "
+                  f"({h['batched']['server_decode_steps']} steps)")
         print(f"{p}: TTFT at batch 1: engine {r['engine_ttft_b1_s'] * 1e3:.1f} ms, generate "
               f"best {hf_ttft * 1e3 if hf_ttft else float('nan'):.1f} ms")
     if args.out:

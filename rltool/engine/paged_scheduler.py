@@ -62,8 +62,8 @@ class PagedScheduler(Scheduler):
         self._shared_generator = torch.Generator(device=runner.device)
         self._shared_generator.seed()
         self._generators: dict[str, torch.Generator] = {}
-        # Each request's base seed for the sampling kernel: its own (sampling_seed), else drawn.
-        self._seeds: dict[str, int] = {}
+        # Per request (see `_info`); the kernel's base seed is its own (sampling_seed) or drawn.
+        self._infos: dict[str, tuple[float, bool, int, bool, int]] = {}
         self._seed_rng = random.Random()
         self._use_kernel = runner.device.type == "cuda"
         self._overlap = self._use_kernel and overlap
@@ -161,10 +161,24 @@ class PagedScheduler(Scheduler):
     # computes. A request that stops at step N has computed one extra token, which is dropped.
     # Prefill, control operations and batches that need the torch sampler drain first.
 
+    def _info(self, req: Request) -> tuple[float, bool, int, bool, int]:
+        """Per-request constants of the sampling step, computed once (the per-token host work
+        bounds the step at large batches): (temperature, greedy, base seed, plain, min tokens)."""
+        info = self._infos.get(req.rid)
+        if info is None:
+            p = req.params
+            base = (req.generator.initial_seed() if req.generator is not None
+                    else self._seed_rng.getrandbits(62))
+            plain = not (p.needs_filter or p.logit_bias or req.top_logprobs_num
+                         or req.token_ids_logprob)
+            info = (effective_temperature(p.temperature), p.greedy, base, plain,
+                    p.min_new_tokens)
+            self._infos[req.rid] = info
+        return info
+
     def _plain(self, req: Request) -> bool:
-        p = req.params
-        return not (p.needs_filter or p.logit_bias or req.top_logprobs_num
-                    or req.token_ids_logprob or len(req.output_ids) < p.min_new_tokens)
+        info = self._info(req)
+        return info[3] and len(req.output_ids) >= info[4]
 
     def _launch_sampling(self, reqs: list[Request], logits: torch.Tensor, *, ahead: int
                          ) -> "_Inflight":
@@ -173,9 +187,11 @@ class PagedScheduler(Scheduler):
         B = len(reqs)
         self._launches += 1
         buf = self._buffers[self._launches % 2]
-        params = torch.tensor([[effective_temperature(r.params.temperature) for r in reqs],
-                               [self._step_seed(r, ahead=ahead) for r in reqs],
-                               [r.params.greedy for r in reqs]], dtype=torch.float64)
+        infos = [self._info(r) for r in reqs]
+        params = torch.tensor([[i[0] for i in infos],
+                               [(i[2] * 1_000_003 + len(r.output_ids) + ahead) % SEED_MODULUS
+                                for i, r in zip(infos, reqs)],
+                               [i[1] for i in infos]], dtype=torch.float64)
         buf.params[:, :B].copy_(params)
         dev = buf.params[:, :B].to(logits.device, non_blocking=True)
         tokens, logprobs = sample_rows(logits, dev[0].float(), dev[1].int(), dev[2].int())
@@ -253,11 +269,7 @@ class PagedScheduler(Scheduler):
 
     def _step_seed(self, req: Request, *, ahead: int = 0) -> int:
         """The kernel's seed for the request's next draw (`ahead` draws not yet recorded)."""
-        base = self._seeds.get(req.rid)
-        if base is None:
-            base = (req.generator.initial_seed() if req.generator is not None
-                    else self._seed_rng.getrandbits(62))
-            self._seeds[req.rid] = base
+        base = self._info(req)[2]
         return (base * 1_000_003 + len(req.output_ids) + ahead) % SEED_MODULUS
 
     def _generator(self, req: Request) -> torch.Generator | None:
@@ -284,7 +296,7 @@ class PagedScheduler(Scheduler):
         if not req.finished:
             self.runner.remove(req.rid)
             self._generators.pop(req.rid, None)
-            self._seeds.pop(req.rid, None)
+            self._infos.pop(req.rid, None)
         super()._finish(req, reason)
 
     def _retract_all(self) -> None:
