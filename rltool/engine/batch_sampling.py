@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from rltool.engine.sampling import SamplingParams, _filter, bias_logits
@@ -42,7 +43,8 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], *,
     if len(fast) == B:
         from rltool.engine.sampling_kernel import sample_rows
 
-        meta = torch.tensor([temps, seeds, [p.greedy for p in params]], dtype=torch.float64)
+        meta = torch.from_numpy(np.asarray([temps, seeds, [p.greedy for p in params]],
+                                           dtype=np.float64))
         meta = meta.to(dev, non_blocking=True)
         tokens, chosen = sample_rows(logits, meta[0].float(), meta[1].int(), meta[2].int())
     else:  # a mixed batch: the torch path for all rows (same distribution, other noise)

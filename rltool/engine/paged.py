@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from rltool.errors import EngineError
@@ -138,7 +139,7 @@ class PageTable:
         if not self._pending:
             return
         n = len(self._pending)
-        host = torch.tensor(list(zip(*self._pending)), dtype=torch.long)
+        host = torch.from_numpy(np.asarray(list(zip(*self._pending)), dtype=np.int64))
         self._pending.clear()
         copied = None
         if self._staging and n <= STAGING_CAPACITY:

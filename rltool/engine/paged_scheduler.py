@@ -19,9 +19,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from rltool.engine.batch_sampling import sample_batch
+from rltool.engine.paged_runner import host_tensor
 from rltool.engine.request import Request
 from rltool.engine.scheduler import THROUGHPUT_WINDOW_S, Scheduler
 from rltool.logprobs import effective_temperature
@@ -188,10 +190,10 @@ class PagedScheduler(Scheduler):
         self._launches += 1
         buf = self._buffers[self._launches % 2]
         infos = [self._info(r) for r in reqs]
-        params = torch.tensor([[i[0] for i in infos],
-                               [(i[2] * 1_000_003 + len(r.output_ids) + ahead) % SEED_MODULUS
-                                for i, r in zip(infos, reqs)],
-                               [i[1] for i in infos]], dtype=torch.float64)
+        params = host_tensor([[i[0] for i in infos],
+                              [(i[2] * 1_000_003 + len(r.output_ids) + ahead) % SEED_MODULUS
+                               for i, r in zip(infos, reqs)],
+                              [i[1] for i in infos]], dtype=np.float64)
         buf.params[:, :B].copy_(params)
         dev = buf.params[:, :B].to(logits.device, non_blocking=True)
         tokens, logprobs = sample_rows(logits, dev[0].float(), dev[1].int(), dev[2].int())
