@@ -312,16 +312,20 @@ class ModelRunner:
     # ----- info ----------------------------------------------------------------------------
 
     def model_info(self) -> dict[str, Any]:
-        archs = list(getattr(self.config, "architectures", None) or [])
-        return {
-            "model_path": str(self.model_path),
-            "tokenizer_path": str(self.tokenizer_path),
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": self.weight_version,
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
-            "model_type": getattr(self.config, "model_type", None),
-            "architectures": archs,
-        }
+        return model_info(self, model_type=getattr(self.config, "model_type", None),
+                          architectures=list(getattr(self.config, "architectures", None) or []))
 
+
+def model_info(runner: Any, *, model_type: str | None, architectures: list[str]) -> dict[str, Any]:
+    """SGLang's /get_model_info body for a runner (model_path, tokenizer_path, weight_version)."""
+    return {
+        "model_path": str(runner.model_path),
+        "tokenizer_path": str(runner.tokenizer_path),
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": runner.weight_version,
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": model_type,
+        "architectures": architectures,
+    }

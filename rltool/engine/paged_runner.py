@@ -373,19 +373,11 @@ class PagedRunner:
     # ----- info ----------------------------------------------------------------------------
 
     def model_info(self) -> dict[str, Any]:
-        return {
-            "model_path": str(self.model_path),
-            "tokenizer_path": str(self.tokenizer_path),
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": self.weight_version,
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
-            "model_type": self.config_json.get("model_type"),
-            "architectures": list(self.config_json.get("architectures") or []),
-            "device": self.device.type,
-            "dtype": self.dtype,
-        }
+        from rltool.engine.model_runner import model_info
+
+        info = model_info(self, model_type=self.config_json.get("model_type"),
+                          architectures=list(self.config_json.get("architectures") or []))
+        return {**info, "device": self.device.type, "dtype": self.dtype}
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,

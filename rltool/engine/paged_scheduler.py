@@ -262,12 +262,7 @@ class PagedScheduler(Scheduler):
     def _record(self, req: Request, token: int, logprob: float, top: Any, ids_lp: Any,
                 version: str) -> None:
         req.record_token(token, logprob, version=version, top=top, ids_lp=ids_lp)
-        reason = self._stop_reason(req, token)
-        if reason is not None:
-            self._finish(req, reason)
-        elif req.on_token is not None:
-            req.text = self._decode_text(req)
-            req.on_token(req)
+        self._after_token(req, token)
 
     def _step_seed(self, req: Request, *, ahead: int = 0) -> int:
         """The kernel's seed for the request's next draw (`ahead` draws not yet recorded)."""

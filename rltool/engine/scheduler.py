@@ -420,6 +420,10 @@ class Scheduler:
         self._token_times.append((time.monotonic(), 1))
         while self._token_times and time.monotonic() - self._token_times[0][0] > THROUGHPUT_WINDOW_S:
             self._token_times.popleft()
+        self._after_token(req, token)
+
+    def _after_token(self, req: Request, token: int) -> None:
+        """Finish the request if `token` stops it, else hand the new token to a streaming caller."""
         reason = self._stop_reason(req, token)
         if reason is not None:
             self._finish(req, reason)
