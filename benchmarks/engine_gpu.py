@@ -106,7 +106,8 @@ def random_checkpoint(out: Path, preset: str) -> Path:
     config.architectures = ["Qwen2ForCausalLM"]
     config.save_pretrained(str(out))
     with torch.device("meta"):
-        shapes = {k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+        meta_model = AutoModelForCausalLM.from_config(config)
+        shapes = {k: v.shape for k, v in meta_model.state_dict().items()}
     gen = torch.Generator(device="cuda").manual_seed(0)
     shard: dict[str, torch.Tensor] = {}
     n_shard, size, index = 0, 0, {}

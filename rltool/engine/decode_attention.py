@@ -94,7 +94,7 @@ def _stage2(MidO, MidLse, Out, stride_ob, stride_oh, stride_os, stride_lb, strid
 
 def num_splits_for(batch: int, num_kv_heads: int, *, max_len: int = 1 << 30,
                    target_programs: int = 264) -> int:
-    """Enough splits to give ~2 programs per SM of an H100/H200, never splits shorter than a block."""
+    """Enough splits for ~2 programs per SM of an H100/H200, never a split shorter than a block."""
     want = max(1, -(-target_programs // max(batch * num_kv_heads, 1)))
     return int(max(1, min(want, 32, -(-max_len // BLOCK_N))))
 
@@ -102,7 +102,7 @@ def num_splits_for(batch: int, num_kv_heads: int, *, max_len: int = 1 << 30,
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                      req_to_page: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
                      page_size: int, scale: float, num_splits: int) -> torch.Tensor:
-    """q [B, H, D]; k/v_cache [slots, KVH, D]; rows, seq_lens [B]. Returns [B, H, D] in q's dtype."""
+    """q [B, H, D]; k/v_cache [slots, KVH, D]; rows, seq_lens [B]. Returns [B, H, D], q's dtype."""
     B, H, D = q.shape
     kvh = k_cache.shape[1]
     group = H // kvh

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from rltool.errors import CheckpointError
 
 ARCHS = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
-MODEL_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama"}  # config.json without architectures
+# For a config.json without "architectures":
+MODEL_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama"}
 
 # attend(layer index, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
