@@ -1,24 +1,47 @@
 """The Triton kernels against their torch references, run by Triton's interpreter on CPU
-(TRITON_INTERPRET=1, set before triton is imported): split-KV decode attention (pages scattered
+(TRITON_INTERPRET=1 while a fresh copy of each kernel module is loaded): split-KV decode attention (pages scattered
 out of order, lengths ending mid-page and mid-block, a one-token sequence, GQA groups, several
 split counts), the fused norm / RoPE + KV write / SiLU kernels, and the whole model with them."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 
-os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from rltool.engine.paged import PageTable, decode_attention_ref
 
-from rltool.engine.paged import PageTable, decode_attention_ref  # noqa: E402
+
+def interpreted(name: str):
+    """A fresh copy of module `name` whose kernels run in Triton's interpreter. @triton.jit reads
+    TRITON_INTERPRET when it runs, so it is set only while the copy loads: the shared module
+    (what CUDA code and the gpu tests import) is left compiled."""
+    spec = importlib.util.find_spec(name)
+    module = importlib.util.module_from_spec(spec)
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,page_size", [(4, 2, 16, 4), (14, 2, 64, 16),
                                                                (8, 8, 32, 1)])
 def test_kernel_matches_reference(heads, kv_heads, head_dim, page_size):
-    from rltool.engine.decode_attention import decode_attention
+    decode_attention = interpreted("rltool.engine.decode_attention").decode_attention
 
     torch.manual_seed(0)
     table = PageTable(num_pages=160, page_size=page_size, max_requests=4,
@@ -44,7 +67,7 @@ def test_kernel_matches_reference(heads, kv_heads, head_dim, page_size):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_kernels_match_torch(dtype):
-    from rltool.engine import fused
+    fused = interpreted("rltool.engine.fused")
     torch.manual_seed(1)
     T, hidden = 5, 96
     # The interpreter rounds fp32 -> bf16 toward zero (the GPU to nearest): bf16 is compared to
@@ -80,8 +103,13 @@ def test_fused_kernels_match_torch(dtype):
         assert torch.allclose(a.float(), b.float(), **tol)
 
 
-def test_model_with_fused_kernels_matches_unfused(tiny_model_factory):
+def test_model_with_fused_kernels_matches_unfused(tiny_model_factory, monkeypatch):
+    import rltool.engine
     from rltool.engine.paged_runner import PagedRunner
+
+    fused = interpreted("rltool.engine.fused")
+    monkeypatch.setattr(rltool.engine, "fused", fused, raising=False)
+    monkeypatch.setitem(sys.modules, "rltool.engine.fused", fused)
 
     seq = [3, 9, 4, 17, 22, 5, 8, 30, 11, 2]
     for arch in ("qwen2", "qwen3"):
@@ -93,7 +121,7 @@ def test_model_with_fused_kernels_matches_unfused(tiny_model_factory):
 
 
 def test_sampling_kernel_logprobs_greedy_and_distribution():
-    from rltool.engine.sampling_kernel import sample_rows
+    sample_rows = interpreted("rltool.engine.sampling_kernel").sample_rows
 
     torch.manual_seed(2)
     logits = torch.randn(4, 3000) * 4
