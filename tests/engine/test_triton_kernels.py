@@ -1,5 +1,7 @@
-"""The Triton kernels against their torch references, run by Triton's interpreter on CPU
-(TRITON_INTERPRET=1 while a fresh copy of each kernel module is loaded): split-KV decode attention (pages scattered
+"""The Triton kernels against their torch references: compiled on a CUDA machine, elsewhere run by
+Triton's interpreter on CPU (TRITON_INTERPRET=1 while a fresh copy of each kernel module loads;
+interpreted and compiled kernels do not mix in one process, the interpreter patches triton.language
+while it runs). Split-KV decode attention (pages scattered
 out of order, lengths ending mid-page and mid-block, a one-token sequence, GQA groups, several
 split counts), the fused norm / RoPE + KV write / SiLU kernels, and the whole model with them."""
 
@@ -15,10 +17,16 @@ import torch
 from rltool.engine.paged import PageTable, decode_attention_ref
 
 
-def interpreted(name: str):
-    """A fresh copy of module `name` whose kernels run in Triton's interpreter. @triton.jit reads
-    TRITON_INTERPRET when it runs, so it is set only while the copy loads: the shared module
-    (what CUDA code and the gpu tests import) is left compiled."""
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+
+def kernels(name: str):
+    """Module `name` as is on a CUDA machine; elsewhere a fresh copy whose kernels run in Triton's
+    interpreter. @triton.jit reads TRITON_INTERPRET when it runs, so it is set only while the copy
+    loads: the shared module stays compiled for whatever else the process runs."""
+    if CUDA:
+        return importlib.import_module(name)
     spec = importlib.util.find_spec(name)
     module = importlib.util.module_from_spec(spec)
     before = os.environ.get("TRITON_INTERPRET")
@@ -33,19 +41,24 @@ def interpreted(name: str):
     return module
 
 
-@pytest.fixture(autouse=True)
-def _interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+@pytest.fixture
+def on_dev(monkeypatch):
+    """New tensors on the kernels' device; the interpreter's mode while the test runs."""
+    if not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.set_default_device(DEV)
+    yield
+    torch.set_default_device("cpu")
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,page_size", [(4, 2, 16, 4), (14, 2, 64, 16),
                                                                (8, 8, 32, 1)])
-def test_kernel_matches_reference(heads, kv_heads, head_dim, page_size):
-    decode_attention = interpreted("rltool.engine.decode_attention").decode_attention
+def test_kernel_matches_reference(heads, kv_heads, head_dim, page_size, on_dev):
+    decode_attention = kernels("rltool.engine.decode_attention").decode_attention
 
     torch.manual_seed(0)
     table = PageTable(num_pages=160, page_size=page_size, max_requests=4,
-                      max_pages_per_request=80, device="cpu")
+                      max_pages_per_request=80, device=DEV)
     table.allocator._free.reverse()  # hand out high page ids first: pages not in slot order
     lens = [1, 37, 70]
     for i, n in enumerate(lens):
@@ -66,8 +79,8 @@ def test_kernel_matches_reference(heads, kv_heads, head_dim, page_size):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_kernels_match_torch(dtype):
-    fused = interpreted("rltool.engine.fused")
+def test_fused_kernels_match_torch(dtype, on_dev):
+    fused = kernels("rltool.engine.fused")
     torch.manual_seed(1)
     T, hidden = 5, 96
     # The interpreter rounds fp32 -> bf16 toward zero (the GPU to nearest): bf16 is compared to
@@ -107,21 +120,24 @@ def test_model_with_fused_kernels_matches_unfused(tiny_model_factory, monkeypatc
     import rltool.engine
     from rltool.engine.paged_runner import PagedRunner
 
-    fused = interpreted("rltool.engine.fused")
-    monkeypatch.setattr(rltool.engine, "fused", fused, raising=False)
-    monkeypatch.setitem(sys.modules, "rltool.engine.fused", fused)
-
+    if not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        fused = kernels("rltool.engine.fused")
+        monkeypatch.setattr(rltool.engine, "fused", fused, raising=False)
+        monkeypatch.setitem(sys.modules, "rltool.engine.fused", fused)
     seq = [3, 9, 4, 17, 22, 5, 8, 30, 11, 2]
     for arch in ("qwen2", "qwen3"):
-        runner = PagedRunner(tiny_model_factory(arch, 0), device="cpu", dtype="fp32",
-                             max_running=2, page_size=4, max_total_tokens=64)
+        runner = PagedRunner(tiny_model_factory(arch, 0), device=DEV, dtype="fp32",
+                             max_running=2, page_size=4, max_total_tokens=64,
+                             disable_cuda_graph=True)
+        runner.model.fused = False
         ref = runner.full_pass_logits(seq, start=1)
         runner.model.fused = True
         assert torch.allclose(runner.full_pass_logits(seq, start=1), ref, atol=1e-5)
 
 
-def test_sampling_kernel_logprobs_greedy_and_distribution():
-    sample_rows = interpreted("rltool.engine.sampling_kernel").sample_rows
+def test_sampling_kernel_logprobs_greedy_and_distribution(on_dev):
+    sample_rows = kernels("rltool.engine.sampling_kernel").sample_rows
 
     torch.manual_seed(2)
     logits = torch.randn(4, 3000) * 4
