@@ -1,60 +1,77 @@
 """The Triton kernels against their torch references: compiled on a CUDA machine, elsewhere run by
-Triton's interpreter on CPU (TRITON_INTERPRET=1 while a fresh copy of each kernel module loads;
-interpreted and compiled kernels do not mix in one process, the interpreter patches triton.language
-while it runs). Split-KV decode attention (pages scattered
-out of order, lengths ending mid-page and mid-block, a one-token sequence, GQA groups, several
+Triton's interpreter on CPU, each test in a child process started with TRITON_INTERPRET=1.
+Split-KV decode attention (pages scattered out of order, lengths ending mid-page and mid-block, a one-token sequence, GQA groups, several
 split counts), the fused norm / RoPE + KV write / SiLU kernels, and the whole model with them."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from rltool.engine.paged import PageTable, decode_attention_ref
 
-
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
+CHILD = "RLTOOL_TRITON_INTERPRET_CHILD"
 
 
-def kernels(name: str):
-    """Module `name` as is on a CUDA machine; elsewhere a fresh copy whose kernels run in Triton's
-    interpreter. @triton.jit reads TRITON_INTERPRET when it runs, so it is set only while the copy
-    loads: the shared module stays compiled for whatever else the process runs."""
-    if CUDA:
-        return importlib.import_module(name)
-    spec = importlib.util.find_spec(name)
-    module = importlib.util.module_from_spec(spec)
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = before
-    return module
+@pytest.fixture(scope="module")
+def child_report(tmp_path_factory) -> dict[str, str] | None:
+    """Without CUDA: this module's tests run once more in a child process started with
+    TRITON_INTERPRET=1; {test name: failure text, "" when it passed}. Triton decides interpreted
+    or compiled when triton.language is first imported, for the whole process, and other tests
+    import it first; mixing the two breaks both. On CUDA, or in the child: None."""
+    if CUDA or os.environ.get(CHILD) == "1":
+        return None
+    import xml.etree.ElementTree as ET
+
+    report = tmp_path_factory.mktemp("triton-child") / "report.xml"
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", CHILD: "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           f"--junitxml={report}", str(Path(__file__).resolve())], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert report.is_file(), proc.stdout[-4000:] + proc.stderr[-2000:]
+    out = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        out[case.get("name")] = "" if bad is None else (bad.text or bad.get("message") or "?")
+    return out
+
+
+def ran_in_child(request) -> bool:
+    """True (after asserting the child's outcome for this test) when the child ran it."""
+    report = request.getfixturevalue("child_report")
+    if report is None:
+        return False
+    name = request.node.name
+    assert name in report, f"{name} did not run in the child process"
+    assert report[name] == "", report[name][-4000:]
+    return True
 
 
 @pytest.fixture
-def on_dev(monkeypatch):
-    """New tensors on the kernels' device; the interpreter's mode while the test runs."""
-    if not CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+def on_dev():
+    """New tensors on the kernels' device while the test runs."""
     torch.set_default_device(DEV)
     yield
     torch.set_default_device("cpu")
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,page_size", [(4, 2, 16, 4), (14, 2, 64, 16),
-                                                               (8, 8, 32, 1)])
-def test_kernel_matches_reference(heads, kv_heads, head_dim, page_size, on_dev):
-    decode_attention = kernels("rltool.engine.decode_attention").decode_attention
+def test_kernel_matches_reference(on_dev, request):
+    if ran_in_child(request):
+        return
+    for heads, kv_heads, head_dim, page_size in [(4, 2, 16, 4), (14, 2, 64, 16), (8, 8, 32, 1)]:
+        check_decode_kernel(heads, kv_heads, head_dim, page_size)
+
+
+def check_decode_kernel(heads: int, kv_heads: int, head_dim: int, page_size: int) -> None:
+    from rltool.engine.decode_attention import decode_attention
 
     torch.manual_seed(0)
     table = PageTable(num_pages=160, page_size=page_size, max_requests=4,
@@ -78,9 +95,16 @@ def test_kernel_matches_reference(heads, kv_heads, head_dim, page_size, on_dev):
         assert torch.allclose(out, ref, atol=1e-5, rtol=0), splits
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_kernels_match_torch(dtype, on_dev):
-    fused = kernels("rltool.engine.fused")
+def test_fused_kernels_match_torch(on_dev, request):
+    if ran_in_child(request):
+        return
+    for dtype in (torch.float32, torch.bfloat16):
+        check_fused_kernels(dtype)
+
+
+def check_fused_kernels(dtype: torch.dtype) -> None:
+    from rltool.engine import fused
+
     torch.manual_seed(1)
     T, hidden = 5, 96
     # The interpreter rounds fp32 -> bf16 toward zero (the GPU to nearest): bf16 is compared to
@@ -116,15 +140,11 @@ def test_fused_kernels_match_torch(dtype, on_dev):
         assert torch.allclose(a.float(), b.float(), **tol)
 
 
-def test_model_with_fused_kernels_matches_unfused(tiny_model_factory, monkeypatch):
-    import rltool.engine
+def test_model_with_fused_kernels_matches_unfused(tiny_model_factory, request):
+    if ran_in_child(request):
+        return
     from rltool.engine.paged_runner import PagedRunner
 
-    if not CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        fused = kernels("rltool.engine.fused")
-        monkeypatch.setattr(rltool.engine, "fused", fused, raising=False)
-        monkeypatch.setitem(sys.modules, "rltool.engine.fused", fused)
     seq = [3, 9, 4, 17, 22, 5, 8, 30, 11, 2]
     for arch in ("qwen2", "qwen3"):
         runner = PagedRunner(tiny_model_factory(arch, 0), device=DEV, dtype="fp32",
@@ -136,8 +156,11 @@ def test_model_with_fused_kernels_matches_unfused(tiny_model_factory, monkeypatc
         assert torch.allclose(runner.full_pass_logits(seq, start=1), ref, atol=1e-5)
 
 
-def test_sampling_kernel_logprobs_greedy_and_distribution(on_dev):
-    sample_rows = kernels("rltool.engine.sampling_kernel").sample_rows
+def test_sampling_kernel_logprobs_greedy_and_distribution(on_dev, request):
+    if ran_in_child(request):
+        return
+    from rltool.engine.sampling_kernel import sample_rows
+
 
     torch.manual_seed(2)
     logits = torch.randn(4, 3000) * 4
