@@ -76,7 +76,7 @@ class PageTable:
         self._pending: list[tuple[int, int, int]] = []  # (row, page index, page id)
         # Pinned staging for the scatter, used alternately: a copy from pageable memory would
         # wait for the device to finish queued work, which breaks overlapped decoding.
-        self._staging = ([(torch.empty(3, STAGING_CAPACITY, dtype=torch.long).pin_memory(),
+        self._staging = ([(torch.empty(3, STAGING_CAPACITY, dtype=torch.long, device="cpu").pin_memory(),
                            torch.cuda.Event()) for _ in range(2)]
                          if torch.device(device).type == "cuda" else [])
         self._flushes = 0

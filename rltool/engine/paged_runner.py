@@ -269,7 +269,7 @@ class PagedRunner:
         # Eager decode on CUDA pads to the same buckets, so it computes exactly what a replay does.
         bucket = next((b for b in self._buckets if b >= B), None)
         n = bucket or B
-        host = torch.zeros(META_ROWS, n, dtype=torch.long)
+        host = torch.zeros(META_ROWS, n, dtype=torch.long, device="cpu")
         host[3] = 1  # padded rows: one junk token of the scratch page
         rows, lens, locs, positions = [], [], [], []
         entries, ps = table.entries, self.page_size
@@ -337,7 +337,8 @@ class PagedRunner:
         top, buckets = self.cuda_graph_max_bs, self._buckets
         self._meta = torch.zeros(META_ROWS, top, dtype=torch.long, device=self.device)
         self._meta[3] = 1
-        self._host_meta = [(torch.zeros(META_ROWS, top, dtype=torch.long).pin_memory(),
+        self._host_meta = [(torch.zeros(META_ROWS, top, dtype=torch.long,
+                                        device="cpu").pin_memory(),
                             torch.cuda.Event()) for _ in range(2)]
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)

@@ -43,9 +43,11 @@ class _Buffers:
 
     @staticmethod
     def make(n: int) -> "_Buffers":
-        return _Buffers(torch.empty(3, n, dtype=torch.float64).pin_memory(),
-                        torch.empty(n, dtype=torch.int64).pin_memory(),
-                        torch.empty(n, dtype=torch.float32).pin_memory())
+        def pinned(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(*shape, dtype=dtype, device="cpu").pin_memory()
+
+        return _Buffers(pinned(3, n, dtype=torch.float64), pinned(n, dtype=torch.int64),
+                        pinned(n, dtype=torch.float32))
 
 
 @dataclass
