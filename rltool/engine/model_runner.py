@@ -312,8 +312,9 @@ class ModelRunner:
     # ----- info ----------------------------------------------------------------------------
 
     def model_info(self) -> dict[str, Any]:
-        return model_info(self, model_type=getattr(self.config, "model_type", None),
+        info = model_info(self, model_type=getattr(self.config, "model_type", None),
                           architectures=list(getattr(self.config, "architectures", None) or []))
+        return {**info, "device": "cpu", "dtype": self.dtype}
 
 
 def model_info(runner: Any, *, model_type: str | None, architectures: list[str]) -> dict[str, Any]:

@@ -134,7 +134,14 @@ class StageInputs:
         check_labels(self.reward_fn, self.prompts, spec=cfg.reward)
         self.urls = cfg.engines or [cfg.router]
         self.via_gateway = cfg.router is not None
-        self.tokenizer_dir = cfg.tokenizer or _engine_tokenizer_path(cfg, self.urls[0])
+        infos = _engine_model_infos(cfg, self.urls)
+        # What each engine computed with, for the trainer and the align gate to match (null for
+        # an engine whose /get_model_info does not say, such as SGLang, or that did not answer:
+        # the router routes around engines that are down).
+        self.engine_precision = {
+            url: {key: None if isinstance(info, Exception) else info.get(key)
+                  for key in ("device", "dtype")} for url, info in infos.items()}
+        self.tokenizer_dir = cfg.tokenizer or _tokenizer_path(infos)
         self.tokenizer = load_tokenizer(self.tokenizer_dir)
         from rltool.data.tokenizer import tokenizer_hash
 
@@ -197,7 +204,8 @@ class StageInputs:
                          sampling=cfg.sampling(),
                          extra={"prompts": str(cfg.prompts), "reward": cfg.reward,
                                 "generate_fn": cfg.generate_fn or "single-turn",
-                                "engines": self.urls, **extra})
+                                "engines": self.urls, "engine_precision": self.engine_precision,
+                                **extra})
 
     def write(self, cfg: EngineStageConfig, groups: list[list[Sample]], *, meta: Any,
               config_name: str) -> dict[str, Any]:
@@ -209,17 +217,29 @@ class StageInputs:
         return manifest
 
 
-def _engine_tokenizer_path(cfg: EngineStageConfig, url: str) -> str:
+def _engine_model_infos(cfg: EngineStageConfig,
+                        urls: list[str]) -> dict[str, dict[str, Any] | Exception]:
     from rltool.rollout.client import EngineClient
 
-    async def ask() -> dict[str, Any]:
+    async def ask(url: str) -> dict[str, Any]:
         client = EngineClient(url, api_key=cfg.api_key, timeout_s=30.0)
         try:
             return await client.get_model_info()
         finally:
             await client.aclose()
 
-    info = asyncio.run(ask())
+    async def ask_all() -> list[dict[str, Any] | Exception]:
+        return await asyncio.gather(*(ask(url) for url in urls), return_exceptions=True)
+
+    return dict(zip(urls, asyncio.run(ask_all())))
+
+
+def _tokenizer_path(infos: dict[str, dict[str, Any] | Exception]) -> str:
+    """The tokenizer directory the first engine that answered reports."""
+    answered = [(url, info) for url, info in infos.items() if not isinstance(info, Exception)]
+    if not answered:
+        raise next(iter(infos.values()))
+    url, info = answered[0]
     path = info.get("tokenizer_path") or info.get("model_path")
     if not path or not Path(path).is_dir():
         raise BadInputError(f"engine {url} reports tokenizer_path {path!r}, which is not a local "

@@ -155,6 +155,8 @@ def test_rollout_writes_grouped_shard_with_engine_logprobs(builtin_engine, promp
     assert shard.meta.step == 1 and shard.meta.producer == "rltool rollout"
     assert shard.meta.sampling == {"temperature": 1.0, "top_p": 1.0, "top_k": -1,
                                    "max_response_len": 12, "n_samples_per_prompt": 3, "seed": 7}
+    assert shard.meta.extra["engine_precision"] == {builtin_engine.url: {"device": "cpu",
+                                                                         "dtype": "fp32"}}
     file_rows = [json.loads(line) for line in prompts.read_text().splitlines()]
     groups = rows_by_group(out)
     assert sorted(groups) == [4, 5, 6, 7]  # step 1 x batch 4 -> stream positions 4..7
