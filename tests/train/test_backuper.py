@@ -247,3 +247,70 @@ def test_prefetch_overlaps_compute_on_cuda(tmp_path):
         torch.cuda.synchronize()
         warm = time.perf_counter() - t0
         assert warm < 0.5 * cold, (warm, cold)
+
+
+# -- wired into the train stage --------------------------------------------------------------
+def _frozen_logprobs(model_dir, cfg, sample_set, plan):
+    from rltool.train.stage import TorchBackend, backend_options, compute_logprobs
+
+    frozen = TorchBackend(model_dir, options=backend_options(cfg, trainable=False))
+    return compute_logprobs(frozen, sample_set.samples,
+                            [plan.batch(k) for k in range(plan.steps_per_epoch)],
+                            temperature=sample_set.temperature,
+                            max_tokens_per_microbatch=cfg.max_tokens_per_microbatch)["logprobs"]
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "ppo"])
+def test_stage_ref_and_old_actor_come_from_snapshots(tiny_model_factory, train_shard, tmp_path,
+                                                     estimator):
+    """--ref and --old-actor logprobs computed by switching snapshots into the policy model equal
+    those of separate frozen models bit for bit, and the policy's weights (and value head) come
+    back exactly, also when every snapshot spills to SSD (budget 0)."""
+    from rltool.train.config import TrainConfig
+    from rltool.train.stage import TorchBackend, _prepare_set, backend_options, preflight, \
+        role_snapshots
+
+    policy, ref, old = (tiny_model_factory("qwen2", seed=s) for s in (0, 1, 2))
+    cfg = TrainConfig(rollouts=[str(train_shard)], load=str(policy), ref=str(ref),
+                      old_actor=str(old), kl_loss_coef=0.1, advantage_estimator=estimator,
+                      max_tokens_per_microbatch=40, global_batch_size=6,
+                      backuper_host_budget_gb=0.0, backuper_dir=str(tmp_path / "snap"))
+    checked = preflight(cfg)
+    backend = TorchBackend(policy, options=backend_options(cfg))
+    expected_values = None
+    if estimator == "ppo":  # a non-zero head, so values tell which trunk computed them
+        from rltool.train.stage import compute_logprobs
+
+        _scramble(backend.inner.value_head, 7)
+        expected_values = compute_logprobs(
+            backend, checked.sample_set.samples,
+            [checked.plan.batch(k) for k in range(checked.plan.steps_per_epoch)],
+            temperature=checked.sample_set.temperature, max_tokens_per_microbatch=40,
+            with_values=True)["values"]
+    before = _state(backend.inner)
+    snapshots = role_snapshots(cfg, backend, ref_dir=checked.ref_target.model_dir,
+                               old_actor_dir=checked.old_actor_target.model_dir)
+    try:
+        assert snapshots.tiers("ref") == {"ssd"}
+        data, timings = _prepare_set(cfg, backend, snapshots, checked.sample_set, checked.plan)
+    finally:
+        snapshots.close()
+    assert not (tmp_path / "snap").exists() or not any((tmp_path / "snap").iterdir())
+    _assert_bitequal(backend.inner, before)
+    args = (cfg, checked.sample_set, checked.plan)
+    for got, want in ((data.ref_logprobs, _frozen_logprobs(ref, *args)),
+                      (data.old_logprobs, _frozen_logprobs(old, *args))):
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert "perf/weight_switch_time" in timings
+    if expected_values is not None:  # values come from the current weights, not the old actor
+        assert all(torch.equal(g, w) for g, w in zip(data.old_values, expected_values,
+                                                     strict=True))
+
+
+def test_old_actor_refused_with_bypass(tiny_model_dir, train_shard):
+    from rltool.errors import ConfigError
+    from rltool.train.config import TrainConfig
+
+    with pytest.raises(ConfigError, match="--old-actor"):
+        TrainConfig(rollouts=[str(train_shard)], load=str(tiny_model_dir),
+                    old_actor=str(tiny_model_dir), bypass=True)
