@@ -41,7 +41,10 @@ from typing import Any
 import torch
 
 from rltool.errors import BadInputError, CheckpointError, RltoolError
+from rltool.train.live_weights import dtensor_sharder, fingerprint, module_tensors
 from rltool.train.snapshot_file import SUFFIX, MappedSnapshot, write_snapshot
+
+__all__ = ["BackuperError", "WeightBackuper", "dtensor_sharder", "fingerprint", "module_tensors"]
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +127,11 @@ class WeightBackuper:
         t = self._tag(tag, create=True)
         with t.lock:
             self._touch(t)
-            self._clear(t)
+            self._clear(t, keep_host=True)  # re-backing up reuses the (pinned) buffer
             if self.single_tag is not None:
                 t.fingerprint = fingerprint(self.live.values())
-            elif self._make_room(self.snapshot_bytes, keep=t):
-                t.host = self._host_buffer()
+            elif t.host is not None or self._make_room(self.snapshot_bytes, keep=t):
+                t.host = self._host_buffer() if t.host is None else t.host
                 views = self._views(t.host)
                 for name, src in self.live.items():
                     views[name].copy_(src, non_blocking=True)
@@ -193,6 +196,13 @@ class WeightBackuper:
                 raise BackuperError(f"copy({src!r}, {dst!r}): {src!r} holds no snapshot")
             if self.active == dst:
                 self.active = None
+
+    def spill(self, tag: str) -> None:
+        """Move `tag`'s host copy to SSD now (free when its file is current), e.g. to make room
+        before a phase that needs host memory."""
+        t = self._get(tag)
+        with t.lock:
+            self._spill(t)
 
     def drop(self, tag: str) -> None:
         """Forget `tag` on every tier (waits for its prefetch)."""
@@ -271,8 +281,8 @@ class WeightBackuper:
     def _prefetch_job(self, t: _Tag) -> None:
         with t.lock:
             self._touch(t)  # about to be used: the last tag to spill
-            if self._tags.get(t.name) is not t or t.staged is not None or self.active == t.name:
-                return
+            if self._tags.get(t.name) is not t or t.staged is not None:
+                return  # dropped meanwhile, or already staged
             if t.host is None and t.ssd is not None and self._make_room(self.snapshot_bytes,
                                                                         keep=t):
                 host = self._host_buffer()
@@ -363,8 +373,10 @@ class WeightBackuper:
         with atomic.atomic_path(dst) as tmp:
             shutil.copyfile(src, tmp)
 
-    def _clear(self, t: _Tag) -> None:
-        t.host = t.staged = t.fingerprint = None
+    def _clear(self, t: _Tag, *, keep_host: bool = False) -> None:
+        t.staged = t.fingerprint = None
+        if not keep_host:
+            t.host = None
         if t.ssd is not None:
             t.ssd.unlink(missing_ok=True)
             t.ssd = None
@@ -441,58 +453,3 @@ class _LazyTensors(Mapping):
 def _tied_alias(name: str, live: Mapping[str, torch.Tensor]) -> bool:
     """lm_head.weight of a tied-embedding model: the live module lists the shared tensor once."""
     return name == "lm_head.weight" and "model.embed_tokens.weight" in live
-
-
-def fingerprint(tensors: Any) -> str:
-    """A cheap content fingerprint of live tensors, computed where they live: xxh3 over the bytes
-    on the host; on CUDA a position-weighted integer sum on the device (no transfer)."""
-    import xxhash
-
-    host = xxhash.xxh3_128()
-    device_sums = []
-    for t in tensors:
-        if t.device.type == "cpu":
-            host.update(memoryview(t.detach().contiguous().view(-1).view(torch.uint8).numpy()))
-            continue
-        flat = t.detach().contiguous().view(-1)
-        ints = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32,
-                          8: torch.int64}[flat.element_size()])
-        chunk = 1 << 24
-        for start in range(0, ints.numel(), chunk):
-            part = ints[start:start + chunk].to(torch.int64)
-            weights = torch.arange(start + 1, start + 1 + part.numel(), device=t.device,
-                                   dtype=torch.int64) * 0x9E3779B1
-            device_sums.append((part * weights).sum())
-    if device_sums:
-        host.update(repr([int(s) for s in torch.stack(device_sums).tolist()]).encode())
-    return host.hexdigest()
-
-
-def module_tensors(module: torch.nn.Module, *,
-                   exclude_prefixes: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
-    """The live tensors of a module's parameters, by name (tied parameters once): the local
-    shard of a DTensor (FSDP2), else the parameter's data."""
-    out = {}
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if name.startswith(exclude_prefixes):
-                continue
-            out[name] = p.to_local() if hasattr(p, "to_local") else p.data
-    return out
-
-
-def dtensor_sharder(module: torch.nn.Module) -> Callable[[str, torch.Tensor], torch.Tensor] | None:
-    """For FSDP2 modules: full tensor -> this rank's local shard (no communication)."""
-    params = dict(module.named_parameters())
-    if not any(hasattr(p, "device_mesh") for p in params.values()):
-        return None
-    from torch.distributed.tensor import distribute_tensor
-
-    def shard(name: str, full: torch.Tensor) -> torch.Tensor:
-        p = params[name]
-        if not hasattr(p, "device_mesh"):
-            return full
-        return distribute_tensor(full.to(p.device, p.dtype), p.device_mesh, p.placements,
-                                 src_data_rank=None).to_local()
-
-    return shard
