@@ -124,6 +124,7 @@ class WeightBackuper:
 
     def backup(self, tag: str) -> None:
         """Copy the live weights into `tag` (created if new); the live weights now are `tag`."""
+        self._check_single(tag)
         t = self._tag(tag, create=True)
         with t.lock:
             self._touch(t)
@@ -218,6 +219,7 @@ class WeightBackuper:
         """Create `tag` from full tensors by name (e.g. another checkpoint's), without touching
         the live weights. Names, shapes and dtypes must match the live set (dtypes are cast, as
         a model loaded in the live dtype would be); any name missing or extra is refused."""
+        self._check_single(None)
         self._check_names(tensors, tag)
         t = self._tag(tag, create=True)
         with t.lock:
@@ -250,7 +252,9 @@ class WeightBackuper:
         t = self._get(tag)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="backuper")
-        return self._pool.submit(self._prefetch_job, t)
+        future = self._pool.submit(self._prefetch_job, t)
+        future.add_done_callback(_log_failure)
+        return future
 
     @contextmanager
     def switched(self, tag: str, *, back: str) -> Iterator[None]:
@@ -415,6 +419,11 @@ class WeightBackuper:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
+    def _check_single(self, tag: str | None) -> None:
+        if self.single_tag is not None and tag != self.single_tag:
+            raise BackuperError(f"single-tag mode holds only {self.single_tag!r}; build the "
+                                "backuper without single_tag to keep other snapshots")
+
     def _touch(self, t: _Tag) -> None:
         with self._lock:
             self._clock += 1
@@ -448,6 +457,13 @@ class _LazyTensors(Mapping):
 
     def __len__(self) -> int:
         return len(self._infos)
+
+
+def _log_failure(future: Future) -> None:
+    """A failed prefetch costs only speed (restore reads the slower tier, and raises there if the
+    tier is bad), but should not go unseen."""
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("backuper: prefetch failed: %s", future.exception())
 
 
 def _tied_alias(name: str, live: Mapping[str, torch.Tensor]) -> bool:

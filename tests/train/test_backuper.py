@@ -98,6 +98,10 @@ def test_spill_and_prefetch_under_a_tiny_budget(tmp_path):
         _assert_bitequal(model, states[tag])
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["a.safetensors", "b.safetensors", "c.safetensors"]
+    b.spill("a")  # its file is current: only the host copy goes
+    assert b.tiers("a") == {"ssd", "live"} and b.host_bytes == 0
+    b.restore("b")
+    _assert_bitequal(model, states["b"])
     b.close()
     assert not any(tmp_path.iterdir())  # drop removes the files of a caller's directory
 
@@ -168,6 +172,8 @@ def test_single_tag_mode_copies_nothing_and_verifies(tmp_path):
         b.restore("actor")
     b.backup("actor")
     b.restore("actor")
+    with pytest.raises(BackuperError, match="single-tag mode holds only 'actor'"):
+        b.backup("ref")
     b.close()
 
 
