@@ -87,14 +87,17 @@ def bench_tiers(model_dir: Path, device: torch.device, ssd: Path, repeats: int) 
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from rltool.convert.safetensors_io import checkpoint_files
+    from rltool.io.checkpoint import open_checkpoint
 
     def from_pretrained():
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         return model.to(device)
 
+    def checkpoint_files() -> list[Path]:
+        return [model_dir / name for name in open_checkpoint(model_dir).files]
+
     def evict_checkpoint():
-        for f in checkpoint_files(model_dir):
+        for f in checkpoint_files():
             evict(f)
 
     r: dict = {}
@@ -103,7 +106,7 @@ def bench_tiers(model_dir: Path, device: torch.device, ssd: Path, repeats: int) 
     live = module_tensors(model)
 
     def reload_into_live():
-        for f in checkpoint_files(model_dir):
+        for f in checkpoint_files():
             for name, tensor in load_file(str(f)).items():
                 if name in live:
                     live[name].copy_(tensor)

@@ -235,7 +235,8 @@ class WeightBackuper:
 
     def load_dir(self, tag: str, model_dir: str | Path) -> None:
         """`add` from a HF safetensors checkpoint directory (memory-mapped, one tensor at a time)."""
-        from rltool.convert.safetensors_io import checkpoint_tensors, read_tensor
+        from rltool.io.checkpoint import checkpoint_tensors
+        from rltool.io.reader import read_tensor
 
         infos = checkpoint_tensors(model_dir)
         tied = [n for n in infos if n not in self.live and _tied_alias(n, self.live)]

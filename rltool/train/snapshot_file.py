@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING
 import xxhash
 
 from rltool import atomic
-from rltool.convert.safetensors_io import (_header_bytes, _ignore_readonly_buffer_warning,
-                                           dtype_code, read_header, torch_dtype)
 from rltool.errors import CheckpointError
+from rltool.io.header import dtype_code, header_bytes, parse_header, torch_dtype
+from rltool.io.reader import _ignore_readonly_buffer_warning
 
 if TYPE_CHECKING:
     import torch
@@ -50,7 +50,7 @@ def write_snapshot(path: str | os.PathLike, tensors: Iterable[tuple[str, torch.T
     `tensors` may be a generator that copies one device tensor at a time to the host, so a
     snapshot larger than the host budget goes to disk with one tensor in host memory."""
     entries = [(name, dtype_code(dtype), tuple(shape)) for name, dtype, shape in layout]
-    header = _header_bytes(entries, {"format": FORMAT, "format_version": FORMAT_VERSION,
+    header = header_bytes(entries, {"format": FORMAT, "format_version": FORMAT_VERSION,
                                      "checksum": _PLACEHOLDER})
     at = header.find(_PLACEHOLDER.encode())
     hasher = xxhash.xxh3_128()
@@ -87,21 +87,17 @@ class MappedSnapshot:
         import torch
 
         self.path = Path(path)
-        try:
-            infos, meta = read_header(self.path)
+        try:  # the layout checks (tiling, truncation, trailing bytes) are rltool.io's
+            infos, meta = parse_header(self.path)
         except OSError as e:
             raise CheckpointError(f"{self.path}: cannot read the weight snapshot ({e})") from e
         if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
             raise CheckpointError(f"{self.path} is not an rltool weight snapshot (format "
                                   f"{meta.get('format')!r} {meta.get('format_version')!r})")
         self.checksum = meta.get("checksum", "")
-        ordered = sorted(infos.values(), key=lambda i: i.start)
-        base = ordered[0].start if ordered else 0
-        end = ordered[-1].end if ordered else 0
+        base = infos[0].start if infos else 0
+        end = infos[-1].end if infos else 0
         size = self.path.stat().st_size
-        if end != size:
-            raise CheckpointError(f"{self.path}: {size - end} bytes after the last tensor; the "
-                                  "snapshot is corrupt, back the tag up again")
         with open(self.path, "rb") as f:
             # MAP_POPULATE: one sequential read-ahead instead of a page fault per 4 KiB.
             self._map = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
@@ -113,7 +109,7 @@ class MappedSnapshot:
                                   "corrupt); refusing it: drop the tag and back it up again")
         _ignore_readonly_buffer_warning()
         self.tensors: dict[str, torch.Tensor] = {}
-        for info in infos.values():
+        for info in infos:
             dtype = torch_dtype(info.dtype)
             if info.nbytes == 0 or self._map is None:
                 self.tensors[info.name] = torch.empty(info.shape, dtype=dtype)
