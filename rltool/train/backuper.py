@@ -41,10 +41,12 @@ from typing import Any
 import torch
 
 from rltool.errors import BadInputError, CheckpointError, RltoolError
-from rltool.train.live_weights import dtensor_sharder, fingerprint, module_tensors
+from rltool.train.live_weights import (dtensor_sharder, fingerprint, fsdp_resharder,
+                                       module_tensors)
 from rltool.train.snapshot_file import SUFFIX, MappedSnapshot, write_snapshot
 
-__all__ = ["BackuperError", "WeightBackuper", "dtensor_sharder", "fingerprint", "module_tensors"]
+__all__ = ["BackuperError", "WeightBackuper", "dtensor_sharder", "fingerprint", "fsdp_resharder",
+           "module_tensors"]
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +76,8 @@ class WeightBackuper:
                  ssd_dir: str | Path | None = None, single_tag: str | None = None,
                  stage_on_device: bool | None = None, max_staged: int = 1,
                  pin_memory: bool | None = None,
-                 shard_full: Callable[[str, torch.Tensor], torch.Tensor] | None = None):
+                 shard_full: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+                 before_restore: Callable[[], None] | None = None):
         if not tensors:
             raise BadInputError("the backuper needs at least one live tensor")
         self.live = dict(tensors)
@@ -86,6 +89,7 @@ class WeightBackuper:
         self.host_budget_bytes = host_budget_bytes
         self.single_tag = single_tag
         self._shard_full = shard_full
+        self._before_restore = before_restore  # e.g. FSDP2: drop gathered copies of the weights
         self._own_dir = ssd_dir is None
         self.ssd_dir = Path(ssd_dir) if ssd_dir else None
         self.layout = [(n, t.dtype, tuple(t.shape)) for n, t in self.live.items()]
@@ -154,7 +158,11 @@ class WeightBackuper:
                     raise BackuperError(
                         f"restore({tag!r}) in single-tag mode: the live weights changed since "
                         "backup and there is no copy to restore; back up after every change")
-            elif t.staged is not None:
+                self.active = tag
+                return
+            if self._before_restore is not None:
+                self._before_restore()
+            if t.staged is not None:
                 with torch.no_grad():
                     for name, dst in self.live.items():
                         dst.copy_(t.staged[name])

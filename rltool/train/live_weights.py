@@ -62,3 +62,21 @@ def dtensor_sharder(module: torch.nn.Module) -> Callable[[str, torch.Tensor], to
                                  src_data_rank=None).to_local()
 
     return shard
+
+
+def fsdp_resharder(module: torch.nn.Module) -> Callable[[], None] | None:
+    """For FSDP2 modules: a callable that reshards every unit, so the next forward all-gathers
+    from the (just restored) sharded parameters. Without it, units that stay unsharded between
+    passes (FSDP2 keeps the root's parameters gathered after a forward) would run on stale
+    copies of the previous weights."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        return None
+
+    def reshard() -> None:
+        for unit in units:
+            unit.reshard()
+
+    return reshard

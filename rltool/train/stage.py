@@ -31,7 +31,8 @@ from rltool.rundir import MetricsWriter, RunDir, step_dir_name, weight_dir_name
 from rltool.train.algo.advantages import compute_advantages, gae, masked_whiten
 from rltool.train.algo.kl import approx_kl
 from rltool.train.backend import MicroBatch, TrainerBackend
-from rltool.train.backuper import WeightBackuper, dtensor_sharder, module_tensors
+from rltool.train.backuper import (WeightBackuper, dtensor_sharder, fsdp_resharder,
+                                   module_tensors)
 from rltool.train.checkpoint import LoadTarget, read_trainer_state, resolve_load
 from rltool.train.config import TrainConfig
 from rltool.train.objective import SampleTensors, batch_terms, make_loss_fn
@@ -157,7 +158,8 @@ def role_snapshots(cfg: TrainConfig, backend: TorchBackend, *, ref_dir: Path | N
     snapshots = WeightBackuper(
         module_tensors(backend.inner, exclude_prefixes=(VALUE_HEAD + ".",)),
         host_budget_bytes=None if budget is None else int(budget * 1e9),
-        ssd_dir=cfg.backuper_dir, shard_full=dtensor_sharder(backend.inner))
+        ssd_dir=cfg.backuper_dir, shard_full=dtensor_sharder(backend.inner),
+        before_restore=fsdp_resharder(backend.inner))
     try:
         snapshots.backup("actor")
         for tag, directory in (("old_actor", old_actor_dir), ("ref", ref_dir)):
