@@ -14,10 +14,12 @@ one device:
 SSD reads are timed cold (the file's pages evicted with posix_fadvise DONTNEED) and warm.
 `h2d_peak` / `d2h_peak` are one large pinned copy each way: the bandwidth the tiers are held to.
 
-Overlap: a torch-backend train step (policy-gradient loss, AdamW) with a second tag ("teacher")
+Overlap (the 0.5B shapes unless --overlap-presets): a torch-backend train step (policy-gradient
+loss, AdamW, micro-batches of 4 samples of <= 1,024 tokens) with a second tag ("teacher")
 prefetched at its start from the host tier and from the SSD tier; exposed fraction =
-(step with prefetch + restore after it - step alone) / the same switch without prefetch.
-On CPU the step is cut to --cpu-train-tokens (default 256) tokens; on CUDA 16k tokens (bf16).
+(step with prefetch + restore after it - step alone) / the same switch without prefetch, steps
+alone interleaved with prefetched ones. On CPU the step is cut to --cpu-train-tokens (default
+256, fp32) tokens; on CUDA it has 16k tokens (bf16 autocast, fp32 masters).
 
 Usage: python benchmarks/backuper.py [--device cpu|cuda] [--presets qwen2.5-0.5b,qwen2.5-3b]
            [--repeats 3] [--out DIR]
@@ -163,8 +165,11 @@ def bench_overlap(model_dir: Path, device: torch.device, ssd: Path, *, tokens: i
     g = torch.Generator().manual_seed(0)
     samples = [torch.randint(4, vocab, (per_sample,), generator=g).tolist()
                for _ in range(max(1, tokens // per_sample))]
-    mb = MicroBatch(indices=list(range(len(samples))), tokens=samples,
-                    response_starts=[per_sample // 4] * len(samples))
+    per_mb = 4  # micro-batches of <= 4k tokens: the full-vocabulary logits stay a few GB
+    mbs = [MicroBatch(indices=list(range(i, min(i + per_mb, len(samples)))),
+                      tokens=samples[i:i + per_mb],
+                      response_starts=[per_sample // 4] * len(samples[i:i + per_mb]))
+           for i in range(0, len(samples), per_mb)]
     advantages = torch.randn(len(samples))
 
     def loss_fn(out, batch):
@@ -173,7 +178,7 @@ def bench_overlap(model_dir: Path, device: torch.device, ssd: Path, *, tokens: i
         return loss, {"train/loss": loss.detach()}
 
     def step():
-        backend.train_step([mb], loss_fn, temperature=1.0)
+        backend.train_step(mbs, loss_fn, temperature=1.0)
 
     r: dict = {"train_tokens": len(samples) * per_sample, "train_dtype": dtype}
     step()  # warm-up: optimizer state, allocator, kernels
@@ -222,7 +227,9 @@ def main() -> None:
     parser.add_argument("--presets", default=None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cpu-train-tokens", type=int, default=256)
-    parser.add_argument("--skip-overlap", action="store_true")
+    parser.add_argument("--overlap-presets", default="qwen2.5-0.5b",
+                        help="Presets whose prefetch overlap in a train step is measured "
+                        "(comma-separated; 'none' for none).")
     parser.add_argument("--out", default=None, help="Directory for the raw results JSON.")
     parser.add_argument("--work-dir", default=None,
                         help="Where checkpoints and SSD snapshots go (default: a temp dir).")
@@ -239,7 +246,7 @@ def main() -> None:
             model_dir = init_model(Path(tmp) / preset, preset=preset, seed=0)
             row = {"preset": preset, **bench_tiers(model_dir, device, Path(tmp) / "ssd",
                                                    args.repeats)}
-            if not args.skip_overlap:
+            if preset in args.overlap_presets.split(","):
                 row.update(bench_overlap(model_dir, device, Path(tmp) / "ssd-train",
                                          tokens=tokens, repeats=args.repeats))
             rows.append(row)
