@@ -113,7 +113,9 @@ class WeightBackuper:
             return sorted(self._tags)
 
     def tiers(self, tag: str) -> set[str]:
-        """Where `tag` lives now: a subset of {"device", "host", "ssd", "live"}."""
+        """Where `tag` lives now: a subset of {"device", "host", "ssd", "live"}; "live" means the
+        live weights were last restored from or backed up to it (training may have moved them
+        since)."""
         t = self._get(tag)
         with t.lock:
             out = {"device"} if t.staged is not None else set()

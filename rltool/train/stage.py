@@ -337,6 +337,9 @@ def preflight(cfg: TrainConfig) -> Preflight:
     target = resolve_load(cfg.load)
     ref_target = resolve_load(cfg.ref) if cfg.needs_ref and cfg.ref else None
     old_actor_target = resolve_load(cfg.old_actor) if cfg.old_actor else None
+    if cfg.backuper_dir and Path(cfg.backuper_dir).exists() and not Path(cfg.backuper_dir).is_dir():
+        raise ConfigError(f"--backuper-dir {cfg.backuper_dir} is not a directory; pass a "
+                          "directory on local SSD (created if missing)")
     sample_set = _load_samples(cfg, target.model_dir)
     plan = _Plan(cfg, len(sample_set.samples))
     start_step = _resume_step(cfg, target.ckpt_dir, sample_set, plan)

@@ -320,3 +320,14 @@ def test_old_actor_refused_with_bypass(tiny_model_dir, train_shard):
     with pytest.raises(ConfigError, match="--old-actor"):
         TrainConfig(rollouts=[str(train_shard)], load=str(tiny_model_dir),
                     old_actor=str(tiny_model_dir), bypass=True)
+
+
+def test_backuper_dir_that_is_a_file_is_refused_up_front(tiny_model_dir, train_shard, tmp_path):
+    from rltool.errors import ConfigError
+    from rltool.train.config import TrainConfig
+    from rltool.train.stage import preflight
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="--backuper-dir"):
+        preflight(TrainConfig(rollouts=[str(train_shard)], load=str(tiny_model_dir),
+                              backuper_dir=str(tmp_path / "file")))
