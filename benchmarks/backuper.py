@@ -24,7 +24,10 @@ restore after it - step alone) / that switch, steps alone interleaved with prefe
 Usage: python benchmarks/backuper.py [--device cpu|cuda] [--presets qwen2.5-0.5b,qwen2.5-3b]
            [--repeats 3] [--out DIR]
 Defaults: cpu -> the 0.5B shapes; cuda -> 0.5B and 3B. Prints a table and, last, one JSON line;
-with --out, also writes DIR/backuper-<date>-<cpuN|gpu name>.json.
+with --out, also writes DIR/backuper-<date>-<cpuN|gpu name>.json (runs of other presets on the
+same day merge into it, so `--presets qwen2.5-0.5b` then `--presets qwen2.5-3b --repeats 1`
+splits the work under a time limit). Disk: one checkpoint and two snapshots at a time (41 GB
+for the 3B shapes in fp32).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import tempfile
 import time
@@ -258,6 +262,7 @@ def main() -> None:
                                          tokens=tokens, repeats=args.repeats))
             rows.append(row)
             print(json.dumps(row), flush=True)
+            shutil.rmtree(model_dir)  # the 3B checkpoint is 13.6 GB: one on disk at a time
     print(f"\n{'preset':13s} {'GB':>5s} {'backup':>7s} {'rest.host':>9s} {'staged':>7s} "
           f"{'spill':>6s} {'ssd->host':>9s} {'ssd->live':>9s} {'reload':>7s} {'pretrained':>10s}"
           f"   (seconds; SSD and reload reads cold)")
@@ -291,6 +296,10 @@ def main() -> None:
                else name.split()[-1].lower())
         out = Path(args.out) / f"backuper-{datetime.now(timezone.utc):%Y-%m-%d}-{tag}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists():  # one preset per invocation also adds up to one file
+            earlier = json.loads(out.read_text())
+            mine = {r["preset"] for r in rows}
+            record["results"] = [r for r in earlier["results"] if r["preset"] not in mine] + rows
         out.write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record))
 
