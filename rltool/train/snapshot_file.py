@@ -5,7 +5,8 @@
                             "format_version": "1", "checksum": "xxh3_128:<32 hex>"}
 ```
 The checksum covers the data section (every tensor's bytes, in header order). The file is written
-once through `rltool.atomic.atomic_path` (temporary name, fsync, rename) in one pass: the header
+once through `rltool.atomic.atomic_path` (temporary name, fsync, rename) in one pass, with
+O_DIRECT where the filesystem allows (rltool.io.writer.DirectWriter): the header
 goes out with a placeholder checksum of the same width, which is overwritten in place once the
 data is written, before the rename. A reader maps the file read-only, hashes the data section and
 refuses the file (CheckpointError) when the hash differs, before any byte reaches its caller.
@@ -25,6 +26,7 @@ from rltool import atomic
 from rltool.errors import CheckpointError
 from rltool.io.header import dtype_code, header_bytes, parse_header, torch_dtype
 from rltool.io.reader import _ignore_readonly_buffer_warning
+from rltool.io.writer import DirectWriter, pwrite_all
 
 if TYPE_CHECKING:
     import torch
@@ -55,26 +57,27 @@ def write_snapshot(path: str | os.PathLike, tensors: Iterable[tuple[str, torch.T
     at = header.find(_PLACEHOLDER.encode())
     hasher = xxhash.xxh3_128()
     with atomic.atomic_path(path) as tmp:
-        fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC)
+        # O_DIRECT: a spilled tag is the least recently used one, so its pages are not worth
+        # the page cache's copy (nor the memory they would take from the host budget).
+        out = DirectWriter(tmp)
         try:
-            _write_all(fd, memoryview(header))
+            out.write(memoryview(header))
             for (name, code, shape), (got, tensor) in zip(entries, tensors, strict=True):
                 if got != name or dtype_code(tensor.dtype) != code or tuple(tensor.shape) != shape:
                     raise CheckpointError(f"internal layout mismatch writing {path}: expected "
                                           f"{name} {code} {shape}, got {got}")
                 view = _bytes_view(tensor)
                 hasher.update(view)
-                _write_all(fd, view)
-            checksum = _ALGO + hasher.hexdigest()
-            os.pwrite(fd, checksum.encode(), at)
+                out.write(view)
+        finally:
+            out.close()
+        checksum = _ALGO + hasher.hexdigest()
+        fd = os.open(tmp, os.O_WRONLY)
+        try:
+            pwrite_all(fd, checksum.encode(), at)
         finally:
             os.close(fd)
     return checksum
-
-
-def _write_all(fd: int, view: memoryview) -> None:
-    while view:
-        view = view[os.write(fd, view):]
 
 
 class MappedSnapshot:
