@@ -29,6 +29,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2,
                          max_position_embeddings=32768, vocab_size=151936),
+    # Qwen2.5-3B's and Qwen2.5-7B's shapes (untied heads), for GPU benchmarks.
     "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
                        num_attention_heads=16, num_key_value_heads=2,
                        max_position_embeddings=32768, vocab_size=151936),

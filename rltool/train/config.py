@@ -26,6 +26,10 @@ class TrainConfig(SyncConfig):
     publish: str | None = Field(None, description="Directory in which the new policy is published "
                                 "as weight_vNNNNNN (RUN/weights).")
     ref: str | None = Field(None, description="Reference model weights for the KL terms.")
+    old_actor: str | None = Field(None, description="Weights of the policy that generated the "
+                                  "rollouts, when older than --load (off-policy rollouts): the "
+                                  "old logprobs (the PPO anchor) are recomputed with them instead "
+                                  "of the current weights (slime's --keep-old-actor).")
     metrics: str | None = Field(None, description="train.jsonl path (default: RUN/metrics/ when "
                                 "--save is RUN/train/ckpt, else next to --save).")
     # algorithm
@@ -104,6 +108,11 @@ class TrainConfig(SyncConfig):
                                 "(rltool.logprobs.sequence_logprobs layout): exact alignment "
                                 "with the engine's deterministic mode, slower.")
     seed: int = Field(0, description="Seed of torch RNG and shuffling.")
+    backuper_host_budget_gb: float | None = Field(
+        None, ge=0.0, description="Host memory for weight snapshots (actor, --ref, --old-actor) "
+        "in GB; the least recently used spill to --backuper-dir (default: no limit).")
+    backuper_dir: str | None = Field(None, description="Local SSD directory for spilled weight "
+                                     "snapshots (default: a private temporary directory).")
     save_interval: int | None = Field(None, ge=1, description="Also save a checkpoint every N "
                                       "optimizer steps (one is always saved at the end).")
 
@@ -127,6 +136,9 @@ class TrainConfig(SyncConfig):
             raise ConfigError("--bypass uses the rollout logprobs as old logprobs, so there is no "
                               "pi_old/pi_rollout ratio to correct: drop --tis-mode/--rs-level or "
                               "--bypass")
+        if self.old_actor and (self.bypass or self.loss != "policy"):
+            raise ConfigError("--old-actor recomputes the old logprobs of the policy loss; drop "
+                              "it, or drop --bypass / --loss sft")
         if self.lr_decay_style == "cosine" and self.lr_decay_steps is None:
             raise ConfigError("--lr-decay-style cosine needs --lr-decay-steps N (optimizer steps "
                               "over the whole run, not just this call)")

@@ -1,6 +1,7 @@
 """The train stage: `rltool train` as a library call, `run(cfg) -> TrainResult`.
 
-1. resolve --load (HF weights, a checkpoint, or a --save dir), build the backend (and --ref);
+1. resolve --load (HF weights, a checkpoint, or a --save dir), build the backend; --ref and
+   --old-actor are weight snapshots (rltool.train.backuper) switched into the same model;
 2. read and verify the samples (shards with the model's tokenizer hash, or an SFT prompts file);
 3. for a new sample set: recompute old (and ref) logprobs with the training micro-batch schedule,
    then advantages; when --load is a checkpoint of this same set, continue where it stopped with
@@ -30,12 +31,14 @@ from rltool.rundir import MetricsWriter, RunDir, step_dir_name, weight_dir_name
 from rltool.train.algo.advantages import compute_advantages, gae, masked_whiten
 from rltool.train.algo.kl import approx_kl
 from rltool.train.backend import MicroBatch, TrainerBackend
+from rltool.train.backuper import (WeightBackuper, dtensor_sharder, fsdp_resharder,
+                                   module_tensors)
 from rltool.train.checkpoint import LoadTarget, read_trainer_state, resolve_load
 from rltool.train.config import TrainConfig
 from rltool.train.objective import SampleTensors, batch_terms, make_loss_fn
 from rltool.train.dp_schedule import schedule
 from rltool.train.samples import Sample, SampleSet, load_rollouts, load_sft_prompts
-from rltool.train.torch_backend import TorchBackend, TorchOptions
+from rltool.train.torch_backend import VALUE_HEAD, TorchBackend, TorchOptions
 
 log = logging.getLogger(__name__)
 
@@ -144,9 +147,35 @@ def _load_samples(cfg: TrainConfig, model_dir: Path) -> SampleSet:
                          vocab_size=vocab_size)
 
 
-def _prepare_set(cfg: TrainConfig, backend: TorchBackend, ref: TorchBackend | None,
+def role_snapshots(cfg: TrainConfig, backend: TorchBackend, *, ref_dir: Path | None,
+                   old_actor_dir: Path | None) -> WeightBackuper | None:
+    """The policy's weights as tag "actor", plus "ref" / "old_actor" read from their weights
+    directories, switched into the one model (no second model on the device). None when the
+    set needs neither."""
+    if ref_dir is None and old_actor_dir is None:
+        return None
+    budget = cfg.backuper_host_budget_gb
+    snapshots = WeightBackuper(
+        module_tensors(backend.inner, exclude_prefixes=(VALUE_HEAD + ".",)),
+        host_budget_bytes=None if budget is None else int(budget * 1e9),
+        ssd_dir=cfg.backuper_dir, shard_full=dtensor_sharder(backend.inner),
+        before_restore=fsdp_resharder(backend.inner))
+    try:
+        snapshots.backup("actor")
+        for tag, directory in (("old_actor", old_actor_dir), ("ref", ref_dir)):
+            if directory is not None:
+                snapshots.load_dir(tag, directory)
+    except BaseException:
+        snapshots.close()
+        raise
+    return snapshots
+
+
+def _prepare_set(cfg: TrainConfig, backend: TorchBackend, snapshots: WeightBackuper | None,
                  sample_set: SampleSet, plan: _Plan) -> tuple[SampleTensors, dict[str, float]]:
-    """Old/ref logprobs and advantages for a new sample set (first epoch's schedule)."""
+    """Old/ref logprobs and advantages for a new sample set (first epoch's schedule). Old
+    logprobs come from tag "old_actor" when `snapshots` has it, else from the live weights; ref
+    logprobs from tag "ref"; the next tag is prefetched while the current one computes."""
     samples = sample_set.samples
     data = base_tensors(samples)
     masks = data.masks
@@ -156,25 +185,44 @@ def _prepare_set(cfg: TrainConfig, backend: TorchBackend, ref: TorchBackend | No
     batches = [plan.batch(k) for k in range(plan.steps_per_epoch)]
     kwargs = dict(temperature=sample_set.temperature,
                   max_tokens_per_microbatch=cfg.max_tokens_per_microbatch)
+    tags = snapshots.tags if snapshots is not None else []
+    switch_s = 0.0
+
+    def switch(tag: str) -> None:
+        nonlocal switch_s
+        start = time.perf_counter()
+        snapshots.restore(tag)
+        switch_s += time.perf_counter() - start
+
+    if "ref" in tags:
+        snapshots.prefetch("ref")  # staged while the old logprobs compute
     if cfg.bypass:  # slime's --use-rollout-logprobs: the engine's logprobs are the old ones
         data.old_logprobs = list(data.rollout_logprobs)
     else:
         t0 = time.perf_counter()
-        old = compute_logprobs(backend, samples, batches, with_values=cfg.value_head, **kwargs)
+        if "old_actor" in tags:
+            switch("old_actor")
+        # Values always come from the current weights (its value head trains with them).
+        old = compute_logprobs(backend, samples, batches,
+                               with_values=cfg.value_head and "old_actor" not in tags, **kwargs)
         data.old_logprobs = old["logprobs"]
         data.old_values = old.get("values")
         timings["perf/log_probs_time"] = time.perf_counter() - t0
     kl = None
-    if ref is not None:
+    if "ref" in tags:
         t0 = time.perf_counter()
-        data.ref_logprobs = compute_logprobs(ref, samples, batches, **kwargs)["logprobs"]
+        switch("ref")
+        data.ref_logprobs = compute_logprobs(backend, samples, batches, **kwargs)["logprobs"]
         timings["perf/ref_log_probs_time"] = time.perf_counter() - t0
         if cfg.kl_coef:
             kl = [approx_kl(o, r, kl_type=cfg.kl_loss_type)
                   for o, r in zip(data.old_logprobs, data.ref_logprobs)]
+    if tags:
+        switch("actor")
+        timings["perf/weight_switch_time"] = switch_s
     rewards = torch.tensor([s.reward for s in samples])
     if cfg.value_head:
-        if data.old_values is None:  # bypass: no recompute pass, so no values yet
+        if data.old_values is None:  # bypass or --old-actor: no values from the current weights
             data.old_values = compute_logprobs(backend, samples, batches, with_values=True,
                                                **kwargs)["values"]
         advantages, data.returns = gae(rewards, data.old_values, masks, gamma=cfg.gamma,
@@ -277,6 +325,7 @@ class Preflight:
 
     target: LoadTarget
     ref_target: LoadTarget | None
+    old_actor_target: LoadTarget | None
     sample_set: SampleSet
     plan: _Plan
     start_step: int
@@ -287,12 +336,17 @@ def preflight(cfg: TrainConfig) -> Preflight:
     bad call fails fast, changes nothing on disk, and fails before torchrun starts any rank."""
     target = resolve_load(cfg.load)
     ref_target = resolve_load(cfg.ref) if cfg.needs_ref and cfg.ref else None
+    old_actor_target = resolve_load(cfg.old_actor) if cfg.old_actor else None
+    if cfg.backuper_dir and Path(cfg.backuper_dir).exists() and not Path(cfg.backuper_dir).is_dir():
+        raise ConfigError(f"--backuper-dir {cfg.backuper_dir} is not a directory; pass a "
+                          "directory on local SSD (created if missing)")
     sample_set = _load_samples(cfg, target.model_dir)
     plan = _Plan(cfg, len(sample_set.samples))
     start_step = _resume_step(cfg, target.ckpt_dir, sample_set, plan)
     _check_outputs_free(cfg, first_version=target.version,
                         final_version=target.version + plan.num_steps - start_step)
-    return Preflight(target=target, ref_target=ref_target, sample_set=sample_set, plan=plan,
+    return Preflight(target=target, ref_target=ref_target, old_actor_target=old_actor_target,
+                     sample_set=sample_set, plan=plan,
                      start_step=start_step)
 
 
@@ -312,13 +366,15 @@ def _run(cfg: TrainConfig) -> TrainResult:
             data = _unpack_data(tensors, samples)
             log.info("resuming sample set %s at step %d/%d", sample_set.set_id, start_step,
                      plan.num_steps)
-    ref = None
-    if checked.ref_target is not None and data is None:
-        ref = TorchBackend(checked.ref_target.model_dir,
-                           options=backend_options(cfg, trainable=False))
     if data is None:
-        data, timings = _prepare_set(cfg, backend, ref, sample_set, plan)
-    del ref
+        snapshots = role_snapshots(
+            cfg, backend, ref_dir=checked.ref_target and checked.ref_target.model_dir,
+            old_actor_dir=checked.old_actor_target and checked.old_actor_target.model_dir)
+        try:
+            data, timings = _prepare_set(cfg, backend, snapshots, sample_set, plan)
+        finally:
+            if snapshots is not None:
+                snapshots.close()
     writer_path = default_metrics_path(cfg)
     writer = MetricsWriter(writer_path) if writer_path and backend.dp_rank == 0 else None
     rows: list[dict[str, Any]] = []

@@ -38,21 +38,26 @@ def _torchrun(args: list[str], *, timeout_s: float = 240) -> subprocess.Complete
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def _single(tiny_model_dir, train_shard, root, estimator):
+def _single(tiny_model_dir, train_shard, root, estimator, extra):
     result = run(TrainConfig(rollouts=[str(train_shard)], load=str(tiny_model_dir),
-                             publish=str(root / "weights"), advantage_estimator=estimator, **ARGS))
+                             publish=str(root / "weights"), advantage_estimator=estimator, **ARGS,
+                             **extra))
     return result, load_file(root / "weights" / "weight_v000002" / "model.safetensors")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel,deterministic,estimator", [("ddp", False, "grpo"),
                                                                ("fsdp", True, "ppo")])
-def test_two_processes_match_one(tiny_model_dir, train_shard, tmp_path, parallel, deterministic,
-                                 estimator):
+def test_two_processes_match_one(tiny_model_dir, tiny_model_factory, train_shard, tmp_path,
+                                 parallel, deterministic, estimator):
     """FSDP2 runs PPO (its value head is a separate fully_shard unit) in the deterministic layout
-    (per-sample passes padded to the same count on every rank)."""
-    result, want = _single(tiny_model_dir, train_shard, tmp_path / "single", estimator)
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in ARGS.items()]
+    (per-sample passes padded to the same count on every rank), with a KL reference switched into
+    the sharded model as a weight snapshot (each rank loads its own shards of it)."""
+    extra = {}
+    if parallel == "fsdp":
+        extra = dict(ref=str(tiny_model_factory("qwen2", seed=1)), kl_loss_coef=0.1)
+    result, want = _single(tiny_model_dir, train_shard, tmp_path / "single", estimator, extra)
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**ARGS, **extra}.items()]
     proc = _torchrun(["--rollouts", str(train_shard), "--load", str(tiny_model_dir),
                       "--save", str(tmp_path / "ckpt"), "--publish", str(tmp_path / "weights"),
                       "--parallel", parallel, "--nproc-per-node", "2", "--json", *flags,
@@ -72,7 +77,8 @@ def test_two_processes_match_one(tiny_model_dir, train_shard, tmp_path, parallel
     metrics = [json.loads(x) for x in (tmp_path / "train.jsonl").read_text().splitlines()]
     for mine, ref in zip(metrics, result.metrics):
         names = ["train/loss", "train/pg_loss", "train/entropy_loss", "train/grad_norm",
-                 "train/ppo_kl"] + (["train/value_loss"] if estimator == "ppo" else [])
+                 "train/ppo_kl"] + (["train/value_loss"] if estimator == "ppo" else []) + (
+                     ["train/kl_loss"] if extra else [])
         for name in names:
             assert mine[name] == pytest.approx(ref[name], rel=1e-4, abs=1e-7), name
     # Saved unsharded: the 2-rank checkpoint continues in one process (RNG reseeded, warned).
