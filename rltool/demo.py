@@ -9,9 +9,12 @@
 5. `rltool report`: reward-vs-step PNG (and the other plots) and a summary.
 
 Every stage is the library call behind the command printed next to it. Seeds are fixed and
-stated; the measured curve is in docs/loop.md.
+stated: `--seed S` seeds the model init, both trainers and the engine's sampling (the loop runs
+`deterministic`, so a seed repeats its curve); the prompt sets keep their own seeds, so every
+seed learns the same task. The measured curves are in docs/loop.md.
 
-Run: `python -m rltool.demo [DIR] [--steps N] [--sft-steps N]` (default DIR `demo-run`).
+Run: `python -m rltool.demo [DIR] [--seed S] [--steps N] [--sft-steps N]` (default DIR
+`demo-run`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ TARGET = 0.8
 WINDOW = 5  # the demo stops once the mean rollout reward of the last WINDOW steps reaches TARGET
 
 
-def loop_tables(root: Path, *, model: Path, steps: int) -> dict[str, Any]:
+def loop_tables(root: Path, *, model: Path, steps: int, seed: int = SEED) -> dict[str, Any]:
     """The demo's loop config (also written to DIR/run.toml; examples/demo.toml documents it)."""
     return {
         "model": {"path": str(model)},
@@ -47,7 +50,10 @@ def loop_tables(root: Path, *, model: Path, steps: int) -> dict[str, Any]:
                   "advantage_estimator": "grpo"},
         "sync": {"sync": "full"},
         "eval": {"prompts": str(root / "eval.jsonl"), "n_samples_per_prompt": 4},
-        "loop": {"num_steps": steps, "placement": "colocated", "num_engines": 1, "seed": SEED,
+        # deterministic: each sample draws from its own generator, seeded from `seed` and its
+        # uid, so the engine's sampling is seeded and a run repeats (docs/loop.md).
+        "loop": {"num_steps": steps, "placement": "colocated", "num_engines": 1, "seed": seed,
+                 "deterministic": True,
                  "eval_interval": 15, "engine_args": ["--max-running-requests", "128"]},
     }
 
@@ -77,14 +83,14 @@ def make_data(root: Path, clock: Clock) -> None:
               "prompts, none of whose strings appear in the RL or eval prompts")
 
 
-def warm_start(root: Path, model: Path, *, sft_steps: int, clock: Clock) -> Path:
+def warm_start(root: Path, model: Path, *, sft_steps: int, seed: int, clock: Clock) -> Path:
     from rltool.train import run as run_train
     from rltool.train.config import TrainConfig
 
     cfg = TrainConfig(loss="sft", prompts=str(root / "sft.jsonl"), load=str(model),
                       save=str(root / "sft" / "ckpt"), publish=str(root / "sft" / "weights"),
                       metrics=str(root / "sft" / "train.jsonl"), lr=3e-3, global_batch_size=32,
-                      num_steps=sft_steps, seed=SEED)
+                      num_steps=sft_steps, seed=seed)
     result = run_train(cfg)
     loss = (result.metrics[-1] if result.metrics else {}).get("train/sft_loss", float("nan"))
     clock.say(f"rltool train --loss sft --num-steps {sft_steps} --global-batch-size 32 --lr 3e-3:"
@@ -109,7 +115,8 @@ def print_row(row: dict[str, Any]) -> None:
           f"{f('perf/loop/step_time', '.1f'):>6s}", flush=True)
 
 
-def summarize(root: Path, run_dir: Path, *, sft_steps: int, started: float) -> dict[str, Any]:
+def summarize(root: Path, run_dir: Path, *, sft_steps: int, seed: int,
+              started: float) -> dict[str, Any]:
     from rltool.rundir import read_metrics
 
     rows = read_metrics(run_dir / "metrics" / "loop.jsonl")
@@ -117,7 +124,7 @@ def summarize(root: Path, run_dir: Path, *, sft_steps: int, started: float) -> d
     reached = next((r["step"] for r in rows if r["rollout/raw_reward"] >= TARGET), None)
     sustained = next((rows[i]["step"] for i in range(WINDOW - 1, len(rows))
                       if window_mean(rewards[:i + 1]) >= TARGET), None)
-    summary = {"task": TASK, "seed": SEED, "sft_steps": sft_steps, "rl_steps": len(rows),
+    summary = {"task": TASK, "seed": seed, "sft_steps": sft_steps, "rl_steps": len(rows),
                "first_rl_reward": rewards[0] if rewards else None,
                "final_rl_reward": rewards[-1] if rewards else None,
                "best_rl_reward": max(rewards, default=None),
@@ -133,7 +140,7 @@ def summarize(root: Path, run_dir: Path, *, sft_steps: int, started: float) -> d
     return summary
 
 
-def run(root: Path, *, steps: int, sft_steps: int) -> dict[str, Any]:
+def run(root: Path, *, steps: int, sft_steps: int, seed: int = SEED) -> dict[str, Any]:
     from rltool import atomic
     from rltool.data.models import init_model
     from rltool.loop import runner
@@ -148,16 +155,16 @@ def run(root: Path, *, steps: int, sft_steps: int) -> dict[str, Any]:
     atomic.write_text(root / MARKER, "made by `python -m rltool.demo`; safe to delete\n")
     clock = Clock()
     started = clock.t0
-    model = init_model(root / "model", arch="qwen2", preset="tiny", task=TASK, seed=SEED)
-    clock.say(f"rltool init-model --preset tiny --task {TASK} --seed {SEED}: random-init model "
+    model = init_model(root / "model", arch="qwen2", preset="tiny", task=TASK, seed=seed)
+    clock.say(f"rltool init-model --preset tiny --task {TASK} --seed {seed}: random-init model "
               f"{model}")
     make_data(root, clock)
     policy = model
     if sft_steps:
-        policy = warm_start(root, model, sft_steps=sft_steps, clock=clock)
+        policy = warm_start(root, model, sft_steps=sft_steps, seed=seed, clock=clock)
         print("  (a short supervised warm start on prompts disjoint from the RL prompts: pure RL "
               "from random init never finds the answer format on a CPU budget)")
-    tables = loop_tables(root, model=policy, steps=steps)
+    tables = loop_tables(root, model=policy, steps=steps, seed=seed)
     import tomli_w
 
     atomic.write_text(root / "run.toml", tomli_w.dumps(tables))
@@ -171,7 +178,7 @@ def run(root: Path, *, steps: int, sft_steps: int) -> dict[str, Any]:
                      [r["rollout/raw_reward"] for r in rows]) >= TARGET)
     report = write_report(root / "run")
     clock.say(f"rltool report {root / 'run'}: {report['html']}")
-    summary = summarize(root, root / "run", sft_steps=sft_steps, started=started)
+    summary = summarize(root, root / "run", sft_steps=sft_steps, seed=seed, started=started)
     first, best = summary["first_rl_reward"], summary["best_rl_reward"]
     print(f"\nreward vs step: {root / 'run' / 'report' / 'reward.png'}")
     sustained = summary[f"first_step_mean{WINDOW}_reaching_target"]
@@ -179,7 +186,7 @@ def run(root: Path, *, steps: int, sft_steps: int) -> dict[str, Any]:
           f"{summary['final_mean5_reward']:.3f} (best single step {best:.3f}); target {TARGET} "
           + (f"reached at step {sustained} ({WINDOW}-step mean)" if sustained is not None
              else "NOT reached")
-          + f"; total {summary['total_s']:.0f}s (seed {SEED}, {os.cpu_count()} CPU cores)")
+          + f"; total {summary['total_s']:.0f}s (seed {seed}, {os.cpu_count()} CPU cores)")
     return summary
 
 
@@ -198,13 +205,15 @@ def main(argv: list[str] | None = None) -> None:
                         f"demo stops earlier once the {WINDOW}-step mean reward reaches {TARGET}).")
     parser.add_argument("--sft-steps", type=int, default=60, help="Supervised warm-start steps "
                         "(0: pure RL).")
+    parser.add_argument("--seed", type=int, default=SEED, help="Seed of the model init, the "
+                        "trainers and the engine's sampling (the prompt sets keep theirs).")
     parser.add_argument("--json", action="store_true", help="Print the summary as JSON.")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     import logging
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     try:
-        summary = run(Path(args.dir), steps=args.steps, sft_steps=args.sft_steps)
+        summary = run(Path(args.dir), steps=args.steps, sft_steps=args.sft_steps, seed=args.seed)
     except RltoolError as e:
         print(f"Error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)

@@ -1,0 +1,54 @@
+"""The demo learns for every seed: `python -m rltool.demo --seed S` for S in 0..N-1, each in a
+fresh process, until the 5-step mean reward reaches its target (or the step cap).
+
+Prints a table and one JSON line; `--out FILE` also writes the JSON (machine, load average,
+every seed's steps, wall clock and reward curve). Exit 1 when a seed misses the target.
+
+Example:
+  python benchmarks/demo_seeds.py --seeds 5 --out benchmarks/results/demo_seeds-DATE-cpu2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from demo import one_run  # benchmarks/demo.py: one `python -m rltool.demo` in a fresh process
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seeds", type=int, default=5, help="Seeds 0..N-1.")
+    parser.add_argument("--out", default=None, help="Write the JSON result here too.")
+    args = parser.parse_args()
+    load_before = os.getloadavg()
+    key = "first_step_mean5_reaching_target"
+    runs = []
+    print(f"{'seed':>4s} {'first':>6s} {'reached@':>8s} {'steps':>5s} {'last5':>6s} "
+          f"{'wall_s':>7s}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="rltool-demo-seeds-") as tmp:
+        for seed in range(args.seeds):
+            r = one_run(Path(tmp) / f"seed{seed}", ["--seed", str(seed)])
+            runs.append(r)
+            print(f"{seed:>4d} {r['first_rl_reward']:6.3f} {str(r[key]):>8s} {r['rl_steps']:>5d} "
+                  f"{r['final_mean5_reward']:6.3f} {r['wall_s']:7.1f}", flush=True)
+    reached = sum(r[key] is not None for r in runs)
+    result = {"benchmark": "demo_seeds", "date": time.strftime("%Y-%m-%d"),
+              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                          "python": sys.version.split()[0]},
+              "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
+              "seeds": args.seeds, "reached": reached, "runs": runs}
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    sys.exit(0 if reached == args.seeds else 1)
+
+
+if __name__ == "__main__":
+    main()
