@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from rltool.faults import kill_point
+
 
 def _umask() -> int:
     """The process umask, read without changing it (os.umask would race with other threads)."""
@@ -54,6 +56,7 @@ def write_bytes(path: str | os.PathLike, data: bytes, *, fsync: bool = True) -> 
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
+        kill_point("publish.file")
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -86,6 +89,7 @@ def commit_temp(fd: int, tmp: Path, path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+    kill_point("publish.file")
     os.replace(tmp, path)
     fsync_dir(Path(path).parent)
 
@@ -128,6 +132,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         os.chmod(tmp, FILE_MODE)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        kill_point("publish.file")
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -154,6 +159,7 @@ def publish_dir(final: str | os.PathLike, *, marker: str | None = None,
         yield tmp
         if marker is not None:
             write_json(tmp / marker, marker_content if marker_content is not None else {})
+        kill_point("publish.dir")
         os.rename(tmp, final)
         fsync_dir(final.parent)
     except BaseException:

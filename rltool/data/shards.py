@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from rltool import atomic
+from rltool.faults import kill_point
 from rltool.errors import BadInputError, ShardSchemaError, TokenizerMismatchError
 
 SCHEMA_VERSION = 1
@@ -138,6 +139,7 @@ def write_shard(out: str | os.PathLike, rows: Iterable[dict[str, Any]], meta: Sh
             parts.append({"file": name, "rows": table.num_rows,
                           "xxh3_128": file_xxh3_128(tmp / name)})
             buf.clear()
+            kill_point("shard.part")
 
         for row in rows:
             buf.append(row)

@@ -27,6 +27,7 @@ from rltool import atomic
 from rltool.delta.apply import apply_chain
 from rltool.delta.deltadir import DeltaDir, format_version, open_delta, parse_version
 from rltool.errors import CheckpointError, DeltaChainError
+from rltool.faults import kill_point
 from rltool.io.checkpoint import Checkpoint, check_name, is_delta_dir, open_checkpoint
 from rltool.rundir import weight_dir_name
 
@@ -137,6 +138,7 @@ def swap_in(staging: Path, local: Path, *, version: int) -> None:
     for rel in new_files:
         (local / rel).parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging / rel, local / rel)
+        kill_point("pull.swap")
     for rel in sorted(old_files - set(new_files), reverse=True):
         path = local / rel
         if path.is_file() or path.is_symlink():

@@ -24,6 +24,7 @@ import torch
 
 from rltool.engine.loading import check_servable, load_model, load_tokenizer
 from rltool.errors import BadInputError, CheckpointError
+from rltool.faults import kill_point
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -160,6 +161,7 @@ class ModelRunner:
                                   f"e.g. {missing[0]!r}")
         with torch.no_grad():
             for name, t in loaded.items():
+                kill_point("engine.copy_param")
                 params[name].copy_(t.to(params[name].dtype))
         self.model_path = path
         return len(loaded)

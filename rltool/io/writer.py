@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rltool import atomic
+from rltool.faults import kill_point
 from rltool.errors import CheckpointError
 from rltool.io.header import dtype_code, header_bytes, header_json
 from rltool.io.reader import SafetensorsFile
@@ -150,6 +151,7 @@ class BlobWriter:
 
     def append(self, name: str, blob: bytes | memoryview) -> None:
         n = len(blob)
+        kill_point("tensor.write")
         pwrite_all(self.fd, blob, 8 + self.reserve + self.cursor)
         self.items.append((name, "U8", (n,), self.cursor, self.cursor + n))
         self.cursor += n
@@ -214,6 +216,7 @@ class OutputFile:
         self._run = threading.local()  # this thread's written-but-not-kicked [start, end)
 
     def write(self, data: Any, offset: int) -> None:
+        kill_point("tensor.write")
         view = memoryview(data).cast("B")
         with self._lock:
             pwrite_all(self.fd, view, offset)
