@@ -11,26 +11,27 @@ from rltool import demo
 
 
 @pytest.mark.slow
-def test_shortened_demo_improves_the_reward(tmp_path, capsys):
-    """SFT warm start (60 steps) + 20 RL steps: the stated improvement is +0.1 mean reward from
-    the first 3 RL steps to the last 3 (measured runs gain +0.2 to +0.3 over 20 steps)."""
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_shortened_demo_learns_for_every_seed(tmp_path, capsys, seed):
+    """SFT warm start (60 steps) + 15 RL steps, seeds 0-2 (model init, trainers and the engine's
+    sampling): each seed's reward, as the mean of its last 3 steps, rises by at least 0.3 from its
+    first step (the full demo reaches a 5-step mean of 0.8 at steps 14-26 for seeds 0-2)."""
     root = tmp_path / "demo-run"
-    demo.main([str(root), "--steps", "20", "--json"])
+    demo.main([str(root), "--steps", "15", "--seed", str(seed), "--json"])
     out = capsys.readouterr().out
     assert "rltool loop" in out and "reward vs step" in out
     summary = json.loads((root / "summary.json").read_text())
     rewards = summary["rewards"]
-    assert len(rewards) == 20 and summary["sft_steps"] == 60 and summary["seed"] == demo.SEED
-    assert rewards[0] <= 0.3, "the warm start must leave the first RL step at reward <= 0.3"
-    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    assert last >= first + 0.1, rewards
+    assert summary["sft_steps"] == 60 and summary["seed"] == seed
+    assert sum(rewards[-3:]) / 3 >= rewards[0] + 0.3, rewards
     png = (root / "run" / "report" / "reward.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (root / "run" / "eval" / "step-000019" / "_SUCCESS").exists()
-    # Prompts are disjoint: no SFT string appears among the RL or eval prompts.
-    labels = {f: {json.loads(l)["label"] for l in (root / f).read_text().splitlines()}
-              for f in ("rl.jsonl", "eval.jsonl", "sft.jsonl")}
-    assert not labels["sft.jsonl"] & (labels["rl.jsonl"] | labels["eval.jsonl"])
+    if seed == demo.SEED:
+        assert rewards[0] <= 0.3, "the warm start must leave the first RL step at reward <= 0.3"
+        # Prompts are disjoint: no SFT string appears among the RL or eval prompts.
+        labels = {f: {json.loads(l)["label"] for l in (root / f).read_text().splitlines()}
+                  for f in ("rl.jsonl", "eval.jsonl", "sft.jsonl")}
+        assert not labels["sft.jsonl"] & (labels["rl.jsonl"] | labels["eval.jsonl"])
 
 
 def test_demo_refuses_a_foreign_directory(tmp_path, capsys):
