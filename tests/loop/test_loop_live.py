@@ -48,11 +48,15 @@ def loop_config(tiny_model_dir, tmp_path_factory) -> Path:
     return path
 
 
-def loop_cli(*args: str, kill_after: str | None = None) -> subprocess.CompletedProcess:
+def loop_cli(*args: str, kill_after: str | None = None,
+             kill_at: str | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.pop(KILL_ENV, None)
+    env.pop("RLTOOL_KILL_AT", None)
     if kill_after:
         env[KILL_ENV] = kill_after
+    if kill_at:
+        env["RLTOOL_KILL_AT"] = kill_at
     return subprocess.run([sys.executable, "-m", "rltool", "loop", "-q", *args], env=env,
                           capture_output=True, text=True, timeout=300)
 
@@ -149,6 +153,47 @@ def test_resume_after_kill_at_every_phase_matches_uninterrupted(baseline, loop_c
         a = RunDir(run).rollout_step(step) / "_SUCCESS"
         b = RunDir(baseline).rollout_step(step) / "_SUCCESS"
         assert json.loads(a.read_text())["num_rows"] == json.loads(b.read_text())["num_rows"]
+        assert uids(RunDir(run).rollout_step(step)) == uids(RunDir(baseline).rollout_step(step))
+    assert [r["step"] for r in read_metrics(RunDir(run).metrics_file("loop"))] == [0, 1]
+
+
+# Kills inside phases (rltool/faults.py), chained: each resume is killed at the next one.
+#  shard.part:1       the loop mid-shard in step 0's rollout (its part written, no marker yet);
+#  engine.copy_param:5  the engine mid-weight-update in step 0's sync (the loop then fails);
+#  publish.file:9     the loop inside a later publish (checkpoint or weight-version files).
+INNER_KILLS = ("shard.part:1", "engine.copy_param:5", "publish.file:9")
+
+
+def test_resume_after_kills_inside_phases_matches_uninterrupted(baseline, loop_config, tmp_path):
+    """SIGKILL inside the rollout (mid-shard), inside the engine's weight update and inside a
+    publish: after the final --resume no sample is lost or duplicated and the weights are
+    bit-identical to the uninterrupted run's."""
+    run = tmp_path / "run"
+    orphans: list[int] = []
+    args = ["--config", str(loop_config), "--run-dir", str(run)]
+    for point in INNER_KILLS:
+        proc = loop_cli(*args, kill_at=point)
+        assert proc.returncode != 0, (point, proc.stderr[-2000:])
+        if point.startswith("engine."):  # the engine died; the loop reports it and stops
+            state = json.loads((run / "state.json").read_text())
+            assert (state["step"], state["phase"], state["status"]) == (0, "publish", "failed")
+        else:
+            assert proc.returncode == -signal.SIGKILL, (point, proc.stderr[-2000:])
+        for step in range(NUM_STEPS):  # a reader never sees a partial shard
+            shard = RunDir(run).rollout_step(step)
+            assert not shard.exists() or (shard / "_SUCCESS").exists(), (point, shard)
+        orphans += [e["pid"] for e in RunDir(run).read_engines()]
+        args = ["--resume", str(run)]
+    proc = loop_cli(*args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_no_children(run, orphans)
+    version = newest_version(run)
+    assert version == newest_version(baseline)
+    assert final_model_bytes(run) == final_model_bytes(baseline)
+    ours = served_tensors(run, version, tmp_path / "a")
+    theirs = served_tensors(baseline, version, tmp_path / "b")
+    assert ours.keys() == theirs.keys() and all(ours[k].equal(theirs[k]) for k in ours)
+    for step in range(NUM_STEPS):
         assert uids(RunDir(run).rollout_step(step)) == uids(RunDir(baseline).rollout_step(step))
     assert [r["step"] for r in read_metrics(RunDir(run).metrics_file("loop"))] == [0, 1]
 
