@@ -74,6 +74,7 @@ def check(client, method: str, path: str, **kw) -> None:
     assert client.get(api.HEALTH).status_code == 200
 
 
+@pytest.mark.slow
 def test_every_route_survives_generated_requests(engine):
     client, local, model = engine
     before = (listing(local), listing(model))
