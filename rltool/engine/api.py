@@ -41,6 +41,9 @@ RESUME_MEMORY = "/resume_memory_occupation"
 UPDATE_WEIGHTS_FROM_DISK = "/update_weights_from_disk"
 UPDATE_WEIGHT_VERSION = "/update_weight_version"
 PULL_WEIGHTS = "/pull_weights"
+UPDATE_WEIGHTS_FROM_TENSOR = "/update_weights_from_tensor"
+INIT_WEIGHTS_UPDATE_GROUP = "/init_weights_update_group"
+UPDATE_WEIGHTS_FROM_DISTRIBUTED = "/update_weights_from_distributed"
 
 OPENAI_MODELS = "/v1/models"
 OPENAI_COMPLETIONS = "/v1/completions"
@@ -135,6 +138,71 @@ class PullWeightsInput(_Body):
     local_checkpoint_dir: str
     source_dir: str
     target_version: int
+
+
+# load_format of /update_weights_from_tensor whose serialized_named_tensors are rltool's JSON
+# tensor messages (`TensorMessage`): shared memory on CPU; CUDA IPC handles later. SGLang's own
+# formats carry pickled tensors, which rltool never loads.
+SHM_FORMAT = "rltool_shm"
+TENSOR_FORMATS = (SHM_FORMAT,)
+
+
+class TensorEntry(BaseModel):
+    """One tensor of a bucket: C-contiguous at byte `offset` of the segment."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    dtype: str = Field(description="float32, bfloat16 or float16")
+    shape: list[int]
+    offset: int = Field(ge=0)
+
+
+class TensorMessage(BaseModel):
+    """One bucket of named tensors, handed over without copying them into the request: the
+    tensors lie in `segment`, a shared-memory file (`/dev/shm/<segment>`, named rltool-*) that
+    the sender owns and keeps unchanged until the answer arrives."""
+
+    model_config = ConfigDict(extra="forbid")
+    transport: str = Field("shm", description="shm (CPU); cuda_ipc is reserved for GPU handles")
+    segment: str = Field(pattern=r"^rltool-[A-Za-z0-9_.-]{1,100}$")
+    nbytes: int = Field(ge=0)
+    tensors: list[TensorEntry]
+
+
+class UpdateWeightsFromTensorInput(_Body):
+    """SGLang's body: one serialized message per tensor-parallel rank (the builtin engine has
+    one); with load_format "rltool_shm" each is a `TensorMessage` as a JSON string."""
+
+    serialized_named_tensors: list[str] = Field(min_length=1)
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class InitWeightsUpdateGroupInput(_Body):
+    """SGLang's body: the engine joins a torch process group as rank `rank_offset` (the trainer
+    is rank 0) at `master_address:master_port`."""
+
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class UpdateWeightsFromDistributedInput(_Body):
+    """SGLang's body: rank 0 broadcasts each named tensor, in this order, over `group_name`."""
+
+    names: list[str] = Field(min_length=1)
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
 
 
 class HiddenStatesInput(_Body):

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from rltool.engine.routes import control, debug, generate, info, openai, weights
+from rltool.engine.routes import control, debug, generate, info, openai, transfer, weights
 from rltool.engine.routes.base import (EngineState, describe_errors, runtime_error,
                                        validation_error)
 from rltool.engine.scheduler import QueueFullError
@@ -50,7 +50,7 @@ def build_app(state: EngineState) -> FastAPI:
         log.exception("unhandled error on %s", request.url.path)
         return runtime_error(f"internal error: {type(exc).__name__}: {exc}", 500)
 
-    groups = [generate, openai, info, control, weights]  # hot routes first: matching is linear
+    groups = [generate, openai, info, control, weights, transfer]  # hot routes first: matching is linear
     if cfg.enable_debug_endpoints:  # rltool align-gate --layerwise (docs/align.md)
         groups.append(debug)
     for group in groups:

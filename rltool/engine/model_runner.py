@@ -166,6 +166,30 @@ class ModelRunner:
         self.model_path = path
         return len(loaded)
 
+    def load_named_tensors(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        """Copy named tensors (any subset of the parameters, e.g. one bucket) into the live model,
+        after checking every name, shape and dtype: nothing changes unless all of them match.
+        The tensors may be views of a sender's buffer; they are copied, never kept. Memory release
+        reloads `model_path`, so a model updated this way should not be released (the loop
+        re-sends its weights after a resume)."""
+        if self.model is None:
+            raise BadInputError("weights are released; call /resume_memory_occupation first")
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        for name, t in named:
+            p = params.get(name)
+            if p is None:
+                raise BadInputError(f"tensor {name!r} is not a parameter of the served model")
+            if tuple(t.shape) != tuple(p.shape):
+                raise BadInputError(f"tensor {name!r} has shape {list(t.shape)}, the served model "
+                                    f"expects {list(p.shape)}")
+            if t.dtype != p.dtype:
+                raise BadInputError(f"tensor {name!r} has dtype {t.dtype}, the served model "
+                                    f"holds {p.dtype}; send it as {p.dtype}")
+        with torch.no_grad():
+            for name, t in named:
+                params[name].copy_(t)
+        return len(named)
+
     # ----- forwards ------------------------------------------------------------------------
 
     @torch.no_grad()

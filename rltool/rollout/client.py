@@ -149,6 +149,48 @@ class EngineClient:
         answer = await self._json("POST", api.UPDATE_WEIGHTS_FROM_DISK, json=body.body())
         return api.UpdateWeightsResult.model_validate(answer).model_dump()
 
+    async def update_weights_from_tensor(self, serialized_named_tensors: list[str], *,
+                                         load_format: str | None = api.SHM_FORMAT,
+                                         weight_version: str | None = None,
+                                         abort_all_requests: bool = False,
+                                         flush_cache: bool = True) -> dict[str, Any]:
+        """Load named tensors handed over in memory (for the builtin engine: one JSON
+        `api.TensorMessage` per rank, rltool.delta.tensor_sync); raises EngineError (400) when
+        the engine refuses them."""
+        body = api.UpdateWeightsFromTensorInput(
+            serialized_named_tensors=serialized_named_tensors, load_format=load_format,
+            weight_version=weight_version, abort_all_requests=abort_all_requests,
+            flush_cache=flush_cache)
+        answer = await self._json("POST", api.UPDATE_WEIGHTS_FROM_TENSOR, json=body.body())
+        return api.UpdateWeightsResult.model_validate(answer).model_dump()
+
+    async def init_weights_update_group(self, *, master_address: str, master_port: int,
+                                        rank_offset: int, world_size: int,
+                                        group_name: str = "weight_update_group",
+                                        backend: str = "gloo") -> dict[str, Any]:
+        """Make the engine join a process group as rank `rank_offset`; the trainer (rank 0) must
+        join at the same time (the call returns once everyone has)."""
+        body = api.InitWeightsUpdateGroupInput(
+            master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+            world_size=world_size, group_name=group_name, backend=backend)
+        answer = await self._json("POST", api.INIT_WEIGHTS_UPDATE_GROUP, json=body.body())
+        return api.UpdateWeightsResult.model_validate(answer).model_dump()
+
+    async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str],
+                                              shapes: list[list[int]],
+                                              group_name: str = "weight_update_group",
+                                              weight_version: str | None = None,
+                                              abort_all_requests: bool = False,
+                                              flush_cache: bool = True) -> dict[str, Any]:
+        """Announce the tensors rank 0 broadcasts next over `group_name` (in this order); the
+        caller broadcasts them while this call is in flight."""
+        body = api.UpdateWeightsFromDistributedInput(
+            names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
+            weight_version=weight_version, abort_all_requests=abort_all_requests,
+            flush_cache=flush_cache)
+        answer = await self._json("POST", api.UPDATE_WEIGHTS_FROM_DISTRIBUTED, json=body.body())
+        return api.UpdateWeightsResult.model_validate(answer).model_dump()
+
     async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         await self._request("POST", api.RELEASE_MEMORY, json=api.MemoryInput(tags=tags).body())
 

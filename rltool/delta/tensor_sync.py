@@ -1,0 +1,208 @@
+"""In-memory weight sync, both ends: named tensors handed to an engine on the same host without a
+checkpoint on disk, and the process group a trainer rank broadcasts over.
+
+Shared memory (CPU). The sender owns one segment, a file `/dev/shm/rltool-<id>` created with
+O_EXCL, sized to one bucket (at least the largest tensor). For each bucket it copies the tensors in
+at 64-byte aligned offsets and sends their description (name, dtype, shape, offset: a JSON
+`rltool.engine.api.TensorMessage`, never a pickle) in `/update_weights_from_tensor`; the engine maps
+the segment copy-on-write, checks every entry, copies into its parameters and answers; only then
+is the segment reused for the next bucket. Extra memory on either side is one bucket.
+
+A CUDA variant keeps the message shape: transport "cuda_ipc" with one IPC handle of a device
+buffer in place of `segment` (the offsets then index that buffer).
+
+Process group (`/init_weights_update_group`): a TCPStore at the trainer's address and a gloo
+process group of its own (not the default group, which the trainer may use for data parallelism),
+trainer rank 0, engine rank `rank_offset`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import mmap
+import os
+import secrets
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rltool.errors import BadInputError
+
+SHM_DIR = Path("/dev/shm")
+ALIGN = 64
+DEFAULT_BUCKET_BYTES = 512 << 20
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_of(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise BadInputError(f"dtype {name!r} is not one of {sorted(DTYPES)}") from None
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def buckets(named: list[tuple[str, torch.Tensor]], *, bucket_bytes: int
+            ) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of tensors of at most `bucket_bytes` (aligned) each; a tensor larger
+    than a bucket travels alone."""
+    out: list[list[tuple[str, torch.Tensor]]] = []
+    size = 0
+    for name, t in named:
+        n = _aligned(t.numel() * t.element_size())
+        if not out or (size + n > bucket_bytes and out[-1]):
+            out.append([])
+            size = 0
+        out[-1].append((name, t))
+        size += n
+    return out
+
+
+class ShmSegment:
+    """The sender's segment: created on enter, unlinked on exit (also after an error)."""
+
+    def __init__(self, nbytes: int, *, shm_dir: Path = SHM_DIR):
+        self.name = f"rltool-{os.getpid()}-{secrets.token_hex(6)}"
+        self.path = shm_dir / self.name
+        self.nbytes = max(int(nbytes), 1)
+        self._mm: mmap.mmap | None = None
+
+    def __enter__(self) -> "ShmSegment":
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, self.nbytes)
+            self._mm = mmap.mmap(fd, self.nbytes)
+        except BaseException:
+            os.unlink(self.path)
+            raise
+        finally:
+            os.close(fd)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._mm is not None:
+            _close(self._mm)
+            self._mm = None
+        self.path.unlink(missing_ok=True)
+
+    def write(self, bucket: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+        """Copy `bucket` in and return its message (a `TensorMessage` as a dict)."""
+        assert self._mm is not None, "use ShmSegment as a context manager"
+        entries, offset = [], 0
+        view = torch.frombuffer(self._mm, dtype=torch.uint8)
+        for name, t in bucket:
+            t = t.detach()
+            if t.dtype not in DTYPE_NAMES:
+                raise BadInputError(f"tensor {name!r}: dtype {t.dtype} cannot be synced; use one "
+                                    f"of {sorted(DTYPES)}")
+            n = t.numel() * t.element_size()
+            if offset + n > self.nbytes:
+                raise BadInputError(f"bucket of {offset + n} bytes exceeds the segment's "
+                                    f"{self.nbytes}")
+            dst = view[offset:offset + n].view(t.dtype).view(t.shape)
+            dst.copy_(t.to("cpu"))
+            entries.append({"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                            "offset": offset})
+            offset = _aligned(offset + n)
+        del view, dst
+        return {"transport": "shm", "segment": self.name, "nbytes": self.nbytes,
+                "tensors": entries}
+
+
+def segment_bytes(named: list[tuple[str, torch.Tensor]], *, bucket_bytes: int) -> int:
+    """The segment size the buckets of `named` need: the largest bucket."""
+    return max((sum(_aligned(t.numel() * t.element_size()) for _, t in b)
+                for b in buckets(named, bucket_bytes=bucket_bytes)), default=ALIGN)
+
+
+@contextmanager
+def open_message(message: Any, *, shm_dir: Path = SHM_DIR
+                 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The receiver's side: the named tensors of a `TensorMessage`, as views of the segment mapped
+    copy-on-write (the sender's bytes are never changed). Views are valid inside the block only.
+    Raises BadInputError for a message that does not fit its segment."""
+    if message.transport != "shm":
+        raise BadInputError(f"transport {message.transport!r} is not served on this device; "
+                            "this engine takes transport \"shm\"")
+    path = shm_dir / message.segment
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise BadInputError(f"shared-memory segment {message.segment!r}: {e.strerror}; the "
+                            "sender must keep it until the answer arrives") from e
+    try:
+        size = os.fstat(fd).st_size
+        if size < message.nbytes or size == 0:
+            raise BadInputError(f"segment {message.segment!r} holds {size} bytes, the message "
+                                f"says {message.nbytes}")
+        mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+    named: list[tuple[str, torch.Tensor]] = []
+    try:
+        view = torch.frombuffer(mm, dtype=torch.uint8)
+        for e in message.tensors:
+            dtype = dtype_of(e.dtype)
+            if any(d < 0 for d in e.shape):
+                raise BadInputError(f"tensor {e.name!r}: negative dimension in {e.shape}")
+            count = 1
+            for d in e.shape:
+                count *= d
+            n = count * torch.empty((), dtype=dtype).element_size()
+            if e.offset % ALIGN or e.offset + n > size:
+                raise BadInputError(f"tensor {e.name!r}: {n} bytes at offset {e.offset} do not "
+                                    f"fit the {size}-byte segment (offsets are {ALIGN}-aligned)")
+            named.append((e.name, view[e.offset:e.offset + n].view(dtype).view(e.shape)))
+        del view
+        yield named
+    finally:
+        named.clear()
+        _close(mm)
+
+
+def _close(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:  # a view outlived its block; the mapping goes with the last view
+        pass
+
+
+def join_group(*, master_address: str, master_port: int, rank: int, world_size: int,
+               backend: str = "gloo", timeout_s: float = 120.0) -> Any:
+    """A process group of its own for weight broadcasts (rank 0 hosts the store). Only gloo is
+    served on CPU; nccl needs the CUDA engine."""
+    import torch.distributed as dist
+
+    if backend != "gloo":
+        raise BadInputError(f"backend {backend!r} is not served here; use backend \"gloo\" "
+                            "(nccl needs a CUDA engine)")
+    if not 0 <= rank < world_size:
+        raise BadInputError(f"rank {rank} is outside world_size {world_size}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        store = dist.TCPStore(master_address, master_port, world_size, rank == 0,
+                              timeout=timeout)
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    except (RuntimeError, ValueError) as e:
+        raise BadInputError(f"cannot join the weight update group at {master_address}:"
+                            f"{master_port} as rank {rank}: {e}") from e
+
+
+def broadcast(group: Any, tensors: Iterable[torch.Tensor]) -> None:
+    """Rank 0 sends, every other rank receives into `tensors` (same order, shapes and dtypes)."""
+    for t in tensors:
+        group.broadcast(t, 0).wait()
+
+
+def describe(named: list[tuple[str, torch.Tensor]]) -> dict[str, list[Any]]:
+    """The names/dtypes/shapes of `/update_weights_from_distributed` for `named`."""
+    return {"names": [n for n, _ in named],
+            "dtypes": [DTYPE_NAMES[t.dtype] for _, t in named],
+            "shapes": [list(t.shape) for _, t in named]}

@@ -1,0 +1,139 @@
+"""In-memory weight routes (SGLang's names and bodies), all admin:
+
+- /update_weights_from_tensor: named tensors in a shared-memory segment on this host, described by
+  a JSON `TensorMessage` (rltool.delta.tensor_sync); load_format "rltool_shm".
+- /init_weights_update_group, /update_weights_from_distributed: the engine joins a process group
+  (gloo on CPU) and receives tensors that the trainer's rank 0 broadcasts.
+
+Each update is applied by the scheduler like /update_weights_from_disk (after earlier requests
+finish, or at once while paused, aborting first on abort_all_requests) and all-or-nothing: a wrong
+name, shape or dtype answers 400 and the weights served before stay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from typing import Any
+
+import torch
+from fastapi import APIRouter, Request as HttpRequest
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from rltool.delta import tensor_sync
+from rltool.engine import api
+from rltool.engine.routes.base import EngineState, describe_errors, parse_body
+from rltool.engine.security import ADMIN
+from rltool.errors import BadInputError, EngineError
+
+
+def router(state: EngineState) -> APIRouter:
+    r = APIRouter()
+    sched, runner = state.scheduler, state.runner
+    groups: dict[str, Any] = {}
+
+    def refused(message: str) -> JSONResponse:
+        return JSONResponse(api.UpdateWeightsResult(success=False, message=message)
+                            .model_dump(exclude_none=True), status_code=400)
+
+    async def apply(load: Any, *, abort_all: bool, weight_version: str | None) -> JSONResponse:
+        def run() -> int:
+            paused = len(sched.running) + len(sched.prefilling) if sched.paused else 0
+            load()
+            if weight_version is not None:
+                runner.weight_version = weight_version
+            return paused
+
+        try:
+            paused = await asyncio.wrap_future(sched.update_weights(run, abort_all=abort_all))
+        except (BadInputError, EngineError) as e:
+            return refused(str(e))
+        message = "Succeeded to update model weights."
+        if weight_version is not None:
+            message += f" Weight version updated to {weight_version}."
+        return JSONResponse(api.UpdateWeightsResult(success=True, message=message,
+                                                    num_paused_requests=paused).model_dump())
+
+    @r.post(api.UPDATE_WEIGHTS_FROM_TENSOR, dependencies=[ADMIN])
+    async def update_weights_from_tensor(request: HttpRequest) -> JSONResponse:
+        body = await parse_body(request, api.UpdateWeightsFromTensorInput)
+        if body.load_format not in api.TENSOR_FORMATS:
+            return refused(f"load_format {body.load_format!r} is not served: the builtin engine "
+                           f"loads no pickles; send load_format {api.SHM_FORMAT!r} messages")
+        if len(body.serialized_named_tensors) != 1:
+            return refused(f"{len(body.serialized_named_tensors)} messages for 1 rank; send one")
+        try:
+            message = api.TensorMessage.model_validate(json.loads(body.serialized_named_tensors[0]))
+        except ValueError as e:
+            detail = describe_errors(e.errors()) if isinstance(e, ValidationError) else str(e)
+            return refused(f"serialized_named_tensors[0] is not a tensor message: {detail}")
+
+        def load() -> None:
+            with tensor_sync.open_message(message) as named:
+                runner.load_named_tensors(named)
+
+        return await apply(load, abort_all=body.abort_all_requests,
+                           weight_version=body.weight_version)
+
+    @r.post(api.INIT_WEIGHTS_UPDATE_GROUP, dependencies=[ADMIN])
+    async def init_weights_update_group(request: HttpRequest) -> JSONResponse:
+        body = await parse_body(request, api.InitWeightsUpdateGroupInput)
+        if body.group_name in groups:
+            return refused(f"group {body.group_name!r} exists; choose another group_name")
+        try:
+            groups[body.group_name] = await asyncio.to_thread(
+                tensor_sync.join_group, master_address=body.master_address,
+                master_port=body.master_port, rank=body.rank_offset,
+                world_size=body.world_size, backend=body.backend)
+        except BadInputError as e:
+            return refused(str(e))
+        return JSONResponse(api.UpdateWeightsResult(
+            success=True, message="Succeeded to initialize custom process group.").model_dump())
+
+    @r.post(api.UPDATE_WEIGHTS_FROM_DISTRIBUTED, dependencies=[ADMIN])
+    async def update_weights_from_distributed(request: HttpRequest) -> JSONResponse:
+        body = await parse_body(request, api.UpdateWeightsFromDistributedInput)
+        group = groups.get(body.group_name)
+        if group is None:
+            return refused(f"no group {body.group_name!r}; call /init_weights_update_group first")
+        try:
+            buffers = _receive_buffers(body, limit_bytes=_param_bytes(runner))
+        except BadInputError as e:
+            return refused(str(e))
+        # Received off the scheduler thread (generation goes on), applied by the scheduler.
+        await asyncio.to_thread(tensor_sync.broadcast, group, buffers)
+        named = list(zip(body.names, buffers))
+        return await apply(lambda: runner.load_named_tensors(named),
+                           abort_all=body.abort_all_requests, weight_version=body.weight_version)
+
+    return r
+
+
+def _param_bytes(runner: Any) -> int:
+    if runner.model is None:
+        raise BadInputError("weights are released; call /resume_memory_occupation first")
+    return sum(p.numel() * p.element_size() for p in runner.model.parameters())
+
+
+def _receive_buffers(body: api.UpdateWeightsFromDistributedInput, *,
+                     limit_bytes: int) -> list[torch.Tensor]:
+    """Buffers for the broadcast, in the declared dtypes and shapes. The tensors are received even
+    when their names or shapes will then be refused, so the sender's collective always completes;
+    only a malformed body (which the sender itself got wrong) is refused before receiving."""
+    if not len(body.names) == len(body.dtypes) == len(body.shapes):
+        raise BadInputError(f"names, dtypes and shapes differ in length ({len(body.names)}, "
+                            f"{len(body.dtypes)}, {len(body.shapes)})")
+    buffers: list[tuple[list[int], torch.dtype]] = []
+    total = 0
+    for name, dtype, shape in zip(body.names, body.dtypes, body.shapes):
+        if any(d < 0 for d in shape):
+            raise BadInputError(f"tensor {name!r}: negative dimension in {shape}")
+        torch_dtype = tensor_sync.dtype_of(dtype)
+        total += math.prod(shape) * torch.empty((), dtype=torch_dtype).element_size()
+        if total > limit_bytes:
+            raise BadInputError(f"the update declares more bytes than the served model holds "
+                                f"({limit_bytes}); split it or fix the shapes")
+        buffers.append((shape, torch_dtype))
+    return [torch.empty(shape, dtype=dtype) for shape, dtype in buffers]

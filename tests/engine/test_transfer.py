@@ -1,0 +1,153 @@
+"""In-memory weight updates on CPU: /update_weights_from_tensor through shared memory and
+/update_weights_from_distributed over gloo leave the engine's parameters bit-equal to the sender's
+tensors (checked against the sender's own state dict), bump the weight version, and refuse a
+wrong name, shape or dtype with 400 while the old weights keep serving."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from rltool.delta import tensor_sync
+from rltool.engine import api
+from rltool.engine.app import EngineState, build_app
+from rltool.engine.config import ServeConfig
+from rltool.engine.model_runner import ModelRunner
+from rltool.engine.scheduler import Scheduler
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def engine(tiny_model_dir):
+    runner = ModelRunner(tiny_model_dir)
+    sched = Scheduler(runner, max_running=2)
+    cfg = ServeConfig(model=tiny_model_dir)
+    sched.start()
+    app = build_app(EngineState(cfg=cfg, runner=runner, scheduler=sched, started=time.monotonic()))
+    with TestClient(app) as client:
+        yield client, runner
+    sched.stop()
+
+
+def new_state(runner: ModelRunner, *, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """Other weights for every parameter of the served model (the sender's state)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [(name, torch.randn(p.shape, generator=gen, dtype=p.dtype))
+            for name, p in runner.model.named_parameters()]
+
+
+def served(runner: ModelRunner) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in runner.model.named_parameters()}
+
+
+def post_tensor(client, message: dict, **extra) -> object:
+    body = {"serialized_named_tensors": [json.dumps(message)], "load_format": api.SHM_FORMAT,
+            **extra}
+    return client.post(api.UPDATE_WEIGHTS_FROM_TENSOR, json=body)
+
+
+def test_shared_memory_update_is_bit_equal_and_bucketed(engine):
+    client, runner = engine
+    named = new_state(runner, seed=1)
+    bucket_bytes = 4096  # many buckets: the segment holds one bucket, not the model
+    groups = tensor_sync.buckets(named, bucket_bytes=bucket_bytes)
+    size = tensor_sync.segment_bytes(named, bucket_bytes=bucket_bytes)
+    total = sum(t.numel() * t.element_size() for _, t in named)
+    assert len(groups) > 3 and size < total
+    with tensor_sync.ShmSegment(size) as seg:
+        for i, bucket in enumerate(groups):
+            last = i == len(groups) - 1
+            r = post_tensor(client, seg.write(bucket), weight_version="7" if last else None)
+            assert r.status_code == 200, r.text
+            assert r.json()["success"] is True
+        path = seg.path
+    assert not path.exists()  # the sender's segment is gone afterwards
+    now = served(runner)
+    assert all(now[n].equal(t) for n, t in named)
+    assert client.get(api.WEIGHT_VERSION).json()["weight_version"] == "7"
+    r = client.post(api.GENERATE, json={"input_ids": [3, 4, 5],
+                                        "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 200 and r.json()["meta_info"]["weight_version"] == "7"
+
+
+@pytest.mark.parametrize("fault", ["name", "shape", "dtype"])
+def test_wrong_name_shape_or_dtype_is_refused_and_old_weights_serve(engine, fault):
+    client, runner = engine
+    named = new_state(runner, seed=2)
+    name, t = named[-1]
+    bad = {"name": (name + ".nope", t), "shape": (name, t.reshape(-1)[:-1]),
+           "dtype": (name, t.to(torch.bfloat16))}[fault]
+    before = served(runner)
+    with tensor_sync.ShmSegment(tensor_sync.segment_bytes(named, bucket_bytes=1 << 30)) as seg:
+        r = post_tensor(client, seg.write(named[:-1] + [bad]), weight_version="9")
+    assert r.status_code == 400, r.text
+    expected = {"name": "not a parameter", "shape": "shape", "dtype": "dtype"}[fault]
+    assert r.json()["success"] is False and expected in r.json()["message"]
+    after = served(runner)
+    assert all(after[n].equal(before[n]) for n in before)  # nothing of the bucket was applied
+    assert client.get(api.WEIGHT_VERSION).json()["weight_version"] == "default"
+
+
+def test_pickled_formats_and_foreign_segments_are_refused(engine, tmp_path):
+    client, _ = engine
+    r = client.post(api.UPDATE_WEIGHTS_FROM_TENSOR,
+                    json={"serialized_named_tensors": ["gASV"], "load_format": "direct"})
+    assert r.status_code == 400 and "pickle" in r.json()["message"]
+    for segment in ("../etc/passwd", "other-name"):
+        r = post_tensor(client, {"segment": segment, "nbytes": 4, "tensors": []})
+        assert r.status_code == 400 and "segment" in r.json()["message"]
+    r = post_tensor(client, {"segment": "rltool-absent-xyz", "nbytes": 4, "tensors": []})
+    assert r.status_code == 400 and "rltool-absent-xyz" in r.json()["message"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_distributed_update_over_gloo_is_bit_equal(engine):
+    client, runner = engine
+    named = new_state(runner, seed=3)
+    port = free_port()
+    answers: dict[str, object] = {}
+
+    def post(key: str, path: str, body: dict) -> None:
+        answers[key] = client.post(path, json=body)
+
+    t = threading.Thread(target=post, args=("init", api.INIT_WEIGHTS_UPDATE_GROUP, {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+        "backend": "gloo"}))
+    t.start()
+    group = tensor_sync.join_group(master_address="127.0.0.1", master_port=port, rank=0,
+                                   world_size=2, timeout_s=60)
+    t.join(60)
+    assert answers["init"].status_code == 200, answers["init"].text
+    for version, batch in (("5", named[: len(named) // 2]), ("6", named[len(named) // 2:])):
+        t = threading.Thread(target=post, args=("update", api.UPDATE_WEIGHTS_FROM_DISTRIBUTED, {
+            **tensor_sync.describe(batch), "weight_version": version}))
+        t.start()
+        tensor_sync.broadcast(group, [x for _, x in batch])
+        t.join(60)
+        assert answers["update"].status_code == 200, answers["update"].text
+    now = served(runner)
+    assert all(now[n].equal(x) for n, x in named)
+    assert client.get(api.WEIGHT_VERSION).json()["weight_version"] == "6"
+    # A wrong shape still completes the broadcast, then is refused; the weights stay.
+    name, x = named[0]
+    wrong = [(name, x.reshape(-1))]
+    t = threading.Thread(target=post, args=("bad", api.UPDATE_WEIGHTS_FROM_DISTRIBUTED, {
+        **tensor_sync.describe(wrong), "weight_version": "8"}))
+    t.start()
+    tensor_sync.broadcast(group, [wrong[0][1]])
+    t.join(60)
+    assert answers["bad"].status_code == 400 and "shape" in answers["bad"].json()["message"]
+    assert served(runner)[name].equal(x)
+    assert client.get(api.WEIGHT_VERSION).json()["weight_version"] == "6"
