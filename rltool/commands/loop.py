@@ -20,8 +20,13 @@ LOOP_FLAGS = ("num_steps", "placement", "num_engines", "eval_interval", "align_g
               help="colocated: engines release memory while training; disaggregated: trainer "
               "subprocess beside live engines.")
 @click.option("--num-engines", type=int, default=None, help="Builtin engines to start.")
-@click.option("--sync", "sync_mode", type=click.Choice(["full", "delta", "auto"]), default=None,
-              help="Weight publishing: full checkpoints, deltas, or auto (cost model).")
+@click.option("--sync", "sync_mode",
+              type=click.Choice(["full", "delta", "auto", "tensor", "distributed"]), default=None,
+              help="Weight sync: full checkpoints or deltas on disk, tensor (shared memory) or "
+              "distributed (gloo broadcast) in memory, or auto (tensor when colocated, else the "
+              "cost model).")
+@click.option("--save-interval", type=int, default=None,
+              help="Colocated: checkpoint every K steps and at the end ([loop] save_interval).")
 @click.option("--eval-interval", type=int, default=None, help="Evaluate every K steps.")
 @click.option("--align-gate", type=float, default=None,
               help="Stop (exit 1) when train/train_rollout_logprob_abs_diff exceeds TOL.")

@@ -35,9 +35,14 @@ class DiffConfig(StageConfig):
 
 
 class SyncConfig(StageConfig):
-    sync: Literal["full", "delta", "auto"] = Field(
-        "full", description="How versions are published: full checkpoints, deltas on the previous "
-        "version, or auto (cost model t = S/B + t0 with measured throughputs).")
+    sync: Literal["full", "delta", "auto", "tensor", "distributed"] = Field(
+        "full", description="How versions reach the engines: full checkpoints or deltas on the "
+        "previous version (on disk), tensor (in memory through shared memory, colocated engines "
+        "on this host), distributed (broadcast over a torch process group), or auto (tensor when "
+        "engines and trainer share host and device, else full or delta by the cost model "
+        "t = S/B + t0 with measured throughputs).")
+    tensor_bucket_mb: int = Field(512, ge=1, description="tensor sync: bytes handed over per "
+                                  "request, in MiB (the extra memory either side holds).")
     delta_format: Literal["rltool", "slime"] = Field("rltool", description="Delta format.")
     delta_encoding: Literal["xor", "overwrite"] = Field("xor", description="slime format encoding.")
     full_every: int = Field(10, ge=1, description="Publish a full version every M versions so "

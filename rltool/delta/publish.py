@@ -1,6 +1,13 @@
 """Trainer side of weight sync: publish version N as a full checkpoint or a delta on the newest
 version published before it, in three steps: decide (the cost model), encode, commit.
 
+The decide step first picks the transport: with an engine that can take the weights in memory
+(`in_memory`, which the loop passes for colocated engines on the trainer's host and device),
+`--sync tensor|distributed` and `auto` choose the in-memory update and nothing is written to disk
+unless `to_disk` asks for a (full) copy, e.g. at checkpoint steps; the caller then hands the
+tensors over (rltool.delta.tensor_sync). Without such an engine `tensor` and `distributed` publish
+a full version.
+
 `publish_version(src, sync)` is the one entry point; `train --publish` and `loop` call it the same
 way with their `SyncConfig` (`--sync full|delta|auto`). `auto` decides by the cost model
 t ≈ S/B + t0 (+ processing time) for each mode:
@@ -119,6 +126,21 @@ class Decision:
     reason: str
     predicted_full_s: float | None = None
     predicted_delta_s: float | None = None
+    in_memory: str | None = None  # "tensor" or "distributed": no disk version needed
+
+
+def decide_transport(sync: SyncConfig, *, in_memory: str | None) -> Decision | None:
+    """The in-memory decision, or None when the version goes to disk (full or delta, `decide`).
+    `in_memory`: the in-memory transport the engines can take ("tensor" when they share the
+    trainer's host and device, "distributed" when they can join its process group), or None."""
+    if in_memory is None:
+        return None
+    if sync.sync == "distributed" or (sync.sync == "tensor" and in_memory == "tensor"):
+        return Decision(False, f"--sync {sync.sync}", in_memory=sync.sync)
+    if sync.sync == "auto" and in_memory == "tensor":
+        return Decision(False, "auto: engines share the trainer's host and device",
+                        in_memory="tensor")
+    return None
 
 
 def link_bandwidth_Bps(sync: SyncConfig, stats: Mapping[str, float]) -> float:
@@ -193,8 +215,8 @@ def publish_version(src: Mapping[str, Any] | str | os.PathLike, sync: SyncConfig
                     base_version: int | None = None,
                     source_model_dir: str | os.PathLike | None = None, dtype: str = "fp32",
                     base_model_path: str | os.PathLike | None = None, t0_s: float = 0.0,
-                    cache_dir: str | os.PathLike | None = None, workers: int | None = None
-                    ) -> dict[str, Any]:
+                    cache_dir: str | os.PathLike | None = None, workers: int | None = None,
+                    in_memory: str | None = None, to_disk: bool = True) -> dict[str, Any]:
     """Publish `<publish_dir>/weight_v{version:06d}` as a full checkpoint or, by `sync`, a delta on
     `base_version` (default: the newest version published below `version`; version 0's base is
     `base_model_path` when `publish_dir` has no weight_v000000).
@@ -202,8 +224,23 @@ def publish_version(src: Mapping[str, Any] | str | os.PathLike, sync: SyncConfig
     `src`: a full HF checkpoint directory, or a state dict (HF names; written with config and
     tokenizer from `source_model_dir` at `dtype`). Returns metrics: perf/update_weights_density,
     perf/update_weights_wire_bytes, perf/update_weights_time and sync/* (mode chosen, reason,
-    predicted times, path).
+    predicted times, path). With an in-memory decision (`decide_transport`) and not `to_disk`,
+    nothing is written and sync/mode names the transport.
     """
+    transport = decide_transport(sync, in_memory=in_memory)
+    if transport is not None and not to_disk:
+        return {"sync/mode": transport.in_memory, "sync/reason": transport.reason,
+                "sync/version": version, "perf/update_weights_wire_bytes": 0}
+    if transport is not None or sync.sync in ("tensor", "distributed"):
+        # A disk copy of an in-memory version (or no in-memory receiver): a full version.
+        result = publish_version(src, sync.model_copy(update={"sync": "full"}),
+                                 publish_dir=publish_dir, version=version,
+                                 base_version=base_version, source_model_dir=source_model_dir,
+                                 dtype=dtype, base_model_path=base_model_path, t0_s=t0_s,
+                                 cache_dir=cache_dir, workers=workers)
+        if transport is not None:
+            result.update({"sync/mode": transport.in_memory, "sync/reason": transport.reason})
+        return result
     base = _newest_below(Path(publish_dir), version) if base_version is None else base_version
     if version > 0 and not 0 <= base < version:
         raise BadInputError(f"base version {base} must be below version {version}")

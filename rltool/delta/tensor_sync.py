@@ -92,26 +92,29 @@ class ShmSegment:
             self._mm = None
         self.path.unlink(missing_ok=True)
 
-    def write(self, bucket: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-        """Copy `bucket` in and return its message (a `TensorMessage` as a dict)."""
+    def write(self, bucket: list[tuple[str, torch.Tensor]], *,
+              dtype: torch.dtype | None = None) -> dict[str, Any]:
+        """Copy `bucket` in (cast to `dtype` when given: the receiver's dtype, so the cast costs
+        no memory beyond the segment) and return its message (a `TensorMessage` as a dict)."""
         assert self._mm is not None, "use ShmSegment as a context manager"
         entries, offset = [], 0
         view = torch.frombuffer(self._mm, dtype=torch.uint8)
         for name, t in bucket:
             t = t.detach()
-            if t.dtype not in DTYPE_NAMES:
-                raise BadInputError(f"tensor {name!r}: dtype {t.dtype} cannot be synced; use one "
-                                    f"of {sorted(DTYPES)}")
-            n = t.numel() * t.element_size()
+            out_dtype = dtype or t.dtype
+            if out_dtype not in DTYPE_NAMES:
+                raise BadInputError(f"tensor {name!r}: dtype {out_dtype} cannot be synced; use "
+                                    f"one of {sorted(DTYPES)}")
+            n = t.numel() * torch.empty((), dtype=out_dtype).element_size()
             if offset + n > self.nbytes:
                 raise BadInputError(f"bucket of {offset + n} bytes exceeds the segment's "
                                     f"{self.nbytes}")
-            dst = view[offset:offset + n].view(t.dtype).view(t.shape)
-            dst.copy_(t.to("cpu"))
-            entries.append({"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
-                            "offset": offset})
+            dst = view[offset:offset + n].view(out_dtype).view(t.shape)
+            dst.copy_(t)
+            entries.append({"name": name, "dtype": DTYPE_NAMES[out_dtype],
+                            "shape": list(t.shape), "offset": offset})
             offset = _aligned(offset + n)
-        del view, dst
+        del view
         return {"transport": "shm", "segment": self.name, "nbytes": self.nbytes,
                 "tensors": entries}
 

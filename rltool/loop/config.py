@@ -4,7 +4,7 @@
 [model]   path = "models/tiny"            # initial weights, published as weight_v000000
 [rollout] RolloutConfig keys               # minus the keys the loop owns (engines, out, step, ...)
 [train]   TrainConfig keys                 # minus load, rollouts, save, publish, metrics, prompts
-[sync]    SyncConfig keys                  # full | delta | auto
+[sync]    SyncConfig keys                  # full | delta | auto | tensor | distributed
 [eval]    EvalConfig keys (optional)       # prompts is required; reward, max_response_len,
                                            # temperature... default to [rollout]'s
 [loop]    LoopConfig keys                  # steps, placement, engines, eval interval, gate
@@ -64,6 +64,10 @@ class LoopConfig(StageConfig):
                                 "the same weights as an uninterrupted one.")
     seed: int = Field(0, description="Rollout seed when [rollout] sets none, and the trainer "
                       "seed when [train] sets none.")
+    save_interval: int = Field(10, ge=1, description="Colocated placement: the resident "
+                               "trainer writes a checkpoint every K steps and after the last; "
+                               "resume restarts from the newest one and replays the steps after "
+                               "it from their rollouts.")
     eval_interval: int | None = Field(None, ge=1, description="Evaluate after every K-th step "
                                       "and after the last one (needs an [eval] table).")
     align_gate: float | None = Field(None, ge=0.0, description="Stop with exit 1 when "
@@ -115,6 +119,10 @@ class LoopSettings(BaseModel):
         settings = cls(model=model, rollout=tables["rollout"], train=tables["train"],
                        sync=_validate(SyncConfig, tables["sync"], "sync"),
                        eval=tables["eval"] or None, loop=loop)
+        if settings.sync.sync in ("tensor", "distributed") and loop.placement != "colocated":
+            raise ConfigError(f"--sync {settings.sync.sync} hands weights to engines on the "
+                              "trainer's host: use --placement colocated, or --sync full, delta "
+                              "or auto")
         if loop.eval_interval is not None and settings.eval is None:
             raise ConfigError("[loop] eval_interval needs an [eval] table with prompts = FILE")
         # Validate every stage with placeholder values for the keys the loop owns.

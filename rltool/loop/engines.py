@@ -81,6 +81,7 @@ class EngineSet:
         self.deterministic = deterministic
         self.ready_timeout_s = ready_timeout_s
         self.procs: list[EngineProcess] = []
+        self._group: Any = None  # the weight-update process group (distributed sync)
 
     @property
     def urls(self) -> list[str]:
@@ -107,6 +108,7 @@ class EngineSet:
                               f"`rltool loop --resume {self.run.root}`")
 
     def stop(self) -> None:
+        self._group = None
         for proc in self.procs:
             proc.stop()
             self.registry.remove(proc.pid)
@@ -151,6 +153,82 @@ class EngineSet:
         with trace.span("weight_load", cat="weights", version=version, delta=delta):
             self._each(lambda c: c.update_weights_from_disk(str(path), weight_version=str(version)))
         return time.perf_counter() - t0
+
+
+    @property
+    def dtype(self) -> Any:
+        """The dtype the engines serve (their --dtype; fp32 by default)."""
+        import torch
+
+        args = self.engine_args
+        name = args[args.index("--dtype") + 1] if "--dtype" in args[:-1] else "fp32"
+        return {"fp32": torch.float32, "bf16": torch.bfloat16}.get(name, torch.float32)
+
+    def load_tensors(self, named: list[tuple[str, Any]], *, version: int,
+                     bucket_bytes: int) -> float:
+        """Hand the weights to every engine through one shared-memory segment, a bucket at a time
+        (/update_weights_from_tensor); the last bucket sets the version. Returns the seconds."""
+        import json
+
+        from rltool.delta import tensor_sync
+
+        t0 = time.perf_counter()
+        groups = tensor_sync.buckets(named, bucket_bytes=bucket_bytes)
+        size = tensor_sync.segment_bytes(named, bucket_bytes=bucket_bytes)
+        with tensor_sync.ShmSegment(size) as seg:
+            for i, bucket in enumerate(groups):
+                message = json.dumps(seg.write(bucket, dtype=self.dtype))
+                tag = str(version) if i == len(groups) - 1 else None
+                self._each(lambda c: c.update_weights_from_tensor([message], weight_version=tag))
+        return time.perf_counter() - t0
+
+    def load_distributed(self, named: list[tuple[str, Any]], *, version: int,
+                         bucket_bytes: int) -> float:
+        """Broadcast the weights to every engine over a gloo process group (rank 0 is this
+        process, joined on first use), a bucket per /update_weights_from_distributed call."""
+        from rltool.delta import tensor_sync
+        from rltool.rollout.client import EngineClient
+
+        t0 = time.perf_counter()
+        self.check_alive()
+        dtype = self.dtype
+
+        async def run_all() -> None:
+            clients = [EngineClient(url, timeout_s=600.0) for url in self.urls]
+            try:
+                if self._group is None:
+                    port = _free_port()
+                    joins = asyncio.gather(*(c.init_weights_update_group(
+                        master_address="127.0.0.1", master_port=port, rank_offset=i + 1,
+                        world_size=len(clients) + 1, backend="gloo")
+                        for i, c in enumerate(clients)))
+                    self._group = await asyncio.to_thread(
+                        tensor_sync.join_group, master_address="127.0.0.1", master_port=port,
+                        rank=0, world_size=len(clients) + 1)
+                    await joins
+                groups = tensor_sync.buckets(named, bucket_bytes=bucket_bytes)
+                for i, bucket in enumerate(groups):
+                    bucket = [(n, t.detach().to(dtype)) for n, t in bucket]
+                    tag = str(version) if i == len(groups) - 1 else None
+                    updates = asyncio.gather(*(c.update_weights_from_distributed(
+                        **tensor_sync.describe(bucket), weight_version=tag) for c in clients))
+                    await asyncio.to_thread(tensor_sync.broadcast, self._group,
+                                            [t for _, t in bucket])
+                    await updates
+            finally:
+                for c in clients:
+                    await c.aclose()
+
+        asyncio.run(run_all())
+        return time.perf_counter() - t0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class TrainerProcess:

@@ -1,13 +1,20 @@
 """The phases of one synchronous step, each a function of a `StepContext`:
 
 rollout  -> RUN/rollouts/step-K/ (shard, `_SUCCESS`), metrics/rollout.jsonl
-train    -> RUN/train/ckpt/step-V/ (`trainer_state.json`), metrics/train.jsonl
-publish  -> RUN/weights/weight_vV/ (full or delta, rltool.delta.publish.publish_version)
-sync     -> every engine serves version V (pull for a delta, then /update_weights_from_disk)
+train    -> metrics/train.jsonl; RUN/train/ckpt/step-V/ (`trainer_state.json`) every step when
+            disaggregated, every `save_interval` steps and at the end when colocated
+publish  -> RUN/weights/weight_vV/ (full or delta, rltool.delta.publish.publish_version); with an
+            in-memory sync (tensor, distributed) only at checkpoint steps
+sync     -> every engine serves version V (pull for a delta, then /update_weights_from_disk; or
+            the resident trainer's tensors through shared memory or a gloo broadcast)
 eval     -> RUN/eval/step-K/ (shard), metrics/eval.jsonl, every `eval_interval` steps
 
 Each phase first checks its artifact's marker, so a phase that completed before a kill (even one
 not yet recorded in state.json) is not redone, and nothing is duplicated.
+
+Colocated placement keeps one `ResidentTrainer` in the loop's process for the whole run. After a
+kill it is rebuilt from the newest checkpoint and replays the steps trained after it from their
+rollout shards (deterministic mode: bit-identical), so a checkpoint per step is not needed.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ class StepContext:
     engines: EngineSet
     registry: ChildRegistry
     state: LoopState
+    trainer: Any = None  # the ResidentTrainer (colocated placement), built on first use
 
 
 def rollout(ctx: StepContext) -> None:
@@ -67,9 +75,96 @@ def train_load_path(run: RunDir, version: int) -> Path:
     return ckpt if version > 0 and ckpt.exists() else run.weight_version(0)
 
 
+def in_memory_transport(settings: LoopSettings) -> str | None:
+    """What the engines can take in memory: colocated builtin engines share the loop's host and
+    device, so "tensor" (shared memory); disaggregated runs publish to disk."""
+    return "tensor" if settings.loop.placement == "colocated" else None
+
+
+def sync_mode(settings: LoopSettings) -> str:
+    """The transport of every step after version 0 (the publish decide step, without weights)."""
+    from rltool.delta.publish import decide_transport
+
+    decision = decide_transport(settings.sync, in_memory=in_memory_transport(settings))
+    return decision.in_memory if decision is not None else "disk"
+
+
+def is_save_step(settings: LoopSettings, step: int) -> bool:
+    return (step + 1) % settings.loop.save_interval == 0 or step == settings.loop.num_steps - 1
+
+
+def _checkpoint_loop_step(run: RunDir, ckpt: Path) -> int:
+    """The loop step a checkpoint finished: recorded by the resident trainer, else (a checkpoint
+    of the disaggregated trainer) the rollout step of its train.jsonl row."""
+    from rltool.train.checkpoint import read_trainer_state
+
+    state = read_trainer_state(ckpt)
+    if "loop_step" in state:
+        return int(state["loop_step"])
+    rows = [r for r in read_metrics(run.metrics_file("train"))
+            if r.get("policy_version") == state.get("policy_version") and "rollout_step" in r]
+    if not rows:
+        raise EngineError(f"{ckpt}: cannot tell which loop step it finished; resume with "
+                          "--placement disaggregated")
+    return int(rows[-1]["rollout_step"])
+
+
+def resident_trainer(ctx: StepContext) -> Any:
+    """The resident trainer, rebuilt after a restart from the newest checkpoint (or version 0)
+    and brought to the last trained step by replaying the steps after it."""
+    from rltool.train.resident import ResidentTrainer
+
+    if ctx.trainer is not None:
+        return ctx.trainer
+    state, run = ctx.state, ctx.run
+    newest = newest_checkpoint_version(run)
+    load = run.ckpt_step(newest) if newest is not None else run.weight_version(0)
+    trainer = ResidentTrainer(ctx.settings.train_config(run, step=0, load=str(load)))
+    if newest is not None:
+        trainer.loop_step = _checkpoint_loop_step(run, run.ckpt_step(newest))
+    last_trained = state.step if state.completed("train") else state.step - 1
+    for step in range(trainer.loop_step + 1, last_trained + 1):
+        log.info("replaying loop step %d from its rollouts", step)
+        trainer.train(ctx.settings.train_config(run, step=step, load=str(load)), loop_step=step,
+                      log_metrics=False)
+    if trainer.loop_step == last_trained and trainer.version != state.policy_version:
+        raise EngineError(f"replaying to step {last_trained} gave policy version "
+                          f"{trainer.version}, state.json says {state.policy_version}; the run "
+                          "directory was changed by hand")
+    ctx.trainer = trainer
+    return trainer
+
+
+def _train_resident(ctx: StepContext) -> None:
+    state, settings, run = ctx.state, ctx.settings, ctx.run
+    trainer = resident_trainer(ctx)
+    if trainer.loop_step < state.step:
+        if sync_mode(settings) == "disk":  # in-memory sync writes into the engines' weights
+            ctx.engines.release_memory()
+        trainer.train(settings.train_config(run, step=state.step, load=str(settings.model.path)),
+                      loop_step=state.step)
+    if is_save_step(settings, state.step) and not trainer.checkpoint_dir(run.ckpt).exists():
+        atomic.remove_stale_temporaries(run.ckpt)
+        trainer.save(run.ckpt)
+    state.base_version = state.policy_version
+    state.policy_version = trainer.version
+
+
+def save_resident(ctx: StepContext) -> None:
+    """Checkpoint the resident trainer unless its state is saved already (a run that stops early)."""
+    trainer = ctx.trainer
+    if trainer is not None and trainer.loop_step >= 0 and \
+            not trainer.checkpoint_dir(ctx.run.ckpt).exists():
+        trainer.save(ctx.run.ckpt)
+
+
 def train(ctx: StepContext) -> None:
     """Train on this step's shard; the new policy version goes to state.policy_version."""
     state, settings = ctx.state, ctx.settings
+    if settings.loop.placement == "colocated":
+        _train_resident(ctx)
+        check_align_gate(ctx)
+        return
     newest = newest_checkpoint_version(ctx.run)
     if newest is None or newest <= state.policy_version:
         load = train_load_path(ctx.run, state.policy_version)
@@ -132,15 +227,27 @@ def publish(ctx: StepContext) -> None:
     from rltool.delta.publish import publish_version
     from rltool.train.checkpoint import MODEL_DIR
 
-    version = ctx.state.policy_version
+    settings, state = ctx.settings, ctx.state
+    version = state.policy_version
     out = ctx.run.weight_version(version)
     if out.exists():
-        ctx.state.publish = ctx.state.publish or {"sync/mode": version_mode(out)}
+        state.publish = state.publish or {"sync/mode": version_mode(out)}
+        if sync_mode(settings) != "disk":
+            state.publish["sync/mode"] = sync_mode(settings)
         return
-    result = publish_version(ctx.run.ckpt_step(version) / MODEL_DIR, ctx.settings.sync,
-                             publish_dir=ctx.run.weights, version=version,
-                             base_version=ctx.state.base_version)
-    ctx.state.publish = {k: v for k, v in result.items() if isinstance(v, (int, float, str))}
+    if settings.loop.placement == "colocated":
+        trainer = resident_trainer(ctx)
+        src: Any = dict(trainer.named_tensors())
+        kwargs: dict[str, Any] = {"source_model_dir": trainer.model_dir,
+                                  "dtype": settings.train_config(
+                                      ctx.run, step=state.step, load=settings.model.path).dtype}
+    else:
+        src, kwargs = ctx.run.ckpt_step(version) / MODEL_DIR, {}
+    result = publish_version(src, settings.sync, publish_dir=ctx.run.weights, version=version,
+                             base_version=state.base_version,
+                             in_memory=in_memory_transport(settings),
+                             to_disk=is_save_step(settings, state.step), **kwargs)
+    state.publish = {k: v for k, v in result.items() if isinstance(v, (int, float, str))}
 
 
 def version_mode(path: Path) -> str:
@@ -151,10 +258,21 @@ def version_mode(path: Path) -> str:
 
 def sync(ctx: StepContext) -> float:
     version = ctx.state.policy_version
+    mode = sync_mode(ctx.settings)
+    if mode != "disk":
+        return push_weights(ctx, mode)
     if ctx.settings.loop.placement == "colocated":
         ctx.engines.resume_memory()
     return ctx.engines.load_version(version, delta=version_mode(ctx.run.weight_version(version))
                                     == "delta")
+
+
+def push_weights(ctx: StepContext, mode: str) -> float:
+    """Hand the resident trainer's weights to every engine in memory as state.policy_version."""
+    named = resident_trainer(ctx).named_tensors()
+    bucket_bytes = ctx.settings.sync.tensor_bucket_mb << 20
+    load = ctx.engines.load_tensors if mode == "tensor" else ctx.engines.load_distributed
+    return load(named, version=ctx.state.policy_version, bucket_bytes=bucket_bytes)
 
 
 def evaluate(ctx: StepContext) -> dict[str, Any]:

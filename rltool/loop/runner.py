@@ -90,8 +90,12 @@ def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None,
     t_start = time.perf_counter()
     try:
         engines.start(run.weight_version(0))
+        mode = phases.sync_mode(settings)
         served = max(list_versions(run.weights), default=0)
-        if served > 0:  # a resumed run: serve the newest published policy
+        if mode != "disk" and state.policy_version > 0:
+            # A resumed run with in-memory sync: the rebuilt trainer hands over its policy.
+            phases.push_weights(ctx, mode)
+        elif served > 0:  # a resumed run: serve the newest published policy
             engines.load_version(served, delta=phases.version_mode(run.weight_version(served))
                                  == "delta")
         with MetricsWriter(run.metrics_file("loop")) as writer:
@@ -100,6 +104,8 @@ def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None,
                 with trace.span("step", cat="step", step=state.step):
                     run_step(ctx, writer=writer, on_step=on_step)
                 stopped = stop_when is not None and stop_when(read_metrics(writer.path))
+        if settings.loop.placement == "colocated":
+            phases.save_resident(ctx)  # the end is always a checkpoint, also when stopped early
         state.status = "stopped" if stopped else "done"
         state.save(run)
     except BaseException:

@@ -356,8 +356,6 @@ def _run(cfg: TrainConfig) -> TrainResult:
                                             checked.start_step)
     samples = sample_set.samples
     version = target.version
-    # SFT fits the model's own distribution; the policy loss uses the sampling temperature.
-    temperature = 1.0 if cfg.loss == "sft" else sample_set.temperature
     backend = TorchBackend(target.model_dir, options=backend_options(cfg))
     data, timings = None, {}
     if target.ckpt_dir is not None:
@@ -377,43 +375,10 @@ def _run(cfg: TrainConfig) -> TrainResult:
                 snapshots.close()
     writer_path = default_metrics_path(cfg)
     writer = MetricsWriter(writer_path) if writer_path and backend.dp_rank == 0 else None
-    rows: list[dict[str, Any]] = []
-    checkpoint = None
     try:
-        for step in range(start_step, plan.num_steps):
-            t0 = time.perf_counter()
-            batch = plan.batch(step)
-            terms = batch_terms(cfg, data, batch,
-                                torch.tensor([samples[i].group for i in batch]))
-            micro = rank_micro_batches(backend, samples, batch,
-                                       max_tokens_per_microbatch=cfg.max_tokens_per_microbatch)
-            with trace.span("train_step", cat="train", micro_batches=len(micro)), \
-                    trace.torch_profile(step=sample_set.rollout_step, name="train"):
-                metrics = backend.train_step(micro, make_loss_fn(cfg, data, terms),
-                                             temperature=temperature, with_entropy=True)
-            version += 1
-            metrics.update(terms.metrics)
-            metrics["perf/train_time"] = time.perf_counter() - t0
-            metrics["train/num_samples"] = len(batch)
-            metrics["train/failed_groups_left_out"] = sample_set.failed_groups
-            metrics["train/failed_group_samples_left_out"] = sample_set.failed_group_samples
-            metrics["rollout_step"] = sample_set.rollout_step
-            if step == start_step:
-                metrics.update(timings)
-            if writer is not None:
-                rows.append(writer.log(metrics, step=backend.optimizer_steps,
-                                       policy_version=version))
-            else:
-                rows.append({"step": backend.optimizer_steps, "policy_version": version,
-                             "time": time.time(), **metrics})
-            if backend.dp_rank == 0:
-                log.info("step %d/%d (policy version %d): loss %.4g, grad norm %.3g, %.2fs",
-                         step + 1, plan.num_steps, version, metrics.get("train/loss", 0.0),
-                         metrics["train/grad_norm"], metrics["perf/train_time"])
-            last = step == plan.num_steps - 1
-            if cfg.save and (last or (cfg.save_interval and (step + 1) % cfg.save_interval == 0)):
-                checkpoint = _save(cfg, backend, data, sample_set, plan, version=version,
-                                   next_step=step + 1)
+        version, rows, checkpoint = train_set(
+            cfg, backend, data, sample_set, plan, start_step=start_step, version=version,
+            timings=timings, writer=writer, save_every=cfg.save_interval)
     finally:
         if writer is not None:
             writer.close()
@@ -432,6 +397,53 @@ def _run(cfg: TrainConfig) -> TrainResult:
                        checkpoint=checkpoint, published=published, metrics=rows)
 
 
+def train_set(cfg: TrainConfig, backend: TorchBackend, data: SampleTensors, sample_set: SampleSet,
+              plan: _Plan, *, start_step: int, version: int, timings: dict[str, float],
+              writer: MetricsWriter | None, save_every: int | None
+              ) -> tuple[int, list[dict[str, Any]], str | None]:
+    """The optimizer steps of one sample set from `start_step`; with cfg.save, a checkpoint every
+    `save_every` steps and after the last. Returns (policy version, metrics rows, last checkpoint).
+    """
+    samples = sample_set.samples
+    # SFT fits the model's own distribution; the policy loss uses the sampling temperature.
+    temperature = 1.0 if cfg.loss == "sft" else sample_set.temperature
+    rows: list[dict[str, Any]] = []
+    checkpoint = None
+    for step in range(start_step, plan.num_steps):
+        t0 = time.perf_counter()
+        batch = plan.batch(step)
+        terms = batch_terms(cfg, data, batch, torch.tensor([samples[i].group for i in batch]))
+        micro = rank_micro_batches(backend, samples, batch,
+                                   max_tokens_per_microbatch=cfg.max_tokens_per_microbatch)
+        with trace.span("train_step", cat="train", micro_batches=len(micro)), \
+                trace.torch_profile(step=sample_set.rollout_step, name="train"):
+            metrics = backend.train_step(micro, make_loss_fn(cfg, data, terms),
+                                         temperature=temperature, with_entropy=True)
+        version += 1
+        metrics.update(terms.metrics)
+        metrics["perf/train_time"] = time.perf_counter() - t0
+        metrics["train/num_samples"] = len(batch)
+        metrics["train/failed_groups_left_out"] = sample_set.failed_groups
+        metrics["train/failed_group_samples_left_out"] = sample_set.failed_group_samples
+        metrics["rollout_step"] = sample_set.rollout_step
+        if step == start_step:
+            metrics.update(timings)
+        if writer is not None:
+            rows.append(writer.log(metrics, step=backend.optimizer_steps, policy_version=version))
+        else:
+            rows.append({"step": backend.optimizer_steps, "policy_version": version,
+                         "time": time.time(), **metrics})
+        if backend.dp_rank == 0:
+            log.info("step %d/%d (policy version %d): loss %.4g, grad norm %.3g, %.2fs",
+                     step + 1, plan.num_steps, version, metrics.get("train/loss", 0.0),
+                     metrics["train/grad_norm"], metrics["perf/train_time"])
+        last = step == plan.num_steps - 1
+        if cfg.save and (last or (save_every and (step + 1) % save_every == 0)):
+            checkpoint = _save(cfg, backend, data, sample_set, plan, version=version,
+                               next_step=step + 1)
+    return version, rows, checkpoint
+
+
 def _publish(cfg: TrainConfig, state: dict[str, Any], *, source_model_dir: Path,
              version: int) -> dict[str, Any]:
     """Publish `version` under --publish by --sync (rltool.delta.publish, as the loop does)."""
@@ -442,7 +454,8 @@ def _publish(cfg: TrainConfig, state: dict[str, Any], *, source_model_dir: Path,
 
 
 def _save(cfg: TrainConfig, backend: TorchBackend, data: SampleTensors, sample_set: SampleSet,
-          plan: _Plan, *, version: int, next_step: int) -> str:
+          plan: _Plan, *, version: int, next_step: int,
+          extra_state: dict[str, Any] | None = None) -> str:
     import tomli_w
 
     assert cfg.save is not None
@@ -450,7 +463,8 @@ def _save(cfg: TrainConfig, backend: TorchBackend, data: SampleTensors, sample_s
     position = {"set_id": sample_set.set_id, "sources": sample_set.sources,
                 "next_step": next_step, "num_steps": plan.num_steps,
                 "global_batch_size": plan.gbs, "num_samples": plan.num_samples}
-    backend.save(ckpt_dir, trainer_state={"policy_version": version, "data": position},
+    backend.save(ckpt_dir, trainer_state={"policy_version": version, "data": position,
+                                          **(extra_state or {})},
                  data_tensors=_pack_data(data),
                  config_toml=tomli_w.dumps(cfg.model_dump(mode="json", exclude_none=True)))
     return str(ckpt_dir)

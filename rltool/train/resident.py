@@ -1,0 +1,82 @@
+"""A trainer that stays in memory across the loop's steps: the model, optimizer, schedule and RNG
+are built once (from HF weights or a checkpoint) and each loop step trains on that step's sample
+set with the same code as `rltool train` (stage.train_set). Checkpoints are written when the
+caller asks (the loop: every `save_interval` steps and at the end), and restoring one gives the
+same state bit for bit: `ResidentTrainer.from_checkpoint` then `train` on the sets after it
+replays a run deterministically.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rltool.rundir import step_dir_name
+from rltool.train.checkpoint import read_trainer_state, resolve_load
+from rltool.train.config import TrainConfig
+from rltool.train.stage import (_load_samples, _Plan, _prepare_set, _save, backend_options,
+                                default_metrics_path, train_set)
+from rltool.train.torch_backend import TorchBackend
+
+log = logging.getLogger(__name__)
+
+
+class ResidentTrainer:
+    """`load`: HF weights (version 0) or a checkpoint written by `save`."""
+
+    def __init__(self, cfg: TrainConfig):
+        target = resolve_load(cfg.load)
+        self.model_dir = target.model_dir
+        self.version = target.version
+        self.loop_step = -1  # the last loop step trained (-1: none)
+        self.backend = TorchBackend(target.model_dir, options=backend_options(cfg))
+        self.ref: TorchBackend | None = None
+        if cfg.needs_ref and cfg.ref:
+            self.ref = TorchBackend(resolve_load(cfg.ref).model_dir,
+                                    options=backend_options(cfg, trainable=False))
+        if target.ckpt_dir is not None:
+            self.backend.load(target.ckpt_dir)
+            self.loop_step = int(read_trainer_state(target.ckpt_dir).get("loop_step", -1))
+        self._last: tuple[Any, Any, _Plan, TrainConfig] | None = None
+
+    def train(self, cfg: TrainConfig, *, loop_step: int, log_metrics: bool = True
+              ) -> list[dict[str, Any]]:
+        """Every optimizer step of cfg's sample set; metrics go to cfg's train.jsonl unless
+        `log_metrics` is False (a replay writes none: the rows exist from the first time)."""
+        from rltool.rundir import MetricsWriter
+
+        sample_set = _load_samples(cfg, self.model_dir)
+        plan = _Plan(cfg, len(sample_set.samples))
+        data, timings = _prepare_set(cfg, self.backend, self.ref, sample_set, plan)
+        path = default_metrics_path(cfg) if log_metrics else None
+        writer = MetricsWriter(path) if path is not None else None
+        try:
+            self.version, rows, _ = train_set(
+                cfg.model_copy(update={"save": None}), self.backend, data, sample_set, plan,
+                start_step=0, version=self.version, timings=timings, writer=writer,
+                save_every=None)
+        finally:
+            if writer is not None:
+                writer.close()
+        self.loop_step = loop_step
+        self._last = (data, sample_set, plan, cfg)
+        return rows
+
+    def checkpoint_dir(self, save: str | Path) -> Path:
+        return Path(save) / step_dir_name(self.version)
+
+    def save(self, save: str | Path) -> Path:
+        """Write `<save>/step-<version>` (model, optimizer, RNG, the set's position at its end)."""
+        assert self._last is not None, "save follows a train call"
+        data, sample_set, plan, cfg = self._last
+        _save(cfg.model_copy(update={"save": str(save)}), self.backend, data, sample_set, plan,
+              version=self.version, next_step=plan.num_steps,
+              extra_state={"loop_step": self.loop_step})
+        return self.checkpoint_dir(save)
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The policy's weights under HF names (what an engine serves), in a stable order."""
+        return sorted(self.backend.export_hf_state_dict().items())
