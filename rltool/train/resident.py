@@ -41,6 +41,9 @@ class ResidentTrainer:
             self.backend.load(target.ckpt_dir)
             self.loop_step = int(read_trainer_state(target.ckpt_dir).get("loop_step", -1))
         self._last: tuple[Any, Any, _Plan, TrainConfig] | None = None
+        # The trainer's own RNG stream: whatever else the loop's process draws between steps
+        # leaves it alone, so it continues exactly as a reload from its checkpoint would.
+        self._rng = torch.get_rng_state()
 
     def train(self, cfg: TrainConfig, *, loop_step: int, log_metrics: bool = True
               ) -> list[dict[str, Any]]:
@@ -48,6 +51,7 @@ class ResidentTrainer:
         `log_metrics` is False (a replay writes none: the rows exist from the first time)."""
         from rltool.rundir import MetricsWriter
 
+        torch.set_rng_state(self._rng)
         sample_set = _load_samples(cfg, self.model_dir)
         plan = _Plan(cfg, len(sample_set.samples))
         data, timings = _prepare_set(cfg, self.backend, self.ref, sample_set, plan)
@@ -63,6 +67,7 @@ class ResidentTrainer:
                 writer.close()
         self.loop_step = loop_step
         self._last = (data, sample_set, plan, cfg)
+        self._rng = torch.get_rng_state()
         return rows
 
     def checkpoint_dir(self, save: str | Path) -> Path:
@@ -72,6 +77,7 @@ class ResidentTrainer:
         """Write `<save>/step-<version>` (model, optimizer, RNG, the set's position at its end)."""
         assert self._last is not None, "save follows a train call"
         data, sample_set, plan, cfg = self._last
+        torch.set_rng_state(self._rng)
         _save(cfg.model_copy(update={"save": str(save)}), self.backend, data, sample_set, plan,
               version=self.version, next_step=plan.num_steps,
               extra_state={"loop_step": self.loop_step})

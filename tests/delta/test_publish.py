@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 
 from rltool.io.checkpoint import is_delta_dir
 from rltool.delta.config import SyncConfig
-from rltool.delta.publish import (breakeven_bandwidth, decide, link_bandwidth_Bps, predict_times,
-                                  publish_version)
+from rltool.delta.publish import (breakeven_bandwidth, decide, decide_transport, link_bandwidth_Bps,
+                                  predict_times, publish_version)
 from rltool.delta.pull import pull_weights
 from rltool.errors import BadInputError
 from tests.helpers.checkpoints import load_all, same_bits, write_checkpoint
@@ -44,6 +44,31 @@ def test_decide_is_the_cost_model_and_gbps_is_converted_once():
     assert "--full-every" in decide(SyncConfig(sync="delta", full_every=2), version=3,
                                     chain_length=1, full_bytes=1000, stats=stats).reason
     assert not decide(SyncConfig(), version=3, chain_length=0, full_bytes=1000, stats=stats).delta
+
+
+@pytest.mark.parametrize("mode, in_memory, expected", [
+    ("tensor", "tensor", "tensor"), ("auto", "tensor", "tensor"), ("distributed", "tensor",
+    "distributed"), ("full", "tensor", None), ("delta", "tensor", None), ("auto", None, None),
+    ("tensor", None, None), ("tensor", "distributed", None)])
+def test_decide_picks_the_in_memory_transport_only_where_an_engine_can_take_it(mode, in_memory,
+                                                                               expected):
+    decision = decide_transport(SyncConfig(sync=mode), in_memory=in_memory)
+    assert (decision.in_memory if decision else None) == expected
+
+
+def test_in_memory_versions_reach_disk_only_when_asked(tiny_model_dir, tmp_path):
+    state = load_all(tiny_model_dir)
+    for version, to_disk in ((1, False), (2, True)):
+        result = publish_version(state, SyncConfig(sync="tensor"), publish_dir=tmp_path,
+                                 version=version, source_model_dir=tiny_model_dir,
+                                 in_memory="tensor", to_disk=to_disk)
+        assert result["sync/mode"] == "tensor"
+        assert (tmp_path / f"weight_v{version:06d}").exists() == to_disk
+    assert same_bits(load_all(tmp_path / "weight_v000002"), state)
+    # Without an engine that takes tensors, --sync tensor publishes a full version.
+    result = publish_version(state, SyncConfig(sync="tensor"), publish_dir=tmp_path, version=3,
+                             source_model_dir=tiny_model_dir)
+    assert result["sync/mode"] == "full" and (tmp_path / "weight_v000003").exists()
 
 
 def test_publish_sequence(tiny_model_dir, tmp_path):

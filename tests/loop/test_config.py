@@ -57,6 +57,8 @@ def test_deterministic_sets_trainer_and_seed(tiny_model_dir, tmp_path):
     ({"train__bogus": 1}, "unknown key 'bogus'"),
     ({"sync__sync": "sometimes"}, "--sync (in [sync])"),
     ({"loop__placement": "remote"}, "--placement (in [loop])"),
+    ({"sync__sync": "tensor", "loop__placement": "disaggregated"}, "use --placement colocated"),
+    ({"loop__save_interval": 0}, "--save-interval (in [loop])"),
     ({"loop__num_steps": None}, "--num-steps (in [loop])"),
     ({"loop__eval_interval": 2}, "needs an [eval] table"),
     ({"model__path": "/nonexistent"}, "not a HF weights directory"),

@@ -1,5 +1,6 @@
 """The whole loop on CPU with live engines: resume after SIGKILL at every phase boundary reaches
-the same final weights as an uninterrupted run (deterministic mode), full and delta sync agree,
+the same final weights as an uninterrupted run (deterministic mode; the resident trainer replays
+the steps after its last checkpoint), delta sync from disk and tensor sync in memory agree,
 Ctrl-C ends the children, `rltool report` plots the run."""
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def assert_no_children(run: Path, pids: list[int]) -> None:
 @pytest.fixture(scope="module")
 def baseline(loop_config, tmp_path_factory) -> Path:
     """Uninterrupted run, disaggregated placement and delta sync (the chained run uses colocated +
-    full, so equal final weights also show the two placements and sync modes agree)."""
+    tensor, so equal final weights also show the two placements and sync modes agree)."""
     run = tmp_path_factory.mktemp("baseline") / "run"
     result = CliRunner().invoke(cli, ["loop", "--config", str(loop_config), "--run-dir", str(run),
                                       "--placement", "disaggregated", "--sync", "delta",
@@ -126,7 +127,8 @@ def test_uninterrupted_run_writes_every_artifact(baseline):
 def test_resume_after_kill_at_every_phase_matches_uninterrupted(baseline, loop_config, tmp_path):
     run = tmp_path / "run"
     orphans: list[int] = []
-    args = ["--config", str(loop_config), "--run-dir", str(run)]
+    # Checkpoints only at the end: every kill before it resumes by replaying from version 0.
+    args = ["--config", str(loop_config), "--run-dir", str(run), "--sync", "tensor"]
     for point in KILL_POINTS:
         proc = loop_cli(*args, kill_after=point)
         assert proc.returncode == -signal.SIGKILL, (point, proc.stderr[-2000:])
@@ -155,6 +157,11 @@ def test_resume_after_kill_at_every_phase_matches_uninterrupted(baseline, loop_c
         assert json.loads(a.read_text())["num_rows"] == json.loads(b.read_text())["num_rows"]
         assert uids(RunDir(run).rollout_step(step)) == uids(RunDir(baseline).rollout_step(step))
     assert [r["step"] for r in read_metrics(RunDir(run).metrics_file("loop"))] == [0, 1]
+    assert [r["sync/mode"] for r in read_metrics(RunDir(run).metrics_file("loop"))] == \
+        ["tensor", "tensor"]
+    assert sorted(p.name for p in RunDir(run).ckpt.iterdir()) == [f"step-{version:06d}"]
+    assert sorted(p.name for p in RunDir(run).weights.glob("weight_v*")) == \
+        ["weight_v000000", f"weight_v{version:06d}"]
 
 
 # Kills inside phases (rltool/faults.py), chained: each resume is killed at the next one.

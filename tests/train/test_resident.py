@@ -1,0 +1,59 @@
+"""The resident trainer (the colocated loop's): after every set it saves, a trainer reloaded from
+that checkpoint holds the same weights, optimizer state, schedule position and RNG bit for bit,
+and trains the next set to the same weights as the resident one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rltool.train.config import TrainConfig
+from rltool.train.resident import ResidentTrainer
+from tests.train.conftest import REWARDS, make_shard, rows_for_groups
+
+pytestmark = pytest.mark.timeout(300)
+COMMON = dict(lr=1e-2, global_batch_size=4, num_epochs=2, lr_warmup_steps=2, shuffle=True,
+              deterministic=True, seed=5, entropy_coef=0.01)
+
+
+def state_of(trainer: ResidentTrainer) -> dict[str, torch.Tensor]:
+    """Every tensor of the trainer's state: weights, optimizer moments, RNG."""
+    backend = trainer.backend
+    out = {f"model/{k}": v for k, v in backend.model.state_dict().items()}
+    for i, (pid, st) in enumerate(sorted(backend.optimizer.state_dict()["state"].items())):
+        for k, v in st.items():
+            out[f"optim/{pid}/{k}"] = torch.as_tensor(v)
+    out["rng"] = trainer._rng
+    return out
+
+
+def assert_bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, differ[:5]
+
+
+def test_resident_state_equals_a_reload_of_its_checkpoint_at_every_save(tiny_model_dir, tmp_path):
+    shards = [make_shard(tmp_path / "rollouts" / f"step-{s:06d}", tiny_model_dir,
+                         rows_for_groups(REWARDS, seed=s), step=s) for s in range(3)]
+    save = tmp_path / "ckpt"
+
+    def cfg(step: int, load: str) -> TrainConfig:
+        return TrainConfig(rollouts=[str(shards[step])], load=load, **COMMON)
+
+    resident = ResidentTrainer(cfg(0, str(tiny_model_dir)))
+    ahead = None  # a reload of the previous checkpoint, trained on this step's set
+    for step in range(3):
+        resident.train(cfg(step, str(tiny_model_dir)), loop_step=step, log_metrics=False)
+        if ahead is not None:
+            assert_bit_equal(state_of(resident), state_of(ahead))
+        torch.rand(7)  # the loop's process draws from torch's RNG between steps
+        ckpt = resident.save(save)
+        reloaded = ResidentTrainer(cfg(step, str(ckpt)))
+        assert (reloaded.version, reloaded.loop_step) == (resident.version, step)
+        assert reloaded.backend.optimizer_steps == resident.backend.optimizer_steps
+        assert_bit_equal(state_of(resident), state_of(reloaded))
+        if step < 2:
+            reloaded.train(cfg(step + 1, str(ckpt)), loop_step=step + 1, log_metrics=False)
+            ahead = reloaded
+    assert resident.version == 3 * 6  # 3 sets x 2 epochs x 12 samples / batches of 4
