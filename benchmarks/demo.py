@@ -7,6 +7,12 @@ load average and every run's reward curve).
 
 Example:
   python benchmarks/demo.py --runs 2 --out benchmarks/results/demo-2026-11-29-cpu2.json
+
+`--compare-with CHECKOUT --seeds 0 1 2` instead measures the loop step of this checkout against
+another one (e.g. the previous release) on the same machine: for each seed it runs the other
+checkout's demo, then this one's, alternately (so a change in the machine's load hits both),
+and reports per run the median loop step, the median time of each phase and the first step whose
+5-step mean reward reaches 0.8, with the load average around every run.
 """
 
 from __future__ import annotations
@@ -39,13 +45,94 @@ def one_run(root: Path, args: list[str]) -> dict[str, Any]:
     return summary
 
 
+PHASES = ("rollout", "train", "publish", "sync", "eval")
+
+
+def seeded_run(root: Path, *, checkout: Path, seed: int, steps: int) -> dict[str, Any]:
+    """One demo run of `checkout`'s rltool with the demo's seed set to `seed`."""
+    import statistics
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(checkout))
+    code = (f"import rltool.demo as d; d.SEED = {seed}; "
+            f"d.main([{str(root)!r}, '--json', '--steps', '{steps}'])")
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"demo of {checkout} failed ({proc.returncode}):\n"
+                           f"{proc.stderr[-3000:]}")
+    summary = json.loads((root / "summary.json").read_text())
+    rows = [json.loads(line) for line in
+            (root / "run" / "metrics" / "loop.jsonl").read_text().splitlines() if line.strip()]
+    steps_rows = [r for r in rows if "perf/loop/eval_time" not in r]  # eval steps apart
+
+    def median(key: str) -> float | None:
+        values = [r[key] for r in steps_rows if key in r]
+        return statistics.median(values) if values else None
+
+    return {"checkout": str(checkout), "seed": seed, "wall_s": time.perf_counter() - t0,
+            "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
+            "rl_steps": len(rows), "median_step_s": median("perf/loop/step_time"),
+            "median_phase_s": {p: median(f"perf/loop/{p}_time") for p in PHASES},
+            "steps_to_target": summary["first_step_mean5_reaching_target"],
+            "sync_modes": sorted({str(r.get("sync/mode")) for r in rows}),
+            "rewards": summary["rewards"]}
+
+
+def compare(args: argparse.Namespace) -> None:
+    import statistics
+
+    here = Path(__file__).resolve().parents[1]
+    other = Path(args.compare_with).resolve()
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="rltool-demo-compare-") as tmp:
+        for seed in args.seeds:
+            for name, checkout in (("before", other), ("after", here)):
+                r = seeded_run(Path(tmp) / f"{name}-{seed}", checkout=checkout, seed=seed,
+                               steps=args.max_steps)
+                r["name"] = name
+                runs.append(r)
+                phases = " ".join(f"{p}={v:.3f}" for p, v in r["median_phase_s"].items()
+                                  if v is not None)
+                print(f"{name:>6s} seed {seed}: median step {r['median_step_s']:.3f}s ({phases}); "
+                      f"5-step mean reward >= 0.8 at step {r['steps_to_target']}; load "
+                      f"{r['load_avg_before'][0]:.1f} -> {r['load_avg_after'][0]:.1f}",
+                      flush=True)
+
+    def summary(name: str) -> dict[str, Any]:
+        mine = [r for r in runs if r["name"] == name]
+        reached = [r["steps_to_target"] for r in mine if r["steps_to_target"] is not None]
+        return {"median_step_s": statistics.median(r["median_step_s"] for r in mine),
+                "median_steps_to_target": statistics.median(reached) if reached else None,
+                "runs_reaching_target": len(reached), "runs": len(mine)}
+
+    result = {"benchmark": "demo-compare", "date": time.strftime("%Y-%m-%d"),
+              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                          "python": platform.python_version()},
+              "before": summary("before"), "after": summary("after"), "runs": runs}
+    print(json.dumps({k: result[k] for k in ("before", "after")}))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=2, help="Full demo runs.")
     parser.add_argument("--baseline-steps", type=int, default=30,
                         help="RL steps of the no-warm-start baseline.")
     parser.add_argument("--out", default=None, help="Write the JSON result here too.")
+    parser.add_argument("--compare-with", default=None, metavar="CHECKOUT",
+                        help="Another rltool checkout to measure against, alternating runs.")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                        help="Demo seeds of --compare-with runs.")
+    parser.add_argument("--max-steps", type=int, default=150,
+                        help="Most RL steps per --compare-with run.")
     args = parser.parse_args()
+    if args.compare_with:
+        compare(args)
+        return
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="rltool-demo-bench-") as tmp:
         runs = [one_run(Path(tmp) / f"demo{i}", []) for i in range(args.runs)]

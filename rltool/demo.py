@@ -53,7 +53,9 @@ def loop_tables(root: Path, *, model: Path, steps: int, seed: int = SEED) -> dic
         # sign-like steps from wrecking the warm start (measured: docs/loop.md).
         "train": {"lr": 3e-3, "lr_warmup_steps": 5, "global_batch_size": 64,
                   "advantage_estimator": "grpo"},
-        "sync": {"sync": "full"},
+        # auto: the colocated engine takes the weights in memory (tensor sync); checkpoints
+        # every save_interval steps and at the end.
+        "sync": {"sync": "auto"},
         "eval": {"prompts": str(root / "eval.jsonl"), "n_samples_per_prompt": 4},
         # deterministic: each sample draws from its own generator, seeded from `seed` and its
         # uid, so the engine's sampling is seeded and a run repeats (docs/loop.md).
