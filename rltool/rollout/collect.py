@@ -19,6 +19,7 @@ import asyncio
 import logging
 import math
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,7 +27,8 @@ from typing import Any
 
 from rltool import trace
 from rltool.errors import EngineError
-from rltool.rollout.generate import GenerateContext, GenerateFn, Sample, SessionClient
+from rltool.rollout.generate import (STATUS_BY_FINISH, GenerateContext, GenerateFn, Sample,
+                                     SessionClient, finish_label, generate_single_turn)
 
 log = logging.getLogger(__name__)
 ABORT_GRACE_S = 10.0  # after /abort_request, how long aborted requests get to come back
@@ -194,18 +196,62 @@ class Collector:
                     s.status, s.finish_reason = "aborted", "abort:cancelled"
 
     async def _run_group(self, group: _Group) -> None:
-        results = await asyncio.gather(*(self._run_sample(s, group) for s in group.samples))
+        if self._batchable(group):
+            results = [await self._run_group_batched(group)]
+        else:
+            results = await asyncio.gather(*(self._run_sample(s, group) for s in group.samples))
         group.samples = [s for batch in results for s in batch]
         for i, s in enumerate(group.samples):
             s.sample_index = i
+
+    def _batchable(self, group: _Group) -> bool:
+        """A fresh group of the default single-turn function goes to the engine as one batch
+        request: one HTTP round trip and one JSON body per group instead of per sample, with
+        each sample's own sampling seed, so the samples are the ones separate requests give."""
+        return (self.generate_fn is generate_single_turn and len(group.samples) > 1
+                and not getattr(self.router, "via_gateway", True)
+                and all(s.status == "pending" and not s.response_token_ids
+                        for s in group.samples))
+
+    def _context(self, session: SessionClient) -> GenerateContext:
+        return GenerateContext(client=session, sampling=self.sampling, tokenizer=self.tokenizer,
+                               options=self.options)
+
+    async def _run_group_batched(self, group: _Group) -> list[Sample]:
+        samples = group.samples
+        sessions = [SessionClient(self.router, session_id=s.uid) for s in samples]
+        group.sessions.extend(sessions)
+        budget = self.sampling["max_response_len"]
+        payload = {"input_ids": [s.tokens for s in samples], "return_logprob": True,
+                   "sampling_params": [self._context(c).sampling_params(
+                       max_new_tokens=budget, turn=0, sample=s)
+                       for s, c in zip(samples, sessions)],
+                   "rid": [uuid.uuid4().hex for _ in samples]}
+        for session, rid in zip(sessions, payload["rid"]):
+            session.rids.append(rid)
+        try:
+            responses, url = await self.router.generate(payload)
+            if not isinstance(responses, list) or len(responses) != len(samples):
+                raise EngineError(f"engine {url} returned {len(responses)} outputs for a batch "
+                                  f"of {len(samples)}")
+            for s, session, response in zip(samples, sessions, responses):
+                session.engine_urls.append(url)
+                finish = s.append_engine_output(response)
+                s.status = STATUS_BY_FINISH.get(finish, "completed")
+                s.finish_reason = finish_label(finish, response)
+        except EngineError as e:
+            for s in samples:
+                s.fail(f"engine_error: {e}")
+        done = await asyncio.gather(*(self._finish_sample(s, [s], c, model_tokens_before=0)
+                                      for s, c in zip(samples, sessions)))
+        return [x for batch in done for x in batch]
 
     async def _run_sample(self, sample: Sample, group: _Group) -> list[Sample]:
         if sample.status in ("completed", "truncated", "failed"):
             return [sample]  # a finished member of a carried-over group
         session = SessionClient(self.router, session_id=sample.uid)
         group.sessions.append(session)
-        ctx = GenerateContext(client=session, sampling=self.sampling, tokenizer=self.tokenizer,
-                              options=self.options)
+        ctx = self._context(session)
         sample.status = "pending"
         model_tokens_before = sum(sample.loss_mask)
         try:
@@ -215,7 +261,12 @@ class Collector:
         except Exception as e:  # noqa: BLE001 - a custom generate fn's bug must not lose the sample
             log.exception("generate function failed on sample %s", sample.uid)
             out = sample.fail(f"generate_error: {type(e).__name__}: {e}")
-        samples = out if isinstance(out, list) else [out]
+        return await self._finish_sample(sample, out if isinstance(out, list) else [out], session,
+                                         model_tokens_before=model_tokens_before)
+
+    async def _finish_sample(self, sample: Sample, samples: list[Sample], session: SessionClient,
+                             *, model_tokens_before: int) -> list[Sample]:
+        """What the generate function returned for `sample`: checked, decoded and rewarded."""
         for j, s in enumerate(samples):
             if s is not sample and s.uid == sample.uid:
                 s.uid = f"{sample.uid}.{j}"

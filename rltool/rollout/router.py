@@ -157,13 +157,14 @@ class Router:
     async def generate(self, payload: dict, *, routing_key: str | None = None) -> tuple[Any, str]:
         """Send one /generate; returns (response, engine url). Re-dispatches away from dead engines."""
         rid = payload.get("rid")
+        rids = [r for r in (rid if isinstance(rid, list) else [rid]) if r]  # a batch has a list
         while True:
             engine = await self._acquire(routing_key)
-            if rid and rid in self._aborted:  # aborted while it waited for a slot
+            if rids and all(r in self._aborted for r in rids):  # aborted while it waited
                 self._release(engine)
-                return abort_response("aborted before dispatch"), engine.url
-            if rid:
-                engine.in_flight.add(rid)
+                answer = abort_response("aborted before dispatch")
+                return (answer if not isinstance(rid, list) else [answer] * len(rid)), engine.url
+            engine.in_flight.update(rids)
             engine.requests += 1
             try:
                 response = await engine.client.generate(payload, routing_key=routing_key)
@@ -177,8 +178,7 @@ class Router:
                                 "its requests to the other engines", engine.url, e)
                 self.redispatched += 1
             finally:
-                if rid:
-                    engine.in_flight.discard(rid)
+                engine.in_flight.difference_update(rids)
                 self._release(engine)
 
     async def _healthy(self, engine: Engine) -> bool:

@@ -29,7 +29,15 @@ class FakeEngine:
         self.max_in_flight = 0
         self.aborted: set[str] = set()
 
-    async def generate(self, payload: dict, *, routing_key: str | None = None) -> dict:
+    async def generate(self, payload: dict, *, routing_key: str | None = None) -> dict | list:
+        ids = payload["input_ids"]
+        if ids and isinstance(ids[0], list):  # a batch: one request per prompt, as engines do
+            items = [{**payload, "input_ids": x, "sampling_params": p, "rid": r}
+                     for x, p, r in zip(ids, payload["sampling_params"], payload["rid"])]
+            return list(await asyncio.gather(*(self._one(x, routing_key) for x in items)))
+        return await self._one(payload, routing_key)
+
+    async def _one(self, payload: dict, routing_key: str | None) -> dict:
         if self.dead:
             raise EngineError(f"{self.url}: connection refused")
         self.requests.append(payload)
