@@ -9,7 +9,7 @@ import torch
 
 from rltool.train.config import TrainConfig
 from rltool.train.resident import ResidentTrainer
-from tests.train.conftest import REWARDS, make_shard, rows_for_groups
+from tests.helpers.shards import REWARDS, make_shard, shard_rows
 
 pytestmark = pytest.mark.timeout(300)
 COMMON = dict(lr=1e-2, global_batch_size=4, num_epochs=2, lr_warmup_steps=2, shuffle=True,
@@ -35,7 +35,7 @@ def assert_bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
 
 def test_resident_state_equals_a_reload_of_its_checkpoint_at_every_save(tiny_model_dir, tmp_path):
     shards = [make_shard(tmp_path / "rollouts" / f"step-{s:06d}", tiny_model_dir,
-                         rows_for_groups(REWARDS, seed=s), step=s) for s in range(3)]
+                         shard_rows(REWARDS, seed=s), step=s) for s in range(3)]
     save = tmp_path / "ckpt"
 
     def cfg(step: int, load: str) -> TrainConfig:
