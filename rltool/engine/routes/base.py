@@ -20,14 +20,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from rltool.engine.api import GenerateInput
+from rltool import trace
+from rltool.engine.api import GenerateInput, UpdateWeightsResult
 from rltool.engine.config import ServeConfig
 from rltool.engine.expand import expand_generate
 from rltool.engine.model_runner import ModelRunner
 from rltool.engine.request import Request, build_response
 from rltool.engine.scheduler import Scheduler
 from rltool.engine.security import PayloadTooLargeError
-from rltool.errors import BadInputError
+from rltool.errors import BadInputError, EngineError
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -103,6 +104,37 @@ class EngineState:
         except (asyncio.CancelledError, GeneratorExit):  # the client went away
             self._abort(reqs)
             raise
+
+
+def refused_update(message: str) -> JSONResponse:
+    """A weight update refused: SGLang's `{"success": false, "message"}` with 400."""
+    return JSONResponse(UpdateWeightsResult(success=False, message=message)
+                        .model_dump(exclude_none=True), status_code=400)
+
+
+async def apply_weight_update(state: EngineState, load: Callable[[], Any], *, abort_all: bool,
+                              weight_version: str | None) -> JSONResponse:
+    """Run `load` (which changes the weights, all or nothing) when the scheduler allows it (after
+    earlier requests, or at once while paused), then set the version; SGLang's answer."""
+    sched, runner = state.scheduler, state.runner
+
+    def run() -> int:
+        paused = len(sched.running) + len(sched.prefilling) if sched.paused else 0
+        with trace.span("weight_load", cat="weights"):
+            load()
+        if weight_version is not None:
+            runner.weight_version = weight_version
+        return paused
+
+    try:
+        paused = await asyncio.wrap_future(sched.update_weights(run, abort_all=abort_all))
+    except (BadInputError, EngineError) as e:
+        return refused_update(str(e))
+    message = "Succeeded to update model weights."
+    if weight_version is not None:
+        message += f" Weight version updated to {weight_version}."
+    return JSONResponse(UpdateWeightsResult(success=True, message=message,
+                                            num_paused_requests=paused).model_dump())
 
 
 def validation_error(message: str) -> JSONResponse:

@@ -24,37 +24,22 @@ from pydantic import ValidationError
 
 from rltool.delta import tensor_sync
 from rltool.engine import api
-from rltool.engine.routes.base import EngineState, describe_errors, parse_body
+from rltool.engine.routes.base import (EngineState, apply_weight_update, describe_errors,
+                                       parse_body, refused_update)
 from rltool.engine.security import ADMIN
-from rltool.errors import BadInputError, EngineError
+from rltool.errors import BadInputError
 
 
 def router(state: EngineState) -> APIRouter:
     r = APIRouter()
-    sched, runner = state.scheduler, state.runner
+    runner = state.runner
     groups: dict[str, Any] = {}
 
-    def refused(message: str) -> JSONResponse:
-        return JSONResponse(api.UpdateWeightsResult(success=False, message=message)
-                            .model_dump(exclude_none=True), status_code=400)
+    refused = refused_update
 
     async def apply(load: Any, *, abort_all: bool, weight_version: str | None) -> JSONResponse:
-        def run() -> int:
-            paused = len(sched.running) + len(sched.prefilling) if sched.paused else 0
-            load()
-            if weight_version is not None:
-                runner.weight_version = weight_version
-            return paused
-
-        try:
-            paused = await asyncio.wrap_future(sched.update_weights(run, abort_all=abort_all))
-        except (BadInputError, EngineError) as e:
-            return refused(str(e))
-        message = "Succeeded to update model weights."
-        if weight_version is not None:
-            message += f" Weight version updated to {weight_version}."
-        return JSONResponse(api.UpdateWeightsResult(success=True, message=message,
-                                                    num_paused_requests=paused).model_dump())
+        return await apply_weight_update(state, load, abort_all=abort_all,
+                                         weight_version=weight_version)
 
     @r.post(api.UPDATE_WEIGHTS_FROM_TENSOR, dependencies=[ADMIN])
     async def update_weights_from_tensor(request: HttpRequest) -> JSONResponse:

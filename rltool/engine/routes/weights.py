@@ -14,11 +14,10 @@ from typing import Any
 from fastapi import APIRouter, Request as HttpRequest
 from fastapi.responses import JSONResponse
 
-from rltool import trace
 from rltool.engine import api
-from rltool.engine.routes.base import EngineState, parse_body
+from rltool.engine.routes.base import EngineState, apply_weight_update, parse_body
 from rltool.engine.security import ADMIN, confine, confine_local
-from rltool.errors import BadInputError, EngineError
+from rltool.errors import BadInputError
 
 
 def router(state: EngineState) -> APIRouter:
@@ -38,24 +37,9 @@ def router(state: EngineState) -> APIRouter:
         except BadInputError as e:
             return refused(api.UpdateWeightsResult, str(e))
 
-        def apply() -> int:
-            paused = len(sched.running) + len(sched.prefilling) if sched.paused else 0
-            with trace.span("weight_load", cat="weights"):
-                runner.load_weights(path)
-            if body.weight_version is not None:
-                runner.weight_version = body.weight_version
-            return paused
-
-        try:
-            paused = await asyncio.wrap_future(
-                sched.update_weights(apply, abort_all=body.abort_all_requests))
-        except (BadInputError, EngineError) as e:
-            return refused(api.UpdateWeightsResult, str(e))
-        message = "Succeeded to update model weights."
-        if body.weight_version is not None:
-            message += f" Weight version updated to {body.weight_version}."
-        return JSONResponse(api.UpdateWeightsResult(success=True, message=message,
-                                                    num_paused_requests=paused).model_dump())
+        return await apply_weight_update(state, lambda: runner.load_weights(path),
+                                         abort_all=body.abort_all_requests,
+                                         weight_version=body.weight_version)
 
     @r.post(api.UPDATE_WEIGHT_VERSION, dependencies=[ADMIN])
     async def update_weight_version(request: HttpRequest) -> JSONResponse:
