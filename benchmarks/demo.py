@@ -53,15 +53,20 @@ def seeded_run(root: Path, *, checkout: Path, seed: int, steps: int) -> dict[str
     import statistics
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(checkout))
-    code = (f"import rltool.demo as d; d.SEED = {seed}; "
+    code = (f"import rltool, rltool.demo as d; d.SEED = {seed}; "
+            f"open({str(root) + '.rltool'!r}, 'w').write(rltool.__file__); "
             f"d.main([{str(root)!r}, '--json', '--steps', '{steps}'])")
     load_before = os.getloadavg()
     t0 = time.perf_counter()
+    # cwd: `python -c` puts the working directory first on sys.path, ahead of PYTHONPATH.
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          check=False)
+                          cwd=checkout, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"demo of {checkout} failed ({proc.returncode}):\n"
                            f"{proc.stderr[-3000:]}")
+    imported = Path(Path(str(root) + ".rltool").read_text())
+    if checkout not in imported.parents:
+        raise RuntimeError(f"the run imported {imported}, not {checkout}'s rltool")
     summary = json.loads((root / "summary.json").read_text())
     rows = [json.loads(line) for line in
             (root / "run" / "metrics" / "loop.jsonl").read_text().splitlines() if line.strip()]
