@@ -142,10 +142,7 @@ class StageInputs:
             url: {key: None if isinstance(info, Exception) else info.get(key)
                   for key in ("device", "dtype")} for url, info in infos.items()}
         self.tokenizer_dir = cfg.tokenizer or _tokenizer_path(infos)
-        self.tokenizer = load_tokenizer(self.tokenizer_dir)
-        from rltool.data.tokenizer import tokenizer_hash
-
-        self.tokenizer_hash = tokenizer_hash(self.tokenizer_dir)
+        self.tokenizer, self.tokenizer_hash = cached_tokenizer(self.tokenizer_dir)
         self._rendered: dict[int, list[int]] = {}
 
     def new_group(self, position: int, *, n: int, uid_prefix: str) -> list[Sample]:
@@ -215,6 +212,30 @@ class StageInputs:
         manifest = write_shard(cfg.out, [to_row(s) for g in groups for s in g], meta)
         write_resolved(cfg.model_copy(update={"api_key": None}), Path(cfg.out) / config_name)
         return manifest
+
+
+_TOKENIZER_CACHE: dict[tuple[Any, ...], tuple[Any, str]] = {}
+
+
+def cached_tokenizer(path: str | Path) -> tuple[Any, str]:
+    """(tokenizer, tokenizer hash) of a directory, kept while its files are unchanged (name, size,
+    mtime): a loop calls the stage every step with the same tokenizer, and loading it again cost
+    more than the batched generation of a demo step's requests."""
+    from rltool.data.tokenizer import tokenizer_hash
+
+    root = Path(path).resolve()
+    try:
+        key = (str(root), *sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                                  for p in root.iterdir() if p.is_file()))
+    except OSError:
+        key = None
+    if key is not None and key in _TOKENIZER_CACHE:
+        return _TOKENIZER_CACHE[key]
+    value = (load_tokenizer(root), tokenizer_hash(root))
+    if key is not None:
+        _TOKENIZER_CACHE.clear()  # one entry: the loop's tokenizer
+        _TOKENIZER_CACHE[key] = value
+    return value
 
 
 def _engine_model_infos(cfg: EngineStageConfig,
