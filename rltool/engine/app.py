@@ -50,7 +50,8 @@ def build_app(state: EngineState) -> FastAPI:
         log.exception("unhandled error on %s", request.url.path)
         return runtime_error(f"internal error: {type(exc).__name__}: {exc}", 500)
 
-    groups = [generate, openai, info, control, weights, transfer]  # hot routes first: matching is linear
+    # Hot routes first: matching is linear.
+    groups = [generate, openai, info, control, weights, transfer]
     if cfg.enable_debug_endpoints:  # rltool align-gate --layerwise (docs/align.md)
         groups.append(debug)
     for group in groups:

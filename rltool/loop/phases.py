@@ -151,7 +151,7 @@ def _train_resident(ctx: StepContext) -> None:
 
 
 def save_resident(ctx: StepContext) -> None:
-    """Checkpoint the resident trainer unless its state is saved already (a run that stops early)."""
+    """Checkpoint the resident trainer unless its state is saved already (a run stopped early)."""
     trainer = ctx.trainer
     if trainer is not None and trainer.loop_step >= 0 and \
             not trainer.checkpoint_dir(ctx.run.ckpt).exists():
