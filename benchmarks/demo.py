@@ -76,7 +76,9 @@ def seeded_run(root: Path, *, checkout: Path, seed: int, steps: int) -> dict[str
         values = [r[key] for r in steps_rows if key in r]
         return statistics.median(values) if values else None
 
-    return {"checkout": str(checkout), "seed": seed, "wall_s": time.perf_counter() - t0,
+    commit = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True, check=False).stdout.strip()
+    return {"checkout": f"rltool {commit or 'unknown commit'}", "seed": seed, "wall_s": time.perf_counter() - t0,
             "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
             "rl_steps": len(rows), "median_step_s": median("perf/loop/step_time"),
             "median_phase_s": {p: median(f"perf/loop/{p}_time") for p in PHASES},
