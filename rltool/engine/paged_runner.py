@@ -178,6 +178,35 @@ class PagedRunner:
         self.model_path = path
         return n
 
+    def load_named_tensors(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        """Copy named HF tensors (any subset, e.g. one bucket of an in-memory update) into their
+        slices of the fused layout, after checking every name, shape and dtype: nothing changes
+        unless all of them match. The tensors may be views of a sender's buffer; they are copied,
+        never kept."""
+        if self.model is None:
+            raise BadInputError("weights are released; call /resume_memory_occupation first")
+        targets = self.model._targets()
+        tied = self.model.spec.tie_word_embeddings
+        keep = []
+        for name, t in named:
+            if name == "lm_head.weight" and tied:
+                continue  # the head is the embedding
+            if name not in targets:
+                raise BadInputError(f"tensor {name!r} is not a parameter of the served model")
+            dest, _, rows = targets[name]
+            want = (rows, *dest.shape[1:])
+            if tuple(t.shape) != want:
+                raise BadInputError(f"tensor {name!r} has shape {list(t.shape)}, the served model "
+                                    f"expects {list(want)}")
+            if t.dtype != dest.dtype:
+                raise BadInputError(f"tensor {name!r} has dtype {t.dtype}, the served model "
+                                    f"holds {dest.dtype}; send it as {dest.dtype}")
+            keep.append((name, t))
+        n = self.model.load_tensors(keep)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the sender may reuse its buffer after we answer
+        return n
+
     # ----- bookkeeping used by the scheduler -----------------------------------------------
 
     def free_pages(self) -> int:

@@ -20,6 +20,7 @@ from rltool.engine.app import EngineState, build_app
 from rltool.engine.config import ServeConfig
 from rltool.engine.model_runner import ModelRunner
 from rltool.engine.scheduler import Scheduler
+from rltool.errors import BadInputError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -151,3 +152,32 @@ def test_distributed_update_over_gloo_is_bit_equal(engine):
     assert answers["bad"].status_code == 400 and "shape" in answers["bad"].json()["message"]
     assert served(runner)[name].equal(x)
     assert client.get(api.WEIGHT_VERSION).json()["weight_version"] == "6"
+
+
+def fused_tensors(runner) -> list[torch.Tensor]:
+    m = runner.model
+    return [m.embed, m.norm, m.lm_head] + [t for L in m.layers for _, t in sorted(L.items())]
+
+
+def test_paged_runner_takes_named_tensors_like_a_checkpoint(tiny_model_dir, tiny_model_factory):
+    """The paged engine's fused layout: HF-named tensors (as a trainer sends them) land where a
+    load of the same checkpoint from disk puts them; a wrong shape or dtype changes nothing."""
+    from safetensors.torch import load_file
+
+    from rltool.engine.paged_runner import PagedRunner
+
+    other = tiny_model_factory("qwen2", 1)
+    kwargs = dict(device="cpu", dtype="fp32", max_running=2, page_size=4, max_total_tokens=64)
+    runner = PagedRunner(tiny_model_dir, **kwargs)
+    reference = PagedRunner(other, **kwargs)
+    named = sorted(load_file(str(other / "model.safetensors")).items())
+    before = [t.clone() for t in fused_tensors(runner)]
+    name, t = named[1]
+    for bad in ((name, t.reshape(-1)), (name, t.to(torch.bfloat16)), (name + ".x", t)):
+        with pytest.raises(BadInputError):
+            runner.load_named_tensors(named[:1] + [bad])
+    assert all(a.equal(b) for a, b in zip(before, fused_tensors(runner)))
+    half = len(named) // 2
+    runner.load_named_tensors(named[:half])  # buckets: any subset, in any number of calls
+    runner.load_named_tensors(named[half:])
+    assert all(a.equal(b) for a, b in zip(fused_tensors(runner), fused_tensors(reference)))

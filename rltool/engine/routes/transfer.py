@@ -99,7 +99,10 @@ def router(state: EngineState) -> APIRouter:
 def _param_bytes(runner: Any) -> int:
     if runner.model is None:
         raise BadInputError("weights are released; call /resume_memory_occupation first")
-    return sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    model = runner.model
+    if hasattr(model, "nbytes"):  # the paged runner's fused model
+        return int(model.nbytes())
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def _receive_buffers(body: api.UpdateWeightsFromDistributedInput, *,
