@@ -9,9 +9,9 @@
 5. `rltool report`: reward-vs-step PNG (and the other plots) and a summary.
 
 Every stage is the library call behind the command printed next to it. Seeds are fixed and
-stated: `--seed S` seeds the model init, both trainers and the engine's sampling (the loop runs
-`deterministic`, so a seed repeats its curve); the prompt sets keep their own seeds, so every
-seed learns the same task. The measured curves are in docs/loop.md.
+stated: `--seed S` seeds the model init, both trainers and the engine's sampling (the rollout
+seed gives every sample its own `sampling_seed`, from S and its uid); the prompt sets keep their
+own seeds, so every seed learns the same task. The measured curves are in docs/loop.md.
 
 Run: `python -m rltool.demo [DIR] [--seed S] [--steps N] [--sft-steps N]` (default DIR
 `demo-run`).
@@ -48,7 +48,7 @@ def loop_tables(root: Path, *, model: Path, steps: int, seed: int = SEED) -> dic
         "model": {"path": str(model)},
         "rollout": {"prompts": str(root / "rl.jsonl"), "reward": f"{TASK}:partial",
                     "n_samples_per_prompt": 8, "rollout_batch_size": 16, "max_response_len": 8,
-                    "temperature": 1.0},
+                    "temperature": 1.0, "seed": seed},
         # 128 samples per step in 2 optimizer steps of 64; a short warmup keeps Adam's first,
         # sign-like steps from wrecking the warm start (measured: docs/loop.md).
         "train": {"lr": 3e-3, "lr_warmup_steps": 5, "global_batch_size": 64,
@@ -57,10 +57,7 @@ def loop_tables(root: Path, *, model: Path, steps: int, seed: int = SEED) -> dic
         # every save_interval steps and at the end.
         "sync": {"sync": "auto"},
         "eval": {"prompts": str(root / "eval.jsonl"), "n_samples_per_prompt": 4},
-        # deterministic: each sample draws from its own generator, seeded from `seed` and its
-        # uid, so the engine's sampling is seeded and a run repeats (docs/loop.md).
         "loop": {"num_steps": steps, "placement": "colocated", "num_engines": 1, "seed": seed,
-                 "deterministic": True,
                  "eval_interval": 15, "engine_args": ["--max-running-requests", "128"]},
     }
 

@@ -81,7 +81,9 @@ def expand_generate(body: GenerateInput, *, tokenizer: Any, context_length: int,
         for j in range(n):
             rid = base if n == 1 else f"{base}_{j}"
             generator = None
-            if deterministic and not sp.greedy:
+            # A seed is honoured in either mode (SGLang ignores it outside deterministic
+            # inference); deterministic mode also seeds requests that carry none.
+            if not sp.greedy and (deterministic or sp.sampling_seed is not None):
                 seed = sp.sampling_seed if sp.sampling_seed is not None else DEFAULT_SEED
                 generator = make_generator(seed + j)
             reqs.append(Request(

@@ -144,6 +144,27 @@ def test_many_concurrent_requests_all_complete(builtin_engine):
         assert len(meta["output_token_logprobs"]) == meta["completion_tokens"] == len(o["output_ids"])
 
 
+def test_sampling_seed_is_honoured_outside_deterministic_mode(builtin_engine):
+    """A seeded request draws from its own generator in the batched engine too (the seed used to
+    be ignored outside --deterministic, so `rltool.demo --seed` could not seed its sampling):
+    the same seed repeats its tokens while other requests share the batch, another seed differs."""
+    def body(seed: int, text: str = "abc") -> dict:
+        return {"text": text, "rid": uuid.uuid4().hex,
+                "sampling_params": {"max_new_tokens": 24, "ignore_eos": True,
+                                    "temperature": 1.0, "sampling_seed": seed}}
+
+    async def main():
+        async with EngineClient(builtin_engine.url, timeout_s=60) as c:
+            alone = await c.generate(body(11))
+            crowd = await asyncio.gather(c.generate(body(11)), c.generate(body(12)),
+                                         *(c.generate(body(s, "zz")) for s in range(6)))
+            return alone, crowd
+
+    alone, crowd = asyncio.run(main())
+    assert crowd[0]["output_ids"] == alone["output_ids"]
+    assert crowd[1]["output_ids"] != alone["output_ids"]
+
+
 def test_streaming_is_cumulative_and_ends_with_done(builtin_engine):
     with httpx.stream("POST", builtin_engine.url + "/generate", timeout=60,
                       json={"text": "ab", "stream": True, "return_logprob": True,
