@@ -48,7 +48,8 @@ import torch
 from rltool.data.models import init_model
 from rltool.train.backend import MicroBatch
 from rltool.train.backuper import WeightBackuper, module_tensors
-from rltool.train.torch_backend import TorchBackend, TorchOptions
+from rltool.train.config import BackendConfig
+from rltool.train.torch_backend import TorchBackend
 
 
 def sync(device: torch.device) -> None:
@@ -166,8 +167,8 @@ def bench_tiers(model_dir: Path, device: torch.device, ssd: Path, repeats: int) 
 def bench_overlap(model_dir: Path, device: torch.device, ssd: Path, *, tokens: int,
                   repeats: int) -> dict:
     dtype = "bf16" if device.type == "cuda" else "fp32"
-    backend = TorchBackend(model_dir, options=TorchOptions(dtype=dtype, lr=1e-6,
-                                                           device=device.type))
+    backend = TorchBackend(model_dir, options=BackendConfig(dtype=dtype, lr=1e-6,
+                                                            device=device.type))
     vocab = int(backend.config.vocab_size)
     per_sample = min(tokens, 1024)
     g = torch.Generator().manual_seed(0)

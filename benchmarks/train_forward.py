@@ -30,7 +30,8 @@ import torch
 from rltool.data.models import init_model
 from rltool.train.backend import MicroBatch
 from rltool.train.dp_schedule import schedule
-from rltool.train.torch_backend import TorchBackend, TorchOptions
+from rltool.train.config import BackendConfig
+from rltool.train.torch_backend import TorchBackend
 
 CAP = 4096
 NUM_SAMPLES = 64
@@ -67,8 +68,8 @@ def bench_preset(preset: str, root: Path, *, repeats: int) -> dict:
     results: dict = {"preset": preset}
     logprobs = {}
     for mode in ("padded", "deterministic"):
-        backend = TorchBackend(model_dir, options=TorchOptions(deterministic=mode == "deterministic",
-                                                              lr=1e-4))
+        options = BackendConfig(deterministic=mode == "deterministic", lr=1e-4)
+        backend = TorchBackend(model_dir, options=options)
         samples = make_samples(int(backend.config.vocab_size), seed=0)
         mbs = micro_batches(samples)
 

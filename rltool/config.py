@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, GetCoreSchemaHandler, ValidationError
+from pydantic_core import core_schema
 
 from rltool import atomic
 from rltool.errors import ConfigError
@@ -24,9 +26,57 @@ STAGE_SECTIONS = ("model", "rollout", "train", "sync", "eval", "loop", "serve", 
 
 
 class StageConfig(BaseModel):
-    """Base of every stage's config: unknown keys are errors, values are validated on assignment."""
+    """Base of every stage's config: unknown keys are errors, values are validated on assignment.
+
+    Each field is also a command-line option of the stage's command (`rltool.commands.options`
+    generates them: `--name-with-dashes`, its type, choices, description and default); `cli(...)`
+    in a field's `json_schema_extra` adjusts how (environment variable, positional, not a flag).
+    """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+def cli(*, envvar: str | None = None, argument: bool = False, option: bool = True,
+        metavar: str | None = None) -> dict[str, Any]:
+    """A field's command-line form, for `Field(json_schema_extra=cli(...))`.
+
+    envvar: the option falls back to this environment variable (keys and tokens);
+    argument: a required positional argument instead of an option;
+    option=False: settable from the config file only (the loop or the command fills it).
+    """
+    return {"cli": {"envvar": envvar, "argument": argument, "option": option,
+                    "metavar": metavar}}
+
+
+@dataclass(frozen=True)
+class Aliases:
+    """Other accepted spellings of a Literal field's values, as `Annotated[Literal[...],
+    Aliases(...)]`: the alias is replaced by its canonical value before validation (and the
+    generated option accepts it too)."""
+
+    pairs: tuple[tuple[str, str], ...]
+
+    @property
+    def mapping(self) -> dict[str, str]:
+        return dict(self.pairs)
+
+    def __get_pydantic_core_schema__(self, source: Any,
+                                     handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+        mapping = self.mapping
+        return core_schema.no_info_before_validator_function(
+            lambda v: mapping.get(v, v) if isinstance(v, str) else v, handler(source))
+
+
+# One dtype spelling for every stage (fp32, bf16, fp16); torch's long names are aliases.
+DTYPE_ALIASES = Aliases((("float32", "fp32"), ("bfloat16", "bf16"), ("float16", "fp16")))
+ComputeDtype = Annotated[Literal["fp32", "bf16"], DTYPE_ALIASES]
+WeightDtype = Annotated[Literal["fp32", "bf16", "fp16"], DTYPE_ALIASES]
+TORCH_DTYPE_NAMES = {short: long for long, short in DTYPE_ALIASES.pairs}
+
+
+def torch_dtype_name(dtype: str) -> str:
+    """`bf16` -> `bfloat16` (the attribute of torch and the `torch_dtype` of a HF config.json)."""
+    return TORCH_DTYPE_NAMES[dtype]
 
 
 def read_toml(path: str | os.PathLike) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 from pydantic import Field
 
-from rltool.commands.common import config_option, explicit_flags
+from rltool.commands.options import build_config, command_options, stage_options
 from rltool.config import StageConfig, resolve, write_resolved
 from rltool.errors import ConfigError
 
@@ -85,18 +85,15 @@ def test_write_resolved_round_trips(tmp_path):
 
 
 def test_explicit_flags_through_click(tmp_path):
-    """A click default must not mask the file's value; only flags the user typed win."""
+    """A default must not mask the file's value; only options the user typed win."""
     f = _toml(tmp_path, "[rollout]\ntemperature = 0.7\nn_samples_per_prompt = 2\n")
     seen = {}
 
     @click.command()
-    @click.option("--temperature", type=float, default=1.0)
-    @click.option("--n-samples-per-prompt", type=int, default=4)
-    @config_option
-    @click.pass_context
-    def cmd(ctx, temperature, n_samples_per_prompt, config_file):
-        flags = explicit_flags(ctx, ["temperature", "n_samples_per_prompt"])
-        seen["cfg"] = resolve(RolloutLike, config_file=config_file, section="rollout", flags=flags)
+    @stage_options(RolloutLike, table="rollout")
+    @command_options("config")
+    def cmd(**_):
+        seen["cfg"] = build_config(RolloutLike, table="rollout")
 
     result = CliRunner().invoke(cmd, ["--config", str(f), "--n-samples-per-prompt", "16"])
     assert result.exit_code == 0, result.output

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rltool.config import StageConfig
+from rltool.config import ComputeDtype, StageConfig, cli
 
 DEFAULT_TOL = 1e-6
 
@@ -19,7 +19,8 @@ class AlignGateConfig(StageConfig):
     the logprobs training really sees.
     """
 
-    rollouts: list[str] = Field(description="Rollout shard directories (DIR[,DIR...]).")
+    rollouts: list[str] = Field(description="Rollout shard directories.",
+                                json_schema_extra=cli(metavar="DIR[,DIR...]"))
     weights: str = Field(description="Weights the rollouts were sampled with: a HF weights dir "
                          "(weight_vNNNNNN) or a trainer checkpoint step-NNNNNN.")
     backend: Literal["torch"] = Field("torch", description="Trainer backend that recomputes the "
@@ -28,7 +29,7 @@ class AlignGateConfig(StageConfig):
                        "train_rollout_logprob_abs_diff <= tol.")
     allow_version_mismatch: bool = Field(False, description="Compare even when the weights "
                                          "declare a version other than the shards' tokens.")
-    dtype: Literal["fp32", "bf16"] = Field("fp32", description="Trainer compute dtype (as "
+    dtype: ComputeDtype = Field("fp32", description="Trainer compute dtype (as "
                                            "`rltool train --dtype`).")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "cpu", description="Where the trainer path recomputes. cpu (default) matches the builtin "
@@ -49,7 +50,8 @@ class AlignGateConfig(StageConfig):
                                    "--layerwise compares.")
     layer_tol: float | None = Field(None, ge=0.0, description="Per-layer max |diff| tolerance "
                                     "for --layerwise (default: --tol).")
-    api_key: str | None = Field(None, description="Bearer token for --engine.")
+    api_key: str | None = Field(None, description="Bearer token for --engine.",
+                                 json_schema_extra=cli(envvar="RLTOOL_API_KEY"))
     timeout_s: float = Field(120.0, gt=0, description="Timeout of one engine debug request.")
     report: str | None = Field(None, description="Also write the result as JSON to this file "
                                "(and the resolved config next to it).")

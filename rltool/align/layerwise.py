@@ -66,10 +66,11 @@ class TrainerModel:
     """The trainer's model for these weights, as the torch backend builds it (no optimizer)."""
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "fp32", device: str = "cpu"):
-        from rltool.train.torch_backend import TorchBackend, TorchOptions
+        from rltool.train.config import BackendConfig
+        from rltool.train.torch_backend import TorchBackend
 
-        self.backend = TorchBackend(model_dir, options=TorchOptions(dtype=dtype, trainable=False,
-                                                                    device=device))
+        self.backend = TorchBackend(model_dir, options=BackendConfig(dtype=dtype, device=device),
+                                    trainable=False)
         self.backend.inner.eval()
 
     def hidden_states(self, token_ids: list[int]) -> tuple[list["torch.Tensor"], "torch.Tensor"]:

@@ -2,55 +2,15 @@ import sys
 
 import click
 
-from rltool.commands.common import (config_option, echo_json, explicit_flags, handle_errors,
-                                    json_option, setup_logging, split_dirs)
-
-FLAGS = ["rollouts", "weights", "backend", "tol", "allow_version_mismatch", "dtype",
-         "deterministic", "max_tokens_per_microbatch", "global_batch_size", "num_worst",
-         "layerwise", "engine", "layerwise_samples", "layer_tol", "api_key", "timeout_s", "report"]
+from rltool.align.config import AlignGateConfig
+from rltool.commands.common import echo_json
+from rltool.commands.options import build_config, command_options, stage_options
 
 
 @click.command("align-gate")
-@click.option("--rollouts", multiple=True, callback=split_dirs,
-              help="Rollout shard directories (DIR[,DIR...]; repeatable).")
-@click.option("--weights", default=None, help="Weights the rollouts were sampled with (HF dir "
-              "weight_vNNNNNN or a trainer checkpoint).")
-@click.option("--backend", type=click.Choice(["torch"]), default=None,
-              help="Trainer backend that recomputes (default torch).")
-@click.option("--tol", type=float, default=None,
-              help="Pass when train_rollout_logprob_abs_diff <= TOL (default 1e-6).")
-@click.option("--allow-version-mismatch", is_flag=True, default=None,
-              help="Compare even if the weights' version differs from the shards' tokens.")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default=None,
-              help="Where the trainer path recomputes (default cpu, like the builtin engine).")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default=None,
-              help="Trainer compute dtype, as in `rltool train` (default fp32).")
-@click.option("--deterministic/--no-deterministic", default=None,
-              help="Trainer's one-unpadded-pass-per-sample layout, as in `rltool train`.")
-@click.option("--max-tokens-per-microbatch", type=int, default=None,
-              help="Trainer micro-batch token cap, as in `rltool train` (default 4096).")
-@click.option("--global-batch-size", type=int, default=None,
-              help="Samples per optimizer step of the training run (default all).")
-@click.option("--num-worst", type=int, default=None,
-              help="Worst samples and token positions to report (default 5).")
-@click.option("--layerwise", is_flag=True, default=None,
-              help="Compare per-layer hidden states of the worst samples with --engine.")
-@click.option("--engine", default=None, help="Engine URL for --layerwise (started with "
-              "`rltool serve --enable-debug-endpoints`, same weights).")
-@click.option("--layerwise-samples", type=int, default=None,
-              help="How many worst samples --layerwise compares (default 1).")
-@click.option("--layer-tol", type=float, default=None,
-              help="Per-layer max |diff| tolerance (default: --tol).")
-@click.option("--api-key", envvar="RLTOOL_API_KEY", default=None,
-              help="Bearer token for --engine (env RLTOOL_API_KEY).")
-@click.option("--timeout-s", type=float, default=None,
-              help="Timeout of one engine debug request (default 120).")
-@click.option("--report", type=click.Path(dir_okay=False), default=None,
-              help="Also write the result JSON here (resolved config next to it).")
-@config_option
-@json_option
-@handle_errors
-def command(config_file, as_json, **_):
+@stage_options(AlignGateConfig, table="align")
+@command_options("config", "json")
+def command(as_json, **_):
     """Gate: do the trainer's recomputed logprobs match the rollout engine's?
 
     Recomputes every response token's logprob of the shards with the trainer path (its
@@ -69,15 +29,9 @@ def command(config_file, as_json, **_):
       rltool align-gate --rollouts runs/r1/rollouts/step-000003 \\
         --weights runs/r1/weights/weight_v000003 --layerwise --engine http://127.0.0.1:30000
     """
-    from rltool.align.config import AlignGateConfig
     from rltool.align.gate import run
-    from rltool.config import resolve
 
-    ctx = click.get_current_context()
-    cfg = resolve(AlignGateConfig, config_file=config_file, section="align",
-                  flags=explicit_flags(ctx, FLAGS))
-    setup_logging(quiet=as_json)
-    result = run(cfg)
+    result = run(build_config(AlignGateConfig, table="align"))
     if as_json:
         echo_json(result.to_dict())
     else:

@@ -1,10 +1,9 @@
-"""Helpers every command uses: `--config`, `--json`, flag collection and error → exit-code mapping."""
+"""Helpers every command uses: error -> exit-code mapping and JSON output. (Options: options.py.)"""
 
 from __future__ import annotations
 
 import functools
 import json
-import logging
 import sys
 import traceback
 from collections.abc import Callable
@@ -15,25 +14,6 @@ import click
 from rltool.errors import EXIT_BAD_INPUT, EXIT_RUNTIME, RltoolError
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-config_option = click.option(
-    "--config", "config_file", type=click.Path(dir_okay=False), default=None,
-    help="TOML file with this stage's keys (flag names with underscores); flags override it.")
-json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
-quiet_option = click.option("--quiet", "-q", is_flag=True, help="No progress bars or human output.")
-
-
-def explicit_flags(ctx: click.Context, names: list[str] | None = None) -> dict[str, Any]:
-    """The options the user actually gave (command line or env), so file values are not masked by
-    click defaults. Options whose click default is None count only when given."""
-    out = {}
-    for name, value in ctx.params.items():
-        if names is not None and name not in names:
-            continue
-        source = ctx.get_parameter_source(name)
-        if source in (click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT):
-            out[name] = value
-    return out
 
 
 def handle_errors(fn: F) -> F:
@@ -65,17 +45,5 @@ def handle_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def split_dirs(ctx: click.Context, param: click.Parameter, values: Any) -> list[str] | None:
-    """Callback of a repeatable `--opt DIR[,DIR...]` option: one flat list, or None when absent."""
-    if not values:
-        return None
-    return [d for value in values for d in value.split(",") if d]
-
-
 def echo_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
-
-
-def setup_logging(*, quiet: bool = False) -> None:
-    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)

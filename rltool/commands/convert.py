@@ -1,9 +1,11 @@
 import click
 
-from rltool.commands.common import (config_option, echo_json, explicit_flags, handle_errors,
-                                    json_option, quiet_option, setup_logging)
+from rltool.commands.common import echo_json
+from rltool.commands.options import build_config, command_options, stage_options
+from rltool.convert.fp8 import DequantConfig, Fp8Config
+from rltool.convert.torch_dist import DistToHfConfig, HfToDistConfig
 
-SECTION = "convert"
+TABLE = "convert"
 
 
 @click.group("convert")
@@ -16,13 +18,6 @@ def command():
     """
 
 
-def _resolve(model, ctx, config_file):
-    from rltool.config import resolve
-
-    return resolve(model, config_file=config_file, section=SECTION,
-                   flags=explicit_flags(ctx, list(model.model_fields)))
-
-
 def _report(result, *, as_json, verb):
     if as_json:
         echo_json(result)
@@ -31,32 +26,22 @@ def _report(result, *, as_json, verb):
 
 
 @command.command("fp8")
-@click.option("--hf", required=True, type=click.Path(file_okay=False), help="Source HF checkpoint.")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="New directory.")
-@click.option("--block", nargs=2, type=int, default=None, help="Block size ROWS COLS [128 128].")
-@click.option("--workers", type=int, default=None, help="Worker threads [min(8, CPUs)].")
-@click.option("--verify", is_flag=True, default=None,
-              help="Print each tensor's relative dequantization error ||deq-w||/||w||.")
-@click.option("--max-shard-mb", type=float, default=None, help="Largest output shard in MB [5000].")
-@config_option
-@json_option
-@quiet_option
-@click.pass_context
-@handle_errors
-def fp8(ctx, hf, out, block, workers, verify, max_shard_mb, config_file, as_json, quiet):
+@stage_options(Fp8Config, table=TABLE)
+@command_options("config", "json")
+def fp8(as_json, **_):
     """Quantize an HF checkpoint to block-wise float8_e4m3fn with fp32 weight_scale_inv.
 
     Norms, embeddings, lm_head, router gates and biases keep their dtype; config.json gains a
-    quantization_config that SGLang and vLLM understand.
+    quantization_config that SGLang and vLLM understand. --verify prints each tensor's relative
+    dequantization error ||deq-w||/||w||.
 
     \b
     Example:
       rltool convert fp8 --hf models/qwen --out models/qwen-fp8 --block 128 128 --verify
     """
-    from rltool.convert.fp8 import Fp8Config, quantize_checkpoint
+    from rltool.convert.fp8 import quantize_checkpoint
 
-    setup_logging(quiet=quiet)
-    cfg = _resolve(Fp8Config, ctx, config_file)
+    cfg = build_config(Fp8Config, table=TABLE)
     result = quantize_checkpoint(cfg)
     if cfg.verify and not as_json:
         for name, err in result["relative_error"].items():
@@ -67,45 +52,25 @@ def fp8(ctx, hf, out, block, workers, verify, max_shard_mb, config_file, as_json
 
 
 @command.command("dequant")
-@click.option("--hf", required=True, type=click.Path(file_okay=False), help="Block-FP8 checkpoint.")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="New directory.")
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default=None,
-              help="Output dtype [bfloat16].")
-@click.option("--workers", type=int, default=None, help="Worker threads [min(8, CPUs)].")
-@click.option("--max-shard-mb", type=float, default=None, help="Largest output shard in MB [5000].")
-@config_option
-@json_option
-@quiet_option
-@click.pass_context
-@handle_errors
-def dequant(ctx, hf, out, dtype, workers, max_shard_mb, config_file, as_json, quiet):
+@stage_options(DequantConfig, table=TABLE)
+@command_options("config", "json")
+def dequant(as_json, **_):
     """Dequantize a block-FP8 checkpoint (q * weight_scale_inv) back to bf16.
 
     \b
     Example:
       rltool convert dequant --hf models/qwen-fp8 --out models/qwen-bf16
     """
-    from rltool.convert.fp8 import DequantConfig, dequantize_checkpoint
+    from rltool.convert.fp8 import dequantize_checkpoint
 
-    setup_logging(quiet=quiet)
-    result = dequantize_checkpoint(_resolve(DequantConfig, ctx, config_file))
+    result = dequantize_checkpoint(build_config(DequantConfig, table=TABLE))
     _report(result, as_json=as_json, verb=f"dequantized {result['tensors']} tensors")
 
 
 @command.command("hf-to-dist")
-@click.option("--hf", required=True, type=click.Path(file_okay=False), help="Source HF checkpoint.")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="New directory.")
-@click.option("--tp", type=int, default=None, help="Tensor-parallel size [1] (vocab padding).")
-@click.option("--pp", type=int, default=None, help="Pipeline-parallel size [1].")
-@click.option("--ep", type=int, default=None, help="Expert-parallel size [1].")
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float16", "float32"]),
-              default=None, help="Checkpoint dtype [auto: the HF weights' dtype].")
-@config_option
-@json_option
-@quiet_option
-@click.pass_context
-@handle_errors
-def hf_to_dist(ctx, hf, out, tp, pp, ep, dtype, config_file, as_json, quiet):
+@stage_options(HfToDistConfig, table=TABLE)
+@command_options("config", "json")
+def hf_to_dist(as_json, **_):
     """Write a megatron-core torch_dist checkpoint (Megatron-LM layout) from an HF checkpoint.
 
     Writes OUT/iter_0000000/ and OUT/latest_checkpointed_iteration.txt. Run it as one process, or
@@ -116,28 +81,17 @@ def hf_to_dist(ctx, hf, out, tp, pp, ep, dtype, config_file, as_json, quiet):
       rltool convert hf-to-dist --hf models/qwen3 --out ckpt/qwen3_torch_dist --tp 2
       torchrun --nproc-per-node 2 -m rltool convert hf-to-dist --hf models/qwen3 --out ckpt/d --tp 2
     """
-    from rltool.convert.torch_dist import HfToDistConfig, hf_to_dist as run
+    from rltool.convert.torch_dist import hf_to_dist as run
 
-    setup_logging(quiet=quiet)
-    result = run(_resolve(HfToDistConfig, ctx, config_file))
+    result = run(build_config(HfToDistConfig, table=TABLE))
     if _is_rank0():
         _report(result, as_json=as_json, verb=f"converted {result['tensors']} tensors")
 
 
 @command.command("dist-to-hf")
-@click.option("--dist", "dist", required=True, type=click.Path(file_okay=False),
-              help="torch_dist checkpoint (Megatron-LM root or iter_* directory).")
-@click.option("--hf-config", required=True, type=click.Path(file_okay=False),
-              help="HF directory whose config.json and tokenizer describe the model.")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="New directory.")
-@click.option("--workers", type=int, default=None, help="Writer threads [2].")
-@click.option("--max-shard-mb", type=float, default=None, help="Largest output shard in MB [5000].")
-@config_option
-@json_option
-@quiet_option
-@click.pass_context
-@handle_errors
-def dist_to_hf(ctx, dist, hf_config, out, workers, max_shard_mb, config_file, as_json, quiet):
+@stage_options(DistToHfConfig, table=TABLE)
+@command_options("config", "json")
+def dist_to_hf(as_json, **_):
     """Write an HF safetensors checkpoint from a megatron-core torch_dist checkpoint.
 
     The checkpoint's metadata is unpickled by torch.distributed.checkpoint: only pass paths you
@@ -147,10 +101,9 @@ def dist_to_hf(ctx, dist, hf_config, out, workers, max_shard_mb, config_file, as
     Example:
       rltool convert dist-to-hf --dist ckpt/qwen3_torch_dist --hf-config models/qwen3 --out hf/
     """
-    from rltool.convert.torch_dist import DistToHfConfig, dist_to_hf as run
+    from rltool.convert.torch_dist import dist_to_hf as run
 
-    setup_logging(quiet=quiet)
-    result = run(_resolve(DistToHfConfig, ctx, config_file))
+    result = run(build_config(DistToHfConfig, table=TABLE))
     _report(result, as_json=as_json, verb=f"wrote {result['tensors']} tensors")
 
 

@@ -1,7 +1,8 @@
 import click
 
-from rltool.commands.common import (config_option, echo_json, explicit_flags, handle_errors,
-                                    json_option)
+from rltool.commands.common import echo_json
+from rltool.commands.options import build_config, command_options, stage_options
+from rltool.data.tasks import DataMakeConfig
 
 
 @click.group("data")
@@ -10,31 +11,20 @@ def command():
 
 
 @command.command("make")
-@click.option("--task", default=None, help="copy, reverse, sort or add (`rltool data list`).")
-@click.option("--num", type=int, default=None, help="Number of prompts.")
-@click.option("--seed", type=int, default=None, help="Generator seed (default 0).")
-@click.option("--min-len", type=int, default=None, help="Shortest digit string (task default).")
-@click.option("--max-len", type=int, default=None, help="Longest digit string (task default).")
-@click.option("--out", type=click.Path(dir_okay=False, allow_dash=True), default=None,
-              help="Output .jsonl file, or - for stdout.")
-@config_option
-@json_option
-@click.pass_context
-@handle_errors
-def make(ctx, task, num, seed, min_len, max_len, out, config_file, as_json):
-    """Write NUM prompts of TASK as JSONL rows {prompt_id, prompt, label, metadata}.
+@stage_options(DataMakeConfig, table="data")
+@command_options("config", "json")
+def make(as_json, **_):
+    """Write --num prompts of --task as JSONL rows {prompt_id, prompt, label, metadata}.
 
     \b
     Example:
       rltool data make --task reverse --num 512 --seed 1 --out prompts.jsonl
       rltool data make --task add --num 3 --out - | jq -r .prompt
     """
-    from rltool.config import resolve
-    from rltool.data.tasks import DataMakeConfig, make_rows, prompts_jsonl, write_prompts
+    from rltool.data.tasks import make_rows, prompts_jsonl, write_prompts
     from rltool.errors import BadInputError
 
-    cfg = resolve(DataMakeConfig, config_file=config_file, section="data",
-                  flags=explicit_flags(ctx, list(DataMakeConfig.model_fields)))
+    cfg = build_config(DataMakeConfig, table="data")
     if cfg.out == "-" and as_json:
         raise BadInputError("--out - and --json both write to stdout; drop one of them")
     rows = make_rows(cfg.task, num=cfg.num, seed=cfg.seed, min_len=cfg.min_len,
@@ -50,7 +40,7 @@ def make(ctx, task, num, seed, min_len, max_len, out, config_file, as_json):
 
 
 @command.command("list")
-@json_option
+@command_options("json")
 def list_tasks(as_json):
     """List the built-in tasks.
 

@@ -1,7 +1,10 @@
 import click
 
-from rltool.commands.common import (config_option, echo_json, explicit_flags, handle_errors,
-                                    json_option)
+from rltool.commands.common import echo_json
+from rltool.commands.options import build_config, command_options, stage_options
+from rltool.delta.config import ApplyConfig, DiffConfig, PullConfig, VerifyConfig
+
+TABLE = "delta"
 
 
 @click.group("delta")
@@ -17,24 +20,9 @@ def _report(result: dict, as_json: bool, summary: str) -> None:
 
 
 @command.command("diff")
-@click.option("--base", type=click.Path(file_okay=False), help="Full checkpoint to diff against.")
-@click.option("--new", type=click.Path(file_okay=False), help="Full checkpoint to encode.")
-@click.option("--out", type=click.Path(file_okay=False), help="New delta directory.")
-@click.option("--format", "format", type=click.Choice(["rltool", "slime"]), default="rltool",
-              show_default=True, help="rltool (smaller) or slime (slime-patched SGLang reads it).")
-@click.option("--encoding", type=click.Choice(["xor", "overwrite"]), default="xor",
-              show_default=True, help="slime format: encoding of every tensor.")
-@click.option("--workers", type=int, default=None, help="Encoder threads [default: CPUs, <= 8].")
-@click.option("--version", "version", type=int, default=None,
-              help="Version of --new [default: its rltool_version.json or name].")
-@click.option("--base-version", type=int, default=None,
-              help="Version of --base [default: its rltool_version.json or name].")
-@config_option
-@json_option
-@click.pass_context
-@handle_errors
-def diff(ctx, base, new, out, format, encoding, workers, version, base_version, config_file,
-         as_json):
+@stage_options(DiffConfig, table=TABLE)
+@command_options("config", "json")
+def diff(as_json, **_):
     """Write the delta that turns checkpoint --base into --new (changed tensors only).
 
     \b
@@ -42,17 +30,12 @@ def diff(ctx, base, new, out, format, encoding, workers, version, base_version, 
       rltool delta diff --base runs/r1/weights/weight_v000003 \\
           --new runs/r1/train/out_v4 --out runs/r1/weights/weight_v000004 --json
     """
-    from rltool.config import resolve
     from rltool.io.checkpoint import open_checkpoint
-    from rltool.rundir import declared_version
-    from rltool.delta.config import DiffConfig
     from rltool.delta.diff import write_delta
     from rltool.errors import BadInputError
+    from rltool.rundir import declared_version
 
-    cfg = resolve(DiffConfig, config_file=config_file, section="delta",
-                  flags=explicit_flags(ctx, ["base", "new", "out", "format", "encoding", "workers",
-                                             "version", "base_version"]) | {
-                      "base": base, "new": new, "out": out})
+    cfg = build_config(DiffConfig, table=TABLE)
     base_ckpt, new_ckpt = open_checkpoint(cfg.base), open_checkpoint(cfg.new)
     v_base = cfg.base_version if cfg.base_version is not None else declared_version(cfg.base)
     v_new = cfg.version if cfg.version is not None else declared_version(cfg.new)
@@ -70,15 +53,9 @@ def diff(ctx, base, new, out, format, encoding, workers, version, base_version, 
 
 
 @command.command("apply")
-@click.option("--base", required=True, type=click.Path(file_okay=False),
-              help="Full checkpoint the delta applies on.")
-@click.option("--delta", "deltas", required=True, multiple=True, type=click.Path(file_okay=False),
-              help="Delta directory; repeat for a chain, oldest first.")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="New directory.")
-@click.option("--workers", type=int, default=None, help="Decoder threads [default: CPUs, <= 8].")
-@json_option
-@handle_errors
-def apply(base, deltas, out, workers, as_json):
+@stage_options(ApplyConfig, table=TABLE)
+@command_options("config", "json")
+def apply(as_json, **_):
     """Rebuild the full checkpoint --base + --delta(s) in --out, verifying every checksum.
 
     Exit 2 (and --out is not created) on a wrong base, a broken chain or a checksum mismatch.
@@ -89,24 +66,21 @@ def apply(base, deltas, out, workers, as_json):
     """
     from rltool.delta.apply import apply_chain
     from rltool.io.checkpoint import open_checkpoint
-    from rltool.rundir import declared_version
     from rltool.delta.deltadir import open_delta
+    from rltool.rundir import declared_version
 
-    chain = [open_delta(d) for d in deltas]
-    stats = apply_chain(open_checkpoint(base), chain, out, base_version=declared_version(base),
-                        workers=workers)
-    _report(stats | {"out": out}, as_json, f"wrote {out} (version {stats['version']}): "
+    cfg = build_config(ApplyConfig, table=TABLE)
+    chain = [open_delta(d) for d in cfg.delta]
+    stats = apply_chain(open_checkpoint(cfg.base), chain, cfg.out,
+                        base_version=declared_version(cfg.base), workers=cfg.workers)
+    _report(stats | {"out": cfg.out}, as_json, f"wrote {cfg.out} (version {stats['version']}): "
             f"{stats['tensors_changed']} tensors changed in {stats['decode_s']:.2f}s")
 
 
 @command.command("verify")
-@click.argument("path", type=click.Path())
-@click.option("--base", type=click.Path(file_okay=False), default=None,
-              help="For a delta: rebuild it on this checkpoint in memory and check every checksum.")
-@click.option("--workers", type=int, default=None, help="Threads [default: CPUs, <= 8].")
-@json_option
-@handle_errors
-def verify(path, base, workers, as_json):
+@stage_options(VerifyConfig, table=TABLE)
+@command_options("config", "json")
+def verify(as_json, **_):
     """Check a delta (structure, every blob decodes; with --base every checksum) or a full
     checkpoint (headers, offsets, sizes). Exit 1 when a check fails, 2 on unusable input.
 
@@ -118,9 +92,10 @@ def verify(path, base, workers, as_json):
 
     from rltool.delta.verify import verify_dir
 
-    result = verify_dir(path, base=base, workers=workers)
+    cfg = build_config(VerifyConfig, table=TABLE)
+    result = verify_dir(cfg.path, base=cfg.base, workers=cfg.workers)
     status = "ok" if result["ok"] else "FAILED: " + "; ".join(result["problems"])
-    _report(result, as_json, f"{path} ({result['kind']}): {status}")
+    _report(result, as_json, f"{cfg.path} ({result['kind']}): {status}")
     if not result["ok"]:
         from rltool.errors import EXIT_CHECK_FAILED
 
@@ -128,17 +103,9 @@ def verify(path, base, workers, as_json):
 
 
 @command.command("pull")
-@click.option("--local", "local", required=True, type=click.Path(file_okay=False),
-              help="Host-local checkpoint directory to bring up to date.")
-@click.option("--source", required=True, type=click.Path(file_okay=False),
-              help="Directory holding weight_vNNNNNN versions (full or delta).")
-@click.option("--version", "version", required=True, type=int, help="Target version.")
-@click.option("--base-model", type=click.Path(file_okay=False), default=None,
-              help="Version 0 when --source has no weight_v000000.")
-@click.option("--workers", type=int, default=None, help="Decoder threads [default: CPUs, <= 8].")
-@json_option
-@handle_errors
-def pull(local, source, version, base_model, workers, as_json):
+@stage_options(PullConfig, table=TABLE)
+@command_options("config", "json")
+def pull(as_json, **_):
     """Make --local hold --version, as an engine's /pull_weights does (locked, verified, no-op
     when already there).
 
@@ -149,7 +116,9 @@ def pull(local, source, version, base_model, workers, as_json):
     """
     from rltool.delta.pull import pull_weights
 
-    result = pull_weights(local_checkpoint_dir=local, source_dir=source, target_version=version,
-                          base_model_path=base_model, workers=workers)
-    _report(result, as_json, f"{local} now holds version {result['version']}"
+    cfg = build_config(PullConfig, table=TABLE)
+    result = pull_weights(local_checkpoint_dir=cfg.local, source_dir=cfg.source,
+                          target_version=cfg.version, base_model_path=cfg.base_model,
+                          workers=cfg.workers)
+    _report(result, as_json, f"{cfg.local} now holds version {result['version']}"
             + ("" if result["changed"] else " (already there)"))

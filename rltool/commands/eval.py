@@ -1,20 +1,14 @@
 import click
 
-from rltool.commands.common import config_option, echo_json, handle_errors, json_option, quiet_option
-from rltool.commands.rollout import engine_stage_options, resolve_and_run
+from rltool.commands.common import echo_json
+from rltool.commands.options import build_config, command_options, stage_options
+from rltool.rollout.eval import EvalConfig
 
 
 @click.command("eval")
-@engine_stage_options
-@click.option("--max-prompts", type=int, default=None, help="Only the first N prompts.")
-@click.option("--pass-threshold", type=float, default=None,
-              help="Reward at or above which a sample passes (default 1.0).")
-@config_option
-@json_option
-@quiet_option
-@handle_errors
-@click.pass_context
-def command(ctx, config_file, as_json, quiet, **_):
+@stage_options(EvalConfig, table="eval")
+@command_options("config", "json")
+def command(as_json, **_):
     """Evaluate held-out prompts: K samples each, an eval shard and pass@k metrics.
 
     Writes --out (refused if it exists) and one line to eval.jsonl next to it (or --metrics):
@@ -27,10 +21,9 @@ def command(ctx, config_file, as_json, quiet, **_):
       rltool eval --engines http://127.0.0.1:30001 --prompts heldout.jsonl --reward reverse \\
         --n-samples-per-prompt 4 --max-response-len 32 --out runs/r1/eval/step-000010 --json
     """
-    from rltool.rollout.eval import EvalConfig, run
+    from rltool.rollout.eval import run
 
-    result = resolve_and_run(ctx, EvalConfig, run, section="eval", config_file=config_file,
-                             quiet=quiet or as_json)
+    result = run(build_config(EvalConfig, table="eval"))
     if as_json:
         echo_json(result)
         return

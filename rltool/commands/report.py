@@ -1,15 +1,14 @@
 import click
 
-from rltool.commands.common import echo_json, handle_errors, json_option
+from rltool.commands.common import echo_json
+from rltool.commands.options import build_config, command_options, stage_options
+from rltool.loop.report import ReportConfig
 
 
 @click.command("report")
-@click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
-@click.option("--out", default=None, type=click.Path(file_okay=False),
-              help="Folder for index.html and the PNGs (default RUN/report).")
-@json_option
-@handle_errors
-def command(run_dir, out, as_json):
+@stage_options(ReportConfig, table="report")
+@command_options("json")
+def command(as_json, **_):
     """Plot a loop run's metrics (reward, response length, KL, logprob diff, step time by phase)
     into an HTML page and print a summary table.
 
@@ -18,7 +17,9 @@ def command(run_dir, out, as_json):
     """
     from rltool.loop.report import write_report
 
-    result = write_report(run_dir, out=out)
+    cfg = build_config(ReportConfig, table="report")
+    run_dir = cfg.run_dir
+    result = write_report(run_dir, out=cfg.out)
     if as_json:
         echo_json(result)
         return

@@ -1,6 +1,8 @@
 import click
 
-from rltool.commands.common import echo_json, handle_errors, json_option
+from rltool.commands.common import echo_json
+from rltool.commands.options import build_config, command_options, stage_options
+from rltool.data.config import ShardsInspectConfig
 
 
 @click.group("shards")
@@ -9,12 +11,9 @@ def command():
 
 
 @command.command("inspect")
-@click.argument("path", type=click.Path())
-@click.option("--tokenizer", type=click.Path(file_okay=False), default=None,
-              help="Model/tokenizer directory the shard must have been made with (hash check).")
-@json_option
-@handle_errors
-def inspect(path, tokenizer, as_json):
+@stage_options(ShardsInspectConfig, table="shards")
+@command_options("json")
+def inspect(as_json, **_):
     """Validate the shard at PATH and summarise it: rows, groups, rewards, lengths, statuses.
 
     Exit 2 with a one-line reason when the shard is malformed, or when --tokenizer is given and
@@ -28,9 +27,10 @@ def inspect(path, tokenizer, as_json):
     from rltool.data.shards import open_shard, shard_stats
     from rltool.data.tokenizer import tokenizer_hash
 
-    expected = tokenizer_hash(tokenizer) if tokenizer is not None else None
+    cfg = build_config(ShardsInspectConfig, table="shards")
+    expected = tokenizer_hash(cfg.tokenizer) if cfg.tokenizer is not None else None
     # shard_stats reads every row group, validating each in full
-    stats = shard_stats(open_shard(path, expected_tokenizer_hash=expected))
+    stats = shard_stats(open_shard(cfg.path, expected_tokenizer_hash=expected))
     if as_json:
         echo_json(stats)
         return

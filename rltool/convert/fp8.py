@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, field_validator
 
-from rltool.config import StageConfig
+from rltool.config import StageConfig, WeightDtype, torch_dtype_name
 from rltool.convert import fp8_native, hf_writer
 from rltool.io import checkpoint as ckpt_io
 from rltool.io import header as st
@@ -52,7 +52,8 @@ class Fp8Config(StageConfig):
     hf: Path = Field(description="Source HF checkpoint directory (bf16/fp16/fp32 safetensors).")
     out: Path = Field(description="New output directory (must not exist).")
     block: tuple[int, int] = Field(default=(128, 128), description="Block size [rows, cols].")
-    workers: int = Field(default_factory=_default_workers, ge=1, description="Worker threads.")
+    workers: int = Field(default_factory=_default_workers, ge=1,
+                         description="Worker threads (default: CPU count, at most 8).")
     verify: bool = Field(default=False,
                          description="Measure each tensor's relative dequantization error.")
     max_shard_mb: float = Field(default=5000.0, gt=0, description="Largest output shard, in MB.")
@@ -70,9 +71,9 @@ class DequantConfig(StageConfig):
 
     hf: Path = Field(description="Source block-FP8 HF checkpoint directory.")
     out: Path = Field(description="New output directory (must not exist).")
-    dtype: str = Field(default="bfloat16", pattern="^(bfloat16|float32|float16)$",
-                       description="dtype of the dequantized weights.")
-    workers: int = Field(default_factory=_default_workers, ge=1, description="Worker threads.")
+    dtype: WeightDtype = Field(default="bf16", description="dtype of the dequantized weights.")
+    workers: int = Field(default_factory=_default_workers, ge=1,
+                         description="Worker threads (default: CPU count, at most 8).")
     max_shard_mb: float = Field(default=5000.0, gt=0, description="Largest output shard, in MB.")
 
 
@@ -239,7 +240,7 @@ def dequantize_checkpoint(cfg: DequantConfig) -> dict[str, Any]:
         raise BadInputError(f"{cfg.hf} is not a block-FP8 checkpoint (config.json has no "
                             "quantization_config with quant_method fp8 and weight_block_size)")
     block = tuple(qc["weight_block_size"])
-    dtype = getattr(torch, cfg.dtype)
+    dtype = getattr(torch, torch_dtype_name(cfg.dtype))
     tensors = ckpt_io.checkpoint_tensors(cfg.hf)
     hf_writer.limit_heap_retention()
     jobs = []
@@ -262,7 +263,7 @@ def dequantize_checkpoint(cfg: DequantConfig) -> dict[str, Any]:
     del config["quantization_config"]
     for key in ("torch_dtype", "dtype"):
         if key in config:
-            config[key] = cfg.dtype
+            config[key] = torch_dtype_name(cfg.dtype)
     written = hf_writer.publish_checkpoint(out, jobs, config=config, side_files_from=cfg.hf,
                                            stage_config=cfg, workers=cfg.workers,
                                            max_shard_mb=cfg.max_shard_mb)

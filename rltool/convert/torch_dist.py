@@ -22,12 +22,12 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field
 
 from rltool import atomic
-from rltool.config import StageConfig, write_resolved
+from rltool.config import DTYPE_ALIASES, StageConfig, torch_dtype_name, write_resolved
 from rltool.convert import hf_writer, name_map
 from rltool.io import checkpoint as ckpt_io
 from rltool.io import header as st
@@ -53,8 +53,8 @@ class HfToDistConfig(StageConfig):
     tp: int = Field(default=1, ge=1, description="Tensor-parallel size (sets vocabulary padding).")
     pp: int = Field(default=1, ge=1, description="Pipeline-parallel size.")
     ep: int = Field(default=1, ge=1, description="Expert-parallel size (MoE).")
-    dtype: str = Field(default="auto", pattern="^(auto|bfloat16|float16|float32)$",
-                       description="Weight dtype in the checkpoint; auto keeps the HF dtype.")
+    dtype: Annotated[Literal["auto", "fp32", "bf16", "fp16"], DTYPE_ALIASES] = Field(
+        default="auto", description="Weight dtype in the checkpoint; auto keeps the HF dtype.")
 
 
 class DistToHfConfig(StageConfig):
@@ -138,7 +138,7 @@ def _hf_dtype(tensors: dict[str, st.TensorInfo], requested: str) -> torch.dtype:
     import torch
 
     if requested != "auto":
-        return getattr(torch, requested)
+        return getattr(torch, torch_dtype_name(requested))
     return st.torch_dtype(tensors["model.embed_tokens.weight"].dtype)
 
 

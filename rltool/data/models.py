@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import Field
 
 from rltool import atomic
-from rltool.config import StageConfig
+from rltool.config import DTYPE_ALIASES, ComputeDtype, StageConfig, torch_dtype_name
 from rltool.errors import BadInputError
 from rltool.rundir import VERSION_FILE
 
@@ -67,7 +67,7 @@ def build_config(arch: str, preset: str, *, vocab_size: int, eos_token_id: int,
 
 
 def init_model(out: str | os.PathLike, *, arch: str = "qwen2", preset: str = "tiny",
-               task: str | None = None, seed: int = 0, dtype: str = "float32") -> Path:
+               task: str | None = None, seed: int = 0, dtype: str = "fp32") -> Path:
     """Write a random-init checkpoint and tokenizer to `out` (refuses an existing directory)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -80,8 +80,9 @@ def init_model(out: str | os.PathLike, *, arch: str = "qwen2", preset: str = "ti
         raise BadInputError(f"{out} already exists; choose a new --out directory")
     if task is not None:
         get_task(task)  # validates the name
-    if dtype not in ("float32", "bfloat16"):
-        raise BadInputError(f"unknown --dtype {dtype!r}; choose float32 or bfloat16")
+    dtype = DTYPE_ALIASES.mapping.get(dtype, dtype)
+    if dtype not in ("fp32", "bf16"):
+        raise BadInputError(f"unknown --dtype {dtype!r}; choose fp32 or bf16")
     with atomic.publish_dir(out, marker=VERSION_FILE, marker_content={"version": 0}) as tmp:
         build_tokenizer(tmp)
         tok = AutoTokenizer.from_pretrained(str(tmp))
@@ -90,7 +91,7 @@ def init_model(out: str | os.PathLike, *, arch: str = "qwen2", preset: str = "ti
         if task is not None:
             config.rltool_task = task
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, torch_dtype_name(dtype)))
         model.generation_config.eos_token_id = tok.eos_token_id
         model.generation_config.pad_token_id = tok.pad_token_id
         model.save_pretrained(str(tmp), safe_serialization=True)
@@ -105,5 +106,5 @@ class InitModelConfig(StageConfig):
     preset: str = Field("tiny", description=f"Model size: {', '.join(PRESETS)}.")
     task: str | None = Field(None, description="Built-in task the model is for (in config.json).")
     seed: int = Field(0, description="Init seed.")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Weight dtype.")
+    dtype: ComputeDtype = Field("fp32", description="Weight dtype.")
     out: str = Field(description="Directory to create (must not exist).")

@@ -1,5 +1,6 @@
-"""Strict configs of the delta stage: `DiffConfig` (`rltool delta diff`) and `SyncConfig`, the
-weight-sync knobs that `train`/`loop` take (`[sync]` table) and pass to `publish_version`."""
+"""Strict configs of the delta stage: one per `rltool delta` command (`DiffConfig`, `ApplyConfig`,
+`VerifyConfig`, `PullConfig`) and `SyncConfig`, the weight-sync knobs that `train`/`loop` take
+(`[sync]` table) and pass to `publish_version`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rltool.config import StageConfig
+from rltool.config import StageConfig, cli
 from rltool.errors import ConfigError
 
 
@@ -32,6 +33,33 @@ class DiffConfig(StageConfig):
         if self.encoding == "overwrite" and self.format != "slime":
             raise ConfigError("--encoding overwrite is a slime-format encoding; add --format slime")
         return self
+
+
+class ApplyConfig(StageConfig):
+    base: str = Field(description="Full checkpoint the delta applies on.")
+    delta: list[str] = Field(min_length=1, description="Delta directories of the chain, oldest "
+                             "first.")
+    out: str = Field(description="New directory for the rebuilt checkpoint.")
+    workers: int | None = Field(None, ge=1, description="Decoder threads (default: CPU count, at "
+                                "most 8).")
+
+
+class VerifyConfig(StageConfig):
+    path: str = Field(description="Delta or full checkpoint directory to check.",
+                      json_schema_extra=cli(argument=True, metavar="PATH"))
+    base: str | None = Field(None, description="For a delta: rebuild it on this checkpoint in "
+                             "memory and check every checksum.")
+    workers: int | None = Field(None, ge=1, description="Threads (default: CPU count, at most 8).")
+
+
+class PullConfig(StageConfig):
+    local: str = Field(description="Host-local checkpoint directory to bring up to date.")
+    source: str = Field(description="Directory holding weight_vNNNNNN versions (full or delta).")
+    version: int = Field(ge=0, description="Target version.")
+    base_model: str | None = Field(None, description="Version 0 when --source has no "
+                                   "weight_v000000.")
+    workers: int | None = Field(None, ge=1, description="Decoder threads (default: CPU count, at "
+                                "most 8).")
 
 
 class SyncConfig(StageConfig):

@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from rltool.config import StageConfig
+from rltool.config import ComputeDtype, StageConfig, cli
 
 
 INSECURE_HOST = ("--host {host} accepts connections from other machines, and without "
@@ -37,7 +37,7 @@ class ServeConfig(StageConfig):
                                                  "safetensors, tokenizer).")
     url: str | None = Field(None, description="--engine external: the running engine's URL.")
     sglang_args: list[str] = Field(default_factory=list, description="--sglang-* options passed "
-                                                                     "to sglang.launch_server.")
+                                   "to sglang.launch_server.", json_schema_extra=cli(option=False))
     health_timeout_s: float = Field(600.0, gt=0, description="--engine sglang/external: how long "
                                                              "to wait for /health.")
     host: str = Field("127.0.0.1", description="Address to bind (loopback by default).")
@@ -47,7 +47,7 @@ class ServeConfig(StageConfig):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="--engine builtin: cuda (the paged engine), cpu, or auto (cuda when "
                             "available).")
-    dtype: Literal["fp32", "bf16"] | None = Field(None, description="Weight and compute dtype "
+    dtype: ComputeDtype | None = Field(None, description="Weight and compute dtype "
                                                                     "(default bf16 on cuda, fp32 "
                                                                     "on cpu).")
     mem_fraction_static: float = Field(0.85, gt=0, lt=1, description="cuda: weights + KV pool "
@@ -74,10 +74,13 @@ class ServeConfig(StageConfig):
     weight_version: str = Field("default", description="Initial weight_version string.")
     served_model_name: str | None = Field(None, description="Name in /v1/models and model_info "
                                                             "(default: the model path).")
-    api_key: str | None = Field(None, description="Bearer key every route but /health* needs.")
+    api_key: str | None = Field(None, description="Bearer key every route but /health* needs.",
+                                 json_schema_extra=cli(envvar="RLTOOL_API_KEY"))
     admin_api_key: str | None = Field(None, description="Bearer key for the routes that change "
                                                         "the engine's state (weights, cache, "
-                                                        "pause, abort, memory, debug).")
+                                                        "pause, abort, memory, debug); required "
+                                                        "with a non-loopback --host.",
+                                      json_schema_extra=cli(envvar="RLTOOL_ADMIN_API_KEY"))
     allow_unauthenticated_admin: bool = Field(
         False, description="Serve on a non-loopback --host without --admin-api-key (refused "
                            "otherwise: anyone who reaches the port could replace the weights).")

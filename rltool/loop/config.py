@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
-from rltool.config import StageConfig, format_validation_error, read_toml
+from rltool.config import StageConfig, cli, format_validation_error, read_toml
 from rltool.delta.config import SyncConfig
 from rltool.errors import ConfigError
 from rltool.rollout.eval import EvalConfig
@@ -56,7 +56,8 @@ class LoopConfig(StageConfig):
     num_engines: int = Field(1, ge=1, description="Builtin engines to start (each --port 0).")
     engine_args: list[str] = Field(default_factory=list, description="Extra `rltool serve` "
                                    "arguments for every engine (e.g. [\"--max-running-requests\","
-                                   " \"128\"]).")
+                                   " \"128\"]); in the file or --set loop.engine_args=[...].",
+                                   json_schema_extra=cli(option=False))
     engine_ready_timeout_s: float = Field(180.0, gt=0, description="Wait this long for an "
                                           "engine's ready file.")
     deterministic: bool = Field(False, description="Engines --deterministic, trainer "

@@ -16,12 +16,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field
+
 from rltool import atomic
+from rltool.config import StageConfig, cli
 from rltool.errors import BadInputError
 from rltool.rundir import RunDir, read_metrics
 
 REPORT_DIR = "report"
 PHASE_KEYS = ("rollout", "train", "publish", "sync", "eval")
+
+
+class ReportConfig(StageConfig):
+    """`rltool report`."""
+
+    run_dir: str = Field(description="Run directory of `rltool loop`.",
+                         json_schema_extra=cli(argument=True, metavar="RUN_DIR"))
+    out: str | None = Field(None, description="Folder for index.html and the PNGs (default "
+                            "RUN/report).")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from rltool import trace
-from rltool.config import StageConfig, write_resolved
+from rltool.config import StageConfig, cli, write_resolved
 from rltool.errors import BadInputError, EngineError, RewardError
 from rltool.rollout.generate import Sample, load_generate_fn, to_row
 from rltool.rollout.prompts import Prompt, load_prompts, load_tokenizer, prompt_at, render_prompt
@@ -31,8 +31,8 @@ CONFIG_NAME = "rollout_config.toml"
 class EngineStageConfig(StageConfig):
     """Fields shared by rollout and eval: where the engines are, what to sample, how to reward."""
 
-    engines: list[str] | None = Field(None, description="Engine base URLs (comma-separated on the "
-                                      "command line); rltool balances over them itself.")
+    engines: list[str] | None = Field(None, description="Engine base URLs; rltool balances over "
+                                      "them itself.", json_schema_extra=cli(metavar="URL[,URL...]"))
     router: str | None = Field(None, description="A gateway URL (smg / sglang-router) instead of "
                                "--engines; the gateway balances, sessions go as X-SMG-Routing-Key.")
     prompts: str = Field(description="Prompt file (.jsonl or .parquet), rows {prompt, label, "
@@ -55,12 +55,14 @@ class EngineStageConfig(StageConfig):
     metrics: str | None = Field(None, description="Metrics JSONL file (default: next to --out).")
     policy_version: int | None = Field(None, description="Policy version for the metrics line "
                                        "(default: the newest weight version seen in the samples).")
-    api_key: str | None = Field(None, description="Bearer token for the engines or gateway.")
+    api_key: str | None = Field(None, description="Bearer token for the engines or gateway.",
+                                 json_schema_extra=cli(envvar="RLTOOL_API_KEY"))
     request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one /generate call.")
     reward_timeout_s: float = Field(30.0, gt=0, description="Timeout of one reward call; a "
                                     "timeout marks the sample failed (reward_timeout).")
     reward_workers: int = Field(4, ge=1, description="Threads that run reward functions.")
-    quiet: bool = Field(False, description="No progress bar.")
+    quiet: bool = Field(False, description="No progress bar (the command's -q sets it).",
+                        json_schema_extra=cli(option=False))
 
     @field_validator("engines", mode="before")
     @classmethod

@@ -1,4 +1,5 @@
-"""`TrainConfig`: the strict config of the train stage (flags, `[train]` table of a loop config)."""
+"""`TrainConfig`: the strict config of the train stage (flags, `[train]` table of a loop config),
+and `BackendConfig`, the part of it a trainer backend reads."""
 
 from __future__ import annotations
 
@@ -6,17 +7,50 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from rltool.config import ComputeDtype, StageConfig, cli
 from rltool.delta.config import SyncConfig
 from rltool.errors import ConfigError
 
 
-class TrainConfig(SyncConfig):
-    """The train stage's keys; the weight-sync keys (--sync, --full-every, ...) come from
-    SyncConfig and apply to --publish."""
+class BackendConfig(StageConfig):
+    """What a trainer backend needs: optimizer, LR schedule, precision, device and layout. The
+    train stage's config extends it, so a backend takes the TrainConfig itself (or a
+    BackendConfig for a frozen model) and no second list of these knobs exists."""
+
+    # optimisation
+    lr: float = Field(1e-6, gt=0.0, description="Peak learning rate (AdamW).")
+    min_lr: float = Field(0.0, ge=0.0, description="Final learning rate of the cosine decay.")
+    lr_warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
+    lr_decay_style: Literal["constant", "cosine"] = Field("constant", description="LR after "
+                                                          "warmup.")
+    lr_decay_steps: int | None = Field(None, ge=1, description="Cosine decay length in optimizer "
+                                       "steps over the whole trainer lineage (needed by cosine).")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1.")
+    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="AdamW beta2.")
+    adam_eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")
+    clip_grad: float = Field(1.0, ge=0.0, description="Max global gradient norm (0 = no clipping).")
+    # execution
+    dtype: ComputeDtype = Field("fp32", description="fp32, or bf16 compute with fp32 "
+                                           "master weights.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available; "
+                                                   "cpu: match an engine that runs on the CPU.")
+    parallel: Literal["ddp", "fsdp"] = Field("ddp", description="Data parallelism under torchrun: "
+                                             "DDP or FSDP2 (fully_shard).")
+    deterministic: bool = Field(False, description="One unpadded forward per sample "
+                                "(rltool.logprobs.sequence_logprobs layout): exact alignment "
+                                "with the engine's deterministic mode, slower.")
+    seed: int = Field(0, description="Seed of torch RNG and shuffling.")
+
+
+class TrainConfig(BackendConfig, SyncConfig):
+    """The train stage's keys; the backend's (--lr, --dtype, ...) come from BackendConfig, the
+    weight-sync keys (--sync, --full-every, ...) from SyncConfig and apply to --publish."""
 
     # inputs and outputs
     rollouts: list[str] = Field(default_factory=list,
-                                description="Rollout shard directories to train on.")
+                                description="Rollout shard directories to train on.",
+                                json_schema_extra=cli(metavar="DIR[,DIR...]"))
     prompts: str | None = Field(None, description="Prompts JSONL (prompt, label) for --loss sft "
                                 "without shards: the target is the label followed by EOS.")
     load: str = Field(description="HF weights directory or trainer checkpoint (step-NNNNNN) to "
@@ -76,19 +110,7 @@ class TrainConfig(SyncConfig):
                                             "token ratio below this.")
     bypass: bool = Field(False, description="Use the rollout logprobs as old logprobs (no "
                          "recompute; slime's --use-rollout-logprobs).")
-    # optimisation
-    lr: float = Field(1e-6, gt=0.0, description="Peak learning rate (AdamW).")
-    min_lr: float = Field(0.0, ge=0.0, description="Final learning rate of the cosine decay.")
-    lr_warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
-    lr_decay_style: Literal["constant", "cosine"] = Field("constant", description="LR after "
-                                                          "warmup.")
-    lr_decay_steps: int | None = Field(None, ge=1, description="Cosine decay length in optimizer "
-                                       "steps over the whole trainer lineage (needed by cosine).")
-    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
-    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW beta1.")
-    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0, description="AdamW beta2.")
-    adam_eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")
-    clip_grad: float = Field(1.0, ge=0.0, description="Max global gradient norm (0 = no clipping).")
+    # schedule
     global_batch_size: int | None = Field(None, ge=1, description="Samples per optimizer step "
                                           "(default: all samples, one step per epoch).")
     num_epochs: int = Field(1, ge=1, description="Passes over the rollouts.")
@@ -97,17 +119,6 @@ class TrainConfig(SyncConfig):
     shuffle: bool = Field(False, description="Shuffle samples each epoch (seeded).")
     max_tokens_per_microbatch: int = Field(4096, ge=1, description="Token cap of one micro-batch "
                                            "(a longer sample is a micro-batch of its own).")
-    # execution
-    dtype: Literal["fp32", "bf16"] = Field("fp32", description="fp32, or bf16 compute with fp32 "
-                                           "master weights.")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available; "
-                                                   "cpu: match an engine that runs on the CPU.")
-    parallel: Literal["ddp", "fsdp"] = Field("ddp", description="Data parallelism under torchrun: "
-                                             "DDP or FSDP2 (fully_shard).")
-    deterministic: bool = Field(False, description="One unpadded forward per sample "
-                                "(rltool.logprobs.sequence_logprobs layout): exact alignment "
-                                "with the engine's deterministic mode, slower.")
-    seed: int = Field(0, description="Seed of torch RNG and shuffling.")
     backuper_host_budget_gb: float | None = Field(
         None, ge=0.0, description="Host memory for weight snapshots (actor, --ref, --old-actor) "
         "in GB; the least recently used spill to --backuper-dir (default: no limit).")

@@ -38,7 +38,7 @@ from rltool.train.config import TrainConfig
 from rltool.train.objective import SampleTensors, batch_terms, make_loss_fn
 from rltool.train.dp_schedule import schedule
 from rltool.train.samples import Sample, SampleSet, load_rollouts, load_sft_prompts
-from rltool.train.torch_backend import VALUE_HEAD, TorchBackend, TorchOptions
+from rltool.train.torch_backend import VALUE_HEAD, TorchBackend
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +55,6 @@ class TrainResult:
         last = self.metrics[-1] if self.metrics else {}
         return {"policy_version": self.policy_version, "optimizer_steps": self.optimizer_steps,
                 "checkpoint": self.checkpoint, "published": self.published, "last_metrics": last}
-
-
-def backend_options(cfg: TrainConfig, *, trainable: bool = True) -> TorchOptions:
-    return TorchOptions(dtype=cfg.dtype, parallel=cfg.parallel, deterministic=cfg.deterministic,
-                        seed=cfg.seed, trainable=trainable, lr=cfg.lr, min_lr=cfg.min_lr,
-                        lr_warmup_steps=cfg.lr_warmup_steps, lr_decay_style=cfg.lr_decay_style,
-                        lr_decay_steps=cfg.lr_decay_steps, weight_decay=cfg.weight_decay,
-                        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2,
-                        adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad,
-                        value_head=trainable and cfg.value_head, device=cfg.device)
 
 
 def make_micro_batch(samples: list[Sample], indices: list[int]) -> MicroBatch:
@@ -356,7 +346,7 @@ def _run(cfg: TrainConfig) -> TrainResult:
                                             checked.start_step)
     samples = sample_set.samples
     version = target.version
-    backend = TorchBackend(target.model_dir, options=backend_options(cfg))
+    backend = TorchBackend(target.model_dir, options=cfg, value_head=cfg.value_head)
     data, timings = None, {}
     if target.ckpt_dir is not None:
         _, tensors = backend.load(target.ckpt_dir)
@@ -486,7 +476,7 @@ def recompute_logprobs(weights_dir: str | Path, shard_dirs: list[str | Path], *,
     try:
         target = resolve_load(cfg.load)
         sample_set = _load_samples(cfg, target.model_dir)
-        backend = TorchBackend(target.model_dir, options=backend_options(cfg, trainable=False))
+        backend = TorchBackend(target.model_dir, options=cfg, trainable=False)
         plan = _Plan(cfg, len(sample_set.samples))
         logprobs = compute_logprobs(backend, sample_set.samples,
                                     [plan.batch(k) for k in range(plan.steps_per_epoch)],

@@ -19,7 +19,6 @@ import contextlib
 import logging
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,30 +30,10 @@ from rltool.logprobs import effective_temperature, logits_to_logprobs
 from rltool.train import checkpoint as ckpt
 from rltool.train.algo.losses import entropy_from_logits
 from rltool.train.backend import ForwardOutput, LossFn, MicroBatch
+from rltool.train.config import BackendConfig
 from rltool.train.lr import lr_at
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TorchOptions:
-    dtype: str = "fp32"
-    parallel: str = "ddp"
-    deterministic: bool = False
-    seed: int = 0
-    trainable: bool = True
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    lr_warmup_steps: int = 0
-    lr_decay_style: str = "constant"
-    lr_decay_steps: int | None = None
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    device: str = "auto"  # auto: CUDA when available; cpu: always the CPU (e.g. to match a CPU engine)
-    value_head: bool = False  # a scalar head on the last hidden state (PPO's critic)
 
 
 VALUE_HEAD = "value_head"  # attribute on the HF model, and the prefix of its state-dict keys
@@ -80,28 +59,33 @@ def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
 class TorchBackend:
     """See the module docstring; implements rltool.train.backend.TrainerBackend."""
 
-    def __init__(self, model_dir: str | os.PathLike, *, options: TorchOptions):
+    def __init__(self, model_dir: str | os.PathLike, *, options: BackendConfig,
+                 trainable: bool = True, value_head: bool = False):
+        """options: the backend's knobs (a TrainConfig is one); trainable=False: a frozen model
+        (reference, logprob recompute), no optimizer; value_head: a scalar head on the last
+        hidden state (PPO's critic)."""
         from transformers import AutoModelForCausalLM
 
         self.options = options
+        self.trainable, self.value_head = trainable, trainable and value_head
         self.model_dir = Path(model_dir)
         self.dp_rank, self.dp_size, self.device = init_distributed(options.device)
         self.optimizer_steps = 0
-        if options.trainable:  # a frozen reference must not reset the policy's RNG stream
+        if self.trainable:  # a frozen reference must not reset the policy's RNG stream
             torch.manual_seed(options.seed + self.dp_rank)
         try:
             inner = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{model_dir}: cannot load the model ({e})") from e
         self.config = inner.config
-        if options.value_head:
+        if self.value_head:
             # Zero init: values start at 0, so the first advantages are plain discounted rewards.
             inner.add_module(VALUE_HEAD, torch.nn.Linear(self.config.hidden_size, 1))
             torch.nn.init.zeros_(inner.value_head.weight)
             torch.nn.init.zeros_(inner.value_head.bias)
         self.inner = inner.to(self.device)
         self.fsdp = options.parallel == "fsdp" and self.dp_size > 1
-        self.ddp = options.parallel == "ddp" and self.dp_size > 1 and options.trainable
+        self.ddp = options.parallel == "ddp" and self.dp_size > 1 and self.trainable
         self.model: Any = self.inner
         if self.fsdp:
             self._shard()
@@ -111,7 +95,7 @@ class TorchBackend:
             self.model = DistributedDataParallel(
                 self.inner, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self.optimizer = None
-        if options.trainable:
+        if self.trainable:
             self.optimizer = torch.optim.AdamW(
                 self.model.parameters(), lr=options.lr, betas=(options.adam_beta1,
                                                                options.adam_beta2),
@@ -132,7 +116,7 @@ class TorchBackend:
         for module in self.inner.modules():
             if type(module).__name__ in block_types:
                 fully_shard(module, mesh=mesh, mp_policy=mp)
-        if self.options.value_head:  # its own unit: it runs outside the root's forward
+        if self.value_head:  # its own unit: it runs outside the root's forward
             fully_shard(self.inner.value_head, mesh=mesh, mp_policy=mp)
         fully_shard(self.inner, mesh=mesh, mp_policy=mp)
 
@@ -218,7 +202,7 @@ class TorchBackend:
         """(logits, values or None) for a batch of ids."""
         kwargs = {} if mask is None else {"attention_mask": mask}
         with self._autocast():
-            if not self.options.value_head:
+            if not self.value_head:
                 return module(input_ids=ids, use_cache=False, **kwargs).logits, None
             out = module(input_ids=ids, use_cache=False, output_hidden_states=True, **kwargs)
             values = self.inner.value_head(out.hidden_states[-1]).squeeze(-1)
@@ -333,7 +317,7 @@ class TorchBackend:
             backend_state = {"name": "torch", "optimizer_steps": self.optimizer_steps,
                              "world_size": self.dp_size, "dtype": self.options.dtype,
                              "parallel": self.options.parallel,
-                             "value_head": self.options.value_head}
+                             "value_head": self.value_head}
             ckpt.write_checkpoint(Path(ckpt_dir), model_state=model_state,
                                   optimizer_state=optim_state, rng_states=rng,
                                   data_tensors=data_tensors, value_head=value_state,
@@ -351,13 +335,13 @@ class TorchBackend:
         ckpt_dir = Path(ckpt_dir)
         state = ckpt.read_trainer_state(ckpt_dir)
         had_value_head = bool(state["backend"].get("value_head", False))
-        if had_value_head != self.options.value_head:
+        if had_value_head != self.value_head:
             raise CheckpointError(
                 f"{ckpt_dir} was trained {'with' if had_value_head else 'without'} a value head "
-                f"but this run {'needs' if self.options.value_head else 'has'} "
-                f"{'one' if self.options.value_head else 'none'} (ppo vs other estimators); "
+                f"but this run {'needs' if self.value_head else 'has'} "
+                f"{'one' if self.value_head else 'none'} (ppo vs other estimators); "
                 f"to switch, --load {ckpt_dir / ckpt.MODEL_DIR} (weights only, fresh optimizer)")
-        if self.options.value_head:
+        if self.value_head:
             if not (ckpt_dir / ckpt.VALUE_HEAD_FILE).exists():
                 raise CheckpointError(f"{ckpt_dir}: missing {ckpt.VALUE_HEAD_FILE}; the checkpoint "
                                       "is incomplete")

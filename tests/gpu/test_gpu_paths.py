@@ -58,9 +58,10 @@ def _float64_reference(model_dir, rows, *, temperature: float) -> list[torch.Ten
 
 
 def test_trainer_backend_runs_on_cuda(tiny_model_dir):
-    from rltool.train.torch_backend import TorchBackend, TorchOptions
+    from rltool.train.config import BackendConfig
+    from rltool.train.torch_backend import TorchBackend
 
-    backend = TorchBackend(tiny_model_dir, options=TorchOptions())
+    backend = TorchBackend(tiny_model_dir, options=BackendConfig())
     assert backend.device.type == "cuda"
     assert all(p.is_cuda for p in backend.inner.parameters())
 

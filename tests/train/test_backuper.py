@@ -257,9 +257,9 @@ def test_prefetch_overlaps_compute_on_cuda(tmp_path):
 
 # -- wired into the train stage --------------------------------------------------------------
 def _frozen_logprobs(model_dir, cfg, sample_set, plan):
-    from rltool.train.stage import TorchBackend, backend_options, compute_logprobs
+    from rltool.train.stage import TorchBackend, compute_logprobs
 
-    frozen = TorchBackend(model_dir, options=backend_options(cfg, trainable=False))
+    frozen = TorchBackend(model_dir, options=cfg, trainable=False)
     return compute_logprobs(frozen, sample_set.samples,
                             [plan.batch(k) for k in range(plan.steps_per_epoch)],
                             temperature=sample_set.temperature,
@@ -273,8 +273,7 @@ def test_stage_ref_and_old_actor_come_from_snapshots(tiny_model_factory, train_s
     those of separate frozen models bit for bit, and the policy's weights (and value head) come
     back exactly, also when every snapshot spills to SSD (budget 0)."""
     from rltool.train.config import TrainConfig
-    from rltool.train.stage import TorchBackend, _prepare_set, backend_options, preflight, \
-        role_snapshots
+    from rltool.train.stage import TorchBackend, _prepare_set, preflight, role_snapshots
 
     policy, ref, old = (tiny_model_factory("qwen2", seed=s) for s in (0, 1, 2))
     cfg = TrainConfig(rollouts=[str(train_shard)], load=str(policy), ref=str(ref),
@@ -282,7 +281,7 @@ def test_stage_ref_and_old_actor_come_from_snapshots(tiny_model_factory, train_s
                       max_tokens_per_microbatch=40, global_batch_size=6,
                       backuper_host_budget_gb=0.0, backuper_dir=str(tmp_path / "snap"))
     checked = preflight(cfg)
-    backend = TorchBackend(policy, options=backend_options(cfg))
+    backend = TorchBackend(policy, options=cfg, value_head=cfg.value_head)
     expected_values = None
     if estimator == "ppo":  # a non-zero head, so values tell which trunk computed them
         from rltool.train.stage import compute_logprobs

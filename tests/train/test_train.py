@@ -286,9 +286,10 @@ def test_forward_logprobs_entropy_and_top_k(tiny_model_dir, train_shard):
     from transformers import AutoModelForCausalLM
 
     from rltool.train.backend import MicroBatch
-    from rltool.train.torch_backend import TorchBackend, TorchOptions
+    from rltool.train.config import BackendConfig
+    from rltool.train.torch_backend import TorchBackend
 
-    backend = TorchBackend(tiny_model_dir, options=TorchOptions(trainable=False))
+    backend = TorchBackend(tiny_model_dir, options=BackendConfig(), trainable=False)
     rows = _rows(train_shard)[:3]
     mb = MicroBatch(indices=[0, 1, 2],
                     tokens=[r["prompt_token_ids"] + r["response_token_ids"] for r in rows],
@@ -337,9 +338,10 @@ def test_sync_delta_publishes_a_delta_that_pulls_to_the_trained_weights(tiny_mod
 
 
 def test_device_option(tiny_model_dir, train_shard):
-    from rltool.train.torch_backend import TorchBackend, TorchOptions
+    from rltool.train.config import BackendConfig
+    from rltool.train.torch_backend import TorchBackend
 
-    backend = TorchBackend(tiny_model_dir, options=TorchOptions(trainable=False, device="cpu"))
+    backend = TorchBackend(tiny_model_dir, options=BackendConfig(device="cpu"), trainable=False)
     assert backend.device.type == "cpu"
     assert all(p.device.type == "cpu" for p in backend.inner.parameters())
     if not torch.cuda.is_available():
