@@ -210,9 +210,6 @@ def main(argv: list[str] | None = None) -> None:
     # oversubscribed threads made every step several times slower on a 2-core machine.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # a "Loading weights" bar per step drowns the step table
     parser = argparse.ArgumentParser(prog="python -m rltool.demo", description=__doc__.split(
         "\n")[0])
     parser.add_argument("dir", nargs="?", default="demo-run", help="Demo directory (recreated).")
@@ -224,9 +221,9 @@ def main(argv: list[str] | None = None) -> None:
                         "trainers and the engine's sampling (the prompt sets keep theirs).")
     parser.add_argument("--json", action="store_true", help="Print the summary as JSON.")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    import logging
+    from rltool.logs import setup_logging
 
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    setup_logging(verbosity=-1)  # the step table is the demo's output; warnings still show
     try:
         summary = run(Path(args.dir), steps=args.steps, sft_steps=args.sft_steps, seed=args.seed)
     except RltoolError as e:

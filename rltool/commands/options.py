@@ -152,9 +152,10 @@ def _scalar_name(item: Any) -> str:
 
 def stage_options(model: type[BaseModel], *, table: str, exclude: tuple[str, ...] = ()
                   ) -> Callable[[F], F]:
-    """Add an option (or argument) for every field of `model`, feeding config table `table`."""
-    params = [p for name, field in model.model_fields.items() if name not in exclude
-              for p in [field_param(name, field, table=table)] if p is not None]
+    """Add an option (or argument) for every field of `model`, feeding config table `table`.
+    `--help` lists the model's own fields first, then those of its bases."""
+    params = [p for name in _own_fields_first(model) if name not in exclude
+              for p in [field_param(name, model.model_fields[name], table=table)] if p is not None]
 
     def decorate(fn: F) -> F:
         existing = {p.name for p in getattr(fn, "__click_params__", [])}
@@ -165,6 +166,15 @@ def stage_options(model: type[BaseModel], *, table: str, exclude: tuple[str, ...
         return fn
 
     return decorate
+
+
+def _own_fields_first(model: type[BaseModel]) -> list[str]:
+    names: list[str] = []
+    for cls in model.__mro__:
+        for name in vars(cls).get("__annotations__", {}):
+            if name in model.model_fields and name not in names:
+                names.append(name)
+    return names + [n for n in model.model_fields if n not in names]
 
 
 def given(ctx: click.Context, table: str) -> dict[str, Any]:

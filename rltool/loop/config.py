@@ -112,6 +112,12 @@ class LoopSettings(BaseModel):
             if clash:
                 raise ConfigError(f"[{name}] sets {clash}, which the loop decides per step; "
                                   "remove them from the table")
+        misplaced = sorted(set(tables["train"]) & set(SyncConfig.model_fields))
+        if misplaced:
+            # TrainConfig accepts them (for `rltool train --publish`), but the loop publishes
+            # with [sync]: under [train] they would be silently ignored.
+            raise ConfigError(f"[train] sets {misplaced}: weight-sync keys belong in the [sync] "
+                              "table of a loop config; move them there")
         model = _validate(ModelConfig, tables["model"], "model")
         if not (Path(model.path) / "config.json").is_file():
             raise ConfigError(f"[model] path {model.path!r} is not a HF weights directory "

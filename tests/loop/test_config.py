@@ -70,6 +70,19 @@ def test_bad_config_names_the_key(tiny_model_dir, change, message):
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize("key", ["sync", "delta_format", "full_every"])
+def test_weight_sync_key_under_train_names_the_sync_table(tiny_model_dir, key):
+    """Bug: `sync = "delta"` under [train] of a loop config validated (TrainConfig takes the
+    weight-sync keys for `rltool train`) and was silently ignored: the loop publishes with
+    [sync]. It is an error that names [sync], from the file and from --set alike."""
+    value = {"sync": "delta", "delta_format": "slime", "full_every": 3}[key]
+    with pytest.raises(ConfigError, match=rf"\[train\] sets \['{key}'\].*\[sync\] table"):
+        LoopSettings.from_tables(tables(tiny_model_dir, **{f"train__{key}": value}))
+    with pytest.raises(ConfigError, match=r"\[sync\] table"):
+        LoopSettings.from_tables(tables(tiny_model_dir),
+                                 overrides=parse_set_options([f"train.{key}={value!r}"]))
+
+
 def test_unknown_table_refused(tiny_model_dir):
     data = tables(tiny_model_dir)
     data["trian"] = {"lr": 1}
