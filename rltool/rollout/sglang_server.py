@@ -21,6 +21,7 @@ import sys
 import threading
 from pathlib import Path
 
+from rltool.config import torch_dtype_name
 from rltool.engine import api
 from rltool.engine.config import ServeConfig
 from rltool.errors import BadInputError, EngineError
@@ -29,7 +30,6 @@ from rltool.supervisor import announce_ready, start, wait_healthy, withdraw_read
 log = logging.getLogger(__name__)
 POLL_S = 0.25
 SGLANG_STOP_TIMEOUT_S = 15.0
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def sglang_command(cfg: ServeConfig, *, port: int) -> list[str]:
@@ -39,7 +39,7 @@ def sglang_command(cfg: ServeConfig, *, port: int) -> list[str]:
     --enable-deterministic-inference, --weight-version, --served-model-name, --api-key,
     --admin-api-key, --log-level; then the --sglang-* options as given."""
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(cfg.model),
-           "--host", cfg.host, "--port", str(port), "--dtype", DTYPES[cfg.dtype],
+           "--host", cfg.host, "--port", str(port), "--dtype", torch_dtype_name(cfg.dtype),
            "--max-running-requests", str(cfg.max_running_requests),
            "--max-queued-requests", str(cfg.max_queued_requests),
            "--weight-version", cfg.weight_version, "--log-level", cfg.log_level]
