@@ -220,8 +220,8 @@ def _remember(key: str) -> Callable[[click.Context, click.Parameter, Any], Any]:
 COMMAND_OPTIONS: dict[str, Callable[[F], F]] = {
     "config": click.option(
         "--config", "config_file", type=click.Path(dir_okay=False), default=None,
-        help="TOML file: this stage's table (keys are the option names with underscores); options "
-             "given on the command line win."),
+        help="TOML config: the stage's table (keys are the option names with underscores; "
+             "`rltool loop` reads every table); options given on the command line win."),
     "json": click.option("--json", "as_json", is_flag=True,
                          help="Print the result as JSON on stdout."),
     "run_dir": click.option("--run-dir", type=click.Path(file_okay=False), default=None,

@@ -17,7 +17,7 @@ class DiffConfig(StageConfig):
     new: str = Field(description="Full checkpoint the delta rebuilds.")
     out: str = Field(description="New directory for the delta version.")
     format: Literal["rltool", "slime"] = Field(
-        "rltool", description="rltool: per-chunk sparse/xor/raw encodings (default, smaller); "
+        "rltool", description="rltool: per-chunk sparse/xor/raw encodings (smaller); "
         "slime: slime's on-disk format, readable by a slime-patched SGLang.")
     encoding: Literal["xor", "overwrite"] = Field(
         "xor", description="slime format only: one encoding for every tensor.")
