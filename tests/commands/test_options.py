@@ -55,7 +55,8 @@ def base_args(path, files):
         ("rollout",): rollout | {"rollout_batch_size": ["2"]},
         ("eval",): rollout,
         ("train",): {"rollouts": ["r"], "load": ["l"]},
-        ("serve",): {"model": [files["model"]]},
+        # cpu: so that checks of the GPU engine (device-dependent) do not depend on the machine
+        ("serve",): {"model": [files["model"]], "device": ["cpu"]},
         ("convert", "fp8"): {"hf": ["h"], "out": ["o"]},
         ("convert", "dequant"): {"hf": ["h"], "out": ["o"]},
         ("convert", "hf-to-dist"): {"hf": ["h"], "out": ["o"]},
@@ -79,7 +80,7 @@ COMPANIONS = {
     "kl_loss_coef": ["--ref", "r"],
     "lr_decay_style": ["--lr-decay-steps", "5"],
     "encoding": ["--format", "slime"],
-    "eval_interval": [],
+    "host": ["--admin-api-key", "k"],  # a non-loopback host needs the admin key
 }
 # Fields whose test replaces part of the base (exclusive with it).
 REPLACES = {("train", "prompts"): {"rollouts": None, "loss": ["sft"]},
@@ -92,7 +93,7 @@ def build_argv(cmd, base, *, skip):
     argv, positional = [], []
     params = {p.name: p for p in cmd.params}
     for field, values in base.items():
-        if field == skip or values is None:
+        if field == skip or values is None or field not in params:
             continue
         param = params[field]
         if isinstance(param, StageArgument):
