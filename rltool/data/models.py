@@ -91,7 +91,8 @@ def init_model(out: str | os.PathLike, *, arch: str = "qwen2", preset: str = "ti
         if task is not None:
             config.rltool_task = task
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, torch_dtype_name(dtype)))
+        model = AutoModelForCausalLM.from_config(config,
+                                                 dtype=getattr(torch, torch_dtype_name(dtype)))
         model.generation_config.eos_token_id = tok.eos_token_id
         model.generation_config.pad_token_id = tok.pad_token_id
         model.save_pretrained(str(tmp), safe_serialization=True)

@@ -217,8 +217,8 @@ def test_every_option_of_every_command_reaches_its_stage_config(files, capture):
                     errors.append(output.strip().splitlines()[-1:] if output else "no output")
                     continue
                 if carried(cfg, param) != expected:
-                    problems.append(f"{' '.join(path)} {param.opts[0] if param.opts else param.name}"
-                                    f" {values}: config holds {carried(cfg, param)!r}")
+                    problems.append(f"{' '.join(path)} {param.name} {values}: config holds "
+                                    f"{carried(cfg, param)!r}")
                 break
             else:
                 problems.append(f"{' '.join(path)} {param.name}: no value builds: {errors}")
