@@ -137,7 +137,6 @@ def field_param(name: str, field: FieldInfo, *, table: str) -> click.Parameter |
         item = typing.get_args(annotation)[0]
         kwargs.update(multiple=True, callback=_split_commas, type=str,
                       metavar=meta["metavar"] or f"{_scalar_name(item)}[,{_scalar_name(item)}...]")
-        kwargs["default"] = None
     elif origin is tuple:
         items = typing.get_args(annotation)
         kwargs.update(nargs=len(items), type=_scalar_type(items[0], field))
@@ -150,19 +149,20 @@ def _scalar_name(item: Any) -> str:
     return "PATH" if isinstance(item, type) and issubclass(item, Path) else "TEXT"
 
 
-def stage_options(model: type[BaseModel], *, table: str, exclude: tuple[str, ...] = ()
-                  ) -> Callable[[F], F]:
+def stage_options(model: type[BaseModel], *, table: str) -> Callable[[F], F]:
     """Add an option (or argument) for every field of `model`, feeding config table `table`.
     `--help` lists the model's own fields first, then those of its bases."""
-    params = [p for name in _own_fields_first(model) if name not in exclude
+    params = [p for name in _own_fields_first(model)
               for p in [field_param(name, model.model_fields[name], table=table)] if p is not None]
 
     def decorate(fn: F) -> F:
-        existing = {p.name for p in getattr(fn, "__click_params__", [])}
+        # What @click.option does: click.command collects __click_params__ (in reverse).
+        memo = fn.__dict__.setdefault("__click_params__", [])
+        existing = {p.name for p in memo}
         for param in reversed(params):
             if param.name in existing:
                 raise TypeError(f"{model.__name__}.{param.name}: a second option of that name")
-            click.decorators._param_memo(fn, param)  # type: ignore[attr-defined]
+            memo.append(param)
         return fn
 
     return decorate
