@@ -72,18 +72,21 @@ def cli_meta(field: FieldInfo) -> dict[str, Any]:
     return meta
 
 
-def _strip_optional(annotation: Any) -> Any:
+def _unwrap(annotation: Any, metadata: list[Any]) -> tuple[Any, list[Any]]:
+    """`X | None` -> X and `Annotated[X, m]` -> X (m joins the field's metadata)."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         if len(args) == 1:
-            return args[0]
-    return annotation
+            return _unwrap(args[0], metadata)
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _unwrap(annotation.__origin__, [*metadata, *annotation.__metadata__])
+    return annotation, metadata
 
 
-def _scalar_type(annotation: Any, field: FieldInfo) -> Any:
+def _scalar_type(annotation: Any, metadata: list[Any]) -> Any:
     if typing.get_origin(annotation) is typing.Literal:
         choices = [str(c) for c in typing.get_args(annotation)]
-        aliases = next((m.mapping for m in field.metadata if isinstance(m, Aliases)), None)
+        aliases = next((m.mapping for m in metadata if isinstance(m, Aliases)), None)
         return AliasChoice(choices, aliases) if aliases else click.Choice(choices)
     if annotation in (int, float, str):
         return annotation
@@ -120,11 +123,11 @@ def field_param(name: str, field: FieldInfo, *, table: str) -> click.Parameter |
     if not meta["option"]:
         return None
     flag = "--" + name.replace("_", "-")
-    annotation = _strip_optional(field.annotation)
+    annotation, metadata = _unwrap(field.annotation, list(field.metadata))
     origin = typing.get_origin(annotation)
     common: dict[str, Any] = {"table": table, "field": name}
     if meta["argument"]:
-        return StageArgument([name], required=True, type=_scalar_type(annotation, field),
+        return StageArgument([name], required=True, type=_scalar_type(annotation, metadata),
                              metavar=meta["metavar"], **common)
     kwargs: dict[str, Any] = {
         "default": None, "help": _help(field),
@@ -139,9 +142,9 @@ def field_param(name: str, field: FieldInfo, *, table: str) -> click.Parameter |
                       metavar=meta["metavar"] or f"{_scalar_name(item)}[,{_scalar_name(item)}...]")
     elif origin is tuple:
         items = typing.get_args(annotation)
-        kwargs.update(nargs=len(items), type=_scalar_type(items[0], field))
+        kwargs.update(nargs=len(items), type=_scalar_type(items[0], metadata))
     else:
-        kwargs["type"] = _scalar_type(annotation, field)
+        kwargs["type"] = _scalar_type(annotation, metadata)
     return StageOption(decls, **kwargs, **common)
 
 

@@ -315,3 +315,49 @@ def test_quiet_reaches_the_stage_quiet_field(capture):
     assert result.exit_code == 0, result.output
     assert capture[-1].quiet is True
     assert json.dumps(capture[-1].model_dump(mode="json"))  # still a plain config
+
+
+def test_generator_maps_each_field_kind():
+    """The generator on a model of its own: every field kind gets its one command-line form,
+    new fields need no hand edits, and a field with no command-line form is an error at once."""
+    from typing import Literal
+
+    from pydantic import Field
+
+    from rltool.commands.options import build_config, command_options, stage_options
+    from rltool.config import ComputeDtype, StageConfig, cli
+
+    class Model(StageConfig):
+        subject: str = Field(description="Positional.", json_schema_extra=cli(argument=True))
+        dtype: ComputeDtype | None = Field(None, description="Optional aliased choice.")
+        mode: Literal["a", "b"] = Field("a", description="Choice.")
+        dirs: list[str] = Field(default_factory=list, description="List.")
+        block: tuple[int, int] = Field((1, 2), description="Pair.")
+        flag: bool = Field(True, description="Bool.")
+        rate: float = Field(0.5, description="Float.")
+        key: str | None = Field(None, description="Key.", json_schema_extra=cli(envvar="T_KEY"))
+        hidden: int = Field(3, description="File only.", json_schema_extra=cli(option=False))
+
+    seen = {}
+
+    @click.command()
+    @stage_options(Model, table="t")
+    @command_options("config")
+    def cmd(**_):
+        seen["cfg"] = build_config(Model, table="t")
+
+    result = CliRunner().invoke(cmd, ["S", "--dtype", "bfloat16", "--mode", "b", "--dirs", "x,y",
+                                      "--dirs", "z", "--block", "3", "4", "--no-flag", "--rate",
+                                      "2.5"], env={"T_KEY": "secret"})
+    assert result.exit_code == 0, result.output
+    assert seen["cfg"] == Model(subject="S", dtype="bf16", mode="b", dirs=["x", "y", "z"],
+                                block=(3, 4), flag=False, rate=2.5, key="secret")
+    assert "--hidden" not in CliRunner().invoke(cmd, ["--help"]).output
+    bad = CliRunner().invoke(cmd, ["S", "--dtype", "fp16"])
+    assert bad.exit_code == 2 and "'fp16' is not one of 'fp32', 'bf16'" in bad.output
+
+    class Unsupported(StageConfig):
+        table: dict[str, int] = Field(default_factory=dict, description="No flag form.")
+
+    with pytest.raises(TypeError, match="cli\\(option=False\\)"):
+        stage_options(Unsupported, table="u")
