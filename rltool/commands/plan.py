@@ -1,6 +1,7 @@
 import click
 
-from rltool.commands.common import echo_json, handle_errors, json_option
+from rltool.commands.common import echo_json
+from rltool.commands.options import command_options
 
 
 def _input_options(fn):
@@ -34,8 +35,7 @@ def _input_options(fn):
 @click.option("--engine-urls", default=None,
               help="External engine addresses (refused with --emit-sglang-config).")
 @_input_options
-@json_option
-@handle_errors
+@command_options("json")
 def command(model, from_profile, check_run, emit, prefill_engines, hicache, engine_urls, as_json,
             **values):
     """Cost models for a model config and cluster: placement and memory, weight sync,

@@ -1,6 +1,7 @@
 import click
 
-from rltool.commands.common import echo_json, handle_errors, json_option
+from rltool.commands.common import echo_json
+from rltool.commands.options import command_options
 
 
 @click.command("profile")
@@ -11,8 +12,7 @@ from rltool.commands.common import echo_json, handle_errors, json_option
 @click.option("--torch-profiler", "torch_steps", default=None,
               help="Loop steps (e.g. 2,3) whose torch.profiler kernel traces to summarize; capture "
                    "them by running the loop with RLTOOL_TORCH_PROFILE_STEPS=2,3.")
-@json_option
-@handle_errors
+@command_options("json")
 def command(run_dir, out, torch_steps, as_json):
     """Phase table, wait ratios and async speedup of a traced run, and its Chrome trace.
 
