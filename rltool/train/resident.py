@@ -17,8 +17,8 @@ import torch
 from rltool.rundir import step_dir_name
 from rltool.train.checkpoint import read_trainer_state, resolve_load
 from rltool.train.config import TrainConfig
-from rltool.train.stage import (_load_samples, _Plan, _prepare_set, _save, backend_options,
-                                default_metrics_path, train_set)
+from rltool.train.stage import (_load_samples, _Plan, _prepare_set, _save, default_metrics_path,
+                                train_set)
 from rltool.train.torch_backend import TorchBackend
 
 log = logging.getLogger(__name__)
@@ -32,11 +32,10 @@ class ResidentTrainer:
         self.model_dir = target.model_dir
         self.version = target.version
         self.loop_step = -1  # the last loop step trained (-1: none)
-        self.backend = TorchBackend(target.model_dir, options=backend_options(cfg))
+        self.backend = TorchBackend(target.model_dir, options=cfg, value_head=cfg.value_head)
         self.ref: TorchBackend | None = None
         if cfg.needs_ref and cfg.ref:
-            self.ref = TorchBackend(resolve_load(cfg.ref).model_dir,
-                                    options=backend_options(cfg, trainable=False))
+            self.ref = TorchBackend(resolve_load(cfg.ref).model_dir, options=cfg, trainable=False)
         if target.ckpt_dir is not None:
             self.backend.load(target.ckpt_dir)
             self.loop_step = int(read_trainer_state(target.ckpt_dir).get("loop_step", -1))
