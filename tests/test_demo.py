@@ -13,11 +13,12 @@ from rltool import demo
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_shortened_demo_learns_for_every_seed(tmp_path, capsys, seed):
-    """SFT warm start (60 steps) + 15 RL steps, seeds 0-2 (model init, trainers and the engine's
-    sampling): each seed's reward, as the mean of its last 3 steps, rises by at least 0.3 from its
-    first step (the full demo reaches a 5-step mean of 0.8 at steps 14-26 for seeds 0-2)."""
+    """SFT warm start (60 steps) + at most 18 RL steps, seeds 0-2 (model init, trainers and the
+    engine's sampling): each seed's reward, as the mean of its last 3 steps, rises by at least 0.3
+    from its first step (the full demo reaches a 5-step mean of 0.8 at steps 14-29 for seeds 0-2;
+    at step 18 the rise is 0.39-0.48)."""
     root = tmp_path / "demo-run"
-    demo.main([str(root), "--steps", "15", "--seed", str(seed), "--json"])
+    demo.main([str(root), "--steps", "18", "--seed", str(seed), "--json"])
     out = capsys.readouterr().out
     assert "rltool loop" in out and "reward vs step" in out
     summary = json.loads((root / "summary.json").read_text())
