@@ -98,8 +98,8 @@ def main() -> None:
     _print_table(results)
     summary = _summary(results)
     record = {"benchmark": "align_gate", "date": datetime.now(timezone.utc).isoformat(),
-              "machine": f"{platform.machine()} {os.cpu_count()} cores (shared with other "
-                         "helpers' processes; load varies)",
+              "machine": f"{platform.machine()} {os.cpu_count()} cores",
+              "load_avg": os.getloadavg(),
               "torch": torch.__version__, "threads": 1, "args": vars(args),
               "results": results, "summary": summary}
     if args.out:

@@ -156,8 +156,7 @@ def main() -> None:
     result = {"benchmark": "demo", "date": time.strftime("%Y-%m-%d"),
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                           "python": platform.python_version(),
-                          "load_avg_before": load_before,
-                          "note": "shared with other helpers' tests and benchmarks"},
+                          "load_avg_before": load_before},
               "target": {"first_rl_reward_max": 0.3, "reward": 0.8, "wall_s": TARGET_S},
               "runs": runs, "baseline_pure_rl": baseline,
               "met": [r["first_rl_reward"] <= 0.3 and r[key] is not None
