@@ -73,7 +73,8 @@ def dequant(as_json, **_):
 def hf_to_dist(as_json, **_):
     """Write a megatron-core torch_dist checkpoint (Megatron-LM layout) from an HF checkpoint.
 
-    Writes OUT/iter_0000000/ and OUT/latest_checkpointed_iteration.txt. Run it as one process, or
+    Writes OUT/release/ and OUT/latest_checkpointed_iteration.txt = release, the layout
+    Megatron-LM and slime `--load` (with --finetune). Run it as one process, or
     under torchrun with tp*pp processes (each rank then reads and writes only its shards).
 
     \b

@@ -29,9 +29,9 @@ def hf_arch(hf_config: dict[str, Any]) -> str:
     return arch
 
 
-def padded_vocab_size(vocab_size: int, *, tp: int) -> int:
-    """Megatron pads the vocabulary to a multiple of 128 * TP so every TP shard is equal."""
-    multiple = VOCAB_MULTIPLE * tp
+def padded_vocab_size(vocab_size: int, *, tp: int, divisible_by: int = VOCAB_MULTIPLE) -> int:
+    """Megatron pads the vocabulary to a multiple of divisible_by * TP so every TP shard is equal."""
+    multiple = divisible_by * tp
     return math.ceil(vocab_size / multiple) * multiple
 
 

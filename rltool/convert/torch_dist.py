@@ -2,10 +2,13 @@
 
 hf-to-dist builds this rank's megatron-core GPTModel (uninitialized weights), fills every tensor of
 its sharded state dict from the HF tensors (read one at a time, each megatron slot fused and sliced
-to this rank's shard), and saves with `dist_checkpointing.save` into `OUT/iter_0000000/`, then writes
-`OUT/latest_checkpointed_iteration.txt`. Under torchrun each rank fills and saves its own shards; in
-one process the saved global tensors are the same, because torch_dist stores global tensors and is
-resharded on load. Only the vocabulary padding (a multiple of 128 * TP) depends on --tp.
+to this rank's shard), and saves with `dist_checkpointing.save` into `OUT/release/` (with the
+training arguments Megatron-LM's loader reads in its common state), then writes the tracker
+`OUT/latest_checkpointed_iteration.txt` = `release`. Under torchrun each rank fills and saves its
+own shards; in one process the saved global tensors are the same, because torch_dist stores global
+tensors and is resharded on load. Only the vocabulary padding (a multiple of
+--make-vocab-size-divisible-by * TP; the padding rows are zeros) and the recorded args depend on
+--tp/--pp/--ep.
 
 dist-to-hf reads the global shapes from the checkpoint's metadata, builds a one-process model of
 that shape, loads it, and writes the HF tensors back (exact inverse: HF -> dist -> HF is bit-exact).
@@ -28,7 +31,7 @@ from pydantic import Field
 
 from rltool import atomic
 from rltool.config import DTYPE_ALIASES, StageConfig, torch_dtype_name, write_resolved
-from rltool.convert import hf_writer, name_map
+from rltool.convert import hf_writer, megatron_layout, name_map
 from rltool.io import checkpoint as ckpt_io
 from rltool.io import header as st
 from rltool.io import reader as st_read
@@ -40,9 +43,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ITER_DIR = "iter_0000000"
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
-CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version, kept in the common state
+TRACKER_FILE = megatron_layout.TRACKER_FILE
 
 
 class HfToDistConfig(StageConfig):
@@ -55,12 +56,17 @@ class HfToDistConfig(StageConfig):
     ep: int = Field(default=1, ge=1, description="Expert-parallel size (MoE).")
     dtype: Annotated[Literal["auto", "fp32", "bf16", "fp16"], DTYPE_ALIASES] = Field(
         default="auto", description="Weight dtype in the checkpoint; auto keeps the HF dtype.")
+    make_vocab_size_divisible_by: int = Field(
+        default=128, ge=1,
+        description="Pad the vocabulary to a multiple of this times --tp, as Megatron-LM's option "
+                    "of the same name does; the padding rows are zeros.")
 
 
 class DistToHfConfig(StageConfig):
     """`rltool convert dist-to-hf`: torch_dist -> HF safetensors."""
 
-    dist: Path = Field(description="torch_dist checkpoint: the Megatron-LM root or an iter_* dir.")
+    dist: Path = Field(description="torch_dist checkpoint: the Megatron-LM root, or its release/ "
+                                   "or iter_* directory.")
     hf_config: Path = Field(description="HF directory with the config.json (and tokenizer) to use.")
     out: Path = Field(description="New output directory.")
     workers: int = Field(default=2, ge=1, description="Writer threads.")
@@ -161,7 +167,8 @@ def _build_fill_save(cfg: HfToDistConfig, out: Path, hf_config: dict[str, Any],
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    padded = padded_vocab_size(hf_config["vocab_size"], tp=cfg.tp)
+    padded = padded_vocab_size(hf_config["vocab_size"], tp=cfg.tp,
+                               divisible_by=cfg.make_vocab_size_divisible_by)
     model = build_gpt_model(hf_config, **sizes, params_dtype=dtype, vocab_size=padded,
                             perform_initialization=False)
     sharded = model.sharded_state_dict()
@@ -170,16 +177,21 @@ def _build_fill_save(cfg: HfToDistConfig, out: Path, hf_config: dict[str, Any],
                       padded_vocab=padded)
     tmp = _rank0_tempdir(out)
     rank0 = dist.get_rank() == 0
+    args = megatron_layout.checkpoint_args(hf_config, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep,
+                                           padded_vocab=padded,
+                                           divisible_by=cfg.make_vocab_size_divisible_by)
+    release = megatron_layout.RELEASE
     try:
         if rank0:
-            (tmp / ITER_DIR).mkdir()
+            (tmp / release).mkdir()
         dist.barrier()
-        dist_checkpointing.save({"model": sharded, "checkpoint_version": CHECKPOINT_VERSION,
-                                 "iteration": 0}, str(tmp / ITER_DIR))
+        dist_checkpointing.save({"model": sharded, "args": args, "iteration": 0,
+                                 "checkpoint_version": megatron_layout.CHECKPOINT_VERSION},
+                                str(tmp / release))
         dist.barrier()
         if rank0:
             write_resolved(cfg, tmp / hf_writer.RESOLVED_CONFIG)
-            atomic.write_text(tmp / TRACKER_FILE, "0")  # written last: the layout's marker
+            atomic.write_text(tmp / TRACKER_FILE, release)  # written last: the layout's marker
             os.rename(tmp, out)
             atomic.fsync_dir(out.parent)
     except BaseException:
@@ -208,19 +220,18 @@ def hf_to_dist(cfg: HfToDistConfig) -> dict[str, Any]:
              else dict(tp=1, pp=1, ep=1))
     with megatron_compat.distributed(**sizes):
         _build_fill_save(cfg, out, hf_config, tensors, dtype, sizes=sizes)
-    padded = padded_vocab_size(hf_config["vocab_size"], tp=cfg.tp)
+    padded = padded_vocab_size(hf_config["vocab_size"], tp=cfg.tp,
+                               divisible_by=cfg.make_vocab_size_divisible_by)
     return {"out": str(out), "arch": hf_config["model_type"], "tp": cfg.tp, "pp": cfg.pp,
             "ep": cfg.ep, "padded_vocab_size": padded, "dtype": str(dtype).removeprefix("torch."),
             "tensors": len(tensors), "seconds": round(time.perf_counter() - started, 3)}
 
 
 def iteration_dir(dist_dir: str | os.PathLike) -> Path:
-    """Resolve a Megatron-LM root (via its tracker file) or an iteration directory itself."""
+    """Resolve a Megatron-LM root (via its tracker file) or a release/iteration directory itself."""
     path = Path(dist_dir)
-    tracker = path / TRACKER_FILE
-    if tracker.exists():
-        text = tracker.read_text().strip()
-        path = path / ("release" if text == "release" else f"iter_{int(text):07d}")
+    if (path / TRACKER_FILE).exists():
+        path = megatron_layout.resolve_root(path)
     if not (path / ".metadata").exists():
         raise CheckpointError(f"{dist_dir} is not a torch_dist checkpoint (no {TRACKER_FILE} and "
                               "no .metadata); pass the directory hf-to-dist wrote")
@@ -285,8 +296,20 @@ def _split_job(key: str, shards: list[Any], shapes: name_map.Shapes) -> Any:
     return run
 
 
+def _weights_only_common_strategy() -> Any:
+    """megatron-core's common-state loader, minus `common.pt`: rltool needs the weights only, and
+    common.pt is a pickle (a Megatron-LM run's args hold classes torch's safe loader refuses)."""
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+    class WeightsOnly(TorchCommonLoadStrategy):
+        def load_common(self, checkpoint_dir: Any) -> dict[str, Any]:
+            return {}
+
+    return WeightsOnly()
+
+
 def load_model_weights(model: Any, dist_dir: str | os.PathLike) -> dict[name_map.Slot, list[Any]]:
-    """Load a torch_dist checkpoint (root or iter_* dir) into this rank's GPTModel, in place.
+    """Load a torch_dist checkpoint (root, release/ or iter_* dir) into this rank's GPTModel, in place.
 
     Refuses, before loading, a checkpoint whose tensors are missing or shaped for another config.
     Returns the model's ShardedTensors by slot (their data are the model's parameters).
@@ -298,7 +321,8 @@ def load_model_weights(model: Any, dist_dir: str | os.PathLike) -> dict[name_map
     sharded = model.sharded_state_dict()
     slots = _sharded_tensors(sharded)
     _check_against_metadata(slots, dist_checkpointing.load_tensors_metadata(str(source)))
-    loaded = dist_checkpointing.load({"model": sharded}, str(source))
+    loaded = dist_checkpointing.load({"model": sharded}, str(source),
+                                     common_strategy=_weights_only_common_strategy())
     with torch.no_grad():
         _copy_loaded(sharded, loaded["model"])
     return slots
