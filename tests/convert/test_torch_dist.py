@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from rltool.cli import main
 from rltool.convert import name_map
 from rltool.errors import CheckpointError
+from tests.convert import megatron_rules
 
 ARCHS = ("qwen2", "qwen3", "llama", "qwen3_moe")
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -69,6 +70,14 @@ def test_checkpoint_shape_errors_name_the_tensor(tiny_model_factory):
         name_map.check_hf_tensors(found, cfg)
 
 
+def _assert_megatron_loads(tmp_path, results, hf_dirs, sizes):
+    """Every checkpoint the worker wrote passes Megatron-LM's loading rules for its layout."""
+    for name, hf_dir, size in zip(sorted(results), hf_dirs, sizes, strict=True):
+        tp, pp, ep = map(int, size.split(","))
+        run = megatron_rules.slime_run_args(hf_dir, tp=tp, pp=pp, ep=ep)
+        assert megatron_rules.load_problems(tmp_path / f"{name}-dist", run) == [], name
+
+
 def _run_worker(tmp_path, hf_dirs, *, nproc=1, extra=()):
     result = tmp_path / "result.json"
     launch = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
@@ -83,8 +92,10 @@ def _run_worker(tmp_path, hf_dirs, *, nproc=1, extra=()):
 @pytest.mark.slow
 def test_single_process_logits_and_bit_exact_round_trip(tmp_path, tiny_model_factory):
     """Every architecture: megatron GPTModel logits == transformers within 1e-5; HF->dist->HF exact."""
-    results = _run_worker(tmp_path, [tiny_model_factory(a) for a in ARCHS])
+    hf_dirs = [tiny_model_factory(a) for a in ARCHS]
+    results = _run_worker(tmp_path, hf_dirs)
     assert set(results) == {f"{i}-tiny-{a}-0" for i, a in enumerate(ARCHS)}
+    _assert_megatron_loads(tmp_path, results, hf_dirs, ["1,1,1"] * len(ARCHS))
     for name, r in results.items():
         assert r["logits_error"] < 1e-5, (name, r)
         assert r["mismatched"] == [], (name, r)
@@ -97,24 +108,44 @@ def test_two_gloo_processes(tmp_path, tiny_model_factory):
     split), PP=2 (layers split, activations sent between stages) and EP=2 (experts split)."""
     layouts = [("qwen2", "2,1,1"), ("qwen3_moe", "2,1,1"), ("qwen3", "1,2,1"),
                ("qwen3_moe", "1,1,2")]
-    results = _run_worker(tmp_path, [tiny_model_factory(a) for a, _ in layouts], nproc=2,
-                          extra=("--sizes", *[s for _, s in layouts]))
+    hf_dirs = [tiny_model_factory(a) for a, _ in layouts]
+    results = _run_worker(tmp_path, hf_dirs, nproc=2, extra=("--sizes", *[s for _, s in layouts]))
     assert len(results) == len(layouts)
+    _assert_megatron_loads(tmp_path, results, hf_dirs, [s for _, s in layouts])
     for (name, r), (_, size) in zip(sorted(results.items()), layouts, strict=True):
         assert r["logits_error"] < 1e-5, (name, r)
         assert r["mismatched"] == [], (name, r)
         assert r["padded_vocab_size"] == (256 if size.startswith("2") else 128)
 
 
+def _embedding_rows(release_dir, rows, width):
+    import torch.distributed.checkpoint as dcp
+
+    state = {"embedding.word_embeddings.weight": torch.full((rows, width), float("nan"))}
+    dcp.load(state, checkpoint_id=str(release_dir))
+    return state["embedding.word_embeddings.weight"]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_cli_hf_to_dist_and_back(tmp_path, tiny_model_factory):
+    """The release/ layout Megatron-LM loads (rules as reference data), zero padding rows, and
+    dist -> HF back bit for bit."""
     hf_dir = tiny_model_factory("qwen3")
     runner = CliRunner()
     res = runner.invoke(main, ["convert", "hf-to-dist", "--hf", str(hf_dir), "--out",
                                str(tmp_path / "d"), "--tp", "2", "--json", "-q"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["padded_vocab_size"] == 256
-    assert (tmp_path / "d" / "latest_checkpointed_iteration.txt").read_text() == "0"
-    assert (tmp_path / "d" / "iter_0000000" / ".metadata").exists()
+    assert (tmp_path / "d" / "latest_checkpointed_iteration.txt").read_text() == "release"
+    run = megatron_rules.slime_run_args(hf_dir, tp=2, pp=1, ep=1)
+    assert megatron_rules.load_problems(tmp_path / "d", run) == []
+    # a run at another TP, or one that forgot --qk-layernorm, is told so by the recorded args
+    assert megatron_rules.load_problems(tmp_path / "d", {**run, "tensor_model_parallel_size": 1})
+    assert megatron_rules.load_problems(tmp_path / "d", {**run, "qk_layernorm": False})
+    vocab, width = _config(hf_dir)["vocab_size"], _config(hf_dir)["hidden_size"]
+    emb = _embedding_rows(tmp_path / "d" / "release", 256, width)
+    assert torch.equal(emb[:vocab], _hf_tensors(hf_dir)["model.embed_tokens.weight"])
+    assert torch.equal(emb[vocab:], torch.zeros(256 - vocab, width))
     res = runner.invoke(main, ["convert", "dist-to-hf", "--dist", str(tmp_path / "d"),
                                "--hf-config", str(hf_dir), "--out", str(tmp_path / "b"), "-q"])
     assert res.exit_code == 0, res.output
@@ -127,6 +158,43 @@ def test_cli_hf_to_dist_and_back(tmp_path, tiny_model_factory):
                                "--out", str(tmp_path / "c")])
     assert res.exit_code == 2 and "torch_dist checkpoint lacks" in res.output
     assert not (tmp_path / "c").exists()
+
+
+def test_older_and_trained_layouts_still_read(tmp_path, tiny_model_factory, caplog):
+    """rltool reads an older conversion (iter_0000000, tracker 0) with a one-line notice, a
+    trainer's iter_NNNNNNN (>= 1), and refuses trackers Megatron-LM refuses too."""
+    from rltool.convert import megatron_layout
+    from rltool.convert.torch_dist import iteration_dir
+
+    hf_dir = tiny_model_factory("qwen2")
+    res = CliRunner().invoke(main, ["convert", "hf-to-dist", "--hf", str(hf_dir), "--out",
+                                    str(tmp_path / "d"), "--make-vocab-size-divisible-by", "32",
+                                    "--tp", "2", "--json", "-q"])
+    assert res.exit_code == 0, res.output
+    vocab = _config(hf_dir)["vocab_size"]
+    assert json.loads(res.stdout)["padded_vocab_size"] == -(-vocab // 64) * 64
+    root, tracker = tmp_path / "d", tmp_path / "d" / "latest_checkpointed_iteration.txt"
+    (root / "release").rename(root / "iter_0000000")
+    tracker.write_text("0")
+    with caplog.at_level("WARNING"):
+        assert iteration_dir(root) == root / "iter_0000000"
+    assert [r.message.count("\n") for r in caplog.records] == [0]
+    assert "older rltool conversion" in caplog.text
+    assert megatron_rules.load_problems(root, {}) == ["tracker holds '0': neither an iteration "
+                                                      "> 0 nor 'release'"]
+    (root / "iter_0000000").rename(root / megatron_layout.iteration_dir_name(12))
+    tracker.write_text("12\n")
+    assert iteration_dir(root) == root / "iter_0000012"
+    for text in ("0", "-3", "latest"):
+        tracker.write_text(text)
+        with pytest.raises(CheckpointError, match="release` or an iteration >= 1"):
+            iteration_dir(root)
+    with pytest.raises(CheckpointError, match="iteration 0 cannot be saved"):
+        megatron_layout.iteration_dir_name(0)
+    res = CliRunner().invoke(main, ["convert", "dist-to-hf", "--dist", str(root), "--hf-config",
+                                    str(hf_dir), "--out", str(tmp_path / "b"), "-q"])
+    assert res.exit_code == 2 and "latest" in res.output
+    assert not (tmp_path / "b").exists()
 
 
 def test_cli_refuses_bad_checkpoint_without_output(tmp_path, tiny_model_factory):
