@@ -30,7 +30,7 @@ def hf_arch(hf_config: dict[str, Any]) -> str:
 
 
 def padded_vocab_size(vocab_size: int, *, tp: int, divisible_by: int = VOCAB_MULTIPLE) -> int:
-    """Megatron pads the vocabulary to a multiple of divisible_by * TP so every TP shard is equal."""
+    """Megatron pads the vocabulary to a multiple of divisible_by * TP (equal TP shards)."""
     multiple = divisible_by * tp
     return math.ceil(vocab_size / multiple) * multiple
 

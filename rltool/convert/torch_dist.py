@@ -309,7 +309,8 @@ def _weights_only_common_strategy() -> Any:
 
 
 def load_model_weights(model: Any, dist_dir: str | os.PathLike) -> dict[name_map.Slot, list[Any]]:
-    """Load a torch_dist checkpoint (root, release/ or iter_* dir) into this rank's GPTModel, in place.
+    """Load a torch_dist checkpoint (root, release/ or iter_* dir) into this rank's GPTModel,
+    in place.
 
     Refuses, before loading, a checkpoint whose tensors are missing or shaped for another config.
     Returns the model's ShardedTensors by slot (their data are the model's parameters).

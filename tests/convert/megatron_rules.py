@@ -90,5 +90,6 @@ def load_problems(root: Path, run_args: dict) -> list[str]:
         if not hasattr(args, name):
             problems.append(f"args lacks {name}")
         elif getattr(args, name) != run_args[name]:
-            problems.append(f"args.{name} = {getattr(args, name)!r}, the run has {run_args[name]!r}")
+            problems.append(f"args.{name} = {getattr(args, name)!r}, "
+                            f"the run has {run_args[name]!r}")
     return problems
