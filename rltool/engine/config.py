@@ -61,6 +61,8 @@ class ServeConfig(StageConfig):
     cuda_graph_max_bs: int = Field(256, ge=1, description="cuda: largest decode batch replayed "
                                                           "from a CUDA graph.")
     disable_cuda_graph: bool = Field(False, description="cuda: run decode eagerly.")
+    disable_radix_cache: bool = Field(False, description="cuda: do not reuse the KV pages of "
+                                                         "cached prompt prefixes.")
     max_running_requests: int = Field(64, ge=1, description="Largest decode batch.")
     max_queued_requests: int = Field(4096, ge=0, description="Waiting requests beyond the "
                                                              "running ones before 429.")

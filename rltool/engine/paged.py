@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from rltool.engine.radix_cache import Node, RadixCache
 from rltool.errors import EngineError
 
 
@@ -59,15 +60,19 @@ class PageEntry:
     row: int  # row of req_to_page
     pages: list[int] = field(default_factory=list)
     length: int = 0  # tokens whose KV is (or is being) written
+    shared: list[Node] = field(default_factory=list)  # prefix-cache nodes it holds a reference on
+    epoch: int = 0  # the prefix cache's epoch when its KV started
 
 
 class PageTable:
     """Which pages each request owns, and the device-side copy the attention kernels read."""
 
     def __init__(self, *, num_pages: int, page_size: int, max_requests: int,
-                 max_pages_per_request: int, device: torch.device | str):
+                 max_pages_per_request: int, device: torch.device | str,
+                 prefix_cache: bool = False):
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
+        self.cache = RadixCache(page_size=page_size) if prefix_cache else None
         self.max_pages_per_request = max_pages_per_request
         self.entries: dict[str, PageEntry] = {}
         self._rows = list(range(max_requests, 0, -1))  # row 0 is scratch
@@ -83,7 +88,14 @@ class PageTable:
 
     @property
     def free_pages(self) -> int:
-        return self.allocator.available
+        """Pages a request can get: free ones and those the prefix cache would evict."""
+        return self.allocator.available + (self.cache.evictable() if self.cache else 0)
+
+    def _alloc(self, n: int) -> list[int]:
+        short = n - self.allocator.available
+        if short > 0 and self.cache is not None:
+            self.allocator.free(self.cache.evict(short))
+        return self.allocator.alloc(n)
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -99,7 +111,7 @@ class PageTable:
             return self.entries[rid]
         if not self._rows:
             raise EngineError("no free page-table row; more requests than --max-running-requests")
-        entry = PageEntry(row=self._rows.pop())
+        entry = PageEntry(row=self._rows.pop(), epoch=self.cache.epoch if self.cache else 0)
         self.entries[rid] = entry
         return entry
 
@@ -110,7 +122,7 @@ class PageTable:
         if need > self.max_pages_per_request:
             raise EngineError(f"request {rid} needs {need} pages; at most "
                               f"{self.max_pages_per_request} fit its page-table row")
-        new = self.allocator.alloc(need - len(entry.pages)) if need > len(entry.pages) else []
+        new = self._alloc(need - len(entry.pages)) if need > len(entry.pages) else []
         for page in new:
             self._pending.append((entry.row, len(entry.pages), page))
             entry.pages.append(page)
@@ -126,8 +138,46 @@ class PageTable:
         entry = self.entries.pop(rid, None)
         if entry is None:
             return
-        self.allocator.free(entry.pages)
+        shared = entry.shared
+        # Its own pages: those past its cached prefix, or copies of pages the cache already held.
+        self.allocator.free([p for i, p in enumerate(entry.pages)
+                             if i >= len(shared) or shared[i].page != p])
+        if self.cache is not None:
+            self.allocator.free(self.cache.unlock(shared))
         self._rows.append(entry.row)
+
+    # ----- prefix cache ------------------------------------------------------------------------
+
+    def reuse_prefix(self, rid: str, tokens: list[int], *, max_tokens: int) -> int:
+        """Start the new request `rid` on the cached pages of the longest cached page-aligned
+        prefix of `tokens` (at most `max_tokens` tokens). Returns the tokens reused."""
+        if self.cache is None or rid in self.entries:
+            return 0
+        entry = self.add(rid)
+        nodes = self.cache.match(tokens)[:max(max_tokens, 0) // self.page_size]
+        self.cache.lock(nodes)
+        entry.shared = nodes
+        for node in nodes:
+            self._pending.append((entry.row, len(entry.pages), node.page))
+            entry.pages.append(node.page)
+        entry.length = len(nodes) * self.page_size
+        return entry.length
+
+    def cache_prefix(self, rid: str, tokens: list[int]) -> None:
+        """Offer the full pages of `tokens` (whose KV `rid` has written) to the prefix cache;
+        KV begun before the last flush or weight update is never offered."""
+        entry = self.entries.get(rid)
+        if self.cache is None or entry is None or entry.epoch != self.cache.epoch:
+            return
+        path, _ = self.cache.insert(tokens[:entry.length], entry.pages)
+        self.cache.lock(path)
+        self.allocator.free(self.cache.unlock(entry.shared))
+        entry.shared = path
+
+    def flush_prefix_cache(self) -> None:
+        """Empty the prefix cache (pages still read by requests are freed when they finish)."""
+        if self.cache is not None:
+            self.allocator.free(self.cache.clear())
 
     def clear(self) -> None:
         for rid in list(self.entries):

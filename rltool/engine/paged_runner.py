@@ -46,7 +46,8 @@ class PagedRunner:
     def __init__(self, model_path: str | Path, *, device: str = "cuda", dtype: str = "bf16",
                  weight_version: str = "default", max_running: int = 64, page_size: int = 16,
                  mem_fraction_static: float = 0.85, max_total_tokens: int | None = None,
-                 cuda_graph_max_bs: int = 256, disable_cuda_graph: bool = False):
+                 cuda_graph_max_bs: int = 256, disable_cuda_graph: bool = False,
+                 prefix_cache: bool = True):
         from transformers import AutoTokenizer
 
         if dtype not in DTYPES:
@@ -67,6 +68,7 @@ class PagedRunner:
         self.mem_fraction_static = mem_fraction_static
         self.max_total_tokens = max_total_tokens
         self.use_graphs = self.device.type == "cuda" and not disable_cuda_graph
+        self.prefix_cache = prefix_cache
         self.cuda_graph_max_bs = min(cuda_graph_max_bs, max_running)
         self.scale = self.spec.head_dim ** -0.5
         top = self.cuda_graph_max_bs
@@ -125,7 +127,7 @@ class PagedRunner:
         self.table = PageTable(num_pages=num_pages, page_size=self.page_size,
                                max_requests=self.max_running,
                                max_pages_per_request=-(-self.context_length // self.page_size),
-                               device=self.device)
+                               device=self.device, prefix_cache=self.prefix_cache)
         self.max_total_num_tokens = (num_pages - 1) * self.page_size
         log.info("KV pool: %d pages of %d tokens (%.2f GiB); weights %.2f GiB", num_pages,
                  self.page_size, self.pool.nbytes() / 2**30, self.model.nbytes() / 2**30)
@@ -222,6 +224,16 @@ class PagedRunner:
     def clear(self) -> None:
         if self.table is not None:
             self.table.clear()
+
+    def reuse_prefix(self, rid: str, tokens: list[int], *, max_tokens: int) -> int:
+        return self.table.reuse_prefix(rid, tokens, max_tokens=max_tokens)
+
+    def cache_prefix(self, rid: str, tokens: list[int]) -> None:
+        self.table.cache_prefix(rid, tokens)
+
+    def flush_prefix_cache(self) -> None:
+        if self.table is not None:
+            self.table.flush_prefix_cache()
 
     # ----- forwards ------------------------------------------------------------------------
 

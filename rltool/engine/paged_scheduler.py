@@ -82,20 +82,31 @@ class PagedScheduler(Scheduler):
         runner = self.runner
         budget = self.max_prefill_tokens
         chunk = self.chunked_prefill_size
-        free = runner.free_pages() - len(self.running)  # a page per running request's next token
+        reserved = len(self.running)  # a page per running request's next token
+        ps = runner.page_size
+        filling: set[tuple[int, ...]] = set()  # first pages whose KV this step writes
         chunks: list[tuple[str, list[int], int]] = []
         want: list[bool] = []
         reqs: list[Request] = []
         done: list[Request] = []
         for req in list(self.prefilling):
-            start, target = req.num_cached, req.prefill_target
+            target = req.prefill_target
+            head = tuple(req.prompt_ids[:ps])
+            if req.num_cached == 0:
+                if len(head) == ps and head in filling:
+                    continue  # an earlier request is writing this prefix: reuse it next step
+                req.num_cached = runner.reuse_prefix(req.rid, req.all_ids(), max_tokens=target - 1)
+                if not req.output_ids:
+                    req.cached_tokens = req.num_cached
+            filling.add(head)
+            start = req.num_cached
             end = min(target, (start // chunk + 1) * chunk)
             if chunks and end - start > budget:
                 break
             need = runner.extra_pages(req.rid, end)
-            if need > free:
+            if need > runner.free_pages() - reserved:
                 break
-            free -= need
+            reserved += need
             chunks.append((req.rid, req.all_ids()[start:end], start))
             want.append(end == target and not req.output_ids)
             reqs.append(req)
@@ -119,6 +130,7 @@ class PagedScheduler(Scheduler):
         self.num_prefill_forwards += 1
         for req in done:
             self.prefilling.remove(req)
+            runner.cache_prefix(req.rid, req.prompt_ids)
         fresh = [r for r, w in zip(reqs, want) if w]
         if fresh:
             self._sample_and_accept(fresh, logits)
@@ -283,6 +295,18 @@ class PagedScheduler(Scheduler):
         return gen
 
     # ----- KV ownership --------------------------------------------------------------------
+
+    def update_weights(self, apply: Any, *, abort_all: bool) -> Any:
+        def apply_and_invalidate() -> Any:
+            try:
+                return apply()
+            finally:  # KV computed under the old weights must never be reused
+                self.runner.flush_prefix_cache()
+
+        return super().update_weights(apply_and_invalidate, abort_all=abort_all)
+
+    def flush_cache(self) -> None:
+        self.runner.flush_prefix_cache()
 
     def _retract(self, req: Request) -> None:
         self.runner.remove(req.rid)

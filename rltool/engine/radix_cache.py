@@ -38,6 +38,7 @@ class RadixCache:
         self.root = Node(key=(), page=-1, parent=None)
         self._clock = itertools.count(1)
         self.num_pages = 0  # pages held by attached nodes
+        self.epoch = 0  # bumped by clear: KV written under an older epoch is never inserted
 
     def _keys(self, tokens: list[int]) -> list[tuple[int, ...]]:
         ps = self.page_size
@@ -127,6 +128,7 @@ class RadixCache:
                 freed.append(node.page)
         self.root.children = {}
         self.num_pages = 0
+        self.epoch += 1
         return freed
 
     def _nodes(self) -> list[Node]:

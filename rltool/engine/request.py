@@ -47,6 +47,7 @@ class Request:
 
     cache: Any = None  # own batch-of-one KV cache while prefilling (or decoding, deterministic)
     num_cached: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     t_arrival: float = field(default_factory=time.monotonic)
     t_first_token: float | None = None
@@ -100,7 +101,7 @@ def build_response(req: Request, *, tokenizer: Any, weight_version: str) -> dict
         "finish_reason": req.finish_reason,
         "prompt_tokens": len(req.prompt_ids),
         "completion_tokens": n_out,
-        "cached_tokens": 0,
+        "cached_tokens": req.cached_tokens,
         "reasoning_tokens": 0,
         "weight_version": req.spans[-1]["version"] if req.spans else weight_version,
         "weight_versions": [dict(s) for s in req.spans],

@@ -206,6 +206,9 @@ class Scheduler:
         self._enqueue_op(op)
         return future
 
+    def flush_cache(self) -> None:
+        """Empty the prefix cache (this engine keeps none; the paged one does)."""
+
     def retract_for_release(self) -> None:
         self._retract_all()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from fastapi import APIRouter, Request as HttpRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -19,6 +20,14 @@ from rltool.errors import BadInputError
 FLUSH_POLL_S = 0.05
 
 
+def _flush_if_idle(sched: Any) -> bool:
+    """Empty the prefix cache unless requests are running or waiting; returns whether busy."""
+    busy = bool(sched.running or sched.prefilling) or (bool(sched.waiting) and sched.paused is None)
+    if not busy:
+        sched.flush_cache()
+    return busy
+
+
 def router(state: EngineState) -> APIRouter:
     r = APIRouter()
     sched, runner = state.scheduler, state.runner
@@ -27,8 +36,7 @@ def router(state: EngineState) -> APIRouter:
     async def flush_cache(timeout: float = 0.0) -> Response:
         deadline = time.monotonic() + max(timeout, 0.0)
         while True:
-            busy = await state.on_thread(lambda: bool(sched.running or sched.prefilling)
-                                         or (bool(sched.waiting) and sched.paused is None))
+            busy = await state.on_thread(lambda: _flush_if_idle(sched))
             if not busy:
                 return PlainTextResponse("Cache flushed.\nPlease check backend logs for more "
                                          "details. (When there are running or waiting requests, "

@@ -97,8 +97,10 @@ def openai_error(message: str, code: int = 400) -> JSONResponse:
 def _usage(outs: list[dict[str, Any]], n: int) -> dict[str, int]:
     prompt = sum(o["meta_info"]["prompt_tokens"] for o in outs[::n])
     completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    cached = sum(o["meta_info"].get("cached_tokens", 0) for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _finish(out: dict[str, Any]) -> tuple[str | None, Any]:
