@@ -1,0 +1,110 @@
+"""The paged scheduler's prefix cache on CPU: a GRPO group shares its prompt's pages, greedy
+outputs are the same with and without the cache, a weight update or /flush_cache empties it, and
+KV computed under old weights is never reused."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from rltool.engine.paged_runner import PagedRunner
+from rltool.engine.paged_scheduler import PagedScheduler
+from rltool.engine.request import Request
+from rltool.engine.routes.openai import _usage
+from rltool.engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]  # 11 tokens: two full pages of 4
+NEW = 6
+
+
+def engine(model_dir, *, prefix_cache=True):
+    runner = PagedRunner(model_dir, device="cpu", dtype="fp32", max_running=8, page_size=4,
+                         max_total_tokens=4096, prefix_cache=prefix_cache)
+    sched = PagedScheduler(runner, max_running=8, max_prefill_tokens=64, chunked_prefill_size=16)
+    sched.start()
+    return runner, sched
+
+
+def generate(sched, prompts, tag):
+    done, finished = threading.Event(), []
+
+    def on_finish(req):
+        finished.append(req)
+        if len(finished) == len(prompts):
+            done.set()
+
+    reqs = [Request(rid=f"{tag}{i}", prompt_ids=list(p), return_logprob=True, on_finish=on_finish,
+                    params=SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    sched.submit(reqs)
+    assert done.wait(60)
+    return reqs
+
+
+def test_group_shares_prompt_pages_and_matches_no_cache(tiny_model_dir):
+    prompts = [PROMPT] * 4 + [PROMPT[:8] + [30, 31]]
+    runner, sched = engine(tiny_model_dir)
+    plain_runner, plain = engine(tiny_model_dir, prefix_cache=False)
+    try:
+        cached = generate(sched, prompts, "c")
+        ref = generate(plain, prompts, "p")
+    finally:
+        sched.stop()
+        plain.stop()
+    assert [r.cached_tokens for r in cached] == [0, 8, 8, 8, 8]
+    assert [r.cached_tokens for r in ref] == [0] * 5
+    for a, b in zip(cached, ref):
+        assert a.output_ids == b.output_ids
+        assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-5)
+    table = runner.table
+    assert table.cache.num_pages == 2 and not table.entries  # the shared prefix, nothing locked
+    assert table.free_pages == table.allocator.num_pages - 1  # every page free or evictable
+    assert plain_runner.table.cache is None
+    outs = [{"meta_info": {"prompt_tokens": len(r.prompt_ids), "completion_tokens": NEW,
+                           "cached_tokens": r.cached_tokens}} for r in cached[:4]]
+    assert _usage(outs, 4)["prompt_tokens_details"] == {"cached_tokens": 24}
+
+
+def test_weight_update_and_flush_empty_the_cache(tiny_model_dir, tiny_model_factory):
+    new_dir = tiny_model_factory("qwen2", seed=1)
+    runner, sched = engine(tiny_model_dir)
+    _, fresh = engine(new_dir)
+    try:
+        generate(sched, [PROMPT], "a")
+        assert generate(sched, [PROMPT], "b")[0].cached_tokens == 8
+        sched.update_weights(lambda: runner.load_weights(new_dir), abort_all=False).result(30)
+        assert runner.table.cache.num_pages == 0
+        after = generate(sched, [PROMPT], "c")[0]
+        want = generate(fresh, [PROMPT], "f")[0]
+        assert after.cached_tokens == 0  # KV of the old weights is never reused
+        assert after.output_ids == want.output_ids
+        assert after.output_logprobs == pytest.approx(want.output_logprobs, abs=1e-5)
+        again = generate(sched, [PROMPT], "d")[0]  # cached under the new weights
+        assert again.cached_tokens == 8
+        assert again.output_logprobs == pytest.approx(want.output_logprobs, abs=1e-5)
+        sched.call(sched.flush_cache).result(10)
+        assert runner.table.cache.num_pages == 0
+        assert generate(sched, [PROMPT], "e")[0].cached_tokens == 0
+    finally:
+        sched.stop()
+        fresh.stop()
+    assert runner.table.free_pages == runner.table.allocator.num_pages - 1
+
+
+def test_eviction_makes_room_for_new_prompts(tiny_model_dir):
+    """A pool the cache fills must still serve new prompts: unreferenced leaves are evicted."""
+    runner = PagedRunner(tiny_model_dir, device="cpu", dtype="fp32", max_running=2, page_size=4,
+                         max_total_tokens=40)
+    sched = PagedScheduler(runner, max_running=2, max_prefill_tokens=64, chunked_prefill_size=16)
+    sched.start()
+    try:
+        for i in range(6):  # 6 distinct prompts x 2 cached pages each > 9 usable pages
+            req = generate(sched, [[20 + i] + PROMPT[1:]], f"x{i}")[0]
+            assert req.finish_reason["type"] == "length"
+    finally:
+        sched.stop()
+    assert runner.table.cache.num_pages <= runner.table.allocator.num_pages - 1
+    assert runner.table.free_pages == runner.table.allocator.num_pages - 1
