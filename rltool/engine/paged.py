@@ -91,6 +91,11 @@ class PageTable:
         """Pages a request can get: free ones and those the prefix cache would evict."""
         return self.allocator.available + (self.cache.evictable() if self.cache else 0)
 
+    def has_free(self, n: int) -> bool:
+        """Whether `n` pages can be had; counts the cache's evictable pages (a walk of the tree)
+        only when the free list alone is short, so the decode step's check stays O(1)."""
+        return self.allocator.available >= n or self.free_pages >= n
+
     def _alloc(self, n: int) -> list[int]:
         short = n - self.allocator.available
         if short > 0 and self.cache is not None:

@@ -214,6 +214,9 @@ class PagedRunner:
     def free_pages(self) -> int:
         return self.table.free_pages if self.table is not None else 0
 
+    def has_free_pages(self, n: int) -> bool:
+        return self.table is not None and self.table.has_free(n)
+
     def extra_pages(self, rid: str, length: int) -> int:
         return self.table.extra_pages(rid, length)
 

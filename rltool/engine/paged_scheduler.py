@@ -104,7 +104,7 @@ class PagedScheduler(Scheduler):
             if chunks and end - start > budget:
                 break
             need = runner.extra_pages(req.rid, end)
-            if need > runner.free_pages() - reserved:
+            if not runner.has_free_pages(need + reserved):
                 break
             reserved += need
             chunks.append((req.rid, req.all_ids()[start:end], start))
@@ -146,7 +146,7 @@ class PagedScheduler(Scheduler):
         if prev is not None and not (overlap and all(r.rid in prev.rows for r in reqs)):
             self._drain()
             prev = None
-        if runner.free_pages() < len(reqs):  # each needs at most one new page; count exactly
+        if not runner.has_free_pages(len(reqs)):  # at most one new page each; count exactly
             reqs.sort(key=lambda r: r.seq)
             need = sum(runner.extra_pages(r.rid, len(r.prompt_ids) + len(r.output_ids))
                        for r in reqs)

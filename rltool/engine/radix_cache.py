@@ -89,19 +89,23 @@ class RadixCache:
         return freed
 
     def evictable(self) -> int:
-        """Pages `evict` could free now (unreferenced subtrees)."""
-        def count(node: Node) -> tuple[int, bool]:
-            total, free = 0, True
-            for child in node.children.values():
-                n, f = count(child)
-                total += n
-                free = free and f
-            if node is self.root:
-                return total, free
-            if free and node.refs == 0:
-                return total + 1, True
-            return total, False
-        return count(self.root)[0]
+        """Pages `evict` could free now: nodes whose whole subtree is unreferenced. Iterative
+        (a post-order walk with an explicit stack): a long prompt at a small page size makes the
+        tree deeper than Python's recursion limit."""
+        free: dict[int, bool] = {}
+        total = 0
+        stack: list[tuple[Node, bool]] = [(self.root, False)]
+        while stack:
+            node, visited = stack.pop()
+            if not visited:
+                stack.append((node, True))
+                stack.extend((child, False) for child in node.children.values())
+                continue
+            subtree_free = all([free.pop(id(child)) for child in node.children.values()])
+            if node is not self.root:
+                free[id(node)] = subtree_free and node.refs == 0
+                total += free[id(node)]
+        return total
 
     def evict(self, num_pages: int) -> list[int]:
         """Free up to `num_pages` pages: unreferenced leaves, least recently used first."""

@@ -64,3 +64,15 @@ def test_clear_detaches_locked_pages_until_unlocked():
     assert sorted(cache.clear()) == [11, 12]
     assert cache.num_pages == 0 and cache.match([1, 2, 3, 4]) == []
     assert cache.unlock(path[:1]) == [10]  # freed with its last reference, never reused
+
+
+def test_a_tree_deeper_than_the_recursion_limit_counts_and_evicts():
+    """`evictable` walked the tree recursively, so one long prompt at page size 1 (a path deeper
+    than Python's recursion limit) raised RecursionError in the scheduler's page check."""
+    cache = RadixCache(page_size=1)
+    n = 5000
+    path, _ = cache.insert(list(range(n)), list(range(n)))
+    assert cache.evictable() == n
+    cache.lock(path[:10])
+    assert cache.evictable() == n - 10
+    assert len(cache.evict(n)) == n - 10
