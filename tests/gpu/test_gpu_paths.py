@@ -144,14 +144,15 @@ def det_engine(tiny_model_dir, tmp_path_factory):
     from rltool.rollout.launch import start_engine
 
     log_path = tmp_path_factory.mktemp("engine-logs") / "gpu-det.log"
-    proc = start_engine(["--engine", "builtin", "--model", str(tiny_model_dir), "--deterministic"],
+    proc = start_engine(["--engine", "builtin", "--model", str(tiny_model_dir), "--device", "cpu",
+                         "--deterministic"],
                         log_path=log_path, ready_timeout_s=120.0)
     yield proc
     proc.stop()
 
 
 def test_builtin_engine_on_cuda_host_matches_cuda_trainer(det_engine, tiny_model_dir):
-    """The builtin engine has no device option: it serves from the CPU even on a GPU machine.
+    """The builtin engine told to serve from the CPU on a GPU machine (`--device cpu`).
     Its deterministic logprobs then match the CUDA trainer's layout to 1e-4, not bit for bit
     (different devices run different kernels), and match its own CPU layout exactly."""
     from rltool.rollout.client import EngineClient
