@@ -37,6 +37,15 @@ class BackendConfig(StageConfig):
                                                    "cpu: match an engine that runs on the CPU.")
     parallel: Literal["ddp", "fsdp"] = Field("ddp", description="Data parallelism under torchrun: "
                                              "DDP or FSDP2 (fully_shard).")
+    micro_batch_layout: Literal["auto", "padded", "packed"] = Field(
+        "auto", description="padded: samples right-padded to the longest with a mask; packed: "
+        "concatenated without padding, attention kept inside each sample (one process); auto: "
+        "packed on CUDA in one process unless --deterministic, else padded.")
+    logprob_chunk_tokens: int = Field(4096, ge=1, description="Packed layout: rows of logits "
+                                      "computed at a time for logprobs and entropy (bounds the "
+                                      "[tokens, vocab] float32 buffer).")
+    recompute_activations: bool = Field(False, description="Activation checkpointing of every "
+                                        "decoder layer (less memory, ~1/3 more compute).")
     deterministic: bool = Field(False, description="One unpadded forward per sample "
                                 "(rltool.logprobs.sequence_logprobs layout): exact alignment "
                                 "with the engine's deterministic mode, slower.")

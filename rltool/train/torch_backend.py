@@ -7,8 +7,11 @@
   stay fp32 and the forward runs under bf16 autocast (torch AMP).
 - AdamW, global-norm gradient clipping, the LR schedule of rltool.train.lr.
 - Logprobs under rltool.logprobs' convention. A micro-batch of several samples runs right-padded
-  with an attention mask; with `deterministic`, every sample runs alone, unpadded, exactly as
-  rltool.logprobs.sequence_logprobs (bit-equal to the engine's deterministic mode in fp32).
+  with an attention mask, or packed into one row without padding (rltool.train.packed; logits
+  in chunks, never the whole [tokens, vocab] at once); with `deterministic`, every sample runs
+  alone, unpadded, exactly as rltool.logprobs.sequence_logprobs (bit-equal to the engine's
+  deterministic mode in fp32).
+- On CUDA: fused AdamW (one process or DDP); optional activation checkpointing.
 - Every rank runs the same number of forward passes and backward passes: empty or missing units
   become a one-token dummy pass whose loss is multiplied by zero.
 """
@@ -28,6 +31,7 @@ import torch.distributed as dist
 from rltool.errors import CheckpointError, ConfigError
 from rltool.logprobs import effective_temperature, logits_to_logprobs
 from rltool.train import checkpoint as ckpt
+from rltool.train import packed
 from rltool.train.algo.losses import entropy_from_logits
 from rltool.train.backend import ForwardOutput, LossFn, MicroBatch
 from rltool.train.config import BackendConfig
@@ -73,8 +77,11 @@ class TorchBackend:
         self.optimizer_steps = 0
         if self.trainable:  # a frozen reference must not reset the policy's RNG stream
             torch.manual_seed(options.seed + self.dp_rank)
+        self.packed = self._packed_layout(options)
+        load_kwargs = {"attn_implementation": packed.register()} if self.packed else {}
         try:
-            inner = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+            inner = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                         **load_kwargs)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{model_dir}: cannot load the model ({e})") from e
         self.config = inner.config
@@ -96,14 +103,30 @@ class TorchBackend:
                 self.inner, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self.optimizer = None
         if self.trainable:
+            if options.recompute_activations:
+                enable = getattr(self.inner, "activation_checkpointing_enable", None) or \
+                    self.inner.gradient_checkpointing_enable  # the older transformers name
+                enable({"use_reentrant": False})
             self.optimizer = torch.optim.AdamW(
                 self.model.parameters(), lr=options.lr, betas=(options.adam_beta1,
                                                                options.adam_beta2),
-                eps=options.adam_eps, weight_decay=options.weight_decay)
+                eps=options.adam_eps, weight_decay=options.weight_decay,
+                fused=self.device.type == "cuda" and not self.fsdp)
         else:
             self.inner.requires_grad_(False)
 
     # -- setup -------------------------------------------------------------------------------
+    def _packed_layout(self, options: BackendConfig) -> bool:
+        layout = options.micro_batch_layout
+        if layout == "packed" and options.deterministic:
+            raise ConfigError("--micro-batch-layout packed and --deterministic exclude each "
+                              "other (deterministic runs every sample alone); drop one")
+        if layout == "packed" and self.dp_size > 1:
+            raise ConfigError("--micro-batch-layout packed runs in one process; use padded "
+                              "(or auto) under torchrun")
+        return layout == "packed" or (layout == "auto" and self.device.type == "cuda"
+                                      and self.dp_size == 1 and not options.deterministic)
+
     def _shard(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -162,6 +185,9 @@ class TorchBackend:
             if values is not None:
                 anchor = anchor + values.sum() * 0.0
             return ForwardOutput(logprobs=[]), anchor
+        if self.packed:
+            return self._packed_forward(mb, temperature=temperature, with_entropy=with_entropy,
+                                        top_k=top_k)
         lengths = [len(t) for t in mb.tokens]
         if len(mb.tokens) == 1:
             # One sample: unpadded, no mask -- the layout of rltool.logprobs.sequence_logprobs.
@@ -196,6 +222,23 @@ class TorchBackend:
                 out.topk_logprobs.append(top_values)
                 out.topk_ids.append(top_ids)
         return out, logits.float().sum() * 0.0
+
+    def _packed_forward(self, mb: MicroBatch, *, temperature: float, with_entropy: bool,
+                        top_k: int) -> tuple[ForwardOutput, torch.Tensor]:
+        p = packed.pack(mb.tokens, mb.response_starts, self.device)
+        decoder = getattr(self.inner, self.inner.base_model_prefix)
+        with self._autocast():
+            hidden = decoder(**packed.decoder_kwargs(p)).last_hidden_state[0]
+            parts = packed.response_outputs(hidden, p, self.inner.lm_head,
+                                            temperature=temperature, with_entropy=with_entropy,
+                                            top_k=top_k, chunk=self.options.logprob_chunk_tokens)
+            out = ForwardOutput(logprobs=parts["logprobs"], entropy=parts.get("entropy"),
+                                topk_logprobs=parts.get("topk_logprobs"),
+                                topk_ids=parts.get("topk_ids"))
+            if self.value_head:
+                values = self.inner.value_head(hidden.index_select(0, p.rows)).squeeze(-1)
+                out.extras["values"] = list(values.float().split(p.response_lengths))
+        return out, hidden.float().sum() * 0.0
 
     def _model_call(self, module: Any, ids: torch.Tensor,
                     mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
