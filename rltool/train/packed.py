@@ -29,10 +29,10 @@ ATTN_IMPLEMENTATION = "rltool_varlen"
 
 try:
     from torch.nn.attention.varlen import varlen_attn
-    _VARLEN_GQA = "enable_gqa" in inspect.signature(varlen_attn).parameters
+    _VARLEN_ARGS = set(inspect.signature(varlen_attn).parameters)
 except ImportError:  # torch without variable-length flash attention: the per-sample path
     varlen_attn = None
-    _VARLEN_GQA = False
+    _VARLEN_ARGS = set()
 
 
 def register() -> str:
@@ -71,15 +71,22 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         q = query[0].transpose(0, 1).contiguous()            # [T, H, D]
         k = key[0].transpose(0, 1).contiguous()              # [T, Hkv, D]
         v = value[0].transpose(0, 1).contiguous()
-        extra = {}
-        if _VARLEN_GQA:
+        # The keyword names moved between torch releases: causal is `is_causal` in some and a
+        # window (-1, 0) in others; GQA and the scale are not accepted everywhere.
+        extra: dict = {"is_causal": True} if "is_causal" in _VARLEN_ARGS else {
+            "window_size": (-1, 0)}
+        if "enable_gqa" in _VARLEN_ARGS:
             extra["enable_gqa"] = groups > 1
         else:
             k, v = _repeat_kv(k, groups, 1), _repeat_kv(v, groups, 1)
+        if "scale" in _VARLEN_ARGS:
+            extra["scale"] = scaling
+        elif scaling is not None and abs(scaling - q.shape[-1] ** -0.5) > 1e-12:
+            raise NotImplementedError("this torch's varlen_attn has no scale argument; use "
+                                      "--micro-batch-layout padded for this model")
         max_len = kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max())
         cu32 = cu.to(torch.int32)
-        out = varlen_attn(q, k, v, cu32, cu32, max_len, max_len, scale=scaling,
-                          window_size=(-1, 0), **extra)
+        out = varlen_attn(q, k, v, cu32, cu32, max_len, max_len, **extra)
         return out.unsqueeze(0), None
     bounds = cu.tolist()
     outs = [F.scaled_dot_product_attention(
