@@ -12,7 +12,8 @@ from rltool.train.backend import MicroBatch
 from rltool.train.config import BackendConfig
 from rltool.train.torch_backend import TorchBackend
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
