@@ -66,11 +66,15 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     groups = query.shape[1] // key.shape[1]
     if cu is None:
         cu = torch.tensor([0, total], dtype=torch.int32, device=query.device)
-    if (varlen_attn is not None and query.is_cuda
-            and query.dtype in (torch.bfloat16, torch.float16)):
-        q = query[0].transpose(0, 1).contiguous()            # [T, H, D]
-        k = key[0].transpose(0, 1).contiguous()              # [T, Hkv, D]
-        v = value[0].transpose(0, 1).contiguous()
+    dtype = query.dtype
+    if query.is_cuda and torch.is_autocast_enabled("cuda"):
+        # Under autocast the rotary embedding leaves q and k in float32 (it follows the fp32
+        # residual stream); SDPA would cast them itself, the flash kernel needs them cast.
+        dtype = torch.get_autocast_dtype("cuda")
+    if varlen_attn is not None and query.is_cuda and dtype in (torch.bfloat16, torch.float16):
+        q = query[0].transpose(0, 1).to(dtype).contiguous()            # [T, H, D]
+        k = key[0].transpose(0, 1).to(dtype).contiguous()              # [T, Hkv, D]
+        v = value[0].transpose(0, 1).to(dtype).contiguous()
         # The keyword names moved between torch releases: causal is `is_causal` in some and a
         # window (-1, 0) in others; GQA and the scale are not accepted everywhere.
         extra: dict = {"is_causal": True} if "is_causal" in _VARLEN_ARGS else {
