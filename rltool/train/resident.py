@@ -17,6 +17,7 @@ import torch
 from rltool.rundir import step_dir_name
 from rltool.train.checkpoint import read_trainer_state, resolve_load
 from rltool.train.config import TrainConfig
+from rltool.train.residency import Move, Offloader
 from rltool.train.stage import (_load_samples, _Plan, _prepare_set, _save, default_metrics_path,
                                 train_set)
 from rltool.train.torch_backend import TorchBackend
@@ -40,6 +41,9 @@ class ResidentTrainer:
             self.backend.load(target.ckpt_dir)
             self.loop_step = int(read_trainer_state(target.ckpt_dir).get("loop_step", -1))
         self._last: tuple[Any, Any, _Plan, TrainConfig] | None = None
+        self._offloaders = [Offloader(self.backend.inner, self.backend.optimizer)]
+        if self.ref is not None:
+            self._offloaders.append(Offloader(self.ref.inner))
         # The trainer's own RNG stream: whatever else the loop's process draws between steps
         # leaves it alone, so it continues exactly as a reload from its checkpoint would.
         self._rng = torch.get_rng_state()
@@ -82,6 +86,20 @@ class ResidentTrainer:
               extra_state={"loop_step": self.loop_step})
         return self.checkpoint_dir(save)
 
+    def offload(self) -> Move:
+        """Parameters, gradients and optimizer state (and the reference model) to host memory,
+        releasing the device for the engine (rltool.train.residency)."""
+        return _merge([o.offload() for o in self._offloaders])
+
+    def reload(self) -> Move:
+        return _merge([o.reload() for o in self._offloaders])
+
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """The policy's weights under HF names (what an engine serves), in a stable order."""
         return sorted(self.backend.export_hf_state_dict().items())
+
+
+def _merge(moves: list[Move]) -> Move:
+    return Move(tensors=sum(m.tensors for m in moves), bytes=sum(m.bytes for m in moves),
+                seconds=sum(m.seconds for m in moves),
+                device_allocated_after=moves[-1].device_allocated_after)

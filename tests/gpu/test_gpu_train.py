@@ -36,3 +36,27 @@ def test_packed_bf16_on_cuda_matches_padded(tiny_model_factory, arch, monkeypatc
         torch.testing.assert_close(y, x, atol=2e-2, rtol=0)
     assert calls  # the flash varlen kernel ran (not the per-sample fallback)
     assert TorchBackend(model_dir, options=BackendConfig(device="cuda")).packed  # auto
+
+
+def test_offload_releases_device_memory_and_reload_restores_bits(tiny_model_dir):
+    from rltool.train.residency import Offloader
+
+    backend = TorchBackend(tiny_model_dir, options=BackendConfig(device="cuda", lr=1e-3))
+    batch = MicroBatch([0, 1], [[5, 6, 7, 8, 9], [4, 3, 2]], [2, 1])
+    backend.train_step([batch], lambda out, mb: (sum(lp.sum() for lp in out.logprobs), {}),
+                       temperature=1.0)
+    before = {k: v.clone() for k, v in backend.inner.state_dict().items()}
+    moments = [v.clone() for st in backend.optimizer.state.values() for k, v in st.items()
+               if k != "step"]
+    torch.cuda.synchronize()
+    loaded = torch.cuda.memory_allocated()
+    offloader = Offloader(backend.inner, backend.optimizer)
+    move = offloader.offload()
+    assert move.device_allocated_after <= loaded - 0.95 * move.bytes
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in backend.inner.parameters())
+    offloader.reload()
+    assert torch.cuda.memory_allocated() >= loaded - 4096
+    after = backend.inner.state_dict()
+    assert all(torch.equal(before[k], after[k]) and after[k].is_cuda for k in before)
+    again = [v for st in backend.optimizer.state.values() for k, v in st.items() if k != "step"]
+    assert all(torch.equal(a, b) for a, b in zip(moments, again))

@@ -57,3 +57,39 @@ def test_resident_state_equals_a_reload_of_its_checkpoint_at_every_save(tiny_mod
             reloaded.train(cfg(step + 1, str(ckpt)), loop_step=step + 1, log_metrics=False)
             ahead = reloaded
     assert resident.version == 3 * 6  # 3 sets x 2 epochs x 12 samples / batches of 4
+
+
+def test_offload_and_reload_between_sets_change_nothing(tiny_model_dir, tmp_path):
+    """The residency bookkeeping of a colocated GPU loop, run on CPU: parameters, gradients and
+    optimizer moments go to reused host buffers and come back bit-exact, and training on after
+    each round trip gives the state of a trainer that never left."""
+    shards = [make_shard(tmp_path / "rollouts" / f"step-{s:06d}", tiny_model_dir,
+                         shard_rows(REWARDS, seed=s), step=s) for s in range(2)]
+
+    def cfg(step: int) -> TrainConfig:
+        return TrainConfig(rollouts=[str(shards[step])], load=str(tiny_model_dir), **COMMON)
+
+    stays, moves = ResidentTrainer(cfg(0)), ResidentTrainer(cfg(0))
+    buffers = None
+    for step in range(2):
+        for trainer in (stays, moves):
+            trainer.train(cfg(step), loop_step=step, log_metrics=False)
+        before = state_of(moves)
+        move = moves.offload()
+        offloader = moves._offloaders[0]
+        params = dict(moves.backend.inner.named_parameters())
+        # every parameter and Adam moment now lives in the offloader's host buffers
+        assert all(params[n].data.data_ptr() == buf.data_ptr()
+                   for (n, kind), buf in offloader._host.items() if kind == "param")
+        moments = sum(1 for _, kind in offloader._host if kind.startswith("opt."))
+        assert moments == 2 * len(params) and move.tensors == len(offloader._host)
+        assert move.bytes == sum(b.numel() * b.element_size() for b in offloader._host.values())
+        with pytest.raises(RuntimeError, match="twice"):
+            moves.offload()
+        ptrs = {k: b.data_ptr() for k, b in offloader._host.items()}
+        assert buffers is None or ptrs == buffers  # allocated once, reused by the next offload
+        buffers = ptrs
+        moves.reload()
+        assert all(p.data.data_ptr() not in ptrs.values() for p in params.values())
+        assert_bit_equal(before, state_of(moves))
+    assert_bit_equal(state_of(stays), state_of(moves))
