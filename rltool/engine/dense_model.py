@@ -1,4 +1,5 @@
-"""The engine's own model definition for dense decoder-only LMs: the qwen2, qwen3 and llama families.
+"""The engine's own model definition for decoder-only LMs: the dense qwen2, qwen3 and llama families
+and the qwen3_moe family (its sparse MLP block in rltool.engine.moe).
 
 Loaded straight from a HF checkpoint (config.json + *.safetensors). Projections are fused for speed
 (q/k/v into one matrix, gate/up into one); `load_tensors` maps HF tensor names onto the fused
@@ -20,11 +21,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from rltool.engine import moe
 from rltool.errors import CheckpointError
 
-ARCHS = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+ARCHS = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
+         "Qwen3MoeForCausalLM": "qwen3_moe"}
 # For a config.json without "architectures":
-MODEL_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama"}
+MODEL_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3_moe"}
 
 # attend(layer index, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -46,6 +49,7 @@ class ModelSpec:
     qk_norm: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
+    moe: moe.MoeSpec | None = None  # qwen3_moe: the sparse layers' MLP
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -88,9 +92,11 @@ def read_spec(model_dir: str | Path) -> ModelSpec:
         num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(head_dim), vocab_size=int(cfg["vocab_size"]),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
-        qkv_bias=qkv_bias, qk_norm=arch == "qwen3",
+        qkv_bias=qkv_bias, qk_norm=arch in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)))
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        moe=(moe.read_moe_spec(cfg, int(cfg["num_hidden_layers"]), where=str(path))
+             if arch == "qwen3_moe" else None))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -122,11 +128,14 @@ class DenseLM:
         self.lm_head = self.embed if s.tie_word_embeddings else empty(s.vocab_size, s.hidden_size)
         self.norm = empty(s.hidden_size)
         self.layers: list[dict[str, torch.Tensor]] = []
-        for _ in range(s.num_layers):
+        for i in range(s.num_layers):
             layer = {"qkv": empty(q + 2 * kv, s.hidden_size), "o": empty(s.hidden_size, q),
-                     "gate_up": empty(2 * s.intermediate_size, s.hidden_size),
-                     "down": empty(s.hidden_size, s.intermediate_size),
                      "ln1": empty(s.hidden_size), "ln2": empty(s.hidden_size)}
+            if self._sparse(i):
+                layer.update(moe.allocate(s.moe, s.hidden_size, empty))
+            else:
+                layer["gate_up"] = empty(2 * s.intermediate_size, s.hidden_size)
+                layer["down"] = empty(s.hidden_size, s.intermediate_size)
             if s.qkv_bias:
                 layer["qkv_bias"] = empty(q + 2 * kv)
             if s.qk_norm:
@@ -136,6 +145,9 @@ class DenseLM:
         self._inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.int64)
                                                  .float() / s.head_dim))
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _sparse(self, layer: int) -> bool:
+        return self.spec.moe is not None and layer in self.spec.moe.sparse_layers
 
     # ----- weights -------------------------------------------------------------------------
 
@@ -155,11 +167,14 @@ class DenseLM:
                 p + "self_attn.k_proj.weight": (L["qkv"], q, kv),
                 p + "self_attn.v_proj.weight": (L["qkv"], q + kv, kv),
                 p + "self_attn.o_proj.weight": (L["o"], 0, s.hidden_size),
-                p + "mlp.gate_proj.weight": (L["gate_up"], 0, inter),
-                p + "mlp.up_proj.weight": (L["gate_up"], inter, inter),
-                p + "mlp.down_proj.weight": (L["down"], 0, s.hidden_size),
                 p + "input_layernorm.weight": (L["ln1"], 0, s.hidden_size),
                 p + "post_attention_layernorm.weight": (L["ln2"], 0, s.hidden_size)})
+            if self._sparse(i):
+                out.update(moe.targets(s.moe, p + "mlp.", L))
+            else:
+                out.update({p + "mlp.gate_proj.weight": (L["gate_up"], 0, inter),
+                            p + "mlp.up_proj.weight": (L["gate_up"], inter, inter),
+                            p + "mlp.down_proj.weight": (L["down"], 0, s.hidden_size)})
             if s.qkv_bias:
                 out.update({p + "self_attn.q_proj.bias": (L["qkv_bias"], 0, q),
                             p + "self_attn.k_proj.bias": (L["qkv_bias"], q, kv),
@@ -254,7 +269,10 @@ class DenseLM:
                 k = rms_norm(k, L["k_norm"], s.rms_norm_eps)
             a = attend(i, q, k, v).reshape(T, q_size)
             h, residual = add_norm(F.linear(a, L["o"]), residual, L["ln2"], s.rms_norm_eps)
-            m = F.linear(silu_mul(F.linear(h, L["gate_up"])), L["down"])
+            if self._sparse(i):
+                m = moe.forward(h, L, s.moe, silu_mul)
+            else:
+                m = F.linear(silu_mul(F.linear(h, L["gate_up"])), L["down"])
             after = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.norm
             h, residual = add_norm(m, residual, after, s.rms_norm_eps)
         return h

@@ -67,7 +67,9 @@ class PagedRunner:
         self.page_size = page_size
         self.mem_fraction_static = mem_fraction_static
         self.max_total_tokens = max_total_tokens
-        self.use_graphs = self.device.type == "cuda" and not disable_cuda_graph
+        # An MoE layer sizes its expert GEMMs on the host (rltool.engine.moe): no graph capture.
+        self.use_graphs = (self.device.type == "cuda" and not disable_cuda_graph
+                           and self.spec.moe is None)
         self.prefix_cache = prefix_cache
         self.cuda_graph_max_bs = min(cuda_graph_max_bs, max_running)
         self.scale = self.spec.head_dim ** -0.5
