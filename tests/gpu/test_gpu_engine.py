@@ -1,5 +1,5 @@
-"""The paged engine on a CUDA GPU: the engine's model against transformers on the same GPU
-(teacher-forced, fp32 within 1e-5, bf16 within 2e-2), CUDA-graph replay against eager decode
+"""The paged engine on a CUDA GPU: the engine's model (dense and qwen3_moe) against transformers on
+the same GPU (teacher-forced, fp32 within 1e-5, bf16 within 2e-2), CUDA-graph replay against eager decode
 (identical), memory release and resume (free memory returns, generation repeats), pause modes.
 
 Every test skips only when `torch.cuda.is_available()` is false (the CI machines have none)."""
@@ -32,7 +32,7 @@ def runner_for(model_dir, dtype, **kw):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama", "qwen3_moe"])
 def test_logprobs_match_transformers_on_the_gpu(arch, dtype, tiny_model_factory):
     from transformers import AutoModelForCausalLM
 
