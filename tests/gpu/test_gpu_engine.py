@@ -1,6 +1,7 @@
 """The paged engine on a CUDA GPU: the engine's model (dense and qwen3_moe) against transformers on
 the same GPU (teacher-forced, fp32 within 1e-5, bf16 within 2e-2), CUDA-graph replay against
-eager decode (identical), memory release and resume (free memory returns, generation repeats), pause modes.
+eager decode (identical), memory release and resume (free memory returns, generation repeats),
+pause modes.
 
 Every test skips only when `torch.cuda.is_available()` is false (the CI machines have none)."""
 
