@@ -146,9 +146,6 @@ class ServeConfig(StageConfig):
         if not (is_loopback(self.host) or self.admin_api_key or self.allow_unauthenticated_admin):
             raise PydanticCustomError("insecure_host", INSECURE_HOST, {"host": self.host})
         if self.engine == "builtin" and self.engine_device == "cuda":
-            if self.deterministic:
-                raise ValueError("--deterministic is not supported with --device cuda yet; use "
-                                 "--device cpu")
             if self.enable_debug_endpoints:
                 raise ValueError("--enable-debug-endpoints needs --device cpu")
         if not (self.model / "config.json").is_file():

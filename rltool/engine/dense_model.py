@@ -225,13 +225,13 @@ class DenseLM:
     # ----- forward -------------------------------------------------------------------------
 
     def rope_table(self, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [max_positions, D] in the model dtype, built once (CUDA graphs index it)."""
+        """cos/sin [max_positions, D] in the model dtype, built once (CUDA graphs index it), on
+        the model's device as transformers computes them (CPU and CUDA cos differ in last bits)."""
         if self._rope_cache is None or self._rope_cache[0].shape[0] < max_positions:
-            t = torch.arange(max_positions, dtype=torch.float32)
-            freqs = torch.outer(t, self._inv_freq)
+            t = torch.arange(max_positions, dtype=torch.float32, device=self.device)
+            freqs = torch.outer(t, self._inv_freq.to(self.device))
             emb = torch.cat([freqs, freqs], dim=-1)
-            self._rope_cache = (emb.cos().to(self.device, self.dtype),
-                                emb.sin().to(self.device, self.dtype))
+            self._rope_cache = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
         return self._rope_cache
 
     def rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -16,6 +16,7 @@ Every method runs on the scheduler thread.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -38,6 +39,9 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 1
 # input ids, positions, page-table rows, sequence lengths, output slots, and the row of the previous
 # step's sampled tokens each input id is taken from (when they stay on the device)
 META_ROWS = 6
+# Deterministic mode: every decode attention call splits a request's KV this many ways, so its
+# reduction order depends on its own length only, never on the batch.
+DETERMINISTIC_SPLITS = 8
 
 
 class PagedRunner:
@@ -47,7 +51,7 @@ class PagedRunner:
                  weight_version: str = "default", max_running: int = 64, page_size: int = 16,
                  mem_fraction_static: float = 0.85, max_total_tokens: int | None = None,
                  cuda_graph_max_bs: int = 256, disable_cuda_graph: bool = False,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, deterministic: bool = False):
         from transformers import AutoTokenizer
 
         if dtype not in DTYPES:
@@ -70,7 +74,10 @@ class PagedRunner:
         # An MoE layer sizes its expert GEMMs on the host (rltool.engine.moe): no graph capture.
         self.use_graphs = (self.device.type == "cuda" and not disable_cuda_graph
                            and self.spec.moe is None)
-        self.prefix_cache = prefix_cache
+        self.deterministic = deterministic
+        # Deterministic: a reused prefix would compute a prompt's tail in another attention
+        # layout than a fresh prefill, so whether a prompt hit the cache would change its numbers.
+        self.prefix_cache = prefix_cache and not deterministic
         self.cuda_graph_max_bs = min(cuda_graph_max_bs, max_running)
         self.scale = self.spec.head_dim ** -0.5
         top = self.cuda_graph_max_bs
@@ -104,6 +111,8 @@ class PagedRunner:
     def _build(self) -> None:
         self.model = load_model(self.model_path, device=self.device, dtype=DTYPES[self.dtype],
                                 spec=self.spec)
+        if self.deterministic:  # transformers' ops one by one (the trainer's), invariant kernels
+            self.model.fused = False
         self.model.rope_table(self.context_length)
         elem = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
         per_token = self.spec.kv_bytes_per_token * elem
@@ -242,11 +251,25 @@ class PagedRunner:
 
     # ----- forwards ------------------------------------------------------------------------
 
+    def invariant(self) -> contextlib.AbstractContextManager:
+        """Deterministic mode: matmuls, means and log-softmaxes through the batch-invariant
+        kernels (rltool.batch_invariant) while the block runs; otherwise nothing."""
+        if not self.deterministic:
+            return contextlib.nullcontext()
+        from rltool import batch_invariant
+
+        return batch_invariant.enabled(self.device.type)
+
     @torch.no_grad()
     def prefill(self, chunks: list[tuple[str, list[int], int]], *, want: list[bool]
                 ) -> torch.Tensor | None:
         """Write the KV of each chunk (rid, token ids, first position) into the pool in one packed
         forward. Returns float32 logits of the last token of each chunk with want[i], in order."""
+        with self.invariant():
+            return self._prefill(chunks, want=want)
+
+    def _prefill(self, chunks: list[tuple[str, list[int], int]], *, want: list[bool]
+                 ) -> torch.Tensor | None:
         table, dev = self.table, self.device
         order = sorted(range(len(chunks)), key=lambda i: (chunks[i][2] > 0, len(chunks[i][1])))
         ids: list[int] = []
@@ -267,7 +290,8 @@ class PagedRunner:
             last[i] = offset + n - 1
             if start > 0:
                 cont.append((offset, n, start, table.slots(rid, 0, start + n)))
-            elif groups and groups[-1][2] == n and groups[-1][0] + groups[-1][1] * n == offset:
+            elif (groups and groups[-1][2] == n and groups[-1][0] + groups[-1][1] * n == offset
+                  and not self.deterministic):  # deterministic: attention per request
                 o, c, _ = groups[-1]
                 groups[-1] = (o, c + 1, n)
             else:
@@ -311,9 +335,15 @@ class PagedRunner:
 
         Nothing here waits for the device unless the host is two steps ahead: the host buffers
         the copies read from are pinned and used alternately."""
-        table, B = self.table, len(rids)
         # Eager decode on CUDA pads to the same buckets, so it computes exactly what a replay does.
-        bucket = next((b for b in self._buckets if b >= B), None)
+        bucket = next((b for b in self._buckets if b >= len(rids)), None)
+        with self.invariant():
+            return self._decode(rids, token_ids, prev_tokens, src_rows, bucket)
+
+    def _decode(self, rids: list[str], token_ids: list[int] | None,
+                prev_tokens: torch.Tensor | None, src_rows: list[int] | None,
+                bucket: int | None) -> torch.Tensor:
+        table, B = self.table, len(rids)
         n = bucket or B
         host = torch.zeros(META_ROWS, n, dtype=torch.long, device="cpu")
         host[3] = 1  # padded rows: one junk token of the scratch page
@@ -354,10 +384,11 @@ class PagedRunner:
     def _decode_forward(self, meta: torch.Tensor) -> torch.Tensor:
         ids, pos, rows, seq_lens, loc, _ = meta
         pool, table, model = self.pool, self.table, self.model
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" or self.deterministic:  # on CPU: Triton's interpreter
             from rltool.engine.decode_attention import decode_attention, num_splits_for
 
-            splits = num_splits_for(meta.shape[1], self.spec.num_kv_heads)
+            splits = (DETERMINISTIC_SPLITS if self.deterministic
+                      else num_splits_for(meta.shape[1], self.spec.num_kv_heads))
 
             def attn(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
                 return decode_attention(q, kc, vc, req_to_page=table.req_to_page, rows=rows,
@@ -388,6 +419,11 @@ class PagedRunner:
                             torch.cuda.Event()) for _ in range(2)]
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
+        with self.invariant():
+            self._capture_buckets(buckets, pool, stream)
+        torch.cuda.synchronize(self.device)
+
+    def _capture_buckets(self, buckets: list[int], pool: Any, stream: Any) -> None:
         for bs in reversed(buckets):
             meta = self._meta[:, :bs]
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -399,12 +435,15 @@ class PagedRunner:
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 out = self._decode_forward(meta)
             self.graphs[bs] = (graph, out)
-        torch.cuda.synchronize(self.device)
 
     @torch.no_grad()
     def full_pass_logits(self, token_ids: list[int], *, start: int) -> torch.Tensor:
-        """Logits [T - start, V] (float32, on the CPU) predicting token_ids[start:], from one
-        unpadded causal pass over the whole sequence, without touching the KV pool."""
+        """Logits [T - start, V] (float32, on the runner's device) predicting token_ids[start:],
+        from one unpadded causal pass over the whole sequence, without touching the KV pool."""
+        with self.invariant():
+            return self._full_pass_logits(token_ids, start=start)
+
+    def _full_pass_logits(self, token_ids: list[int], *, start: int) -> torch.Tensor:
         dev = self.device
         ids = torch.tensor(token_ids).to(dev)
         pos = torch.arange(len(token_ids), device=dev)
@@ -415,7 +454,7 @@ class PagedRunner:
                          scale=self.scale).squeeze(0)
 
         hidden = self.model.hidden(ids, attend)
-        return self.model.logits(hidden[start - 1:-1]).cpu()
+        return self.model.logits(hidden[start - 1:-1])
 
     # ----- info ----------------------------------------------------------------------------
 

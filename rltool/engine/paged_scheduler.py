@@ -246,7 +246,12 @@ class PagedScheduler(Scheduler):
                                            or not self.running):
             self._drain()
         if self.paused is None and not self.runner.released:
-            super()._step()
+            with self.runner.invariant():  # deterministic: one kernel registration per step
+                super()._step()
+
+    def _final_logprobs(self, req: Request) -> None:
+        with self.runner.invariant():  # the log-softmax too, as the trainer computes it
+            super()._final_logprobs(req)
 
     def _sample_and_accept(self, reqs: list[Request], logits: torch.Tensor) -> None:
         eos = self.runner.eos_token_ids

@@ -514,7 +514,7 @@ class Scheduler:
         start = max(req.logprob_start_len, 0) if wants_input else len(req.prompt_ids)
         first = max(start, 1)
         logits = self.runner.full_pass_logits(ids, start=first)
-        targets = torch.tensor(ids[first:])
+        targets = torch.tensor(ids[first:], device=logits.device)
         chosen = logits_to_logprobs(logits, targets, temperature=temp).tolist()
         n_prompt = len(req.prompt_ids)
         out_from = n_prompt - first

@@ -81,7 +81,8 @@ def build_engine(cfg: ServeConfig) -> tuple[Any, Scheduler]:
                              mem_fraction_static=cfg.mem_fraction_static,
                              cuda_graph_max_bs=cfg.cuda_graph_max_bs,
                              disable_cuda_graph=cfg.disable_cuda_graph,
-                             prefix_cache=not cfg.disable_radix_cache)
+                             prefix_cache=not cfg.disable_radix_cache,
+                             deterministic=cfg.deterministic)
         return runner, PagedScheduler(runner, **common)
     runner = ModelRunner(cfg.model, dtype=cfg.dtype, weight_version=cfg.weight_version)
     return runner, Scheduler(runner, **common)

@@ -182,3 +182,74 @@ def test_sampling_kernel_logprobs_greedy_and_distribution(on_dev, request):
     assert again.tolist() == toks[7:10].tolist()
     freq = torch.bincount(toks, minlength=4).float() / n
     assert (freq - probs).abs().max() < 0.13, freq  # 3.2 sd at p = 0.5
+
+
+def test_batch_invariant_ops(on_dev, request):
+    """The batch-invariant matmul, mean and log-softmax: close to torch's, and a row's result
+    bit-identical whatever else is in the batch and wherever the row sits in it."""
+    if ran_in_child(request):
+        return
+    from rltool import batch_invariant as bi
+
+    torch.manual_seed(3)
+    w, bias, x = torch.randn(130, 70), torch.randn(130), torch.randn(37, 70)
+    full = bi.mm(x, w.t(), bias)
+    assert torch.allclose(full, x @ w.t() + bias, atol=1e-4)
+    assert torch.equal(bi.mm(x[5:9], w.t(), bias), full[5:9])
+    assert torch.equal(bi.mm(x[20:21], w.t(), bias), full[20:21])
+    with bi.enabled(DEV):
+        linear = torch.nn.functional.linear(x[3:40:4], w, bias)
+        mean = x.pow(2).mean(-1, keepdim=True)
+        one_mean = x[7:8].pow(2).mean(-1, keepdim=True)
+        lsm = torch.log_softmax(x, dim=-1)
+        one_lsm = torch.log_softmax(x[11:12], dim=-1)
+    assert torch.equal(linear, full[3:40:4])
+    assert torch.allclose(mean, x.pow(2).mean(-1, keepdim=True), atol=1e-6)
+    assert torch.equal(one_mean[0], mean[7]) and torch.equal(one_lsm[0], lsm[11])
+    assert torch.allclose(lsm, torch.log_softmax(x, dim=-1), atol=1e-5)
+
+
+def test_deterministic_mode_is_batch_invariant(tiny_model_dir, request):
+    """--deterministic on the paged engine: a seeded sampled request gives the same tokens and
+    the same logprobs alone and as one of 16 requests prefilled and decoded together."""
+    if ran_in_child(request):
+        return
+    import threading
+
+    from rltool.engine.paged_runner import PagedRunner
+    from rltool.engine.paged_scheduler import PagedScheduler
+    from rltool.engine.request import Request
+    from rltool.engine.sampling import SamplingParams, make_generator
+
+    def run(prompts):
+        runner = PagedRunner(tiny_model_dir, device=DEV, dtype="fp32", max_running=16,
+                             page_size=4, max_total_tokens=1024, cuda_graph_max_bs=16,
+                             deterministic=True)
+        sched = PagedScheduler(runner, max_running=16, max_prefill_tokens=256,
+                               chunked_prefill_size=8, deterministic=True)
+        done, finished = threading.Event(), []
+
+        def on_finish(req):
+            finished.append(req)
+            if len(finished) == len(prompts):
+                done.set()
+
+        reqs = [Request(rid=f"r{i}", prompt_ids=p, return_logprob=True, on_finish=on_finish,
+                        generator=make_generator(100 + i if i != 0 else 7),
+                        params=SamplingParams(max_new_tokens=4, temperature=1.0,
+                                              ignore_eos=True))
+                for i, p in enumerate(prompts)]
+        sched.start()
+        try:
+            sched.submit(reqs)
+            assert done.wait(600)
+        finally:
+            sched.stop()
+        return reqs[0].output_ids, reqs[0].output_logprobs
+
+    target = [5, 9, 3, 17, 22, 8, 30, 11, 4, 2, 19]  # two prefill chunks of 8
+    others = [[(7 * i + j) % 50 + 3 for j in range(3 + i % 9)] for i in range(15)]
+    alone = run([target])
+    crowd = run([target] + others)
+    assert alone[0] == crowd[0] and alone[1] == crowd[1], (alone, crowd)
+    assert len(alone[0]) == 4
