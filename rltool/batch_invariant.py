@@ -35,10 +35,12 @@ except ImportError:  # pragma: no cover - the dev extra installs triton; CUDA im
 
 # Constants on purpose: a row's reduction order depends on BLOCK_K and BLOCK_ROW only.
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
-# Under Triton's interpreter tl.dot is numpy's matmul, whose result for a row depends on the row's
-# position inside the block; there the product is an explicit sum over k (in order) instead.
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_ROW = 1024
+# Under Triton's interpreter tl.dot is numpy's matmul, whose result for a row depends on the row's
+# position inside the block; there the product is an explicit sum over k (in order) instead, and
+# a row program handles 16 rows (the interpreter's cost is per program).
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+ROWS = 16 if INTERPRETED else 1
 
 if triton is not None:
     @triton.jit
@@ -69,41 +71,49 @@ if triton is not None:
                  acc.to(C.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
     @triton.jit
-    def _row_mean(X, Out, N, stride_x, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
+    def _row_mean(X, Out, R, N, stride_x, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        base = X + rows[:, None] * stride_x
+        acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
         start = 0
         while start < N:  # Triton's interpreter cannot range() over arguments
             offs = start + tl.arange(0, BLOCK)
-            acc += tl.load(X + row * stride_x + offs, mask=offs < N, other=0.0).to(tl.float32)
+            mask = (rows[:, None] < R) & (offs[None, :] < N)
+            acc += tl.load(base + offs[None, :], mask=mask, other=0.0).to(tl.float32)
             start += BLOCK
-        tl.store(Out + row, (tl.sum(acc, axis=0) / N).to(Out.dtype.element_ty))
+        tl.store(Out + rows, (tl.sum(acc, axis=1) / N).to(Out.dtype.element_ty), mask=rows < R)
 
     @triton.jit
-    def _row_log_softmax(X, Out, N, stride_x, stride_o, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    def _row_log_softmax(X, Out, R, N, stride_x, stride_o, ROWS: tl.constexpr,
+                         BLOCK: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        base = X + rows[:, None] * stride_x
+        m = tl.full([ROWS, BLOCK], float("-inf"), dtype=tl.float32)
         start = 0
         while start < N:  # Triton's interpreter cannot range() over arguments
             offs = start + tl.arange(0, BLOCK)
-            x = tl.load(X + row * stride_x + offs, mask=offs < N, other=float("-inf"))
+            mask = (rows[:, None] < R) & (offs[None, :] < N)
+            x = tl.load(base + offs[None, :], mask=mask, other=float("-inf"))
             m = tl.maximum(m, x.to(tl.float32))
             start += BLOCK
-        big = tl.max(m, axis=0)
-        s = tl.zeros([BLOCK], dtype=tl.float32)
+        big = tl.max(m, axis=1)
+        big = tl.where(big == float("-inf"), 0.0, big)  # rows past R
+        s = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
         start = 0
-        while start < N:  # Triton's interpreter cannot range() over arguments
+        while start < N:
             offs = start + tl.arange(0, BLOCK)
-            x = tl.load(X + row * stride_x + offs, mask=offs < N, other=float("-inf"))
-            s += tl.exp(x.to(tl.float32) - big)
+            mask = (rows[:, None] < R) & (offs[None, :] < N)
+            x = tl.load(base + offs[None, :], mask=mask, other=float("-inf"))
+            s += tl.exp(x.to(tl.float32) - big[:, None])
             start += BLOCK
-        lse = big + tl.log(tl.sum(s, axis=0))
+        lse = big + tl.log(tl.sum(s, axis=1))
         start = 0
-        while start < N:  # Triton's interpreter cannot range() over arguments
+        while start < N:
             offs = start + tl.arange(0, BLOCK)
-            x = tl.load(X + row * stride_x + offs, mask=offs < N, other=0.0)
-            tl.store(Out + row * stride_o + offs, (x.to(tl.float32) - lse)
-                     .to(Out.dtype.element_ty), mask=offs < N)
+            mask = (rows[:, None] < R) & (offs[None, :] < N)
+            x = tl.load(base + offs[None, :], mask=mask, other=0.0)
+            tl.store(Out + rows[:, None] * stride_o + offs[None, :],
+                     (x.to(tl.float32) - lse[:, None]).to(Out.dtype.element_ty), mask=mask)
             start += BLOCK
 
 
@@ -149,9 +159,11 @@ def _mean(x: torch.Tensor, dim: list[int] | None, keepdim: bool = False, *,
             count *= x.shape[d]
         return torch.sum(x, dims, keepdim, dtype=dtype) / count
     x2, shape = _rows(x if dtype is None else x.to(dtype), dims[0])
-    out = torch.empty(x2.shape[0], dtype=x2.dtype, device=x.device)
-    if x2.shape[0]:
-        _row_mean[(x2.shape[0],)](x2, out, x2.shape[1], x2.stride(0), BLOCK=BLOCK_ROW)
+    R = x2.shape[0]
+    out = torch.empty(R, dtype=x2.dtype, device=x.device)
+    if R:
+        _row_mean[(triton.cdiv(R, ROWS),)](x2, out, R, x2.shape[1], x2.stride(0), ROWS=ROWS,
+                                          BLOCK=BLOCK_ROW)
     out = out.view(shape[:-1])
     return out.unsqueeze(dims[0]) if keepdim else out
 
@@ -160,9 +172,10 @@ def _log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor
     x2, shape = _rows(x, dim % x.dim())
     dtype = torch.float32 if half_to_float else x.dtype
     out = torch.empty(x2.shape, dtype=dtype, device=x.device)
-    if x2.shape[0]:
-        _row_log_softmax[(x2.shape[0],)](x2, out, x2.shape[1], x2.stride(0), out.stride(0),
-                                         BLOCK=BLOCK_ROW)
+    R = x2.shape[0]
+    if R:
+        _row_log_softmax[(triton.cdiv(R, ROWS),)](x2, out, R, x2.shape[1], x2.stride(0),
+                                                  out.stride(0), ROWS=ROWS, BLOCK=BLOCK_ROW)
     return out.view(shape).movedim(-1, dim % x.dim())
 
 

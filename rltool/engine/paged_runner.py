@@ -384,7 +384,7 @@ class PagedRunner:
     def _decode_forward(self, meta: torch.Tensor) -> torch.Tensor:
         ids, pos, rows, seq_lens, loc, _ = meta
         pool, table, model = self.pool, self.table, self.model
-        if self.device.type == "cuda" or self.deterministic:  # on CPU: Triton's interpreter
+        if self.device.type == "cuda":
             from rltool.engine.decode_attention import decode_attention, num_splits_for
 
             splits = (DETERMINISTIC_SPLITS if self.deterministic
@@ -394,6 +394,13 @@ class PagedRunner:
                 return decode_attention(q, kc, vc, req_to_page=table.req_to_page, rows=rows,
                                         seq_lens=seq_lens, page_size=self.page_size,
                                         scale=self.scale, num_splits=splits)
+        elif self.deterministic:  # CPU: each request alone, over its own length
+            def attn(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+                return torch.cat([
+                    decode_attention_ref(q[i:i + 1], kc, vc, req_to_page=table.req_to_page,
+                                         rows=rows[i:i + 1], seq_lens=seq_lens[i:i + 1],
+                                         page_size=self.page_size, max_len=int(seq_lens[i]),
+                                         scale=self.scale) for i in range(q.shape[0])])
         else:
             def attn(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
                 return decode_attention_ref(q, kc, vc, req_to_page=table.req_to_page, rows=rows,
