@@ -32,8 +32,9 @@ class AlignGateConfig(StageConfig):
     dtype: ComputeDtype = Field("fp32", description="Trainer compute dtype (as "
                                            "`rltool train --dtype`).")
     device: Literal["auto", "cpu", "cuda"] = Field(
-        "cpu", description="Where the trainer path recomputes. cpu matches the builtin engine, "
-        "which runs on the CPU: exact alignment needs the same device on both sides.")
+        "cpu", description="Where the trainer path recomputes: exact alignment needs the "
+        "engine's device on both sides. auto: the device and dtype the shards record for their "
+        "engines (an explicit --dtype wins); without a record, CUDA when available.")
     deterministic: bool = Field(False, description="Trainer's deterministic layout: one unpadded "
                                 "forward per sample (as `rltool train --deterministic`).")
     max_tokens_per_microbatch: int = Field(4096, ge=1, description="Trainer micro-batch token cap "

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from rltool.align.config import DEFAULT_TOL, AlignGateConfig
-from rltool.errors import CheckpointError, ShardSchemaError
+from rltool.errors import BadInputError, CheckpointError, ShardSchemaError
 from rltool.rundir import declared_version
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,8 @@ class Inputs:
     weights_version: int | None   # None when the weights declare no version
     shard_versions: list[int]     # distinct per-token versions in the shards (-1 ignored)
     samples: list[SampleRef]
+    # distinct (device, dtype) of the engines that sampled the shards, where they report them
+    engine_precisions: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -110,8 +112,12 @@ def load_inputs(shard_dirs: list[str | Path], weights_dir: str | Path, *,
     expected_hash = tokenizer_hash(target.model_dir)
     samples: list[SampleRef] = []
     versions: set[int] = set()
+    precisions: set[tuple[str, str]] = set()
     for d in shard_dirs:
         shard = open_shard(d, expected_tokenizer_hash=expected_hash)
+        for p in (shard.meta.extra.get("engine_precision") or {}).values():
+            if isinstance(p, dict) and p.get("device") and p.get("dtype"):
+                precisions.add((str(p["device"]), str(p["dtype"])))
         row = 0
         for batch in shard.iter_batches(columns=READ_COLUMNS):
             for r in batch.to_pylist():
@@ -132,7 +138,35 @@ def load_inputs(shard_dirs: list[str | Path], weights_dir: str | Path, *,
             f"with version(s) {other}; pass the weights that produced them, or "
             "--allow-version-mismatch to measure the gap anyway")
     return Inputs(model_dir=target.model_dir, weights_version=version,
-                  shard_versions=sorted(versions), samples=samples)
+                  shard_versions=sorted(versions), samples=samples,
+                  engine_precisions=sorted(precisions))
+
+
+def recompute_precision(cfg: AlignGateConfig, recorded: list[tuple[str, str]]
+                        ) -> tuple[str, str]:
+    """(device, dtype) the trainer path recomputes with. `--device auto` follows the device and
+    dtype of the engines recorded in the shards (an explicit --dtype wins); without a record it
+    stays auto (CUDA when torch sees one)."""
+    if cfg.device != "auto" or not recorded:
+        return cfg.device, cfg.dtype
+    if len(recorded) > 1:
+        raise BadInputError(f"--device auto: the shards were sampled by engines of different "
+                            f"precisions {recorded}; pass --device and --dtype")
+    device, dtype = recorded[0]
+    if "dtype" in cfg.model_fields_set:
+        dtype = cfg.dtype
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise BadInputError("--device auto: the shards were sampled on CUDA but torch sees "
+                                "no GPU here; run the gate on the engine's host, or pass "
+                                "--device cpu to recompute on the CPU anyway")
+    if device not in ("cpu", "cuda") or dtype not in ("fp32", "bf16"):
+        raise BadInputError(f"--device auto: the shards record engine precision "
+                            f"{device}/{dtype}, which the trainer path cannot use; pass "
+                            "--device and --dtype")
+    return device, dtype
 
 
 def compare(samples: list[SampleRef], train_logprobs: list[list[float]], *, tol: float,
@@ -225,6 +259,11 @@ def run(cfg: AlignGateConfig) -> GateResult:
 
     inputs = load_inputs(cfg.rollouts, cfg.weights,
                          allow_version_mismatch=cfg.allow_version_mismatch)
+    device, dtype = recompute_precision(cfg, inputs.engine_precisions)
+    if (device, dtype) != (cfg.device, cfg.dtype):
+        log.info("--device auto: recomputing on %s in %s, as the shards' engines ran", device,
+                 dtype)
+        cfg = cfg.model_copy(update={"device": device, "dtype": dtype})
     t0 = time.perf_counter()
     train_logprobs = recompute_logprobs(
         cfg.weights, list(cfg.rollouts), max_tokens_per_microbatch=cfg.max_tokens_per_microbatch,

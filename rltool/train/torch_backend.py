@@ -10,7 +10,10 @@
   with an attention mask, or packed into one row without padding (rltool.train.packed; logits
   in chunks, never the whole [tokens, vocab] at once); with `deterministic`, every sample runs
   alone, unpadded, exactly as rltool.logprobs.sequence_logprobs (bit-equal to the engine's
-  deterministic mode in fp32).
+  deterministic mode in fp32). On CUDA, deterministic mode also runs every forward and backward
+  through the batch-invariant kernels (rltool.batch_invariant), the engine's deterministic
+  kernels; a frozen model (logprob recompute, the align gate) in bf16 then holds bf16 weights and
+  runs without autocast, the engine's bf16 layout, so both sides compute the same bits.
 - On CUDA: fused AdamW (one process or DDP); optional activation checkpointing.
 - Every rank runs the same number of forward passes and backward passes: empty or missing units
   become a one-token dummy pass whose loss is multiplied by zero.
@@ -79,9 +82,12 @@ class TorchBackend:
             torch.manual_seed(options.seed + self.dp_rank)
         self.packed = self._packed_layout(options)
         load_kwargs = {"attn_implementation": packed.register()} if self.packed else {}
+        self.invariant = options.deterministic and self.device.type == "cuda"
+        self.pure_bf16 = self.invariant and not trainable and options.dtype == "bf16"
         try:
-            inner = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
-                                                         **load_kwargs)
+            inner = AutoModelForCausalLM.from_pretrained(
+                str(model_dir), dtype=torch.bfloat16 if self.pure_bf16 else torch.float32,
+                **load_kwargs)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{model_dir}: cannot load the model ({e})") from e
         self.config = inner.config
@@ -143,8 +149,16 @@ class TorchBackend:
             fully_shard(self.inner.value_head, mesh=mesh, mp_policy=mp)
         fully_shard(self.inner, mesh=mesh, mp_policy=mp)
 
+    def _kernels(self) -> contextlib.AbstractContextManager:
+        """The batch-invariant kernels in deterministic mode on CUDA, else torch's own."""
+        if not self.invariant:
+            return contextlib.nullcontext()
+        from rltool import batch_invariant
+
+        return batch_invariant.enabled("cuda")
+
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.options.dtype == "bf16" and not self.fsdp:
+        if self.options.dtype == "bf16" and not self.fsdp and not self.pure_bf16:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -260,8 +274,9 @@ class TorchBackend:
         merged = ForwardOutput(logprobs=[], entropy=[] if with_entropy else None,
                                topk_logprobs=[] if top_k else None, topk_ids=[] if top_k else None)
         for unit in self._units([batch], lockstep=self.fsdp):
-            out, _ = self._forward(module, unit, temperature=temperature,
-                                   with_entropy=with_entropy, top_k=top_k)
+            with self._kernels():
+                out, _ = self._forward(module, unit, temperature=temperature,
+                                       with_entropy=with_entropy, top_k=top_k)
             merged.logprobs += out.logprobs
             if "values" in out.extras:
                 merged.extras.setdefault("values", []).extend(out.extras["values"])
@@ -295,7 +310,7 @@ class TorchBackend:
         units = self._units(micro_batches, lockstep=self.dp_size > 1)
         sums: dict[str, float] = {}
         for k, unit in enumerate(units):
-            with self._grad_sync(k == len(units) - 1):
+            with self._grad_sync(k == len(units) - 1), self._kernels():
                 out, anchor = self._forward(self.model, unit, temperature=temperature,
                                             with_entropy=with_entropy, top_k=0)
                 loss, metrics = (anchor, {}) if unit.empty else loss_fn(out, unit)

@@ -8,8 +8,9 @@ import random
 
 import pytest
 
+from rltool.align.config import AlignGateConfig
 from rltool.align.gate import (HISTOGRAM_EDGES, SampleRef, check, compare, declared_version,
-                               histogram, load_inputs)
+                               histogram, load_inputs, recompute_precision, run)
 from rltool.errors import BadInputError, CheckpointError, ShardSchemaError, TokenizerMismatchError
 from tests.helpers.weights import PERTURBED_TENSOR, copy_weights
 
@@ -92,6 +93,39 @@ def test_exact_alignment_deterministic_fp32(aligned_shard, tiny_model_dir):
     assert result.num_samples == 8 and result.num_masked_tokens > 0
     assert result.histogram[0]["count"] == result.num_masked_tokens
     assert result.weights_version == 0 and result.shard_versions == [0]
+
+
+def test_device_auto_follows_the_engines_recorded_in_the_shard(aligned_shard, tiny_model_dir):
+    """The CPU engine records cpu/fp32 in the shard; --device auto recomputes there, exactly."""
+    assert load_inputs([aligned_shard], tiny_model_dir).engine_precisions == [("cpu", "fp32")]
+    result = run(AlignGateConfig(rollouts=[str(aligned_shard)], weights=str(tiny_model_dir),
+                                 tol=0.0, deterministic=True, device="auto", dtype="bf16"))
+    # An explicit --dtype wins over the record: bf16 recompute against fp32 rollouts is not 0.
+    assert result.config["device"] == "cpu" and result.config["dtype"] == "bf16"
+    assert result.metric > 0.0
+    result = run(AlignGateConfig(rollouts=[str(aligned_shard)], weights=str(tiny_model_dir),
+                                 tol=0.0, deterministic=True, device="auto"))
+    assert result.config["device"] == "cpu" and result.config["dtype"] == "fp32"
+    assert result.passed and result.max_abs_diff == 0.0
+
+
+def test_recompute_precision_rules():
+    import torch
+
+    auto = AlignGateConfig(rollouts=["s"], weights="w", device="auto")
+    assert recompute_precision(auto, [("cpu", "bf16")]) == ("cpu", "bf16")
+    assert recompute_precision(auto, []) == ("auto", "fp32")
+    explicit = AlignGateConfig(rollouts=["s"], weights="w", device="auto", dtype="fp32")
+    assert recompute_precision(explicit, [("cpu", "bf16")]) == ("cpu", "fp32")
+    fixed = AlignGateConfig(rollouts=["s"], weights="w", device="cpu")
+    assert recompute_precision(fixed, [("cuda", "bf16")]) == ("cpu", "fp32")
+    with pytest.raises(BadInputError, match="different precisions"):
+        recompute_precision(auto, [("cpu", "fp32"), ("cuda", "bf16")])
+    if torch.cuda.is_available():
+        assert recompute_precision(auto, [("cuda", "bf16")]) == ("cuda", "bf16")
+    else:
+        with pytest.raises(BadInputError, match="no GPU"):
+            recompute_precision(auto, [("cuda", "bf16")])
 
 
 def test_perturbed_weights_fail(aligned_shard, perturbed_weights):
