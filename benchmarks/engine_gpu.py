@@ -6,6 +6,9 @@ Workloads (random-init models with real shapes, bf16; random prompt ids; samplin
       process (the scheduler driven directly) and over HTTP (`rltool serve --device cuda`, B
       concurrent /generate calls);
   (c) time to first token at batch 1 (prefill + first sample), in process.
+`--deterministic-cost` measures instead workload (a) in process with `--deterministic`
+(batch-invariant kernels, logprobs recomputed per finished request) against the default mode on
+the same engine settings: tokens/s of each and their ratio.
 Beside it, in the same run: `generate` naive (dynamic cache) and at its best measured here (static
 cache; `--hf-compile` adds torch.compile), and the workload's roofline: the sum over its prefill
 and decode steps of max(bytes moved / measured copy bandwidth, FLOPs / 989 TFLOP/s).
@@ -15,7 +18,7 @@ the sampling time, and the scheduler's wall time per step (the rest is host work
 profiler trace of the steady state lists the top kernels.
 
 Usage: python benchmarks/engine_gpu.py [--presets qwen2.5-0.5b,qwen2.5-7b] [--batches 64,256]
-       [--quick] [--skip-http] [--hf-compile] [--out FILE.json]
+       [--quick] [--skip-http] [--hf-compile] [--deterministic-cost] [--out FILE.json]
 Prints a table and, last, one JSON line.
 """
 
@@ -281,6 +284,35 @@ def http_runs(model_dir: Path, batches, vocab: int) -> dict:
         proc.stop()
 
 
+def deterministic_cost(preset: str, batches: list[int]) -> dict:
+    """Workload (a) in process, default mode then deterministic mode (same engine settings)."""
+    model_dir = random_checkpoint(Path(tempfile.mkdtemp()) / preset, preset)
+    out: dict = {}
+    for mode in ("default", "deterministic"):
+        det = mode == "deterministic"
+        runner = PagedRunner(model_dir, device="cuda", dtype="bf16", max_running=max(batches),
+                             cuda_graph_max_bs=max(batches), deterministic=det)
+        sched = PagedScheduler(runner, max_running=max(batches), max_prefill_tokens=16384,
+                               chunked_prefill_size=8192, deterministic=det)
+        sched.start()
+        try:
+            run_batch(sched, prompts_for(8, runner.vocab_size, 1), max_new=16)  # warm-up
+            out[mode] = {b: run_batch(sched, prompts_for(b, runner.vocab_size, 3 + b))
+                         for b in batches}
+        finally:
+            sched.stop()
+            runner.release()
+        del runner, sched
+        torch.cuda.empty_cache()
+    for b in batches:
+        ratio = out["deterministic"][b]["tokens_per_s"] / out["default"][b]["tokens_per_s"]
+        out.setdefault("ratio", {})[b] = ratio
+        print(f"{preset:14} B={b:>4}: default {out['default'][b]['tokens_per_s']:>9.0f} tok/s, "
+              f"deterministic {out['deterministic'][b]['tokens_per_s']:>9.0f} tok/s "
+              f"({ratio:.2f}x)", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default="qwen2.5-0.5b")
@@ -290,9 +322,21 @@ def main() -> None:
     ap.add_argument("--hf-compile", action="store_true")
     ap.add_argument("--engine-only", default="", help="presets measured without HTTP and "
                                                       "transformers (e.g. qwen2.5-7b)")
+    ap.add_argument("--deterministic-cost", action="store_true",
+                    help="only workload (a) in process, --deterministic against the default")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    if args.deterministic_cost:
+        results = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                   "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN,
+                   "deterministic_cost": {p: deterministic_cost(p, batches)
+                                          for p in args.presets.split(",")}}
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+        print(json.dumps(results, default=str))
+        return
     bw = copy_bandwidth()
     results: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                      "device": torch.cuda.get_device_name(), "torch": torch.__version__,

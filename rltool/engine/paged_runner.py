@@ -457,6 +457,8 @@ class PagedRunner:
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             self.model.rope_store(q, k, v, pos)
+            if self.deterministic:  # transformers' memory layout: the same attention kernel
+                q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
             return _sdpa(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                          scale=self.scale).squeeze(0)
 

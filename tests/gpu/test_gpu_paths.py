@@ -68,8 +68,10 @@ def test_trainer_backend_runs_on_cuda(tiny_model_dir):
 
 def test_deterministic_layout_on_cuda_is_exact(tiny_model_dir, shard):
     """The trainer's deterministic recompute on CUDA equals rltool.logprobs.sequence_logprobs on
-    the same CUDA model bit for bit; padded micro-batches and a float64 CPU reference agree to
-    1e-4 (no TF32: torch leaves it off for fp32 matmuls by default)."""
+    the same CUDA model with the batch-invariant kernels bit for bit; padded micro-batches and a
+    float64 CPU reference agree to 1e-4 (no TF32: torch leaves it off for fp32 matmuls)."""
+    from rltool import batch_invariant
+
     assert not torch.backends.cuda.matmul.allow_tf32
     rows = open_shard(shard).rows()
     exact = recompute_logprobs(tiny_model_dir, [shard], max_tokens_per_microbatch=40,
@@ -79,8 +81,10 @@ def test_deterministic_layout_on_cuda_is_exact(tiny_model_dir, shard):
     model = _hf_model(tiny_model_dir, device="cuda")
     reference = _float64_reference(tiny_model_dir, rows, temperature=0.8)
     for row, got, pad, ref in zip(rows, exact, padded, reference, strict=True):
-        want = sequence_logprobs(model, row["prompt_token_ids"] + row["response_token_ids"],
-                                 response_start=len(row["prompt_token_ids"]), temperature=0.8)
+        with batch_invariant.enabled("cuda"):
+            want = sequence_logprobs(model, row["prompt_token_ids"] + row["response_token_ids"],
+                                     response_start=len(row["prompt_token_ids"]),
+                                     temperature=0.8)
         assert want.is_cuda
         assert torch.equal(torch.tensor(got), want.cpu())  # bit for bit
         assert pad == pytest.approx(got, abs=1e-4)
@@ -88,19 +92,26 @@ def test_deterministic_layout_on_cuda_is_exact(tiny_model_dir, shard):
 
 
 def test_bf16_recompute_on_cuda_matches_autocast_layout(tiny_model_dir, shard):
-    """bf16 = fp32 master weights under CUDA bf16 autocast: the deterministic recompute equals
-    sequence_logprobs under the same autocast bit for bit, and stays near the float64 values."""
+    """bf16 recompute: padded, fp32 master weights under CUDA bf16 autocast, equal to
+    sequence_logprobs under the same autocast to bf16 rounding; deterministic, the frozen model
+    holds bf16 weights (the engine's bf16 layout) and runs the batch-invariant kernels: equal to
+    sequence_logprobs on a bf16 model with those kernels bit for bit. Both near float64."""
+    from rltool import batch_invariant
+
     rows = open_shard(shard).rows()
     got_all = recompute_logprobs(tiny_model_dir, [shard], max_tokens_per_microbatch=40,
                                  deterministic=True, dtype="bf16")
-    model = _hf_model(tiny_model_dir, device="cuda")
+    padded = recompute_logprobs(tiny_model_dir, [shard], max_tokens_per_microbatch=40,
+                                deterministic=False, dtype="bf16")
+    model = _hf_model(tiny_model_dir, device="cuda", dtype=torch.bfloat16)
     reference = _float64_reference(tiny_model_dir, rows, temperature=0.8)
     worst = 0.0
-    for row, got, ref in zip(rows, got_all, reference, strict=True):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+    for row, got, pad, ref in zip(rows, got_all, padded, reference, strict=True):
+        with batch_invariant.enabled("cuda"):
             want = sequence_logprobs(model, row["prompt_token_ids"] + row["response_token_ids"],
                                      response_start=len(row["prompt_token_ids"]), temperature=0.8)
         assert torch.equal(torch.tensor(got), want.cpu())
+        assert pad == pytest.approx(got, abs=0.1)
         worst = max(worst, float((torch.tensor(got, dtype=torch.float64) - ref).abs().max()))
     assert 0.0 < worst < 0.1  # bf16 rounding shows, but stays small on a tiny model
 
