@@ -46,7 +46,8 @@ if triton is not None:
     @triton.jit
     def _matmul(A, B, C, Bias, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                 stride_cm, stride_cn, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-                EXPLICIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                EXPLICIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
         pid_m = tl.program_id(0).to(tl.int64)
         pid_n = tl.program_id(1).to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -127,13 +128,13 @@ def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> to
     if M == 0 or N == 0:
         return out
     if bias is not None:
-        bias = bias.expand(N).contiguous() if bias.dim() <= 1 else bias
+        bias = bias.expand(N).contiguous()
     precision = "ieee" if a.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
     _matmul[grid](a, b, out, bias if bias is not None else out, M, N, K, a.stride(0), a.stride(1),
                   b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-                  HAS_BIAS=bias is not None, PRECISION=precision, EXPLICIT=INTERPRETED, BLOCK_M=BLOCK_M,
-                  BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4, num_stages=3)
+                  HAS_BIAS=bias is not None, PRECISION=precision, EXPLICIT=INTERPRETED,
+                  BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4, num_stages=3)
     return out
 
 
