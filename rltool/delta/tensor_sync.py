@@ -8,8 +8,12 @@ at 64-byte aligned offsets and sends their description (name, dtype, shape, offs
 the segment copy-on-write, checks every entry, copies into its parameters and answers; only then
 is the segment reused for the next bucket. Extra memory on either side is one bucket.
 
-A CUDA variant keeps the message shape: transport "cuda_ipc" with one IPC handle of a device
-buffer in place of `segment` (the offsets then index that buffer).
+CUDA IPC (a sender and a CUDA engine on the same GPU). The same message with transport
+"cuda_ipc": the sender owns one device buffer of a bucket, copies each bucket in, waits for the
+copies, and exports the buffer as a CUDA IPC handle (torch's `_share_cuda_` fields, bytes in
+base64, in place of `segment`; what torch.multiprocessing would pickle, written out as JSON). The
+engine opens the handle on the GPU with that UUID, copies into its parameters, waits, releases the
+mapping and answers; the offsets index the buffer. Extra device memory: one bucket on the sender.
 
 Process group (`/init_weights_update_group`): a TCPStore at the trainer's address and a gloo
 process group of its own (not the default group, which the trainer may use for data parallelism),
@@ -18,6 +22,7 @@ trainer rank 0, engine rank `rank_offset`.
 
 from __future__ import annotations
 
+import base64
 import datetime
 import mmap
 import os
@@ -97,26 +102,96 @@ class ShmSegment:
         """Copy `bucket` in (cast to `dtype` when given: the receiver's dtype, so the cast costs
         no memory beyond the segment) and return its message (a `TensorMessage` as a dict)."""
         assert self._mm is not None, "use ShmSegment as a context manager"
-        entries, offset = [], 0
         view = torch.frombuffer(self._mm, dtype=torch.uint8)
-        for name, t in bucket:
-            t = t.detach()
-            out_dtype = dtype or t.dtype
-            if out_dtype not in DTYPE_NAMES:
-                raise BadInputError(f"tensor {name!r}: dtype {out_dtype} cannot be synced; use "
-                                    f"one of {sorted(DTYPES)}")
-            n = t.numel() * torch.empty((), dtype=out_dtype).element_size()
-            if offset + n > self.nbytes:
-                raise BadInputError(f"bucket of {offset + n} bytes exceeds the segment's "
-                                    f"{self.nbytes}")
-            dst = view[offset:offset + n].view(out_dtype).view(t.shape)
-            dst.copy_(t)
-            entries.append({"name": name, "dtype": DTYPE_NAMES[out_dtype],
-                            "shape": list(t.shape), "offset": offset})
-            offset = _aligned(offset + n)
+        entries = _pack(view, bucket, dtype)
         del view
         return {"transport": "shm", "segment": self.name, "nbytes": self.nbytes,
                 "tensors": entries}
+
+
+class CudaIpcBuffer:
+    """The sender's device buffer for CUDA IPC: allocated on enter, dropped on exit (torch keeps
+    the memory until every receiver has released its mapping)."""
+
+    def __init__(self, nbytes: int, *, device: torch.device | str):
+        self.nbytes = max(int(nbytes), 1)
+        self.device = torch.device(device)
+        self._buf: torch.Tensor | None = None
+
+    def __enter__(self) -> "CudaIpcBuffer":
+        self._buf = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._buf = None
+
+    def write(self, bucket: list[tuple[str, torch.Tensor]], *,
+              dtype: torch.dtype | None = None) -> dict[str, Any]:
+        """Copy `bucket` in (cast to `dtype` when given), wait for the copies, and return its
+        message with a fresh export of the buffer (a `TensorMessage` as a dict)."""
+        assert self._buf is not None, "use CudaIpcBuffer as a context manager"
+        entries = _pack(self._buf, bucket, dtype)
+        torch.cuda.synchronize(self.device)
+        (device, handle, size, offset, ref_handle, ref_offset, event_handle,
+         event_sync) = self._buf.untyped_storage()._share_cuda_()
+        ipc = {"device_uuid": str(torch.cuda.get_device_properties(device).uuid),
+               "handle": _b64(handle), "storage_bytes": int(size), "storage_offset": int(offset),
+               "ref_counter_handle": _b64(ref_handle), "ref_counter_offset": int(ref_offset),
+               "event_handle": _b64(event_handle) if event_handle else None,
+               "event_sync_required": bool(event_sync)}
+        return {"transport": "cuda_ipc", "cuda_ipc": ipc, "nbytes": self.nbytes,
+                "tensors": entries}
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode("ascii")
+
+
+def _unb64(text: str, what: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except ValueError as e:
+        raise BadInputError(f"cuda_ipc.{what} is not base64: {e}") from e
+
+
+def _pack(dst: torch.Tensor, bucket: list[tuple[str, torch.Tensor]],
+          dtype: torch.dtype | None) -> list[dict[str, Any]]:
+    """Copy the bucket's tensors into the uint8 buffer `dst` at aligned offsets; their entries."""
+    entries, offset = [], 0
+    for name, t in bucket:
+        t = t.detach()
+        out_dtype = dtype or t.dtype
+        if out_dtype not in DTYPE_NAMES:
+            raise BadInputError(f"tensor {name!r}: dtype {out_dtype} cannot be synced; use "
+                                f"one of {sorted(DTYPES)}")
+        n = t.numel() * torch.empty((), dtype=out_dtype).element_size()
+        if offset + n > dst.numel():
+            raise BadInputError(f"bucket of {offset + n} bytes exceeds the buffer's "
+                                f"{dst.numel()}")
+        dst[offset:offset + n].view(out_dtype).view(t.shape).copy_(t)
+        entries.append({"name": name, "dtype": DTYPE_NAMES[out_dtype],
+                        "shape": list(t.shape), "offset": offset})
+        offset = _aligned(offset + n)
+    return entries
+
+
+def _unpack(src: torch.Tensor, message: Any) -> list[tuple[str, torch.Tensor]]:
+    """Views of the uint8 buffer `src` for the message's entries, each checked to fit."""
+    size = src.numel()
+    named: list[tuple[str, torch.Tensor]] = []
+    for e in message.tensors:
+        dtype = dtype_of(e.dtype)
+        if any(d < 0 for d in e.shape):
+            raise BadInputError(f"tensor {e.name!r}: negative dimension in {e.shape}")
+        count = 1
+        for d in e.shape:
+            count *= d
+        n = count * torch.empty((), dtype=dtype).element_size()
+        if e.offset % ALIGN or e.offset + n > size:
+            raise BadInputError(f"tensor {e.name!r}: {n} bytes at offset {e.offset} do not "
+                                f"fit the {size}-byte buffer (offsets are {ALIGN}-aligned)")
+        named.append((e.name, src[e.offset:e.offset + n].view(dtype).view(e.shape)))
+    return named
 
 
 def segment_bytes(named: list[tuple[str, torch.Tensor]], *, bucket_bytes: int) -> int:
@@ -126,14 +201,27 @@ def segment_bytes(named: list[tuple[str, torch.Tensor]], *, bucket_bytes: int) -
 
 
 @contextmanager
-def open_message(message: Any, *, shm_dir: Path = SHM_DIR
+def open_message(message: Any, *, device: torch.device | str = "cpu", shm_dir: Path = SHM_DIR
                  ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The receiver's side: the named tensors of a `TensorMessage`, as views of the segment mapped
-    copy-on-write (the sender's bytes are never changed). Views are valid inside the block only.
-    Raises BadInputError for a message that does not fit its segment."""
-    if message.transport != "shm":
-        raise BadInputError(f"transport {message.transport!r} is not served on this device; "
-                            "this engine takes transport \"shm\"")
+    copy-on-write (the sender's bytes are never changed), or of the sender's device buffer
+    (transport cuda_ipc, a CUDA receiver `device` only). Views are valid inside the block only.
+    Raises BadInputError for a message that does not fit its buffer or cannot be opened."""
+    device = torch.device(device)
+    if message.transport == "cuda_ipc":
+        if device.type != "cuda":
+            raise BadInputError("transport \"cuda_ipc\" needs an engine serving on CUDA; send "
+                                "transport \"shm\" (load_format \"rltool_shm\") to this one")
+        with _open_cuda_ipc(message.cuda_ipc) as buf:
+            if buf.numel() < message.nbytes:
+                raise BadInputError(f"the CUDA IPC buffer holds {buf.numel()} bytes, the "
+                                    f"message says {message.nbytes}")
+            named = _unpack(buf, message)
+            try:
+                yield named
+            finally:
+                named.clear()
+        return
     path = shm_dir / message.segment
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -150,24 +238,37 @@ def open_message(message: Any, *, shm_dir: Path = SHM_DIR
         os.close(fd)
     named: list[tuple[str, torch.Tensor]] = []
     try:
-        view = torch.frombuffer(mm, dtype=torch.uint8)
-        for e in message.tensors:
-            dtype = dtype_of(e.dtype)
-            if any(d < 0 for d in e.shape):
-                raise BadInputError(f"tensor {e.name!r}: negative dimension in {e.shape}")
-            count = 1
-            for d in e.shape:
-                count *= d
-            n = count * torch.empty((), dtype=dtype).element_size()
-            if e.offset % ALIGN or e.offset + n > size:
-                raise BadInputError(f"tensor {e.name!r}: {n} bytes at offset {e.offset} do not "
-                                    f"fit the {size}-byte segment (offsets are {ALIGN}-aligned)")
-            named.append((e.name, view[e.offset:e.offset + n].view(dtype).view(e.shape)))
-        del view
+        named = _unpack(torch.frombuffer(mm, dtype=torch.uint8), message)
         yield named
     finally:
         named.clear()
         _close(mm)
+
+
+@contextmanager
+def _open_cuda_ipc(h: Any) -> Iterator[torch.Tensor]:
+    """The sender's buffer as a uint8 tensor on the GPU whose UUID the handle names; the mapping
+    is released when the block ends (the sender may then reuse or free its buffer)."""
+    index = next((i for i in range(torch.cuda.device_count())
+                  if str(torch.cuda.get_device_properties(i).uuid) == h.device_uuid), None)
+    if index is None:
+        raise BadInputError(f"the sender's GPU {h.device_uuid} is not visible to this engine; "
+                            "CUDA IPC needs both on the same GPU")
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(
+            index, _unb64(h.handle, "handle"), h.storage_bytes, h.storage_offset,
+            _unb64(h.ref_counter_handle, "ref_counter_handle"), h.ref_counter_offset,
+            _unb64(h.event_handle, "event_handle") if h.event_handle else None,
+            h.event_sync_required)
+    except RuntimeError as e:
+        raise BadInputError(f"cannot open the CUDA IPC handle: {e}") from e
+    buf = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}")
+    buf.set_(storage, 0, (h.storage_bytes,), (1,))
+    try:
+        yield buf
+    finally:
+        torch.cuda.synchronize(index)  # every copy out of the buffer has run
+        del buf, storage
 
 
 def _close(mm: mmap.mmap) -> None:

@@ -12,9 +12,9 @@ Request bodies ignore unknown top-level keys (gateways add their own, e.g. smg's
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # ----- route paths ---------------------------------------------------------------------------
 
@@ -140,11 +140,13 @@ class PullWeightsInput(_Body):
     target_version: int
 
 
-# load_format of /update_weights_from_tensor whose serialized_named_tensors are rltool's JSON
-# tensor messages (`TensorMessage`): shared memory on CPU; CUDA IPC handles later. SGLang's own
-# formats carry pickled tensors, which rltool never loads.
+# load_formats of /update_weights_from_tensor whose serialized_named_tensors are rltool's JSON
+# tensor messages (`TensorMessage`): a shared-memory segment (CPU engines) or a CUDA IPC handle of
+# a device buffer (CUDA engines, sender on the same GPU). SGLang's own formats carry pickled
+# tensors, which rltool never loads.
 SHM_FORMAT = "rltool_shm"
-TENSOR_FORMATS = (SHM_FORMAT,)
+CUDA_IPC_FORMAT = "rltool_cuda_ipc"
+TENSOR_FORMATS = (SHM_FORMAT, CUDA_IPC_FORMAT)
 
 
 class TensorEntry(BaseModel):
@@ -157,16 +159,42 @@ class TensorEntry(BaseModel):
     offset: int = Field(ge=0)
 
 
-class TensorMessage(BaseModel):
-    """One bucket of named tensors, handed over without copying them into the request: the
-    tensors lie in `segment`, a shared-memory file (`/dev/shm/<segment>`, named rltool-*) that
-    the sender owns and keeps unchanged until the answer arrives."""
+class CudaIpcHandle(BaseModel):
+    """The fields of a CUDA IPC export of one device buffer (torch's `_share_cuda_`), bytes in
+    base64: what torch.multiprocessing pickles, written out so that no pickle is loaded."""
 
     model_config = ConfigDict(extra="forbid")
-    transport: str = Field("shm", description="shm (CPU); cuda_ipc is reserved for GPU handles")
-    segment: str = Field(pattern=r"^rltool-[A-Za-z0-9_.-]{1,100}$")
+    device_uuid: str = Field(min_length=1, description="the GPU's UUID (device indices differ "
+                                                       "between processes)")
+    handle: str = Field(min_length=1)
+    storage_bytes: int = Field(ge=0)
+    storage_offset: int = Field(ge=0)
+    ref_counter_handle: str
+    ref_counter_offset: int = Field(ge=0)
+    event_handle: str | None = None
+    event_sync_required: bool = False
+
+
+class TensorMessage(BaseModel):
+    """One bucket of named tensors, handed over without copying them into the request: the
+    tensors lie in `segment`, a shared-memory file (`/dev/shm/<segment>`, named rltool-*), or
+    (transport cuda_ipc) in the device buffer of `cuda_ipc`; either way the sender owns it and
+    keeps it unchanged until the answer arrives."""
+
+    model_config = ConfigDict(extra="forbid")
+    transport: Literal["shm", "cuda_ipc"] = "shm"
+    segment: str | None = Field(None, pattern=r"^rltool-[A-Za-z0-9_.-]{1,100}$")
+    cuda_ipc: CudaIpcHandle | None = None
     nbytes: int = Field(ge=0)
     tensors: list[TensorEntry]
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "TensorMessage":
+        if self.transport == "shm" and (self.segment is None or self.cuda_ipc is not None):
+            raise ValueError("transport shm needs segment (and no cuda_ipc)")
+        if self.transport == "cuda_ipc" and (self.cuda_ipc is None or self.segment is not None):
+            raise ValueError("transport cuda_ipc needs cuda_ipc (and no segment)")
+        return self
 
 
 class UpdateWeightsFromTensorInput(_Body):

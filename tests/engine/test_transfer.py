@@ -108,6 +108,28 @@ def test_pickled_formats_and_foreign_segments_are_refused(engine, tmp_path):
     assert r.status_code == 400 and "rltool-absent-xyz" in r.json()["message"]
 
 
+def test_cuda_ipc_messages_are_checked_and_refused_on_a_cpu_engine(engine):
+    """A CUDA IPC message is plain JSON (no pickle), validated field by field; a CPU engine
+    refuses it in one line, as it refuses a transport that does not match the load_format."""
+    client, runner = engine
+    before = served(runner)
+    ipc = {"device_uuid": "GPU-0", "handle": "AAAA", "storage_bytes": 64, "storage_offset": 0,
+           "ref_counter_handle": "AAAA", "ref_counter_offset": 0}
+    message = {"transport": "cuda_ipc", "cuda_ipc": ipc, "nbytes": 64,
+               "tensors": [{"name": "model.norm.weight", "dtype": "float32", "shape": [16],
+                            "offset": 0}]}
+    r = post_tensor(client, message, load_format=api.CUDA_IPC_FORMAT)
+    assert r.status_code == 400 and "needs an engine serving on CUDA" in r.json()["message"]
+    r = post_tensor(client, message)  # load_format rltool_shm
+    assert r.status_code == 400 and "does not match" in r.json()["message"]
+    for broken in ({**message, "segment": "rltool-x"}, {**message, "cuda_ipc": None},
+                   {**message, "cuda_ipc": {**ipc, "pickle": "gASV"}}):
+        r = post_tensor(client, broken, load_format=api.CUDA_IPC_FORMAT)
+        assert r.status_code == 400 and "tensor message" in r.json()["message"], broken
+    after = served(runner)
+    assert all(after[n].equal(before[n]) for n in before)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,7 +1,9 @@
 """In-memory weight routes (SGLang's names and bodies), all admin:
 
-- /update_weights_from_tensor: named tensors in a shared-memory segment on this host, described by
-  a JSON `TensorMessage` (rltool.delta.tensor_sync); load_format "rltool_shm".
+- /update_weights_from_tensor: named tensors in a shared-memory segment on this host
+  (load_format "rltool_shm") or in a sender's device buffer on the same GPU, as a CUDA IPC handle
+  (load_format "rltool_cuda_ipc", CUDA engines), described by a JSON `TensorMessage`
+  (rltool.delta.tensor_sync).
 - /init_weights_update_group, /update_weights_from_distributed: the engine joins a process group
   (gloo on CPU) and receives tensors that the trainer's rank 0 broadcasts.
 
@@ -46,7 +48,8 @@ def router(state: EngineState) -> APIRouter:
         body = await parse_body(request, api.UpdateWeightsFromTensorInput)
         if body.load_format not in api.TENSOR_FORMATS:
             return refused(f"load_format {body.load_format!r} is not served: the builtin engine "
-                           f"loads no pickles; send load_format {api.SHM_FORMAT!r} messages")
+                           f"loads no pickles; send load_format {api.SHM_FORMAT!r} or "
+                           f"{api.CUDA_IPC_FORMAT!r} messages")
         if len(body.serialized_named_tensors) != 1:
             return refused(f"{len(body.serialized_named_tensors)} messages for 1 rank; send one")
         try:
@@ -54,9 +57,13 @@ def router(state: EngineState) -> APIRouter:
         except ValueError as e:
             detail = describe_errors(e.errors()) if isinstance(e, ValidationError) else str(e)
             return refused(f"serialized_named_tensors[0] is not a tensor message: {detail}")
+        if (message.transport == "cuda_ipc") != (body.load_format == api.CUDA_IPC_FORMAT):
+            return refused(f"load_format {body.load_format!r} does not match the message's "
+                           f"transport {message.transport!r}")
+        device = getattr(runner, "device", "cpu")  # the transformers runner is CPU-only
 
         def load() -> None:
-            with tensor_sync.open_message(message) as named:
+            with tensor_sync.open_message(message, device=device) as named:
                 runner.load_named_tensors(named)
 
         return await apply(load, abort_all=body.abort_all_requests,
