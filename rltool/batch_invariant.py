@@ -44,6 +44,20 @@ ROWS = 16 if INTERPRETED else 1
 
 if triton is not None:
     @triton.jit
+    def _mm_step(A, B, acc, k0, offs_m, offs_n, offs_k, M, N, K, stride_am, stride_ak,
+                 stride_bk, stride_bn, PRECISION: tl.constexpr, EXPLICIT: tl.constexpr):
+        ks = k0 + offs_k
+        a = tl.load(A + offs_m[:, None] * stride_am + ks[None, :] * stride_ak,
+                    mask=(offs_m[:, None] < M) & (ks[None, :] < K), other=0.0)
+        b = tl.load(B + ks[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+                    mask=(ks[:, None] < K) & (offs_n[None, :] < N), other=0.0)
+        if EXPLICIT:
+            acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        return acc
+
+    @triton.jit
     def _matmul(A, B, C, Bias, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                 stride_cm, stride_cn, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
                 EXPLICIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -54,18 +68,16 @@ if triton is not None:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        k0 = 0
-        while k0 < K:  # Triton's interpreter cannot range() over arguments
-            ks = k0 + offs_k
-            a = tl.load(A + offs_m[:, None] * stride_am + ks[None, :] * stride_ak,
-                        mask=(offs_m[:, None] < M) & (ks[None, :] < K), other=0.0)
-            b = tl.load(B + ks[:, None] * stride_bk + offs_n[None, :] * stride_bn,
-                        mask=(ks[:, None] < K) & (offs_n[None, :] < N), other=0.0)
-            if EXPLICIT:
-                acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-            else:
-                acc = tl.dot(a, b, acc, input_precision=PRECISION)
-            k0 += BLOCK_K
+        if EXPLICIT:  # the interpreter cannot range() over an argument
+            k0 = 0
+            while k0 < K:
+                acc = _mm_step(A, B, acc, k0, offs_m, offs_n, offs_k, M, N, K, stride_am,
+                               stride_ak, stride_bk, stride_bn, PRECISION, EXPLICIT)
+                k0 += BLOCK_K
+        else:  # a for loop: software-pipelined on the GPU
+            for k0 in range(0, K, BLOCK_K):
+                acc = _mm_step(A, B, acc, k0, offs_m, offs_n, offs_k, M, N, K, stride_am,
+                               stride_ak, stride_bk, stride_bn, PRECISION, EXPLICIT)
         if HAS_BIAS:
             acc += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         tl.store(C + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
