@@ -75,6 +75,13 @@ class PagedRunner:
         self.use_graphs = (self.device.type == "cuda" and not disable_cuda_graph
                            and self.spec.moe is None)
         self.deterministic = deterministic
+        if deterministic and self.device.type == "cpu":
+            from rltool import batch_invariant
+
+            if not batch_invariant.INTERPRETED:
+                raise BadInputError("the paged runner's deterministic mode runs Triton kernels: "
+                                    "on CPU only under TRITON_INTERPRET=1 (tests); serve "
+                                    "--deterministic on CPU with the transformers runner")
         # Deterministic: a reused prefix would compute a prompt's tail in another attention
         # layout than a fresh prefill, so whether a prompt hit the cache would change its numbers.
         self.prefix_cache = prefix_cache and not deterministic
