@@ -21,7 +21,8 @@ from rltool import trace
 from rltool.config import StageConfig, cli, write_resolved
 from rltool.errors import BadInputError, EngineError, RewardError
 from rltool.rollout.generate import Sample, load_generate_fn, to_row
-from rltool.rollout.prompts import Prompt, load_prompts, load_tokenizer, prompt_at, render_prompt
+from rltool.rollout.prompts import (Prompt, PromptKeys, check_chat_template, load_prompts,
+                                    load_tokenizer, prompt_at, render_prompt)
 
 log = logging.getLogger(__name__)
 PRODUCER = "rltool rollout"
@@ -35,8 +36,16 @@ class EngineStageConfig(StageConfig):
                                       "them itself.", json_schema_extra=cli(metavar="URL[,URL...]"))
     router: str | None = Field(None, description="A gateway URL (smg / sglang-router) instead of "
                                "--engines; the gateway balances, sessions go as X-SMG-Routing-Key.")
-    prompts: str = Field(description="Prompt file (.jsonl or .parquet), rows {prompt, label, "
-                         "prompt_id, metadata}.")
+    prompts: str = Field(description="Prompt file (.jsonl or .parquet) or a directory saved by "
+                         "HF datasets; rows {prompt, label, prompt_id, metadata} (see --input-key).")
+    input_key: str = Field("prompt", description="Field holding the prompt (a string or a chat "
+                           "list); dotted keys reach nested fields.")
+    label_key: str = Field("label", description="Field holding the label the reward compares "
+                           "against, e.g. reward_model.ground_truth.")
+    metadata_key: str = Field("metadata", description="Field holding the per-prompt metadata "
+                              "object passed to the reward.")
+    apply_chat_template: bool = Field(True, description="Apply the tokenizer's chat template to "
+                                      "each prompt; off: a string prompt is encoded as it is.")
     out: str = Field(description="Shard directory to create; refused if it exists.")
     n_samples_per_prompt: int = Field(1, ge=1, description="Samples per prompt (the group size).")
     max_response_len: int = Field(ge=1, description="Most response tokens per sample (all turns).")
@@ -130,7 +139,10 @@ class StageInputs:
         if out.exists():
             raise BadInputError(f"--out {out} already exists; choose a new directory (a complete "
                                 "shard is never overwritten)")
-        self.prompts = load_prompts(cfg.prompts)
+        self.prompts = load_prompts(cfg.prompts, PromptKeys(input=cfg.input_key,
+                                                            label=cfg.label_key,
+                                                            metadata=cfg.metadata_key))
+        self.apply_chat_template = cfg.apply_chat_template
         self.generate_fn = load_generate_fn(cfg.generate_fn)
         self.reward_fn = resolve_reward(cfg.reward, timeout_s=cfg.reward_timeout_s)
         check_labels(self.reward_fn, self.prompts, spec=cfg.reward)
@@ -145,13 +157,16 @@ class StageInputs:
                   for key in ("device", "dtype")} for url, info in infos.items()}
         self.tokenizer_dir = cfg.tokenizer or _tokenizer_path(infos)
         self.tokenizer, self.tokenizer_hash = cached_tokenizer(self.tokenizer_dir)
+        if cfg.apply_chat_template:
+            check_chat_template(self.tokenizer, where=str(self.tokenizer_dir))
         self._rendered: dict[int, list[int]] = {}
 
     def new_group(self, position: int, *, n: int, uid_prefix: str) -> list[Sample]:
         """The n fresh samples of the prompt at a stream position (group_id = position)."""
         prompt: Prompt = prompt_at(self.prompts, position)
         if prompt.row_index not in self._rendered:
-            self._rendered[prompt.row_index] = render_prompt(self.tokenizer, prompt)
+            self._rendered[prompt.row_index] = render_prompt(
+                self.tokenizer, prompt, apply_chat_template=self.apply_chat_template)
         ids = self._rendered[prompt.row_index]
         return [Sample(uid=f"{uid_prefix}-g{position}-{i}", prompt_id=prompt.prompt_id,
                        group_id=position, sample_index=i, prompt=prompt.text,
