@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("report", "HTML page with PNG plots and a summary table of a loop run's metrics."),
     "profile": ("profile", "Phase table, wait ratios, async speedup and Chrome trace of a traced run."),
     "plan": ("plan", "Cost models: placement, memory, weight sync, async, precision, caches, PD."),
+    "doctor": ("doctor", "Versions, GPUs, native kernels, and which tiers can run on this machine."),
 }
 
 
