@@ -68,6 +68,11 @@ class RunDir:
     def engines(self) -> Path:
         return self.root / "engines.json"
 
+    @property
+    def tracking(self) -> Path:
+        """The experiment trackers' ids (rltool.tracking), so a resumed run continues them."""
+        return self.root / "tracking.json"
+
     # folders
     @property
     def weights(self) -> Path:

@@ -26,6 +26,7 @@ from rltool.errors import ConfigError
 from rltool.rollout.eval import EvalConfig
 from rltool.rollout.stage import RolloutConfig
 from rltool.rundir import RunDir
+from rltool.tracking import TrackingConfig
 from rltool.train.config import TrainConfig
 
 # Keys each stage table may not set: the loop decides them per step.
@@ -48,7 +49,7 @@ class ModelConfig(StageConfig):
                       "weights/weight_v000000 (policy version 0).")
 
 
-class LoopConfig(StageConfig):
+class LoopConfig(TrackingConfig):
     num_steps: int = Field(ge=1, description="Loop steps (rollout -> train -> publish -> sync).")
     placement: Literal["colocated", "disaggregated"] = Field(
         "colocated", description="colocated: engines release memory while the trainer runs "

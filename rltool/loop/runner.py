@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rltool import atomic, trace
+from rltool import atomic, trace, tracking
 from rltool.errors import BadInputError
 from rltool.loop import phases
 from rltool.loop.config import LoopSettings
@@ -87,6 +87,8 @@ def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None,
                         ready_timeout_s=settings.loop.engine_ready_timeout_s)
     ctx = phases.StepContext(run=run, settings=settings, engines=engines, registry=registry,
                              state=state)
+    mirror = tracking.open_mirror(settings.loop, run, from_step=state.step,
+                                  config=settings.to_tables())
     t_start = time.perf_counter()
     try:
         engines.start(run.weight_version(0))
@@ -103,6 +105,8 @@ def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None,
             while state.step < settings.loop.num_steps and not stopped:
                 with trace.span("step", cat="step", step=state.step):
                     run_step(ctx, writer=writer, on_step=on_step)
+                if mirror is not None:
+                    mirror.poll()
                 stopped = stop_when is not None and stop_when(read_metrics(writer.path))
         if settings.loop.placement == "colocated":
             phases.save_resident(ctx)  # the end is always a checkpoint, also when stopped early
@@ -114,6 +118,8 @@ def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None,
         raise
     finally:
         engines.stop()
+        if mirror is not None:
+            mirror.tracker.close()
         trace.configure(None, role="loop")
     return {"run_dir": str(run.root), "steps": state.step, "policy_version": state.policy_version,
             "elapsed_s": time.perf_counter() - t_start,

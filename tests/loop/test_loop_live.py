@@ -1,7 +1,8 @@
 """The whole loop on CPU with live engines: resume after SIGKILL at every phase boundary reaches
 the same final weights as an uninterrupted run (deterministic mode; the resident trainer replays
 the steps after its last checkpoint), delta sync from disk and tensor sync in memory agree,
-Ctrl-C ends the children, `rltool report` plots the run."""
+Ctrl-C ends the children, `rltool report` plots the run, TensorBoard and W&B (offline) mirror its
+metrics."""
 
 from __future__ import annotations
 
@@ -95,11 +96,13 @@ def assert_no_children(run: Path, pids: list[int]) -> None:
 @pytest.fixture(scope="module")
 def baseline(loop_config, tmp_path_factory) -> Path:
     """Uninterrupted run, disaggregated placement and delta sync (the chained run uses colocated +
-    tensor, so equal final weights also show the two placements and sync modes agree)."""
+    tensor, so equal final weights also show the two placements and sync modes agree), mirrored
+    to TensorBoard (RUN/../tb) and W&B in offline mode."""
     run = tmp_path_factory.mktemp("baseline") / "run"
-    result = CliRunner().invoke(cli, ["loop", "--config", str(loop_config), "--run-dir", str(run),
-                                      "--placement", "disaggregated", "--sync", "delta",
-                                      "--json"])
+    result = CliRunner(env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"}).invoke(
+        cli, ["loop", "--config", str(loop_config), "--run-dir", str(run),
+              "--placement", "disaggregated", "--sync", "delta", "--json",
+              "--tensorboard", str(run.parent / "tb"), "--wandb-project", "rltool-test"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["policy_version"] == newest_version(run)
     return run
@@ -122,6 +125,30 @@ def test_uninterrupted_run_writes_every_artifact(baseline):
     assert not run.eval_step(0).exists()
     assert [r["step"] for r in read_metrics(run.metrics_file("eval"))] == [NUM_STEPS - 1]
     assert run.read_engines() == []
+
+
+def test_trackers_mirror_the_loop_metrics(baseline):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.helpers.wandb_records import history_and_config
+
+    run = RunDir(baseline)
+    loop_rows = read_metrics(run.metrics_file("loop"))
+    acc = EventAccumulator(str(baseline.parent / "tb"))
+    acc.Reload()
+    rewards = acc.Scalars("rollout/raw_reward")
+    assert [e.step for e in rewards] == [r["step"] for r in loop_rows]
+    assert [e.value for e in rewards] == pytest.approx([r["rollout/raw_reward"] for r in loop_rows])
+    steps = [e.step for e in acc.Scalars("train/loss")]
+    assert steps == [r["step"] for r in read_metrics(run.metrics_file("train"))
+                     if "train/loss" in r]
+    assert [e.step for e in acc.Scalars("perf/loop/step_time")] == list(range(NUM_STEPS))
+    assert [e.step for e in acc.Scalars("eval/mean_reward")] == [NUM_STEPS - 1]
+    (wandb_run,) = (baseline / "wandb").glob("offline-run-*")
+    history, config = history_and_config(wandb_run)
+    assert [h["rollout/step"] for h in history if "rollout/raw_reward" in h] == list(
+        range(NUM_STEPS))
+    assert config["loop"]["wandb_project"] == "rltool-test"
 
 
 def test_resume_after_kill_at_every_phase_matches_uninterrupted(baseline, loop_config, tmp_path):
