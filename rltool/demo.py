@@ -13,7 +13,7 @@ stated: `--seed S` seeds the model init, both trainers and the engine's sampling
 seed gives every sample its own `sampling_seed`, from S and its uid); the prompt sets keep their
 own seeds, so every seed learns the same task. The measured curves are in docs/loop.md.
 
-Run: `python -m rltool.demo [DIR] [--seed S] [--steps N] [--sft-steps N]` (default DIR
+Run: `python -m rltool.demo [DIR] [--seed S] [--steps N] [--sft-steps N] [-q]` (default DIR
 `demo-run`).
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import sys
@@ -220,10 +221,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=SEED, help="Seed of the model init, the "
                         "trainers and the engine's sampling (the prompt sets keep theirs).")
     parser.add_argument("--json", action="store_true", help="Print the summary as JSON.")
+    parser.add_argument("-q", "--quiet", action="store_true", help="No progress bars or "
+                        "progress lines (the step table and the summary still print).")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     from rltool.logs import setup_logging
 
     setup_logging(verbosity=-1)  # the step table is the demo's output; warnings still show
+    if not args.quiet:  # and the progress of the warm start and of each step's training
+        logging.getLogger("rltool.progress").setLevel(logging.INFO)
     try:
         summary = run(Path(args.dir), steps=args.steps, sft_steps=args.sft_steps, seed=args.seed)
     except RltoolError as e:

@@ -4,7 +4,8 @@ verbosity -1 (-q): warnings and errors only, no progress bars;
 verbosity  0     : rltool's INFO lines; third-party libraries at WARNING;
 verbosity  1 (-v): rltool's DEBUG lines, and third-party INFO (httpx's line per request).
 Progress bars of transformers and huggingface_hub (one "Loading weights" bar per checkpoint load,
-which drowns a loop's step lines) are off at every verbosity; rltool's own progress bars follow -q.
+which drowns a loop's step lines) are off at every verbosity; rltool's own progress bars and
+progress lines (rltool/progress.py) follow -q.
 Logs go to stderr, so `--json` output on stdout stays clean. Under torchrun, ranks other than 0
 log warnings and errors only.
 """
@@ -31,6 +32,7 @@ def setup_logging(*, verbosity: int = 0) -> None:
         handler = StderrHandler()
         handler.setFormatter(logging.Formatter(FORMAT))
         root.addHandler(handler)
+    logging.getLogger("rltool.progress").setLevel(logging.NOTSET)  # follows the verbosity
     third_party = logging.INFO if verbosity > 0 else logging.WARNING
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(third_party)

@@ -26,6 +26,7 @@ from rltool.io import header as st
 from rltool.io import writer as st_write
 from rltool.errors import BadInputError, CheckpointError
 from rltool.io.hf_dir import CONFIG_NAME, copy_side_files
+from rltool.progress import Progress
 
 if TYPE_CHECKING:
     import torch
@@ -153,6 +154,14 @@ def _ordered_results(jobs: list[Job], pool: ThreadPoolExecutor, *, window: int,
         del tensors
 
 
+def _counted(tensors: Iterator[tuple[str, torch.Tensor]],
+             progress: Progress) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors, each counted (in MB) once the writer comes back for the next one."""
+    for name, tensor in tensors:
+        yield name, tensor
+        progress.advance(tensor.numel() * tensor.element_size() / 1e6)
+
+
 @contextlib.contextmanager
 def _intra_op_threads(workers: int) -> Iterator[None]:
     """Give each of `workers` concurrent jobs its share of the cores for torch's own (OpenMP)
@@ -207,13 +216,15 @@ def write_checkpoint(tmp_dir: Path, jobs: list[Job], *, workers: int,
     weight_map: dict[str, str] = {}
     total = 0
     with _intra_op_threads(workers), ThreadPoolExecutor(
-            max_workers=workers, thread_name_prefix="convert") as pool:
+            max_workers=workers, thread_name_prefix="convert") as pool, Progress(
+            "convert", total=sum(job.nbytes for job in jobs) / 1e6, unit="MB") as progress:
         for fname, group in zip(files, groups, strict=True):
             entries = [e for job in group for e in job.outputs]
             with atomic.atomic_path(tmp_dir / fname) as path:
                 total += st_write.write_streaming(
-                    path, entries, _ordered_results(group, pool, window=2 * workers,
-                                                    window_bytes=READ_AHEAD_BYTES),
+                    path, entries, _counted(_ordered_results(group, pool, window=2 * workers,
+                                                             window_bytes=READ_AHEAD_BYTES),
+                                            progress),
                     metadata={"format": "pt"})
             weight_map.update({e[0]: fname for e in entries})
             log.info("wrote %s (%d tensors)", fname, len(entries))

@@ -37,6 +37,7 @@ from rltool.io import header as st
 from rltool.io import reader as st_read
 from rltool.convert.gpt_model import build_gpt_model, hf_arch, padded_vocab_size
 from rltool.errors import CheckpointError
+from rltool.progress import Progress
 
 if TYPE_CHECKING:
     import torch
@@ -100,7 +101,8 @@ def _fill_from_hf(slots: dict[name_map.Slot, list[Any]], tensors: dict[str, st.T
 
     shapes = name_map.Shapes.from_hf(hf_config)
     tied = bool(hf_config.get("tie_word_embeddings", False))
-    for (key, index), shards in slots.items():
+    progress = Progress("convert: fill megatron shards", total=len(slots), unit="tensors")
+    for (key, index), shards in progress.track(slots.items()):
         names = name_map.hf_names(key, index, tied=tied)  # raises for an unmapped key
         kind = name_map.RULES[key][0]
         dtype = shards[0].data.dtype

@@ -32,6 +32,7 @@ from rltool.errors import DeltaChainError
 from rltool.io.checkpoint import Checkpoint
 from rltool.io.header import INDEX_NAME, element_size
 from rltool.io.writer import OutputFile, output_like
+from rltool.progress import Progress
 
 BLOCK_BYTES = 512 << 10
 
@@ -200,7 +201,8 @@ def apply_chain(base: Checkpoint, deltas: list[DeltaDir], out: str | os.PathLike
             return _rebuild_tensor(name, base, deltas, buf=scratch.buf,
                                    out=outs.get(base.tensor_file[name]))
 
-        changed = sum(pool.map(work, names))
+        progress = Progress("delta apply", total=len(names), unit="tensors")
+        changed = sum(progress.track(pool.map(work, names)))
         if tmp is not None:
             for rel, src in extras.items():
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,7 @@ from rltool.errors import BadInputError
 from rltool.io.checkpoint import Checkpoint
 from rltool.io.header import INDEX_NAME, element_size
 from rltool.io.writer import BlobWriter, reserve_for
+from rltool.progress import Progress
 
 
 @dataclass
@@ -132,7 +133,7 @@ def write_delta(base: Checkpoint, new: Checkpoint, out: str | os.PathLike, *, ve
             names, metadata_value_len=40 if fmt == "slime" else 0))
         try:
             window: collections.deque[Future] = collections.deque()
-            pending = iter(names)
+            pending = Progress("delta encode", total=len(names), unit="tensors").track(names)
             for name in pending:
                 window.append(pool.submit(_encode_tensor, name, base, new, fmt=fmt,
                                           encoding=encoding))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-import sys
+import time
 from typing import Any
 
 from rltool.rollout.generate import Sample
@@ -93,33 +93,34 @@ def _std(xs: list[float]) -> float:
 
 
 class RolloutProgress:
-    """rich progress: prompts (groups), samples and output tokens/s; off when not a TTY or quiet."""
+    """Samples done of the step, with prompts (groups) done and output tokens/s alongside
+    (rltool.progress: a bar on a terminal, periodic lines otherwise, nothing when quiet)."""
 
     def __init__(self, *, total_groups: int, total_samples: int, quiet: bool, label: str):
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                   TimeElapsedColumn)
+        from rltool.progress import Progress
 
-        self.enabled = not quiet and sys.stderr.isatty()
+        self._progress = Progress(f"{label} samples", total=total_samples, unit="samples",
+                                  quiet=quiet)
+        self.total_groups = total_groups
+        self._groups = 0
         self._tokens = 0
-        self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                                  MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
-                                  TimeElapsedColumn(), disable=not self.enabled, transient=False)
-        self._groups = self._progress.add_task(f"{label} prompts", total=total_groups, rate="")
-        self._samples = self._progress.add_task(f"{label} samples", total=total_samples, rate="")
 
     def __enter__(self) -> "RolloutProgress":
-        self._progress.start()
+        self._progress.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._progress.stop()
+    def __exit__(self, *exc: Any) -> None:
+        self._progress.__exit__(*exc)
 
     def group_done(self) -> None:
-        self._progress.advance(self._groups)
+        self._groups += 1
+        self._progress.advance(0, info=self._info())
 
     def samples_done(self, count: int, *, tokens: int) -> None:
         self._tokens += tokens
-        task = self._progress.tasks[self._samples]
-        elapsed = task.elapsed or 0.0
-        rate = f"{self._tokens / elapsed:,.0f} out tok/s" if elapsed > 0 else ""
-        self._progress.update(self._samples, advance=count, rate=rate)
+        self._progress.advance(count, info=self._info())
+
+    def _info(self) -> str:
+        elapsed = time.monotonic() - self._progress.started
+        rate = f", {self._tokens / elapsed:,.0f} out tok/s" if elapsed > 0 else ""
+        return f"prompts {self._groups}/{self.total_groups}{rate}"

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from rltool import trace
 from rltool.errors import CheckpointError, ConfigError
+from rltool.progress import Progress
 from rltool.rundir import MetricsWriter, RunDir, step_dir_name, weight_dir_name
 from rltool.train.algo.advantages import compute_advantages, gae, masked_whiten
 from rltool.train.algo.kl import approx_kl
@@ -399,7 +400,8 @@ def train_set(cfg: TrainConfig, backend: TorchBackend, data: SampleTensors, samp
     temperature = 1.0 if cfg.loss == "sft" else sample_set.temperature
     rows: list[dict[str, Any]] = []
     checkpoint = None
-    for step in range(start_step, plan.num_steps):
+    progress = Progress("train", total=plan.num_steps - start_step, unit="steps")
+    for step in progress.track(range(start_step, plan.num_steps)):
         t0 = time.perf_counter()
         batch = plan.batch(step)
         terms = batch_terms(cfg, data, batch, torch.tensor([samples[i].group for i in batch]))
@@ -423,10 +425,8 @@ def train_set(cfg: TrainConfig, backend: TorchBackend, data: SampleTensors, samp
         else:
             rows.append({"step": backend.optimizer_steps, "policy_version": version,
                          "time": time.time(), **metrics})
-        if backend.dp_rank == 0:
-            log.info("step %d/%d (policy version %d): loss %.4g, grad norm %.3g, %.2fs",
-                     step + 1, plan.num_steps, version, metrics.get("train/loss", 0.0),
-                     metrics["train/grad_norm"], metrics["perf/train_time"])
+        progress.note(f"policy version {version}, loss {metrics.get('train/loss', 0.0):.4g}, "
+                      f"grad norm {metrics['train/grad_norm']:.3g}")
         last = step == plan.num_steps - 1
         if cfg.save and (last or (save_every and (step + 1) % save_every == 0)):
             checkpoint = _save(cfg, backend, data, sample_set, plan, version=version,
