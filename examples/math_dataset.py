@@ -2,13 +2,13 @@
 list, the answer under `reward_model.ground_truth`), then run one RL step on it with the
 `rltool` commands: serve a tiny model, roll out with the `math` reward, train and publish.
 
-    python examples/math_dataset.py --out runs/math
+    python examples/math_dataset.py --out runs/math [--model YOUR_HF_CHECKPOINT]
 
 Each command is printed before it runs; the flags that read the dataset are slime's
 `--input-key`, `--label-key` and `--metadata-key` (dotted keys reach nested fields). The model is
-a tiny random-init one, so few samples earn a reward: the point is the plumbing, not the score.
-A real run points `--model` at its own checkpoint and `--prompts` at its own file (JSONL,
-Parquet, or a directory saved by HF `datasets`).
+a tiny random-init one unless `--model` names a checkpoint, so few samples earn a reward: the
+point is the plumbing, not the score. A real run points `--model` at its own checkpoint and
+`--prompts` at its own file (JSONL, Parquet, or a directory saved by HF `datasets`).
 """
 
 from __future__ import annotations
@@ -64,15 +64,19 @@ def start_engine(model: Path, ready_file: Path, log_path: Path) -> tuple[subproc
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="new directory for the run")
+    parser.add_argument("--model", type=Path, help="HF checkpoint to start from (default: a "
+                        "tiny random-init qwen2 made with `rltool init-model`)")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.out.exists():
         sys.exit(f"--out {args.out} already exists; choose a new directory")
     args.out.mkdir(parents=True)
-    model = args.out / "weights" / "weight_v000000"
-    rltool("init-model", "--arch", "qwen2", "--preset", "tiny", "--task", "add",
-           "--out", str(model))
+    model = args.model
+    if model is None:
+        model = args.out / "weights" / "weight_v000000"
+        rltool("init-model", "--arch", "qwen2", "--preset", "tiny", "--task", "add",
+               "--out", str(model))
     data = write_dataset(args.out / "math.parquet", num=args.num_prompts, seed=args.seed)
     print(f"wrote {args.num_prompts} prompts to {data}", flush=True)
     engine, url = start_engine(model, args.out / "engine.json", args.out / "engine.log")
@@ -89,8 +93,8 @@ def main() -> None:
     rltool("train", "--rollouts", str(args.out / "rollouts" / "step-000000"),
            "--load", str(model), "--save", str(args.out / "train" / "ckpt"),
            "--publish", str(args.out / "weights"), "--global-batch-size", "32")
-    print(f"done: the policy trained on {data} is {args.out / 'weights' / 'weight_v000001'}",
-          flush=True)
+    newest = max((args.out / "weights").glob("weight_v*"))
+    print(f"done: the policy trained on {data} is {newest}", flush=True)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "math_dataset.py"
 
 
 @pytest.mark.slow
-def test_math_dataset_example(tmp_path):
+def test_math_dataset_example(tmp_path, tiny_model_dir):
     out = tmp_path / "math"
-    proc = subprocess.run([sys.executable, str(EXAMPLE), "--out", str(out), "--num-prompts", "8"],
+    proc = subprocess.run([sys.executable, str(EXAMPLE), "--out", str(out), "--num-prompts", "8",
+                           "--model", str(tiny_model_dir)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "--label-key reward_model.ground_truth" in proc.stdout
@@ -26,5 +27,6 @@ def test_math_dataset_example(tmp_path):
     for row in rows:  # "user: what is A+B?" with label A+B, from the nested ground truth
         a, b = row["prompt"].removeprefix("user: what is ").removesuffix("?").split("+")
         assert row["label"] == str(int(a) + int(b))
-    assert (out / "weights" / "weight_v000001" / "config.json").is_file()
-    assert (out / "train" / "ckpt" / "step-000001").is_dir()
+    (published,) = (out / "weights").glob("weight_v*")  # one optimizer step: one new version
+    assert (published / "config.json").is_file() and f"is {published}" in proc.stdout
+    assert (out / "train" / "ckpt" / published.name.replace("weight_v", "step-")).is_dir()
