@@ -14,13 +14,18 @@ without CUDA, `enable_cpu()` patches exactly these, and nothing when CUDA is ava
   This one is needed on GPUs without transformer-engine too, so it is applied there as well.
 - the CUDA RNG state tracker (`tensor_parallel.random`): megatron forks per-parallel-rank RNG states
   for dropout and weight init; on CPU a tracker with the same interface forks the CPU generator.
+- scalars created with a hard-coded `device="cuda"` by the optimizer (`optimizer.optimizer`,
+  `optimizer.clip_grads`: loss scale, grad-norm buffers) and the pipeline schedules
+  (`pipeline_parallel.schedules`: the token counter) and the plain-torch multi-tensor L2 norm
+  (`megatron.core.utils`): those modules see a `torch` whose
+  `tensor`/`zeros` put such tensors on the CPU; and gradient clipping, which asserts CUDA tensor
+  types, is replaced by the same scaling (grads times max_norm / (norm + 1e-6) when below 1). This covers the fp32 optimizer; the bf16 and
+  distributed optimizers check for CUDA tensor types and stay CUDA-only.
 
 Also required on CPU, but not patchable here: `psutil` must be installed (torch_dist saving
 otherwise waits forever for a worker), and scripts that save torch_dist checkpoints need an
 `if __name__ == "__main__":` guard (its writer uses multiprocessing spawn).
 
-Not covered yet: megatron's DDP/optimizer code paths that hard-code `device="cuda"` (the megatron
-trainer will add its patches here, in this module, when it needs them).
 """
 
 from __future__ import annotations
@@ -111,6 +116,7 @@ def enable_cpu() -> bool:
 
     mrandom.initialize_rng_tracker = initialize_rng_tracker
     _patch_causal_mask()
+    _patch_cuda_scalars()
     mrandom.initialize_rng_tracker(force_reset=True)
     _ENABLED = True
     log.debug("megatron-core CPU compatibility enabled")
@@ -122,6 +128,52 @@ def _patch_missing_te_gemm() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+class _CpuTorch:
+    """`torch` as the optimizer modules see it on CPU: "cuda" tensors are created on the CPU."""
+
+    def __getattr__(self, name: str) -> Any:
+        import torch
+
+        return getattr(torch, name)
+
+    @staticmethod
+    def _cpu(kwargs: dict[str, Any]) -> dict[str, Any]:
+        if str(kwargs.get("device", "cpu")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return kwargs
+
+    def tensor(self, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        return torch.tensor(*args, **self._cpu(kwargs))
+
+    def zeros(self, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        return torch.zeros(*args, **self._cpu(kwargs))
+
+
+def _patch_cuda_scalars() -> None:
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core import utils
+    from megatron.core.pipeline_parallel import schedules
+
+    for module in (optimizer, clip_grads, schedules, utils):
+        module.torch = _CpuTorch()
+
+    def clip_grad_by_total_norm_fp32(parameters: Any, max_norm: float, total_norm: float,
+                                     use_decoupled_grad: bool = False) -> None:
+        coeff = max_norm / (total_norm + 1.0e-6)
+        if coeff >= 1.0:
+            return
+        for param in parameters:
+            grad = param.decoupled_grad if use_decoupled_grad else param.grad
+            if grad is not None:
+                grad.detach().mul_(coeff)
+
+    optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
 
 
 def _patch_causal_mask() -> None:
@@ -157,9 +209,11 @@ def distributed(*, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0) -> Iter
             dist.destroy_process_group()
 
 
-def init_distributed(*, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0) -> None:
+def init_distributed(*, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, etp: int | None = None,
+                     seed: int = 0) -> None:
     """Start torch.distributed (gloo on CPU, nccl on GPU) from the torchrun environment, or a
-    one-process group when not launched by torchrun, then megatron's model-parallel groups."""
+    one-process group when not launched by torchrun, then megatron's model-parallel groups
+    (tensor, pipeline, expert, context, expert-tensor; `etp` None: the tensor size)."""
     import torch
     import torch.distributed as dist
 
@@ -176,13 +230,17 @@ def init_distributed(*, tp: int = 1, pp: int = 1, ep: int = 1, seed: int = 0) ->
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("gloo" if cpu else "nccl")
     world = dist.get_world_size()
-    if world % (tp * pp) or (world // pp) % ep:
-        raise RltoolError(f"world size {world} does not fit --tp {tp} x --pp {pp} (x --ep {ep}); "
-                          "launch with torchrun --nproc-per-node a multiple of tp*pp")
+    etp = tp if etp is None else etp
+    if world % (tp * pp * cp) or (world // pp) % (ep * etp):
+        raise RltoolError(f"world size {world} does not fit --tp {tp} x --pp {pp} x --cp {cp} "
+                          f"(x --ep {ep} x --etp {etp}); launch with torchrun --nproc-per-node "
+                          "a multiple of tp*pp*cp")
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                              pipeline_model_parallel_size=pp,
-                                             expert_model_parallel_size=ep)
+                                             context_parallel_size=cp,
+                                             expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=etp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 

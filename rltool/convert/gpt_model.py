@@ -108,13 +108,15 @@ def transformer_config(hf_config: dict[str, Any], *, tp: int = 1, pp: int = 1, e
 def build_gpt_model(hf_config: dict[str, Any], *, tp: int = 1, pp: int = 1, ep: int = 1,
                     params_dtype: torch.dtype | None = None, vocab_size: int | None = None,
                     perform_initialization: bool = True, pre_process: bool | None = None,
-                    post_process: bool | None = None, **config_overrides: Any) -> Any:
+                    post_process: bool | None = None, core_attention: type | None = None,
+                    **config_overrides: Any) -> Any:
     """Build this rank's megatron-core GPTModel (local spec) for an HF config.json dict.
 
     Model-parallel state must be initialized with the same tp/pp/ep
     (`rltool.megatron_compat.init_distributed`). `vocab_size` is the padded vocabulary (default:
     HF's vocab padded to a multiple of 128 * tp). `perform_initialization=False` leaves weights
     uninitialized, for callers that load them next (conversion, checkpoint resume).
+    `core_attention` replaces the local spec's `DotProductAttention` (same constructor and forward).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -129,6 +131,8 @@ def build_gpt_model(hf_config: dict[str, Any], *, tp: int = 1, pp: int = 1, ep: 
                                 perform_initialization=perform_initialization, **config_overrides)
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
                                     qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    if core_attention is not None:
+        spec.submodules.self_attention.submodules.core_attention = core_attention
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:

@@ -74,7 +74,7 @@ class DistToHfConfig(StageConfig):
     max_shard_mb: float = Field(default=5000.0, gt=0, description="Largest output shard, in MB.")
 
 
-def _sharded_tensors(sharded_state_dict: dict[str, Any]) -> dict[name_map.Slot, list[Any]]:
+def sharded_tensors(sharded_state_dict: dict[str, Any]) -> dict[name_map.Slot, list[Any]]:
     """Group this rank's ShardedTensors by slot (key, prepended layer/expert indices)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
@@ -88,7 +88,7 @@ def _sharded_tensors(sharded_state_dict: dict[str, Any]) -> dict[name_map.Slot, 
     return slots
 
 
-def _region(sh: Any) -> tuple[slice, ...]:
+def shard_region(sh: Any) -> tuple[slice, ...]:
     p = sh.prepend_axis_num
     return tuple(slice(o, o + n) for o, n in zip(sh.global_offset[p:], sh.local_shape,
                                                   strict=True))
@@ -124,7 +124,7 @@ def _fill_from_hf(slots: dict[name_map.Slot, list[Any]], tensors: dict[str, st.T
                 # only a source of sharding metadata here), so no weight is held twice.
                 released.append(sh.data.untyped_storage())
                 sh.data = torch.empty_like(sh.data)
-            sh.data.copy_(full[_region(sh)])
+            sh.data.copy_(full[shard_region(sh)])
         for storage in released:
             storage.resize_(0)
         del full
@@ -175,7 +175,7 @@ def _build_fill_save(cfg: HfToDistConfig, out: Path, hf_config: dict[str, Any],
                             perform_initialization=False)
     sharded = model.sharded_state_dict()
     with torch.no_grad():
-        _fill_from_hf(_sharded_tensors(sharded), tensors, hf_config=hf_config,
+        _fill_from_hf(sharded_tensors(sharded), tensors, hf_config=hf_config,
                       padded_vocab=padded)
     tmp = _rank0_tempdir(out)
     rank0 = dist.get_rank() == 0
@@ -292,7 +292,7 @@ def _split_job(key: str, shards: list[Any], shapes: name_map.Shapes) -> Any:
         full = first.data.new_empty(first.global_shape[first.prepend_axis_num:])
         with torch.no_grad():
             for sh in shards:
-                full[_region(sh)] = sh.data.reshape(sh.local_shape)
+                full[shard_region(sh)] = sh.data.reshape(sh.local_shape)
         return name_map.to_hf(name_map.RULES[key][0], full, shapes=shapes)
 
     return run
@@ -322,12 +322,35 @@ def load_model_weights(model: Any, dist_dir: str | os.PathLike) -> dict[name_map
 
     source = iteration_dir(dist_dir)
     sharded = model.sharded_state_dict()
-    slots = _sharded_tensors(sharded)
+    slots = sharded_tensors(sharded)
     _check_against_metadata(slots, dist_checkpointing.load_tensors_metadata(str(source)))
     loaded = dist_checkpointing.load({"model": sharded}, str(source),
                                      common_strategy=_weights_only_common_strategy())
     with torch.no_grad():
         _copy_loaded(sharded, loaded["model"])
+    return slots
+
+
+def load_hf_weights(model: Any, hf_dir: str | os.PathLike) -> dict[name_map.Slot, list[Any]]:
+    """Fill this rank's GPTModel, in place, from an HF checkpoint directory (each parameter gets
+    its shard of the fused, padded megatron tensor; the vocabulary padding rows are zeros).
+    Refuses a checkpoint whose tensors do not match its config.json. Returns the ShardedTensors by
+    slot, as `load_model_weights` does."""
+    import torch
+
+    hf_config = hf_writer.read_config(Path(hf_dir))
+    tensors = ckpt_io.checkpoint_tensors(Path(hf_dir))
+    name_map.check_hf_tensors({n: i.shape for n, i in tensors.items()}, hf_config)
+    shapes = name_map.Shapes.from_hf(hf_config)
+    tied = bool(hf_config.get("tie_word_embeddings", False))
+    slots = sharded_tensors(model.sharded_state_dict())
+    with torch.no_grad():
+        for (key, index), shards in slots.items():
+            hf = [st_read.read_tensor(tensors[n]) for n in name_map.hf_names(key, index, tied=tied)]
+            full = name_map.to_megatron(name_map.RULES[key][0], hf, shapes=shapes,
+                                        padded_vocab=shards[0].global_shape[0])
+            for sh in shards:  # views of the parameters: copying into them fills the model
+                sh.data.copy_(full[shard_region(sh)].reshape(sh.data.shape))
     return slots
 
 

@@ -15,6 +15,9 @@ from typing import Any, Protocol
 
 import torch
 
+from rltool.logprobs import effective_temperature, logits_to_logprobs
+from rltool.train.algo.losses import entropy_from_logits
+
 
 @dataclass
 class MicroBatch:
@@ -45,6 +48,25 @@ class ForwardOutput:
     topk_logprobs: list[torch.Tensor] | None = None  # [L, k]
     topk_ids: list[torch.Tensor] | None = None       # [L, k]
     extras: dict[str, Any] = field(default_factory=dict)
+
+
+def response_outputs(rows: list[torch.Tensor], targets: list[torch.Tensor], *, temperature: float,
+                     with_entropy: bool, top_k: int) -> ForwardOutput:
+    """Per sample: `rows` are the logits [L, V] that predict its response tokens `targets` [L];
+    logprobs under rltool.logprobs' convention, and optionally entropy and the top-k logprobs.
+    Every backend builds its ForwardOutput here, so all compute the same functions."""
+    temp = effective_temperature(temperature)
+    out = ForwardOutput(logprobs=[], entropy=[] if with_entropy else None,
+                        topk_logprobs=[] if top_k else None, topk_ids=[] if top_k else None)
+    for row, target in zip(rows, targets, strict=True):
+        out.logprobs.append(logits_to_logprobs(row, target, temperature=temperature))
+        if with_entropy:
+            out.entropy.append(entropy_from_logits(row, temperature=temp))
+        if top_k:
+            top_values, top_ids = torch.log_softmax(row.float() / temp, dim=-1).topk(top_k, dim=-1)
+            out.topk_logprobs.append(top_values)
+            out.topk_ids.append(top_ids)
+    return out
 
 
 # loss_fn(output, micro_batch) -> (scalar loss for backward, metrics as weighted sums). Losses are

@@ -9,6 +9,8 @@ step-000007/
   data.safetensors            the stage's per-sample tensors of the sample set being trained
                               (old/ref logprobs, advantages), so a resumed run continues bit-exactly
   value_head.safetensors      PPO only: the value head "value_head.weight", "value_head.bias"
+  dist/                       megatron backend only, instead of optimizer.safetensors: a torch_dist
+                              checkpoint of the model and optimizer shards (rltool.train.megatron_state)
   config.toml                 the resolved TrainConfig
   trainer_state.json          written last, the completeness marker: format, versions, optimizer
                               scalars and hyper-parameters, LR-schedule step, data position
@@ -36,6 +38,7 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
 DATA_FILE = "data.safetensors"
 VALUE_HEAD_FILE = "value_head.safetensors"
+DIST_DIR = "dist"
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,8 @@ def read_trainer_state(ckpt_dir: Path) -> dict[str, Any]:
     if state.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{ckpt_dir}: checkpoint format version {state.get('format_version')} "
                               f"is not {FORMAT_VERSION}; use the rltool that wrote it")
-    for name in (MODEL_DIR + "/config.json", OPTIMIZER_FILE, RNG_FILE):
+    megatron = state.get("backend", {}).get("name") == "megatron"
+    for name in (MODEL_DIR + "/config.json", DIST_DIR if megatron else OPTIMIZER_FILE, RNG_FILE):
         if not (ckpt_dir / name).exists():
             raise CheckpointError(f"{ckpt_dir}: missing {name}; the checkpoint is incomplete")
     return state

@@ -7,15 +7,17 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rltool.config import ComputeDtype, StageConfig, cli
+from rltool.config import ComputeDtype, cli
 from rltool.delta.config import SyncConfig
 from rltool.errors import ConfigError
+from rltool.train.megatron_config import MEGATRON_LAYOUT_FIELDS, MegatronOptions
 
 
-class BackendConfig(StageConfig):
-    """What a trainer backend needs: optimizer, LR schedule, precision, device and layout. The
-    train stage's config extends it, so a backend takes the TrainConfig itself (or a
-    BackendConfig for a frozen model) and no second list of these knobs exists."""
+class BackendConfig(MegatronOptions):
+    """What a trainer backend needs: optimizer, LR schedule, precision, device and layout (the
+    megatron knobs come from MegatronOptions). The train stage's config extends it, so a backend
+    takes the TrainConfig itself (or a BackendConfig for a frozen model) and no second list of
+    these knobs exists."""
 
     # optimisation
     lr: float = Field(1e-6, gt=0.0, description="Peak learning rate (AdamW).")
@@ -159,6 +161,14 @@ class TrainConfig(BackendConfig, SyncConfig):
         if self.old_actor and (self.bypass or self.loss != "policy"):
             raise ConfigError("--old-actor recomputes the old logprobs of the policy loss; drop "
                               "it, or drop --bypass / --loss sft")
+        if self.backend == "torch":
+            used = [f for f in MEGATRON_LAYOUT_FIELDS if (getattr(self, f) or 1) != 1]
+            if used:
+                raise ConfigError(f"--{used[0].replace('_', '-')} is a megatron option; add "
+                                  "--backend megatron or drop it")
+        elif self.value_head or self.ref or self.old_actor:
+            raise ConfigError("--backend megatron does not support ppo's value head, --ref or "
+                              "--old-actor yet; use --backend torch for them")
         if self.lr_decay_style == "cosine" and self.lr_decay_steps is None:
             raise ConfigError("--lr-decay-style cosine needs --lr-decay-steps N (optimizer steps "
                               "over the whole run, not just this call)")

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from rltool.rundir import step_dir_name
+from rltool.train.backends import build_backend
 from rltool.train.checkpoint import read_trainer_state, resolve_load
 from rltool.train.config import TrainConfig
 from rltool.train.residency import Move, Offloader
@@ -33,7 +34,7 @@ class ResidentTrainer:
         self.model_dir = target.model_dir
         self.version = target.version
         self.loop_step = -1  # the last loop step trained (-1: none)
-        self.backend = TorchBackend(target.model_dir, options=cfg, value_head=cfg.value_head)
+        self.backend = build_backend(target.model_dir, options=cfg, value_head=cfg.value_head)
         self.ref: TorchBackend | None = None
         if cfg.needs_ref and cfg.ref:
             self.ref = TorchBackend(resolve_load(cfg.ref).model_dir, options=cfg, trainable=False)

@@ -32,6 +32,7 @@ from rltool.rundir import MetricsWriter, RunDir, step_dir_name, weight_dir_name
 from rltool.train.algo.advantages import compute_advantages, gae, masked_whiten
 from rltool.train.algo.kl import approx_kl
 from rltool.train.backend import MicroBatch, TrainerBackend
+from rltool.train.backends import build_backend
 from rltool.train.backuper import (WeightBackuper, dtensor_sharder, fsdp_resharder,
                                    module_tensors)
 from rltool.train.checkpoint import LoadTarget, read_trainer_state, resolve_load
@@ -347,7 +348,7 @@ def _run(cfg: TrainConfig) -> TrainResult:
                                             checked.start_step)
     samples = sample_set.samples
     version = target.version
-    backend = TorchBackend(target.model_dir, options=cfg, value_head=cfg.value_head)
+    backend = build_backend(target.model_dir, options=cfg, value_head=cfg.value_head)
     data, timings = None, {}
     if target.ckpt_dir is not None:
         _, tensors = backend.load(target.ckpt_dir)

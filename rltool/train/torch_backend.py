@@ -32,11 +32,9 @@ import torch
 import torch.distributed as dist
 
 from rltool.errors import CheckpointError, ConfigError
-from rltool.logprobs import effective_temperature, logits_to_logprobs
 from rltool.train import checkpoint as ckpt
 from rltool.train import packed
-from rltool.train.algo.losses import entropy_from_logits
-from rltool.train.backend import ForwardOutput, LossFn, MicroBatch
+from rltool.train.backend import ForwardOutput, LossFn, MicroBatch, response_outputs
 from rltool.train.config import BackendConfig
 from rltool.train.lr import lr_at
 
@@ -216,25 +214,13 @@ class TorchBackend:
                 ids[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
                 mask[i, :len(toks)] = 1
             logits, values = self._model_call(module, ids, mask)
-        temp = effective_temperature(temperature)
-        out = ForwardOutput(logprobs=[], entropy=[] if with_entropy else None,
-                            topk_logprobs=[] if top_k else None, topk_ids=[] if top_k else None)
+        spans = list(enumerate(zip(lengths, mb.response_starts)))
+        out = response_outputs([logits[i, start - 1:n - 1] for i, (n, start) in spans],
+                               [ids[i, start:n] for i, (n, start) in spans],
+                               temperature=temperature, with_entropy=with_entropy, top_k=top_k)
         if values is not None:
-            out.extras["values"] = []
-        for i, (n, start) in enumerate(zip(lengths, mb.response_starts)):
-            rows = logits[i, start - 1:n - 1]
-            targets = ids[i, start:n]
-            out.logprobs.append(logits_to_logprobs(rows, targets, temperature=temperature))
-            if values is not None:
-                # V_t: the value of the state before response token t (same rows as its logits).
-                out.extras["values"].append(values[i, start - 1:n - 1])
-            if with_entropy:
-                out.entropy.append(entropy_from_logits(rows, temperature=temp))
-            if top_k:
-                top_values, top_ids = torch.log_softmax(rows.float() / temp, dim=-1).topk(top_k,
-                                                                                         dim=-1)
-                out.topk_logprobs.append(top_values)
-                out.topk_ids.append(top_ids)
+            # V_t: the value of the state before response token t (same rows as its logits).
+            out.extras["values"] = [values[i, start - 1:n - 1] for i, (n, start) in spans]
         return out, logits.float().sum() * 0.0
 
     def _packed_forward(self, mb: MicroBatch, *, temperature: float, with_entropy: bool,

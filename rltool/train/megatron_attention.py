@@ -1,0 +1,72 @@
+"""The megatron trainer's core attention: causal attention through torch SDPA, for the local spec.
+
+megatron-core's local layer spec computes attention with `DotProductAttention`, which materialises
+the full S x S score matrix and refuses packed sequences. `SdpaCoreAttention` takes its place in
+the spec (same constructor and forward signature) and calls
+`torch.nn.functional.scaled_dot_product_attention` with `is_causal=True`, so on CUDA the flash or
+memory-efficient kernel runs and no S x S tensor is kept for backward.
+
+- Padded layout `sbhd`: query [s, b, heads, d] -> one SDPA call -> [s, b, heads * d].
+- Packed layout `thd` (`PackedSeqParams(qkv_format="thd")`): query [t, heads, d] holds several
+  sequences back to back, delimited by `cu_seqlens_q`; each runs as its own causal SDPA call (no
+  token attends across a boundary) -> [t, heads * d].
+- Grouped-query attention: key/value heads are shared by `heads / groups` query heads
+  (`enable_gqa`), never copied.
+
+Context parallelism needs transformer-engine's attention (the TE spec); this module refuses it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rltool.errors import ConfigError
+
+
+class SdpaCoreAttention(torch.nn.Module):
+    """Drop-in for megatron-core's `DotProductAttention` (causal self-attention only)."""
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection: Any = None):
+        super().__init__()
+        from megatron.core.transformer.enums import AttnMaskType
+
+        if config.context_parallel_size != 1:
+            raise ConfigError("--context-parallel-size > 1 needs transformer-engine attention; "
+                              "install transformer-engine or use --context-parallel-size 1")
+        if attn_mask_type != AttnMaskType.causal:
+            raise ConfigError(f"attention mask type {attn_mask_type} is not supported (causal "
+                              "only)")
+        self.config = config
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [b, heads, s, d], k/v [b, groups, s, d] -> [b, heads, s, d]."""
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.softmax_scale,
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=q.shape[1] != k.shape[1])
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, attn_mask_type: Any = None,
+                attention_bias: torch.Tensor | None = None,
+                packed_seq_params: Any = None) -> torch.Tensor:
+        if attention_bias is not None:
+            raise ConfigError("attention bias is not supported by the SDPA core attention")
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            bounds = packed_seq_params.cu_seqlens_q.tolist()
+            parts = []
+            for start, end in zip(bounds[:-1], bounds[1:]):
+                q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+                parts.append(self._attend(q, k, v)[0].transpose(0, 1))
+            out = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+            return out.reshape(out.shape[0], -1)
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, d]
+        out = self._attend(q, k, v).permute(2, 0, 1, 3)                   # [s, b, heads, d]
+        return out.reshape(out.shape[0], out.shape[1], -1)

@@ -1,0 +1,201 @@
+"""State of the megatron trainer: HF weights in, HF tensors out, and resumable checkpoints.
+
+- `load_hf_weights`: every rank fills its own shards of the GPTModel from an HF directory
+  (rltool.convert's name map: fused QKV per query group, gate/up halves, padded vocabulary).
+- `export_hf`: the full HF-named tensors of the current policy on global rank 0, gathered over
+  TP, PP and EP (one main replica of each shard, assembled and split back into HF tensors by the
+  converter's inverse map), in the parameters' dtype (bf16 with `--dtype bf16`). The train stage
+  publishes it through rltool.delta for every sync mode, as it does the torch backend's.
+- `save_checkpoint` / `load_checkpoint`: the trainer checkpoint of rltool.train.checkpoint with
+  `dist/` (a torch_dist checkpoint of the model and optimizer shards, megatron-core's
+  `dist_checkpointing`) in place of optimizer.safetensors. `model/` holds the full HF weights in
+  fp32, so `--load step-N/model` starts any backend or engine from it. Resuming restores model,
+  optimizer moments and master weights, RNG and schedule position bit for bit; it needs the
+  layout (TP/PP/EP/CP and the distributed optimizer) the checkpoint was written with.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from rltool import __version__, atomic
+from rltool.errors import CheckpointError
+from rltool.train import checkpoint as ckpt
+
+if TYPE_CHECKING:
+    from rltool.train.megatron_backend import MegatronBackend
+
+log = logging.getLogger(__name__)
+
+
+def load_hf_weights(model: Any, hf_dir: Path) -> None:
+    from rltool.convert.torch_dist import load_hf_weights as fill
+
+    fill(model, hf_dir)
+
+
+def export_hf(module: Any, hf_config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Full HF tensors on global rank 0 (an empty dict elsewhere); collective."""
+    from megatron.core.dist_checkpointing.mapping import is_main_replica
+
+    from rltool.convert import name_map
+    from rltool.convert.torch_dist import shard_region, sharded_tensors
+
+    own: dict[Any, tuple[tuple[int, ...], list[tuple[tuple[slice, ...], torch.Tensor]]]] = {}
+    for slot, shards in sharded_tensors(module.sharded_state_dict()).items():
+        pieces = [(shard_region(sh), sh.data.detach().reshape(sh.local_shape).cpu().clone())
+                  for sh in shards if is_main_replica(sh.replica_id)]
+        if pieces:
+            first = shards[0]
+            own[slot] = (tuple(first.global_shape[first.prepend_axis_num:]), pieces)
+    parts = [own]
+    if dist.get_world_size() > 1:
+        parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(own, parts, dst=0)
+    if dist.get_rank() != 0:
+        return {}
+    merged: dict[Any, tuple[tuple[int, ...], list]] = {}
+    for part in parts:
+        for slot, (shape, pieces) in part.items():
+            merged.setdefault(slot, (shape, []))[1].extend(pieces)
+    shapes = name_map.Shapes.from_hf(hf_config)
+    tied = bool(hf_config.get("tie_word_embeddings", False))
+    out: dict[str, torch.Tensor] = {}
+    for (key, index), (shape, pieces) in sorted(merged.items()):
+        if key == "output_layer.weight" and tied:
+            continue
+        full = pieces[0][1].new_empty(shape)
+        for region, tensor in pieces:
+            full[region] = tensor
+        names = name_map.hf_names(key, index, tied=tied)
+        out.update(zip(names, name_map.to_hf(name_map.RULES[key][0], full, shapes=shapes),
+                       strict=True))
+    return out
+
+
+def _layout(backend: MegatronBackend) -> dict[str, Any]:
+    o = backend.options
+    return {"tensor_model_parallel_size": o.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": o.pipeline_model_parallel_size,
+            "context_parallel_size": o.context_parallel_size,
+            "expert_model_parallel_size": o.expert_model_parallel_size,
+            "expert_tensor_parallel_size": o.expert_tensor_parallel_size
+            or o.tensor_model_parallel_size,
+            "use_distributed_optimizer": o.use_distributed_optimizer,
+            "world_size": dist.get_world_size()}
+
+
+def _sharded_state(backend: MegatronBackend, *, loading: bool) -> dict[str, Any]:
+    model = backend.module.sharded_state_dict()
+    return {"model": model,
+            "optimizer": backend.optimizer.sharded_state_dict(model, is_loading=loading)}
+
+
+def _rng_states(backend: MegatronBackend) -> dict[str, torch.Tensor]:
+    own = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        own["torch_cuda"] = torch.cuda.get_rng_state()
+    return {f"{kind}/rank{r}": state for r, states in enumerate(backend.all_gather_object(own))
+            for kind, state in states.items()}
+
+
+def save_checkpoint(backend: MegatronBackend, ckpt_dir: Path, *, trainer_state: dict[str, Any],
+                    data_tensors: dict[str, torch.Tensor], config_toml: str) -> None:
+    """Write `ckpt_dir` atomically; collective (every rank writes its shards of dist/, global
+    rank 0 the rest, then renames the directory into place)."""
+    from megatron.core import dist_checkpointing
+    from safetensors.torch import save_file
+
+    from rltool.io.hf_dir import write_hf_dir
+
+    assert backend.optimizer is not None
+    if ckpt_dir.exists():  # every rank sees the same filesystem: all refuse together
+        raise CheckpointError(f"{ckpt_dir} already exists; checkpoints are never replaced "
+                              "(--load it to resume, or --save elsewhere)")
+    hf_state = backend.export_hf_state_dict()
+    rng = _rng_states(backend)
+    sharded = _sharded_state(backend, loading=False)
+    state = {"format": ckpt.FORMAT, "format_version": ckpt.FORMAT_VERSION,
+             "rltool_version": __version__, **trainer_state,
+             "backend": {"name": "megatron", "optimizer_steps": backend.optimizer_steps,
+                         "dtype": backend.options.dtype, **_layout(backend)}}
+    if dist.get_rank() != 0:
+        holder: list[Any] = [None]
+        dist.broadcast_object_list(holder, src=0)
+        dist_checkpointing.save(sharded, holder[0])
+        dist.barrier()
+        dist.barrier()
+        return
+    with atomic.publish_dir(ckpt_dir, marker=ckpt.STATE_FILE, marker_content=state) as tmp:
+        (tmp / ckpt.DIST_DIR).mkdir()
+        holder = [str(tmp / ckpt.DIST_DIR)]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(holder, src=0)
+        dist_checkpointing.save(sharded, holder[0])
+        (tmp / ckpt.MODEL_DIR).mkdir()
+        write_hf_dir(tmp / ckpt.MODEL_DIR, hf_state, source_model_dir=backend.model_dir,
+                     dtype="fp32")
+        for name, tensors in ((ckpt.RNG_FILE, rng), (ckpt.DATA_FILE, data_tensors)):
+            with atomic.atomic_path(tmp / name) as part:
+                save_file({k: v.contiguous() for k, v in tensors.items()}, str(part))
+        atomic.write_text(tmp / "config.toml", config_toml)
+        if dist.get_world_size() > 1:
+            dist.barrier()  # every rank's shards are on disk before the rename
+    if dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _weights_only_common_strategy() -> Any:
+    """megatron-core's common-state loader with `torch.load(weights_only=True)` spelled out."""
+    from megatron.core.dist_checkpointing.strategies.common import (COMMON_STATE_FNAME,
+                                                                    TorchCommonLoadStrategy)
+
+    class WeightsOnly(TorchCommonLoadStrategy):
+        def load_common(self, checkpoint_dir: Any) -> dict[str, Any]:
+            path = Path(checkpoint_dir) / COMMON_STATE_FNAME
+            return torch.load(path, map_location="cpu", weights_only=True)
+
+    return WeightsOnly()
+
+
+def load_checkpoint(backend: MegatronBackend, ckpt_dir: Path
+                    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Restore model, optimizer, RNG and schedule position from a megatron trainer checkpoint;
+    return the stage's state and tensors."""
+    from megatron.core import dist_checkpointing
+
+    from rltool.convert.torch_dist import check_storage_files
+
+    assert backend.optimizer is not None
+    state = ckpt.read_trainer_state(ckpt_dir)
+    written = state["backend"]
+    if written.get("name") != "megatron":
+        raise CheckpointError(f"{ckpt_dir} was written by the {written.get('name')} backend; to "
+                              f"start megatron from its weights, --load {ckpt_dir / ckpt.MODEL_DIR}"
+                              " (fresh optimizer)")
+    mine = _layout(backend)
+    differ = [k for k in mine if written.get(k) != mine[k]]
+    if differ:
+        raise CheckpointError(
+            f"{ckpt_dir} was written with {differ[0]} = {written.get(differ[0])}, this run has "
+            f"{mine[differ[0]]}; resume with the same layout, or --load "
+            f"{ckpt_dir / ckpt.MODEL_DIR} (weights only, fresh optimizer)")
+    source = ckpt_dir / ckpt.DIST_DIR
+    check_storage_files(source)
+    sharded = _sharded_state(backend, loading=True)
+    loaded = dist_checkpointing.load(sharded, str(source),
+                                     common_strategy=_weights_only_common_strategy())
+    backend.module.load_state_dict(loaded["model"])
+    backend.optimizer.load_state_dict(loaded["optimizer"])
+    backend.optimizer_steps = int(written["optimizer_steps"])
+    rng = ckpt.read_tensors(ckpt_dir / ckpt.RNG_FILE)
+    rank = dist.get_rank()
+    torch.set_rng_state(rng[f"torch_cpu/rank{rank}"])
+    if torch.cuda.is_available() and f"torch_cuda/rank{rank}" in rng:
+        torch.cuda.set_rng_state(rng[f"torch_cuda/rank{rank}"])
+    return state, ckpt.read_tensors(ckpt_dir / ckpt.DATA_FILE)
