@@ -108,7 +108,10 @@ class MegatronBackend:
         model = build_gpt_model(
             self.hf_config, tp=tp, pp=options.pipeline_model_parallel_size,
             ep=options.expert_model_parallel_size, params_dtype=dtype,
-            vocab_size=padded_vocab_size(self.vocab_size, tp=tp), perform_initialization=False,
+            vocab_size=padded_vocab_size(self.vocab_size, tp=tp),
+            # megatron marks TP-sharded parameters (what the grad norm counts once per TP rank)
+            # only while initializing them; the loaded weights replace these values
+            perform_initialization=True,
             core_attention=self._core_attention(), **_config_overrides(options, cuda=cuda))
         if cuda:
             model = model.cuda()

@@ -39,6 +39,7 @@ from rltool.train.checkpoint import LoadTarget, read_trainer_state, resolve_load
 from rltool.train.config import TrainConfig
 from rltool.train.objective import SampleTensors, batch_terms, make_loss_fn
 from rltool.train.dp_schedule import schedule
+from rltool.train.launch import is_rank_zero
 from rltool.train.samples import Sample, SampleSet, load_rollouts, load_sft_prompts
 from rltool.train.torch_backend import VALUE_HEAD, TorchBackend
 
@@ -366,7 +367,7 @@ def _run(cfg: TrainConfig) -> TrainResult:
             if snapshots is not None:
                 snapshots.close()
     writer_path = default_metrics_path(cfg)
-    writer = MetricsWriter(writer_path) if writer_path and backend.dp_rank == 0 else None
+    writer = MetricsWriter(writer_path) if writer_path and is_rank_zero() else None
     try:
         version, rows, checkpoint = train_set(
             cfg, backend, data, sample_set, plan, start_step=start_step, version=version,
@@ -377,7 +378,7 @@ def _run(cfg: TrainConfig) -> TrainResult:
     published = None
     if cfg.publish:
         state = backend.export_hf_state_dict()
-        if backend.dp_rank == 0:
+        if is_rank_zero():
             sync_metrics = _publish(cfg, state, source_model_dir=target.model_dir, version=version)
             published = sync_metrics["sync/path"]
             if writer_path:
