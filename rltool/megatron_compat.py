@@ -19,13 +19,13 @@ without CUDA, `enable_cpu()` patches exactly these, and nothing when CUDA is ava
   (`pipeline_parallel.schedules`: the token counter) and the plain-torch multi-tensor L2 norm
   (`megatron.core.utils`): those modules see a `torch` whose
   `tensor`/`zeros` put such tensors on the CPU; and gradient clipping, which asserts CUDA tensor
-  types, is replaced by the same scaling (grads times max_norm / (norm + 1e-6) when below 1). This covers the fp32 optimizer; the bf16 and
-  distributed optimizers check for CUDA tensor types and stay CUDA-only.
+  types, is replaced by the same scaling (grads times max_norm / (norm + 1e-6) when below 1).
+  This covers the fp32 optimizer; the bf16 and distributed optimizers check for CUDA tensor
+  types and stay CUDA-only.
 
 Also required on CPU, but not patchable here: `psutil` must be installed (torch_dist saving
 otherwise waits forever for a worker), and scripts that save torch_dist checkpoints need an
 `if __name__ == "__main__":` guard (its writer uses multiprocessing spawn).
-
 """
 
 from __future__ import annotations

@@ -23,8 +23,9 @@ class AlignGateConfig(StageConfig):
                                 json_schema_extra=cli(metavar="DIR[,DIR...]"))
     weights: str = Field(description="Weights the rollouts were sampled with: a HF weights dir "
                          "(weight_vNNNNNN) or a trainer checkpoint step-NNNNNN.")
-    backend: Literal["torch"] = Field("torch", description="Trainer backend that recomputes the "
-                                      "logprobs.")
+    backend: Literal["torch", "megatron"] = Field(
+        "torch", description="Trainer backend that recomputes the logprobs (megatron: one process, "
+        "TP1, the local spec's SDPA attention).")
     tol: float = Field(DEFAULT_TOL, ge=0.0, description="Gate: pass when "
                        "train_rollout_logprob_abs_diff <= tol.")
     allow_version_mismatch: bool = Field(False, description="Compare even when the weights "

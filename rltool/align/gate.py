@@ -239,7 +239,7 @@ def histogram(values: list[float]) -> list[dict[str, Any]]:
 def check(shard_dirs: list[str | Path], weights_dir: str | Path, *, tol: float = DEFAULT_TOL,
           deterministic: bool = False, dtype: str = "fp32", max_tokens_per_microbatch: int = 4096,
           global_batch_size: int | None = None, allow_version_mismatch: bool = False,
-          num_worst: int = 5, device: str = "cpu") -> GateResult:
+          num_worst: int = 5, device: str = "cpu", backend: str = "torch") -> GateResult:
     """The logprob gate without layerwise, report file or config file (what the loop calls).
 
     Raises BadInputError (and subclasses) on bad input; returns a GateResult whose `passed`
@@ -250,7 +250,7 @@ def check(shard_dirs: list[str | Path], weights_dir: str | Path, *, tol: float =
         deterministic=deterministic, dtype=dtype,
         max_tokens_per_microbatch=max_tokens_per_microbatch,
         global_batch_size=global_batch_size, allow_version_mismatch=allow_version_mismatch,
-        num_worst=num_worst, device=device))
+        num_worst=num_worst, device=device, backend=backend))
 
 
 def run(cfg: AlignGateConfig) -> GateResult:
@@ -268,7 +268,7 @@ def run(cfg: AlignGateConfig) -> GateResult:
     train_logprobs = recompute_logprobs(
         cfg.weights, list(cfg.rollouts), max_tokens_per_microbatch=cfg.max_tokens_per_microbatch,
         deterministic=cfg.deterministic, dtype=cfg.dtype,
-        global_batch_size=cfg.global_batch_size, device=cfg.device)
+        global_batch_size=cfg.global_batch_size, device=cfg.device, backend=cfg.backend)
     recompute_s = time.perf_counter() - t0
     numbers = compare(inputs.samples, train_logprobs, tol=cfg.tol, num_worst=cfg.num_worst)
     log.info("%s = %.3g over %d samples (max %.3g); tol %g", METRIC, numbers["metric"],

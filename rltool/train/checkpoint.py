@@ -9,8 +9,8 @@ step-000007/
   data.safetensors            the stage's per-sample tensors of the sample set being trained
                               (old/ref logprobs, advantages), so a resumed run continues bit-exactly
   value_head.safetensors      PPO only: the value head "value_head.weight", "value_head.bias"
-  dist/                       megatron backend only, instead of optimizer.safetensors: a torch_dist
-                              checkpoint of the model and optimizer shards (rltool.train.megatron_state)
+  dist/                       megatron backend only, instead of optimizer.safetensors: torch_dist
+                              model and optimizer shards (rltool.train.megatron_state)
   config.toml                 the resolved TrainConfig
   trainer_state.json          written last, the completeness marker: format, versions, optimizer
                               scalars and hyper-parameters, LR-schedule step, data position

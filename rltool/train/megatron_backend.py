@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -68,9 +69,6 @@ def _config_overrides(options: BackendConfig, *, cuda: bool) -> dict[str, Any]:
         overrides["recompute_granularity"] = options.recompute_granularity
         if options.recompute_granularity == "full":
             overrides.update(recompute_method="uniform", recompute_num_layers=1)
-    if cuda:  # the fused kernels the converter turns off for CPU
-        overrides.update(bias_activation_fusion=True, bias_dropout_fusion=True,
-                         apply_rope_fusion=False, masked_softmax_fusion=True)
     return overrides
 
 
@@ -86,9 +84,13 @@ class MegatronBackend:
             raise ConfigError("--backend megatron has no value head (ppo); use --backend torch")
         self.options, self.trainable = options, trainable
         self.model_dir = Path(model_dir)
-        cuda = options.device != "cpu" and torch.cuda.is_available()
-        if options.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("--device cuda but no CUDA device is visible; use --device auto or cpu")
+        cuda = torch.cuda.is_available()
+        if options.device == "cuda" and not cuda:
+            raise ConfigError("--device cuda but no CUDA device is visible; use --device auto or "
+                              "cpu")
+        if options.device == "cpu" and cuda:
+            raise ConfigError("--backend megatron uses the GPUs when CUDA is visible (its process "
+                              "groups are NCCL); use --device auto, or hide the GPUs")
         megatron_compat.init_distributed(**_sizes(options), seed=options.seed)
         from megatron.core import parallel_state as ps
 
@@ -129,6 +131,10 @@ class MegatronBackend:
         """None: the TE spec's own attention is kept; otherwise rltool's SDPA module."""
         from rltool.train.megatron_attention import SdpaCoreAttention
 
+        if self.options.sequence_parallel and importlib.util.find_spec("apex") is None:
+            raise ConfigError("--sequence-parallel needs apex's fused norms with the local spec "
+                              "(megatron's torch-norm fallback refuses it); install apex or drop "
+                              "--sequence-parallel")
         if self.options.transformer_impl == "transformer_engine":
             raise ConfigError("--transformer-impl transformer_engine is not wired into the model "
                               "provider yet; use --transformer-impl local")

@@ -164,7 +164,7 @@ def role_snapshots(cfg: TrainConfig, backend: TorchBackend, *, ref_dir: Path | N
     return snapshots
 
 
-def _prepare_set(cfg: TrainConfig, backend: TorchBackend, snapshots: WeightBackuper | None,
+def _prepare_set(cfg: TrainConfig, backend: TrainerBackend, snapshots: WeightBackuper | None,
                  sample_set: SampleSet, plan: _Plan) -> tuple[SampleTensors, dict[str, float]]:
     """Old/ref logprobs and advantages for a new sample set (first epoch's schedule). Old
     logprobs come from tag "old_actor" when `snapshots` has it, else from the live weights; ref
@@ -390,8 +390,9 @@ def _run(cfg: TrainConfig) -> TrainResult:
                        checkpoint=checkpoint, published=published, metrics=rows)
 
 
-def train_set(cfg: TrainConfig, backend: TorchBackend, data: SampleTensors, sample_set: SampleSet,
-              plan: _Plan, *, start_step: int, version: int, timings: dict[str, float],
+def train_set(cfg: TrainConfig, backend: TrainerBackend, data: SampleTensors,
+              sample_set: SampleSet, plan: _Plan, *, start_step: int, version: int,
+              timings: dict[str, float],
               writer: MetricsWriter | None, save_every: int | None
               ) -> tuple[int, list[dict[str, Any]], str | None]:
     """The optimizer steps of one sample set from `start_step`; with cfg.save, a checkpoint every
@@ -445,8 +446,8 @@ def _publish(cfg: TrainConfig, state: dict[str, Any], *, source_model_dir: Path,
                            source_model_dir=source_model_dir, dtype=cfg.dtype)
 
 
-def _save(cfg: TrainConfig, backend: TorchBackend, data: SampleTensors, sample_set: SampleSet,
-          plan: _Plan, *, version: int, next_step: int,
+def _save(cfg: TrainConfig, backend: TrainerBackend, data: SampleTensors,
+          sample_set: SampleSet, plan: _Plan, *, version: int, next_step: int,
           extra_state: dict[str, Any] | None = None) -> str:
     import tomli_w
 
@@ -464,23 +465,24 @@ def _save(cfg: TrainConfig, backend: TorchBackend, data: SampleTensors, sample_s
 
 def recompute_logprobs(weights_dir: str | Path, shard_dirs: list[str | Path], *,
                        max_tokens_per_microbatch: int, deterministic: bool, dtype: str = "fp32",
-                       global_batch_size: int | None = None,
-                       device: str = "auto") -> list[list[float]]:
+                       global_batch_size: int | None = None, device: str = "auto",
+                       backend: str = "torch") -> list[list[float]]:
     """Logprobs of every shard row's response tokens (shard order) under `weights_dir`, computed
     exactly as training computes old logprobs: same reader checks, same DP micro-batch schedule per
     global batch, same temperature convention. Collective under torchrun (every rank returns all).
-    With deterministic=True each sample is one unpadded forward (rltool.logprobs layout)."""
+    With deterministic=True each sample is one unpadded forward (rltool.logprobs layout).
+    `backend`: the trainer backend that recomputes (torch or megatron, default layout)."""
     cfg = TrainConfig(rollouts=[str(d) for d in shard_dirs], load=str(weights_dir),
                       max_tokens_per_microbatch=max_tokens_per_microbatch,
                       deterministic=deterministic, dtype=dtype,
-                      global_batch_size=global_batch_size, device=device)
+                      global_batch_size=global_batch_size, device=device, backend=backend)
     owns_group = not dist.is_initialized()
     try:
         target = resolve_load(cfg.load)
         sample_set = _load_samples(cfg, target.model_dir)
-        backend = TorchBackend(target.model_dir, options=cfg, trainable=False)
+        trainer = build_backend(target.model_dir, options=cfg, trainable=False)
         plan = _Plan(cfg, len(sample_set.samples))
-        logprobs = compute_logprobs(backend, sample_set.samples,
+        logprobs = compute_logprobs(trainer, sample_set.samples,
                                     [plan.batch(k) for k in range(plan.steps_per_epoch)],
                                     temperature=sample_set.temperature,
                                     max_tokens_per_microbatch=max_tokens_per_microbatch)

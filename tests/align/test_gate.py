@@ -198,3 +198,13 @@ def test_exact_alignment_with_temperature_and_filters(align_engine, tiny_model_d
                       quiet=True))
     result = check([out], tiny_model_dir, tol=0.0, deterministic=True)
     assert result.metric == 0.0 and result.max_abs_diff == 0.0 and result.num_masked_tokens > 0
+
+
+@pytest.mark.slow
+def test_megatron_trainer_aligns_with_the_engine_fp32(aligned_shard, tiny_model_dir):
+    """The megatron trainer (TP1, packed micro-batches, SDPA core attention) recomputes the
+    deterministic engine's fp32 logprobs within 1e-6 (not bit-exact: another model
+    implementation sums in another order)."""
+    result = check([aligned_shard], tiny_model_dir, tol=1e-6, backend="megatron")
+    assert result.passed and result.metric < 1e-6, result.metric
+    assert result.num_samples == 8 and result.num_masked_tokens > 0

@@ -1,0 +1,70 @@
+"""rltool's SDPA core attention for megatron's local spec against a float64 softmax reference:
+padded (sbhd) and packed (thd) layouts, grouped KV heads, no attention across packed samples."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rltool.errors import ConfigError
+from rltool.train.megatron_attention import SdpaCoreAttention
+
+HEADS, GROUPS, DIM = 4, 2, 8
+
+
+def _attention(cp: int = 1) -> SdpaCoreAttention:
+    from megatron.core.transformer.enums import AttnMaskType
+
+    config = SimpleNamespace(context_parallel_size=cp, kv_channels=DIM, attention_dropout=0.0)
+    return SdpaCoreAttention(config, 1, AttnMaskType.causal, "self")
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [s, heads, d], k/v [s, groups, d] -> [s, heads * d], causal, in float64."""
+    q, k, v = (x.double() for x in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+    s = q.shape[0]
+    scores = scores.masked_fill(torch.triu(torch.ones(s, s, dtype=torch.bool), 1), -math.inf)
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(s, -1)
+
+
+def _qkv(s: int, b: int | None = None, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (s,) if b is None else (s, b)
+    return (torch.randn(*shape, HEADS, DIM, generator=g),
+            torch.randn(*shape, GROUPS, DIM, generator=g),
+            torch.randn(*shape, GROUPS, DIM, generator=g))
+
+
+def test_padded_layout_matches_reference():
+    q, k, v = _qkv(7, b=2)
+    out = _attention()(q, k, v, None)
+    assert out.shape == (7, 2, HEADS * DIM)
+    for b in range(2):
+        want = _reference(q[:, b], k[:, b], v[:, b])
+        assert torch.allclose(out[:, b].double(), want, atol=1e-6)
+
+
+def test_packed_layout_attends_within_each_sample_only():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    lengths = [3, 5, 1]
+    q, k, v = _qkv(sum(lengths), seed=1)
+    bounds = torch.tensor([0, 3, 8, 9], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
+                             max_seqlen_q=5, max_seqlen_kv=5)
+    out = _attention()(q, k, v, None, packed_seq_params=params)
+    assert out.shape == (9, HEADS * DIM)
+    for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        want = _reference(q[start:end], k[start:end], v[start:end])
+        assert torch.allclose(out[start:end].double(), want, atol=1e-6)
+
+
+def test_context_parallelism_is_refused():
+    with pytest.raises(ConfigError, match="context-parallel-size"):
+        _attention(cp=2)
