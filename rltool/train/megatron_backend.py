@@ -38,7 +38,7 @@ from rltool.errors import CheckpointError, ConfigError
 from rltool.train import megatron_state
 from rltool.train.backend import ForwardOutput, LossFn, MicroBatch, response_outputs
 from rltool.train.config import BackendConfig
-from rltool.train.lr import lr_at
+from rltool.train.lr import lr_of
 
 log = logging.getLogger(__name__)
 
@@ -293,16 +293,11 @@ class MegatronBackend:
         return merged
 
     # -- training ----------------------------------------------------------------------------
-    def current_lr(self) -> float:
-        o = self.options
-        return lr_at(self.optimizer_steps, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.lr_warmup_steps,
-                     decay_style=o.lr_decay_style, decay_steps=o.lr_decay_steps)
-
     def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, *, temperature: float,
                    with_entropy: bool = False) -> dict[str, float]:
         assert self.optimizer is not None, "train_step on a frozen (reference) backend"
         self.model.train()
-        lr = self.current_lr()
+        lr = lr_of(self.options, self.optimizer_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         units = [u for mb in micro_batches

@@ -36,7 +36,7 @@ from rltool.train import checkpoint as ckpt
 from rltool.train import packed
 from rltool.train.backend import ForwardOutput, LossFn, MicroBatch, response_outputs
 from rltool.train.config import BackendConfig
-from rltool.train.lr import lr_at
+from rltool.train.lr import lr_of
 
 log = logging.getLogger(__name__)
 
@@ -274,11 +274,6 @@ class TorchBackend:
         return merged
 
     # -- training ----------------------------------------------------------------------------
-    def current_lr(self) -> float:
-        o = self.options
-        return lr_at(self.optimizer_steps, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.lr_warmup_steps,
-                     decay_style=o.lr_decay_style, decay_steps=o.lr_decay_steps)
-
     def _grad_sync(self, last: bool) -> contextlib.AbstractContextManager:
         if self.fsdp:
             self.model.set_requires_gradient_sync(last)
@@ -290,7 +285,7 @@ class TorchBackend:
                    with_entropy: bool = False) -> dict[str, float]:
         assert self.optimizer is not None, "train_step on a frozen (reference) backend"
         self.inner.train()
-        lr = self.current_lr()
+        lr = lr_of(self.options, self.optimizer_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         units = self._units(micro_batches, lockstep=self.dp_size > 1)

@@ -8,10 +8,6 @@ sums differ in the last bits, and Adam's normalised update can amplify that to ~
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,23 +15,10 @@ from safetensors.torch import load_file
 
 from rltool.train import run
 from rltool.train.config import TrainConfig
+from tests.helpers.torchrun import train_cli
 
 ARGS = dict(lr=3e-3, max_tokens_per_microbatch=24, global_batch_size=6, num_steps=2,
             entropy_coef=0.01)
-
-
-def _torchrun(args: list[str], *, timeout_s: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "rltool", "train", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's own session: it and its workers
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _single(tiny_model_dir, train_shard, root, estimator, extra):
@@ -58,7 +41,7 @@ def test_two_processes_match_one(tiny_model_dir, tiny_model_factory, train_shard
         extra = dict(ref=str(tiny_model_factory("qwen2", seed=1)), kl_loss_coef=0.1)
     result, want = _single(tiny_model_dir, train_shard, tmp_path / "single", estimator, extra)
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**ARGS, **extra}.items()]
-    proc = _torchrun(["--rollouts", str(train_shard), "--load", str(tiny_model_dir),
+    proc = train_cli(["--rollouts", str(train_shard), "--load", str(tiny_model_dir),
                       "--save", str(tmp_path / "ckpt"), "--publish", str(tmp_path / "weights"),
                       "--parallel", parallel, "--nproc-per-node", "2", "--json", *flags,
                       "--advantage-estimator", estimator,

@@ -14,10 +14,6 @@ the same lr * sign(g) in both backends.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +24,7 @@ from rltool.errors import ConfigError
 from rltool.train import run
 from rltool.train.config import TrainConfig
 from tests.helpers.shards import REWARDS, make_shard, shard_rows
+from tests.helpers.torchrun import train_cli
 
 ARGS = dict(lr=3e-3, max_tokens_per_microbatch=24, global_batch_size=12, num_steps=1,
             entropy_coef=0.01)
@@ -118,20 +115,6 @@ def test_tp1_matches_torch_and_resumes_bit_identically(shards, torch_reference, 
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _torchrun(args: list[str], *, timeout_s: float = 400) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "rltool", "train", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's own session: it and its workers
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,layout", [
     ("qwen2", ["--tensor-model-parallel-size", "2"]),
@@ -141,9 +124,9 @@ def _torchrun(args: list[str], *, timeout_s: float = 400) -> subprocess.Complete
 def test_two_rank_layouts_match_torch(shards, torch_reference, tmp_path, arch, layout):
     model, shard = shards[arch]
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ARGS.items()]
-    proc = _torchrun(["--rollouts", str(shard), "--load", str(model), "--save",
+    proc = train_cli(["--rollouts", str(shard), "--load", str(model), "--save",
                       str(tmp_path / "ckpt"), "--backend", "megatron", "--nproc-per-node", "2",
-                      "--json", *flags, *layout])
+                      "--json", *flags, *layout], timeout_s=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout)["policy_version"] == 1
     metrics = json.loads((tmp_path / "train.jsonl").read_text().splitlines()[0])
