@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 from rltool.config import ComputeDtype, cli
 from rltool.delta.config import SyncConfig
 from rltool.errors import ConfigError
-from rltool.train.megatron_config import MEGATRON_LAYOUT_FIELDS, MegatronOptions
+from rltool.train.megatron_config import MegatronOptions
 
 
 class BackendConfig(MegatronOptions):
@@ -162,10 +162,10 @@ class TrainConfig(BackendConfig, SyncConfig):
             raise ConfigError("--old-actor recomputes the old logprobs of the policy loss; drop "
                               "it, or drop --bypass / --loss sft")
         if self.backend == "torch":
-            used = [f for f in MEGATRON_LAYOUT_FIELDS if (getattr(self, f) or 1) != 1]
+            used = self.megatron_options_set()
             if used:
-                raise ConfigError(f"--{used[0].replace('_', '-')} is a megatron option; add "
-                                  "--backend megatron or drop it")
+                raise ConfigError(f"{used[0]} is a megatron option; add --backend megatron or "
+                                  "drop it")
         elif self.value_head or self.ref or self.old_actor:
             raise ConfigError("--backend megatron does not support ppo's value head, --ref or "
                               "--old-actor yet; use --backend torch for them")

@@ -10,9 +10,6 @@ from pydantic import Field
 
 from rltool.config import StageConfig
 
-MEGATRON_LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                          "context_parallel_size", "expert_model_parallel_size",
-                          "expert_tensor_parallel_size")
 
 
 class MegatronOptions(StageConfig):
@@ -42,3 +39,8 @@ class MegatronOptions(StageConfig):
     transformer_impl: Literal["local", "transformer_engine"] = Field(
         "local", description="megatron: layer spec; local uses rltool's SDPA core attention, "
         "transformer_engine needs TE installed (untested here).")
+
+    def megatron_options_set(self) -> list[str]:
+        """The megatron-only options this config sets away from their defaults (flag names)."""
+        return [f"--{name.replace('_', '-')}" for name, field in MegatronOptions.model_fields.items()
+                if name != "backend" and getattr(self, name) != field.default]

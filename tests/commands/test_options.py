@@ -81,6 +81,11 @@ COMPANIONS = {
     "lr_decay_style": ["--lr-decay-steps", "5"],
     "encoding": ["--format", "slime"],
     "host": ["--admin-api-key", "k"],  # a non-loopback host needs the admin key
+    # megatron-only options are refused with the default torch backend
+    **{field: ["--backend", "megatron"] for field in (
+        "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+        "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
+        "use_distributed_optimizer", "recompute_granularity", "transformer_impl")},
 }
 # Fields whose test replaces part of the base (exclusive with it).
 REPLACES = {("train", "prompts"): {"rollouts": None, "loss": ["sft"]},
