@@ -3,7 +3,8 @@
 For each model preset (random init, rltool.data.models.PRESETS: qwen2.5-0.5b and qwen2.5-3b by
 default) it builds each backend on one device, draws --samples-per-step random samples of
 --min-len..--max-len tokens (seeded), plans them with the DP schedule under a --seq-len token cap
-(megatron packs each micro-batch into one THD row; torch pads it), and times --steps optimizer
+(megatron packs each micro-batch into one THD row; torch uses its `auto` layout: packed on CUDA,
+padded on the CPU), and times --steps optimizer
 steps after --warmup steps (loss: mean token logprob, the shape of a policy-gradient step):
 
   tokens/s     real (unpadded) tokens per second of train_step, median step
@@ -95,7 +96,9 @@ def bench_backend(name: str, model_dir: Path, samples: list[list[int]], args: ar
                             recompute_granularity=args.recompute_granularity
                             if name == "megatron" else "none",
                             use_distributed_optimizer=args.use_distributed_optimizer
-                            and name == "megatron")
+                            and name == "megatron",
+                            recompute_activations=args.torch_recompute_activations
+                            and name == "torch")
     backend = build_backend(model_dir, options=options)
     mbs = micro_batches(samples, args.seq_len)
     try:
@@ -153,6 +156,7 @@ def main() -> None:
     parser.add_argument("--recompute-granularity", choices=("none", "full", "selective"),
                         default="none")
     parser.add_argument("--use-distributed-optimizer", action="store_true")
+    parser.add_argument("--torch-recompute-activations", action="store_true")
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="dense bf16 peak of one device (H100/H200 SXM: 989)")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None)

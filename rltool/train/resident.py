@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from rltool.errors import ConfigError
 from rltool.rundir import step_dir_name
 from rltool.train.backends import build_backend
 from rltool.train.checkpoint import read_trainer_state, resolve_load
@@ -42,9 +43,11 @@ class ResidentTrainer:
             self.backend.load(target.ckpt_dir)
             self.loop_step = int(read_trainer_state(target.ckpt_dir).get("loop_step", -1))
         self._last: tuple[Any, Any, _Plan, TrainConfig] | None = None
-        self._offloaders = [Offloader(self.backend.inner, self.backend.optimizer)]
-        if self.ref is not None:
-            self._offloaders.append(Offloader(self.ref.inner))
+        self._offloaders: list[Offloader] = []
+        if cfg.backend == "torch":  # the megatron backend's buffers are megatron's (not covered)
+            self._offloaders = [Offloader(self.backend.inner, self.backend.optimizer)]
+            if self.ref is not None:
+                self._offloaders.append(Offloader(self.ref.inner))
         # The trainer's own RNG stream: whatever else the loop's process draws between steps
         # leaves it alone, so it continues exactly as a reload from its checkpoint would.
         self._rng = torch.get_rng_state()
@@ -90,10 +93,17 @@ class ResidentTrainer:
     def offload(self) -> Move:
         """Parameters, gradients and optimizer state (and the reference model) to host memory,
         releasing the device for the engine (rltool.train.residency)."""
+        self._check_offloadable()
         return _merge([o.offload() for o in self._offloaders])
 
     def reload(self) -> Move:
+        self._check_offloadable()
         return _merge([o.reload() for o in self._offloaders])
+
+    def _check_offloadable(self) -> None:
+        if not self._offloaders:
+            raise ConfigError("device offload of the resident trainer covers the torch backend "
+                              "only; run the megatron backend without offload")
 
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """The policy's weights under HF names (what an engine serves), in a stable order."""
