@@ -145,9 +145,10 @@ class MegatronBackend:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         o = self.options
-        if o.use_distributed_optimizer and self.device.type != "cuda":
-            raise ConfigError("--use-distributed-optimizer needs CUDA (megatron-core's distributed "
-                              "optimizer checks for CUDA tensors); drop it on the CPU")
+        if self.device.type != "cuda" and (o.use_distributed_optimizer or dtype != torch.float32):
+            raise ConfigError("--use-distributed-optimizer and --dtype bf16 need CUDA with "
+                              "--backend megatron (megatron-core's distributed and mixed-precision "
+                              "optimizers check for CUDA tensors); use fp32 without it on the CPU")
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             use_distributed_optimizer=o.use_distributed_optimizer, check_for_nan_in_grad=False)
