@@ -91,6 +91,11 @@ class MegatronBackend:
         if options.device == "cpu" and cuda:
             raise ConfigError("--backend megatron uses the GPUs when CUDA is visible (its process "
                               "groups are NCCL); use --device auto, or hide the GPUs")
+        if trainable and not cuda and (options.use_distributed_optimizer
+                                       or options.dtype != "fp32"):
+            raise ConfigError("--use-distributed-optimizer and --dtype bf16 need CUDA with "
+                              "--backend megatron (megatron-core's distributed and mixed-precision "
+                              "optimizers check for CUDA tensors); use fp32 without it on the CPU")
         megatron_compat.init_distributed(**_sizes(options), seed=options.seed)
         from megatron.core import parallel_state as ps
 
@@ -127,8 +132,8 @@ class MegatronBackend:
         else:
             model.requires_grad_(False)
 
-    def _core_attention(self) -> type | None:
-        """None: the TE spec's own attention is kept; otherwise rltool's SDPA module."""
+    def _core_attention(self) -> type:
+        """rltool's SDPA core attention, after refusing what the local spec cannot run."""
         from rltool.train.megatron_attention import SdpaCoreAttention
 
         if self.options.sequence_parallel and importlib.util.find_spec("apex") is None:
@@ -145,10 +150,6 @@ class MegatronBackend:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         o = self.options
-        if self.device.type != "cuda" and (o.use_distributed_optimizer or dtype != torch.float32):
-            raise ConfigError("--use-distributed-optimizer and --dtype bf16 need CUDA with "
-                              "--backend megatron (megatron-core's distributed and mixed-precision "
-                              "optimizers check for CUDA tensors); use fp32 without it on the CPU")
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             use_distributed_optimizer=o.use_distributed_optimizer, check_for_nan_in_grad=False)

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from rltool.errors import ConfigError
 from rltool.train import run
-from rltool.train.config import TrainConfig
+from rltool.train.config import BackendConfig, TrainConfig
 from tests.helpers.shards import REWARDS, make_shard, shard_rows
 from tests.helpers.torchrun import train_cli
 
@@ -142,3 +142,13 @@ def test_megatron_flags_need_the_megatron_backend(shards):
     with pytest.raises(ConfigError, match="does not support ppo"):
         TrainConfig(rollouts=[str(shard)], load=str(model), backend="megatron",
                     advantage_estimator="ppo")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_cpu_refuses_megatron_mixed_precision_and_distributed_optimizer(shards):
+    from rltool.train.megatron_backend import MegatronBackend
+
+    model, _ = shards["qwen2"]
+    for extra in (dict(dtype="bf16"), dict(use_distributed_optimizer=True)):
+        with pytest.raises(ConfigError, match="need CUDA"):
+            MegatronBackend(model, options=BackendConfig(backend="megatron", **extra))
