@@ -81,6 +81,7 @@ COMPANIONS = {
     "lr_decay_style": ["--lr-decay-steps", "5"],
     "encoding": ["--format", "slime"],
     "host": ["--admin-api-key", "k"],  # a non-loopback host needs the admin key
+    "mode": ["--placement", "disaggregated"],  # async refuses colocated placement
 }
 # Fields whose test replaces part of the base (exclusive with it).
 REPLACES = {("train", "prompts"): {"rollouts": None, "loss": ["sft"]},
@@ -109,8 +110,8 @@ def candidates(param: StageOption, default):
         return [([c], c) for c in param.type.choices if c != default] or [([default], default)]
     if param.secondary_opts:  # --x/--no-x
         return [([], not default)]
-    if param.multiple:
-        return [(["x-a,x-b"], ["x-a", "x-b"])]
+    if param.multiple:  # a list of strings, else of integers (CPU cores: 0 exists everywhere)
+        return [(["x-a,x-b"], ["x-a", "x-b"]), (["0"], [0])]
     if param.nargs == 2:
         return [(["3", "5"], [3, 5])]
     kind = param.type.name
