@@ -14,21 +14,21 @@ from pathlib import Path
 from rltool.errors import ConfigError
 
 
-def check_cores(cores: list[int], *, option: str) -> set[int]:
+def check_cores(cores: list[int], *, option: str) -> None:
+    """Config validation (before the loop pins itself): every core is one this process may use."""
     allowed = os.sched_getaffinity(0)
     wrong = sorted(set(cores) - allowed)
     if not cores or wrong:
         raise ConfigError(f"--{option} {cores}: cores {wrong or cores} are not available to this "
                           f"process; choose from {sorted(allowed)}")
-    return set(cores)
 
 
-def pin(pid: int, cores: set[int]) -> None:
+def pin(pid: int, cores: list[int]) -> None:
     """Pin every thread of process `pid` to `cores`."""
     tasks = Path(f"/proc/{pid}/task")
     tids = [int(p.name) for p in tasks.iterdir()] if tasks.is_dir() else [pid]
     for tid in tids:
         try:
-            os.sched_setaffinity(tid, cores)
+            os.sched_setaffinity(tid, set(cores))
         except ProcessLookupError:  # a thread that ended meanwhile
             continue

@@ -107,7 +107,7 @@ def run_steps(ctx: phases.StepContext, *, writer: MetricsWriter,
 
 
 def _start_evaluator(ctx: phases.StepContext, mode: str) -> EvalWorker | None:
-    from rltool.loop.affinity import check_cores, pin
+    from rltool.loop.affinity import pin
 
     loop = ctx.settings.loop
     if ctx.settings.eval is None or loop.eval_interval is None:
@@ -117,7 +117,7 @@ def _start_evaluator(ctx: phases.StepContext, mode: str) -> EvalWorker | None:
                        ready_timeout_s=loop.engine_ready_timeout_s, log_prefix="eval-engine")
     engine.start(ctx.run.weight_version(0))
     if loop.engine_cores:
-        pin(engine.procs[0].pid, check_cores(loop.engine_cores, option="engine-cores"))
+        pin(engine.procs[0].pid, loop.engine_cores)
     worker = EvalWorker(ctx.run, ctx.settings, engine, mode=mode)
     worker.start()
     return worker

@@ -19,7 +19,7 @@ from typing import Any
 from rltool import atomic, trace, tracking
 from rltool.errors import BadInputError
 from rltool.loop import phases
-from rltool.loop.affinity import check_cores, pin
+from rltool.loop.affinity import pin
 from rltool.loop.config import LoopSettings
 from rltool.loop.engines import ChildRegistry, EngineSet, end_orphans
 from rltool.loop.state import LoopState, maybe_kill
@@ -93,13 +93,12 @@ def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None,
                                   config=settings.to_tables())
     t_start = time.perf_counter()
     if settings.loop.trainer_cores:
-        pin(os.getpid(), check_cores(settings.loop.trainer_cores, option="trainer-cores"))
+        pin(os.getpid(), settings.loop.trainer_cores)
     try:
         engines.start(run.weight_version(0))
         if settings.loop.engine_cores:
-            cores = check_cores(settings.loop.engine_cores, option="engine-cores")
             for proc in engines.procs:
-                pin(proc.pid, cores)
+                pin(proc.pid, settings.loop.engine_cores)
         mode = phases.sync_mode(settings)
         served = max(list_versions(run.weights), default=0)
         if mode != "disk" and state.policy_version > 0:
