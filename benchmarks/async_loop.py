@@ -9,7 +9,7 @@ Neither run evaluates (eval would add its own engine and time).
 
 Figures, from each run's metrics/loop.jsonl:
 - t_R, t_T, t_W: the sync run's median rollout, train and publish+sync phase times per step;
-- bound = (t_R + t_T + t_W) / (max(t_R, t_T) + t_W);
+- bound = (t_R + t_T + t_W) / (max(t_R, t_T) + t_W) (rltool.profile.analyze.async_speedup);
 - speedup = sync seconds per step / async seconds per step, both from the rows' wall-clock
   `time` between the first and the last of the first `--steps` steps (engine start excluded);
 - learning: target = the sync run's mean reward over its last 5 steps; the samples each run used
@@ -82,6 +82,7 @@ def seconds_per_step(rows: list[dict[str, Any]], steps: int) -> float:
 
 def one_seed(root: Path, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     from rltool.demo import loop_tables
+    from rltool.profile.analyze import async_speedup
 
     weights = prepare(root, seed)
     base = loop_tables(root, model=weights, steps=args.steps, seed=seed)
@@ -101,7 +102,7 @@ def one_seed(root: Path, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     t_t = statistics.median(r["perf/loop/train_time"] for r in sync_rows)
     t_w = statistics.median(r["perf/loop/publish_time"] + r["perf/loop/sync_time"]
                             for r in sync_rows)
-    bound = (t_r + t_t + t_w) / (max(t_r, t_t) + t_w)
+    bound = async_speedup(t_R_s=t_r, t_T_s=t_t, t_W_s=t_w)["speedup_bound"]
     sync_s, async_s = (seconds_per_step(sync_rows, args.steps),
                        seconds_per_step(async_rows, args.steps))
     target = sum(r["rollout/raw_reward"] for r in sync_rows[-WINDOW:]) / WINDOW

@@ -29,7 +29,8 @@ class EvalWorker:
     def __init__(self, run: RunDir, settings: LoopSettings, engine: EngineSet, *, mode: str):
         self.run = run
         self.settings = settings
-        self.engine = engine
+        self.engine = engine  # started by the worker on its first job, so a run killed before
+        # its first evaluation never pays for it
         self.mode = mode  # "disk", "tensor" or "distributed": how the eval engine gets weights
         self.jobs: queue.Queue[tuple[int, Any] | None] = queue.Queue()
         self.error: BaseException | None = None
@@ -71,6 +72,12 @@ class EvalWorker:
     def _evaluate(self, version: int, named: list[tuple[str, Any]] | None) -> None:
         from rltool.rollout.eval import run as run_eval
 
+        if not self.engine.procs:
+            from rltool.loop.affinity import pin
+
+            self.engine.start(self.run.weight_version(0))
+            if self.settings.loop.engine_cores:
+                pin(self.engine.procs[0].pid, self.settings.loop.engine_cores)
         bucket = self.settings.sync.tensor_bucket_mb << 20
         if named is None:
             from rltool.loop.phases import version_mode

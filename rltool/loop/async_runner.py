@@ -107,17 +107,12 @@ def run_steps(ctx: phases.StepContext, *, writer: MetricsWriter,
 
 
 def _start_evaluator(ctx: phases.StepContext, mode: str) -> EvalWorker | None:
-    from rltool.loop.affinity import pin
-
     loop = ctx.settings.loop
     if ctx.settings.eval is None or loop.eval_interval is None:
         return None
     engine = EngineSet(ctx.run, ctx.registry, num_engines=1, engine_args=loop.engine_args,
                        deterministic=loop.deterministic,
                        ready_timeout_s=loop.engine_ready_timeout_s, log_prefix="eval-engine")
-    engine.start(ctx.run.weight_version(0))
-    if loop.engine_cores:
-        pin(engine.procs[0].pid, loop.engine_cores)
     worker = EvalWorker(ctx.run, ctx.settings, engine, mode=mode)
     worker.start()
     return worker
