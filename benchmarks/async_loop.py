@@ -8,7 +8,8 @@ Per seed: the demo's model init and supervised warm start (rltool.demo), then
 Neither run evaluates (eval would add its own engine and time).
 
 Figures, from each run's metrics/loop.jsonl:
-- t_R, t_T, t_W: the sync run's median rollout, train and publish+sync phase times per step;
+- t_R, t_T, t_W: the sync run's median rollout, train + publish and sync phase times per step
+  (`rltool profile`'s split: the trainer publishes, the engines stop only to load);
 - bound = (t_R + t_T + t_W) / (max(t_R, t_T) + t_W) (rltool.profile.analyze.async_speedup);
 - speedup = sync seconds per step / async seconds per step, both from the rows' wall-clock
   `time` between the first and the last of the first `--steps` steps (engine start excluded);
@@ -99,9 +100,9 @@ def one_seed(root: Path, seed: int, args: argparse.Namespace) -> dict[str, Any]:
                           num_steps=int(args.steps * args.async_steps_factor))
     async_rows = run_loop(root, "async", tables)
     t_r = statistics.median(r["perf/loop/rollout_time"] for r in sync_rows)
-    t_t = statistics.median(r["perf/loop/train_time"] for r in sync_rows)
-    t_w = statistics.median(r["perf/loop/publish_time"] + r["perf/loop/sync_time"]
+    t_t = statistics.median(r["perf/loop/train_time"] + r["perf/loop/publish_time"]
                             for r in sync_rows)
+    t_w = statistics.median(r["perf/loop/sync_time"] for r in sync_rows)
     bound = async_speedup(t_R_s=t_r, t_T_s=t_t, t_W_s=t_w)["speedup_bound"]
     sync_s, async_s = (seconds_per_step(sync_rows, args.steps),
                        seconds_per_step(async_rows, args.steps))
