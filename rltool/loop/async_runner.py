@@ -88,10 +88,10 @@ def run_steps(ctx: phases.StepContext, *, writer: MetricsWriter,
         while state.step < settings.loop.num_steps and not stopped:
             with trace.span("step", cat="step", step=state.step):
                 row = _step(ctx, stream, evaluator, mode=mode, writer=writer,
-                            step_metrics=step_metrics)
-            if regenerated:
-                row["resume/regenerated_groups"] = regenerated
-                regenerated = 0
+                            step_metrics=step_metrics,
+                            extra={"resume/regenerated_groups": regenerated} if regenerated
+                            else {})
+            regenerated = 0
             if on_step is not None:
                 on_step(row)
             state.next_step(run)
@@ -119,8 +119,8 @@ def _start_evaluator(ctx: phases.StepContext, mode: str) -> EvalWorker | None:
 
 
 def _step(ctx: phases.StepContext, stream: RolloutStream, evaluator: EvalWorker | None, *,
-          mode: str, writer: MetricsWriter, step_metrics: Callable[..., dict[str, Any]]
-          ) -> dict[str, Any]:
+          mode: str, writer: MetricsWriter, step_metrics: Callable[..., dict[str, Any]],
+          extra: dict[str, Any]) -> dict[str, Any]:
     state, run, settings = ctx.state, ctx.run, ctx.settings
     maybe_kill(f"{state.step}:start")
     t_step = time.perf_counter()
@@ -161,6 +161,7 @@ def _step(ctx: phases.StepContext, stream: RolloutStream, evaluator: EvalWorker 
             if key in state.publish:
                 row[key] = state.publish[key]
         row["update/requeued"] = stream.requeued_since_last_call()
+        row.update(extra)
         if not any(r.get("step") == state.step for r in read_metrics(writer.path)):
             row = writer.log(row, step=state.step, policy_version=state.policy_version)
     return row

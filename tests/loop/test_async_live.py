@@ -103,6 +103,12 @@ def test_kill_and_resume_trains_each_sample_once(async_config, tmp_path):
 
     rows = read_metrics(run.metrics_file("loop"))
     assert [r["step"] for r in rows] == list(range(NUM_STEPS))
+    # the first step after each resume reports the held positions of the newest shard it found
+    held_at_kill = [len(async_meta(run.rollout_step(1))["held"]),
+                    len(async_meta(run.rollout_step(3))["held"])]
+    reported = [rows[1].get("resume/regenerated_groups", 0),
+                rows[3].get("resume/regenerated_groups", 0)]
+    assert reported == held_at_kill
     for r in rows:
         assert r["staleness/max"] <= 1
         assert {"update/retracted", "staleness/dropped", "staleness/token_age_hist"} <= set(r)
