@@ -4,7 +4,8 @@ Per seed: the demo's model init and supervised warm start (rltool.demo), then
 - sync: the demo's loop (resident trainer in the loop process, tensor sync), the engine pinned to
   `--engine-cores`, the loop process (trainer, rollout client) to `--trainer-cores`;
 - async: the same tables with `--mode async --placement disaggregated --max-staleness K
-  --update-mode MODE`, the same pinning, more steps (to see when it reaches the sync run's reward).
+  --update-mode MODE` and `[train] tis_mode` (decoupled PPO by default), the same pinning (the
+  rollout worker beside the engine), more steps (to see when it reaches the sync run's reward).
 Neither run evaluates (eval would add its own engine and time).
 
 Figures, from each run's metrics/loop.jsonl:
@@ -98,6 +99,7 @@ def one_seed(root: Path, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     tables["loop"].update(mode="async", placement="disaggregated",
                           max_staleness=args.max_staleness, update_mode=args.update_mode,
                           num_steps=int(args.steps * args.async_steps_factor))
+    tables["train"]["tis_mode"] = args.tis_mode  # decoupled PPO on the stale tokens
     async_rows = run_loop(root, "async", tables)
     t_r = statistics.median(r["perf/loop/rollout_time"] for r in sync_rows)
     t_t = statistics.median(r["perf/loop/train_time"] + r["perf/loop/publish_time"]
@@ -129,6 +131,9 @@ def main() -> None:
     parser.add_argument("--max-staleness", type=int, default=2)
     parser.add_argument("--update-mode", default="in-place",
                         choices=["in-place", "retract", "abort"])
+    parser.add_argument("--tis-mode", default="truncate",
+                        choices=["none", "truncate", "clip", "icepop"],
+                        help="Off-policy correction of the async run (docs/loop.md).")
     parser.add_argument("--engine-cores", type=int, nargs="+", default=[0])
     parser.add_argument("--trainer-cores", type=int, nargs="+", default=[1])
     parser.add_argument("--out", default=None, help="Write the JSON result here too.")

@@ -1,6 +1,7 @@
 """`rltool loop --mode async`: the steps of the fully asynchronous loop.
 
-The engines generate all the time (async_rollout.RolloutStream, on a thread of the loop process);
+The engines generate all the time (async_rollout.RolloutStream, in the rollout worker process
+async_worker.py, next to the engines);
 the resident trainer (phases.resident_trainer, the loop's main thread) takes the next batch of
 `rollout_batch_size` finished groups as soon as they are ready, and each new version reaches the
 engines in flight (pause in the update mode, load with the run's sync mode, continue). Evaluation
@@ -20,15 +21,16 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import asdict
 from collections.abc import Callable
 from typing import Any
 
-from rltool import atomic, trace
+from rltool import trace
 from rltool.data.shards import MANIFEST
 from rltool.loop import phases
 from rltool.loop.async_eval import EvalWorker
-from rltool.loop.async_rollout import RolloutStream
-from rltool.loop.async_staleness import StalenessGate, staleness_metrics
+from rltool.loop.async_staleness import StalenessGate
+from rltool.loop.async_worker import RolloutWorker
 from rltool.loop.engines import EngineSet
 from rltool.loop.state import maybe_kill
 from rltool.rundir import MetricsWriter, list_versions, read_metrics
@@ -77,14 +79,14 @@ def run_steps(ctx: phases.StepContext, *, writer: MetricsWriter,
     engine_version = state.policy_version if mode != "disk" else \
         max(list_versions(run.weights), default=0)
     next_position, redo = resume_positions(ctx)
-    stream = RolloutStream(cfg, gate=gate, engine_version=engine_version,
-                           next_position=next_position, redo=redo)
-    stream.trainer_version = state.policy_version
     evaluator = _start_evaluator(ctx, mode)
+    stream = RolloutWorker(ctx.registry, log_path=run.log_file("rollout"), init={
+        "rollout": cfg.model_dump(mode="json"), "gate": asdict(gate),
+        "engine_version": engine_version, "trainer_version": state.policy_version,
+        "next_position": next_position, "redo": redo, "cores": settings.loop.engine_cores})
     stopped = False
     regenerated = len(redo)
     try:
-        stream.start()
         while state.step < settings.loop.num_steps and not stopped:
             with trace.span("step", cat="step", step=state.step):
                 row = _step(ctx, stream, evaluator, mode=mode, writer=writer,
@@ -118,7 +120,11 @@ def _start_evaluator(ctx: phases.StepContext, mode: str) -> EvalWorker | None:
     return worker
 
 
-def _step(ctx: phases.StepContext, stream: RolloutStream, evaluator: EvalWorker | None, *,
+def _set_versions(stream: RolloutWorker, version: int) -> None:
+    stream.call({"op": "set_versions", "trainer_version": version, "engine_version": version})
+
+
+def _step(ctx: phases.StepContext, stream: RolloutWorker, evaluator: EvalWorker | None, *,
           mode: str, writer: MetricsWriter, step_metrics: Callable[..., dict[str, Any]],
           extra: dict[str, Any]) -> dict[str, Any]:
     state, run, settings = ctx.state, ctx.run, ctx.settings
@@ -128,7 +134,9 @@ def _step(ctx: phases.StepContext, stream: RolloutStream, evaluator: EvalWorker 
         seconds = 0.0
         if not (run.rollout_step(state.step) / MANIFEST).exists():
             with trace.span("rollout", cat="phase", step=state.step):
-                seconds = _take_batch(ctx, stream)
+                cfg = settings.rollout_config(run, step=state.step, urls=ctx.engines.urls)
+                seconds = stream.call({"op": "take", "train_version": state.policy_version,
+                                       "rollout": cfg.model_dump(mode="json")})["seconds"]
         state.done(run, "rollout", seconds=seconds)
     for name, fn in (("train", phases.train), ("publish", phases.publish)):
         if not state.completed(name):
@@ -136,7 +144,7 @@ def _step(ctx: phases.StepContext, stream: RolloutStream, evaluator: EvalWorker 
             state.done(run, name, seconds=seconds)
     if not state.completed("sync"):
         update_mode = settings.loop.update_mode
-        in_flight = stream.in_flight_samples()
+        in_flight = stream.call({"op": "in_flight"})["samples"]
         t0 = time.perf_counter()
         with trace.span("sync", cat="phase", step=state.step, update_mode=update_mode):
             ctx.engines.pause(ENGINE_PAUSE_MODE[update_mode])
@@ -144,13 +152,11 @@ def _step(ctx: phases.StepContext, stream: RolloutStream, evaluator: EvalWorker 
                 phases.sync(ctx)
             finally:
                 ctx.engines.continue_generation()
-        stream.set_versions(trainer_version=state.policy_version,
-                            engine_version=state.policy_version)
+        _set_versions(stream, state.policy_version)
         state.publish[UPDATE_KEYS[update_mode]] = in_flight
         state.done(run, "sync", seconds=time.perf_counter() - t0)
     else:
-        stream.set_versions(trainer_version=state.policy_version,
-                            engine_version=state.policy_version)
+        _set_versions(stream, state.policy_version)
     if evaluator is not None and settings.is_eval_step(state.step):
         evaluator.submit(state.policy_version,
                          phases.resident_trainer(ctx).named_tensors() if mode != "disk" else None)
@@ -160,38 +166,8 @@ def _step(ctx: phases.StepContext, stream: RolloutStream, evaluator: EvalWorker 
         for key in UPDATE_KEYS.values():
             if key in state.publish:
                 row[key] = state.publish[key]
-        row["update/requeued"] = stream.requeued_since_last_call()
+        row["update/requeued"] = stream.call({"op": "requeued"})["samples"]
         row.update(extra)
         if not any(r.get("step") == state.step for r in read_metrics(writer.path)):
             row = writer.log(row, step=state.step, policy_version=state.policy_version)
     return row
-
-
-def _take_batch(ctx: phases.StepContext, stream: RolloutStream) -> float:
-    """Wait for the step's batch and write it as the step's shard; the seconds waited."""
-    from rltool.rollout.metrics import rollout_metrics
-    from rltool.rollout.stage import CONFIG_NAME, PRODUCER, write_metrics
-
-    state, run, settings = ctx.state, ctx.run, ctx.settings
-    cfg = settings.rollout_config(run, step=state.step, urls=ctx.engines.urls)
-    t0 = time.perf_counter()
-    groups, dropped, waited = stream.take(cfg.rollout_batch_size,
-                                          train_version=state.policy_version)
-    groups.sort(key=lambda g: g[0].group_id)
-    held, next_position = stream.positions()
-    metrics = staleness_metrics(groups, train_version=state.policy_version,
-                                dropped_groups=len(dropped))
-    metrics["rollout/wait_time"] = waited
-    extra = {"filter": "none", "partial": False, "async": {
-        "held": held, "next_position": next_position,
-        "dropped": [g[0].group_id for g in dropped], "train_version": state.policy_version,
-        "metrics": metrics}}
-    meta = stream.inputs.shard_meta(cfg, producer=PRODUCER, extra=extra)
-    atomic.remove_stale_temporaries(run.rollouts)
-    stream.inputs.write(cfg, groups, meta=meta, config_name=CONFIG_NAME)
-    write_metrics(cfg, {**rollout_metrics(groups, counts={},
-                                          output_tokens=sum(len(s.response_token_ids)
-                                                            for g in groups for s in g),
-                                          elapsed_s=waited, redispatched=0), **metrics},
-                  default_name="rollout.jsonl")
-    return time.perf_counter() - t0
