@@ -13,7 +13,6 @@ REPLY_FD (stdout and stderr go to RUN/logs/rollout.log):
       -> the step's batch written as its shard (async_batch.write_batch); {"seconds": s}
   {"op": "set_versions", "trainer_version": V, "engine_version": V}
   {"op": "in_flight"} -> {"samples": n}         {"op": "requeued"} -> {"samples": n}
-  {"op": "stop"}
 Every answer is {"ok": true, ...} or {"ok": false, "error": "..."}.
 """
 
@@ -76,11 +75,8 @@ class RolloutWorker:
         return answer
 
     def stop(self) -> None:
-        if self.child.alive():
-            try:
-                self.call({"op": "stop"})
-            except EngineError:
-                pass
+        """End the worker by its PID (SIGTERM, then SIGKILL): what it holds in flight is never
+        written, and a resume regenerates it from the newest shard's held positions."""
         self.child.stop()
         self.replies.close()
         self.registry.remove(self.child.pid)
@@ -122,10 +118,6 @@ def serve(reply_fd: int) -> None:
                 answer["samples"] = stream.in_flight_samples()
             elif op == "requeued":
                 answer["samples"] = stream.requeued_since_last_call()
-            elif op == "stop":
-                stream.stop()
-                replies.write(b'{"ok": true}\n')
-                return
             else:
                 raise EngineError(f"unknown op {op!r}")
             replies.write((json.dumps({"ok": True, **answer}) + "\n").encode())
