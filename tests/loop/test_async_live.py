@@ -23,8 +23,8 @@ from tests.loop.test_loop_live import final_model_bytes, loop_cli, loop_config  
 pytestmark = pytest.mark.slow
 NUM_STEPS = 4
 # Seeded points: after a batch was written while others were in flight (they are regenerated),
-# and after a train past the checkpoint of step 1 (the resident trainer replays step 2 and 3)
-# while the eval engine may be evaluating version 2.
+# and after a train past the checkpoint of step 1 (the resident trainer replays steps 2 and 3).
+# Eval runs after the last step only, so only the final run starts the eval engine.
 KILL_POINTS = ("1:rollout", "3:train")
 
 
@@ -38,7 +38,7 @@ def async_config(loop_config, tmp_path_factory) -> Path:
     config["train"]["global_batch_size"] = 4  # one optimizer step (version) per batch
     config["loop"].update(num_steps=NUM_STEPS, placement="disaggregated", mode="async",
                           update_mode="retract", max_staleness=1, save_interval=2,
-                          eval_interval=2, engine_args=["--num-threads", "1"])
+                          eval_interval=NUM_STEPS, engine_args=["--num-threads", "1"])
     del config["loop"]["align_gate"]
     path = tmp_path_factory.mktemp("async") / "run.toml"
     path.write_text(tomli_w.dumps(config))
