@@ -112,8 +112,14 @@ def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None,
             if settings.loop.mode == "async":
                 from rltool.loop.async_runner import run_steps
 
+                def after_step(row: dict[str, Any]) -> None:
+                    if mirror is not None:
+                        mirror.poll()
+                    if on_step is not None:
+                        on_step(row)
+
                 stopped = run_steps(ctx, writer=writer, step_metrics=step_metrics,
-                                    on_step=on_step, stop_when=stop_when)
+                                    on_step=after_step, stop_when=stop_when)
             while state.step < settings.loop.num_steps and not stopped:
                 with trace.span("step", cat="step", step=state.step):
                     run_step(ctx, writer=writer, on_step=on_step)
