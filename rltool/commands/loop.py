@@ -14,7 +14,9 @@ OPTION_TABLES = ("loop", "sync")
 @stage_options(SyncConfig, table="sync")
 @command_options("config", "run_dir", "resume", "set", "json")
 def command(config_file, run_dir, resume_dir, sets, as_json, **_):
-    """Run the synchronous RL loop: rollout -> train -> publish -> engines load -> metrics.
+    """Run the RL loop: rollout -> train -> publish -> engines load -> metrics, in turns
+    (--mode sync) or overlapped (--mode async: continuous rollout, in-flight weight updates,
+    bounded staleness).
 
     A new run needs --config (a loop TOML: [model], [rollout], [train], [sync], [eval] and [loop]
     tables); the options override its [loop] and [sync] keys, --set any key. `--resume RUN`

@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field, ValidationError
 from rltool.config import StageConfig, cli, format_validation_error, read_toml
 from rltool.delta.config import SyncConfig
 from rltool.errors import ConfigError
+from rltool.loop.affinity import check_cores
 from rltool.rollout.eval import EvalConfig
 from rltool.rollout.stage import RolloutConfig
 from rltool.rundir import RunDir
@@ -75,6 +76,22 @@ class LoopConfig(TrackingConfig):
                                       "and after the last one (needs an [eval] table).")
     align_gate: float | None = Field(None, ge=0.0, description="Stop with exit 1 when "
                                      "train/train_rollout_logprob_abs_diff exceeds this.")
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: rollout, train and weight sync take turns; async: engines "
+        "generate continuously, the trainer steps whenever a batch of groups is ready and new "
+        "weights reach the engines without draining them (needs --placement disaggregated).")
+    update_mode: Literal["in-place", "retract", "abort"] = Field(
+        "in-place", description="Async: what a weight update does to requests in flight: "
+        "in-place keeps their cache and tokens, retract re-prefills them (tokens kept), abort "
+        "regenerates them from scratch.")
+    max_staleness: int = Field(1, ge=0, description="Async: train no sample whose oldest token "
+                               "is more than K policy versions older than the version training "
+                               "on it (backpressure on the rollout side, drops counted).")
+    engine_cores: list[int] | None = Field(None, description="Pin every engine to these CPU "
+                                           "cores (os.sched_setaffinity).")
+    trainer_cores: list[int] | None = Field(None, description="Pin the loop process (the "
+                                            "resident trainer, the rollout client) to these "
+                                            "CPU cores.")
 
 
 class LoopSettings(BaseModel):
@@ -128,7 +145,20 @@ class LoopSettings(BaseModel):
         settings = cls(model=model, rollout=tables["rollout"], train=tables["train"],
                        sync=_validate(SyncConfig, tables["sync"], "sync"),
                        eval=tables["eval"] or None, loop=loop)
-        if settings.sync.sync in ("tensor", "distributed") and loop.placement != "colocated":
+        if loop.mode == "async" and loop.placement == "colocated":
+            raise ConfigError("--mode async generates while the trainer trains, so engines and "
+                              "trainer need resources of their own: use --placement "
+                              "disaggregated (and --engine-cores/--trainer-cores on one host)")
+        if loop.mode == "async" and (settings.rollout.get("filter", "none") != "none"
+                                     or settings.rollout.get("partial")):
+            raise ConfigError("--mode async trains every finished group in completion order: "
+                              "remove [rollout] filter and partial")
+        for option, cores in (("engine-cores", loop.engine_cores),
+                              ("trainer-cores", loop.trainer_cores)):
+            if cores is not None:
+                check_cores(cores, option=option)
+        if settings.sync.sync in ("tensor", "distributed") and loop.placement != "colocated" \
+                and loop.mode != "async":
             raise ConfigError(f"--sync {settings.sync.sync} hands weights to engines on the "
                               "trainer's host: use --placement colocated, or --sync full, delta "
                               "or auto")

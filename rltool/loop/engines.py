@@ -73,8 +73,10 @@ class EngineSet:
     """The loop's engines: start, weight updates, memory release/resume, stop."""
 
     def __init__(self, run: RunDir, registry: ChildRegistry, *, num_engines: int,
-                 engine_args: list[str], deterministic: bool, ready_timeout_s: float):
+                 engine_args: list[str], deterministic: bool, ready_timeout_s: float,
+                 log_prefix: str = "engine"):
         self.run = run
+        self.log_prefix = log_prefix
         self.registry = registry
         self.num_engines = num_engines
         self.engine_args = list(engine_args)
@@ -96,7 +98,7 @@ class EngineSet:
             args.append("--deterministic")
         for i in range(self.num_engines):
             with trace.span("engine_start", cat="wait", engine=i):
-                proc = start_engine(args, log_path=self.run.log_file(f"engine-{i}"),
+                proc = start_engine(args, log_path=self.run.log_file(f"{self.log_prefix}-{i}"),
                                     ready_timeout_s=self.ready_timeout_s)
             self.procs.append(proc)
             self.registry.add(role="engine", pid=proc.pid, cmdline=proc.cmdline, url=proc.url)
@@ -135,6 +137,14 @@ class EngineSet:
     def resume_memory(self) -> None:
         with trace.span("reload", cat="memory"):
             self._each(lambda c: c.resume_memory_occupation())
+
+    def pause(self, mode: str) -> None:
+        """/pause_generation on every engine: abort, retract or in_place (docs/engine-api.md)."""
+        with trace.span("pause", cat="weights", mode=mode):
+            self._each(lambda c: c.pause_generation(mode))
+
+    def continue_generation(self) -> None:
+        self._each(lambda c: c.continue_generation())
 
     def load_version(self, version: int, *, delta: bool) -> float:
         """Make every engine serve `version`; returns the seconds it took.

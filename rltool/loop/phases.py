@@ -76,9 +76,15 @@ def train_load_path(run: RunDir, version: int) -> Path:
 
 
 def in_memory_transport(settings: LoopSettings) -> str | None:
-    """What the engines can take in memory: colocated builtin engines share the loop's host and
-    device, so "tensor" (shared memory); disaggregated runs publish to disk."""
-    return "tensor" if settings.loop.placement == "colocated" else None
+    """What the engines can take in memory: the loop's builtin engines share its host (and,
+    colocated, its device), so "tensor" (shared memory) whenever the trainer is resident;
+    disaggregated synchronous runs train in a subprocess and publish to disk."""
+    return "tensor" if is_resident(settings) else None
+
+
+def is_resident(settings: LoopSettings) -> bool:
+    """Whether the trainer lives in the loop's process (colocated, or the asynchronous loop)."""
+    return settings.loop.placement == "colocated" or settings.loop.mode == "async"
 
 
 def sync_mode(settings: LoopSettings) -> str:
@@ -139,8 +145,8 @@ def _train_resident(ctx: StepContext) -> None:
     state, settings, run = ctx.state, ctx.settings, ctx.run
     trainer = resident_trainer(ctx)
     if trainer.loop_step < state.step:
-        if sync_mode(settings) == "disk":  # in-memory sync writes into the engines' weights
-            ctx.engines.release_memory()
+        if sync_mode(settings) == "disk" and settings.loop.placement == "colocated":
+            ctx.engines.release_memory()  # an in-memory sync writes into the engines' weights
         trainer.train(settings.train_config(run, step=state.step, load=str(settings.model.path)),
                       loop_step=state.step)
     if is_save_step(settings, state.step) and not trainer.checkpoint_dir(run.ckpt).exists():
@@ -161,7 +167,7 @@ def save_resident(ctx: StepContext) -> None:
 def train(ctx: StepContext) -> None:
     """Train on this step's shard; the new policy version goes to state.policy_version."""
     state, settings = ctx.state, ctx.settings
-    if settings.loop.placement == "colocated":
+    if is_resident(settings):
         _train_resident(ctx)
         check_align_gate(ctx)
         return
@@ -235,7 +241,7 @@ def publish(ctx: StepContext) -> None:
         if sync_mode(settings) != "disk":
             state.publish["sync/mode"] = sync_mode(settings)
         return
-    if settings.loop.placement == "colocated":
+    if is_resident(settings):
         trainer = resident_trainer(ctx)
         src: Any = dict(trainer.named_tensors())
         kwargs: dict[str, Any] = {"source_model_dir": trainer.model_dir,

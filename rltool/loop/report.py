@@ -2,7 +2,8 @@
 
 Reads RUN/metrics/loop.jsonl (one line per loop step), train.jsonl and eval.jsonl; writes
 RUN/report/index.html with reward.png, response_len.png, kl.png, logprob_diff.png,
-step_time.png (and eval.png when there are eval lines). Plots use matplotlib's Agg backend (no
+step_time.png, and when the run logged them eval_by_version.png and eval_by_time.png (eval
+reward against the version it measured and against wall time) and staleness.png (async runs). Plots use matplotlib's Agg backend (no
 display needed). Metrics missing from a run (e.g. KL without a reference model) or holding
 non-numbers are plotted as "not logged" rather than failing; a row without the integer `step` and
 `policy_version` every metrics row carries is bad input (one line naming file, row and field).
@@ -114,7 +115,8 @@ def load_metrics(run: RunDir) -> dict[str, list[dict[str, Any]]]:
                 if k != "step" and (number := _number(v)) is not None:
                     values.setdefault(k, []).append(number)
         train.append({"step": step, **{k: sum(vs) / len(vs) for k, vs in values.items()}})
-    return {"loop": loop, "train": train}
+    evals = _checked_rows(run.metrics_file("eval"), read_metrics(run.metrics_file("eval")))
+    return {"loop": loop, "train": train, "eval": evals}
 
 
 def plot_all(metrics: dict[str, list[dict[str, Any]]], out: Path) -> list[tuple[str, str]]:
@@ -154,12 +156,50 @@ def plot_all(metrics: dict[str, list[dict[str, Any]]], out: Path) -> list[tuple[
     _finish(fig, ax, "Step time by phase", "seconds", out / "step_time.png")
     plt.close(fig)
     made.append(("step_time.png", "Step time by phase"))
+    return made + _extra_plots(metrics, out, plt)
+
+
+def _extra_plots(metrics: dict[str, list[dict[str, Any]]], out: Path,
+                 plt: Any) -> list[tuple[str, str]]:
+    """Eval reward against the policy version it measured and against wall time since the
+    first step began (each eval.jsonl row carries both), and the staleness of an asynchronous
+    run; each only when the run logged it."""
+    first = metrics["loop"][0]
+    start = first["time"] - (_number(first.get("perf/loop/wall_time")) or 0.0)
+    evals = [(r, v) for r in metrics.get("eval", [])
+             if (v := _number(r.get("eval/mean_reward"))) is not None
+             and _number(r.get("time")) is not None]
+    charts = []
+    if evals:
+        charts += [("eval_by_version.png", "Eval reward by policy version", "policy version",
+                    [("eval", sorted((r["policy_version"], v) for r, v in evals))]),
+                   ("eval_by_time.png", "Eval reward by wall time",
+                    "seconds since the first step began",
+                    [("eval", sorted((r["time"] - start, v) for r, v in evals))])]
+    staleness = {k: [(r["step"], v) for r in metrics["loop"]
+                     if (v := _number(r.get(f"staleness/{k}"))) is not None]
+                 for k in ("mean", "max")}
+    if staleness["mean"]:
+        charts.append(("staleness.png", "Staleness of the trained samples", "loop step",
+                       [(k, pts) for k, pts in staleness.items()]))
+    made = []
+    for file, title, xlabel, series in charts:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for label, points in series:
+            ax.plot([x for x, _ in points], [y for _, y in points], marker="o", ms=3,
+                    label=label)
+        ax.legend(fontsize=8)
+        ylabel = "versions" if file == "staleness.png" else "eval mean reward"
+        _finish(fig, ax, title, ylabel, out / file, xlabel=xlabel)
+        plt.close(fig)
+        made.append((file, title))
     return made
 
 
-def _finish(fig: Any, ax: Any, title: str, ylabel: str, path: Path) -> None:
+def _finish(fig: Any, ax: Any, title: str, ylabel: str, path: Path, *,
+            xlabel: str = "loop step") -> None:
     ax.set_title(title)
-    ax.set_xlabel("loop step")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -10,6 +10,7 @@ the loop returns, fails or is interrupted (Ctrl-C / SIGTERM reach `finally`); af
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 from rltool import atomic, trace, tracking
 from rltool.errors import BadInputError
 from rltool.loop import phases
+from rltool.loop.affinity import pin
 from rltool.loop.config import LoopSettings
 from rltool.loop.engines import ChildRegistry, EngineSet, end_orphans
 from rltool.loop.state import LoopState, maybe_kill
@@ -90,8 +92,13 @@ def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None,
     mirror = tracking.open_mirror(settings.loop, run, from_step=state.step,
                                   config=settings.to_tables())
     t_start = time.perf_counter()
+    if settings.loop.trainer_cores:
+        pin(os.getpid(), settings.loop.trainer_cores)
     try:
         engines.start(run.weight_version(0))
+        if settings.loop.engine_cores:
+            for proc in engines.procs:
+                pin(proc.pid, settings.loop.engine_cores)
         mode = phases.sync_mode(settings)
         served = max(list_versions(run.weights), default=0)
         if mode != "disk" and state.policy_version > 0:
@@ -102,13 +109,24 @@ def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None,
                                  == "delta")
         with MetricsWriter(run.metrics_file("loop")) as writer:
             stopped = False
+            if settings.loop.mode == "async":
+                from rltool.loop.async_runner import run_steps
+
+                def after_step(row: dict[str, Any]) -> None:
+                    if mirror is not None:
+                        mirror.poll()
+                    if on_step is not None:
+                        on_step(row)
+
+                stopped = run_steps(ctx, writer=writer, step_metrics=step_metrics,
+                                    on_step=after_step, stop_when=stop_when)
             while state.step < settings.loop.num_steps and not stopped:
                 with trace.span("step", cat="step", step=state.step):
                     run_step(ctx, writer=writer, on_step=on_step)
                 if mirror is not None:
                     mirror.poll()
                 stopped = stop_when is not None and stop_when(read_metrics(writer.path))
-        if settings.loop.placement == "colocated":
+        if phases.is_resident(settings):
             phases.save_resident(ctx)  # the end is always a checkpoint, also when stopped early
         state.status = "stopped" if stopped else "done"
         state.save(run)

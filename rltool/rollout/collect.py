@@ -16,11 +16,12 @@ return their partial tokens) and carried over; otherwise they are cancelled, cou
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,6 +90,24 @@ class Collector:
         finally:
             # Timed-out reward calls may still be running; do not wait for them.
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+    @contextlib.asynccontextmanager
+    async def streaming(self) -> AsyncIterator["Collector"]:
+        """Open the reward threads for `run_group` calls of a continuous producer (the
+        asynchronous loop), which has no batch to collect."""
+        self._pool = ThreadPoolExecutor(max_workers=self.reward_workers,
+                                        thread_name_prefix="rltool-reward")
+        try:
+            yield self
+        finally:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def run_group(self, samples: list[Sample]) -> list[Sample]:
+        """Generate and reward one group inside `streaming()`; its samples, each finished.
+        Members already finished (completed, truncated, failed) are kept as they are."""
+        group = _Group(samples=samples)
+        await self._run_group(group)
+        return group.samples
 
     async def _run(self, source: Iterator[list[Sample]], *, target_groups: int,
                    carried: list[list[Sample]], dynamic_filter: bool, partial: bool,

@@ -122,6 +122,11 @@ class _Plan:
                               shuffle=self.cfg.shuffle, seed=self.cfg.seed)[k]
 
 
+def optimizer_steps(cfg: TrainConfig, num_samples: int) -> int:
+    """The optimizer steps one training call makes on a set of `num_samples` samples."""
+    return _Plan(cfg, num_samples).num_steps
+
+
 def _load_samples(cfg: TrainConfig, model_dir: Path) -> SampleSet:
     """Read and verify the samples before any model is built (bad input fails fast)."""
     from transformers import AutoConfig

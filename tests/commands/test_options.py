@@ -86,6 +86,7 @@ COMPANIONS = {
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
         "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
         "use_distributed_optimizer", "recompute_granularity", "transformer_impl")},
+    "mode": ["--placement", "disaggregated"],  # async refuses colocated placement
 }
 # Fields whose test replaces part of the base (exclusive with it).
 REPLACES = {("train", "prompts"): {"rollouts": None, "loss": ["sft"]},
@@ -114,8 +115,8 @@ def candidates(param: StageOption, default):
         return [([c], c) for c in param.type.choices if c != default] or [([default], default)]
     if param.secondary_opts:  # --x/--no-x
         return [([], not default)]
-    if param.multiple:
-        return [(["x-a,x-b"], ["x-a", "x-b"])]
+    if param.multiple:  # a list of strings, else of integers (CPU cores: 0 exists everywhere)
+        return [(["x-a,x-b"], ["x-a", "x-b"]), (["0"], [0])]
     if param.nargs == 2:
         return [(["3", "5"], [3, 5])]
     kind = param.type.name

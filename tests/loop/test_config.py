@@ -107,3 +107,34 @@ def test_to_tables_round_trips(tiny_model_dir):
     s = LoopSettings.from_tables(tables(tiny_model_dir, eval__prompts="e.jsonl"))
     again = LoopSettings.from_tables(s.to_tables())
     assert again == s
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"loop__mode": "async"}, "--placement disaggregated"),
+    ({"loop__mode": "async", "loop__placement": "disaggregated",
+      "rollout__filter": "all-equal-reward"}, "remove \\[rollout\\] filter and partial"),
+    ({"loop__mode": "async", "loop__placement": "disaggregated", "rollout__partial": True},
+     "remove \\[rollout\\] filter and partial"),
+    ({"loop__engine_cores": [10_000]}, "--engine-cores .* not available"),
+    ({"loop__trainer_cores": []}, "--trainer-cores"),
+    ({"loop__update_mode": "in_place"}, "--update-mode .*'in-place'"),
+])
+def test_async_settings_refused(tiny_model_dir, changes, message):
+    with pytest.raises(ConfigError, match=message):
+        LoopSettings.from_tables(tables(tiny_model_dir, **changes))
+
+
+@pytest.mark.parametrize("sync", ["tensor", "distributed"])
+def test_async_takes_in_memory_sync_with_disaggregated_engines(tiny_model_dir, sync):
+    """The async loop's engines run on the trainer's host, so tensor and distributed apply; the
+    synchronous disaggregated loop trains in a subprocess and keeps refusing them."""
+    from rltool.loop.phases import in_memory_transport, sync_mode
+
+    s = LoopSettings.from_tables(tables(tiny_model_dir, sync__sync=sync, loop__mode="async",
+                                        loop__placement="disaggregated", loop__max_staleness=2,
+                                        loop__engine_cores=[0], loop__trainer_cores=[0]))
+    assert (s.loop.mode, s.loop.max_staleness, s.loop.update_mode) == ("async", 2, "in-place")
+    assert in_memory_transport(s) == "tensor" and sync_mode(s) == sync
+    with pytest.raises(ConfigError, match="--placement colocated"):
+        LoopSettings.from_tables(tables(tiny_model_dir, sync__sync=sync,
+                                        loop__placement="disaggregated"))

@@ -37,3 +37,21 @@ def test_report_from_metrics(tmp_path):
 def test_report_without_metrics(tmp_path):
     with pytest.raises(BadInputError, match="no loop metrics"):
         write_report(tmp_path)
+
+
+def test_report_plots_eval_by_version_and_wall_time_and_staleness(tmp_path):
+    run = RunDir(tmp_path).create()
+    with MetricsWriter(run.metrics_file("loop")) as w:
+        for step in range(3):
+            w.log({"rollout/raw_reward": 0.1 * step, "perf/loop/wall_time": 1.0,
+                   "staleness/mean": 0.5, "staleness/max": 1}, step=step,
+                  policy_version=2 * step + 2)
+    with MetricsWriter(run.metrics_file("eval")) as w:  # results arrive out of step order
+        for version in (4, 2):
+            w.log({"eval/mean_reward": version / 10}, step=version, policy_version=version)
+    metrics = load_metrics(run)
+    assert [r["policy_version"] for r in metrics["eval"]] == [4, 2]
+    result = write_report(run.root)
+    names = sorted(p.rsplit("/", 1)[-1] for p in result["plots"])
+    assert {"eval_by_version.png", "eval_by_time.png", "staleness.png"} <= set(names)
+    assert len(names) == 8

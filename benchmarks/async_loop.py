@@ -1,0 +1,171 @@
+"""`rltool loop --mode async` against the synchronous loop on the demo's workload, pinned.
+
+Per seed: the demo's model init and supervised warm start (rltool.demo), then
+- sync: the demo's loop (resident trainer in the loop process, tensor sync), the engine pinned to
+  `--engine-cores`, the loop process (trainer, rollout client) to `--trainer-cores`;
+- async: the same tables with `--mode async --placement disaggregated --max-staleness K
+  --update-mode MODE` and `[train] tis_mode` (decoupled PPO by default), the same pinning (the
+  rollout worker beside the engine), more steps (to see when it reaches the sync run's reward).
+Neither run evaluates (eval would add its own engine and time).
+
+Figures, from each run's metrics/loop.jsonl:
+- t_R, t_T, t_W: the sync run's median rollout, train + publish and sync phase times per step
+  (`rltool profile`'s split: the trainer publishes, the engines stop only to load);
+- bound = (t_R + t_T + t_W) / (max(t_R, t_T) + t_W) (rltool.profile.analyze.async_speedup);
+- speedup = sync seconds per step / async seconds per step, both from the rows' wall-clock
+  `time` between the first and the last of the first `--steps` steps (engine start excluded);
+- learning: target = the sync run's mean reward over its last 5 steps; the samples each run used
+  until its 5-step mean first reached the target, and their ratio async / sync.
+
+Prints a table and one JSON line; `--out FILE` also writes the JSON (machine, load averages,
+every run's rows). Example (2 cores, engine on core 0, trainer on core 1):
+  python benchmarks/async_loop.py --seeds 0 1 2 --steps 20 \
+      --out benchmarks/results/async_loop-DATE-cpu2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+WINDOW = 5
+
+
+def prepare(root: Path, seed: int) -> Path:
+    """The demo's prompts, model init and warm start for `seed`; the warm-started weights."""
+    from rltool.data.models import init_model
+    from rltool.demo import TASK, Clock, make_data, warm_start
+
+    root.mkdir(parents=True, exist_ok=True)
+    clock = Clock()
+    make_data(root, clock)
+    model = init_model(root / "model", arch="qwen2", preset="tiny", task=TASK, seed=seed)
+    weights, _ = warm_start(root, model, sft_steps=60, seed=seed, clock=clock)
+    return weights
+
+
+def run_loop(root: Path, name: str, tables: dict[str, Any]) -> list[dict[str, Any]]:
+    import tomli_w
+
+    from rltool.rundir import read_metrics
+
+    config = root / f"{name}.toml"
+    config.write_text(tomli_w.dumps(tables))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "rltool", "loop", "-q", "--config", str(config),
+                    "--run-dir", str(root / name)], check=True, env=env)
+    print(f"  {name}: {time.perf_counter() - t0:.1f}s", flush=True)
+    return read_metrics(root / name / "metrics" / "loop.jsonl")
+
+
+def first_reaching(rows: list[dict[str, Any]], target: float) -> int | None:
+    rewards = [r["rollout/raw_reward"] for r in rows]
+    for i in range(len(rewards)):
+        tail = rewards[max(0, i + 1 - WINDOW):i + 1]
+        if i + 1 >= WINDOW and sum(tail) / len(tail) >= target:
+            return i + 1  # steps used
+    return None
+
+
+def seconds_per_step(rows: list[dict[str, Any]], steps: int) -> float:
+    rows = rows[:steps]
+    return (rows[-1]["time"] - rows[0]["time"]) / (len(rows) - 1)
+
+
+def one_seed(root: Path, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    from rltool.demo import loop_tables
+    from rltool.profile.analyze import async_speedup
+
+    weights = prepare(root, seed)
+    base = loop_tables(root, model=weights, steps=args.steps, seed=seed)
+    base.pop("eval")
+    base["sync"]["sync"] = "tensor"
+    base["loop"].update(eval_interval=None, engine_cores=args.engine_cores,
+                        trainer_cores=args.trainer_cores,
+                        engine_args=["--max-running-requests", "128", "--num-threads", "1"])
+    base["loop"] = {k: v for k, v in base["loop"].items() if v is not None}
+    sync_rows = run_loop(root, "sync", base)
+    tables = json.loads(json.dumps(base))
+    tables["loop"].update(mode="async", placement="disaggregated",
+                          max_staleness=args.max_staleness, update_mode=args.update_mode,
+                          num_steps=int(args.steps * args.async_steps_factor))
+    tables["train"]["tis_mode"] = args.tis_mode  # decoupled PPO on the stale tokens
+    async_rows = run_loop(root, "async", tables)
+    t_r = statistics.median(r["perf/loop/rollout_time"] for r in sync_rows)
+    t_t = statistics.median(r["perf/loop/train_time"] + r["perf/loop/publish_time"]
+                            for r in sync_rows)
+    t_w = statistics.median(r["perf/loop/sync_time"] for r in sync_rows)
+    bound = async_speedup(t_R_s=t_r, t_T_s=t_t, t_W_s=t_w)["speedup_bound"]
+    sync_s, async_s = (seconds_per_step(sync_rows, args.steps),
+                       seconds_per_step(async_rows, args.steps))
+    target = sum(r["rollout/raw_reward"] for r in sync_rows[-WINDOW:]) / WINDOW
+    sync_reach, async_reach = first_reaching(sync_rows, target), first_reaching(async_rows, target)
+    samples = sync_rows[0]["rollout/num_samples"]
+    return {"seed": seed, "t_R": t_r, "t_T": t_t, "t_W": t_w, "bound": bound,
+            "sync_s_per_step": sync_s, "async_s_per_step": async_s, "speedup": sync_s / async_s,
+            "of_bound": (sync_s / async_s) / bound, "target_reward": target,
+            "sync_samples_to_target": sync_reach * samples if sync_reach else None,
+            "async_samples_to_target": async_reach * samples if async_reach else None,
+            "samples_ratio": (async_reach / sync_reach) if sync_reach and async_reach else None,
+            "staleness_mean": statistics.mean(r.get("staleness/mean", 0.0) for r in async_rows),
+            "staleness_dropped": sum(r.get("staleness/dropped", 0) for r in async_rows),
+            "sync_rows": sync_rows, "async_rows": async_rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=20, help="Sync steps (the speed window).")
+    parser.add_argument("--async-steps-factor", type=float, default=1.5,
+                        help="Async runs this many times --steps (to reach the sync reward).")
+    parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--update-mode", default="in-place",
+                        choices=["in-place", "retract", "abort"])
+    parser.add_argument("--tis-mode", default="truncate",
+                        choices=["none", "truncate", "clip", "icepop"],
+                        help="Off-policy correction of the async run (docs/loop.md).")
+    parser.add_argument("--engine-cores", type=int, nargs="+", default=[0])
+    parser.add_argument("--trainer-cores", type=int, nargs="+", default=[1])
+    parser.add_argument("--out", default=None, help="Write the JSON result here too.")
+    args = parser.parse_args()
+    load_before = os.getloadavg()
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="rltool-async-bench-") as tmp:
+        for seed in args.seeds:
+            runs.append(one_seed(Path(tmp) / f"seed{seed}", seed, args))
+    header = (f"{'seed':>4s} {'t_R':>6s} {'t_T':>6s} {'t_W':>6s} {'bound':>6s} {'sync s':>7s} "
+              f"{'async s':>7s} {'speedup':>7s} {'%bound':>6s} {'samples x':>9s}")
+    print(header)
+    for r in runs:
+        ratio = f"{r['samples_ratio']:.2f}" if r["samples_ratio"] is not None else "-"
+        print(f"{r['seed']:>4d} {r['t_R']:6.3f} {r['t_T']:6.3f} {r['t_W']:6.3f} "
+              f"{r['bound']:6.2f} {r['sync_s_per_step']:7.3f} {r['async_s_per_step']:7.3f} "
+              f"{r['speedup']:7.2f} {100 * r['of_bound']:5.0f}% {ratio:>9s}")
+    ratios = [r["samples_ratio"] for r in runs if r["samples_ratio"] is not None]
+    summary = {"benchmark": "async_loop", "date": time.strftime("%Y-%m-%d"),
+               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                           "python": sys.version.split()[0]},
+               "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
+               "settings": vars(args),
+               "median_speedup": statistics.median(r["speedup"] for r in runs),
+               "median_bound": statistics.median(r["bound"] for r in runs),
+               "median_of_bound": statistics.median(r["of_bound"] for r in runs),
+               "median_samples_ratio": statistics.median(ratios) if ratios else None,
+               "seeds_reaching_target": len(ratios)}
+    print(json.dumps(summary))
+    if args.out:
+        Path(args.out).write_text(json.dumps({**summary, "runs": runs}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
