@@ -143,12 +143,13 @@ def core_run(model_dir: Path, prompts, caps, batch: int, *, deterministic: bool 
     batching from HTTP/JSON costs and from process scheduling on the shared box."""
     import threading
 
-    from rltool.engine.model_runner import ModelRunner
+    from rltool.engine.config import ServeConfig
     from rltool.engine.request import Request
     from rltool.engine.sampling import SamplingParams
-    from rltool.engine.scheduler import Scheduler
+    from rltool.engine.server import build_engine
 
-    sched = Scheduler(ModelRunner(model_dir), max_running=batch, deterministic=deterministic)
+    _, sched = build_engine(ServeConfig(model=model_dir, device="cpu", max_running_requests=batch,
+                                        deterministic=deterministic))
     sched.start()
     lock, done = threading.Lock(), threading.Event()
     pending = list(range(len(prompts)))

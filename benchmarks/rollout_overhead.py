@@ -35,11 +35,10 @@ def sampling(i: int) -> dict[str, Any]:
 def in_process(model: Path, prompts: list[list[int]]) -> float:
     from rltool.engine.api import GenerateInput
     from rltool.engine.expand import expand_generate
-    from rltool.engine.model_runner import ModelRunner
-    from rltool.engine.scheduler import Scheduler
+    from rltool.engine.config import ServeConfig
+    from rltool.engine.server import build_engine
 
-    runner = ModelRunner(model)
-    sched = Scheduler(runner, max_running=128)
+    runner, sched = build_engine(ServeConfig(model=model, device="cpu", max_running_requests=128))
     sched.start()
     try:
         body = GenerateInput(input_ids=[p for p in prompts for _ in range(SAMPLES)],

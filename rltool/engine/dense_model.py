@@ -68,12 +68,13 @@ def read_spec(model_dir: str | Path) -> ModelSpec:
     arch = ARCHS.get(archs[0]) if archs else MODEL_TYPES.get(cfg.get("model_type"))
     if arch is None:
         raise CheckpointError(f"{path}: architecture {archs or cfg.get('model_type')!r} is not "
-                              f"supported by the engine's model; supported: {', '.join(ARCHS)}")
+                              f"supported by the engine's model; supported: {', '.join(ARCHS)} "
+                              "(serve others with --engine sglang)")
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
     if rope_type != "default":
         raise CheckpointError(f"{path}: rope scaling {rope_type!r} is not supported by the "
-                              "engine's model; serve it with --device cpu or --engine sglang")
+                              "engine's model; serve it with --engine sglang")
     theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0) if rope else 10000.0)
     if arch == "llama" and cfg.get("mlp_bias"):
         raise CheckpointError(f"{path}: llama with mlp_bias is not supported by the engine's model")
@@ -244,9 +245,12 @@ class DenseLM:
         fn = fused.rope_store if self.fused else fused.rope_store_ref
         fn(q, k, v, cos, sin, positions, k_cache=k_cache, v_cache=v_cache, loc=loc)
 
-    def hidden(self, input_ids: torch.Tensor, attend: Attend) -> torch.Tensor:
+    def hidden(self, input_ids: torch.Tensor, attend: Attend,
+               collect: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Final-norm hidden states [T, hidden] of a packed token stream. `attend` gets q, k, v
-        before RoPE (it applies `rope_store`, so the cache write can be fused with it)."""
+        before RoPE (it applies `rope_store`, so the cache write can be fused with it). `collect`
+        receives transformers' `output_hidden_states`: the embeddings, each layer's output, the
+        last one after the final norm."""
         from rltool.engine import fused
 
         s = self.spec
@@ -258,6 +262,8 @@ class DenseLM:
         # Residual stream as transformers adds it: residual = residual + sublayer output (in the
         # model dtype), each norm reading the updated residual.
         h, residual = add_norm(x, None, self.layers[0]["ln1"], s.rms_norm_eps)
+        if collect is not None:
+            collect.append(x)
         for i, L in enumerate(self.layers):
             qkv = F.linear(h, L["qkv"], L.get("qkv_bias"))
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -275,6 +281,8 @@ class DenseLM:
                 m = F.linear(silu_mul(F.linear(h, L["gate_up"])), L["down"])
             after = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.norm
             h, residual = add_norm(m, residual, after, s.rms_norm_eps)
+            if collect is not None:
+                collect.append(residual if i + 1 < len(self.layers) else h)
         return h
 
     def logits(self, hidden: torch.Tensor, *, upcast: bool = True) -> torch.Tensor:

@@ -4,7 +4,7 @@ library traceback.
 
 The builtin engine serves plain HF checkpoints in fp32/bf16. Quantized checkpoints (for example
 the block-FP8 ones `rltool convert fp8` writes) are refused up front with the two ways to serve
-them; anything else transformers cannot load (corrupt shards, unknown architectures) is reported
+them; anything else that cannot be loaded (corrupt shards, unknown architectures) is reported
 with the library's own first line.
 """
 
@@ -47,22 +47,15 @@ def check_servable(path: Path) -> dict[str, Any]:
 def load_tokenizer(path: Path) -> Any:
     from transformers import AutoTokenizer
 
-    return _loading(path, "tokenizer", lambda: AutoTokenizer.from_pretrained(str(path)))
+    return loading(path, "tokenizer", lambda: AutoTokenizer.from_pretrained(str(path)))
 
 
-def load_model(path: Path, *, dtype: torch.dtype) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    check_servable(path)
-    return _loading(path, "model",
-                    lambda: AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype))
-
-
-def _loading(path: Path, what: str, load: Any) -> Any:
+def loading(path: Path, what: str, load: Any) -> Any:
+    """`load()`, with any failure caused by the checkpoint as a one-line CheckpointError."""
     try:
         return load()
-    except (MemoryError, torch.OutOfMemoryError):
-        raise  # the checkpoint is fine; this host is short of memory (a runtime failure)
+    except (MemoryError, torch.OutOfMemoryError, CheckpointError):
+        raise  # already one line, or this host is short of memory (a runtime failure)
     except Exception as e:  # transformers/safetensors raise many unrelated types for bad input
         raise CheckpointError(f"cannot load the {what} of {path}: {one_line(e)}") from e
 

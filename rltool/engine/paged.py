@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from rltool.engine.radix_cache import Node, RadixCache
 from rltool.errors import EngineError
@@ -80,8 +81,10 @@ class PageTable:
                                        device=device)
         self._pending: list[tuple[int, int, int]] = []  # (row, page index, page id)
         # Pinned staging for the scatter, used alternately: a copy from pageable memory would
-        # wait for the device to finish queued work, which breaks overlapped decoding.
-        self._staging = ([(torch.empty(3, STAGING_CAPACITY, dtype=torch.long, device="cpu").pin_memory(),
+        # wait for the device to finish queued work, which breaks overlapped decoding. Flat, so
+        # the n updates of a flush are one contiguous slice (a strided slice of pinned memory is
+        # first gathered into pageable memory, with the same wait).
+        self._staging = ([(torch.empty(3 * STAGING_CAPACITY, dtype=torch.long).pin_memory(),
                            torch.cuda.Event()) for _ in range(2)]
                          if torch.device(device).type == "cuda" else [])
         self._flushes = 0
@@ -201,8 +204,9 @@ class PageTable:
             self._flushes += 1
             staging, copied = self._staging[self._flushes % 2]
             copied.synchronize()  # the copy queued from this buffer two flushes ago has run
-            staging[:, :n].copy_(host)
-            host = staging[:, :n]
+            pinned = staging[:3 * n].view(3, n)
+            pinned.copy_(host)
+            host = pinned
         dev = host.to(self.req_to_page.device, non_blocking=True)
         if copied is not None:
             copied.record()
@@ -225,20 +229,18 @@ class KVPool:
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                          req_to_page: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
                          page_size: int, max_len: int, scale: float) -> torch.Tensor:
-    """Reference paged decode attention (pure torch). q [B, H, D]; k/v_cache [slots, KVH, D];
-    rows [B] page-table rows; seq_lens [B] tokens to attend to (the new one included).
-    Returns [B, H, D] in q's dtype, softmax in fp32."""
-    B, H, D = q.shape
-    kvh = k_cache.shape[1]
+    """Reference paged decode attention (pure torch; the CPU decode path). q [B, H, D];
+    k/v_cache [slots, KVH, D]; rows [B] page-table rows; seq_lens [B] tokens to attend to (the new
+    one included). Returns [B, H, D] in q's dtype, computed in fp32. The K/V of each row are
+    gathered through its pages into [B, KVH, max_len, D] and attended with one masked SDPA call
+    (half the time of the einsum formulation on CPU, which copies for its permutes)."""
     pos = torch.arange(max_len, device=q.device)
     pages = req_to_page[rows.long()][:, pos // page_size].long()  # [B, max_len]
     slots = pages * page_size + pos % page_size
-    k = k_cache[slots].float()  # [B, L, KVH, D]
-    v = v_cache[slots].float()
-    qg = q.float().view(B, kvh, H // kvh, D)
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, k) * scale
+    k = k_cache[slots].float().transpose(1, 2)  # [B, KVH, L, D]
+    v = v_cache[slots].float().transpose(1, 2)
     valid = pos.unsqueeze(0) < seq_lens.unsqueeze(1).long()  # [B, L]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, v)
-    return out.reshape(B, H, D).to(q.dtype)
+    out = F.scaled_dot_product_attention(q.float().unsqueeze(2), k, v,
+                                         attn_mask=valid[:, None, None, :], scale=scale,
+                                         enable_gqa=True)
+    return out.squeeze(2).to(q.dtype)

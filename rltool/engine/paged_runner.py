@@ -28,8 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from rltool.engine.dense_model import DenseLM, load_model, read_spec
+from rltool.engine.loading import check_servable, load_tokenizer, loading
 from rltool.engine.paged import KVPool, PageTable, decode_attention_ref
 from rltool.errors import BadInputError, CheckpointError, EngineError
+from rltool.faults import kill_point
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +54,6 @@ class PagedRunner:
                  mem_fraction_static: float = 0.85, max_total_tokens: int | None = None,
                  cuda_graph_max_bs: int = 256, disable_cuda_graph: bool = False,
                  prefix_cache: bool = True, deterministic: bool = False):
-        from transformers import AutoTokenizer
-
         if dtype not in DTYPES:
             raise BadInputError(f"unknown --dtype {dtype!r}; choose fp32 or bf16")
         self.model_path = Path(model_path)
@@ -61,9 +61,9 @@ class PagedRunner:
         self.device = torch.device(device)
         self.dtype = dtype
         self.weight_version = weight_version
+        self.config_json = check_servable(self.model_path)
         self.spec = read_spec(self.model_path)
-        self.config_json = json.loads((self.model_path / "config.json").read_text())
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        self.tokenizer = load_tokenizer(self.model_path)
         self.context_length = self.spec.max_position_embeddings
         self.vocab_size = self.spec.vocab_size
         self.eos_token_ids = self._eos_ids()
@@ -75,13 +75,10 @@ class PagedRunner:
         self.use_graphs = (self.device.type == "cuda" and not disable_cuda_graph
                            and self.spec.moe is None)
         self.deterministic = deterministic
-        if deterministic and self.device.type == "cpu":
-            from rltool import batch_invariant
-
-            if not batch_invariant.INTERPRETED:
-                raise BadInputError("the paged runner's deterministic mode runs Triton kernels: "
-                                    "on CPU only under TRITON_INTERPRET=1 (tests); serve "
-                                    "--deterministic on CPU with the transformers runner")
+        # The batch-invariant kernels are Triton: on CUDA, and on CPU under TRITON_INTERPRET=1
+        # (tests). Without them (CPU) the scheduler runs each request in a forward of its own.
+        self.invariant_kernels = deterministic and (self.device.type == "cuda"
+                                                    or _interpreted())
         # Deterministic: a reused prefix would compute a prompt's tail in another attention
         # layout than a fresh prefill, so whether a prompt hit the cache would change its numbers.
         self.prefix_cache = prefix_cache and not deterministic
@@ -116,8 +113,8 @@ class PagedRunner:
     # ----- memory --------------------------------------------------------------------------
 
     def _build(self) -> None:
-        self.model = load_model(self.model_path, device=self.device, dtype=DTYPES[self.dtype],
-                                spec=self.spec)
+        self.model = loading(self.model_path, "model", lambda: load_model(
+            self.model_path, device=self.device, dtype=DTYPES[self.dtype], spec=self.spec))
         if self.deterministic:  # transformers' ops one by one (the trainer's), invariant kernels
             self.model.fused = False
         self.model.rope_table(self.context_length)
@@ -192,7 +189,7 @@ class PagedRunner:
         n = 0
         for f in files:
             with safe_open(str(f), framework="pt") as sf:
-                n += self.model.load_tensors((name, sf.get_tensor(name)) for name in sf.keys())
+                n += self.model.load_tensors(_copying(sf))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.model_path = path
@@ -261,7 +258,7 @@ class PagedRunner:
     def invariant(self) -> contextlib.AbstractContextManager:
         """Deterministic mode: matmuls, means and log-softmaxes through the batch-invariant
         kernels (rltool.batch_invariant) while the block runs; otherwise nothing."""
-        if not self.deterministic:
+        if not self.invariant_kernels:
             return contextlib.nullcontext()
         from rltool import batch_invariant
 
@@ -352,39 +349,49 @@ class PagedRunner:
                 bucket: int | None) -> torch.Tensor:
         table, B = self.table, len(rids)
         n = bucket or B
-        host = torch.zeros(META_ROWS, n, dtype=torch.long, device="cpu")
-        host[3] = 1  # padded rows: one junk token of the scratch page
-        rows, lens, locs, positions = [], [], [], []
-        entries, ps = table.entries, self.page_size
+        rows, locs, positions = [], [], []
+        add_row, add_loc, add_position = rows.append, locs.append, positions.append
+        entries, ps, extend = table.entries, self.page_size, table.extend
         for rid in rids:  # the per-request host work of a step: keep it lean
             entry = entries[rid]
             p = entry.length
             if p == len(entry.pages) * ps:
-                table.extend(rid, p + 1)
+                extend(rid, p + 1)
             else:
                 entry.length = p + 1
-            rows.append(entry.row)
-            positions.append(p)
-            lens.append(p + 1)
-            locs.append(entry.pages[p // ps] * ps + p % ps)
-        host[:, :B] = host_tensor([token_ids or [0] * B, positions, rows, lens, locs,
-                                   src_rows or [0] * B])
+            add_row(entry.row)
+            add_position(p)
+            add_loc(entry.pages[p // ps] * ps + p % ps)
         table.flush()
-        self._max_len = max(lens)
-        if bucket not in self.graphs:
-            meta = host.to(self.device)
+        graph = self.graphs.get(bucket)
+        if graph is None:
+            host = np.empty((META_ROWS, n), dtype=np.int64)
+        else:
+            self._calls += 1
+            staging, copied = self._host_meta[self._calls % 2]
+            copied.synchronize()  # the copy queued from this buffer two calls ago has run
+            host = staging.numpy()
+        host[0, :B] = token_ids if token_ids is not None else 0
+        host[1, :B] = positions
+        host[2, :B] = rows
+        np.add(host[1, :B], 1, out=host[3, :B])
+        host[4, :B] = locs
+        host[5, :B] = src_rows if src_rows is not None else np.arange(B)
+        host[:, B:n] = 0
+        host[3, B:n] = 1  # padded rows: one junk token of the scratch page
+        self._max_len = int(host[3, :B].max())
+        if graph is None:
+            meta = torch.from_numpy(host).to(self.device)
             if prev_tokens is not None:
                 meta[0, :B] = prev_tokens[meta[5, :B]]
             return self._decode_forward(meta)[:B]
-        self._calls += 1
-        staging, copied = self._host_meta[self._calls % 2]
-        copied.synchronize()  # the copy queued from this buffer two calls ago has run
-        staging[:, :n].copy_(host)
-        self._meta[:, :n].copy_(staging[:, :n], non_blocking=True)
+        # The whole staging buffer in one contiguous (so asynchronous) copy: the graphs read
+        # their bucket's columns of `_meta`, nothing reads the others.
+        self._meta.copy_(staging, non_blocking=True)
         copied.record()
         if prev_tokens is not None:
             torch.index_select(prev_tokens, 0, self._meta[5, :B], out=self._meta[0, :B])
-        graph, out = self.graphs[bucket]
+        graph, out = graph
         graph.replay()
         return out[:B]
 
@@ -472,14 +479,49 @@ class PagedRunner:
         hidden = self.model.hidden(ids, attend)
         return self.model.logits(hidden[start - 1:-1])
 
+    @torch.no_grad()
+    def hidden_states(self, token_ids: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """transformers' `output_hidden_states` of one unpadded causal pass (the embeddings, each
+        decoder layer's output, the last one after the final norm: [T, hidden] each) and the
+        float32 logits [T, V]."""
+        dev = self.device
+        ids = torch.tensor(token_ids).to(dev)
+        pos = torch.arange(len(token_ids), device=dev)
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            self.model.rope_store(q, k, v, pos)
+            return _sdpa(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                         scale=self.scale).squeeze(0)
+
+        states: list[torch.Tensor] = []
+        hidden = self.model.hidden(ids, attend, collect=states)
+        return states, self.model.logits(hidden)
+
     # ----- info ----------------------------------------------------------------------------
 
     def model_info(self) -> dict[str, Any]:
-        from rltool.engine.model_runner import model_info
+        """SGLang's /get_model_info body (model_path, tokenizer_path, weight_version, ...)."""
+        return {
+            "model_path": str(self.model_path),
+            "tokenizer_path": str(self.tokenizer_path),
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": self.config_json.get("model_type"),
+            "architectures": list(self.config_json.get("architectures") or []),
+            "device": self.device.type,
+            "dtype": self.dtype,
+        }
 
-        info = model_info(self, model_type=self.config_json.get("model_type"),
-                          architectures=list(self.config_json.get("architectures") or []))
-        return {**info, "device": self.device.type, "dtype": self.dtype}
+
+def _copying(sf: Any) -> Any:
+    """A safetensors file's (name, tensor) pairs, with the fault-injection point of a weight
+    update before each copy."""
+    for name in sf.keys():
+        kill_point("engine.copy_param")
+        yield name, sf.get_tensor(name)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
@@ -495,3 +537,9 @@ def host_tensor(values: list, dtype: Any = np.int64) -> torch.Tensor:
     """A CPU tensor from (nested) Python lists through numpy: torch.tensor on lists costs ~5x
     more, and on the decode path it is paid for every request of every step."""
     return torch.from_numpy(np.asarray(values, dtype=dtype))
+
+
+def _interpreted() -> bool:
+    from rltool import batch_invariant
+
+    return batch_invariant.INTERPRETED

@@ -9,6 +9,12 @@ decode forward over every running request, and one batched sampling call on the 
 single transfer back. KV pages are reserved before a forward: a prompt waits while its pages
 (plus one per running request for the next token) are not free, and a decode step that would run
 out of pages first retracts the most recently admitted requests (recomputed later).
+
+Deterministic mode (no prefix cache) returns logprobs recomputed by one unpadded pass over
+prompt + response (the trainer's layout), and keeps tokens and logprobs independent of what else
+is running: with the runner's batch-invariant kernels (CUDA) in batched forwards, without them
+(CPU) by running every prefill chunk and decode step of a request in a forward of its own and
+sampling it alone with its own seeded generator.
 """
 
 from __future__ import annotations
@@ -23,9 +29,8 @@ import numpy as np
 import torch
 
 from rltool.engine.batch_sampling import sample_batch
-from rltool.engine.paged_runner import host_tensor
 from rltool.engine.request import Request
-from rltool.engine.scheduler import THROUGHPUT_WINDOW_S, Scheduler
+from rltool.engine.scheduler import Scheduler
 from rltool.logprobs import effective_temperature
 
 
@@ -34,29 +39,45 @@ SEED_MODULUS = 2**31 - 1  # the sampling kernel's Philox seeds are 31-bit here
 
 @dataclass
 class _Buffers:
-    """Pinned host memory one overlapped step reads its sampling parameters from and writes its
-    tokens to (two sets, used alternately)."""
+    """Pinned host memory one overlapped step reads its sampling parameters from (int32: B
+    temperatures as float32 bits, B seeds, B greedy flags, contiguous so one asynchronous copy
+    takes them) and writes its tokens to, and the event that marks its copies done (two sets,
+    used alternately)."""
 
     params: torch.Tensor
     tokens: torch.Tensor
     logprobs: torch.Tensor
+    event: Any
 
     @staticmethod
     def make(n: int) -> "_Buffers":
         def pinned(*shape: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.empty(*shape, dtype=dtype, device="cpu").pin_memory()
 
-        return _Buffers(pinned(3, n, dtype=torch.float64), pinned(n, dtype=torch.int64),
-                        pinned(n, dtype=torch.float32))
+        return _Buffers(pinned(3 * n, dtype=torch.int32), pinned(n, dtype=torch.int64),
+                        pinned(n, dtype=torch.float32), torch.cuda.Event())
 
 
 @dataclass
 class _Inflight:
     reqs: list[Request]
-    rows: dict[str, int]
     tokens: torch.Tensor  # on the device
     buf: _Buffers
-    event: Any
+    removals: int  # the scheduler's count of requests leaving `running`, at launch
+
+    def rows(self) -> dict[int, int]:
+        """Row of each request in this step's batch, by id(request)."""
+        return {id(r): i for i, r in enumerate(self.reqs)}
+
+
+@dataclass
+class _BatchConsts:
+    """Per-row sampling constants of a decode batch, kept while the batch stays the same."""
+
+    reqs: list[Request]
+    temps: np.ndarray  # float32
+    seeds: np.ndarray  # int64: base seed x 1_000_003 mod SEED_MODULUS
+    greedy: np.ndarray  # int32
 
 
 class PagedScheduler(Scheduler):
@@ -71,7 +92,12 @@ class PagedScheduler(Scheduler):
         self._seed_rng = random.Random()
         self._use_kernel = runner.device.type == "cuda"
         self._overlap = self._use_kernel and overlap
+        # Deterministic without the batch-invariant kernels (CPU): every forward holds one request.
+        self._alone = self.deterministic and not runner.invariant_kernels
         self._inflight: _Inflight | None = None
+        self._consts: _BatchConsts | None = None
+        self._removals = 0  # requests that left `running` (finished or retracted), ever
+        self._sampler_args: tuple | None = None
         self._launches = 0
         self._buffers = [_Buffers.make(self.max_running) for _ in range(2)] if self._overlap \
             else []
@@ -126,8 +152,13 @@ class PagedScheduler(Scheduler):
                                               "KV cache, more than the pool holds; raise "
                                               "--mem-fraction-static or shorten it"})
             return
-        logits = runner.prefill(chunks, want=want)
-        self.num_prefill_forwards += 1
+        if self._alone:
+            rows = [runner.prefill([c], want=[w]) for c, w in zip(chunks, want)]
+            self.num_prefill_forwards += len(rows)
+            logits = torch.cat([r for r in rows if r is not None]) if any(want) else None
+        else:
+            logits = runner.prefill(chunks, want=want)
+            self.num_prefill_forwards += 1
         for req in done:
             self.prefilling.remove(req)
             runner.cache_prefix(req.rid, req.prompt_ids)
@@ -142,8 +173,13 @@ class PagedScheduler(Scheduler):
         runner = self.runner
         prev = self._inflight
         reqs = list(self.running.values())
-        overlap = self._overlap and all(self._plain(r) for r in reqs)
-        if prev is not None and not (overlap and all(r.rid in prev.rows for r in reqs)):
+        # A batch that was all plain stays so (its requests only grow past min_new_tokens).
+        overlap = self._overlap and ((self._consts is not None and reqs == self._consts.reqs)
+                                     or all(self._plain(r) for r in reqs))
+        if prev is not None and overlap and reqs != prev.reqs:
+            rows = prev.rows()
+            overlap = all(id(r) in rows for r in reqs)  # a newcomer has no token on the device
+        if prev is not None and not overlap:
             self._drain()
             prev = None
         if not runner.has_free_pages(len(reqs)):  # at most one new page each; count exactly
@@ -156,9 +192,19 @@ class PagedScheduler(Scheduler):
                                            len(victim.prompt_ids) + len(victim.output_ids))
                 self._retract(victim)
         rids = [r.rid for r in reqs]
+        if self._alone:
+            self.num_decode_forwards += 1
+            self.max_decode_batch = max(self.max_decode_batch, len(reqs))
+            self.decode_log.append(rids)
+            for req in reqs:
+                self._sample_and_accept([req], runner.decode([req.rid], [req.output_ids[-1]]))
+            return
         if prev is not None:
-            logits = runner.decode(rids, None, prev_tokens=prev.tokens,
-                                   src_rows=[prev.rows[rid] for rid in rids])
+            src_rows = None  # the previous step's rows, in the same order
+            if reqs != prev.reqs:  # some finished or were retracted
+                rows = prev.rows()
+                src_rows = [rows[id(r)] for r in reqs]
+            logits = runner.decode(rids, None, prev_tokens=prev.tokens, src_rows=src_rows)
         else:
             logits = runner.decode(rids, [r.output_ids[-1] for r in reqs])
         self.num_decode_forwards += 1
@@ -201,34 +247,41 @@ class PagedScheduler(Scheduler):
         from rltool.engine.sampling_kernel import sample_rows
 
         B = len(reqs)
+        consts = self._consts
+        if consts is None or consts.reqs != reqs:
+            infos = [self._info(r) for r in reqs]
+            consts = self._consts = _BatchConsts(
+                reqs=reqs, temps=np.array([i[0] for i in infos], dtype=np.float32),
+                seeds=np.array([i[2] * 1_000_003 % SEED_MODULUS for i in infos], dtype=np.int64),
+                greedy=np.array([i[1] for i in infos], dtype=np.int32))
+        drawn = np.array([len(r.output_ids) for r in reqs], dtype=np.int64)
         self._launches += 1
         buf = self._buffers[self._launches % 2]
-        infos = [self._info(r) for r in reqs]
-        params = host_tensor([[i[0] for i in infos],
-                              [(i[2] * 1_000_003 + len(r.output_ids) + ahead) % SEED_MODULUS
-                               for i, r in zip(infos, reqs)],
-                              [i[1] for i in infos]], dtype=np.float64)
-        buf.params[:, :B].copy_(params)
-        dev = buf.params[:, :B].to(logits.device, non_blocking=True)
-        tokens, logprobs = sample_rows(logits, dev[0].float(), dev[1].int(), dev[2].int())
+        buf.event.synchronize()  # the copies of the step that last used this buffer are done
+        host = buf.params.numpy()
+        host[:B] = consts.temps.view(np.int32)
+        host[B:2 * B] = (consts.seeds + drawn + ahead) % SEED_MODULUS
+        host[2 * B:3 * B] = consts.greedy
+        dev = buf.params[:3 * B].to(logits.device, non_blocking=True)
+        tokens, logprobs = sample_rows(logits, dev[:B].view(torch.float32), dev[B:2 * B],
+                                       dev[2 * B:])
         buf.tokens[:B].copy_(tokens, non_blocking=True)
         buf.logprobs[:B].copy_(logprobs, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return _Inflight(reqs=reqs, rows={r.rid: i for i, r in enumerate(reqs)}, tokens=tokens,
-                         buf=buf, event=event)
+        buf.event.record()
+        return _Inflight(reqs=reqs, tokens=tokens, buf=buf, removals=self._removals)
 
     def _accept_inflight(self, step: "_Inflight") -> None:
-        step.event.synchronize()
+        step.buf.event.synchronize()
         B = len(step.reqs)
         tokens = step.buf.tokens[:B].tolist()
         logprobs = step.buf.logprobs[:B].tolist()
-        live = [(i, r) for i, r in enumerate(step.reqs) if not r.finished
-                and self.running.get(r.rid) is r]
-        self._count_tokens(len(live))
-        version = self.runner.weight_version
-        for i, req in live:
-            self._record(req, tokens[i], logprobs[i], None, None, version)
+        if step.removals == self._removals:  # every request of the step is still running
+            self._accept(step.reqs, tokens, logprobs)
+            return
+        running = self.running
+        live = [i for i, r in enumerate(step.reqs) if running.get(r.rid) is r]
+        self._accept([step.reqs[i] for i in live], [tokens[i] for i in live],
+                     [logprobs[i] for i in live])
 
     def _drain(self) -> None:
         step, self._inflight = self._inflight, None
@@ -254,34 +307,35 @@ class PagedScheduler(Scheduler):
             super()._final_logprobs(req)
 
     def _sample_and_accept(self, reqs: list[Request], logits: torch.Tensor) -> None:
-        eos = self.runner.eos_token_ids
-        suppressed = [sorted(eos | set(r.params.stop_token_ids))
-                      if len(r.output_ids) < r.params.min_new_tokens else [] for r in reqs]
+        args = self._sampler_args
+        if args is None or args[0] != reqs:  # per-request arguments, kept while the batch is
+            args = self._sampler_args = (  # the same
+                reqs, [r.params for r in reqs], [self._generator(r) for r in reqs],
+                [r.top_logprobs_num if r.return_logprob else 0 for r in reqs],
+                [r.token_ids_logprob if r.return_logprob else None for r in reqs],
+                max(r.params.min_new_tokens for r in reqs))
+        _, params, generators, top_n, token_ids, min_new = args
+        suppressed = [[]] * len(reqs)
+        if min_new and any(len(r.output_ids) < r.params.min_new_tokens for r in reqs):
+            eos = self.runner.eos_token_ids
+            suppressed = [sorted(eos | set(r.params.stop_token_ids))
+                          if len(r.output_ids) < r.params.min_new_tokens else [] for r in reqs]
         drawn = sample_batch(
-            logits, [r.params for r in reqs], generators=[self._generator(r) for r in reqs],
-            suppressed=suppressed,
-            top_n=[r.top_logprobs_num if r.return_logprob else 0 for r in reqs],
-            token_ids=[r.token_ids_logprob if r.return_logprob else None for r in reqs],
-            shared_generator=self._shared_generator,
+            logits, params, generators=generators, suppressed=suppressed, top_n=top_n,
+            token_ids=token_ids, shared_generator=self._shared_generator,
             seeds=[self._step_seed(r) for r in reqs] if self._use_kernel else None,
             use_kernel=self._use_kernel)
-        self._count_tokens(len(reqs))
+        extra = [i for i in range(len(reqs)) if drawn.top[i] is not None
+                 or drawn.ids_logprobs[i] is not None]
+        if not extra:
+            self._accept(reqs, drawn.tokens, drawn.logprobs)
+            return
         version = self.runner.weight_version
         for i, req in enumerate(reqs):
-            self._record(req, drawn.tokens[i], drawn.logprobs[i], drawn.top[i],
-                         drawn.ids_logprobs[i], version)
-
-    def _count_tokens(self, n: int) -> None:
-        now = time.monotonic()
-        self.total_output_tokens += n
-        self._token_times.append((now, n))
-        while self._token_times and now - self._token_times[0][0] > THROUGHPUT_WINDOW_S:
-            self._token_times.popleft()
-
-    def _record(self, req: Request, token: int, logprob: float, top: Any, ids_lp: Any,
-                version: str) -> None:
-        req.record_token(token, logprob, version=version, top=top, ids_lp=ids_lp)
-        self._after_token(req, token)
+            req.record_token(drawn.tokens[i], drawn.logprobs[i], version=version,
+                             top=drawn.top[i], ids_lp=drawn.ids_logprobs[i])
+            self._after_token(req, drawn.tokens[i])
+        self._count_tokens(len(reqs), time.monotonic())
 
     def _step_seed(self, req: Request, *, ahead: int = 0) -> int:
         """The kernel's seed for the request's next draw (`ahead` draws not yet recorded)."""
@@ -314,6 +368,7 @@ class PagedScheduler(Scheduler):
         self.runner.flush_prefix_cache()
 
     def _retract(self, req: Request) -> None:
+        self._removals += 1
         self.runner.remove(req.rid)
         self.running.pop(req.rid, None)
         req.reset_cache()
@@ -322,11 +377,13 @@ class PagedScheduler(Scheduler):
 
     def _finish(self, req: Request, reason: dict[str, Any]) -> None:
         if not req.finished:
+            self._removals += 1
             self.runner.remove(req.rid)
             self._generators.pop(req.rid, None)
             self._infos.pop(req.rid, None)
         super()._finish(req, reason)
 
     def _retract_all(self) -> None:
+        self._removals += 1
         self.runner.clear()
         super()._retract_all()

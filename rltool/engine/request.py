@@ -3,7 +3,8 @@
 Token accounting: `output_ids` holds every sampled token (EOS and stop tokens included, as SGLang
 counts them in completion_tokens). The KV cache of a request in flight holds prompt + output[:-1];
 the last sampled token is fed at the next decode step. `spans` records which weight version
-sampled which output tokens: [{version, start, end}] with `end` exclusive.
+sampled which output tokens: [(version, start)], each span ending where the next one starts (the
+last one at the end of the output); `weight_spans` gives SGLang's [{version, start, end}].
 """
 
 from __future__ import annotations
@@ -40,14 +41,16 @@ class Request:
     output_token_ids_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
-    spans: list[dict[str, Any]] = field(default_factory=list)
+    spans: list[tuple[str, int]] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     text: str = ""
     matched_stop_at: int | None = None  # char offset of a matched stop string in the full text
 
-    cache: Any = None  # own batch-of-one KV cache while prefilling (or decoding, deterministic)
-    num_cached: int = 0
+    num_cached: int = 0  # tokens whose KV is in the cache
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # Set by the scheduler at admission: (ids that stop it, length that stops it, min new tokens,
+    # whether stop strings or patterns are checked), so the per-token check is a few comparisons.
+    stop_rule: tuple[frozenset[int], int, int, bool] | None = None
 
     t_arrival: float = field(default_factory=time.monotonic)
     t_first_token: float | None = None
@@ -66,25 +69,28 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     def record_token(self, token: int, logprob: float, *, version: str,
-                     top: list[tuple[float, int]] | None, ids_lp: list[tuple[float, int]] | None
-                     ) -> None:
-        index = len(self.output_ids)
-        if self.t_first_token is None:
+                     top: list[tuple[float, int]] | None = None,
+                     ids_lp: list[tuple[float, int]] | None = None) -> None:
+        out = self.output_ids
+        if not out:
             self.t_first_token = time.monotonic()
-        self.output_ids.append(token)
+        out.append(token)
         self.output_logprobs.append(logprob)
         if top is not None:
             self.output_top_logprobs.append(top)
         if ids_lp is not None:
             self.output_token_ids_logprobs.append(ids_lp)
-        if self.spans and self.spans[-1]["version"] == version:
-            self.spans[-1]["end"] = index + 1
-        else:
-            self.spans.append({"version": version, "start": index, "end": index + 1})
+        spans = self.spans
+        if not spans or spans[-1][0] != version:
+            spans.append((version, len(out) - 1))
+
+    def weight_spans(self) -> list[dict[str, Any]]:
+        """[{version, start, end}] over output token indices, `end` exclusive."""
+        ends = [start for _, start in self.spans[1:]] + [len(self.output_ids)]
+        return [{"version": v, "start": s, "end": e} for (v, s), e in zip(self.spans, ends)]
 
     def reset_cache(self) -> None:
         """Drop the KV cache (retract / memory release); it is recomputed from all_ids()."""
-        self.cache = None
         self.num_cached = 0
 
 
@@ -103,8 +109,8 @@ def build_response(req: Request, *, tokenizer: Any, weight_version: str) -> dict
         "completion_tokens": n_out,
         "cached_tokens": req.cached_tokens,
         "reasoning_tokens": 0,
-        "weight_version": req.spans[-1]["version"] if req.spans else weight_version,
-        "weight_versions": [dict(s) for s in req.spans],
+        "weight_version": req.spans[-1][0] if req.spans else weight_version,
+        "weight_versions": req.weight_spans(),
     }
     if req.finished and req.t_finish is not None:
         meta["e2e_latency"] = req.t_finish - req.t_arrival

@@ -1,15 +1,10 @@
-"""Continuous-batching scheduler: one thread owns the model and runs steps.
+"""The device-independent half of the engine's scheduler: one thread owns the model and runs
+steps; requests, admission, control operations and request accounting live here, and the paged
+scheduler (rltool.engine.paged_scheduler) says how a step touches the KV cache and samples.
 
-A step: (1) admit waiting requests while fewer than `max_running` are in flight; (2) prefill at
-most `max_prefill_tokens` prompt tokens (chunks of `chunked_prefill_size` start at fixed multiples
-of it inside each prompt, so a chunk's shape never depends on other requests); a request whose prompt is fully cached
-samples its first token and joins the decode batch; (3) one batched decode forward for every
-running request, sample per request, retire the finished ones. Requests join and leave only at
-step boundaries, so a long prompt costs the running batch at most one chunk of latency per step.
-
-Deterministic mode decodes each request with its own batch-of-one cache and per-request seeded
-generator, and returns logprobs recomputed by one unpadded pass over prompt + response (the
-trainer's layout), so tokens and logprobs do not depend on what else is running.
+A step: (1) admit waiting requests while fewer than `max_running` are in flight; (2) prefill prompt
+chunks; (3) one decode step for every running request, then retire the finished ones. Requests
+join and leave only at step boundaries.
 
 Control operations (pause, weights, memory, abort) are closures queued to the same thread and run
 between steps, so the model is never touched by two threads. `update_weights` without a pause
@@ -19,6 +14,7 @@ meanwhile (SGLang's writer lock).
 
 from __future__ import annotations
 
+import abc
 import bisect
 import collections
 import concurrent.futures
@@ -32,27 +28,21 @@ from typing import Any
 import torch
 
 from rltool.errors import BadInputError, EngineError
-from rltool.engine.model_runner import DecodeBatch, ModelRunner
 from rltool.engine.request import Request
-from rltool.engine.sampling import sample
 
 log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("weights", "kv_cache")
 THROUGHPUT_WINDOW_S = 10.0
-# Decode steps a finished request's row stays in the batch as a free slot for a newcomer before it
-# is dropped: reusing it skips two whole-cache copies (leave, then join), dropping it stops paying
-# for a junk row. Over HTTP a closed-loop client's next request arrives within a step or two.
-FREE_ROW_STEPS = 2
 
 
 class QueueFullError(EngineError):
     """More than --max-queued-requests are waiting (HTTP 429)."""
 
 
-class Scheduler:
-    def __init__(self, runner: ModelRunner, *, max_running: int = 64, max_queued: int = 4096,
+class Scheduler(abc.ABC):
+    def __init__(self, runner: Any, *, max_running: int = 64, max_queued: int = 4096,
                  max_prefill_tokens: int = 512, chunked_prefill_size: int | None = None,
                  deterministic: bool = False, decode_log_size: int = 256):
         self.runner = runner
@@ -71,7 +61,6 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by seq
         self.prefilling: list[Request] = []
         self.running: dict[str, Request] = {}
-        self.batch = DecodeBatch()
         self.paused: str | None = None
         # (cutoff seq, apply, the caller's future): set by update_weights, run by the loop.
         self._pending_update: (tuple[int, Callable[[], None], concurrent.futures.Future]
@@ -206,9 +195,6 @@ class Scheduler:
         self._enqueue_op(op)
         return future
 
-    def flush_cache(self) -> None:
-        """Empty the prefix cache (this engine keeps none; the paged one does)."""
-
     def retract_for_release(self) -> None:
         self._retract_all()
 
@@ -307,123 +293,52 @@ class Scheduler:
             if req.params.max_new_tokens == 0:
                 self._finish(req, {"type": "length", "length": 0})
             else:
+                p = req.params
+                stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos
+                                                    else self.runner.eos_token_ids)
+                req.stop_rule = (frozenset(stop_ids),
+                                 min(p.max_new_tokens,
+                                     self.runner.context_length - len(req.prompt_ids)),
+                                 p.min_new_tokens, bool(p.stop or p.stop_regex))
                 self.prefilling.append(req)
         self._prefill_step()
         if self.running:
             self._decode_step()
 
+    @abc.abstractmethod
     def _prefill_step(self) -> None:
-        budget = self.max_prefill_tokens
-        if not self.deterministic:
-            budget = self._prefill_together(budget)
-        chunk_size = self.chunked_prefill_size
-        for req in list(self.prefilling):
-            if budget <= 0:
-                return
-            ids = req.all_ids()
-            while req.num_cached < req.prefill_target:
-                end = min(req.prefill_target, (req.num_cached // chunk_size + 1) * chunk_size)
-                if end - req.num_cached > budget and budget < self.max_prefill_tokens:
-                    return
-                logits, req.cache = self.runner.prefill(ids[req.num_cached:end], req.cache)
-                self.num_prefill_forwards += 1
-                budget -= end - req.num_cached
-                req.num_cached = end
-            self.prefilling.remove(req)
-            if not req.output_ids:
-                token, lp = self._sample([req], logits.unsqueeze(0))
-                self._accept(req, token[0], lp[0])
-                if req.finished:
-                    continue
-            self.running[req.rid] = req
-            if not self.deterministic:
-                ModelRunner.join(self.batch, ModelRunner.single(req.rid, req.cache))
-                req.cache = None
+        """Prefill prompt chunks of `prefilling` requests; a request whose prompt is done samples
+        its first token and joins `running`."""
 
-    def _prefill_together(self, budget: int) -> int:
-        """Prefill fresh requests that fit in one chunk with one left-padded forward (padded
-        tokens count against the budget); they join the decode batch as a block. Returns the
-        budget left. Not in deterministic mode: padding changes reduction shapes."""
-        group: list[Request] = []
-        width = 0
-        for req in self.prefilling:
-            n = req.prefill_target
-            if req.num_cached or n > self.chunked_prefill_size:
-                continue
-            if group and (len(group) + 1) * max(width, n) > budget:
-                break
-            group.append(req)
-            width = max(width, n)
-        if len(group) < 2:
-            return budget
-        logits, block = self.runner.prefill_batch([r.rid for r in group],
-                                                  [r.all_ids()[:r.prefill_target] for r in group])
-        self.num_prefill_forwards += 1
-        for req in group:
-            self.prefilling.remove(req)
-            req.num_cached = req.prefill_target
-        fresh = [i for i, r in enumerate(group) if not r.output_ids]
-        if fresh:
-            tokens, lps = self._sample([group[i] for i in fresh], logits[fresh])
-            for i, token, lp in zip(fresh, tokens, lps):
-                self._accept(group[i], token, lp)
-        alive = [r for r in group if not r.finished]
-        ModelRunner.keep(block, [r.rid for r in alive])
-        for req in alive:
-            self.running[req.rid] = req
-        if alive:
-            ModelRunner.join(self.batch, block)
-        return budget - len(group) * width
-
+    @abc.abstractmethod
     def _decode_step(self) -> None:
-        reqs = list(self.running.values())
-        if self.deterministic:
-            logits = torch.stack([self.runner.decode_one(r.output_ids[-1], r.cache) for r in reqs])
-        else:
-            # A request aborted between steps is gone from `running` but still in the batch.
-            ModelRunner.free(self.batch, self.running)
-            ModelRunner.drop_idle(self.batch, max_idle_steps=FREE_ROW_STEPS)
-            rows = [i for i, rid in enumerate(self.batch.rids) if rid is not None]
-            reqs = [self.running[self.batch.rids[i]] for i in rows]
-            logits = self.runner.decode(self.batch, [
-                self.running[rid].output_ids[-1] if rid is not None else 0
-                for rid in self.batch.rids])
-            if len(rows) != len(self.batch):
-                logits = logits[rows]
-        self.num_decode_forwards += 1
-        self.max_decode_batch = max(self.max_decode_batch, len(reqs))
-        self.decode_log.append([r.rid for r in reqs])
-        tokens, lps = self._sample(reqs, logits)
-        for req, token, lp in zip(reqs, tokens, lps):
-            self._accept(req, token, lp)
-        if not self.deterministic:
-            ModelRunner.free(self.batch, self.running)
+        """One decode step for every running request: sample, record, retire the finished."""
 
-    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-        suppressed = []
-        for r in reqs:
-            early = len(r.output_ids) < r.params.min_new_tokens
-            suppressed.append(sorted(self.runner.eos_token_ids | set(r.params.stop_token_ids))
-                              if early else [])
-        tokens, logprobs = sample(logits, [r.params for r in reqs],
-                                  generators=[r.generator for r in reqs], suppressed=suppressed)
-        return tokens.tolist(), logprobs
+    def _accept(self, reqs: list[Request], tokens: list[int], logprobs: list[float]) -> None:
+        """Record one sampled token per request (no top logprobs) and finish the requests it
+        stops: the per-token host work of a decode step, kept to a few operations per request."""
+        version = self.runner.weight_version
+        now = time.monotonic()
+        for req, token, logprob in zip(reqs, tokens, logprobs):
+            out = req.output_ids
+            if not out:
+                req.t_first_token = now
+            out.append(token)
+            req.output_logprobs.append(logprob)
+            spans = req.spans
+            if not spans or spans[-1][0] != version:
+                spans.append((version, len(out) - 1))
+            stop_ids, limit, min_new, texty = req.stop_rule
+            if len(out) >= limit or (len(out) >= min_new and (texty or token in stop_ids)) \
+                    or req.on_token is not None:
+                self._after_token(req, token)
+        self._count_tokens(len(reqs), now)
 
-    def _accept(self, req: Request, token: int, logprobs: torch.Tensor) -> None:
-        """Record a sampled token (logprobs: its row [V]) and finish the request if it stops."""
-        top = ids_lp = None
-        if req.return_logprob and req.top_logprobs_num > 0:
-            values, idx = logprobs.topk(req.top_logprobs_num)
-            top = list(zip(values.tolist(), idx.tolist()))
-        if req.return_logprob and req.token_ids_logprob:
-            ids_lp = [(float(logprobs[t]), t) for t in req.token_ids_logprob]
-        req.record_token(token, float(logprobs[token]), version=self.runner.weight_version,
-                         top=top, ids_lp=ids_lp)
-        self.total_output_tokens += 1
-        self._token_times.append((time.monotonic(), 1))
-        while self._token_times and time.monotonic() - self._token_times[0][0] > THROUGHPUT_WINDOW_S:
+    def _count_tokens(self, n: int, now: float) -> None:
+        self.total_output_tokens += n
+        self._token_times.append((now, n))
+        while self._token_times and now - self._token_times[0][0] > THROUGHPUT_WINDOW_S:
             self._token_times.popleft()
-        self._after_token(req, token)
 
     def _after_token(self, req: Request, token: int) -> None:
         """Finish the request if `token` stops it, else hand the new token to a streaming caller."""
@@ -545,7 +460,6 @@ class Scheduler:
             bisect.insort(self.waiting, req, key=lambda r: r.seq)
         self.running.clear()
         self.prefilling.clear()
-        self.batch = DecodeBatch()
 
 
 def _temp(temperature: float) -> float:

@@ -21,7 +21,6 @@ from rltool.engine import api
 from rltool.errors import EngineError
 from rltool.engine.app import EngineState, build_app
 from rltool.engine.config import ServeConfig
-from rltool.engine.model_runner import ModelRunner
 from rltool.engine.scheduler import Scheduler
 from rltool.supervisor import announce_ready, withdraw_ready
 
@@ -66,26 +65,23 @@ def _server_class() -> type:
 
 
 def build_engine(cfg: ServeConfig) -> tuple[Any, Scheduler]:
-    """The runner and scheduler for the configured device: the paged engine on cuda, the
-    transformers runner on cpu."""
-    common = dict(max_running=cfg.max_running_requests, max_queued=cfg.max_queued_requests,
-                  max_prefill_tokens=cfg.max_prefill_tokens,
-                  chunked_prefill_size=cfg.chunked_prefill_size, deterministic=cfg.deterministic)
-    if cfg.engine_device == "cuda":
-        from rltool.engine.paged_runner import PagedRunner
-        from rltool.engine.paged_scheduler import PagedScheduler
+    """The paged runner and scheduler on the configured device (one code path for CPU and CUDA)."""
+    from rltool.engine.paged_runner import PagedRunner
+    from rltool.engine.paged_scheduler import PagedScheduler
 
-        runner = PagedRunner(cfg.model, device="cuda", dtype=cfg.dtype,
-                             weight_version=cfg.weight_version,
-                             max_running=cfg.max_running_requests, page_size=cfg.page_size,
-                             mem_fraction_static=cfg.mem_fraction_static,
-                             cuda_graph_max_bs=cfg.cuda_graph_max_bs,
-                             disable_cuda_graph=cfg.disable_cuda_graph,
-                             prefix_cache=not cfg.disable_radix_cache,
-                             deterministic=cfg.deterministic)
-        return runner, PagedScheduler(runner, **common)
-    runner = ModelRunner(cfg.model, dtype=cfg.dtype, weight_version=cfg.weight_version)
-    return runner, Scheduler(runner, **common)
+    runner = PagedRunner(cfg.model, device=cfg.engine_device, dtype=cfg.dtype,
+                         weight_version=cfg.weight_version,
+                         max_running=cfg.max_running_requests, page_size=cfg.page_size,
+                         mem_fraction_static=cfg.mem_fraction_static,
+                         cuda_graph_max_bs=cfg.cuda_graph_max_bs,
+                         disable_cuda_graph=cfg.disable_cuda_graph,
+                         prefix_cache=not cfg.disable_radix_cache,
+                         deterministic=cfg.deterministic)
+    return runner, PagedScheduler(runner, max_running=cfg.max_running_requests,
+                                  max_queued=cfg.max_queued_requests,
+                                  max_prefill_tokens=cfg.max_prefill_tokens,
+                                  chunked_prefill_size=cfg.chunked_prefill_size,
+                                  deterministic=cfg.deterministic)
 
 
 def serve(cfg: ServeConfig) -> None:

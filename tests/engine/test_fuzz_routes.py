@@ -20,9 +20,9 @@ from pydantic import BaseModel
 from rltool.engine import api
 from rltool.engine.app import EngineState, build_app
 from rltool.engine.config import ServeConfig
-from rltool.engine.model_runner import ModelRunner
+from rltool.engine.paged_runner import PagedRunner
 from rltool.engine.sampling import SamplingParams
-from rltool.engine.scheduler import Scheduler
+from rltool.engine.paged_scheduler import PagedScheduler
 
 EXAMPLES_PER_ROUTE = 20
 FIELD_NAMES = sorted({name for m in vars(api).values()
@@ -42,8 +42,8 @@ CASES: dict[str, int] = {}
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir, tmp_path_factory):
     local = tmp_path_factory.mktemp("fuzz-local")
-    runner = ModelRunner(tiny_model_dir)
-    sched = Scheduler(runner, max_running=4)
+    runner = PagedRunner(tiny_model_dir, device="cpu", dtype="fp32")
+    sched = PagedScheduler(runner, max_running=4)
     cfg = ServeConfig(model=tiny_model_dir, enable_debug_endpoints=True,
                       local_checkpoint_dir=local, max_request_bytes=4096)
     sched.start()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -36,10 +37,13 @@ def test_block_fp8_checkpoint_is_refused_in_one_line(tiny_model_dir, tmp_path):
                               "convert dequant")
 
 
-@pytest.mark.parametrize("damage", ["truncated_shard", "unknown_architecture", "config_not_json"])
+@pytest.mark.parametrize("damage", ["truncated_shard", "unknown_architecture", "config_not_json",
+                                    "unsupported_architecture"])
 def test_unloadable_checkpoint_is_one_line_bad_input(tiny_model_dir, tmp_path, damage):
-    """Any other checkpoint transformers cannot load (corrupt shard, unknown model type, broken
-    config.json) is exit 2 with the library's reason in one line, not a traceback."""
+    """Any other checkpoint the engine cannot load (corrupt shard, unknown model type, broken
+    config.json) is exit 2 with the reason in one line, not a traceback. An architecture that
+    transformers knows but the engine's own model definition does not (gpt2) is refused the same
+    way, on CPU as on CUDA, naming the supported families and the other engine."""
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
     if damage == "truncated_shard":
@@ -49,7 +53,14 @@ def test_unloadable_checkpoint_is_one_line_bad_input(tiny_model_dir, tmp_path, d
     elif damage == "unknown_architecture":
         (model / "config.json").write_text('{"model_type": "no-such-arch"}')
         needle = "no-such-arch"
-    else:
+    elif damage == "config_not_json":
         (model / "config.json").write_text("{not json")
         needle = "not valid JSON"
+    else:
+        config = json.loads((model / "config.json").read_text())
+        config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+        (model / "config.json").write_text(json.dumps(config))
+        assert_one_line_bad_input(serve(model), "GPT2LMHeadModel", "Qwen2ForCausalLM",
+                                  "Qwen3ForCausalLM", "LlamaForCausalLM", "--engine sglang")
+        return
     assert_one_line_bad_input(serve(model), str(model), needle)

@@ -116,3 +116,40 @@ def test_batched_sampling_matches_the_reference_sampler():
     values, idx = ref_lp[0].topk(3)
     assert got.top[0] == list(zip(values.tolist(), idx.tolist())) and got.top[1] is None
     assert got.ids_logprobs[1] == [(float(ref_lp[1, 1]), 1), (float(ref_lp[1, 2]), 2)]
+
+
+def test_stop_ids_wait_for_min_new_tokens_and_spans_follow_the_version(tiny_model_dir):
+    """The per-token stop check (a rule computed at admission): a stop id is masked while fewer
+    than min_new_tokens are out and ends the request once it may; the length limit ends the
+    others; a weight version change mid-request opens a new span."""
+    runner = PagedRunner(tiny_model_dir, device="cpu", dtype="fp32", max_running=4, page_size=4,
+                         max_total_tokens=256)
+    sched = PagedScheduler(runner, max_running=4)
+    prompt = PROMPTS[0]
+    free, _ = hf_greedy(tiny_model_dir, prompt, 8)
+    stop = free[1]  # the greedy run emits it at step 1; min_new_tokens 4 must hold it back
+    finished = threading.Semaphore(0)
+    stopped = Request(rid="stop", prompt_ids=prompt, on_finish=lambda r: finished.release(),
+                      params=SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True,
+                                            min_new_tokens=4, stop_token_ids=[stop]))
+    capped = Request(rid="cap", prompt_ids=PROMPTS[1], on_finish=lambda r: finished.release(),
+                     params=SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
+    sched.start()
+    try:
+        sched.submit([stopped, capped])
+        assert finished.acquire(timeout=60) and finished.acquire(timeout=60)
+    finally:
+        sched.stop()
+    assert stop not in stopped.output_ids[:4] and len(stopped.output_ids) >= 5
+    if stopped.finish_reason["type"] == "stop":
+        assert stopped.output_ids[-1] == stop and stop not in stopped.output_ids[4:-1]
+        assert stopped.finish_reason == {"type": "stop", "matched": stop}
+    else:
+        assert len(stopped.output_ids) == 40 and stop not in stopped.output_ids[4:]
+    assert capped.finish_reason == {"type": "length", "length": 6}
+    assert capped.weight_spans() == [{"version": "default", "start": 0, "end": 6}]
+    req = Request(rid="v", prompt_ids=[1], params=SamplingParams())
+    for token, version in [(5, "1"), (6, "1"), (7, "2"), (8, "2"), (9, "2")]:
+        req.record_token(token, -0.5, version=version)
+    assert req.weight_spans() == [{"version": "1", "start": 0, "end": 2},
+                                  {"version": "2", "start": 2, "end": 5}]

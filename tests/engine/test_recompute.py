@@ -10,8 +10,8 @@ from fastapi.testclient import TestClient
 
 from rltool.engine.app import EngineState, build_app
 from rltool.engine.config import ServeConfig
-from rltool.engine.model_runner import ModelRunner
-from rltool.engine.scheduler import Scheduler
+from rltool.engine.paged_runner import PagedRunner
+from rltool.engine.paged_scheduler import PagedScheduler
 
 
 class RecomputeBroke(RuntimeError):
@@ -21,13 +21,13 @@ class RecomputeBroke(RuntimeError):
 @pytest.fixture(scope="module")
 def broken_recompute(tiny_model_dir):
     """A deterministic engine whose full-sequence logprob pass raises (sampling still works)."""
-    runner = ModelRunner(tiny_model_dir)
+    runner = PagedRunner(tiny_model_dir, device="cpu", dtype="fp32")
 
     def full_pass_logits(*_args, **_kwargs):
         raise RecomputeBroke("injected failure of the full pass")
 
     runner.full_pass_logits = full_pass_logits
-    sched = Scheduler(runner, max_running=4, deterministic=True)
+    sched = PagedScheduler(runner, max_running=4, deterministic=True)
     sched.start()
     app = build_app(EngineState(cfg=ServeConfig(model=tiny_model_dir, deterministic=True),
                                 runner=runner, scheduler=sched, started=time.monotonic()))

@@ -16,8 +16,8 @@ from fastapi.testclient import TestClient
 from rltool.engine import api
 from rltool.engine.app import EngineState, build_app
 from rltool.engine.config import ServeConfig
-from rltool.engine.model_runner import ModelRunner
-from rltool.engine.scheduler import Scheduler
+from rltool.engine.paged_runner import PagedRunner
+from rltool.engine.paged_scheduler import PagedScheduler
 from rltool.engine.security import require_admin
 
 # The only routes without the admin guard, each for its reason. Anything else the app serves
@@ -30,8 +30,8 @@ READ_ONLY = {"/health", "/ready", "/health_generate", "/v1/loads", "/get_model_i
 
 @pytest.fixture(scope="module")
 def app(tiny_model_dir):
-    runner = ModelRunner(tiny_model_dir)
-    sched = Scheduler(runner, max_running=2)
+    runner = PagedRunner(tiny_model_dir, device="cpu", dtype="fp32")
+    sched = PagedScheduler(runner, max_running=2)
     cfg = ServeConfig(model=tiny_model_dir, api_key="user-key", admin_api_key="admin-key",
                       enable_debug_endpoints=True, local_checkpoint_dir=tiny_model_dir.parent)
     sched.start()

@@ -12,14 +12,14 @@ from fastapi.testclient import TestClient
 
 from rltool.engine.app import EngineState, build_app
 from rltool.engine.config import ServeConfig
-from rltool.engine.model_runner import ModelRunner
-from rltool.engine.scheduler import Scheduler
+from rltool.engine.paged_runner import PagedRunner
+from rltool.engine.paged_scheduler import PagedScheduler
 
 
 @pytest.fixture(scope="module")
 def engine_parts(tiny_model_dir):
-    runner = ModelRunner(tiny_model_dir)
-    sched = Scheduler(runner, max_running=4)
+    runner = PagedRunner(tiny_model_dir, device="cpu", dtype="fp32")
+    sched = PagedScheduler(runner, max_running=4)
     sched.start()
     yield runner, sched
     sched.stop()

@@ -10,10 +10,10 @@ import torch
 from click.testing import CliRunner
 
 from rltool.engine.config import ServeConfig
-from rltool.engine.model_runner import ModelRunner
+from rltool.engine.paged_runner import PagedRunner
 from rltool.engine.request import Request
 from rltool.engine.sampling import SamplingParams
-from rltool.engine.scheduler import Scheduler
+from rltool.engine.paged_scheduler import PagedScheduler
 
 def test_cpu_defaults_and_separate_chunk(tiny_model_dir):
     cfg = ServeConfig(model=tiny_model_dir, device="cpu")
@@ -36,9 +36,9 @@ def test_device_cuda_without_a_gpu_is_refused_in_one_line(tiny_model_dir, monkey
 
 
 def test_cpu_scheduler_splits_prompts_into_chunks_within_the_budget(tiny_model_dir):
-    """A 10-token prompt with chunk 4 and budget 12: three chunk forwards in one step."""
-    sched = Scheduler(ModelRunner(tiny_model_dir), max_running=2, max_prefill_tokens=12,
-                      chunked_prefill_size=4)
+    """A 10-token prompt with chunk 4 and budget 12: three chunks, each at a multiple of 4."""
+    sched = PagedScheduler(PagedRunner(tiny_model_dir, device="cpu", dtype="fp32"),
+                           max_running=2, max_prefill_tokens=12, chunked_prefill_size=4)
     done = threading.Event()
     req = Request(rid="c", prompt_ids=list(range(3, 13)), on_finish=lambda r: done.set(),
                   params=SamplingParams(max_new_tokens=1, temperature=0.0))

@@ -18,8 +18,8 @@ from rltool.delta import tensor_sync
 from rltool.engine import api
 from rltool.engine.app import EngineState, build_app
 from rltool.engine.config import ServeConfig
-from rltool.engine.model_runner import ModelRunner
-from rltool.engine.scheduler import Scheduler
+from rltool.engine.paged_runner import PagedRunner
+from rltool.engine.paged_scheduler import PagedScheduler
 from rltool.errors import BadInputError
 
 pytestmark = pytest.mark.timeout(120)
@@ -27,8 +27,8 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture
 def engine(tiny_model_dir):
-    runner = ModelRunner(tiny_model_dir)
-    sched = Scheduler(runner, max_running=2)
+    runner = PagedRunner(tiny_model_dir, device="cpu", dtype="fp32")
+    sched = PagedScheduler(runner, max_running=2)
     cfg = ServeConfig(model=tiny_model_dir)
     sched.start()
     app = build_app(EngineState(cfg=cfg, runner=runner, scheduler=sched, started=time.monotonic()))
@@ -37,15 +37,17 @@ def engine(tiny_model_dir):
     sched.stop()
 
 
-def new_state(runner: ModelRunner, *, seed: int) -> list[tuple[str, torch.Tensor]]:
-    """Other weights for every parameter of the served model (the sender's state)."""
+def new_state(runner: PagedRunner, *, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """Other weights for every parameter of the served model (the sender's state), by HF name."""
     gen = torch.Generator().manual_seed(seed)
-    return [(name, torch.randn(p.shape, generator=gen, dtype=p.dtype))
-            for name, p in runner.model.named_parameters()]
+    return [(name, torch.randn(t.shape, generator=gen, dtype=t.dtype))
+            for name, t in served(runner).items()]
 
 
-def served(runner: ModelRunner) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in runner.model.named_parameters()}
+def served(runner: PagedRunner) -> dict[str, torch.Tensor]:
+    """The served weights by HF name: copies of their slices of the fused layout."""
+    return {name: dest[at:at + rows].clone()
+            for name, (dest, at, rows) in runner.model._targets().items()}
 
 
 def post_tensor(client, message: dict, **extra) -> object:
@@ -185,8 +187,6 @@ def test_paged_runner_takes_named_tensors_like_a_checkpoint(tiny_model_dir, tiny
     """The paged engine's fused layout: HF-named tensors (as a trainer sends them) land where a
     load of the same checkpoint from disk puts them; a wrong shape or dtype changes nothing."""
     from safetensors.torch import load_file
-
-    from rltool.engine.paged_runner import PagedRunner
 
     other = tiny_model_factory("qwen2", 1)
     kwargs = dict(device="cpu", dtype="fp32", max_running=2, page_size=4, max_total_tokens=64)

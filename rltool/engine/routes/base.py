@@ -24,7 +24,7 @@ from rltool import trace
 from rltool.engine.api import GenerateInput, UpdateWeightsResult
 from rltool.engine.config import ServeConfig
 from rltool.engine.expand import expand_generate
-from rltool.engine.model_runner import ModelRunner
+from rltool.engine.paged_runner import PagedRunner
 from rltool.engine.request import Request, build_response
 from rltool.engine.scheduler import Scheduler
 from rltool.engine.security import PayloadTooLargeError
@@ -36,7 +36,7 @@ M = TypeVar("M", bound=BaseModel)
 @dataclass
 class EngineState:
     cfg: ServeConfig
-    runner: ModelRunner
+    runner: PagedRunner
     scheduler: Scheduler
     started: float  # time.monotonic() at start
     started_wall_s: float = field(default_factory=time.time)

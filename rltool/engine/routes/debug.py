@@ -20,13 +20,13 @@ from typing import Any
 from fastapi import APIRouter, Request as HttpRequest
 
 from rltool.engine import api
-from rltool.engine.model_runner import ModelRunner
+from rltool.engine.paged_runner import PagedRunner
 from rltool.engine.routes.base import EngineState, parse_body
 from rltool.engine.security import ADMIN
 from rltool.errors import BadInputError
 
 
-def hidden_states(runner: ModelRunner, input_ids: list[int]) -> dict[str, Any]:
+def hidden_states(runner: PagedRunner, input_ids: list[int]) -> dict[str, Any]:
     """Per-layer hidden states and token logprobs of one unpadded pass (scheduler thread)."""
     import torch
 
@@ -40,13 +40,12 @@ def hidden_states(runner: ModelRunner, input_ids: list[int]) -> dict[str, Any]:
     if len(input_ids) > runner.context_length:
         raise BadInputError(f"input_ids: {len(input_ids)} tokens exceed the context length "
                             f"{runner.context_length}")
-    ids = torch.tensor([input_ids], dtype=torch.long)
-    with torch.no_grad():
-        out = runner.model(input_ids=ids, use_cache=False, output_hidden_states=True)
-    logprobs = logits_to_logprobs(out.logits[0, :-1], ids[0, 1:], temperature=1.0)
+    states, logits = runner.hidden_states(input_ids)
+    ids = torch.tensor(input_ids, dtype=torch.long)
+    logprobs = logits_to_logprobs(logits[:-1].cpu(), ids[1:], temperature=1.0)
     return {"weight_version": runner.weight_version, "dtype": runner.dtype,
             "num_tokens": len(input_ids),
-            "hidden_states": [h[0].double().tolist() for h in out.hidden_states],
+            "hidden_states": [h.double().tolist() for h in states],
             "token_logprobs": logprobs.double().tolist()}
 
 
