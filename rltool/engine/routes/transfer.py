@@ -60,7 +60,7 @@ def router(state: EngineState) -> APIRouter:
         if (message.transport == "cuda_ipc") != (body.load_format == api.CUDA_IPC_FORMAT):
             return refused(f"load_format {body.load_format!r} does not match the message's "
                            f"transport {message.transport!r}")
-        device = getattr(runner, "device", "cpu")  # the transformers runner is CPU-only
+        device = runner.device
 
         def load() -> None:
             with tensor_sync.open_message(message, device=device) as named:
