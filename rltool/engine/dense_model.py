@@ -17,6 +17,7 @@ import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -294,22 +295,38 @@ class DenseLM:
 def load_model(model_dir: str | Path, *, device: torch.device | str, dtype: torch.dtype,
                spec: ModelSpec | None = None) -> DenseLM:
     """Build a DenseLM from a HF checkpoint directory (every tensor checked before any is kept)."""
+    model_dir = Path(model_dir)
+    model = DenseLM(spec or read_spec(model_dir), device=device, dtype=dtype)
+    load_checkpoint(model, model_dir)
+    return model
+
+
+def load_checkpoint(model: DenseLM, model_dir: Path,
+                    before_copy: Callable[[], None] | None = None) -> int:
+    """Copy a HF checkpoint directory's tensors into `model` after checking every name and shape:
+    nothing changes unless the whole checkpoint matches. `before_copy` runs before each tensor's
+    copy. Returns the number of tensors copied."""
     from safetensors import safe_open
 
-    model_dir = Path(model_dir)
-    spec = spec or read_spec(model_dir)
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
     if not files:
         raise CheckpointError(f"{model_dir} holds no *.safetensors files; pass a HF checkpoint "
                               "directory")
-    model = DenseLM(spec, device=device, dtype=dtype)
     shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
                 shapes[name] = tuple(sf.get_slice(name).get_shape())
     model.check_tensors(shapes, where=str(model_dir))
+
+    def tensors(sf: Any) -> Iterable[tuple[str, torch.Tensor]]:
+        for name in sf.keys():
+            if before_copy is not None:
+                before_copy()
+            yield name, sf.get_tensor(name)
+
+    n = 0
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
-            model.load_tensors((name, sf.get_tensor(name)) for name in sf.keys())
-    return model
+            n += model.load_tensors(tensors(sf))
+    return n

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rltool.engine.dense_model import DenseLM, load_model, read_spec
+from rltool.engine.dense_model import DenseLM, load_checkpoint, load_model, read_spec
 from rltool.engine.loading import check_servable, load_tokenizer, loading
 from rltool.engine.paged import KVPool, PageTable, decode_attention_ref
-from rltool.errors import BadInputError, CheckpointError, EngineError
+from rltool.errors import BadInputError, EngineError
 from rltool.faults import kill_point
 
 log = logging.getLogger(__name__)
@@ -171,28 +171,13 @@ class PagedRunner:
     def load_weights(self, path: str | Path) -> int:
         """Copy a HF checkpoint's tensors into the live model after checking every name and shape.
         Nothing changes unless the whole checkpoint matches."""
-        from safetensors import safe_open
-
-        path = Path(path)
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
-        if not files:
-            raise CheckpointError(f"{path} holds no *.safetensors files; pass a HF checkpoint "
-                                  "directory as model_path")
         if self.model is None:
             raise BadInputError("weights are released; call /resume_memory_occupation first")
-        shapes: dict[str, tuple[int, ...]] = {}
-        for f in files:
-            with safe_open(str(f), framework="pt") as sf:
-                for name in sf.keys():
-                    shapes[name] = tuple(sf.get_slice(name).get_shape())
-        self.model.check_tensors(shapes, where=str(path))
-        n = 0
-        for f in files:
-            with safe_open(str(f), framework="pt") as sf:
-                n += self.model.load_tensors(_copying(sf))
+        n = load_checkpoint(self.model, Path(path),
+                            before_copy=lambda: kill_point("engine.copy_param"))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.model_path = path
+        self.model_path = Path(path)
         return n
 
     def load_named_tensors(self, named: list[tuple[str, torch.Tensor]]) -> int:
@@ -462,9 +447,19 @@ class PagedRunner:
         """Logits [T - start, V] (float32, on the runner's device) predicting token_ids[start:],
         from one unpadded causal pass over the whole sequence, without touching the KV pool."""
         with self.invariant():
-            return self._full_pass_logits(token_ids, start=start)
+            return self.model.logits(self._full_pass(token_ids)[start - 1:-1])
 
-    def _full_pass_logits(self, token_ids: list[int], *, start: int) -> torch.Tensor:
+    @torch.no_grad()
+    def hidden_states(self, token_ids: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """transformers' `output_hidden_states` of the same pass (the embeddings, each decoder
+        layer's output, the last one after the final norm: [T, hidden] each), float32 logits."""
+        states: list[torch.Tensor] = []
+        with self.invariant():
+            hidden = self._full_pass(token_ids, collect=states)
+            return states, self.model.logits(hidden)
+
+    def _full_pass(self, token_ids: list[int], collect: list[torch.Tensor] | None = None
+                   ) -> torch.Tensor:
         dev = self.device
         ids = torch.tensor(token_ids).to(dev)
         pos = torch.arange(len(token_ids), device=dev)
@@ -476,52 +471,8 @@ class PagedRunner:
             return _sdpa(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                          scale=self.scale).squeeze(0)
 
-        hidden = self.model.hidden(ids, attend)
-        return self.model.logits(hidden[start - 1:-1])
+        return self.model.hidden(ids, attend, collect=collect)
 
-    @torch.no_grad()
-    def hidden_states(self, token_ids: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """transformers' `output_hidden_states` of one unpadded causal pass (the embeddings, each
-        decoder layer's output, the last one after the final norm: [T, hidden] each) and the
-        float32 logits [T, V]."""
-        dev = self.device
-        ids = torch.tensor(token_ids).to(dev)
-        pos = torch.arange(len(token_ids), device=dev)
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            self.model.rope_store(q, k, v, pos)
-            return _sdpa(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-                         scale=self.scale).squeeze(0)
-
-        states: list[torch.Tensor] = []
-        hidden = self.model.hidden(ids, attend, collect=states)
-        return states, self.model.logits(hidden)
-
-    # ----- info ----------------------------------------------------------------------------
-
-    def model_info(self) -> dict[str, Any]:
-        """SGLang's /get_model_info body (model_path, tokenizer_path, weight_version, ...)."""
-        return {
-            "model_path": str(self.model_path),
-            "tokenizer_path": str(self.tokenizer_path),
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": self.weight_version,
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
-            "model_type": self.config_json.get("model_type"),
-            "architectures": list(self.config_json.get("architectures") or []),
-            "device": self.device.type,
-            "dtype": self.dtype,
-        }
-
-
-def _copying(sf: Any) -> Any:
-    """A safetensors file's (name, tensor) pairs, with the fault-injection point of a weight
-    update before each copy."""
-    for name in sf.keys():
-        kill_point("engine.copy_param")
-        yield name, sf.get_tensor(name)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
