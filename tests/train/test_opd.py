@@ -4,7 +4,6 @@ specs and routes, and `rltool train` with in-process and engine-mode teachers.""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from rltool.train.algo.opd import full_kl, mix_logprobs, shape_advantages, topk_
 from rltool.train.config import TrainConfig
 from rltool.train.stage import recompute_logprobs, run
 from tests.helpers.shards import REWARDS, make_shard, shard_rows
+from tests.helpers.weights import other_tokenizer_copy
 
 
 def _reference_kl(logits: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -196,17 +196,6 @@ def test_routed_and_mixed_teachers(tmp_path, tiny_model_dir, teacher_dir, tiny_m
         _train(tmp_path, bad, tiny_model_dir, "bad", opd_type="inprocess", opd_teacher=specs,
                opd_teacher_route="task")
     assert not (tmp_path / "bad" / "ckpt").exists()
-
-
-def other_tokenizer_copy(model_dir: Path, out: Path) -> Path:
-    """The same weights with a tokenizer.json that differs in one token's text."""
-    shutil.copytree(model_dir, out)
-    data = json.loads((out / "tokenizer.json").read_text())
-    vocab = data["model"]["vocab"]
-    name = next(k for k in vocab if len(k) == 1 and k.isdigit())
-    vocab["§"] = vocab.pop(name)
-    (out / "tokenizer.json").write_text(json.dumps(data))
-    return out
 
 
 def test_a_teacher_with_another_tokenizer_is_refused(tmp_path, tiny_model_dir, teacher_dir,

@@ -1,0 +1,87 @@
+"""`rltool rollout --opd-teacher`: teacher engines score the sampled tokens (engine-mode
+on-policy distillation); routes, mixes, and the refusals (another tokenizer, a route that names
+no teacher) before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from rltool.cli import main
+from rltool.data.shards import open_shard
+from rltool.data.tasks import make_rows, write_prompts
+from rltool.rundir import read_metrics
+from rltool.train.stage import recompute_logprobs
+from tests.helpers.weights import other_tokenizer_copy
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    rows = make_rows("reverse", num=4, seed=0)
+    for k, r in enumerate(rows):
+        r["metadata"] = {"task": "a" if k % 2 else "b"}
+    return write_prompts(rows, tmp_path_factory.mktemp("opd") / "prompts.jsonl")
+
+
+def _rollout(engine_url: str, prompts, out, *extra: str):
+    return CliRunner().invoke(main, [
+        "rollout", "--engines", engine_url, "--prompts", str(prompts), "--reward", "reverse",
+        "--n-samples-per-prompt", "2", "--rollout-batch-size", "4", "--max-response-len", "6",
+        "--temperature", "0.9", "--seed", "3", "--out", str(out), "-q", *extra])
+
+
+def _rows(out):
+    return [r for b in open_shard(out).iter_batches() for r in b.to_pylist()]
+
+
+def test_teacher_logprobs_are_the_teachers_and_mixes_combine(builtin_engine, tiny_model_dir,
+                                                            prompts, tmp_path):
+    url = builtin_engine.url
+    out = tmp_path / "rollouts" / "step-000000"
+    result = _rollout(url, prompts, out, "--opd-teacher", url)
+    assert result.exit_code == 0, result.output
+    rows = _rows(out)
+    # The teacher serves the student's weights: its logprobs are the trainer's recompute.
+    expected = recompute_logprobs(tiny_model_dir, [out], max_tokens_per_microbatch=4096,
+                                  deterministic=True)
+    for row, lp in zip(rows, expected):
+        assert len(row["teacher_logprobs"]) == len(row["response_token_ids"])
+        assert row["teacher_logprobs"] == pytest.approx(lp, abs=1e-5)
+    line = read_metrics(tmp_path / "rollouts" / "rollout.jsonl")[-1]
+    assert abs(line["opd/reverse_kl"]) < 1e-3 and "opd/reverse_kl/teacher" in line
+
+    routed = tmp_path / "routed" / "step-000000"
+    result = _rollout(url, prompts, routed, "--opd-teacher", f"a={url}@1,b={url}@3",
+                      "--opd-teacher-route", "task")
+    assert result.exit_code == 0, result.output
+    line = read_metrics(tmp_path / "routed" / "rollout.jsonl")[-1]
+    assert {"opd/reverse_kl/a", "opd/reverse_kl/b", "opd/reverse_kl"} <= set(line)
+    for row, lp in zip(_rows(routed), expected):  # same seed: the same samples
+        assert row["teacher_logprobs"] == pytest.approx(lp, abs=1e-5)
+
+
+def test_refusals_write_nothing(builtin_engine, tiny_model_dir, prompts, tmp_path):
+    url = builtin_engine.url
+    out = tmp_path / "r" / "step-000000"
+    result = _rollout(url, prompts, out, "--opd-teacher", f"a={url}", "--opd-teacher-route",
+                      "task")
+    assert result.exit_code == 2
+    assert "metadata task='b' names no teacher" in result.output
+    assert not out.exists()
+
+
+def test_a_teacher_engine_with_another_tokenizer_is_refused(builtin_engine, tiny_model_dir,
+                                                           prompts, tmp_path):
+    from rltool.rollout.launch import start_engine
+
+    other = other_tokenizer_copy(tiny_model_dir, tmp_path / "other-tok")
+    teacher = start_engine(["--engine", "builtin", "--model", str(other)],
+                           log_path=tmp_path / "teacher.log", ready_timeout_s=120.0)
+    try:
+        out = tmp_path / "r" / "step-000000"
+        result = _rollout(builtin_engine.url, prompts, out, "--opd-teacher", teacher.url)
+    finally:
+        teacher.stop()
+    assert result.exit_code == 2
+    assert "its tokenizer" in result.output and "differs from the student's" in result.output
+    assert not out.exists()
