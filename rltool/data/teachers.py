@@ -2,7 +2,7 @@
 
 A spec is `[NAME=]LOCATION[@WEIGHT]`: LOCATION is an engine URL (engine mode, rollout stage) or a
 HF weights directory (in-process mode, trainer); NAME names the teacher in metrics and routes
-(default `teacher`, required when there are several); WEIGHT (default 1) is its share of a mix.
+(default `teacher`, or `teacherK` for the K-th spec, from 0, when there are several); WEIGHT (default 1) is its share of a mix.
 Several teachers are either routed, each sample to the teacher its metadata field names
 (`--opd-teacher-route FIELD`), or mixed with their weights (normalised to sum 1).
 """
@@ -28,10 +28,10 @@ class TeacherSpec:
 def parse_teacher_specs(specs: list[str]) -> list[TeacherSpec]:
     """Parse --opd-teacher values; ConfigError naming the bad spec and the expected form."""
     out: list[TeacherSpec] = []
-    for spec in specs:
+    for k, spec in enumerate(specs):
         name, eq, rest = spec.partition("=")
         if not eq or "/" in name or ":" in name:  # no name given: the whole spec is the location
-            name, rest = "teacher", spec
+            name, rest = "teacher" if len(specs) == 1 else f"teacher{k}", spec
         location, weight = rest, 1.0
         head, at, tail = rest.rpartition("@")
         if at:

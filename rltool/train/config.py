@@ -107,10 +107,10 @@ class TrainConfig(BackendConfig, SyncConfig):
     loss_aggregation: Literal["token", "sequence", "group"] = Field(
         "token", description="How per-token losses become one scalar (see docs/train.md).")
     # on-policy distillation (docs/train.md, "On-policy distillation")
-    opd_type: Literal["off", "engine", "inprocess"] = Field(
-        "off", description="Teacher logprobs for on-policy distillation: engine: the shards' "
+    opd_type: Literal["off", "engine", "inprocess"] | None = Field(
+        None, description="Teacher logprobs for on-policy distillation: engine: the shards' "
         "teacher_logprobs (rollout --opd-teacher URL); inprocess: computed here from "
-        "--opd-teacher weights.")
+        "--opd-teacher weights (the default when --opd-teacher is given, else off).")
     opd_teacher: list[str] = Field(default_factory=list, description="In-process teachers: "
                                    "[NAME=]WEIGHTS_DIR[@WEIGHT] each.",
                                    json_schema_extra=cli(metavar="SPEC[,SPEC...]"))
@@ -198,6 +198,8 @@ class TrainConfig(BackendConfig, SyncConfig):
         from rltool.data.teachers import parse_teacher_specs
 
         teachers = parse_teacher_specs(self.opd_teacher)
+        if self.opd_type is None:
+            self.opd_type = "inprocess" if teachers else "off"
         if self.opd_type == "off":
             if teachers or self.opd_teacher_route or self.opd_mode != "sampled":
                 raise ConfigError("--opd-teacher/--opd-teacher-route/--opd-mode need --opd-type "

@@ -84,8 +84,9 @@ def test_teacher_specs_names_weights_and_routes():
     assert assignments([a, b], "task", {"task": "code"}, uid="u") == [(b, 1.0)]
     with pytest.raises(BadInputError, match="metadata task='poetry' names no teacher"):
         assignments([a, b], "task", {"task": "poetry"}, uid="u")
+    assert [t.name for t in parse_teacher_specs(["/a", "/b"])] == ["teacher0", "teacher1"]
     with pytest.raises(ConfigError, match="repeat"):
-        parse_teacher_specs(["/a", "/b"])
+        parse_teacher_specs(["a=/a", "a=/b"])
     with pytest.raises(ConfigError, match="WEIGHT > 0"):
         parse_teacher_specs(["x=/a@0"])
 
@@ -94,8 +95,10 @@ def test_config_checks():
     base = dict(rollouts=["r"], load="m")
     with pytest.raises(ConfigError, match="needs --opd-teacher"):
         TrainConfig(**base, opd_type="inprocess")
+    assert TrainConfig(**base, opd_teacher=["/t"]).opd_type == "inprocess"
+    assert TrainConfig(**base).opd_type == "off"
     with pytest.raises(ConfigError, match="need --opd-type"):
-        TrainConfig(**base, opd_teacher=["/t"])
+        TrainConfig(**base, opd_type="off", opd_teacher=["/t"])
     with pytest.raises(ConfigError, match="inprocess for --opd-mode topk/full"):
         TrainConfig(**base, opd_type="engine", opd_mode="full")
     with pytest.raises(ConfigError, match="leaves no signal"):
