@@ -226,3 +226,22 @@ def test_engine_mode_reads_the_shards_teacher_logprobs(tmp_path, tiny_model_dir,
     assert m["train/pg_loss"] == pytest.approx(0.5 * expected, abs=1e-5)
     with pytest.raises(BadInputError, match="has no teacher_logprobs"):
         _train(tmp_path, train_shard, tiny_model_dir, "missing", opd_type="engine")
+
+
+def test_topk_resume_is_bit_identical(tmp_path, tiny_model_dir, teacher_dir, train_shard):
+    from safetensors.torch import load_file
+
+    cfg = dict(rollouts=[str(train_shard)], opd_teacher=[str(teacher_dir)], opd_mode="topk",
+               opd_topk=5, global_batch_size=6, num_steps=4, save_interval=1, lr=1e-3,
+               deterministic=True)
+    full = run(TrainConfig(load=str(tiny_model_dir), save=str(tmp_path / "a"), **cfg))
+    resumed = run(TrainConfig(load=str(tmp_path / "a" / "step-000002"), save=str(tmp_path / "b"),
+                              **cfg))
+    assert resumed.optimizer_steps == 2
+    for name in ("model/model.safetensors", "data.safetensors"):
+        a = load_file(tmp_path / "a" / "step-000004" / name)
+        b = load_file(tmp_path / "b" / "step-000004" / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    assert {"opd_ids", "opd_teacher", "teacher_logprobs"} <= set(a)
+    for x, y in zip(full.metrics[2:], resumed.metrics):
+        assert x["train/opd_kl"] == y["train/opd_kl"] and x["train/loss"] == y["train/loss"]
