@@ -221,6 +221,13 @@ class TrainConfig(BackendConfig, SyncConfig):
                               "use --backend torch for in-process teachers and topk/full")
         if self.opd_type == "inprocess" and not teachers:
             raise ConfigError("--opd-type inprocess needs --opd-teacher [NAME=]WEIGHTS_DIR")
+        if self.opd_mode != "sampled":
+            # topk/full need every response position's logits [L, V] as a tensor; the packed
+            # layout reduces them chunk by chunk inside the forward.
+            if self.micro_batch_layout == "packed":
+                raise ConfigError("--opd-mode topk/full needs the full logits of every response "
+                                  "position: use --micro-batch-layout padded (or auto)")
+            self.micro_batch_layout = "padded"
         if self.opd_teacher_route and self.opd_type == "engine":
             raise ConfigError("--opd-teacher-route routes the rollout's teacher engines in engine "
                               "mode; set it on rollout")

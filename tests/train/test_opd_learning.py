@@ -29,13 +29,13 @@ WINDOW = 10
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    """(student dir, teacher dir, the distillation prompts): the teacher is the student after
-    60 more supervised steps (reward ~0.25 against ~0.07 on these prompts)."""
+    """(student dir, teacher dir, the distillation prompts): the teacher is the student's weights
+    after 60 more supervised steps (reward ~0.25 against ~0.07 on these prompts)."""
     root = tmp_path_factory.mktemp("distill")
     base = init_model(root / "base", task="copy", seed=0)
     sft_prompts = write_prompts(prompt_rows(2048, seed=2), root / "sft.jsonl")
     student = sft(base, sft_prompts, root / "student", steps=30)
-    teacher = sft(root / "student" / "ckpt", sft_prompts, root / "teacher", steps=60)
+    teacher = sft(student, sft_prompts, root / "teacher", steps=60)
     return student, teacher, prompt_rows(4, seed=1)
 
 
