@@ -227,7 +227,8 @@ class TrainConfig(BackendConfig, SyncConfig):
             if self.micro_batch_layout == "packed":
                 raise ConfigError("--opd-mode topk/full needs the full logits of every response "
                                   "position: use --micro-batch-layout padded (or auto)")
-            self.micro_batch_layout = "padded"
+            if self.micro_batch_layout == "auto":  # (assignment re-runs this validator)
+                self.micro_batch_layout = "padded"
         if self.opd_teacher_route and self.opd_type == "engine":
             raise ConfigError("--opd-teacher-route routes the rollout's teacher engines in engine "
                               "mode; set it on rollout")

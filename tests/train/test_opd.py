@@ -103,6 +103,9 @@ def test_config_checks():
         TrainConfig(**base, opd_type="engine", opd_mode="full")
     with pytest.raises(ConfigError, match="leaves no signal"):
         TrainConfig(**base, advantage_estimator="none")
+    assert TrainConfig(**base, opd_teacher=["/t"], opd_mode="full").micro_batch_layout == "padded"
+    with pytest.raises(ConfigError, match="--micro-batch-layout padded"):
+        TrainConfig(**base, opd_teacher=["/t"], opd_mode="topk", micro_batch_layout="packed")
 
 
 @pytest.fixture(scope="module")
