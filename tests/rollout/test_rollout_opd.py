@@ -72,16 +72,11 @@ def test_refusals_write_nothing(builtin_engine, tiny_model_dir, prompts, tmp_pat
 
 def test_a_teacher_engine_with_another_tokenizer_is_refused(builtin_engine, tiny_model_dir,
                                                            prompts, tmp_path):
-    from rltool.rollout.launch import start_engine
-
+    """The student's tokenizer (--tokenizer) differs from the one the teacher engine reports."""
     other = other_tokenizer_copy(tiny_model_dir, tmp_path / "other-tok")
-    teacher = start_engine(["--engine", "builtin", "--model", str(other)],
-                           log_path=tmp_path / "teacher.log", ready_timeout_s=120.0)
-    try:
-        out = tmp_path / "r" / "step-000000"
-        result = _rollout(builtin_engine.url, prompts, out, "--opd-teacher", teacher.url)
-    finally:
-        teacher.stop()
+    out = tmp_path / "r" / "step-000000"
+    result = _rollout(builtin_engine.url, prompts, out, "--opd-teacher", builtin_engine.url,
+                      "--tokenizer", str(other))
     assert result.exit_code == 2
     assert "its tokenizer" in result.output and "differs from the student's" in result.output
     assert not out.exists()
