@@ -14,7 +14,7 @@ KL_t = KL(pi_s(.|c_t) || pi_T(.|c_t)) = sum_v p_s(v) (log p_s(v) - log p_T(v)).
 
 Several teachers mixed with weights w_j (sum 1) are one teacher: sum_j w_j KL(p || q_j) =
 sum_v p(v) (log p(v) - sum_j w_j log q_j(v)), so every estimator takes the weighted sum of the
-teachers' (renormalised) log-probabilities (`mix_logprobs`).
+teachers' (renormalised) log-probabilities.
 """
 
 from __future__ import annotations
@@ -30,15 +30,6 @@ def shape_advantages(advantages: list[torch.Tensor], student_logprobs: list[torc
     """A_t - kl_coef * (log pi_s(x_t) - log pi_T(x_t)) per sample (the sampled estimator)."""
     return [a - kl_coef * (s - t) for a, s, t in zip(advantages, student_logprobs,
                                                      teacher_logprobs)]
-
-
-def mix_logprobs(per_teacher: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
-    """sum_j w_j log q_j: the log-probabilities that stand for a weighted mix of teachers."""
-    total = sum(weights)
-    out = torch.zeros_like(per_teacher[0], dtype=torch.float32)
-    for lp, w in zip(per_teacher, weights):
-        out = out + (w / total) * lp.float()
-    return out
 
 
 def renormalise(logprobs: torch.Tensor) -> torch.Tensor:
