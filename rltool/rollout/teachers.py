@@ -110,19 +110,19 @@ def score_samples(samples: list[Sample], *, specs: list[str], route: str | None,
                 await c.aclose()
 
     per_teacher = asyncio.run(main())
-    metrics: dict[str, float] = {}
-    for t in teachers:
-        diffs = [(r - q) * m for s, lp in zip(samples, per_teacher[t.name]) if lp is not None
-                 for r, q, m in zip(s.rollout_logprobs, lp, s.loss_mask)]
-        count = sum(m for s, lp in zip(samples, per_teacher[t.name]) if lp is not None
-                    for m in s.loss_mask)
-        metrics[f"opd/reverse_kl/{t.name}"] = sum(diffs) / max(count, 1)
-    masked = count = 0.0
+    metrics = {f"opd/reverse_kl/{t.name}": _masked_mean(
+        [(s, lp) for s, lp in zip(samples, per_teacher[t.name]) if lp is not None])
+        for t in teachers}
     for i, (s, plan) in enumerate(zip(samples, plans)):
         s.teacher_logprobs = [sum(w * per_teacher[t.name][i][j] for t, w in plan)
                               for j in range(len(s.response_token_ids))]
-        masked += sum((r - q) * m for r, q, m in zip(s.rollout_logprobs, s.teacher_logprobs,
-                                                      s.loss_mask))
-        count += sum(s.loss_mask)
-    metrics["opd/reverse_kl"] = masked / max(count, 1.0)
+    metrics["opd/reverse_kl"] = _masked_mean([(s, s.teacher_logprobs) for s in samples])
     return metrics
+
+
+def _masked_mean(scored: list[tuple[Sample, list[float]]]) -> float:
+    """Masked token mean of rollout logprob - teacher logprob (the sampled reverse KL)."""
+    total = sum((r - q) * m for s, lp in scored
+                for r, q, m in zip(s.rollout_logprobs, lp, s.loss_mask))
+    count = sum(sum(s.loss_mask) for s, _ in scored)
+    return total / max(count, 1)

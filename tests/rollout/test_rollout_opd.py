@@ -4,6 +4,8 @@ no teacher) before anything is written."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from click.testing import CliRunner
 
@@ -56,8 +58,15 @@ def test_teacher_logprobs_are_the_teachers_and_mixes_combine(builtin_engine, tin
     assert result.exit_code == 0, result.output
     line = read_metrics(tmp_path / "routed" / "rollout.jsonl")[-1]
     assert {"opd/reverse_kl/a", "opd/reverse_kl/b", "opd/reverse_kl"} <= set(line)
-    for row, lp in zip(_rows(routed), expected):  # same seed: the same samples
+    routed_rows = _rows(routed)
+    for row, lp in zip(routed_rows, expected):  # same seed: the same samples
         assert row["teacher_logprobs"] == pytest.approx(lp, abs=1e-5)
+    for name in ("a", "b"):
+        mine = [r for r in routed_rows if json.loads(r["metadata"])["task"] == name]
+        total = sum((x - y) * m for r in mine for x, y, m in
+                    zip(r["rollout_logprobs"], r["teacher_logprobs"], r["loss_mask"]))
+        count = sum(m for r in mine for m in r["loss_mask"])
+        assert mine and line[f"opd/reverse_kl/{name}"] == pytest.approx(total / count, abs=1e-6)
 
 
 def test_refusals_write_nothing(builtin_engine, tiny_model_dir, prompts, tmp_path):
