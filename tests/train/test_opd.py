@@ -104,6 +104,9 @@ def test_config_checks():
     with pytest.raises(ConfigError, match="leaves no signal"):
         TrainConfig(**base, advantage_estimator="none")
     assert TrainConfig(**base, opd_teacher=["/t"], opd_mode="full").micro_batch_layout == "padded"
+    with pytest.raises(ConfigError, match="engine-mode distillation"):
+        TrainConfig(**base, backend="megatron", opd_teacher=["/t"])
+    assert TrainConfig(**base, backend="megatron", opd_type="engine").opd_type == "engine"
     with pytest.raises(ConfigError, match="--micro-batch-layout padded"):
         TrainConfig(**base, opd_teacher=["/t"], opd_mode="topk", micro_batch_layout="packed")
 
