@@ -54,6 +54,7 @@ class Sample:
     reward: float = 0.0
     rewards: dict[str, float] | None = None
     engine_urls: list[str] = field(default_factory=list)
+    teacher_logprobs: list[float] | None = None  # on-policy distillation (rollout.teachers)
 
     @property
     def tokens(self) -> list[int]:
@@ -243,7 +244,8 @@ def to_row(sample: Sample) -> dict[str, Any]:
         response_token_ids=sample.response_token_ids, rollout_logprobs=sample.rollout_logprobs,
         loss_mask=sample.loss_mask, weight_versions=sample.weight_versions,
         reward=float(sample.reward), rewards=sample.rewards, status=sample.status,
-        finish_reason=sample.finish_reason, label=sample.label, metadata=metadata)
+        finish_reason=sample.finish_reason, label=sample.label, metadata=metadata,
+        teacher_logprobs=sample.teacher_logprobs)
 
 
 def from_row(row: dict[str, Any]) -> Sample:

@@ -116,10 +116,33 @@ class RolloutConfig(EngineStageConfig):
                                     "step may start (default 4 x rollout_batch_size).")
     partial: bool = Field(False, description="Carry groups with aborted samples (with their "
                           "tokens) over to the next step instead of writing them.")
+    opd_teacher: list[str] = Field(default_factory=list, description="On-policy distillation: "
+                                   "teacher engines [NAME=]URL[@WEIGHT] that score every sampled "
+                                   "token (the shard's teacher_logprobs).",
+                                   json_schema_extra=cli(metavar="SPEC[,SPEC...]"))
+    opd_teacher_route: str | None = Field(None, description="Prompt metadata field whose value "
+                                          "names each sample's teacher (default: teachers mixed "
+                                          "by their weights).")
     max_failed_rewards_frac: float = Field(
         0.05, ge=0.0, le=1.0, description="Exit 3, writing nothing, when more than this share "
         "of the step's reward calls failed (raised or timed out), so a broken reward function "
         "cannot produce a shard of zeros.")
+
+    @field_validator("opd_teacher", mode="before")
+    @classmethod
+    def _split_teachers(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _check_opd(self) -> "RolloutConfig":
+        from rltool.data.teachers import parse_teacher_specs
+
+        parse_teacher_specs(self.opd_teacher)
+        if self.opd_teacher_route and not self.opd_teacher:
+            raise ValueError("--opd-teacher-route needs --opd-teacher NAME=URL[,...]")
+        return self
 
     @model_validator(mode="after")
     def _filter_needs_groups(self) -> "RolloutConfig":
@@ -310,6 +333,11 @@ def _run(cfg: RolloutConfig) -> dict[str, Any]:
 
     cfg = with_seed(cfg)
     inputs = StageInputs(cfg)
+    if cfg.opd_teacher:
+        from rltool.rollout.teachers import check_teachers
+
+        check_teachers(cfg.opd_teacher, route=cfg.opd_teacher_route, prompts=inputs.prompts,
+                       student_tokenizer_hash=inputs.tokenizer_hash, api_key=cfg.api_key)
     n, batch = cfg.n_samples_per_prompt, cfg.rollout_batch_size
     budget = (cfg.max_prompts or 4 * batch) if cfg.filter != "none" else batch
     carry_dir = partial_store.partial_dir(cfg.out)
@@ -325,6 +353,14 @@ def _run(cfg: RolloutConfig) -> dict[str, Any]:
                                           over_sample_factor=cfg.over_sample_factor,
                                           partial=cfg.partial)
     check_reward_failures(result, max_frac=cfg.max_failed_rewards_frac, step=cfg.step)
+    opd_metrics = {}
+    if cfg.opd_teacher:
+        from rltool.rollout.teachers import score_samples
+
+        opd_metrics = score_samples(
+            [s for g in result.kept for s in g], specs=cfg.opd_teacher,
+            route=cfg.opd_teacher_route, temperature=cfg.temperature, api_key=cfg.api_key,
+            timeout_s=cfg.request_timeout_s, concurrency=cfg.concurrency)
     meta = inputs.shard_meta(cfg, producer=PRODUCER,
                              extra={"filter": cfg.filter, "partial": cfg.partial})
     carry_path = None
@@ -336,7 +372,7 @@ def _run(cfg: RolloutConfig) -> dict[str, Any]:
     manifest = inputs.write(cfg, result.kept, meta=meta, config_name=CONFIG_NAME)
     metrics = rollout_metrics(result.kept, counts=result.counts, output_tokens=result.output_tokens,
                               elapsed_s=result.elapsed_s,
-                              redispatched=router_stats["redispatched"])
+                              redispatched=router_stats["redispatched"]) | opd_metrics
     metrics_path = write_metrics(cfg, metrics, default_name="rollout.jsonl")
     return {"out": cfg.out, "rows": manifest["num_rows"], "groups": len(result.kept),
             "step": cfg.step, "metrics": metrics, "metrics_path": str(metrics_path),

@@ -47,7 +47,7 @@ class ForwardOutput:
     entropy: list[torch.Tensor] | None = None       # [L] float32
     topk_logprobs: list[torch.Tensor] | None = None  # [L, k]
     topk_ids: list[torch.Tensor] | None = None       # [L, k]
-    extras: dict[str, Any] = field(default_factory=dict)
+    extras: dict[str, Any] = field(default_factory=dict)  # "values" [L]; "logits" [L, V] raw
 
 
 def response_outputs(rows: list[torch.Tensor], targets: list[torch.Tensor], *, temperature: float,
@@ -80,12 +80,14 @@ class TrainerBackend(Protocol):
     optimizer_steps: int  # steps applied so far in this trainer lineage (drives the LR schedule)
 
     def forward_logprobs(self, batch: MicroBatch, *, temperature: float,
-                         with_entropy: bool = False, top_k: int = 0) -> ForwardOutput:
-        """Logprobs of the response tokens under rltool.logprobs' convention, without grad."""
+                         with_entropy: bool = False, top_k: int = 0,
+                         with_logits: bool = False) -> ForwardOutput:
+        """Logprobs of the response tokens under rltool.logprobs' convention, without grad;
+        with_logits: also each response position's raw logits (extras["logits"])."""
         ...
 
     def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, *, temperature: float,
-                   with_entropy: bool = False) -> dict[str, float]:
+                   with_entropy: bool = False, with_logits: bool = False) -> dict[str, float]:
         """Forward/backward every micro-batch, clip, one optimizer step; metrics summed over
         micro-batches and ranks, plus train/grad_norm and train/lr."""
         ...

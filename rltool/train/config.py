@@ -81,9 +81,10 @@ class TrainConfig(BackendConfig, SyncConfig):
     loss: Literal["policy", "sft"] = Field("policy", description="policy: clipped policy "
                                            "gradient; sft: cross-entropy on loss-masked tokens.")
     advantage_estimator: Literal["grpo", "gspo", "reinforce_plus_plus",
-                                 "reinforce_plus_plus_baseline", "ppo"] = Field(
+                                 "reinforce_plus_plus_baseline", "ppo", "none"] = Field(
         "grpo", description="Advantage estimator; gspo also switches to the sequence-level "
-        "ratio; ppo is GAE with a value head trained alongside the policy.")
+        "ratio; ppo is GAE with a value head trained alongside the policy; none: A = 0 (pure "
+        "on-policy distillation).")
     grpo_std_normalization: bool = Field(True, description="Divide GRPO advantages by the group "
                                          "std (off = Dr.GRPO).")
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount of reinforce_plus_plus and "
@@ -105,6 +106,24 @@ class TrainConfig(BackendConfig, SyncConfig):
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus coefficient.")
     loss_aggregation: Literal["token", "sequence", "group"] = Field(
         "token", description="How per-token losses become one scalar (see docs/train.md).")
+    # on-policy distillation (docs/train.md, "On-policy distillation")
+    opd_type: Literal["off", "engine", "inprocess"] | None = Field(
+        None, description="Teacher logprobs for on-policy distillation: engine: the shards' "
+        "teacher_logprobs (rollout --opd-teacher URL); inprocess: computed here from "
+        "--opd-teacher weights (the default when --opd-teacher is given, else off).")
+    opd_teacher: list[str] = Field(default_factory=list, description="In-process teachers: "
+                                   "[NAME=]WEIGHTS_DIR[@WEIGHT] each.",
+                                   json_schema_extra=cli(metavar="SPEC[,SPEC...]"))
+    opd_teacher_route: str | None = Field(None, description="Metadata field whose value names "
+                                          "each sample's teacher (default: teachers mixed by "
+                                          "their weights).")
+    opd_kl_coef: float = Field(1.0, ge=0.0, description="beta: weight of the reverse KL to the "
+                               "teacher (advantage penalty, or loss term for topk/full).")
+    opd_mode: Literal["sampled", "topk", "full"] = Field(
+        "sampled", description="sampled: log pi_s - log pi_T of the sampled token in the "
+        "advantage; topk: KL over the student's top-k tokens; full: exact KL over the "
+        "vocabulary (topk/full in-process only).")
+    opd_topk: int = Field(16, ge=1, description="k of --opd-mode topk.")
     # train/rollout mismatch correction (docs/train-mismatch.md)
     tis_mode: Literal["none", "truncate", "clip", "icepop"] = Field(
         "none", description="Importance weight pi_old/pi_rollout on the policy loss (decoupled "
@@ -169,10 +188,50 @@ class TrainConfig(BackendConfig, SyncConfig):
         elif self.value_head or self.ref or self.old_actor:
             raise ConfigError("--backend megatron does not support ppo's value head, --ref or "
                               "--old-actor yet; use --backend torch for them")
+        self._check_opd()
         if self.lr_decay_style == "cosine" and self.lr_decay_steps is None:
             raise ConfigError("--lr-decay-style cosine needs --lr-decay-steps N (optimizer steps "
                               "over the whole run, not just this call)")
         return self
+
+    def _check_opd(self) -> None:
+        from rltool.data.teachers import parse_teacher_specs
+
+        teachers = parse_teacher_specs(self.opd_teacher)
+        if self.opd_type is None:
+            self.opd_type = "inprocess" if teachers else "off"
+        if self.opd_type == "off":
+            if teachers or self.opd_teacher_route or self.opd_mode != "sampled":
+                raise ConfigError("--opd-teacher/--opd-teacher-route/--opd-mode need --opd-type "
+                                  "engine or inprocess")
+            if self.advantage_estimator == "none" and self.loss == "policy":
+                raise ConfigError("--advantage-estimator none leaves no signal without on-policy "
+                                  "distillation; add --opd-type engine|inprocess or pick an "
+                                  "estimator")
+            return
+        if self.loss != "policy":
+            raise ConfigError("--opd-type applies to the policy loss; drop it with --loss sft")
+        if self.opd_type == "engine" and (teachers or self.opd_mode != "sampled"):
+            raise ConfigError("--opd-type engine reads the shards' teacher_logprobs (the sampled-"
+                              "token form): give --opd-teacher URL to rollout, not train, and "
+                              "use --opd-type inprocess for --opd-mode topk/full")
+        if self.backend == "megatron" and (self.opd_type == "inprocess"
+                                           or self.opd_mode != "sampled"):
+            raise ConfigError("--backend megatron takes engine-mode distillation (sampled) only; "
+                              "use --backend torch for in-process teachers and topk/full")
+        if self.opd_type == "inprocess" and not teachers:
+            raise ConfigError("--opd-type inprocess needs --opd-teacher [NAME=]WEIGHTS_DIR")
+        if self.opd_mode != "sampled":
+            # topk/full need every response position's logits [L, V] as a tensor; the packed
+            # layout reduces them chunk by chunk inside the forward.
+            if self.micro_batch_layout == "packed":
+                raise ConfigError("--opd-mode topk/full needs the full logits of every response "
+                                  "position: use --micro-batch-layout padded (or auto)")
+            if self.micro_batch_layout == "auto":  # (assignment re-runs this validator)
+                self.micro_batch_layout = "padded"
+        if self.opd_teacher_route and self.opd_type == "engine":
+            raise ConfigError("--opd-teacher-route routes the rollout's teacher engines in engine "
+                              "mode; set it on rollout")
 
     @property
     def value_head(self) -> bool:

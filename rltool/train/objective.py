@@ -8,10 +8,13 @@ global loss wherever it runs. Metrics are weighted sums with the same weights (s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from rltool.logprobs import effective_temperature
 from rltool.train.algo.kl import approx_kl
+from rltool.train.algo.opd import full_kl, topk_kl
 from rltool.train.algo.losses import (aggregation_weights, gspo_log_ratio, policy_loss, sft_loss,
                                       value_loss, weighted_sum)
 from rltool.train.backend import ForwardOutput, LossFn, MicroBatch
@@ -29,6 +32,40 @@ class SampleTensors:
     advantages: list[torch.Tensor] | None = None
     old_values: list[torch.Tensor] | None = None   # ppo: the value head at recompute time
     returns: list[torch.Tensor] | None = None      # ppo: GAE value targets
+    # on-policy distillation (rltool.train.opd): teacher logprobs of the sampled tokens [L];
+    # topk: the token set [L, k] and the teachers' logprobs at it; full: theirs [L, V]
+    teacher_logprobs: list[torch.Tensor] | None = None
+    opd_ids: list[torch.Tensor] | None = None
+    opd_teacher: list[torch.Tensor] | None = None
+
+
+_DATA_KEYS = ("old_logprobs", "ref_logprobs", "advantages", "old_values", "returns",
+              "teacher_logprobs", "opd_ids", "opd_teacher")
+
+
+def pack_data(data: SampleTensors) -> dict[str, torch.Tensor]:
+    """Ragged per-sample tensors -> flat safetensors entries (lengths are the responses')."""
+    out = {}
+    for key in _DATA_KEYS:
+        values = getattr(data, key)
+        if values is not None:
+            out[key] = torch.cat(values).float() if values else torch.zeros(0)
+    return out
+
+
+def base_tensors(samples: list[Any]) -> SampleTensors:
+    return SampleTensors(
+        masks=[torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples],
+        rollout_logprobs=[torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples])
+
+
+def unpack_data(tensors: dict[str, torch.Tensor], samples: list[Any]) -> SampleTensors:
+    data = base_tensors(samples)
+    sizes = [m.numel() for m in data.masks]
+    for key in _DATA_KEYS:
+        if key in tensors:
+            setattr(data, key, list(torch.split(tensors[key], sizes)))
+    return data
 
 
 def _cat(values: list[torch.Tensor]) -> torch.Tensor:
@@ -75,8 +112,10 @@ def batch_terms(cfg: TrainConfig, data: SampleTensors, batch: list[int],
                       metrics=metrics)
 
 
-def make_loss_fn(cfg: TrainConfig, data: SampleTensors, terms: BatchTerms) -> LossFn:
-    """The loss of `cfg.loss` for one global batch (see BatchTerms)."""
+def make_loss_fn(cfg: TrainConfig, data: SampleTensors, terms: BatchTerms, *,
+                 temperature: float = 1.0) -> LossFn:
+    """The loss of `cfg.loss` for one global batch (see BatchTerms); `temperature`: the
+    sampling temperature, for the topk/full distillation terms."""
 
     def pick(values: dict[int, torch.Tensor] | list[torch.Tensor], out: ForwardOutput,
              mb: MicroBatch) -> list[torch.Tensor]:
@@ -117,6 +156,8 @@ def make_loss_fn(cfg: TrainConfig, data: SampleTensors, terms: BatchTerms) -> Lo
             kl_loss = weighted_sum(kl, w)
             metrics["train/kl_loss"] = kl_loss
             loss = loss + cfg.kl_loss_coef * kl_loss
+        if data.opd_teacher is not None:
+            loss = loss + cfg.opd_kl_coef * _opd_term(out, mb, w, metrics)
         if data.returns is not None:
             assert data.old_values is not None
             vl = value_loss(_cat(out.extras["values"]), _cat(pick(data.old_values, out, mb)),
@@ -127,5 +168,18 @@ def make_loss_fn(cfg: TrainConfig, data: SampleTensors, terms: BatchTerms) -> Lo
             loss = loss + cfg.value_loss_coef * v_loss
         metrics["train/loss"] = loss
         return loss, metrics
+
+    def _opd_term(out: ForwardOutput, mb: MicroBatch, w: torch.Tensor,
+                  metrics: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The topk / full reverse KL to the teacher under the live student (a loss term)."""
+        temp = effective_temperature(temperature)
+        teacher = pick(data.opd_teacher, out, mb)
+        if data.opd_ids is not None:
+            kl = [topk_kl(lg, ids, t, temperature=temp) for lg, ids, t in
+                  zip(out.extras["logits"], pick(data.opd_ids, out, mb), teacher)]
+        else:
+            kl = [full_kl(lg, t, temperature=temp) for lg, t in zip(out.extras["logits"], teacher)]
+        metrics["train/opd_kl"] = weighted_sum(_cat(kl), w)
+        return metrics["train/opd_kl"]
 
     return sft if cfg.loss == "sft" else policy

@@ -19,10 +19,10 @@ from rltool.rundir import step_dir_name
 from rltool.train.backends import build_backend
 from rltool.train.checkpoint import read_trainer_state, resolve_load
 from rltool.train.config import TrainConfig
+from rltool.train.opd import resolve_teachers
 from rltool.train.residency import Move, Offloader
 from rltool.train.stage import (_load_samples, _Plan, _prepare_set, _save, default_metrics_path,
-                                train_set)
-from rltool.train.torch_backend import TorchBackend
+                                role_snapshots, train_set)
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +36,12 @@ class ResidentTrainer:
         self.version = target.version
         self.loop_step = -1  # the last loop step trained (-1: none)
         self.backend = build_backend(target.model_dir, options=cfg, value_head=cfg.value_head)
-        self.ref: TorchBackend | None = None
-        if cfg.needs_ref and cfg.ref:
-            self.ref = TorchBackend(resolve_load(cfg.ref).model_dir, options=cfg, trainable=False)
+        # --ref and in-process distillation teachers: weight snapshots of the one model, read
+        # once; "actor" is backed up again before every set (the policy moved).
+        self.snapshots = role_snapshots(
+            cfg, self.backend, ref_dir=resolve_load(cfg.ref).model_dir
+            if cfg.needs_ref and cfg.ref else None, old_actor_dir=None,
+            teachers=resolve_teachers(cfg, self.model_dir, []))
         if target.ckpt_dir is not None:
             self.backend.load(target.ckpt_dir)
             self.loop_step = int(read_trainer_state(target.ckpt_dir).get("loop_step", -1))
@@ -46,8 +49,6 @@ class ResidentTrainer:
         self._offloaders: list[Offloader] = []
         if cfg.backend == "torch":  # the megatron backend's buffers are megatron's (not covered)
             self._offloaders = [Offloader(self.backend.inner, self.backend.optimizer)]
-            if self.ref is not None:
-                self._offloaders.append(Offloader(self.ref.inner))
         # The trainer's own RNG stream: whatever else the loop's process draws between steps
         # leaves it alone, so it continues exactly as a reload from its checkpoint would.
         self._rng = torch.get_rng_state()
@@ -61,7 +62,10 @@ class ResidentTrainer:
         torch.set_rng_state(self._rng)
         sample_set = _load_samples(cfg, self.model_dir)
         plan = _Plan(cfg, len(sample_set.samples))
-        data, timings = _prepare_set(cfg, self.backend, self.ref, sample_set, plan)
+        resolve_teachers(cfg, self.model_dir, sample_set.samples)  # every route names a teacher
+        if self.snapshots is not None:
+            self.snapshots.backup("actor")
+        data, timings = _prepare_set(cfg, self.backend, self.snapshots, sample_set, plan)
         path = default_metrics_path(cfg) if log_metrics else None
         writer = MetricsWriter(path) if path is not None else None
         try:
@@ -91,8 +95,9 @@ class ResidentTrainer:
         return self.checkpoint_dir(save)
 
     def offload(self) -> Move:
-        """Parameters, gradients and optimizer state (and the reference model) to host memory,
-        releasing the device for the engine (rltool.train.residency)."""
+        """Parameters, gradients and optimizer state to host memory, releasing the device for
+        the engine (rltool.train.residency); the reference model and distillation teachers are
+        weight snapshots, held in host memory already."""
         self._check_offloadable()
         return _merge([o.offload() for o in self._offloaders])
 

@@ -20,7 +20,7 @@ from rltool.errors import BadInputError, ShardSchemaError
 
 log = logging.getLogger(__name__)
 SHARD_COLUMNS = ["uid", "group_id", "prompt_token_ids", "response_token_ids", "rollout_logprobs",
-                 "loss_mask", "reward", "status"]
+                 "loss_mask", "reward", "status", "teacher_logprobs", "metadata"]
 
 
 @dataclass
@@ -32,6 +32,8 @@ class Sample:
     rollout_logprobs: list[float]
     reward: float
     group: int  # dense group index across all shards of the set
+    metadata: dict[str, Any] = field(default_factory=dict)
+    teacher_logprobs: list[float] | None = None  # engine-mode on-policy distillation
 
     @property
     def tokens(self) -> list[int]:
@@ -93,7 +95,9 @@ def load_rollouts(shard_dirs: list[str | os.PathLike], *, tokenizer_hash: str,
             sample = Sample(uid=row["uid"], prompt_ids=row["prompt_token_ids"],
                             response_ids=row["response_token_ids"], loss_mask=row["loss_mask"],
                             rollout_logprobs=row["rollout_logprobs"],
-                            reward=float(row["reward"]), group=g)
+                            reward=float(row["reward"]), group=g,
+                            metadata=json.loads(row["metadata"] or "{}"),
+                            teacher_logprobs=row["teacher_logprobs"])
             _check_sample(sample, where=str(d), vocab_size=vocab_size)
             samples.append(sample)
     if len(temperatures) > 1:

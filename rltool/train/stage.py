@@ -30,14 +30,17 @@ from rltool.errors import CheckpointError, ConfigError
 from rltool.progress import Progress
 from rltool.rundir import MetricsWriter, RunDir, step_dir_name, weight_dir_name
 from rltool.train.algo.advantages import compute_advantages, gae, masked_whiten
+from rltool.train import opd
 from rltool.train.algo.kl import approx_kl
+from rltool.train.algo.opd import shape_advantages
 from rltool.train.backend import MicroBatch, TrainerBackend
 from rltool.train.backends import build_backend
 from rltool.train.backuper import (WeightBackuper, dtensor_sharder, fsdp_resharder,
                                    module_tensors)
 from rltool.train.checkpoint import LoadTarget, read_trainer_state, resolve_load
 from rltool.train.config import TrainConfig
-from rltool.train.objective import SampleTensors, batch_terms, make_loss_fn
+from rltool.train.objective import (SampleTensors, base_tensors, batch_terms, make_loss_fn,
+                                    pack_data, unpack_data)
 from rltool.train.dp_schedule import schedule
 from rltool.train.launch import is_rank_zero
 from rltool.train.samples import Sample, SampleSet, load_rollouts, load_sft_prompts
@@ -76,18 +79,26 @@ def rank_micro_batches(backend: TrainerBackend, samples: list[Sample], batch: li
 
 def compute_logprobs(backend: TrainerBackend, samples: list[Sample], batches: list[list[int]], *,
                      temperature: float, max_tokens_per_microbatch: int,
-                     with_values: bool = False) -> dict[str, list[torch.Tensor]]:
-    """Logprobs (and with_values, the value head's values) of every sample in `batches`, computed
-    with the training schedule of each batch and shared with every rank: {"logprobs": [...],
-    "values": [...]}, lists indexed like `samples` (empty tensors for samples not in any)."""
-    keys = ("logprobs", "values") if with_values else ("logprobs",)
+                     with_values: bool = False, top_k: int = 0,
+                     rows_fn: Any = None) -> dict[str, list[torch.Tensor]]:
+    """Logprobs (and with_values, the value head's values; top_k, "topk_ids"; rows_fn, "rows":
+    rows_fn(index, logits [L, V])) of every sample in `batches`, computed with the training
+    schedule of each batch and shared with every rank: {"logprobs": [...], ...}, lists indexed
+    like `samples` (empty tensors for samples not in any)."""
+    keys = ["logprobs"] + ["values"] * with_values + ["topk_ids"] * bool(top_k) + ["rows"] * bool(
+        rows_fn)
     own: dict[str, dict[int, torch.Tensor]] = {k: {} for k in keys}
     for batch in batches:
         for mb in rank_micro_batches(backend, samples, batch,
                                      max_tokens_per_microbatch=max_tokens_per_microbatch):
             with trace.span("logprob_recompute", cat="train", samples=len(mb.indices)):
-                out = backend.forward_logprobs(mb, temperature=temperature)
-            per_key = {"logprobs": out.logprobs, "values": out.extras.get("values", [])}
+                # with_logits only when asked: a backend without it (megatron) never gets it
+                out = backend.forward_logprobs(mb, temperature=temperature, top_k=top_k,
+                                               **({"with_logits": True} if rows_fn else {}))
+            per_key = {"logprobs": out.logprobs, "values": out.extras.get("values", []),
+                       "topk_ids": out.topk_ids or [],
+                       "rows": [rows_fn(i, r) for i, r in zip(mb.indices,
+                                                               out.extras.get("logits", []))]}
             for key in keys:
                 own[key].update((i, t.detach().cpu()) for i, t in zip(mb.indices, per_key[key]))
     merged: dict[str, dict[int, torch.Tensor]] = {k: {} for k in keys}
@@ -146,11 +157,12 @@ def _load_samples(cfg: TrainConfig, model_dir: Path) -> SampleSet:
 
 
 def role_snapshots(cfg: TrainConfig, backend: TorchBackend, *, ref_dir: Path | None,
-                   old_actor_dir: Path | None) -> WeightBackuper | None:
-    """The policy's weights as tag "actor", plus "ref" / "old_actor" read from their weights
-    directories, switched into the one model (no second model on the device). None when the
-    set needs neither."""
-    if ref_dir is None and old_actor_dir is None:
+                   old_actor_dir: Path | None, teachers: list | None = None
+                   ) -> WeightBackuper | None:
+    """The policy's weights as tag "actor", plus "ref" / "old_actor" / in-process OPD teachers
+    read from their weights directories, switched into the one model (no second model on the
+    device). None when the set needs none of them."""
+    if ref_dir is None and old_actor_dir is None and not teachers:
         return None
     budget = cfg.backuper_host_budget_gb
     snapshots = WeightBackuper(
@@ -163,6 +175,7 @@ def role_snapshots(cfg: TrainConfig, backend: TorchBackend, *, ref_dir: Path | N
         for tag, directory in (("old_actor", old_actor_dir), ("ref", ref_dir)):
             if directory is not None:
                 snapshots.load_dir(tag, directory)
+        opd.load_teachers(snapshots, teachers or [])
     except BaseException:
         snapshots.close()
         raise
@@ -217,6 +230,12 @@ def _prepare_set(cfg: TrainConfig, backend: TrainerBackend, snapshots: WeightBac
                   for o, r in zip(data.old_logprobs, data.ref_logprobs)]
     if tags:
         switch("actor")
+    timings.update(opd.prepare(
+        cfg, data, samples, switch=switch, temperature=sample_set.temperature,
+        vocab_size=int(backend.config.vocab_size),
+        batches=batches, forward=lambda some, **kw: compute_logprobs(backend, samples, some,
+                                                                    **kwargs, **kw)))
+    if tags:
         timings["perf/weight_switch_time"] = switch_s
     rewards = torch.tensor([s.reward for s in samples])
     if cfg.value_head:
@@ -226,40 +245,16 @@ def _prepare_set(cfg: TrainConfig, backend: TrainerBackend, snapshots: WeightBac
         advantages, data.returns = gae(rewards, data.old_values, masks, gamma=cfg.gamma,
                                        lambd=cfg.lambd, kl=kl, kl_coef=cfg.kl_coef)
         data.advantages = masked_whiten(advantages, masks)
-        return data, timings
-    data.advantages = compute_advantages(
-        cfg.advantage_estimator, rewards=rewards,
-        groups=torch.tensor([s.group for s in samples], dtype=torch.long), masks=masks, kl=kl,
-        kl_coef=cfg.kl_coef, gamma=cfg.gamma, std_normalization=cfg.grpo_std_normalization)
+    else:
+        data.advantages = compute_advantages(
+            cfg.advantage_estimator, rewards=rewards,
+            groups=torch.tensor([s.group for s in samples], dtype=torch.long), masks=masks,
+            kl=kl, kl_coef=cfg.kl_coef, gamma=cfg.gamma,
+            std_normalization=cfg.grpo_std_normalization)
+    if cfg.opd_type != "off" and cfg.opd_mode == "sampled":
+        data.advantages = shape_advantages(data.advantages, data.old_logprobs,
+                                           data.teacher_logprobs, kl_coef=cfg.opd_kl_coef)
     return data, timings
-
-
-_DATA_KEYS = ("old_logprobs", "ref_logprobs", "advantages", "old_values", "returns")
-
-
-def _pack_data(data: SampleTensors) -> dict[str, torch.Tensor]:
-    """Ragged per-sample tensors -> flat safetensors entries (lengths are the responses')."""
-    out = {}
-    for key in _DATA_KEYS:
-        values = getattr(data, key)
-        if values is not None:
-            out[key] = torch.cat(values).float() if values else torch.zeros(0)
-    return out
-
-
-def base_tensors(samples: list[Sample]) -> SampleTensors:
-    return SampleTensors(
-        masks=[torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples],
-        rollout_logprobs=[torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples])
-
-
-def _unpack_data(tensors: dict[str, torch.Tensor], samples: list[Sample]) -> SampleTensors:
-    data = base_tensors(samples)
-    sizes = [m.numel() for m in data.masks]
-    for key in _DATA_KEYS:
-        if key in tensors:
-            setattr(data, key, list(torch.split(tensors[key], sizes)))
-    return data
 
 
 def default_metrics_path(cfg: TrainConfig) -> Path | None:
@@ -324,6 +319,7 @@ class Preflight:
     target: LoadTarget
     ref_target: LoadTarget | None
     old_actor_target: LoadTarget | None
+    teachers: list[tuple[Any, Path]]   # in-process OPD teachers (spec, weights directory)
     sample_set: SampleSet
     plan: _Plan
     start_step: int
@@ -339,13 +335,13 @@ def preflight(cfg: TrainConfig) -> Preflight:
         raise ConfigError(f"--backuper-dir {cfg.backuper_dir} is not a directory; pass a "
                           "directory on local SSD (created if missing)")
     sample_set = _load_samples(cfg, target.model_dir)
+    teachers = opd.resolve_teachers(cfg, target.model_dir, sample_set.samples)
     plan = _Plan(cfg, len(sample_set.samples))
     start_step = _resume_step(cfg, target.ckpt_dir, sample_set, plan)
     _check_outputs_free(cfg, first_version=target.version,
                         final_version=target.version + plan.num_steps - start_step)
     return Preflight(target=target, ref_target=ref_target, old_actor_target=old_actor_target,
-                     sample_set=sample_set, plan=plan,
-                     start_step=start_step)
+                     teachers=teachers, sample_set=sample_set, plan=plan, start_step=start_step)
 
 
 def _run(cfg: TrainConfig) -> TrainResult:
@@ -359,13 +355,14 @@ def _run(cfg: TrainConfig) -> TrainResult:
     if target.ckpt_dir is not None:
         _, tensors = backend.load(target.ckpt_dir)
         if start_step:
-            data = _unpack_data(tensors, samples)
+            data = unpack_data(tensors, samples)
             log.info("resuming sample set %s at step %d/%d", sample_set.set_id, start_step,
                      plan.num_steps)
     if data is None:
         snapshots = role_snapshots(
             cfg, backend, ref_dir=checked.ref_target and checked.ref_target.model_dir,
-            old_actor_dir=checked.old_actor_target and checked.old_actor_target.model_dir)
+            old_actor_dir=checked.old_actor_target and checked.old_actor_target.model_dir,
+            teachers=checked.teachers)
         try:
             data, timings = _prepare_set(cfg, backend, snapshots, sample_set, plan)
         finally:
@@ -417,8 +414,11 @@ def train_set(cfg: TrainConfig, backend: TrainerBackend, data: SampleTensors,
                                    max_tokens_per_microbatch=cfg.max_tokens_per_microbatch)
         with trace.span("train_step", cat="train", micro_batches=len(micro)), \
                 trace.torch_profile(step=sample_set.rollout_step, name="train"):
-            metrics = backend.train_step(micro, make_loss_fn(cfg, data, terms),
-                                         temperature=temperature, with_entropy=True)
+            metrics = backend.train_step(
+                micro, make_loss_fn(cfg, data, terms, temperature=temperature),
+                temperature=temperature, with_entropy=True,
+                **({"with_logits": True} if cfg.opd_type != "off" and cfg.opd_mode != "sampled"
+                   else {}))
         version += 1
         metrics.update(terms.metrics)
         metrics["perf/train_time"] = time.perf_counter() - t0
@@ -463,7 +463,7 @@ def _save(cfg: TrainConfig, backend: TrainerBackend, data: SampleTensors,
                 "global_batch_size": plan.gbs, "num_samples": plan.num_samples}
     backend.save(ckpt_dir, trainer_state={"policy_version": version, "data": position,
                                           **(extra_state or {})},
-                 data_tensors=_pack_data(data),
+                 data_tensors=pack_data(data),
                  config_toml=tomli_w.dumps(cfg.model_dump(mode="json", exclude_none=True)))
     return str(ckpt_dir)
 

@@ -188,7 +188,7 @@ class TorchBackend:
 
     # -- forward -----------------------------------------------------------------------------
     def _forward(self, module: Any, mb: MicroBatch, *, temperature: float, with_entropy: bool,
-                 top_k: int) -> tuple[ForwardOutput, torch.Tensor]:
+                 top_k: int, with_logits: bool = False) -> tuple[ForwardOutput, torch.Tensor]:
         """Run one unit; returns the outputs and a zero scalar tied to the graph (for dummies)."""
         if mb.empty:
             ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
@@ -221,6 +221,8 @@ class TorchBackend:
         if values is not None:
             # V_t: the value of the state before response token t (same rows as its logits).
             out.extras["values"] = [values[i, start - 1:n - 1] for i, (n, start) in spans]
+        if with_logits:  # the response rows' raw logits [L, V] (on-policy distillation)
+            out.extras["logits"] = [logits[i, start - 1:n - 1] for i, (n, start) in spans]
         return out, logits.float().sum() * 0.0
 
     def _packed_forward(self, mb: MicroBatch, *, temperature: float, with_entropy: bool,
@@ -253,7 +255,8 @@ class TorchBackend:
 
     @torch.no_grad()
     def forward_logprobs(self, batch: MicroBatch, *, temperature: float,
-                         with_entropy: bool = False, top_k: int = 0) -> ForwardOutput:
+                         with_entropy: bool = False, top_k: int = 0,
+                         with_logits: bool = False) -> ForwardOutput:
         self.inner.eval()
         # DDP needs no collective without grad; FSDP all-gathers in every pass.
         module = self.model if self.fsdp else self.inner
@@ -262,10 +265,12 @@ class TorchBackend:
         for unit in self._units([batch], lockstep=self.fsdp):
             with self._kernels():
                 out, _ = self._forward(module, unit, temperature=temperature,
-                                       with_entropy=with_entropy, top_k=top_k)
+                                       with_entropy=with_entropy, top_k=top_k,
+                                       with_logits=with_logits)
             merged.logprobs += out.logprobs
-            if "values" in out.extras:
-                merged.extras.setdefault("values", []).extend(out.extras["values"])
+            for key in ("values", "logits"):
+                if key in out.extras:
+                    merged.extras.setdefault(key, []).extend(out.extras[key])
             if with_entropy:
                 merged.entropy += out.entropy or []
             if top_k:
@@ -282,7 +287,7 @@ class TorchBackend:
         return contextlib.nullcontext()
 
     def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, *, temperature: float,
-                   with_entropy: bool = False) -> dict[str, float]:
+                   with_entropy: bool = False, with_logits: bool = False) -> dict[str, float]:
         assert self.optimizer is not None, "train_step on a frozen (reference) backend"
         self.inner.train()
         lr = lr_of(self.options, self.optimizer_steps)
@@ -293,7 +298,8 @@ class TorchBackend:
         for k, unit in enumerate(units):
             with self._grad_sync(k == len(units) - 1), self._kernels():
                 out, anchor = self._forward(self.model, unit, temperature=temperature,
-                                            with_entropy=with_entropy, top_k=0)
+                                            with_entropy=with_entropy, top_k=0,
+                                            with_logits=with_logits)
                 loss, metrics = (anchor, {}) if unit.empty else loss_fn(out, unit)
                 # DDP and FSDP average gradients over ranks; the loss is already a global sum.
                 (loss * self.dp_size).backward()

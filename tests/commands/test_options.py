@@ -87,6 +87,8 @@ COMPANIONS = {
         "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
         "use_distributed_optimizer", "recompute_granularity", "transformer_impl")},
     "mode": ["--placement", "disaggregated"],  # async refuses colocated placement
+    "opd_teacher_route": ["--opd-teacher", "a=x"],
+    "opd_mode": ["--opd-teacher", "x"],
 }
 # Fields whose test replaces part of the base (exclusive with it).
 REPLACES = {("train", "prompts"): {"rollouts": None, "loss": ["sft"]},

@@ -15,3 +15,15 @@ def copy_weights(src: Path, dst: Path, *, version: int | None = None) -> Path:
     if version is not None:
         (dst / "rltool_version.json").write_text(json.dumps({"version": version}))
     return dst
+
+
+def other_tokenizer_copy(src: Path, dst: Path) -> Path:
+    """A copy of a HF weights dir whose tokenizer.json maps one digit's id to another text (a
+    different tokenizer hash, same shapes)."""
+    copy_weights(src, dst)
+    data = json.loads((dst / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    digit = next(k for k in vocab if len(k) == 1 and k.isdigit())
+    vocab["§"] = vocab.pop(digit)
+    (dst / "tokenizer.json").write_text(json.dumps(data))
+    return dst

@@ -15,13 +15,16 @@ one). Every estimator returns per-token advantages (one tensor per sample).
          reinforce_plus_plus, delta_t = r_t + gamma * V_{t+1} - V_t (V after the last token = 0),
          A_t = delta_t + gamma * lambd * A_{t+1}; returns R_t = A_t + V_t (the value targets);
          advantages whitened over all loss-masked tokens. See `gae`.
+- none:  A = 0 on every token (pure on-policy distillation: the teacher's signal is the only one,
+         rltool.train.algo.opd).
 """
 
 from __future__ import annotations
 
 import torch
 
-ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo",
+              "none")
 GRPO_EPS = 1e-6
 WHITEN_EPS = 1e-8
 
@@ -112,6 +115,8 @@ def compute_advantages(estimator: str, *, rewards: torch.Tensor, groups: torch.T
     lengths = [m.numel() for m in masks]
     if kl is None:
         kl = [torch.zeros(n, dtype=rewards.dtype) for n in lengths]
+    if estimator == "none":
+        return [torch.zeros(n, dtype=rewards.dtype) for n in lengths]
     if estimator in ("grpo", "gspo"):
         if kl_coef:
             raise ValueError("KL reward shaping (kl_coef) applies to reinforce_plus_plus*; "
