@@ -132,7 +132,7 @@ class RolloutConfig(EngineStageConfig):
 class StageInputs:
     """Everything a stage resolves before generating: prompts, tokenizer, reward, generate fn."""
 
-    def __init__(self, cfg: EngineStageConfig):
+    def __init__(self, cfg: EngineStageConfig, *, clients: dict[str, Any] | None = None):
         from rltool.rollout.rewards import check_labels, resolve_reward
 
         out = Path(cfg.out)
@@ -148,7 +148,12 @@ class StageInputs:
         check_labels(self.reward_fn, self.prompts, spec=cfg.reward)
         self.urls = cfg.engines or [cfg.router]
         self.via_gateway = cfg.router is not None
-        infos = _engine_model_infos(cfg, self.urls)
+        # Engine clients the caller owns (an in-process engine, rltool.engine.inprocess), by URL;
+        # without them each stage call opens its own HTTP clients.
+        self.clients = clients
+        if clients is not None and set(clients) != set(self.urls):
+            raise ValueError(f"clients for {sorted(clients)} but --engines {self.urls}")
+        infos = _engine_model_infos(cfg, self.urls, clients=clients)
         # What each engine computed with, for the trainer and the align gate to match (null for
         # an engine whose /get_model_info does not say, such as SGLang, or that did not answer:
         # the router routes around engines that are down).
@@ -177,8 +182,9 @@ class StageInputs:
         from rltool.rollout.client import EngineClient
         from rltool.rollout.router import Router
 
-        clients = {url: EngineClient(url, api_key=cfg.api_key, timeout_s=cfg.request_timeout_s)
-                   for url in self.urls}
+        clients = self.clients or {
+            url: EngineClient(url, api_key=cfg.api_key, timeout_s=cfg.request_timeout_s)
+            for url in self.urls}
         return Router(clients, concurrency=cfg.concurrency, via_gateway=self.via_gateway)
 
     def collect(self, cfg: EngineStageConfig, source: Iterator[list[Sample]], *,
@@ -255,11 +261,13 @@ def cached_tokenizer(path: str | Path) -> tuple[Any, str]:
     return value
 
 
-def _engine_model_infos(cfg: EngineStageConfig,
-                        urls: list[str]) -> dict[str, dict[str, Any] | Exception]:
+def _engine_model_infos(cfg: EngineStageConfig, urls: list[str], *,
+                        clients: dict[str, Any] | None) -> dict[str, dict[str, Any] | Exception]:
     from rltool.rollout.client import EngineClient
 
     async def ask(url: str) -> dict[str, Any]:
+        if clients is not None:
+            return await clients[url].get_model_info()
         client = EngineClient(url, api_key=cfg.api_key, timeout_s=30.0)
         try:
             return await client.get_model_info()
@@ -298,18 +306,19 @@ def with_seed(cfg: EngineStageConfig) -> EngineStageConfig:
     return cfg.model_copy(update={"seed": secrets.randbelow(2**31)})
 
 
-def run(cfg: RolloutConfig) -> dict[str, Any]:
-    """Run one rollout step; returns {out, rows, groups, metrics, counts, engines, ...}."""
+def run(cfg: RolloutConfig, *, clients: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run one rollout step; returns {out, rows, groups, metrics, counts, engines, ...}.
+    `clients`: the engines' clients by URL (kept open) instead of HTTP clients per call."""
     with trace.scope(Path(cfg.out).parent / "trace", role="rollout"):
-        return _run(cfg)
+        return _run(cfg, clients=clients)
 
 
-def _run(cfg: RolloutConfig) -> dict[str, Any]:
+def _run(cfg: RolloutConfig, *, clients: dict[str, Any] | None) -> dict[str, Any]:
     from rltool.rollout import partial as partial_store
     from rltool.rollout.metrics import rollout_metrics
 
     cfg = with_seed(cfg)
-    inputs = StageInputs(cfg)
+    inputs = StageInputs(cfg, clients=clients)
     n, batch = cfg.n_samples_per_prompt, cfg.rollout_batch_size
     budget = (cfg.max_prompts or 4 * batch) if cfg.filter != "none" else batch
     carry_dir = partial_store.partial_dir(cfg.out)
