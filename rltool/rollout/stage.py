@@ -139,9 +139,8 @@ class StageInputs:
         if out.exists():
             raise BadInputError(f"--out {out} already exists; choose a new directory (a complete "
                                 "shard is never overwritten)")
-        self.prompts = load_prompts(cfg.prompts, PromptKeys(input=cfg.input_key,
-                                                            label=cfg.label_key,
-                                                            metadata=cfg.metadata_key))
+        self.prompts, rendered = cached_prompts(cfg.prompts, PromptKeys(
+            input=cfg.input_key, label=cfg.label_key, metadata=cfg.metadata_key))
         self.apply_chat_template = cfg.apply_chat_template
         self.generate_fn = load_generate_fn(cfg.generate_fn)
         self.reward_fn = resolve_reward(cfg.reward, timeout_s=cfg.reward_timeout_s)
@@ -164,7 +163,8 @@ class StageInputs:
         self.tokenizer, self.tokenizer_hash = cached_tokenizer(self.tokenizer_dir)
         if cfg.apply_chat_template:
             check_chat_template(self.tokenizer, where=str(self.tokenizer_dir))
-        self._rendered: dict[int, list[int]] = {}
+        self._rendered: dict[int, list[int]] = rendered.setdefault(
+            (self.tokenizer_hash, self.apply_chat_template), {})
 
     def new_group(self, position: int, *, n: int, uid_prefix: str) -> list[Sample]:
         """The n fresh samples of the prompt at a stream position (group_id = position)."""
@@ -238,6 +238,26 @@ class StageInputs:
 
 
 _TOKENIZER_CACHE: dict[tuple[Any, ...], tuple[Any, str]] = {}
+_PROMPTS_CACHE: dict[tuple[Any, ...],
+                     tuple[list[Prompt], dict[tuple[str, bool], dict[int, list[int]]]]] = {}
+
+
+def cached_prompts(path: str | Path, keys: PromptKeys
+                   ) -> tuple[list[Prompt], dict[tuple[str, bool], dict[int, list[int]]]]:
+    """(prompts of a file, their rendered token ids by (tokenizer hash, chat template) and row),
+    kept while the file is unchanged (size, mtime): the loop's rollout takes a step's prompts from
+    the same file every step, and reading and rendering it again was a fixed cost of every step.
+    A dataset directory is read every time (its own mtime does not follow its files)."""
+    root = Path(path).resolve()
+    if not root.is_file():
+        return load_prompts(path, keys), {}  # load_prompts reads a directory or names the error
+    stat = root.stat()
+    key = (str(root), stat.st_size, stat.st_mtime_ns, keys)
+    if key not in _PROMPTS_CACHE:
+        if len(_PROMPTS_CACHE) >= 2:  # the loop's rollout and eval files
+            _PROMPTS_CACHE.pop(next(iter(_PROMPTS_CACHE)))
+        _PROMPTS_CACHE[key] = (load_prompts(root, keys), {})
+    return _PROMPTS_CACHE[key]
 
 
 def cached_tokenizer(path: str | Path) -> tuple[Any, str]:
