@@ -234,12 +234,12 @@ def test_resume_after_kills_inside_phases_matches_uninterrupted(baseline, loop_c
 
 def test_inprocess_engine_matches_the_served_one_across_a_kill(baseline, loop_config, tmp_path):
     """`--engine inprocess` (the engine on a thread of the loop, weights copied from the resident
-    trainer): killed after step 1's rollout and resumed, it samples the same uids and reaches
-    the same final weights as the served engines of the baseline; nothing is recorded in
-    engines.json, so nothing is left behind."""
+    trainer): killed after step 0's train and resumed (the resume replays that step), it samples
+    the same uids and reaches the same final weights as the served engines of the baseline;
+    nothing is recorded in engines.json, so nothing is left behind."""
     run = tmp_path / "run"
     proc = loop_cli("--config", str(loop_config), "--run-dir", str(run), "--engine", "inprocess",
-                    "--sync", "auto", kill_after="1:rollout")
+                    "--sync", "auto", kill_after="0:train")
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert RunDir(run).read_engines() == []
     result = CliRunner().invoke(cli, ["loop", "--resume", str(run), "-q"])
