@@ -26,14 +26,14 @@ PAYLOAD = {"input_ids": [[5, 6, 7], [5, 6, 7], [8, 9]], "return_logprob": True,
 
 @pytest.fixture
 def engine(tiny_model_dir):
-    eng = InProcessEngine(ServeConfig(model=tiny_model_dir, deterministic=True,
+    eng = InProcessEngine(ServeConfig(model=tiny_model_dir, device="cpu", deterministic=True,
                                       weight_version="0"))
     yield eng
     eng.stop()
 
 
 def test_generate_answers_as_the_http_route(engine, tiny_model_dir):
-    cfg = ServeConfig(model=tiny_model_dir, deterministic=True, weight_version="0")
+    cfg = ServeConfig(model=tiny_model_dir, device="cpu", deterministic=True, weight_version="0")
     runner, sched = build_engine(cfg)
     sched.start()
     try:
