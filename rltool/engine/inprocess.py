@@ -82,7 +82,7 @@ class InProcessEngine:
         await self.state.on_thread(lambda: self.scheduler.abort(rid=rid, abort_all=abort_all))
 
     async def get_model_info(self) -> dict[str, Any]:
-        return {**self.runner.model_info(), "served_model_name": self.state.served_model_name}
+        return self.state.model_info()
 
     async def aclose(self) -> None:
         """A client's close: the engine outlives the rollout stages that use it (see stop)."""

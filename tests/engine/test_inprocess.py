@@ -17,6 +17,7 @@ from rltool.engine.config import ServeConfig
 from rltool.engine.inprocess import InProcessEngine
 from rltool.engine.server import build_engine
 from rltool.errors import EngineError
+from tests.engine.test_transfer import served
 
 pytestmark = pytest.mark.timeout(120)
 PAYLOAD = {"input_ids": [[5, 6, 7], [5, 6, 7], [8, 9]], "return_logprob": True,
@@ -63,22 +64,22 @@ def test_bad_body_is_an_engine_error_with_the_route_status(engine):
 
 
 def test_load_tensors_is_bit_equal_and_all_or_nothing(engine):
-    params = dict(engine.runner.model.named_parameters())
     gen = torch.Generator().manual_seed(1)
     # Sent as float64: the engine casts to its own dtype (fp32), as the trainer's may differ.
-    named = [(n, torch.randn(p.shape, generator=gen, dtype=torch.float64))
-             for n, p in params.items()]
+    named = [(n, torch.randn(t.shape, generator=gen, dtype=torch.float64))
+             for n, t in served(engine.runner).items()]
     engine.load_tensors(named, weight_version="7")
+    now = served(engine.runner)
     for n, t in named:
-        assert torch.equal(params[n], t.to(torch.float32)), n
+        assert torch.equal(now[n], t.to(torch.float32)), n
     assert engine.runner.weight_version == "7"
-    before = {n: p.detach().clone() for n, p in params.items()}
     name, t = named[0]
     with pytest.raises(EngineError) as err:
         engine.load_tensors([(n, t * 2) for n, t in named[1:]] + [(name, t[:1])],
                             weight_version="8")
     assert err.value.status_code == 400 and "shape" in str(err.value)
-    assert all(torch.equal(p, before[n]) for n, p in params.items())
+    after = served(engine.runner)
+    assert all(torch.equal(after[n], now[n]) for n in now)
     assert engine.runner.weight_version == "7"
     out = asyncio.run(engine.generate({**PAYLOAD, "input_ids": [5, 6, 7],
                                        "sampling_params": PAYLOAD["sampling_params"][0]}))
