@@ -6,6 +6,9 @@ Per round, alternating (so a change in the machine's load hits every variant):
   per-sample   one /generate per sample, all in flight at once (EngineClient)
   per-group    one batched /generate per prompt group (what the rollout stage sends)
   stage        `rltool.rollout.stage.run` end to end (setup, generation, rewards, shard write)
+               against the served engine
+  stage-inprocess  the same stage with the engine on a thread of this process
+               (rltool.engine.inprocess, the loop's `[loop] engine = "inprocess"`)
 
 Prints the median seconds of each and the ratio to `engine`; `--out FILE` writes the JSON.
 
@@ -96,7 +99,11 @@ def main() -> None:
     from rltool.rollout.prompts import load_prompts, load_tokenizer, render_prompt
     from rltool.rollout.stage import RolloutConfig, run as run_rollout
 
-    times: dict[str, list[float]] = {k: [] for k in ("engine", "per-sample", "per-group", "stage")}
+    from rltool.engine.config import ServeConfig
+    from rltool.engine.inprocess import InProcessEngine
+
+    times: dict[str, list[float]] = {k: [] for k in ("engine", "per-sample", "per-group", "stage",
+                                                     "stage-inprocess")}
     load = [os.getloadavg()]
     with tempfile.TemporaryDirectory(prefix="rltool-rollout-overhead-") as tmp:
         root = Path(tmp)
@@ -107,6 +114,17 @@ def main() -> None:
         engine = start_engine(["--engine", "builtin", "--model", str(model),
                                "--max-running-requests", "128"],
                               log_path=root / "engine.log", ready_timeout_s=300)
+        local = InProcessEngine(ServeConfig(model=model, max_running_requests=128))
+
+        def stage(name: str, url: str, clients: dict[str, Any] | None) -> float:
+            t0 = time.perf_counter()
+            run_rollout(RolloutConfig(prompts=str(root / "rl.jsonl"), reward="copy:partial",
+                                      n_samples_per_prompt=SAMPLES, rollout_batch_size=PROMPTS,
+                                      max_response_len=MAX_NEW, engines=[url],
+                                      out=str(root / name), quiet=True,
+                                      metrics=str(root / "m.jsonl")), clients=clients)
+            return time.perf_counter() - t0
+
         try:
             for k in range(args.rounds):
                 times["engine"].append(in_process(model, prompts))
@@ -114,16 +132,12 @@ def main() -> None:
                                                                  grouped=False)))
                 times["per-group"].append(asyncio.run(over_http(engine.url, prompts,
                                                                 grouped=True)))
-                t0 = time.perf_counter()
-                run_rollout(RolloutConfig(prompts=str(root / "rl.jsonl"), reward="copy:partial",
-                                          n_samples_per_prompt=SAMPLES,
-                                          rollout_batch_size=PROMPTS, max_response_len=MAX_NEW,
-                                          engines=[engine.url], out=str(root / f"r{k}"),
-                                          quiet=True, metrics=str(root / "m.jsonl")))
-                times["stage"].append(time.perf_counter() - t0)
+                times["stage"].append(stage(f"r{k}", engine.url, None))
+                times["stage-inprocess"].append(stage(f"l{k}", local.url, {local.url: local}))
                 load.append(os.getloadavg())
         finally:
             engine.stop()
+            local.stop()
     med = {k: statistics.median(v) for k, v in times.items()}
     for k, v in med.items():
         print(f"{k:>10s}: {v:.3f}s median ({v / med['engine']:.2f}x engine)")

@@ -54,12 +54,14 @@ def loop_tables(root: Path, *, model: Path, steps: int, seed: int = SEED) -> dic
         # sign-like steps from wrecking the warm start (measured: docs/loop.md).
         "train": {"lr": 3e-3, "lr_warmup_steps": 5, "global_batch_size": 64,
                   "advantage_estimator": "grpo"},
-        # auto: the colocated engine takes the weights in memory (tensor sync); checkpoints
-        # every save_interval steps and at the end.
+        # auto: the colocated engine takes the weights in memory (here a copy into the
+        # in-process engine); checkpoints every save_interval steps and at the end.
         "sync": {"sync": "auto"},
         "eval": {"prompts": str(root / "eval.jsonl"), "n_samples_per_prompt": 4},
+        # The engine on a thread of the loop process: no HTTP/JSON per call (docs/loop.md).
         "loop": {"num_steps": steps, "placement": "colocated", "num_engines": 1, "seed": seed,
-                 "eval_interval": 15, "engine_args": ["--max-running-requests", "128"]},
+                 "engine": "inprocess", "eval_interval": 15,
+                 "engine_args": ["--max-running-requests", "128"]},
     }
 
 

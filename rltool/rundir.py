@@ -143,8 +143,8 @@ class RunDir:
                                 "delete it")
         return data
 
-    def write_state(self, state: dict[str, Any]) -> None:
-        atomic.write_json(self.state, state)
+    def write_state(self, state: dict[str, Any], *, fsync: bool = True) -> None:
+        atomic.write_json(self.state, state, fsync=fsync)
 
     def read_engines(self) -> list[dict[str, Any]]:
         data = read_json_file(self.engines, what="engines.json")

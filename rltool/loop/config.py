@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from rltool.config import StageConfig, cli, format_validation_error, read_toml
 from rltool.delta.config import SyncConfig
+from rltool.engine.config import ServeConfig
 from rltool.errors import ConfigError
 from rltool.loop.affinity import check_cores
 from rltool.rollout.eval import EvalConfig
@@ -43,6 +44,10 @@ EVAL_INHERITS = ("reward", "max_response_len", "temperature", "top_p", "top_k", 
                  "reward_workers", "concurrency", "input_key", "label_key", "metadata_key",
                  "apply_chat_template")
 PLACEHOLDER_URL = "http://127.0.0.1:1"
+# `rltool serve` flags an in-process engine has no use for (it is no server, and shares the loop
+# process's torch threads).
+INPROCESS_REFUSED = frozenset({"engine", "model", "url", "host", "port", "ready_file",
+                               "num_threads", "api_key", "admin_api_key", "log_level"})
 
 
 class ModelConfig(StageConfig):
@@ -57,6 +62,11 @@ class LoopConfig(TrackingConfig):
         "in the loop process; disaggregated: the trainer runs as its own subprocess while the "
         "engines keep their memory.")
     num_engines: int = Field(1, ge=1, description="Builtin engines to start (each --port 0).")
+    engine: Literal["serve", "inprocess"] = Field(
+        "serve", description="serve: each engine is an `rltool serve` child reached over HTTP; "
+        "inprocess: one builtin engine on a thread of the loop process, called directly and "
+        "handed the trainer's tensors by a copy (colocated placement, sync auto or tensor, one "
+        "engine).")
     engine_args: list[str] = Field(default_factory=list, description="Extra `rltool serve` "
                                    "arguments for every engine (e.g. [\"--max-running-requests\","
                                    " \"128\"]); in the file or --set loop.engine_args=[...].",
@@ -162,6 +172,8 @@ class LoopSettings(BaseModel):
             raise ConfigError(f"--sync {settings.sync.sync} hands weights to engines on the "
                               "trainer's host: use --placement colocated, or --sync full, delta "
                               "or auto")
+        if loop.engine == "inprocess":
+            settings.serve_config(model.path)
         if loop.eval_interval is not None and settings.eval is None:
             raise ConfigError("[loop] eval_interval needs an [eval] table with prompts = FILE")
         # Validate every stage with placeholder values for the keys the loop owns.
@@ -207,6 +219,29 @@ class LoopSettings(BaseModel):
         values.update(rollouts=[str(run.rollout_step(step))], load=load, save=str(run.ckpt),
                       metrics=str(run.metrics_file("train")))
         return _validate(TrainConfig, values, "train")
+
+    def serve_config(self, model_dir: str | Path) -> ServeConfig:
+        """The in-process engine's settings: `engine_args` read as `rltool serve` flags
+        (`--max-running-requests 128`, `--dtype bf16`, a bare flag is true), for `model_dir`."""
+        loop = self.loop
+        if loop.placement != "colocated" or loop.num_engines != 1 or self.sync.sync not in (
+                "auto", "tensor"):
+            raise ConfigError("[loop] engine = \"inprocess\" runs one engine in the loop "
+                              "process: it needs placement = \"colocated\", num_engines = 1 and "
+                              "[sync] sync = \"auto\" or \"tensor\"; or use engine = \"serve\"")
+        values: dict[str, Any] = {}
+        args = list(loop.engine_args)
+        while args:
+            flag = args.pop(0)
+            key = flag[2:].replace("-", "_")
+            if not flag.startswith("--") or key in INPROCESS_REFUSED:
+                raise ConfigError(f"[loop] engine_args: {flag!r} is not an in-process engine "
+                                  f"option (not a flag, or one of {sorted(INPROCESS_REFUSED)}, "
+                                  "which only a server has)")
+            values[key] = args.pop(0) if args and not args[0].startswith("--") else True
+        values.update(engine="builtin", model=str(model_dir))
+        values["deterministic"] = loop.deterministic or bool(values.get("deterministic", False))
+        return _validate(ServeConfig, values, "loop.engine_args")
 
     def is_eval_step(self, step: int) -> bool:
         k = self.loop.eval_interval

@@ -89,6 +89,11 @@ class EngineSet:
     def urls(self) -> list[str]:
         return [p.url for p in self.procs]
 
+    @property
+    def clients(self) -> dict[str, Any] | None:
+        """Engine clients the stages should use instead of opening HTTP clients (none here)."""
+        return None
+
     def start(self, model_dir: Path) -> None:
         # Weight paths the engines accept: the run's weights/ (the model's parent) and the
         # host-local directory /pull_weights rebuilds delta versions in.

@@ -54,7 +54,8 @@ def rollout(ctx: StepContext) -> None:
     if (out / MANIFEST).exists():
         return
     atomic.remove_stale_temporaries(ctx.run.rollouts)
-    run_rollout(ctx.settings.rollout_config(ctx.run, step=ctx.state.step, urls=ctx.engines.urls))
+    run_rollout(ctx.settings.rollout_config(ctx.run, step=ctx.state.step, urls=ctx.engines.urls),
+                clients=ctx.engines.clients)
 
 
 def newest_checkpoint_version(run: RunDir) -> int | None:
@@ -289,7 +290,8 @@ def evaluate(ctx: StepContext) -> dict[str, Any]:
     if not (out / MANIFEST).exists():
         atomic.remove_stale_temporaries(ctx.run.eval)
         run_eval(ctx.settings.eval_config(ctx.run, step=ctx.state.step, urls=ctx.engines.urls,
-                                          policy_version=ctx.state.policy_version))
+                                          policy_version=ctx.state.policy_version),
+                 clients=ctx.engines.clients)
     rows = [r for r in read_metrics(ctx.run.metrics_file("eval")) if r.get("step") ==
             ctx.state.step]
     return rows[-1] if rows else {}

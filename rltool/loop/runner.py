@@ -83,10 +83,7 @@ def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None,
     state.status = "running"
     state.save(run)
     registry = ChildRegistry(run)
-    engines = EngineSet(run, registry, num_engines=settings.loop.num_engines,
-                        engine_args=settings.loop.engine_args,
-                        deterministic=settings.loop.deterministic,
-                        ready_timeout_s=settings.loop.engine_ready_timeout_s)
+    engines = _engines(run, registry, settings)
     ctx = phases.StepContext(run=run, settings=settings, engines=engines, registry=registry,
                              state=state)
     mirror = tracking.open_mirror(settings.loop, run, from_step=state.step,
@@ -142,6 +139,18 @@ def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None,
     return {"run_dir": str(run.root), "steps": state.step, "policy_version": state.policy_version,
             "elapsed_s": time.perf_counter() - t_start,
             "metrics": str(run.metrics_file("loop"))}
+
+
+def _engines(run: RunDir, registry: ChildRegistry, settings: LoopSettings) -> EngineSet:
+    if settings.loop.engine == "inprocess":
+        from rltool.loop.local_engine import InProcessEngines
+
+        return InProcessEngines(run, registry, serve_config=settings.serve_config(
+            run.weight_version(0)), ready_timeout_s=settings.loop.engine_ready_timeout_s)
+    return EngineSet(run, registry, num_engines=settings.loop.num_engines,
+                     engine_args=settings.loop.engine_args,
+                     deterministic=settings.loop.deterministic,
+                     ready_timeout_s=settings.loop.engine_ready_timeout_s)
 
 
 def run_step(ctx: phases.StepContext, *, writer: MetricsWriter,

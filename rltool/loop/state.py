@@ -53,16 +53,20 @@ class LoopState:
             raise BadInputError(f"{run.state}: unknown phase {state.phase!r}")
         return state
 
-    def save(self, run: RunDir) -> None:
+    def save(self, run: RunDir, *, fsync: bool = True) -> None:
         with trace.span("record", cat="phase", step=self.step):
-            run.write_state(asdict(self))
+            run.write_state(asdict(self), fsync=fsync)
 
     def done(self, run: RunDir, phase: str, *, seconds: float | None = None) -> None:
-        """Record `phase` of the current step as completed (its marker exists)."""
+        """Record `phase` of the current step as completed (its marker exists).
+
+        Replaced atomically but not fsynced (the end of a step and the run's status are): a
+        crash of the machine may bring back the previous record, which only means redoing
+        phases whose artifacts each phase finds by its marker first, as after a kill."""
         self.phase = phase
         if seconds is not None:
             self.phase_times[phase] = seconds
-        self.save(run)
+        self.save(run, fsync=False)
         maybe_kill(f"{self.step}:{phase}")
 
     def next_step(self, run: RunDir) -> None:

@@ -2,7 +2,8 @@
 
 A group is the N samples of one prompt. Each sample runs the generate function through the router,
 then its reward runs in a worker thread (never on the event loop, so a slow reward function or a
-remote reward model does not stall generation). Every sample ends completed, truncated, aborted or
+remote reward model does not stall generation; a reward marked `inline`, the label rewards' cheap
+string comparison, is called on the loop). Every sample ends completed, truncated, aborted or
 failed; a group is then kept for the shard, dropped by the dynamic filter (counted), or carried
 over to a later call (partial rollout).
 
@@ -310,12 +311,15 @@ class Collector:
             s.reward = 0.0
             return
         self.reward_calls += 1
-        loop = asyncio.get_running_loop()
-        call = loop.run_in_executor(self._pool, self.reward_fn, s.prompt, s.response, s.label,
-                                    s.metadata)
+        args = (s.prompt, s.response, s.label, s.metadata)
         try:
             with trace.span("reward", cat="reward"):
-                result = await asyncio.wait_for(call, self.reward_timeout_s)
+                if getattr(self.reward_fn, "inline", False):  # cheap and bounded: no thread
+                    result = self.reward_fn(*args)
+                else:
+                    call = asyncio.get_running_loop().run_in_executor(self._pool, self.reward_fn,
+                                                                      *args)
+                    result = await asyncio.wait_for(call, self.reward_timeout_s)
             reward = float(result.reward)
             if not math.isfinite(reward):
                 raise ValueError(f"reward is {reward}")

@@ -28,12 +28,13 @@ class EvalConfig(EngineStageConfig):
                                   "its reward is at least this.")
 
 
-def run(cfg: EvalConfig) -> dict[str, Any]:
-    """Evaluate; returns {out, rows, metrics, metrics_path, engines}."""
+def run(cfg: EvalConfig, *, clients: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Evaluate; returns {out, rows, metrics, metrics_path, engines}. `clients` as for
+    rltool.rollout.stage.run."""
     from rltool.rollout.metrics import eval_metrics
 
     cfg = with_seed(cfg)
-    inputs = StageInputs(cfg)
+    inputs = StageInputs(cfg, clients=clients)
     num_prompts = min(cfg.max_prompts or len(inputs.prompts), len(inputs.prompts))
     source = (inputs.new_group(p, n=cfg.n_samples_per_prompt, uid_prefix=f"eval{cfg.step:06d}")
               for p in range(num_prompts))

@@ -100,6 +100,9 @@ class LabelReward:
     variant: str  # "exact" | "partial"
     task: str | None = None
     needs_label: ClassVar[bool] = True  # the stage checks every prompt has one before sampling
+    # A string comparison bounded by the response length: the collector calls it on its event
+    # loop (no thread hand-over per sample, no timeout), which cost more than the comparison.
+    inline: ClassVar[bool] = True
 
     def __call__(self, prompt: str, response: str, label: str | None,
                  metadata: dict[str, Any]) -> RewardResult:

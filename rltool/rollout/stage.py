@@ -155,23 +155,27 @@ class RolloutConfig(EngineStageConfig):
 class StageInputs:
     """Everything a stage resolves before generating: prompts, tokenizer, reward, generate fn."""
 
-    def __init__(self, cfg: EngineStageConfig):
+    def __init__(self, cfg: EngineStageConfig, *, clients: dict[str, Any] | None = None):
         from rltool.rollout.rewards import check_labels, resolve_reward
 
         out = Path(cfg.out)
         if out.exists():
             raise BadInputError(f"--out {out} already exists; choose a new directory (a complete "
                                 "shard is never overwritten)")
-        self.prompts = load_prompts(cfg.prompts, PromptKeys(input=cfg.input_key,
-                                                            label=cfg.label_key,
-                                                            metadata=cfg.metadata_key))
+        self.prompts, rendered = cached_prompts(cfg.prompts, PromptKeys(
+            input=cfg.input_key, label=cfg.label_key, metadata=cfg.metadata_key))
         self.apply_chat_template = cfg.apply_chat_template
         self.generate_fn = load_generate_fn(cfg.generate_fn)
         self.reward_fn = resolve_reward(cfg.reward, timeout_s=cfg.reward_timeout_s)
         check_labels(self.reward_fn, self.prompts, spec=cfg.reward)
         self.urls = cfg.engines or [cfg.router]
         self.via_gateway = cfg.router is not None
-        infos = _engine_model_infos(cfg, self.urls)
+        # Engine clients the caller owns (an in-process engine, rltool.engine.inprocess), by URL;
+        # without them each stage call opens its own HTTP clients.
+        self.clients = clients
+        if clients is not None and set(clients) != set(self.urls):
+            raise ValueError(f"clients for {sorted(clients)} but --engines {self.urls}")
+        infos = _engine_model_infos(cfg, self.urls, clients=clients)
         # What each engine computed with, for the trainer and the align gate to match (null for
         # an engine whose /get_model_info does not say, such as SGLang, or that did not answer:
         # the router routes around engines that are down).
@@ -182,7 +186,8 @@ class StageInputs:
         self.tokenizer, self.tokenizer_hash = cached_tokenizer(self.tokenizer_dir)
         if cfg.apply_chat_template:
             check_chat_template(self.tokenizer, where=str(self.tokenizer_dir))
-        self._rendered: dict[int, list[int]] = {}
+        self._rendered: dict[int, list[int]] = rendered.setdefault(
+            (self.tokenizer_hash, self.apply_chat_template), {})
 
     def new_group(self, position: int, *, n: int, uid_prefix: str) -> list[Sample]:
         """The n fresh samples of the prompt at a stream position (group_id = position)."""
@@ -200,8 +205,9 @@ class StageInputs:
         from rltool.rollout.client import EngineClient
         from rltool.rollout.router import Router
 
-        clients = {url: EngineClient(url, api_key=cfg.api_key, timeout_s=cfg.request_timeout_s)
-                   for url in self.urls}
+        clients = self.clients or {
+            url: EngineClient(url, api_key=cfg.api_key, timeout_s=cfg.request_timeout_s)
+            for url in self.urls}
         return Router(clients, concurrency=cfg.concurrency, via_gateway=self.via_gateway)
 
     def collect(self, cfg: EngineStageConfig, source: Iterator[list[Sample]], *,
@@ -255,6 +261,26 @@ class StageInputs:
 
 
 _TOKENIZER_CACHE: dict[tuple[Any, ...], tuple[Any, str]] = {}
+_PROMPTS_CACHE: dict[tuple[Any, ...],
+                     tuple[list[Prompt], dict[tuple[str, bool], dict[int, list[int]]]]] = {}
+
+
+def cached_prompts(path: str | Path, keys: PromptKeys
+                   ) -> tuple[list[Prompt], dict[tuple[str, bool], dict[int, list[int]]]]:
+    """(prompts of a file, their rendered token ids by (tokenizer hash, chat template) and row),
+    kept while the file is unchanged (size, mtime): the loop's rollout takes a step's prompts from
+    the same file every step, and reading and rendering it again was a fixed cost of every step.
+    A dataset directory is read every time (its own mtime does not follow its files)."""
+    root = Path(path).resolve()
+    if not root.is_file():
+        return load_prompts(path, keys), {}  # load_prompts reads a directory or names the error
+    stat = root.stat()
+    key = (str(root), stat.st_size, stat.st_mtime_ns, keys)
+    if key not in _PROMPTS_CACHE:
+        if len(_PROMPTS_CACHE) >= 2:  # the loop's rollout and eval files
+            _PROMPTS_CACHE.pop(next(iter(_PROMPTS_CACHE)))
+        _PROMPTS_CACHE[key] = (load_prompts(root, keys), {})
+    return _PROMPTS_CACHE[key]
 
 
 def cached_tokenizer(path: str | Path) -> tuple[Any, str]:
@@ -278,11 +304,13 @@ def cached_tokenizer(path: str | Path) -> tuple[Any, str]:
     return value
 
 
-def _engine_model_infos(cfg: EngineStageConfig,
-                        urls: list[str]) -> dict[str, dict[str, Any] | Exception]:
+def _engine_model_infos(cfg: EngineStageConfig, urls: list[str], *,
+                        clients: dict[str, Any] | None) -> dict[str, dict[str, Any] | Exception]:
     from rltool.rollout.client import EngineClient
 
     async def ask(url: str) -> dict[str, Any]:
+        if clients is not None:
+            return await clients[url].get_model_info()
         client = EngineClient(url, api_key=cfg.api_key, timeout_s=30.0)
         try:
             return await client.get_model_info()
@@ -321,18 +349,19 @@ def with_seed(cfg: EngineStageConfig) -> EngineStageConfig:
     return cfg.model_copy(update={"seed": secrets.randbelow(2**31)})
 
 
-def run(cfg: RolloutConfig) -> dict[str, Any]:
-    """Run one rollout step; returns {out, rows, groups, metrics, counts, engines, ...}."""
+def run(cfg: RolloutConfig, *, clients: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run one rollout step; returns {out, rows, groups, metrics, counts, engines, ...}.
+    `clients`: the engines' clients by URL (kept open) instead of HTTP clients per call."""
     with trace.scope(Path(cfg.out).parent / "trace", role="rollout"):
-        return _run(cfg)
+        return _run(cfg, clients=clients)
 
 
-def _run(cfg: RolloutConfig) -> dict[str, Any]:
+def _run(cfg: RolloutConfig, *, clients: dict[str, Any] | None) -> dict[str, Any]:
     from rltool.rollout import partial as partial_store
     from rltool.rollout.metrics import rollout_metrics
 
     cfg = with_seed(cfg)
-    inputs = StageInputs(cfg)
+    inputs = StageInputs(cfg, clients=clients)
     if cfg.opd_teacher:
         from rltool.rollout.teachers import check_teachers
 

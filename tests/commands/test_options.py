@@ -89,6 +89,7 @@ COMPANIONS = {
     "mode": ["--placement", "disaggregated"],  # async refuses colocated placement
     "opd_teacher_route": ["--opd-teacher", "a=x"],
     "opd_mode": ["--opd-teacher", "x"],
+    ("loop", "engine"): ["--sync", "auto"],  # the in-process engine takes in-memory sync only
 }
 # Fields whose test replaces part of the base (exclusive with it).
 REPLACES = {("train", "prompts"): {"rollouts": None, "loss": ["sft"]},
@@ -206,7 +207,7 @@ def test_every_option_of_every_command_reaches_its_stage_config(files, capture):
             this_base = dict(base)
             this_base.update(REPLACES.get((path[0], param.field), {}))
             argv, positional = build_argv(cmd, this_base, skip=param.field)
-            argv += COMPANIONS.get(param.field, [])
+            argv += COMPANIONS.get((path[0], param.field), COMPANIONS.get(param.field, []))
             if (path[0], param.field) in REAL_VALUES:
                 real = files[REAL_VALUES[path[0], param.field]]
                 tries = [([param.opts[0], real], real)]

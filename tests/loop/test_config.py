@@ -63,6 +63,18 @@ def test_deterministic_sets_trainer_and_seed(tiny_model_dir, tmp_path):
     ({"loop__eval_interval": 2}, "needs an [eval] table"),
     ({"model__path": "/nonexistent"}, "not a HF weights directory"),
     ({"rollout__reward": None}, "--reward (in [rollout])"),
+    ({"loop__engine": "inprocess"}, "[sync] sync = \"auto\" or \"tensor\""),
+    ({"loop__engine": "inprocess", "sync__sync": "auto", "loop__num_engines": 2},
+     "num_engines = 1"),
+    ({"loop__engine": "inprocess", "sync__sync": "auto", "loop__placement": "disaggregated"},
+     "placement = \"colocated\""),
+    ({"loop__engine": "inprocess", "sync__sync": "auto", "loop__engine_args": ["--port", "1"]},
+     "'--port' is not an in-process engine option"),
+    ({"loop__engine": "inprocess", "sync__sync": "tensor",
+      "loop__engine_args": ["--max-running-requests", "many"]},
+     "--max-running-requests (in [loop.engine_args])"),
+    ({"loop__engine": "inprocess", "sync__sync": "auto", "loop__engine_args": ["--bogus"]},
+     "unknown key 'bogus'"),
 ])
 def test_bad_config_names_the_key(tiny_model_dir, change, message):
     with pytest.raises(ConfigError) as err:
@@ -138,3 +150,13 @@ def test_async_takes_in_memory_sync_with_disaggregated_engines(tiny_model_dir, s
     with pytest.raises(ConfigError, match="--placement colocated"):
         LoopSettings.from_tables(tables(tiny_model_dir, sync__sync=sync,
                                         loop__placement="disaggregated"))
+
+
+def test_inprocess_engine_reads_engine_args_as_serve_flags(tiny_model_dir):
+    settings = LoopSettings.from_tables(tables(
+        tiny_model_dir, sync__sync="auto", loop__engine="inprocess", loop__deterministic=True,
+        loop__engine_args=["--max-running-requests", "128", "--disable-radix-cache"]))
+    cfg = settings.serve_config(tiny_model_dir)
+    assert (cfg.max_running_requests, cfg.disable_radix_cache, cfg.deterministic) == (128, True,
+                                                                                      True)
+    assert cfg.model == tiny_model_dir and cfg.engine == "builtin"

@@ -232,6 +232,27 @@ def test_resume_after_kills_inside_phases_matches_uninterrupted(baseline, loop_c
     assert [r["step"] for r in read_metrics(RunDir(run).metrics_file("loop"))] == [0, 1]
 
 
+def test_inprocess_engine_matches_the_served_one_across_a_kill(baseline, loop_config, tmp_path):
+    """`--engine inprocess` (the engine on a thread of the loop, weights copied from the resident
+    trainer): killed after step 0's train and resumed (the resume replays that step), it samples
+    the same uids and reaches the same final weights as the served engines of the baseline;
+    nothing is recorded in engines.json, so nothing is left behind."""
+    run = tmp_path / "run"
+    proc = loop_cli("--config", str(loop_config), "--run-dir", str(run), "--engine", "inprocess",
+                    "--sync", "auto", kill_after="0:train")
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert RunDir(run).read_engines() == []
+    result = CliRunner().invoke(cli, ["loop", "--resume", str(run), "-q"])
+    assert result.exit_code == 0, result.output
+    assert newest_version(run) == newest_version(baseline)
+    assert final_model_bytes(run) == final_model_bytes(baseline)
+    for step in range(NUM_STEPS):
+        assert uids(RunDir(run).rollout_step(step)) == uids(RunDir(baseline).rollout_step(step))
+    rows = read_metrics(RunDir(run).metrics_file("loop"))
+    assert [(r["step"], r["sync/mode"]) for r in rows] == [(0, "tensor"), (1, "tensor")]
+    assert "eval/mean_reward" in rows[-1]
+
+
 def uids(shard: Path) -> list[str]:
     from rltool.data.shards import open_shard
 

@@ -28,7 +28,7 @@ def test_loop_rollout_stops_on_too_many_failed_rewards(builtin_engine, tiny_mode
     rows[0]["metadata"] = {"fail": True}  # a quarter of the reward calls raise
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    engines = SimpleNamespace(urls=[builtin_engine.url])
+    engines = SimpleNamespace(urls=[builtin_engine.url], clients=None)
 
     def rollout_phase(run, **rollout_keys):
         settings = LoopSettings.from_tables(tables(

@@ -82,6 +82,28 @@ def test_rewards_run_in_worker_threads_and_timeouts_fail_clearly():
         assert s.finish_reason.startswith("reward_timeout")
 
 
+def test_inline_rewards_run_on_the_event_loop_and_their_errors_still_fail_the_sample():
+    threads = set()
+
+    class CheapReward:
+        inline = True
+
+        def __call__(self, prompt, response, label, metadata):
+            threads.add(threading.current_thread().name)
+            if label == "1":
+                raise ValueError("bad label")
+            return RewardResult(reward=2.0)
+
+    result = collect([FakeEngine("http://a")], groups_source(2, 2), reward_fn=CheapReward(),
+                     target_groups=2)
+    assert threads == {threading.main_thread().name}
+    by_group = {g[0].group_id: g for g in result.kept}
+    assert all(s.reward == 2.0 for s in by_group[0])
+    assert all(s.status == "failed" and s.finish_reason.startswith("reward_error: ValueError")
+               for s in by_group[1])
+    assert (result.counts["reward_calls"], result.counts["failed_rewards"]) == (4, 2)
+
+
 def test_generate_fn_exception_marks_sample_failed_not_lost():
     async def broken(sample, ctx):
         if sample.sample_index == 1:

@@ -67,3 +67,23 @@ def test_carry_files_round_trip_newest_earlier_step_and_pruning(tmp_path):
     assert sorted(p.name for p in d.iterdir()) == ["step-000002.parquet", "step-000004.parquet"]
     with pytest.raises(TokenizerMismatchError, match="delete the file"):
         partial.load_carry(d, step=3, tokenizer_hash="other")
+
+
+def test_cached_prompts_reload_when_the_file_changes(tmp_path):
+    import os
+
+    from rltool.data.tasks import make_rows, write_prompts
+    from rltool.rollout.prompts import PromptKeys
+    from rltool.rollout.stage import cached_prompts
+
+    path = tmp_path / "p.jsonl"
+    write_prompts(make_rows("copy", num=3, seed=1), path)
+    first, rendered = cached_prompts(path, PromptKeys())
+    rendered.setdefault(("tok", True), {})[0] = [1, 2]
+    again, rendered_again = cached_prompts(path, PromptKeys())
+    assert again is first and rendered_again[("tok", True)] == {0: [1, 2]}
+    assert cached_prompts(path, PromptKeys(label="other"))[0] is not first  # keys are part of it
+    write_prompts(make_rows("copy", num=4, seed=2), path)
+    os.utime(path, ns=(1, 1))  # a new mtime even on a coarse clock
+    changed, fresh = cached_prompts(path, PromptKeys())
+    assert len(changed) == 4 and fresh == {}

@@ -45,6 +45,18 @@ class EngineState:
     def served_model_name(self) -> str:
         return self.cfg.served_model_name or str(self.cfg.model)
 
+    def model_info(self) -> dict[str, Any]:
+        """SGLang's /get_model_info body (model and tokenizer paths, weight version, ...)."""
+        runner = self.runner
+        cfg_json = runner.config_json
+        return {"model_path": str(runner.model_path), "tokenizer_path": str(runner.tokenizer_path),
+                "is_generation": True, "preferred_sampling_params": None,
+                "weight_version": runner.weight_version, "has_image_understanding": False,
+                "has_audio_understanding": False, "model_type": cfg_json.get("model_type"),
+                "architectures": list(cfg_json.get("architectures") or []),
+                "device": runner.device.type, "dtype": runner.dtype,
+                "served_model_name": self.served_model_name}
+
     async def on_thread(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the scheduler thread between steps and await its result."""
         return await asyncio.wrap_future(self.scheduler.call(fn))

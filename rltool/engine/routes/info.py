@@ -54,14 +54,7 @@ def router(state: EngineState) -> APIRouter:
     @r.get(api.MODEL_INFO)
     @r.get(api.MODEL_INFO_ALIAS)
     async def model_info() -> dict[str, Any]:
-        cfg_json = runner.config_json
-        return {"model_path": str(runner.model_path), "tokenizer_path": str(runner.tokenizer_path),
-                "is_generation": True, "preferred_sampling_params": None,
-                "weight_version": runner.weight_version, "has_image_understanding": False,
-                "has_audio_understanding": False, "model_type": cfg_json.get("model_type"),
-                "architectures": list(cfg_json.get("architectures") or []),
-                "device": runner.device.type, "dtype": runner.dtype,
-                "served_model_name": state.served_model_name}
+        return state.model_info()
 
     @r.get(api.SERVER_INFO)
     @r.get(api.SERVER_INFO_ALIAS)

@@ -1,0 +1,106 @@
+"""The builtin engine run inside the caller's process: no server, no HTTP, no JSON.
+
+`InProcessEngine(cfg)` builds the same runner and scheduler as `rltool serve` (server.build_engine)
+and starts the scheduler thread. It answers the calls the rollout stage makes of an engine client
+(`generate`, `health`, `abort_request`, `get_model_info`, `aclose`, as
+rltool.rollout.client.EngineClient does) with the bodies the HTTP routes would return, built by the
+routes' own `EngineState`; and it takes weights straight from the caller's tensors (`load_tensors`),
+applied by the scheduler between steps like /update_weights_from_tensor.
+
+What it does not do: serve anyone else (no URL, no admin key, no OpenAI routes), stream, release
+memory, or load weights from disk after start.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pydantic import ValidationError
+
+from rltool.config import torch_dtype_name
+from rltool.delta.tensor_sync import dtype_of
+from rltool.engine.api import GenerateInput
+from rltool.engine.config import ServeConfig
+from rltool.engine.routes.base import EngineState, describe_errors
+from rltool.engine.scheduler import QueueFullError
+from rltool.engine.server import build_engine
+from rltool.errors import BadInputError, EngineError
+
+URL_SCHEME = "inprocess://"
+
+
+class InProcessEngine:
+    """One builtin engine on a scheduler thread of this process; `url` only names it."""
+
+    def __init__(self, cfg: ServeConfig, *, name: str = "engine-0"):
+        runner, scheduler = build_engine(cfg)
+        self.url = f"{URL_SCHEME}{name}"
+        self.state = EngineState(cfg=cfg, runner=runner, scheduler=scheduler,
+                                 started=time.monotonic())
+        scheduler.start()
+
+    @property
+    def runner(self) -> Any:
+        return self.state.runner
+
+    @property
+    def scheduler(self) -> Any:
+        return self.state.scheduler
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+
+    # ----- what a rollout client calls -------------------------------------------------------
+
+    async def generate(self, payload: dict[str, Any], *,
+                       routing_key: str | None = None) -> dict[str, Any] | list[dict[str, Any]]:
+        """/generate's answer for a payload (a list for a batch or n > 1). The errors the route
+        answers with a status are raised as EngineError with that status."""
+        try:
+            reqs, as_list = self.state.expand(GenerateInput.model_validate(payload))
+            outs = await self.state.run(reqs)
+        except ValidationError as e:
+            raise EngineError(f"{self.url}: bad generate body: {describe_errors(e.errors())}",
+                              status_code=400) from e
+        except BadInputError as e:
+            raise EngineError(f"{self.url}: {e}", status_code=400) from e
+        except QueueFullError as e:
+            raise EngineError(f"{self.url}: {e}", status_code=429) from e
+        for out in outs:
+            reason = out["meta_info"]["finish_reason"] or {}
+            if reason.get("type") == "abort" and reason.get("status_code"):
+                raise EngineError(f"{self.url}: {reason['message']}",
+                                  status_code=int(reason["status_code"]))
+        return outs if as_list else outs[0]
+
+    async def health(self) -> None:
+        if not self.scheduler.alive:
+            raise EngineError(f"{self.url}: the scheduler thread has stopped")
+
+    async def abort_request(self, *, rid: str = "", abort_all: bool = False) -> None:
+        await self.state.on_thread(lambda: self.scheduler.abort(rid=rid, abort_all=abort_all))
+
+    async def get_model_info(self) -> dict[str, Any]:
+        return self.state.model_info()
+
+    async def aclose(self) -> None:
+        """A client's close: the engine outlives the rollout stages that use it (see stop)."""
+
+    # ----- weights ---------------------------------------------------------------------------
+
+    def load_tensors(self, named: list[tuple[str, Any]], *, weight_version: str) -> None:
+        """Copy named tensors into the served model (cast to the engine's --dtype), after the requests that
+        arrived before have finished; all or nothing (a wrong name or shape raises EngineError
+        with status 400 and the weights stay)."""
+        runner = self.runner
+        dtype = dtype_of(torch_dtype_name(self.state.cfg.dtype))
+
+        def apply() -> None:
+            runner.load_named_tensors([(n, t.detach().to(dtype)) for n, t in named])
+            runner.weight_version = weight_version
+
+        try:
+            self.scheduler.update_weights(apply, abort_all=False).result()
+        except BadInputError as e:
+            raise EngineError(f"{self.url}: weight update refused: {e}", status_code=400) from e

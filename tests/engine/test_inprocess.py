@@ -1,0 +1,86 @@
+"""The builtin engine in the caller's process: the same answers as its /generate route, weight
+copies bit-equal to the sender's tensors (cast to the engine's dtype), and the route's refusals
+raised as EngineError with the route's status."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from rltool.engine import api
+from rltool.engine.app import EngineState, build_app
+from rltool.engine.config import ServeConfig
+from rltool.engine.inprocess import InProcessEngine
+from rltool.engine.server import build_engine
+from rltool.errors import EngineError
+from tests.engine.test_transfer import served
+
+pytestmark = pytest.mark.timeout(120)
+PAYLOAD = {"input_ids": [[5, 6, 7], [5, 6, 7], [8, 9]], "return_logprob": True,
+           "sampling_params": [{"max_new_tokens": 4, "temperature": 1.0, "sampling_seed": s}
+                               for s in (1, 2, 3)]}
+
+
+@pytest.fixture
+def engine(tiny_model_dir):
+    eng = InProcessEngine(ServeConfig(model=tiny_model_dir, device="cpu", deterministic=True,
+                                      weight_version="0"))
+    yield eng
+    eng.stop()
+
+
+def test_generate_answers_as_the_http_route(engine, tiny_model_dir):
+    cfg = ServeConfig(model=tiny_model_dir, device="cpu", deterministic=True, weight_version="0")
+    runner, sched = build_engine(cfg)
+    sched.start()
+    try:
+        app = build_app(EngineState(cfg=cfg, runner=runner, scheduler=sched,
+                                    started=time.monotonic()))
+        with TestClient(app) as client:
+            over_http = client.post(api.GENERATE, json=PAYLOAD).json()
+    finally:
+        sched.stop()
+    direct = asyncio.run(engine.generate(PAYLOAD))
+    assert isinstance(direct, list) and len(direct) == 3
+    for a, b in zip(direct, over_http):
+        assert a["output_ids"] == b["output_ids"] and a["text"] == b["text"]
+        assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
+        assert a["meta_info"]["weight_version"] == "0"
+    one = asyncio.run(engine.generate({**PAYLOAD, "input_ids": [5, 6, 7],
+                                       "sampling_params": PAYLOAD["sampling_params"][0]}))
+    assert one["output_ids"] == direct[0]["output_ids"]
+    info = asyncio.run(engine.get_model_info())
+    assert info["tokenizer_path"] == str(tiny_model_dir) and info["dtype"] == "fp32"
+
+
+def test_bad_body_is_an_engine_error_with_the_route_status(engine):
+    with pytest.raises(EngineError) as err:
+        asyncio.run(engine.generate({"input_ids": [5], "sampling_params": {"temperature": -1}}))
+    assert err.value.status_code == 400 and "temperature" in str(err.value)
+
+
+def test_load_tensors_is_bit_equal_and_all_or_nothing(engine):
+    gen = torch.Generator().manual_seed(1)
+    # Sent as float64: the engine casts to its own dtype (fp32), as the trainer's may differ.
+    named = [(n, torch.randn(t.shape, generator=gen, dtype=torch.float64))
+             for n, t in served(engine.runner).items()]
+    engine.load_tensors(named, weight_version="7")
+    now = served(engine.runner)
+    for n, t in named:
+        assert torch.equal(now[n], t.to(torch.float32)), n
+    assert engine.runner.weight_version == "7"
+    name, t = named[0]
+    with pytest.raises(EngineError) as err:
+        engine.load_tensors([(n, t * 2) for n, t in named[1:]] + [(name, t[:1])],
+                            weight_version="8")
+    assert err.value.status_code == 400 and "shape" in str(err.value)
+    after = served(engine.runner)
+    assert all(torch.equal(after[n], now[n]) for n in now)
+    assert engine.runner.weight_version == "7"
+    out = asyncio.run(engine.generate({**PAYLOAD, "input_ids": [5, 6, 7],
+                                       "sampling_params": PAYLOAD["sampling_params"][0]}))
+    assert out["meta_info"]["weight_version"] == "7"
