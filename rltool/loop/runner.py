@@ -41,6 +41,10 @@ def start(settings: LoopSettings, run_dir: str | Path, *,
                             f"`rltool loop --resume {run.root}` or choose a new --run-dir")
     if run.root.exists() and any(run.root.iterdir()):
         raise BadInputError(f"--run-dir {run.root} exists and is not empty; choose a new one")
+    if settings.loop.external:  # refuse engines that cannot serve this run before writing
+        from rltool.loop.external import check_engines
+
+        check_engines(run, settings, mode=phases.sync_mode(settings))
     import tomli_w
 
     run.create()
@@ -83,10 +87,7 @@ def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None,
     state.status = "running"
     state.save(run)
     registry = ChildRegistry(run)
-    engines = EngineSet(run, registry, num_engines=settings.loop.num_engines,
-                        engine_args=settings.loop.engine_args,
-                        deterministic=settings.loop.deterministic,
-                        ready_timeout_s=settings.loop.engine_ready_timeout_s)
+    engines = _engines(run, registry, settings)
     ctx = phases.StepContext(run=run, settings=settings, engines=engines, registry=registry,
                              state=state)
     mirror = tracking.open_mirror(settings.loop, run, from_step=state.step,
@@ -142,6 +143,23 @@ def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None,
     return {"run_dir": str(run.root), "steps": state.step, "policy_version": state.policy_version,
             "elapsed_s": time.perf_counter() - t_start,
             "metrics": str(run.metrics_file("loop"))}
+
+
+def _engines(run: RunDir, registry: ChildRegistry, settings: LoopSettings) -> EngineSet:
+    """The engines the loop starts (as children, or in Ray actors: rltool.loop.ray_launcher),
+    or the external ones it drives (rltool.loop.external)."""
+    if settings.loop.launcher == "ray":
+        from rltool.loop.ray_launcher import RayPlacement
+
+        return RayPlacement(run, registry, settings)
+    if settings.loop.external:
+        from rltool.loop.external import ExternalEngines
+
+        return ExternalEngines(run, registry, settings, mode=phases.sync_mode(settings))
+    return EngineSet(run, registry, num_engines=settings.loop.num_engines,
+                     engine_args=settings.loop.engine_args,
+                     deterministic=settings.loop.deterministic,
+                     ready_timeout_s=settings.loop.engine_ready_timeout_s)
 
 
 def run_step(ctx: phases.StepContext, *, writer: MetricsWriter,
