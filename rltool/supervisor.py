@@ -129,9 +129,12 @@ class Child:
 
 def start(cmdline: list[str], *, log_path: str | os.PathLike | None, name: str = "child",
           env: dict[str, str] | None = None, capture_stdout: bool = False,
-          term_group: bool = False) -> Child:
+          term_group: bool = False, die_with_parent: bool = False) -> Child:
     """Start `cmdline` in its own session; output is appended to `log_path` (stdout goes to a
-    pipe instead with capture_stdout). `env` replaces the child's environment when given."""
+    pipe instead with capture_stdout). `env` replaces the child's environment when given.
+    `die_with_parent` (Linux): the kernel SIGKILLs the child when the thread that started it
+    ends, so the child of a process that is killed (a Ray actor) is not left behind; start it
+    from a thread that lives as long as the child should."""
     log = None
     if log_path is not None:
         log_path = Path(log_path)
@@ -141,12 +144,21 @@ def start(cmdline: list[str], *, log_path: str | os.PathLike | None, name: str =
         stdout = subprocess.PIPE if capture_stdout else (log or subprocess.DEVNULL)
         popen = subprocess.Popen(cmdline, stdout=stdout,
                                  stderr=log if log is not None else subprocess.DEVNULL,
-                                 stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+                                 stdin=subprocess.DEVNULL, start_new_session=True, env=env,
+                                 preexec_fn=_parent_death_signal if die_with_parent else None)
     finally:
         if log is not None:
             log.close()  # the child holds its own descriptor
     return Child(popen=popen, cmdline=list(cmdline), log_path=log_path, name=name,
                  term_group=term_group)
+
+
+def _parent_death_signal() -> None:
+    """In the forked child: ask for SIGKILL when the parent dies (prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
 
 
 def wait_healthy(url: str, path: str, *, timeout_s: float, api_key: str | None = None,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from rltool.config import StageConfig, cli, format_validation_error, read_toml
 from rltool.delta.config import SyncConfig
@@ -26,7 +26,7 @@ from rltool.engine.config import ServeConfig
 from rltool.errors import ConfigError
 from rltool.loop.affinity import check_cores
 from rltool.rollout.eval import EvalConfig
-from rltool.rollout.stage import RolloutConfig
+from rltool.rollout.stage import RolloutConfig, split_urls
 from rltool.rundir import RunDir
 from rltool.tracking import TrackingConfig
 from rltool.train.config import TrainConfig
@@ -102,6 +102,79 @@ class LoopConfig(TrackingConfig):
     trainer_cores: list[int] | None = Field(None, description="Pin the loop process (the "
                                             "resident trainer, the rollout client) to these "
                                             "CPU cores.")
+    launcher: Literal["local", "ray"] = Field(
+        "local", description="local: engines are child processes of the loop; ray: engines and "
+        "the trainer run in Ray actors placed with placement groups (docs/cluster.md).")
+    ray_address: str | None = Field(None, description="--launcher ray: the Ray cluster to join "
+                                    "(\"auto\": the one `ray start` made on this node); default: "
+                                    "a local Ray instance for this run.")
+    ray_num_cpus: int | None = Field(None, ge=1, description="--launcher ray, local instance: its "
+                                     "logical CPUs (default: one per engine and per trainer rank).")
+    ray_engine_gpus: float = Field(0.0, ge=0.0, description="--launcher ray: GPUs per engine "
+                                   "bundle (colocated: shared with the trainer).")
+    ray_trainer_gpus: float = Field(0.0, ge=0.0, description="--launcher ray, disaggregated: "
+                                    "GPUs of the trainer's bundle.")
+    ray_trainer_ranks: int = Field(1, ge=1, description="--launcher ray: trainer processes "
+                                   "(torchrun inside the trainer actor when more than one).")
+    ray_max_restarts: int = Field(3, ge=0, description="--launcher ray: how often Ray restarts "
+                                  "a dead engine actor (its requests go to the other engines).")
+    engine_urls: list[str] | None = Field(None, description="External engines: base URLs of "
+                                          "running engines the loop drives but neither starts "
+                                          "nor stops (instead of num_engines/engine_args).",
+                                          json_schema_extra=cli(metavar="URL[,URL...]"))
+    router_url: str | None = Field(None, description="External engines behind an smg gateway "
+                                   "(started with --enable-rl): rollouts go through it, weight "
+                                   "updates to the workers it lists at /v1/rl/workers.")
+    api_key: str | None = Field(None, description="Bearer key of the external engines (or "
+                                "gateway); [rollout] and [eval] use it when they set none. Not "
+                                "written to the run's config.toml.",
+                                json_schema_extra=cli(envvar="RLTOOL_API_KEY"))
+    admin_api_key: str | None = Field(None, description="Admin key of the engines: the "
+                                      "external ones' weight, pause and memory routes (default: "
+                                      "api_key); on a Ray cluster the engines serve with it. "
+                                      "Not written to the run's config.toml.",
+                                      json_schema_extra=cli(envvar="RLTOOL_ADMIN_API_KEY"))
+    engine_local_dir: str | None = Field(None, description="Delta sync with external engines "
+                                         "or Ray actors: the directory on the engines' hosts "
+                                         "where /pull_weights rebuilds versions (their "
+                                         "--local-checkpoint-dir; default RUN/engine_local).")
+    trainer_launcher: list[str] = Field(default_factory=list, description="Disaggregated "
+                                        "placement: the command that runs a Python module, "
+                                        "before `rltool train --config FILE` (default: this "
+                                        "Python's `-m`), e.g. [\"torchrun\", \"--nnodes=2\", "
+                                        "..., \"-m\"] for a multi-node trainer.",
+                                        json_schema_extra=cli(option=False))
+    sync_master_address: str = Field("127.0.0.1", description="--sync distributed: the "
+                                     "address of this host the engines reach to join the weight "
+                                     "broadcast (on several nodes, the loop node's address).")
+
+    @field_validator("engine_urls", mode="before")
+    @classmethod
+    def _split_urls(cls, value: Any) -> Any:
+        return split_urls(value)
+
+    @model_validator(mode="after")
+    def _external_or_started(self) -> "LoopConfig":
+        if self.engine_urls and self.router_url:
+            raise ValueError("give one of engine_urls (engines the loop drives directly) and "
+                             "router_url (a gateway in front of them), not both")
+        started = sorted({"num_engines", "engine_args"} & self.model_fields_set)
+        if self.external and started:
+            raise ValueError(f"{' and '.join(started)} configure engines the loop starts, but "
+                             "engine_urls/router_url name engines it does not start; remove one "
+                             "of the two")
+        if self.mode == "async" and (self.external or self.launcher == "ray"):
+            raise ValueError("the asynchronous loop starts its own engines: use --mode sync with "
+                             "engine_urls/router_url or --launcher ray")
+        if self.external and self.launcher == "ray":
+            raise ValueError("--launcher ray starts the engines in Ray actors; external engines "
+                             "(engine_urls/router_url) take --launcher local")
+        return self
+
+    @property
+    def external(self) -> bool:
+        """The engines are not the loop's: it neither starts nor stops them."""
+        return bool(self.engine_urls or self.router_url)
 
 
 class LoopSettings(BaseModel):
@@ -172,8 +245,19 @@ class LoopSettings(BaseModel):
             raise ConfigError(f"--sync {settings.sync.sync} hands weights to engines on the "
                               "trainer's host: use --placement colocated, or --sync full, delta "
                               "or auto")
+        if loop.engine == "inprocess" and (loop.external or loop.launcher == "ray"):
+            raise ConfigError("[loop] engine = \"inprocess\" runs the engine in the loop's own "
+                              "process; it excludes engine_urls, router_url and --launcher ray")
         if loop.engine == "inprocess":
             settings.serve_config(model.path)
+        if settings.sync.sync in ("tensor", "distributed") and loop.launcher == "ray":
+            raise ConfigError(f"--sync {settings.sync.sync} is not available with --launcher ray"
+                              " (a restarted engine actor is brought up to date from disk): use "
+                              "--sync full, delta or auto")
+        if settings.sync.sync == "tensor" and loop.external:
+            raise ConfigError("--sync tensor hands weights over shared memory to engines the "
+                              "loop starts on its host; external engines take --sync full, "
+                              "delta, auto or distributed")
         if loop.eval_interval is not None and settings.eval is None:
             raise ConfigError("[loop] eval_interval needs an [eval] table with prompts = FILE")
         # Validate every stage with placeholder values for the keys the loop owns.
@@ -188,7 +272,8 @@ class LoopSettings(BaseModel):
         out: dict[str, Any] = {"model": self.model.model_dump(mode="json", exclude_none=True),
                                "rollout": dict(self.rollout), "train": dict(self.train),
                                "sync": self.sync.model_dump(mode="json", exclude_none=True),
-                               "loop": self.loop.model_dump(mode="json", exclude_none=True)}
+                               "loop": self.loop.model_dump(mode="json", exclude_none=True,
+                                                            exclude=_unsaved(self.loop))}
         if self.eval is not None:
             out["eval"] = dict(self.eval)
         return out
@@ -198,17 +283,29 @@ class LoopSettings(BaseModel):
     def rollout_config(self, run: RunDir, *, step: int, urls: list[str]) -> RolloutConfig:
         values = dict(self.rollout)
         values.setdefault("seed", self.loop.seed if self.loop.deterministic else None)
-        values.update(engines=urls, out=str(run.rollout_step(step)), step=step, quiet=True,
-                      metrics=str(run.metrics_file("rollout")))
+        values.update(self._target(values, urls), out=str(run.rollout_step(step)), step=step,
+                      quiet=True, metrics=str(run.metrics_file("rollout")))
         return _validate(RolloutConfig, values, "rollout")
+
+    def _target(self, values: dict[str, Any], urls: list[str]) -> dict[str, Any]:
+        """Where a rollout or eval sends its requests (the gateway of router_url, else the
+        engines themselves) and the loop's key (api_key, else admin_api_key) unless `values`
+        set one."""
+        target: dict[str, Any] = ({"router": self.loop.router_url} if self.loop.router_url
+                                  else {"engines": urls})
+        key = self.loop.api_key or self.loop.admin_api_key  # the admin key opens every route
+        if key is not None and values.get("api_key") is None:
+            target["api_key"] = key
+        return target
 
     def eval_config(self, run: RunDir, *, step: int, urls: list[str],
                     policy_version: int) -> EvalConfig:
         assert self.eval is not None
         values = {k: self.rollout[k] for k in EVAL_INHERITS if k in self.rollout}
         values.update(self.eval)
-        values.update(engines=urls, out=str(run.eval_step(step)), step=step, quiet=True,
-                      metrics=str(run.metrics_file("eval")), policy_version=policy_version)
+        values.update(self._target(values, urls), out=str(run.eval_step(step)), step=step,
+                      quiet=True, metrics=str(run.metrics_file("eval")),
+                      policy_version=policy_version)
         return _validate(EvalConfig, values, "eval")
 
     def train_config(self, run: RunDir, *, step: int, load: str) -> TrainConfig:
@@ -248,6 +345,13 @@ class LoopSettings(BaseModel):
         if k is None or self.eval is None:
             return False
         return (step + 1) % k == 0 or step == self.loop.num_steps - 1
+
+
+def _unsaved(loop: LoopConfig) -> set[str]:
+    """[loop] keys the run's config.toml leaves out: the keys (secrets), and the engine-start
+    keys of a run with external engines (their defaults would clash with engine_urls)."""
+    keys = {"api_key", "admin_api_key"}
+    return keys | {"num_engines", "engine_args"} if loop.external else keys
 
 
 def _validate(model: type[Any], values: dict[str, Any], section: str) -> Any:

@@ -84,6 +84,9 @@ class EngineSet:
         self.ready_timeout_s = ready_timeout_s
         self.procs: list[EngineProcess] = []
         self._group: Any = None  # the weight-update process group (distributed sync)
+        self.api_key: str | None = None  # the key of the engines' control routes
+        self.local_weights = run.local_weights  # where /pull_weights rebuilds a delta version
+        self.master_address = "127.0.0.1"  # the broadcast's rank 0 (this process)
 
     @property
     def urls(self) -> list[str]:
@@ -121,11 +124,15 @@ class EngineSet:
             self.registry.remove(proc.pid)
         self.procs = []
 
-    def _each(self, call: Callable[[Any], Awaitable[Any]]) -> list[Any]:
+    def client(self, url: str) -> Any:
+        """An EngineClient for the control routes of the engine at `url`."""
         from rltool.rollout.client import EngineClient
 
+        return EngineClient(url, api_key=self.api_key, timeout_s=600.0)
+
+    def _each(self, call: Callable[[Any], Awaitable[Any]]) -> list[Any]:
         async def run_all() -> list[Any]:
-            clients = [EngineClient(url, timeout_s=600.0) for url in self.urls]
+            clients = [self.client(url) for url in self.urls]
             try:
                 return list(await asyncio.gather(*(call(c) for c in clients)))
             finally:
@@ -160,7 +167,7 @@ class EngineSet:
         t0 = time.perf_counter()
         path = self.run.weight_version(version)
         if delta:
-            local = self.run.local_weights
+            local = self.local_weights
             self._each(lambda c: c.pull_weights(local_checkpoint_dir=str(local),
                                                 source_dir=str(self.run.weights),
                                                 target_version=version))
@@ -202,23 +209,23 @@ class EngineSet:
         """Broadcast the weights to every engine over a gloo process group (rank 0 is this
         process, joined on first use), a bucket per /update_weights_from_distributed call."""
         from rltool.delta import tensor_sync
-        from rltool.rollout.client import EngineClient
 
         t0 = time.perf_counter()
         self.check_alive()
         dtype = self.dtype
+        address = self.master_address
 
         async def run_all() -> None:
-            clients = [EngineClient(url, timeout_s=600.0) for url in self.urls]
+            clients = [self.client(url) for url in self.urls]
             try:
                 if self._group is None:
-                    port = _free_port()
+                    port = _free_port(address)
                     joins = asyncio.gather(*(c.init_weights_update_group(
-                        master_address="127.0.0.1", master_port=port, rank_offset=i + 1,
+                        master_address=address, master_port=port, rank_offset=i + 1,
                         world_size=len(clients) + 1, backend="gloo")
                         for i, c in enumerate(clients)))
                     self._group = await asyncio.to_thread(
-                        tensor_sync.join_group, master_address="127.0.0.1", master_port=port,
+                        tensor_sync.join_group, master_address=address, master_port=port,
                         rank=0, world_size=len(clients) + 1)
                     await joins
                 groups = tensor_sync.buckets(named, bucket_bytes=bucket_bytes)
@@ -238,23 +245,25 @@ class EngineSet:
         return time.perf_counter() - t0
 
 
-def _free_port() -> int:
+def _free_port(address: str) -> int:
     import socket
 
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((address, 0))
         return int(s.getsockname()[1])
 
 
 class TrainerProcess:
-    """`rltool train --config FILE` as a recorded child (disaggregated placement)."""
+    """`rltool train --config FILE` as a recorded child (disaggregated placement), run by
+    `launcher` (the command before the module name: this Python's `-m`, or torchrun's)."""
 
-    def __init__(self, registry: ChildRegistry, *, config_file: Path, log_path: Path):
+    def __init__(self, registry: ChildRegistry, *, config_file: Path, log_path: Path,
+                 launcher: list[str] | None = None):
         import sys
 
         self.registry = registry
-        self.cmdline = [sys.executable, "-m", "rltool", "train", "--config", str(config_file),
-                        "--json"]
+        self.cmdline = [*(launcher or [sys.executable, "-m"]), "rltool", "train", "--config",
+                        str(config_file), "--json"]
         self.log_path = log_path
 
     def run(self) -> tuple[int, str]:

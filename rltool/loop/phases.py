@@ -78,14 +78,19 @@ def train_load_path(run: RunDir, version: int) -> Path:
 
 def in_memory_transport(settings: LoopSettings) -> str | None:
     """What the engines can take in memory: the loop's builtin engines share its host (and,
-    colocated, its device), so "tensor" (shared memory) whenever the trainer is resident;
-    disaggregated synchronous runs train in a subprocess and publish to disk."""
-    return "tensor" if is_resident(settings) else None
+    colocated, its device), so "tensor" (shared memory) whenever the trainer is resident; external
+    engines can join its broadcast ("distributed"); disaggregated synchronous runs and Ray actors
+    publish to disk."""
+    if not is_resident(settings):
+        return None
+    return "distributed" if settings.loop.external else "tensor"
 
 
 def is_resident(settings: LoopSettings) -> bool:
-    """Whether the trainer lives in the loop's process (colocated, or the asynchronous loop)."""
-    return settings.loop.placement == "colocated" or settings.loop.mode == "async"
+    """Whether the trainer lives in the loop's process (colocated, or the asynchronous loop),
+    launched locally; under Ray it runs per step in an actor."""
+    return settings.loop.launcher == "local" and (settings.loop.placement == "colocated"
+                                                  or settings.loop.mode == "async")
 
 
 def sync_mode(settings: LoopSettings) -> str:
@@ -179,9 +184,8 @@ def train(ctx: StepContext) -> None:
         atomic.remove_stale_temporaries(ctx.run.ckpt)
         if settings.loop.placement == "colocated":
             ctx.engines.release_memory()
-            from rltool.train import run as run_train
-
-            run_train(cfg)
+        if settings.loop.launcher == "ray":
+            ctx.engines.run_trainer(cfg)  # rltool.loop.ray_launcher.RayPlacement
         else:
             _train_subprocess(ctx, cfg)
         newest = newest_checkpoint_version(ctx.run)
@@ -202,7 +206,8 @@ def _train_subprocess(ctx: StepContext, cfg: Any) -> None:
     atomic.write_text(config_file, tomli_w.dumps(
         {"train": cfg.model_dump(mode="json", exclude_none=True)}))
     log_path = ctx.run.log_file("trainer")
-    code, _ = TrainerProcess(ctx.registry, config_file=config_file, log_path=log_path).run()
+    code, _ = TrainerProcess(ctx.registry, config_file=config_file, log_path=log_path,
+                             launcher=ctx.settings.loop.trainer_launcher).run()
     if code != 0:
         raise EngineError(f"the trainer exited with code {code} at step {ctx.state.step}; log "
                           f"{log_path} ends with:\n{log_tail(log_path)}")

@@ -41,6 +41,10 @@ def start(settings: LoopSettings, run_dir: str | Path, *,
                             f"`rltool loop --resume {run.root}` or choose a new --run-dir")
     if run.root.exists() and any(run.root.iterdir()):
         raise BadInputError(f"--run-dir {run.root} exists and is not empty; choose a new one")
+    if settings.loop.external:  # refuse engines that cannot serve this run before writing
+        from rltool.loop.external import check_engines
+
+        check_engines(run, settings, mode=phases.sync_mode(settings))
     import tomli_w
 
     run.create()
@@ -142,6 +146,17 @@ def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None,
 
 
 def _engines(run: RunDir, registry: ChildRegistry, settings: LoopSettings) -> EngineSet:
+    """The engines the loop starts (as children, in Ray actors: rltool.loop.ray_launcher, or on
+    a thread of its own process: rltool.loop.local_engine), or the external ones it drives
+    (rltool.loop.external)."""
+    if settings.loop.launcher == "ray":
+        from rltool.loop.ray_launcher import RayPlacement
+
+        return RayPlacement(run, registry, settings)
+    if settings.loop.external:
+        from rltool.loop.external import ExternalEngines
+
+        return ExternalEngines(run, registry, settings, mode=phases.sync_mode(settings))
     if settings.loop.engine == "inprocess":
         from rltool.loop.local_engine import InProcessEngines
 

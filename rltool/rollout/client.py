@@ -130,6 +130,22 @@ class EngineClient:
         """GET /health_generate (really generates one token); raises EngineError if unhealthy."""
         await self._request("GET", api.HEALTH_GENERATE)
 
+    async def has_route(self, path: str) -> bool:
+        """Whether the engine serves `path`, asked without side effects: an OPTIONS request is
+        405 on a route that exists (no route handles OPTIONS) and 404 on one that does not."""
+        try:
+            await self._request("OPTIONS", path)
+        except EngineError as e:
+            if e.status_code == 404:
+                return False
+            if e.status_code != 405:
+                raise
+        return True
+
+    async def get_json(self, path: str) -> Any:
+        """GET a path outside the engine API (a gateway's own routes); the decoded answer."""
+        return await self._json("GET", path)
+
     async def get_model_info(self) -> dict[str, Any]:
         return await self._json("GET", api.MODEL_INFO)
 

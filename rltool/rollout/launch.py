@@ -25,16 +25,19 @@ def _has_flag(args: list[str], flag: str) -> bool:
 
 
 def start_engine(args: list[str], *, log_path: Path, ready_timeout_s: float = 180.0,
-                 env: dict[str, str] | None = None) -> EngineProcess:
+                 env: dict[str, str] | None = None,
+                 die_with_parent: bool = False) -> EngineProcess:
     """Run `python -m rltool serve *args` and return once it serves (see module docstring).
-    `env` replaces the child's environment when given."""
+    `env` replaces the child's environment when given; `die_with_parent`: see
+    rltool.supervisor.start."""
     ready_dir = Path(tempfile.mkdtemp(prefix="rltool-engine-"))
     ready_file = ready_dir / "ready.json"
     cmdline = [sys.executable, "-m", "rltool", "serve", *args]
     if not _has_flag(args, "--port"):
         cmdline += ["--port", "0"]
     cmdline += ["--ready-file", str(ready_file)]
-    child = start(cmdline, log_path=log_path, name="engine", env=env)
+    child = start(cmdline, log_path=log_path, name="engine", env=env,
+                  die_with_parent=die_with_parent)
     try:
         child.url = child.wait_ready_file(ready_file, timeout_s=ready_timeout_s)["url"]
         return child

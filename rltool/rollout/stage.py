@@ -29,6 +29,17 @@ PRODUCER = "rltool rollout"
 CONFIG_NAME = "rollout_config.toml"
 
 
+def split_urls(value: Any) -> Any:
+    """URLs given as one string or a list, each item possibly comma-separated -> a list without
+    trailing slashes (None when empty); anything else is left for pydantic to refuse."""
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, (list, tuple)):
+        urls = [u.strip().rstrip("/") for item in value for u in str(item).split(",")]
+        return [u for u in urls if u] or None
+    return value
+
+
 class EngineStageConfig(StageConfig):
     """Fields shared by rollout and eval: where the engines are, what to sample, how to reward."""
 
@@ -76,12 +87,7 @@ class EngineStageConfig(StageConfig):
     @field_validator("engines", mode="before")
     @classmethod
     def _split_engines(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            value = [value]
-        if isinstance(value, (list, tuple)):
-            urls = [u.strip().rstrip("/") for item in value for u in str(item).split(",")]
-            return [u for u in urls if u] or None
-        return value
+        return split_urls(value)
 
     @field_validator("top_k")
     @classmethod

@@ -75,6 +75,9 @@ def test_deterministic_sets_trainer_and_seed(tiny_model_dir, tmp_path):
      "--max-running-requests (in [loop.engine_args])"),
     ({"loop__engine": "inprocess", "sync__sync": "auto", "loop__engine_args": ["--bogus"]},
      "unknown key 'bogus'"),
+    ({"loop__engine": "inprocess", "sync__sync": "auto",
+      "loop__engine_urls": ["http://127.0.0.1:1"], "loop__num_engines": None},
+     "excludes engine_urls"),
 ])
 def test_bad_config_names_the_key(tiny_model_dir, change, message):
     with pytest.raises(ConfigError) as err:
