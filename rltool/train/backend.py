@@ -78,6 +78,7 @@ class TrainerBackend(Protocol):
     dp_rank: int
     dp_size: int
     optimizer_steps: int  # steps applied so far in this trainer lineage (drives the LR schedule)
+    vocab_size: int       # the model's vocabulary (logit columns past it, e.g. TP padding, excluded)
 
     def forward_logprobs(self, batch: MicroBatch, *, temperature: float,
                          with_entropy: bool = False, top_k: int = 0,

@@ -232,7 +232,7 @@ def _prepare_set(cfg: TrainConfig, backend: TrainerBackend, snapshots: WeightBac
         switch("actor")
     timings.update(opd.prepare(
         cfg, data, samples, switch=switch, temperature=sample_set.temperature,
-        vocab_size=int(backend.config.vocab_size),
+        vocab_size=backend.vocab_size,
         batches=batches, forward=lambda some, **kw: compute_logprobs(backend, samples, some,
                                                                     **kwargs, **kw)))
     if tags:

@@ -89,6 +89,7 @@ class TorchBackend:
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{model_dir}: cannot load the model ({e})") from e
         self.config = inner.config
+        self.vocab_size = int(self.config.vocab_size)
         if self.value_head:
             # Zero init: values start at 0, so the first advantages are plain discounted rewards.
             inner.add_module(VALUE_HEAD, torch.nn.Linear(self.config.hidden_size, 1))
