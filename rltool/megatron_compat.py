@@ -222,13 +222,18 @@ def init_distributed(*, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, etp:
     from megatron.core import parallel_state, tensor_parallel
 
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        backend = "gloo" if cpu else "nccl"
         if not cpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("gloo" if cpu else "nccl")
+        if "RANK" not in os.environ:
+            # One process: its own store on a port the OS assigns while binding (probing for a
+            # free port and binding it later races with every other socket on the host).
+            store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                              MASTER_PORT=str(store.port))
+            dist.init_process_group(backend, store=store, rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend)
     world = dist.get_world_size()
     etp = tp if etp is None else etp
     if world % (tp * pp * cp) or (world // pp) % (ep * etp):
@@ -243,10 +248,3 @@ def init_distributed(*, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, etp:
                                              expert_tensor_parallel_size=etp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -292,9 +292,10 @@ def test_report_writes_plots(baseline, tmp_path):
     result = CliRunner().invoke(cli, ["report", str(baseline), "--out", str(tmp_path / "r")])
     assert result.exit_code == 0, result.output
     assert "rollout/raw_reward" in result.stdout
-    for name in ("reward.png", "response_len.png", "kl.png", "logprob_diff.png",
-                 "step_time.png"):
+    names = ("reward.png", "response_len.png", "kl.png", "logprob_diff.png", "step_time.png",
+             "eval_by_version.png", "eval_by_time.png")  # the baseline evaluates: its eval plots
+    for name in names:
         data = (tmp_path / "r" / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 2000
     page = (tmp_path / "r" / "index.html").read_text()
-    assert page.count("<img") == 5 and "rollout/raw_reward" in page
+    assert page.count("<img") == len(names) and "rollout/raw_reward" in page
