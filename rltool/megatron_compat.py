@@ -225,7 +225,7 @@ def init_distributed(*, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, etp:
         backend = "gloo" if cpu else "nccl"
         if not cpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        if "RANK" not in os.environ:
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
             # One process: its own store on a port the OS assigns while binding (probing for a
             # free port and binding it later races with every other socket on the host).
             store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
