@@ -79,7 +79,7 @@ def test_cuda_ipc_update_is_bit_equal_to_the_sender(tiny_model_dir):
         proc.kill()
     expected = sender_state(tiny_model_dir, 5)
     total = sum(t.numel() * t.element_size() for _, t in expected)
-    assert messages > 3 and total > 2 * BUCKET_BYTES  # bucketed: one buffer, many messages
+    assert messages >= 3 and total > 2 * BUCKET_BYTES  # bucketed: one buffer, many messages
     targets = runner.model._targets()
     for name, t in expected:
         if name == "lm_head.weight" and runner.spec.tie_word_embeddings:
