@@ -156,19 +156,39 @@ class PageTable:
 
     # ----- prefix cache ------------------------------------------------------------------------
 
-    def reuse_prefix(self, rid: str, tokens: list[int], *, max_tokens: int) -> int:
-        """Start the new request `rid` on the cached pages of the longest cached page-aligned
-        prefix of `tokens` (at most `max_tokens` tokens). Returns the tokens reused."""
+    def reuse_prefix(self, rid: str, tokens: list[int], *, max_tokens: int,
+                     pool: "KVPool") -> int:
+        """Start the new request `rid` on the cached KV of the longest cached prefix of `tokens`
+        (at most `max_tokens` tokens): the cached pages of its full pages, shared, and, when the
+        prefix ends inside a cached page, a fresh page of its own into which `pool` copies that
+        page's first tokens (copy-on-write: the request appends to its copy; skipped when no page
+        is free). Returns the tokens reused."""
         if self.cache is None or rid in self.entries:
             return 0
+        ps = self.page_size
+        max_tokens = max(max_tokens, 0)
         entry = self.add(rid)
-        nodes = self.cache.match(tokens)[:max(max_tokens, 0) // self.page_size]
+        nodes = self.cache.match(tokens)[:max_tokens // ps]
         self.cache.lock(nodes)
         entry.shared = nodes
         for node in nodes:
             self._pending.append((entry.row, len(entry.pages), node.page))
             entry.pages.append(node.page)
-        entry.length = len(nodes) * self.page_size
+        entry.length = len(nodes) * ps
+        source, n = self.cache.partial(nodes, tokens[entry.length:entry.length + ps],
+                                       max_tokens - entry.length)
+        if source is None:
+            return entry.length
+        self.cache.lock([source])  # neither counted nor evicted as room for its own copy
+        page = self._alloc(1)[0] if self.has_free(1) else None
+        self.cache.unlock([source])  # attached: nothing to free
+        if page is None:
+            return entry.length
+        # The copy is queued before anything else can take the source page.
+        self._pending.append((entry.row, len(entry.pages), page))
+        entry.pages.append(page)
+        entry.length += n
+        pool.copy_tokens(source.page, page, n, page_size=ps)
         return entry.length
 
     def cache_prefix(self, rid: str, tokens: list[int]) -> None:
@@ -224,6 +244,13 @@ class KVPool:
 
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
+
+    def copy_tokens(self, src_page: int, dst_page: int, n: int, *, page_size: int) -> None:
+        """Copy the KV of the first `n` tokens of page `src_page` into page `dst_page`, every
+        layer (queued on the current stream, so it lands before any later forward reads it)."""
+        src, dst = src_page * page_size, dst_page * page_size
+        self.k[:, dst:dst + n] = self.k[:, src:src + n]
+        self.v[:, dst:dst + n] = self.v[:, src:src + n]
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,

@@ -229,7 +229,7 @@ class PagedRunner:
             self.table.clear()
 
     def reuse_prefix(self, rid: str, tokens: list[int], *, max_tokens: int) -> int:
-        return self.table.reuse_prefix(rid, tokens, max_tokens=max_tokens)
+        return self.table.reuse_prefix(rid, tokens, max_tokens=max_tokens, pool=self.pool)
 
     def cache_prefix(self, rid: str, tokens: list[int]) -> None:
         self.table.cache_prefix(rid, tokens)

@@ -124,8 +124,9 @@ class PagedScheduler(Scheduler):
                 req.num_cached = runner.reuse_prefix(req.rid, req.all_ids(), max_tokens=target - 1)
                 if not req.output_ids:
                     req.cached_tokens = req.num_cached
-            filling.add(head)
             start = req.num_cached
+            if runner.prefix_cache and start < target - 1:  # it writes KV a request with the
+                filling.add(head)  # same first page could reuse
             end = min(target, (start // chunk + 1) * chunk)
             if chunks and end - start > budget:
                 break
@@ -152,6 +153,7 @@ class PagedScheduler(Scheduler):
                                               "KV cache, more than the pool holds; raise "
                                               "--mem-fraction-static or shorten it"})
             return
+        self.num_prefill_tokens += sum(len(c[1]) for c in chunks)
         if self._alone:
             rows = [runner.prefill([c], want=[w]) for c, w in zip(chunks, want)]
             self.num_prefill_forwards += len(rows)

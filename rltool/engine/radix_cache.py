@@ -3,7 +3,8 @@
 Each node holds one full page: the `page_size` token ids whose KV it stores and the page id in the
 KV pool. A path from the root spells a prompt prefix, so two prompts that share their first k full
 pages share k nodes. Only full pages are cached: a partly written page is still being appended to
-by the request that owns it.
+by the request that owns it. A prompt that ends, or leaves the tree, inside a cached page can
+still use that page's first tokens (`partial`): the caller copies them into a page of its own.
 
 A request that reuses cached pages locks the nodes of its prefix (a reference count along the
 path), so eviction, which frees only unreferenced leaves, least recently used first, never takes a
@@ -54,6 +55,27 @@ class RadixCache:
             node.last_access = now
             out.append(node)
         return out
+
+    def partial(self, path: list[Node], head: list[int], limit: int) -> tuple[Node | None, int]:
+        """The cached page after `path` (from the root for an empty path) whose tokens start with
+        the longest part of `head` (the next page's tokens), at most `limit` and fewer than a page,
+        and that part's length; (None, 0) if no page starts like `head`. When `head`'s whole page
+        is cached (a prompt stopped inside it by `limit`) this is one lookup; otherwise each child
+        of the path's last node is compared once. The page found is touched for LRU."""
+        parent = path[-1] if path else self.root
+        limit = min(limit, len(head), self.page_size - 1)
+        if limit <= 0:
+            return None, 0
+        best = parent.children.get(tuple(head))
+        n = limit if best is not None else 0
+        if best is None:
+            for key, child in parent.children.items():
+                common = _common(key, head, limit)
+                if common > n:
+                    best, n = child, common
+        if best is not None:
+            best.last_access = next(self._clock)
+        return best, n
 
     def insert(self, tokens: list[int], pages: list[int]) -> tuple[list[Node], list[int]]:
         """Cache the full pages of `tokens` (KV in `pages`, in order). Returns the path's nodes
@@ -142,3 +164,11 @@ class RadixCache:
             out.append(node)
             stack.extend(node.children.values())
         return out
+
+
+def _common(a: tuple[int, ...], b: list[int], limit: int) -> int:
+    """Length of the common head of `a` and `b`, at most `limit`."""
+    n = 0
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n

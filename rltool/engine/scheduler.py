@@ -70,6 +70,7 @@ class Scheduler(abc.ABC):
         self.max_decode_batch = 0
         self.num_decode_forwards = 0
         self.num_prefill_forwards = 0
+        self.num_prefill_tokens = 0  # prompt tokens whose KV a prefill forward computed
         self.total_output_tokens = 0
         self.decode_log: collections.deque[list[str]] = collections.deque(maxlen=decode_log_size)
         self._token_times: collections.deque[tuple[float, int]] = collections.deque()
@@ -212,6 +213,7 @@ class Scheduler(abc.ABC):
             "total_output_tokens": self.total_output_tokens,
             "num_decode_forwards": self.num_decode_forwards,
             "num_prefill_forwards": self.num_prefill_forwards,
+            "num_prefill_tokens": self.num_prefill_tokens,
             "paused": self.paused,
             "deterministic": self.deterministic,
             "weights_released": self.runner.released,

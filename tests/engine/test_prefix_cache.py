@@ -7,7 +7,9 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
+from rltool.engine.paged import KVPool, PageTable
 from rltool.engine.paged_runner import PagedRunner
 from rltool.engine.paged_scheduler import PagedScheduler
 from rltool.engine.request import Request
@@ -44,21 +46,28 @@ def generate(sched, prompts, tag):
     return reqs
 
 
-def test_group_shares_prompt_pages_and_matches_no_cache(tiny_model_dir):
-    prompts = [PROMPT] * 4 + [PROMPT[:8] + [30, 31]]
-    runner, sched = engine(tiny_model_dir)
-    plain_runner, plain = engine(tiny_model_dir, prefix_cache=False)
+def cached_and_plain(model_dir, prompts):
+    """The prompts through an engine with the prefix cache and one without (stopped after);
+    greedy outputs and logprobs agree. Returns both engines and the cached engine's requests."""
+    runner, sched = engine(model_dir)
+    plain_runner, plain = engine(model_dir, prefix_cache=False)
     try:
         cached = generate(sched, prompts, "c")
         ref = generate(plain, prompts, "p")
     finally:
         sched.stop()
         plain.stop()
-    assert [r.cached_tokens for r in cached] == [0, 8, 8, 8, 8]
-    assert [r.cached_tokens for r in ref] == [0] * 5
+    assert [r.cached_tokens for r in ref] == [0] * len(prompts)
     for a, b in zip(cached, ref):
         assert a.output_ids == b.output_ids
         assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-5)
+    return runner, sched, plain_runner, plain, cached
+
+
+def test_group_shares_prompt_pages_and_matches_no_cache(tiny_model_dir):
+    prompts = [PROMPT] * 4 + [PROMPT[:8] + [30, 31]]
+    runner, sched, plain_runner, plain, cached = cached_and_plain(tiny_model_dir, prompts)
+    assert [r.cached_tokens for r in cached] == [0, 8, 8, 8, 8]
     table = runner.table
     assert table.cache.num_pages == 2 and not table.entries  # the shared prefix, nothing locked
     assert table.free_pages == table.allocator.num_pages - 1  # every page free or evictable
@@ -108,3 +117,47 @@ def test_eviction_makes_room_for_new_prompts(tiny_model_dir):
         sched.stop()
     assert runner.table.cache.num_pages <= runner.table.allocator.num_pages - 1
     assert runner.table.free_pages == runner.table.allocator.num_pages - 1
+
+
+def test_reuse_covers_every_cached_token_but_the_last(tiny_model_dir):
+    """A prompt that ends or leaves the tree inside a cached page gets that page's first tokens
+    by copy-on-write: the same prompt again computes its last token only, a prefix of a cached
+    prompt and a prompt that diverges inside a page compute from where they leave it. Outputs
+    and logprobs equal those of an engine without the cache; every page comes back."""
+    whole = list(range(5, 17))  # 12 tokens: three full pages of 4
+    prompts = [whole] * 3 + [whole[:10], whole[:10] + [40, 41]]
+    runner, sched, _, plain, cached = cached_and_plain(tiny_model_dir, prompts)
+    assert [r.cached_tokens for r in cached] == [0, 11, 11, 9, 10]
+    assert sched.num_prefill_tokens == 12 + 1 + 1 + 1 + 2
+    assert plain.num_prefill_tokens == sum(len(p) for p in prompts)
+    assert sched.num_prefill_forwards == 2  # the group's other samples in one step, together
+    table = runner.table
+    assert table.cache.num_pages == 4 and not table.entries  # 3 pages + the diverging third one
+    assert table.free_pages == table.allocator.num_pages - 1  # copies freed with their requests
+
+
+def test_copy_on_write_copies_kv_and_needs_a_free_page():
+    table = PageTable(num_pages=6, page_size=4, max_requests=4, max_pages_per_request=4,
+                      device="cpu", prefix_cache=True)
+    pool = KVPool(num_layers=2, num_pages=6, page_size=4, num_kv_heads=1, head_dim=2,
+                  dtype=torch.float32, device="cpu")
+    pool.k.normal_()
+    pool.v.normal_()
+    tokens = list(range(12))
+    table.add("a")
+    table.extend("a", 12)
+    table.cache_prefix("a", tokens)
+    source = table.entries["a"].pages[2]
+    table.remove("a")
+    assert table.cache.num_pages == 3 and table.allocator.available == 2
+    assert table.reuse_prefix("b", tokens, max_tokens=11, pool=pool) == 11
+    own = table.entries["b"].pages[2]
+    assert own != source and table.entries["b"].pages[:2] == [1, 2]
+    for kv in (pool.k, pool.v):
+        assert torch.equal(kv[:, own * 4:own * 4 + 3], kv[:, source * 4:source * 4 + 3])
+    table.add("x")
+    table.extend("x", 4)  # the last free page; the source page is the only unlocked one
+    assert table.reuse_prefix("c", tokens, max_tokens=11, pool=pool) == 8  # no room for a copy
+    assert table.cache.num_pages == 3
+    table.clear()
+    assert table.free_pages == table.allocator.num_pages - 1

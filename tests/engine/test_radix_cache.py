@@ -76,3 +76,16 @@ def test_a_tree_deeper_than_the_recursion_limit_counts_and_evicts():
     cache.lock(path[:10])
     assert cache.evictable() == n - 10
     assert len(cache.evict(n)) == n - 10
+
+
+def test_partial_finds_the_page_a_prompt_ends_or_leaves_the_tree_in():
+    cache = RadixCache(page_size=4)
+    path, _ = cache.insert(list(range(12)), [7, 8, 9])
+    cache.insert([0, 1, 2, 3, 4, 5, 50, 51], [7, 10])
+    assert cache.partial(path[:2], [8, 9, 10, 11], 3) == (path[2], 3)  # capped inside the page
+    assert cache.partial(path[:1], [4, 5, 6], 3) == (path[1], 3)  # the prompt ends inside it
+    node, n = cache.partial(path[:1], [4, 5, 50, 99], 9)  # diverges inside a cached page
+    assert n == 3 and node.page == 10
+    assert cache.partial(path[:1], [4, 5, 6, 7], 9) == (path[1], 3)  # a full page: never all
+    assert cache.partial(path[:2], [99, 9], 2) == (None, 0)
+    assert cache.partial([], [0, 1], 0) == (None, 0)
