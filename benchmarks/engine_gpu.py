@@ -9,6 +9,10 @@ Workloads (random-init models with real shapes, bf16; random prompt ids; samplin
 `--deterministic-cost` measures instead workload (a) in process with `--deterministic`
 (batch-invariant kernels, logprobs recomputed per finished request) against the default mode on
 the same engine settings: tokens/s of each and their ratio.
+`--grpo PRESETS` and `--tensor-sync PRESETS` measure instead workload (b), GRPO-shaped, with and
+without the prefix cache, and the in-memory weight sync through /update_weights_from_tensor
+(benchmarks/engine_gpu_rl.py says how); with `--device cpu` (the tiny preset, shared memory in
+place of CUDA IPC) they run on a machine without a GPU.
 Beside it, in the same run: `generate` naive (dynamic cache) and at its best measured here (static
 cache; `--hf-compile` adds torch.compile), and the workload's roofline: the sum over its prefill
 and decode steps of max(bytes moved / measured copy bandwidth, FLOPs / 989 TFLOP/s).
@@ -19,6 +23,9 @@ profiler trace of the steady state lists the top kernels.
 
 Usage: python benchmarks/engine_gpu.py [--presets qwen2.5-0.5b,qwen2.5-7b] [--batches 64,256]
        [--quick] [--skip-http] [--hf-compile] [--deterministic-cost] [--out FILE.json]
+       python benchmarks/engine_gpu.py [--grpo qwen2.5-0.5b] [--tensor-sync qwen2.5-0.5b,qwen2.5-7b]
+       [--bucket-mib 512] [--device cuda|cpu] [--grpo-prompts 64 --grpo-samples 8
+       --grpo-prompt-len 512 --grpo-max-output 2048] [--out FILE.json]
 Prints a table and, last, one JSON line.
 """
 
@@ -90,10 +97,11 @@ def roofline(spec, batch: int, *, bw: float, weight_bytes: int) -> dict:
     return {"seconds": total, "tokens_per_s": batch * OUTPUT_LEN / total}
 
 
-def random_checkpoint(out: Path, preset: str) -> Path:
-    """A random-init bf16 checkpoint of the preset's shapes, drawn on the GPU (a 7B model takes
-    seconds, not the minutes of transformers' CPU init): N(0, 0.02) matrices, unit norms, zero
-    biases; tensor names and shapes from the transformers model built on the meta device."""
+def random_checkpoint(out: Path, preset: str, device: str = "cuda") -> Path:
+    """A random-init bf16 checkpoint of the preset's shapes, drawn on `device` (on the GPU a 7B
+    model takes seconds, not the minutes of transformers' CPU init): N(0, 0.02) matrices, unit
+    norms, zero biases; tensor names and shapes from the transformers model built on the meta
+    device."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -111,7 +119,7 @@ def random_checkpoint(out: Path, preset: str) -> Path:
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(config)
         shapes = {k: v.shape for k, v in meta_model.state_dict().items()}
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     shard: dict[str, torch.Tensor] = {}
     n_shard, size, index = 0, 0, {}
     for name, shape in shapes.items():
@@ -120,7 +128,7 @@ def random_checkpoint(out: Path, preset: str) -> Path:
         elif name.endswith(".bias"):
             t = torch.zeros(shape, dtype=torch.bfloat16)
         else:
-            t = torch.empty(shape, dtype=torch.bfloat16, device="cuda").normal_(
+            t = torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(
                 0, 0.02, generator=gen).cpu()
         shard[name] = t
         index[name] = f"model-{n_shard:05d}.safetensors"
@@ -313,6 +321,35 @@ def deterministic_cost(preset: str, batches: list[int]) -> dict:
     return out
 
 
+def rl_runs(args: argparse.Namespace) -> None:
+    """Workload (b) for the --grpo presets, then the tensor sync for the --tensor-sync ones."""
+    from engine_gpu_rl import grpo_workload, tensor_sync_timing
+
+    cuda = args.device == "cuda"
+    results: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                     "device": torch.cuda.get_device_name() if cuda else "cpu",
+                     "torch": torch.__version__, "grpo": {}, "tensor_sync": {}}
+    dirs: dict[str, Path] = {}
+
+    def model(preset: str) -> Path:
+        if preset not in dirs:
+            dirs[preset] = random_checkpoint(Path(tempfile.mkdtemp()) / preset, preset,
+                                             args.device)
+        return dirs[preset]
+
+    for preset in filter(None, args.grpo.split(",")):
+        results["grpo"][preset] = grpo_workload(
+            model(preset), device=args.device, prompts=args.grpo_prompts,
+            samples=args.grpo_samples, prompt_len=args.grpo_prompt_len,
+            max_output=args.grpo_max_output)
+    for preset in filter(None, args.tensor_sync.split(",")):
+        results["tensor_sync"][preset] = tensor_sync_timing(
+            model(preset), device=args.device, bucket_bytes=int(args.bucket_mib * 2**20))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+    print(json.dumps(results, default=str))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default="qwen2.5-0.5b")
@@ -324,9 +361,21 @@ def main() -> None:
                                                       "transformers (e.g. qwen2.5-7b)")
     ap.add_argument("--deterministic-cost", action="store_true",
                     help="only workload (a) in process, --deterministic against the default")
+    ap.add_argument("--grpo", default="", help="presets: only workload (b), GRPO-shaped")
+    ap.add_argument("--tensor-sync", default="", help="presets: only the weight sync timing")
+    ap.add_argument("--bucket-mib", type=float, default=512)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="--grpo and --tensor-sync only")
+    ap.add_argument("--grpo-prompts", type=int, default=64)
+    ap.add_argument("--grpo-samples", type=int, default=8)
+    ap.add_argument("--grpo-prompt-len", type=int, default=512)
+    ap.add_argument("--grpo-max-output", type=int, default=2048)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    if args.grpo or args.tensor_sync:
+        rl_runs(args)
+        return
     if args.deterministic_cost:
         results = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                    "device": torch.cuda.get_device_name(), "torch": torch.__version__,
