@@ -20,10 +20,13 @@ pytestmark = pytest.mark.timeout(120)
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]  # 11 tokens: two full pages of 4
 NEW = 6
+WHOLE = list(range(5, 17))  # 12 tokens: three full pages of 4
+# The same prompt three times, a prefix of it ending inside its third page, one leaving it there.
+PARTIAL_PROMPTS = [WHOLE] * 3 + [WHOLE[:10], WHOLE[:10] + [40, 41]]
 
 
-def engine(model_dir, *, prefix_cache=True):
-    runner = PagedRunner(model_dir, device="cpu", dtype="fp32", max_running=8, page_size=4,
+def engine(model_dir, *, prefix_cache=True, device="cpu"):
+    runner = PagedRunner(model_dir, device=device, dtype="fp32", max_running=8, page_size=4,
                          max_total_tokens=4096, prefix_cache=prefix_cache)
     sched = PagedScheduler(runner, max_running=8, max_prefill_tokens=64, chunked_prefill_size=16)
     sched.start()
@@ -46,11 +49,11 @@ def generate(sched, prompts, tag):
     return reqs
 
 
-def cached_and_plain(model_dir, prompts):
+def cached_and_plain(model_dir, prompts, *, device="cpu"):
     """The prompts through an engine with the prefix cache and one without (stopped after);
     greedy outputs and logprobs agree. Returns both engines and the cached engine's requests."""
-    runner, sched = engine(model_dir)
-    plain_runner, plain = engine(model_dir, prefix_cache=False)
+    runner, sched = engine(model_dir, device=device)
+    plain_runner, plain = engine(model_dir, prefix_cache=False, device=device)
     try:
         cached = generate(sched, prompts, "c")
         ref = generate(plain, prompts, "p")
@@ -124,8 +127,7 @@ def test_reuse_covers_every_cached_token_but_the_last(tiny_model_dir):
     by copy-on-write: the same prompt again computes its last token only, a prefix of a cached
     prompt and a prompt that diverges inside a page compute from where they leave it. Outputs
     and logprobs equal those of an engine without the cache; every page comes back."""
-    whole = list(range(5, 17))  # 12 tokens: three full pages of 4
-    prompts = [whole] * 3 + [whole[:10], whole[:10] + [40, 41]]
+    prompts = PARTIAL_PROMPTS
     runner, sched, _, plain, cached = cached_and_plain(tiny_model_dir, prompts)
     assert [r.cached_tokens for r in cached] == [0, 11, 11, 9, 10]
     assert sched.num_prefill_tokens == 12 + 1 + 1 + 1 + 2

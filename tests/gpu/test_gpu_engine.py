@@ -1,7 +1,7 @@
 """The paged engine on a CUDA GPU: the engine's model (dense and qwen3_moe) against transformers on
 the same GPU (teacher-forced, fp32 within 1e-5, bf16 within 2e-2), CUDA-graph replay against
 eager decode (identical), memory release and resume (free memory returns, generation repeats),
-pause modes.
+pause modes, prefix reuse with a copied page.
 
 Every test skips only when `torch.cuda.is_available()` is false (the CI machines have none)."""
 
@@ -179,3 +179,17 @@ def test_overlapped_decoding_equals_step_by_step(temperature, tiny_model_dir):
         outs.append([(r.output_ids, r.output_logprobs) for r in reqs])
         assert all(len(r.output_ids) == 5 + 7 * i for i, r in enumerate(reqs))
     assert outs[0] == outs[1]
+
+
+def test_prefix_reuse_copies_the_partly_reused_page_on_the_gpu(tiny_model_dir):
+    """Copy-on-write of the cached page a prompt ends or leaves the tree in, on CUDA: every cached
+    token but the last is reused, greedy outputs and fp32 logprobs (within 1e-5) equal an engine
+    without the cache, and every page comes back."""
+    from tests.engine.test_prefix_cache import PARTIAL_PROMPTS, cached_and_plain
+
+    runner, sched, _, _, cached = cached_and_plain(tiny_model_dir, PARTIAL_PROMPTS,
+                                                   device="cuda")
+    assert [r.cached_tokens for r in cached] == [0, 11, 11, 9, 10]
+    assert sched.num_prefill_tokens == 12 + 1 + 1 + 1 + 2
+    table = runner.table
+    assert not table.entries and table.free_pages == table.allocator.num_pages - 1
