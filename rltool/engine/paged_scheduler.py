@@ -125,8 +125,9 @@ class PagedScheduler(Scheduler):
                 if not req.output_ids:
                     req.cached_tokens = req.num_cached
             start = req.num_cached
-            if runner.prefix_cache and start < target - 1:  # it writes KV a request with the
-                filling.add(head)  # same first page could reuse
+            # It writes KV that a request with the same first page could reuse after it.
+            if runner.prefix_cache and start < target - 1:
+                filling.add(head)
             end = min(target, (start // chunk + 1) * chunk)
             if chunks and end - start > budget:
                 break

@@ -161,5 +161,7 @@ def test_copy_on_write_copies_kv_and_needs_a_free_page():
     table.extend("x", 4)  # the last free page; the source page is the only unlocked one
     assert table.reuse_prefix("c", tokens, max_tokens=11, pool=pool) == 8  # no room for a copy
     assert table.cache.num_pages == 3
+    table.flush_prefix_cache()  # the shared pages in use are freed with their requests
+    assert table.cache.num_pages == 0 and table.allocator.available == 1
     table.clear()
     assert table.free_pages == table.allocator.num_pages - 1
