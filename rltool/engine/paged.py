@@ -156,13 +156,13 @@ class PageTable:
 
     # ----- prefix cache ------------------------------------------------------------------------
 
-    def reuse_prefix(self, rid: str, tokens: list[int], *, max_tokens: int,
-                     pool: "KVPool") -> int:
+    def reuse_prefix(self, rid: str, tokens: list[int], *, max_tokens: int, pool: "KVPool",
+                     spare: int = 0) -> int:
         """Start the new request `rid` on the cached KV of the longest cached prefix of `tokens`
         (at most `max_tokens` tokens): the cached pages of its full pages, shared, and, when the
         prefix ends inside a cached page, a fresh page of its own into which `pool` copies that
-        page's first tokens (copy-on-write: the request appends to its copy; skipped when no page
-        is free). Returns the tokens reused."""
+        page's first tokens (copy-on-write: the request appends to its copy; skipped unless a page
+        is free beyond the `spare` ones kept for running requests). Returns the tokens reused."""
         if self.cache is None or rid in self.entries:
             return 0
         ps = self.page_size
@@ -180,7 +180,7 @@ class PageTable:
         if source is None:
             return entry.length
         self.cache.lock([source])  # neither counted nor evicted as room for its own copy
-        page = self._alloc(1)[0] if self.has_free(1) else None
+        page = self._alloc(1)[0] if self.has_free(1 + spare) else None
         self.cache.unlock([source])  # attached: nothing to free
         if page is None:
             return entry.length

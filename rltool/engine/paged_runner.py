@@ -228,8 +228,10 @@ class PagedRunner:
         if self.table is not None:
             self.table.clear()
 
-    def reuse_prefix(self, rid: str, tokens: list[int], *, max_tokens: int) -> int:
-        return self.table.reuse_prefix(rid, tokens, max_tokens=max_tokens, pool=self.pool)
+    def reuse_prefix(self, rid: str, tokens: list[int], *, max_tokens: int,
+                     spare: int = 0) -> int:
+        return self.table.reuse_prefix(rid, tokens, max_tokens=max_tokens, pool=self.pool,
+                                       spare=spare)
 
     def cache_prefix(self, rid: str, tokens: list[int]) -> None:
         self.table.cache_prefix(rid, tokens)

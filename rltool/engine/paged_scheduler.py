@@ -121,7 +121,8 @@ class PagedScheduler(Scheduler):
             if req.num_cached == 0:
                 if len(head) == ps and head in filling:
                     continue  # an earlier request is writing this prefix: reuse it next step
-                req.num_cached = runner.reuse_prefix(req.rid, req.all_ids(), max_tokens=target - 1)
+                req.num_cached = runner.reuse_prefix(req.rid, req.all_ids(),
+                                                     max_tokens=target - 1, spare=reserved)
                 if not req.output_ids:
                     req.cached_tokens = req.num_cached
             start = req.num_cached

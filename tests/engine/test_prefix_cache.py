@@ -157,6 +157,9 @@ def test_copy_on_write_copies_kv_and_needs_a_free_page():
     assert own != source and table.entries["b"].pages[:2] == [1, 2]
     for kv in (pool.k, pool.v):
         assert torch.equal(kv[:, own * 4:own * 4 + 3], kv[:, source * 4:source * 4 + 3])
+    # One page free, kept for a running request: no copy.
+    assert table.reuse_prefix("c", tokens, max_tokens=11, pool=pool, spare=1) == 8
+    table.remove("c")
     table.add("x")
     table.extend("x", 4)  # the last free page; the source page is the only unlocked one
     assert table.reuse_prefix("c", tokens, max_tokens=11, pool=pool) == 8  # no room for a copy
