@@ -40,7 +40,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def build_config(arch: str, preset: str, *, vocab_size: int, eos_token_id: int,
-                 pad_token_id: int) -> Any:
+                 pad_token_id: int, fit_vocab: bool = False) -> Any:
+    """The HF config of `preset`; its vocabulary is the preset's own unless `fit_vocab` (or the
+    preset names none): then `vocab_size`, the tokenizer's."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     if arch not in ARCHS:
@@ -48,6 +50,8 @@ def build_config(arch: str, preset: str, *, vocab_size: int, eos_token_id: int,
     if preset not in PRESETS:
         raise BadInputError(f"unknown --preset {preset!r}; choose one of {', '.join(PRESETS)}")
     shape = dict(PRESETS[preset])
+    if fit_vocab:
+        shape["vocab_size"] = vocab_size
     shape.setdefault("vocab_size", vocab_size)
     common = dict(rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
                   eos_token_id=eos_token_id, pad_token_id=pad_token_id, bos_token_id=None,
@@ -67,8 +71,10 @@ def build_config(arch: str, preset: str, *, vocab_size: int, eos_token_id: int,
 
 
 def init_model(out: str | os.PathLike, *, arch: str = "qwen2", preset: str = "tiny",
-               task: str | None = None, seed: int = 0, dtype: str = "fp32") -> Path:
-    """Write a random-init checkpoint and tokenizer to `out` (refuses an existing directory)."""
+               task: str | None = None, seed: int = 0, dtype: str = "fp32",
+               fit_vocab: bool = False) -> Path:
+    """Write a random-init checkpoint and tokenizer to `out` (refuses an existing directory);
+    `fit_vocab`: the preset's shapes with the tokenizer's vocabulary (no unused embedding rows)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -87,7 +93,7 @@ def init_model(out: str | os.PathLike, *, arch: str = "qwen2", preset: str = "ti
         build_tokenizer(tmp)
         tok = AutoTokenizer.from_pretrained(str(tmp))
         config = build_config(arch, preset, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
-                              pad_token_id=tok.pad_token_id)
+                              pad_token_id=tok.pad_token_id, fit_vocab=fit_vocab)
         if task is not None:
             config.rltool_task = task
         torch.manual_seed(seed)

@@ -7,8 +7,10 @@ rltool.rollout.client.EngineClient does) with the bodies the HTTP routes would r
 routes' own `EngineState`; and it takes weights straight from the caller's tensors (`load_tensors`),
 applied by the scheduler between steps like /update_weights_from_tensor.
 
-What it does not do: serve anyone else (no URL, no admin key, no OpenAI routes), stream, release
-memory, or load weights from disk after start.
+It releases and resumes its memory like /release_memory_occupation and /resume_memory_occupation
+(`release_memory`, `resume_memory`: weights, KV pool and CUDA graphs; requests in flight are
+retracted and re-prefilled later). What it does not do: serve anyone else (no URL, no admin key, no
+OpenAI routes), stream, or load weights from disk after start.
 """
 
 from __future__ import annotations
@@ -87,7 +89,22 @@ class InProcessEngine:
     async def aclose(self) -> None:
         """A client's close: the engine outlives the rollout stages that use it (see stop)."""
 
-    # ----- weights ---------------------------------------------------------------------------
+    # ----- memory and weights ----------------------------------------------------------------
+
+    def release_memory(self) -> None:
+        """Free weights, KV pool and graphs between scheduler steps (requests are retracted)."""
+        runner, scheduler = self.runner, self.scheduler
+
+        def release() -> None:
+            scheduler.retract_for_release()
+            runner.release()
+
+        scheduler.call(release).result()
+
+    def resume_memory(self) -> None:
+        """Rebuild what release_memory freed (the weights of the checkpoint loaded at start: a
+        weight update follows)."""
+        self.scheduler.call(self.runner.resume).result()
 
     def load_tensors(self, named: list[tuple[str, Any]], *, weight_version: str) -> None:
         """Copy named tensors into the served model (cast to the engine's --dtype), after the requests that

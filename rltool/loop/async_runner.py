@@ -112,8 +112,8 @@ def _start_evaluator(ctx: phases.StepContext, mode: str) -> EvalWorker | None:
     loop = ctx.settings.loop
     if ctx.settings.eval is None or loop.eval_interval is None:
         return None
-    engine = EngineSet(ctx.run, ctx.registry, num_engines=1, engine_args=loop.engine_args,
-                       deterministic=loop.deterministic,
+    engine = EngineSet(ctx.run, ctx.registry, num_engines=1,
+                       engine_args=ctx.settings.engine_args(), deterministic=loop.deterministic,
                        ready_timeout_s=loop.engine_ready_timeout_s, log_prefix="eval-engine")
     worker = EvalWorker(ctx.run, ctx.settings, engine, mode=mode)
     worker.start()

@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from rltool.config import StageConfig, cli, format_validation_error, read_toml
 from rltool.delta.config import SyncConfig
-from rltool.engine.config import ServeConfig
+from rltool.engine.config import ServeConfig, resolve_device
 from rltool.errors import ConfigError
 from rltool.loop.affinity import check_cores
 from rltool.rollout.eval import EvalConfig
@@ -62,6 +62,13 @@ class LoopConfig(TrackingConfig):
         "in the loop process; disaggregated: the trainer runs as its own subprocess while the "
         "engines keep their memory.")
     num_engines: int = Field(1, ge=1, description="Builtin engines to start (each --port 0).")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the engines and the trainer run unless engine_args --device "
+        "or [train] device say otherwise (auto: CUDA when torch sees one), in bf16 on CUDA "
+        "unless --dtype or [train] dtype say otherwise. Colocated on CUDA they take turns on "
+        "the device: the trainer's parameters, gradients and optimizer state wait in pinned "
+        "host memory during rollout and eval, the engines release weights and KV pool during "
+        "training.")
     engine: Literal["serve", "inprocess"] = Field(
         "serve", description="serve: each engine is an `rltool serve` child reached over HTTP; "
         "inprocess: one builtin engine on a thread of the loop process, called directly and "
@@ -225,6 +232,10 @@ class LoopSettings(BaseModel):
             raise ConfigError(f"[model] path {model.path!r} is not a HF weights directory "
                               "(no config.json)")
         loop = _validate(LoopConfig, tables["loop"], "loop")
+        try:
+            resolve_device(loop.device)
+        except ValueError as e:
+            raise ConfigError(f"[loop] device: {e}") from e
         settings = cls(model=model, rollout=tables["rollout"], train=tables["train"],
                        sync=_validate(SyncConfig, tables["sync"], "sync"),
                        eval=tables["eval"] or None, loop=loop)
@@ -308,9 +319,31 @@ class LoopSettings(BaseModel):
                       policy_version=policy_version)
         return _validate(EvalConfig, values, "eval")
 
+    @property
+    def device(self) -> str:
+        """[loop] device resolved: "cpu" or "cuda"."""
+        return resolve_device(self.loop.device)
+
+    def engine_args(self) -> list[str]:
+        """`engine_args` with the loop's device (and bf16 on CUDA) unless they name their own."""
+        args = list(self.loop.engine_args)
+        if "--device" not in args:
+            args += ["--device", self.device]
+        if "--dtype" not in args and _arg(args, "--device") == "cuda":
+            args += ["--dtype", "bf16"]
+        return args
+
+    @property
+    def engine_device(self) -> str:
+        """Where the loop's own engines run (their --device, else the loop's)."""
+        return resolve_device(_arg(self.engine_args(), "--device") or "auto")
+
     def train_config(self, run: RunDir, *, step: int, load: str) -> TrainConfig:
         values = dict(self.train)
         values.setdefault("seed", self.loop.seed)
+        values.setdefault("device", self.device)
+        if values["device"] == "cuda" or (values["device"] == "auto" and self.device == "cuda"):
+            values.setdefault("dtype", "bf16")
         if self.loop.deterministic:
             values["deterministic"] = True
         values.update(rollouts=[str(run.rollout_step(step))], load=load, save=str(run.ckpt),
@@ -327,7 +360,7 @@ class LoopSettings(BaseModel):
                               "process: it needs placement = \"colocated\", num_engines = 1 and "
                               "[sync] sync = \"auto\" or \"tensor\"; or use engine = \"serve\"")
         values: dict[str, Any] = {}
-        args = list(loop.engine_args)
+        args = self.engine_args()
         while args:
             flag = args.pop(0)
             key = flag[2:].replace("-", "_")
@@ -352,6 +385,15 @@ def _unsaved(loop: LoopConfig) -> set[str]:
     keys of a run with external engines (their defaults would clash with engine_urls)."""
     keys = {"api_key", "admin_api_key"}
     return keys | {"num_engines", "engine_args"} if loop.external else keys
+
+
+def _arg(args: list[str], flag: str) -> str | None:
+    """The value after the last `flag` in a flag list (None when absent or last)."""
+    found = None
+    for i, item in enumerate(args[:-1]):
+        if item == flag:
+            found = args[i + 1]
+    return found
 
 
 def _validate(model: type[Any], values: dict[str, Any], section: str) -> Any:

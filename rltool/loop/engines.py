@@ -186,22 +186,38 @@ class EngineSet:
         name = args[args.index("--dtype") + 1] if "--dtype" in args[:-1] else "fp32"
         return {"fp32": torch.float32, "bf16": torch.bfloat16}.get(name, torch.float32)
 
+    @property
+    def device(self) -> str:
+        """Where the engines serve (their --device, resolved; auto: CUDA when torch sees one)."""
+        from rltool.engine.config import resolve_device
+
+        args = self.engine_args
+        return resolve_device(args[args.index("--device") + 1] if "--device" in args[:-1]
+                              else "auto")
+
     def load_tensors(self, named: list[tuple[str, Any]], *, version: int,
                      bucket_bytes: int) -> float:
-        """Hand the weights to every engine through one shared-memory segment, a bucket at a time
-        (/update_weights_from_tensor); the last bucket sets the version. Returns the seconds."""
+        """Hand the weights to every engine a bucket at a time (/update_weights_from_tensor)
+        through one buffer: a CUDA IPC device buffer when the engines serve on CUDA, else a
+        shared-memory segment; the last bucket sets the version. Returns the seconds."""
         import json
 
         from rltool.delta import tensor_sync
+        from rltool.engine import api
 
         t0 = time.perf_counter()
         groups = tensor_sync.buckets(named, bucket_bytes=bucket_bytes)
         size = tensor_sync.segment_bytes(named, bucket_bytes=bucket_bytes)
-        with tensor_sync.ShmSegment(size) as seg:
+        cuda = self.device == "cuda"
+        fmt = api.CUDA_IPC_FORMAT if cuda else api.SHM_FORMAT
+        buffer = (tensor_sync.CudaIpcBuffer(size, device="cuda") if cuda
+                  else tensor_sync.ShmSegment(size))
+        with buffer as buf:
             for i, bucket in enumerate(groups):
-                message = json.dumps(seg.write(bucket, dtype=self.dtype))
+                message = json.dumps(buf.write(bucket, dtype=self.dtype))
                 tag = str(version) if i == len(groups) - 1 else None
-                self._each(lambda c: c.update_weights_from_tensor([message], weight_version=tag))
+                self._each(lambda c: c.update_weights_from_tensor(
+                    [message], load_format=fmt, weight_version=tag))
         return time.perf_counter() - t0
 
     def load_distributed(self, named: list[tuple[str, Any]], *, version: int,

@@ -5,8 +5,9 @@ The rollout and eval stages call it directly (no HTTP, no JSON, no per-step /get
 round trip), and a weight sync is one copy of the resident trainer's tensors into the engine's
 parameters, applied between scheduler steps. Nothing goes into engines.json: the engine ends with
 the loop process, so a killed loop leaves no orphan, and `--resume` starts a fresh one like any
-other engine. Memory release, disk and distributed weight loads have no in-process form; the
-config allows only the in-memory sync (`LoopSettings.serve_config`).
+other engine. Memory release and resume are direct calls (the colocated loop on CUDA frees the
+device for the trainer); disk and distributed weight loads have no in-process form, so the config
+allows only the in-memory sync (`LoopSettings.serve_config`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,27 @@ class InProcessEngines(EngineSet):
         if self.engine is not None:
             self.engine.stop()
         self.engine = None
+
+    @property
+    def device(self) -> str:
+        return self.serve_config.engine_device
+
+    @property
+    def dtype(self) -> Any:
+        from rltool.config import torch_dtype_name
+        from rltool.delta.tensor_sync import dtype_of
+
+        return dtype_of(torch_dtype_name(self.serve_config.dtype))
+
+    def release_memory(self) -> None:
+        self.check_alive()
+        with trace.span("offload", cat="memory"):
+            self.engine.release_memory()
+
+    def resume_memory(self) -> None:
+        self.check_alive()
+        with trace.span("reload", cat="memory"):
+            self.engine.resume_memory()
 
     def load_tensors(self, named: list[tuple[str, Any]], *, version: int,
                      bucket_bytes: int) -> float:

@@ -14,7 +14,8 @@ not yet recorded in state.json) is not redone, and nothing is duplicated.
 
 Colocated placement keeps one `ResidentTrainer` in the loop's process for the whole run. After a
 kill it is rebuilt from the newest checkpoint and replays the steps trained after it from their
-rollout shards (deterministic mode: bit-identical), so a checkpoint per step is not needed.
+rollout shards (deterministic mode: bit-identical), so a checkpoint per step is not needed. On
+CUDA it takes turns on the device with the engines (rltool.loop.residency).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from rltool import atomic, trace
 from rltool.errors import EngineError, GateFailedError
 from rltool.loop.config import LoopSettings
 from rltool.loop.engines import ChildRegistry, EngineSet, TrainerProcess
+from rltool.loop.residency import PhaseMemory, Residency
 from rltool.loop.state import LoopState
 from rltool.rundir import RunDir, read_metrics
 
@@ -44,6 +46,16 @@ class StepContext:
     registry: ChildRegistry
     state: LoopState
     trainer: Any = None  # the ResidentTrainer (colocated placement), built on first use
+    residency: Any = None  # a Residency: who holds the device in each phase
+    memory: PhaseMemory | None = None
+
+    def __post_init__(self) -> None:
+        if self.residency is None:
+            self.residency = Residency(self.settings, self.engines,
+                                       resident=is_resident(self.settings),
+                                       disk_sync=sync_mode(self.settings) == "disk")
+        if self.memory is None:
+            self.memory = PhaseMemory()
 
 
 def rollout(ctx: StepContext) -> None:
@@ -54,6 +66,7 @@ def rollout(ctx: StepContext) -> None:
     if (out / MANIFEST).exists():
         return
     atomic.remove_stale_temporaries(ctx.run.rollouts)
+    ctx.residency.for_engines(ctx.trainer)
     run_rollout(ctx.settings.rollout_config(ctx.run, step=ctx.state.step, urls=ctx.engines.urls),
                 clients=ctx.engines.clients)
 
@@ -127,7 +140,9 @@ def resident_trainer(ctx: StepContext) -> Any:
     from rltool.train.resident import ResidentTrainer
 
     if ctx.trainer is not None:
+        ctx.residency.reload_trainer(ctx.trainer)
         return ctx.trainer
+    ctx.residency.before_trainer(training=False)  # CUDA colocated: the device is the trainer's
     state, run = ctx.state, ctx.run
     newest = newest_checkpoint_version(run)
     load = run.ckpt_step(newest) if newest is not None else run.weight_version(0)
@@ -149,10 +164,11 @@ def resident_trainer(ctx: StepContext) -> Any:
 
 def _train_resident(ctx: StepContext) -> None:
     state, settings, run = ctx.state, ctx.settings, ctx.run
+    ctx.residency.before_trainer(training=ctx.trainer is None or ctx.trainer.loop_step
+                                 < state.step)
     trainer = resident_trainer(ctx)
     if trainer.loop_step < state.step:
-        if sync_mode(settings) == "disk" and settings.loop.placement == "colocated":
-            ctx.engines.release_memory()  # an in-memory sync writes into the engines' weights
+        ctx.residency.before_trainer(training=True)  # an in-memory sync writes into the engines
         trainer.train(settings.train_config(run, step=state.step, load=str(settings.model.path)),
                       loop_step=state.step)
     if is_save_step(settings, state.step) and not trainer.checkpoint_dir(run.ckpt).exists():
@@ -167,6 +183,8 @@ def save_resident(ctx: StepContext) -> None:
     trainer = ctx.trainer
     if trainer is not None and trainer.loop_step >= 0 and \
             not trainer.checkpoint_dir(ctx.run.ckpt).exists():
+        ctx.residency.before_trainer(training=False)
+        ctx.residency.reload_trainer(trainer)
         trainer.save(ctx.run.ckpt)
 
 
@@ -183,7 +201,7 @@ def train(ctx: StepContext) -> None:
         cfg = settings.train_config(ctx.run, step=state.step, load=str(load))
         atomic.remove_stale_temporaries(ctx.run.ckpt)
         if settings.loop.placement == "colocated":
-            ctx.engines.release_memory()
+            ctx.residency.release_engines()
         if settings.loop.launcher == "ray":
             ctx.engines.run_trainer(cfg)  # rltool.loop.ray_launcher.RayPlacement
         else:
@@ -273,15 +291,15 @@ def sync(ctx: StepContext) -> float:
     mode = sync_mode(ctx.settings)
     if mode != "disk":
         return push_weights(ctx, mode)
-    if ctx.settings.loop.placement == "colocated":
-        ctx.engines.resume_memory()
+    ctx.residency.for_engines(ctx.trainer)
     return ctx.engines.load_version(version, delta=version_mode(ctx.run.weight_version(version))
                                     == "delta")
 
 
 def push_weights(ctx: StepContext, mode: str) -> float:
-    """Hand the resident trainer's weights to every engine in memory as state.policy_version."""
-    named = resident_trainer(ctx).named_tensors()
+    """Hand the resident trainer's weights to every engine in memory as state.policy_version
+    (on CUDA colocated: staged on the host, the trainer offloaded, the engines resumed first)."""
+    named = ctx.residency.engine_weights(resident_trainer(ctx), ctx.engines.dtype)
     bucket_bytes = ctx.settings.sync.tensor_bucket_mb << 20
     load = ctx.engines.load_tensors if mode == "tensor" else ctx.engines.load_distributed
     return load(named, version=ctx.state.policy_version, bucket_bytes=bucket_bytes)
@@ -293,6 +311,7 @@ def evaluate(ctx: StepContext) -> dict[str, Any]:
 
     out = ctx.run.eval_step(ctx.state.step)
     if not (out / MANIFEST).exists():
+        ctx.residency.for_engines(ctx.trainer)
         atomic.remove_stale_temporaries(ctx.run.eval)
         run_eval(ctx.settings.eval_config(ctx.run, step=ctx.state.step, urls=ctx.engines.urls,
                                           policy_version=ctx.state.policy_version),
@@ -319,7 +338,10 @@ def rollout_summary(run: RunDir, step: int) -> dict[str, float]:
 
 
 def timed(fn: Any, ctx: StepContext) -> tuple[Any, float]:
+    """Run one phase: its seconds, and its peak device memory in ctx.memory."""
     t0 = time.perf_counter()
+    ctx.memory.start()
     with trace.span(fn.__name__, cat="phase", step=ctx.state.step):
         result = fn(ctx)
+    ctx.memory.stop(fn.__name__)
     return result, time.perf_counter() - t0

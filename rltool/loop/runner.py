@@ -163,7 +163,7 @@ def _engines(run: RunDir, registry: ChildRegistry, settings: LoopSettings) -> En
         return InProcessEngines(run, registry, serve_config=settings.serve_config(
             run.weight_version(0)), ready_timeout_s=settings.loop.engine_ready_timeout_s)
     return EngineSet(run, registry, num_engines=settings.loop.num_engines,
-                     engine_args=settings.loop.engine_args,
+                     engine_args=settings.engine_args(),
                      deterministic=settings.loop.deterministic,
                      ready_timeout_s=settings.loop.engine_ready_timeout_s)
 
@@ -174,6 +174,7 @@ def run_step(ctx: phases.StepContext, *, writer: MetricsWriter,
     state, run = ctx.state, ctx.run
     maybe_kill(f"{state.step}:start")
     t_step = time.perf_counter()
+    ctx.residency.seconds, ctx.memory.row = {}, {}
     for name, fn in (("rollout", phases.rollout), ("train", phases.train),
                      ("publish", phases.publish)):
         if not state.completed(name):
@@ -210,6 +211,10 @@ def step_metrics(ctx: phases.StepContext, *, eval_row: dict[str, Any],
         row[f"perf/loop/{name}_time"] = seconds
     row["perf/loop/step_time"] = sum(state.phase_times.values())
     row["perf/loop/wall_time"] = wall_s
+    # Device hand-overs inside the phases above (CUDA colocated: rltool.loop.residency).
+    for name, seconds in ctx.residency.seconds.items():
+        row[f"perf/loop/{name}_time"] = seconds
+    row.update(ctx.memory.row)
     for key in ("sync/mode", "perf/update_weights_wire_bytes", "perf/update_weights_density"):
         if key in state.publish:
             row[key] = state.publish[key]

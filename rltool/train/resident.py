@@ -94,6 +94,11 @@ class ResidentTrainer:
               extra_state={"loop_step": self.loop_step})
         return self.checkpoint_dir(save)
 
+    @property
+    def offloaded(self) -> bool:
+        """Whether offload moved the state to host memory (and no reload followed)."""
+        return any(o.offloaded for o in self._offloaders)
+
     def offload(self) -> Move:
         """Parameters, gradients and optimizer state to host memory, releasing the device for
         the engine (rltool.train.residency); the reference model and distillation teachers are

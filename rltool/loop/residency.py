@@ -1,0 +1,140 @@
+"""Who holds the device in a colocated loop, and the peak memory of every phase.
+
+The colocated loop on CUDA (`[loop] device = "cuda"`, a resident trainer, engines the loop
+started) alternates the device between the engines and the trainer, so that the trainer's state
+and the engines' memory are never on it together:
+
+| phase | on the device | elsewhere |
+|---|---|---|
+| rollout, eval | engines: weights, KV pool, graphs | trainer: parameters, gradients, optimizer state in pinned host memory |
+| train, publish | trainer | engines released (`/release_memory_occupation`, or the in-process engine's call) |
+| sync | first the trainer: its weights are staged in pinned host memory in the engines' dtype; it is offloaded; the engines resume (a KV pool sized without the trainer) and take the staged weights (CUDA IPC buckets, or a copy into the in-process engine) | |
+
+Elsewhere (CPU, disaggregated) only the disk-sync release/resume the colocated loop always made
+remains: engines release before training and resume before loading a version from disk.
+
+`PhaseMemory` resets the loop process's CUDA peak before each phase and records
+`memory/<phase>_peak_gib` after it (the trainer's and the in-process engine's allocations), with
+`memory/<phase>_device_used_gib`: what the whole device has in use at the end of the phase, served
+engines included.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from rltool.loop.config import LoopSettings
+
+log = logging.getLogger(__name__)
+GIB = float(1 << 30)
+
+
+class Residency:
+    """The device's holder in one loop process; `alternate` is the CUDA colocated mode."""
+
+    def __init__(self, settings: LoopSettings, engines: Any, *, resident: bool, disk_sync: bool):
+        loop = settings.loop
+        self.engines = engines
+        self.colocated = loop.placement == "colocated" and loop.mode == "sync"
+        self.alternate = (resident and self.colocated and not loop.external
+                          and loop.launcher == "local" and settings.device == "cuda"
+                          and engines.device == "cuda")
+        self.disk_sync = disk_sync
+        self.engines_released = False
+        self.seconds: dict[str, float] = {}  # offload/reload seconds of the current step
+        self._stage: dict[str, torch.Tensor] = {}  # pinned host buffers of the staged weights
+
+    def _add(self, key: str, t0: float) -> None:
+        self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t0
+
+    def release_engines(self) -> None:
+        if not self.engines_released:
+            t0 = time.perf_counter()
+            self.engines.release_memory()
+            self.engines_released = True
+            self._add("engine_release", t0)
+
+    def resume_engines(self) -> None:
+        if self.engines_released:
+            t0 = time.perf_counter()
+            self.engines.resume_memory()
+            self.engines_released = False
+            self._add("engine_resume", t0)
+
+    def offload_trainer(self, trainer: Any) -> None:
+        if trainer is not None and self.alternate and not trainer.offloaded:
+            move = trainer.offload()
+            self.seconds["trainer_offload"] = self.seconds.get("trainer_offload", 0.0) + \
+                move.seconds
+            log.info("trainer offloaded: %d tensors, %.2f GiB in %.2fs", move.tensors,
+                     move.bytes / GIB, move.seconds)
+
+    def reload_trainer(self, trainer: Any) -> None:
+        if self.alternate and trainer.offloaded:
+            move = trainer.reload()
+            self.seconds["trainer_reload"] = self.seconds.get("trainer_reload", 0.0) + \
+                move.seconds
+
+    # ----- the phases' calls -------------------------------------------------------------------
+
+    def for_engines(self, trainer: Any) -> None:
+        """Rollout and eval: the trainer off the device, the engines back on it."""
+        self.offload_trainer(trainer)
+        if self.alternate or self.disk_sync:
+            self.resume_engines()
+
+    def before_trainer(self, *, training: bool) -> None:
+        """Before the resident trainer is built, reloaded or trains: the engines release their
+        memory (CUDA colocated always; a colocated disk sync when it trains)."""
+        if self.alternate or (self.colocated and self.disk_sync and training):
+            self.release_engines()
+
+    def engine_weights(self, trainer: Any, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+        """The trainer's weights as the engines take them. Alternating: staged in pinned host
+        memory in `dtype`, then the trainer is offloaded and the engines resume; otherwise the
+        trainer's own tensors (the transport casts them)."""
+        if not self.alternate:
+            return trainer.named_tensors()
+        if trainer.offloaded:
+            self.release_engines()
+            self.reload_trainer(trainer)
+        t0 = time.perf_counter()
+        staged = []
+        for name, t in trainer.named_tensors():
+            buf = self._stage.get(name)
+            if buf is None or buf.shape != t.shape or buf.dtype != dtype:
+                buf = torch.empty(t.shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+                self._stage[name] = buf
+            buf.copy_(t.detach().to(dtype), non_blocking=True)
+            staged.append((name, buf))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._add("stage_weights", t0)
+        self.offload_trainer(trainer)
+        self.resume_engines()
+        return staged
+
+
+class PhaseMemory:
+    """Per-phase peak of the loop process's CUDA allocations (nothing without CUDA)."""
+
+    def __init__(self) -> None:
+        self.active = torch.cuda.is_available()
+        self.row: dict[str, float] = {}
+
+    def start(self) -> None:
+        if self.active:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+    def stop(self, phase: str) -> None:
+        if not self.active:
+            return
+        torch.cuda.synchronize()
+        self.row[f"memory/{phase}_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+        free, total = torch.cuda.mem_get_info()
+        self.row[f"memory/{phase}_device_used_gib"] = (total - free) / GIB

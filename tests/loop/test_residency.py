@@ -1,0 +1,116 @@
+"""Who holds the device in the colocated loop (rltool.loop.residency), and `[loop] device`.
+
+The alternation itself runs on CUDA (tests/gpu/test_gpu_loop.py); here its bookkeeping runs with
+the CPU Offloader: the order of engine calls and trainer moves, bit-exact round trips, and the
+weights staged for the engines."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rltool.errors import ConfigError
+from rltool.loop.config import LoopSettings
+from rltool.loop.residency import PhaseMemory, Residency
+from rltool.rundir import RunDir
+from rltool.train.config import TrainConfig
+from rltool.train.resident import ResidentTrainer
+from tests.loop.test_config import tables
+
+
+class Engines:
+    """Records the memory calls the loop makes of its engines."""
+
+    device = "cpu"
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def release_memory(self) -> None:
+        self.calls.append("release")
+
+    def resume_memory(self) -> None:
+        self.calls.append("resume")
+
+
+def trained(model_dir) -> ResidentTrainer:
+    """A resident trainer with gradients and Adam state (one step on a made-up loss)."""
+    trainer = ResidentTrainer(TrainConfig(load=str(model_dir), rollouts=["unused"],
+                                          device="cpu", lr=1e-3))
+    inner, opt = trainer.backend.inner, trainer.backend.optimizer
+    sum(p.float().square().sum() for p in inner.parameters()).backward()
+    opt.step()
+    return trainer
+
+
+def state_of(trainer: ResidentTrainer) -> dict[str, torch.Tensor]:
+    inner, opt = trainer.backend.inner, trainer.backend.optimizer
+    out = {f"p.{n}": p.data.clone() for n, p in inner.named_parameters()}
+    out.update({f"g.{n}": p.grad.clone() for n, p in inner.named_parameters()})
+    for i, st in enumerate(opt.state.values()):
+        out.update({f"o{i}.{k}": v.clone() for k, v in st.items() if v.dim() > 0})
+    return out
+
+
+def test_alternation_order_and_bit_exact_round_trips(tiny_model_dir):
+    settings = LoopSettings.from_tables(tables(tiny_model_dir, sync__sync="tensor"))
+    engines = Engines()
+    res = Residency(settings, engines, resident=True, disk_sync=False)
+    assert not res.alternate  # the CPU: nothing alternates, nothing is released
+    res.alternate = True  # the CUDA bookkeeping, exercised with the CPU Offloader
+    trainer = trained(tiny_model_dir)
+    before = state_of(trainer)
+    res.for_engines(trainer)  # rollout: the trainer moves off, the engines were never released
+    assert trainer.offloaded and engines.calls == []
+    res.before_trainer(training=True)  # train: engines release first, then the trainer reloads
+    res.before_trainer(training=True)  # idempotent
+    res.reload_trainer(trainer)
+    assert engines.calls == ["release"] and not trainer.offloaded
+    after = state_of(trainer)
+    assert before.keys() == after.keys() and len(after) > 3 * len(list(
+        trainer.backend.inner.parameters())) - 1
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    staged = res.engine_weights(trainer, torch.bfloat16)  # sync: stage, offload, resume
+    assert engines.calls == ["release", "resume"] and trainer.offloaded
+    own = dict(trainer.named_tensors())
+    assert [n for n, _ in staged] == sorted(own)
+    assert all(t.dtype == torch.bfloat16 and torch.equal(t, own[n].to(torch.bfloat16))
+               for n, t in staged)
+    assert set(res.seconds) == {"trainer_offload", "trainer_reload", "engine_release",
+                                "engine_resume", "stage_weights"}
+    res.for_engines(trainer)  # eval after sync: nothing left to move
+    assert engines.calls == ["release", "resume"]
+
+
+def test_disk_sync_releases_only_to_train(tiny_model_dir):
+    settings = LoopSettings.from_tables(tables(tiny_model_dir))
+    engines = Engines()
+    res = Residency(settings, engines, resident=True, disk_sync=True)
+    res.before_trainer(training=False)  # building the trainer to publish: engines keep memory
+    assert engines.calls == []
+    res.before_trainer(training=True)
+    res.for_engines(None)
+    res.for_engines(None)
+    assert engines.calls == ["release", "resume"]
+    assert PhaseMemory().active is torch.cuda.is_available()
+
+
+def test_loop_device_reaches_engines_and_trainer(tiny_model_dir, tmp_path):
+    run = RunDir(tmp_path / "run")
+    s = LoopSettings.from_tables(tables(tiny_model_dir, loop__device="cpu"))
+    assert s.device == "cpu" and s.engine_args()[-2:] == ["--device", "cpu"]
+    t = s.train_config(run, step=0, load="x")
+    assert t.device == "cpu" and t.dtype == "fp32"
+    # Their own settings win.
+    s = LoopSettings.from_tables(tables(tiny_model_dir, loop__device="cpu",
+                                        loop__engine_args=["--device", "auto"],
+                                        train__dtype="bf16"))
+    assert s.engine_args() == ["--device", "auto"]
+    assert s.train_config(run, step=0, load="x").dtype == "bf16"
+    s = LoopSettings.from_tables(tables(tiny_model_dir, loop__engine="inprocess",
+                                        sync__sync="tensor"))
+    assert s.serve_config(tiny_model_dir).engine_device == s.device
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"\[loop\] device: --device cuda: torch sees no "
+                           "CUDA GPU"):
+            LoopSettings.from_tables(tables(tiny_model_dir, loop__device="cuda"))
