@@ -42,3 +42,37 @@ def test_demo_refuses_a_foreign_directory(tmp_path, capsys):
         demo.main([str(tmp_path / "mine")])
     assert e.value.code == 2 and "not a demo directory" in capsys.readouterr().err
     assert (tmp_path / "mine" / "keep.txt").exists()
+
+
+@pytest.mark.slow
+def test_addition_recipe_runs_on_cpu(tmp_path, capsys):
+    """The GPU demo's recipe (`--device cuda` defaults to it) with the tiny shapes, two RL
+    steps: the model's vocabulary is the tokenizer's, the SFT sums are disjoint from the RL and
+    eval prompts, every step prints its phase times, and the summary JSON carries the phase
+    means, the eval reward and where it was measured."""
+    root, out = tmp_path / "demo-run", tmp_path / "result.json"
+    demo.main([str(root), "--task", "add", "--preset", "tiny", "--steps", "2", "--sft-steps",
+               "2", "--sft-max-steps", "2", "--rollout-batch-size", "4", "--eval-prompts", "8",
+               "--sft-prompts", "64", "--out-json", str(out), "-q"])
+    printed = capsys.readouterr().out
+    assert "rollout    train  publish     sync     eval" in printed
+    assert "rltool report" in printed and "perf/loop/rollout_time" in printed
+    summary = json.loads(out.read_text())
+    assert summary == json.loads((root / "summary.json").read_text())
+    assert summary["task"] == "add" and summary["device"] == "cpu" and summary["rl_steps"] == 2
+    assert summary["sft_steps"] == 2 and summary["final_eval_reward"] is not None
+    assert summary["phase_means"]["perf/loop/rollout_time"] > 0
+    prompts = {f: {json.loads(line)["prompt"] for line in (root / f).read_text().splitlines()}
+               for f in ("rl.jsonl", "eval.jsonl", "sft.jsonl")}
+    assert not prompts["sft.jsonl"] & (prompts["rl.jsonl"] | prompts["eval.jsonl"])
+    from transformers import AutoTokenizer
+
+    config = json.loads((root / "model" / "config.json").read_text())
+    assert config["vocab_size"] == len(AutoTokenizer.from_pretrained(str(root / "model")))
+
+
+def test_copy_demo_refuses_the_gpu(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        demo.main([str(tmp_path / "d"), "--device", "cuda", "--task", "copy"])
+    assert e.value.code == 2 and "--task copy is the CPU demo" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()

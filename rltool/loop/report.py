@@ -3,7 +3,8 @@
 Reads RUN/metrics/loop.jsonl (one line per loop step), train.jsonl and eval.jsonl; writes
 RUN/report/index.html with reward.png, response_len.png, kl.png, logprob_diff.png,
 step_time.png, and when the run logged them eval_by_version.png and eval_by_time.png (eval
-reward against the version it measured and against wall time) and staleness.png (async runs). Plots use matplotlib's Agg backend (no
+reward against the version it measured and against wall time), staleness.png (async runs) and
+memory.png (the peak GPU memory of every phase, CUDA runs). Plots use matplotlib's Agg backend (no
 display needed). Metrics missing from a run (e.g. KL without a reference model) or holding
 non-numbers are plotted as "not logged" rather than failing; a row without the integer `step` and
 `policy_version` every metrics row carries is bad input (one line naming file, row and field).
@@ -26,6 +27,9 @@ from rltool.rundir import RunDir, read_metrics
 
 REPORT_DIR = "report"
 PHASE_KEYS = ("rollout", "train", "publish", "sync", "eval")
+# Device hand-overs of the colocated loop on CUDA, timed inside the phases (rltool.loop.residency).
+HANDOVER_KEYS = ("trainer_offload", "trainer_reload", "engine_release", "engine_resume",
+                 "stage_weights")
 
 
 class ReportConfig(StageConfig):
@@ -182,6 +186,12 @@ def _extra_plots(metrics: dict[str, list[dict[str, Any]]], out: Path,
     if staleness["mean"]:
         charts.append(("staleness.png", "Staleness of the trained samples", "loop step",
                        [(k, pts) for k, pts in staleness.items()]))
+    memory = [(p, pts) for p in PHASE_KEYS
+              if (pts := [(r["step"], v) for r in metrics["loop"]
+                          if (v := _number(r.get(f"memory/{p}_peak_gib"))) is not None])]
+    if memory:
+        charts.append(("memory.png", "Peak GPU memory of the loop process per phase",
+                       "loop step", memory))
     made = []
     for file, title, xlabel, series in charts:
         fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -189,7 +199,8 @@ def _extra_plots(metrics: dict[str, list[dict[str, Any]]], out: Path,
             ax.plot([x for x, _ in points], [y for _, y in points], marker="o", ms=3,
                     label=label)
         ax.legend(fontsize=8)
-        ylabel = "versions" if file == "staleness.png" else "eval mean reward"
+        ylabel = {"staleness.png": "versions", "memory.png": "GiB"}.get(file,
+                                                                        "eval mean reward")
         _finish(fig, ax, title, ylabel, out / file, xlabel=xlabel)
         plt.close(fig)
         made.append((file, title))
@@ -214,7 +225,9 @@ def summarize(metrics: dict[str, list[dict[str, Any]]]) -> list[tuple[str, str, 
     for key, best in (("rollout/raw_reward", max), ("eval/mean_reward", max),
                       ("rollout/response_len/mean", None),
                       ("train/train_rollout_logprob_abs_diff", None),
-                      ("perf/loop/step_time", min)):
+                      ("perf/loop/step_time", min),
+                      *((f"perf/loop/{k}_time", min) for k in (*PHASE_KEYS, *HANDOVER_KEYS)),
+                      *((f"memory/{p}_peak_gib", min) for p in PHASE_KEYS)):
         _, ys = _series(rows, key, x_key="step")
         if ys:
             out.append((key, f"{ys[0]:.4g}", f"{ys[-1]:.4g}", f"{best(ys):.4g}" if best else "-"))

@@ -55,3 +55,20 @@ def test_report_plots_eval_by_version_and_wall_time_and_staleness(tmp_path):
     names = sorted(p.rsplit("/", 1)[-1] for p in result["plots"])
     assert {"eval_by_version.png", "eval_by_time.png", "staleness.png"} <= set(names)
     assert len(names) == 8
+
+
+def test_report_tables_phase_times_and_plots_memory_of_a_cuda_run(tmp_path):
+    run = RunDir(tmp_path).create()
+    with MetricsWriter(run.metrics_file("loop")) as w:
+        for step in range(2):
+            w.log({"rollout/raw_reward": 0.5, "perf/loop/rollout_time": 1.0 + step,
+                   "perf/loop/trainer_offload_time": 0.25, "memory/train_peak_gib": 40.0 + step,
+                   "memory/rollout_peak_gib": 1.5}, step=step, policy_version=step + 1)
+    result = write_report(run.root)
+    rows = {r["metric"]: r for r in result["summary"]}
+    assert (rows["perf/loop/rollout_time"]["first"], rows["perf/loop/rollout_time"]["last"]) == \
+        ("1", "2")
+    assert rows["perf/loop/trainer_offload_time"]["last"] == "0.25"
+    assert rows["memory/train_peak_gib"]["last"] == "41"
+    assert "perf/loop/sync_time" not in rows  # not logged: no row
+    assert "memory.png" in {p.rsplit("/", 1)[-1] for p in result["plots"]}
