@@ -84,3 +84,17 @@ def test_load_tensors_is_bit_equal_and_all_or_nothing(engine):
     out = asyncio.run(engine.generate({**PAYLOAD, "input_ids": [5, 6, 7],
                                        "sampling_params": PAYLOAD["sampling_params"][0]}))
     assert out["meta_info"]["weight_version"] == "7"
+
+
+def test_release_and_resume_memory(engine):
+    """Released, the engine holds no weights and refuses a weight update; resumed, it answers
+    as before (the weights of the checkpoint it was started with)."""
+    before = asyncio.run(engine.generate(PAYLOAD))
+    engine.release_memory()
+    assert engine.runner.released
+    with pytest.raises(EngineError, match="weights are released"):
+        engine.load_tensors([], weight_version="1")
+    engine.resume_memory()
+    assert not engine.runner.released
+    after = asyncio.run(engine.generate(PAYLOAD))
+    assert [o["output_ids"] for o in after] == [o["output_ids"] for o in before]
