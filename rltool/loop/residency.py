@@ -104,7 +104,7 @@ class Residency:
             self.reload_trainer(trainer)
         t0 = time.perf_counter()
         staged = []
-        for name, t in trainer.named_tensors():
+        for name, t in trainer.named_tensors(on_device=True):  # cast where they live
             buf = self._stage.get(name)
             if buf is None or buf.shape != t.shape or buf.dtype != dtype:
                 buf = torch.empty(t.shape, dtype=dtype, pin_memory=torch.cuda.is_available())

@@ -115,8 +115,12 @@ class ResidentTrainer:
             raise ConfigError("device offload of the resident trainer covers the torch backend "
                               "only; run the megatron backend without offload")
 
-    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """The policy's weights under HF names (what an engine serves), in a stable order."""
+    def named_tensors(self, *, on_device: bool = False) -> list[tuple[str, torch.Tensor]]:
+        """The policy's weights under HF names (what an engine serves), in a stable order; host
+        copies unless `on_device` (the torch backend: its parameters where they live)."""
+        if on_device:
+            self._check_offloadable()
+            return sorted(self.backend.export_hf_state_dict(on_device=True).items())
         return sorted(self.backend.export_hf_state_dict().items())
 
 

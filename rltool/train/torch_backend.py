@@ -331,14 +331,18 @@ class TorchBackend:
 
         return StateDictOptions(full_state_dict=True, cpu_offload=self.dp_size > 1)
 
-    def _full_model_state(self) -> dict[str, torch.Tensor]:
+    def _full_model_state(self, *, on_device: bool = False) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         state = get_model_state_dict(self.model, options=self._full_state_options())
-        return {k: v.detach().cpu() for k, v in state.items()} if self.dp_rank == 0 else {}
+        keep = on_device and self.dp_size == 1
+        return ({k: v.detach() if keep else v.detach().cpu() for k, v in state.items()}
+                if self.dp_rank == 0 else {})
 
-    def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in self._full_model_state().items()
+    def export_hf_state_dict(self, *, on_device: bool = False) -> dict[str, torch.Tensor]:
+        """The policy's tensors under HF names, copied to host memory; `on_device` (one process):
+        the parameters where they live, uncopied (a caller casting them on the device)."""
+        return {k: v for k, v in self._full_model_state(on_device=on_device).items()
                 if not k.startswith(VALUE_HEAD + ".")}
 
     def _rng_states(self) -> dict[str, torch.Tensor]:
