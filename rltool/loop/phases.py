@@ -55,7 +55,7 @@ class StepContext:
                                        resident=is_resident(self.settings),
                                        disk_sync=sync_mode(self.settings) == "disk")
         if self.memory is None:
-            self.memory = PhaseMemory()
+            self.memory = PhaseMemory(active=self.settings.device == "cuda")
 
 
 def rollout(ctx: StepContext) -> None:

@@ -13,10 +13,10 @@ and the engines' memory are never on it together:
 Elsewhere (CPU, disaggregated) only the disk-sync release/resume the colocated loop always made
 remains: engines release before training and resume before loading a version from disk.
 
-`PhaseMemory` resets the loop process's CUDA peak before each phase and records
-`memory/<phase>_peak_gib` after it (the trainer's and the in-process engine's allocations), with
-`memory/<phase>_device_used_gib`: what the whole device has in use at the end of the phase, served
-engines included.
+On CUDA (`[loop] device`), `PhaseMemory` resets the loop process's CUDA peak before each phase
+and records `memory/<phase>_peak_gib` after it (the trainer's and the in-process engine's
+allocations), with `memory/<phase>_device_used_gib`: what the whole device has in use at the end
+of the phase, served engines included.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Residency:
         self.colocated = loop.placement == "colocated" and loop.mode == "sync"
         self.alternate = (resident and self.colocated and not loop.external
                           and loop.launcher == "local" and settings.device == "cuda"
-                          and engines.device == "cuda")
+                          and getattr(engines, "device", None) == "cuda")
         self.disk_sync = disk_sync
         self.engines_released = False
         self.seconds: dict[str, float] = {}  # offload/reload seconds of the current step
@@ -120,10 +120,10 @@ class Residency:
 
 
 class PhaseMemory:
-    """Per-phase peak of the loop process's CUDA allocations (nothing without CUDA)."""
+    """Per-phase peak of the loop process's CUDA allocations (`active`: a loop on CUDA)."""
 
-    def __init__(self) -> None:
-        self.active = torch.cuda.is_available()
+    def __init__(self, *, active: bool) -> None:
+        self.active = active
         self.row: dict[str, float] = {}
 
     def start(self) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from rltool.errors import ConfigError
 from rltool.loop.config import LoopSettings
-from rltool.loop.residency import PhaseMemory, Residency
+from rltool.loop.residency import Residency
 from rltool.rundir import RunDir
 from rltool.train.config import TrainConfig
 from rltool.train.resident import ResidentTrainer
@@ -92,7 +92,6 @@ def test_disk_sync_releases_only_to_train(tiny_model_dir):
     res.for_engines(None)
     res.for_engines(None)
     assert engines.calls == ["release", "resume"]
-    assert PhaseMemory().active is torch.cuda.is_available()
 
 
 def test_loop_device_reaches_engines_and_trainer(tiny_model_dir, tmp_path):
