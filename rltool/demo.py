@@ -83,7 +83,9 @@ def add_loop_tables(root: Path, *, model: Path, steps: int, seed: int, device: s
         "model": {"path": str(model)},
         "rollout": {"prompts": str(root / "rl.jsonl"), "reward": "add:exact",
                     "n_samples_per_prompt": 8, "rollout_batch_size": recipe.rollout_batch_size,
-                    "max_response_len": 8, "temperature": 1.0, "seed": seed},
+                    "max_response_len": 8, "temperature": 1.0, "seed": seed,
+                    # every sample in flight at once (the engine batches what it can run)
+                    "concurrency": recipe.rollout_batch_size * 8},
         "train": {"lr": recipe.rl_lr, "lr_warmup_steps": 2,
                   "global_batch_size": recipe.rollout_batch_size * 4,
                   "advantage_estimator": "grpo"},
