@@ -2,10 +2,17 @@
 
 For each model preset (random init, rltool.data.models.PRESETS: qwen2.5-0.5b and qwen2.5-3b by
 default) it builds each backend on one device, draws --samples-per-step random samples of
---min-len..--max-len tokens (seeded), plans them with the DP schedule under a --seq-len token cap
-(megatron packs each micro-batch into one THD row; torch uses its `auto` layout: packed on CUDA,
-padded on the CPU), and times --steps optimizer
-steps after --warmup steps (loss: mean token logprob, the shape of a policy-gradient step):
+--min-len..--max-len tokens (seeded), plans them with the DP schedule into micro-batches and times
+--steps optimizer steps after --warmup steps (loss: mean token logprob, the shape of a
+policy-gradient step). Each backend runs in its best configuration:
+
+  megatron  micro-batches of <= --seq-len tokens, each packed into one THD row (bf16 parameters,
+            fp32 master weights in megatron's optimizer)
+  torch     its packed layout on CUDA (padded on the CPU) with micro-batches of <= --torch-seq-len
+            tokens, as benchmarks/train_gpu.py runs it (fp32 parameters under bf16 autocast);
+            when a preset runs out of memory without activation checkpointing it is retried with
+            it (the row says `recompute_activations`), unless --torch-recompute-activations forces
+            it on from the start
 
   tokens/s     real (unpadded) tokens per second of train_step, median step
   MFU          model FLOPs / step time / --peak-tflops: 6 x (linear-layer parameters, lm_head
@@ -24,7 +31,8 @@ records its error and the run goes on. Prints a table and, last, one JSON line.
 GPU:  python benchmarks/train_megatron.py --device cuda --out benchmarks/results
 CPU (a check of the script itself, minutes):
       python benchmarks/train_megatron.py --device cpu --presets tiny --dtype fp32 --seq-len 64 \\
-          --min-len 8 --max-len 48 --samples-per-step 8 --steps 2 --warmup 1 --out /tmp/bench
+          --torch-seq-len 64 --min-len 8 --max-len 48 --samples-per-step 8 --steps 2 --warmup 1 \\
+          --out /tmp/bench
 """
 
 from __future__ import annotations
@@ -91,16 +99,19 @@ def sync() -> None:
 
 
 def bench_backend(name: str, model_dir: Path, samples: list[list[int]], args: argparse.Namespace,
-                  out_dir: Path, preset: str) -> dict:
-    options = BackendConfig(backend=name, dtype=args.dtype, device=args.device, lr=1e-5,
-                            recompute_granularity=args.recompute_granularity
-                            if name == "megatron" else "none",
-                            use_distributed_optimizer=args.use_distributed_optimizer
-                            and name == "megatron",
-                            recompute_activations=args.torch_recompute_activations
-                            and name == "torch")
+                  out_dir: Path, preset: str, *, recompute: bool = False) -> dict:
+    if name == "megatron":
+        options = BackendConfig(backend=name, dtype=args.dtype, device=args.device, lr=1e-5,
+                                recompute_granularity=args.recompute_granularity,
+                                use_distributed_optimizer=args.use_distributed_optimizer)
+        cap = args.seq_len
+    else:
+        options = BackendConfig(backend=name, dtype=args.dtype, device=args.device, lr=1e-5,
+                                micro_batch_layout="packed" if args.device == "cuda" else "padded",
+                                recompute_activations=recompute)
+        cap = args.torch_seq_len
     backend = build_backend(model_dir, options=options)
-    mbs = micro_batches(samples, args.seq_len)
+    mbs = micro_batches(samples, cap)
     try:
         for _ in range(args.warmup):
             backend.train_step(mbs, loss_fn, temperature=1.0)
@@ -114,7 +125,9 @@ def bench_backend(name: str, model_dir: Path, samples: list[list[int]], args: ar
             sync()
             times.append(time.perf_counter() - start)
         result = {"backend": name, "step_s": statistics.median(times), "step_s_all": times,
-                  "micro_batches": len(mbs)}
+                  "micro_batches": len(mbs), "max_tokens_per_microbatch": cap}
+        if name == "torch":
+            result["recompute_activations"] = recompute
         if torch.cuda.is_available():
             result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if args.profile and name == "megatron":
@@ -125,6 +138,21 @@ def bench_backend(name: str, model_dir: Path, samples: list[list[int]], args: ar
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def best_run(name: str, model_dir: Path, samples: list[list[int]], args: argparse.Namespace,
+             out_dir: Path, preset: str) -> dict:
+    """bench_backend; the torch backend again with activation checkpointing when it ran out of
+    memory without (retried after the failed run's memory is released)."""
+    try:
+        return bench_backend(name, model_dir, samples, args, out_dir, preset,
+                             recompute=args.torch_recompute_activations)
+    except torch.OutOfMemoryError:
+        if name != "torch" or args.torch_recompute_activations:
+            raise
+    gc.collect()  # the failed run's frames are gone with the handled exception
+    torch.cuda.empty_cache()
+    return bench_backend(name, model_dir, samples, args, out_dir, preset, recompute=True)
 
 
 def profile_step(backend, mbs: list[MicroBatch], path: Path) -> str:
@@ -147,7 +175,10 @@ def main() -> None:
     parser.add_argument("--backends", default="megatron,torch")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    parser.add_argument("--seq-len", type=int, default=4096, help="micro-batch token cap")
+    parser.add_argument("--seq-len", type=int, default=8192,
+                        help="megatron: micro-batch token cap (one packed row)")
+    parser.add_argument("--torch-seq-len", type=int, default=16384,
+                        help="torch: micro-batch token cap (benchmarks/train_gpu.py's)")
     parser.add_argument("--min-len", type=int, default=512)
     parser.add_argument("--max-len", type=int, default=4096)
     parser.add_argument("--samples-per-step", type=int, default=32)
@@ -156,7 +187,9 @@ def main() -> None:
     parser.add_argument("--recompute-granularity", choices=("none", "full", "selective"),
                         default="none")
     parser.add_argument("--use-distributed-optimizer", action="store_true")
-    parser.add_argument("--torch-recompute-activations", action="store_true")
+    parser.add_argument("--torch-recompute-activations", action="store_true",
+                        help="torch: activation checkpointing from the start (default: only "
+                        "after running out of memory without it)")
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="dense bf16 peak of one device (H100/H200 SXM: 989)")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None)
@@ -194,7 +227,7 @@ def main() -> None:
             for name in args.backends.split(","):
                 row = {"preset": preset, "tokens_per_step": tokens, "flops_per_step": flops}
                 try:
-                    row.update(bench_backend(name, model_dir, samples, args, out_dir, preset))
+                    row.update(best_run(name, model_dir, samples, args, out_dir, preset))
                     row["tokens_per_s"] = tokens / row["step_s"]
                     if cuda:
                         row["mfu"] = flops / row["step_s"] / (args.peak_tflops * 1e12)

@@ -8,8 +8,9 @@ memory-efficient kernel runs and no S x S tensor is kept for backward.
 
 - Padded layout `sbhd`: query [s, b, heads, d] -> one SDPA call -> [s, b, heads * d].
 - Packed layout `thd` (`PackedSeqParams(qkv_format="thd")`): query [t, heads, d] holds several
-  sequences back to back, delimited by `cu_seqlens_q`; each runs as its own causal SDPA call (no
-  token attends across a boundary) -> [t, heads * d].
+  sequences back to back, delimited by `cu_seqlens_q`; rltool.train.packed.causal_varlen runs
+  them (one variable-length flash call on CUDA in bf16, one causal SDPA call per sequence
+  elsewhere; no token attends across a boundary) -> [t, heads * d]. No attention dropout there.
 - Grouped-query attention: key/value heads are shared by `heads / groups` query heads
   (`enable_gqa`), never copied.
 
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from rltool.errors import ConfigError
+from rltool.train.packed import causal_varlen
 
 
 class SdpaCoreAttention(torch.nn.Module):
@@ -60,12 +62,11 @@ class SdpaCoreAttention(torch.nn.Module):
         if attention_bias is not None:
             raise ConfigError("attention bias is not supported by the SDPA core attention")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            bounds = packed_seq_params.cu_seqlens_q.tolist()
-            parts = []
-            for start, end in zip(bounds[:-1], bounds[1:]):
-                q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
-                parts.append(self._attend(q, k, v)[0].transpose(0, 1))
-            out = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+            if self.dropout and self.training:
+                raise ConfigError("attention dropout is not supported with packed sequences; "
+                                  "set attention_dropout to 0")
+            out = causal_varlen(query, key, value, packed_seq_params.cu_seqlens_q,
+                                packed_seq_params.max_seqlen_q, scale=self.softmax_scale)
             return out.reshape(out.shape[0], -1)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, d]
         out = self._attend(q, k, v).permute(2, 0, 1, 3)                   # [s, b, heads, d]

@@ -7,9 +7,13 @@
   The data-parallel size is world / (TP * PP * CP); the DP schedule of rltool.train.dp_schedule
   assigns micro-batches to DP ranks exactly as for the torch backend.
 - A micro-batch runs packed (THD): its samples back to back in one [1, T] row, positions restarting
-  per sample, `PackedSeqParams` delimiting them (attention and RoPE never cross a boundary). The
-  logits are gathered over TP, cut to the real vocabulary and turned into logprobs by
-  rltool.train.backend.response_outputs, the function the torch backend uses.
+  per sample, `PackedSeqParams` delimiting them (attention and RoPE never cross a boundary), built
+  on the host and moved in one asynchronous copy (rltool.train.packed.pack). The last stage
+  returns the decoder's hidden states; the response rows' logits come from the output layer in
+  chunks, gathered over TP and cut to the real vocabulary, turned into logprobs by
+  rltool.train.packed.response_outputs, the function the torch backend's packed layout uses.
+- Per micro-batch the host never waits for the device (no `.item()`, `.tolist()` or blocking copy;
+  metrics are summed on the device), so the CPU queues kernels ahead of the GPU.
 - Forward and backward run through megatron's pipeline schedules (`get_forward_backward_func`),
   one call per logprob micro-batch and one per optimizer step, with `calculate_per_token_loss`:
   the stage's losses are already normalised for the global batch, so the schedule divides by
@@ -22,21 +26,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from rltool.errors import CheckpointError, ConfigError
-from rltool.train import megatron_state
-from rltool.train.backend import ForwardOutput, LossFn, MicroBatch, response_outputs
+from rltool.train import megatron_state, packed
+from rltool.train.backend import ForwardOutput, LossFn, MicroBatch
 from rltool.train.config import BackendConfig
 from rltool.train.lr import lr_of
 
@@ -120,6 +126,12 @@ class MegatronBackend:
             # only while initializing them; the loaded weights replace these values
             perform_initialization=True,
             core_attention=self._core_attention(), **_config_overrides(options, cuda=cuda))
+        for norm in model.modules():
+            # megatron's torch-norm fallback builds fp32 norms; with bf16 activations torch then
+            # runs the unfused norm (several kernels and casts per call). Megatron-LM's bf16
+            # wrapper casts them the same way; the optimizer keeps their fp32 masters.
+            if isinstance(norm, torch.nn.RMSNorm | torch.nn.LayerNorm):
+                norm.to(dtype)
         if cuda:
             model = model.cuda()
         megatron_state.load_hf_weights(model, self.model_dir)
@@ -187,24 +199,24 @@ class MegatronBackend:
         return units + [MicroBatch([], [], [])] * (max(int(count.item()), 1) - len(units))
 
     # -- forward -----------------------------------------------------------------------------
-    def _pack(self, mb: MicroBatch, length: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """input ids [1, length], position ids [1, length] and the PackedSeqParams of one
-        micro-batch: its samples, then one padding sequence up to `length` (never read). Every
-        pass of a schedule call has the same length (the pipeline's sends have fixed shapes)."""
+    def _pack(self, mb: MicroBatch, length: int) -> tuple[packed.Packed, Any]:
+        """The packed row of one micro-batch, [1, length]: its samples, then one padding sequence
+        up to `length` (no response rows, never read), and its PackedSeqParams. Every pass of a
+        schedule call has the same length (the pipeline's sends have fixed shapes). The offsets in
+        the params stay on the CPU: megatron's THD rotary embedding reads them per layer, which
+        on the device would wait for the GPU to drain each time."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        seqs = [list(t) for t in mb.tokens]
-        pad = length - sum(map(len, seqs))
+        tokens, starts = list(mb.tokens), list(mb.response_starts)
+        pad = length - sum(map(len, tokens))
         if pad:
-            seqs.append([0] * pad)
-        lengths = [len(s) for s in seqs]
-        ids = torch.tensor([[t for s in seqs for t in s]], dtype=torch.long, device=self.device)
-        pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0).to(self.device)
-        bounds = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
-                              device=self.device)
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=bounds, cu_seqlens_kv=bounds,
-                                 max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
-        return ids, pos, params
+            tokens.append([0] * pad)
+            starts.append(pad)
+        p = packed.pack(tokens, starts, self.device)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=p.cu_seqlens_host,
+                                 cu_seqlens_kv=p.cu_seqlens_host, max_seqlen_q=p.max_len,
+                                 max_seqlen_kv=p.max_len)
+        return p, params
 
     def _length(self, units: list[MicroBatch]) -> int:
         """The packed length of every pass of a schedule call: the longest unit over all ranks,
@@ -215,24 +227,56 @@ class MegatronBackend:
         multiple = self.options.tensor_model_parallel_size if self.options.sequence_parallel else 1
         return math.ceil(int(longest.item()) / multiple) * multiple
 
-    def _outputs(self, logits: torch.Tensor, mb: MicroBatch, *, temperature: float,
-                 with_entropy: bool, top_k: int) -> ForwardOutput:
-        """Logits [1, T, V / TP] of a packed micro-batch -> per-sample outputs (full vocab)."""
+    def _logits_of(self) -> packed.LogitsOf:
+        """Hidden rows [r, hidden] -> logits [r, vocab]: the output layer's TP shard, gathered
+        over TP, cut to the real vocabulary."""
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-        full = gather_from_tensor_model_parallel_region(logits)[0, :, :self.vocab_size]
-        rows, targets, offset = [], [], 0
-        for tokens, start in zip(mb.tokens, mb.response_starts):
-            rows.append(full[offset + start - 1:offset + len(tokens) - 1])
-            targets.append(torch.tensor(tokens[start:], dtype=torch.long, device=full.device))
-            offset += len(tokens)
-        return response_outputs(rows, targets, temperature=temperature,
-                                with_entropy=with_entropy, top_k=top_k)
+        module = self.module
+        weight = (module.shared_embedding_or_output_weight()
+                  if module.share_embeddings_and_output_weights else module.output_layer.weight)
+        vocab = self.vocab_size
+
+        def logits_of(hidden: torch.Tensor) -> torch.Tensor:
+            return gather_from_tensor_model_parallel_region(F.linear(hidden, weight))[:, :vocab]
+
+        return logits_of
+
+    def _outputs(self, hidden: torch.Tensor, p: packed.Packed, *, temperature: float,
+                 with_entropy: bool, top_k: int) -> ForwardOutput:
+        """The last stage's hidden states [T (/ TP under sequence parallelism), 1, hidden] of a
+        packed row -> per-sample outputs, through the torch backend's chunked logprobs (logits
+        `logprob_chunk_tokens` rows at a time, never [T, vocab] at once)."""
+        from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
+                                                   gather_from_sequence_parallel_region)
+
+        hidden = hidden[:, 0]
+        # what the output layer does with its input: all-gather the sequence shards, or mark the
+        # replicated input so its gradient is summed over TP
+        hidden = (gather_from_sequence_parallel_region(hidden) if self.options.sequence_parallel
+                  else copy_to_tensor_model_parallel_region(hidden))
+        parts = packed.response_outputs(hidden, p, self._logits_of(), temperature=temperature,
+                                        with_entropy=with_entropy, top_k=top_k,
+                                        chunk=self.options.logprob_chunk_tokens)
+        return ForwardOutput(logprobs=parts["logprobs"], entropy=parts.get("entropy"),
+                             topk_logprobs=parts.get("topk_logprobs"),
+                             topk_ids=parts.get("topk_ids"))
+
+    @contextlib.contextmanager
+    def _hidden_out(self) -> Iterator[None]:
+        """GPTModel returns the decoder's final (normed) hidden states instead of logits while its
+        `post_process` is off; the logits are then computed chunk by chunk (`_outputs`)."""
+        last, self.module.post_process = self.module.post_process, False
+        try:
+            yield
+        finally:
+            self.module.post_process = last
 
     def _run(self, units: list[MicroBatch], *, forward_only: bool,
-             on_output: Callable[[MicroBatch, torch.Tensor], torch.Tensor]) -> None:
-        """One megatron schedule call over `units`; `on_output(unit, logits)` runs on the last
-        pipeline stage and returns the unit's loss (a zero tied to the graph when forward_only)."""
+             on_output: Callable[[MicroBatch, packed.Packed, torch.Tensor], torch.Tensor]) -> None:
+        """One megatron schedule call over `units`; `on_output(unit, packed_row, hidden)` runs on
+        the last pipeline stage and returns the unit's loss (a zero tied to the graph when
+        forward_only)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         queue = iter(units)
@@ -240,11 +284,12 @@ class MegatronBackend:
 
         def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Callable]:
             unit = next(data_iterator)
-            ids, pos, params = self._pack(unit, length)
-            output = model(ids, pos, None, packed_seq_params=params)
+            p, params = self._pack(unit, length)
+            with self._hidden_out():
+                output = model(p.ids, p.position_ids, None, packed_seq_params=params)
 
-            def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-                loss = on_output(unit, logits)
+            def loss_func(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                loss = on_output(unit, p, hidden)
                 return loss, torch.ones((), dtype=torch.int, device=loss.device), {}
 
             return output, loss_func
@@ -270,16 +315,16 @@ class MegatronBackend:
                  if not u.empty]
         results: list[ForwardOutput] = []
 
-        def collect(unit: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+        def collect(unit: MicroBatch, p: packed.Packed, hidden: torch.Tensor) -> torch.Tensor:
             if not unit.empty:
-                out = self._outputs(logits, unit, temperature=temperature,
+                out = self._outputs(hidden, p, temperature=temperature,
                                     with_entropy=with_entropy, top_k=top_k)
                 results.append(ForwardOutput(
                     logprobs=[t.cpu() for t in out.logprobs],
                     entropy=None if out.entropy is None else [t.cpu() for t in out.entropy],
                     topk_logprobs=None if not top_k else [t.cpu() for t in out.topk_logprobs],
                     topk_ids=None if not top_k else [t.cpu() for t in out.topk_ids]))
-            return logits.float().sum() * 0.0
+            return hidden.sum() * 0.0
 
         self._run(self._lockstep(units), forward_only=True, on_output=collect)
         results = self._broadcast_from_last_stage(results)
@@ -305,26 +350,26 @@ class MegatronBackend:
         units = [u for mb in micro_batches
                  for u in (mb.split() if self.options.deterministic and not mb.empty else [mb])
                  if not u.empty]
-        sums: dict[str, float] = {}
+        sums: dict[str, torch.Tensor] = {}
 
-        def loss_of(unit: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
-            anchor = logits.float().sum() * 0.0
+        def loss_of(unit: MicroBatch, p: packed.Packed, hidden: torch.Tensor) -> torch.Tensor:
             if unit.empty:
-                return anchor
-            out = self._outputs(logits, unit, temperature=temperature,
-                                with_entropy=with_entropy, top_k=0)
+                return hidden.sum() * 0.0
+            out = self._outputs(hidden, p, temperature=temperature, with_entropy=with_entropy,
+                                top_k=0)
             loss, metrics = loss_fn(out, unit)
-            for name, value in metrics.items():
-                sums[name] = sums.get(name, 0.0) + float(value.detach())
-            return loss + anchor
+            for name, value in metrics.items():  # summed on the device: no sync per micro-batch
+                sums[name] = sums.get(name, 0.0) + value.detach().double()
+            return loss
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._run(self._lockstep(units), forward_only=False, on_output=loss_of)
         _, grad_norm, _ = self.optimizer.step()
         self.optimizer_steps += 1
+        own = {name: float(value) for name, value in sums.items()} if self._is_output_rank() else {}
         total: dict[str, float] = {}
-        for part in self.all_gather_object(sums if self._is_output_rank() else {}):
+        for part in self.all_gather_object(own):
             for name, value in part.items():
                 total[name] = total.get(name, 0.0) + value
         total["train/grad_norm"] = float(grad_norm)

@@ -90,10 +90,18 @@ def _layout(backend: MegatronBackend) -> dict[str, Any]:
             "world_size": dist.get_world_size()}
 
 
+# The distributed optimizer's state as one ShardedTensor per contiguous buffer range: saved and
+# loaded by every rank in parallel without communication, resharded only over DP (resume needs
+# the layout anyway). megatron-core 0.16's default (fully_sharded_model_space) writes flattened
+# ranges, which its own checkpointing now refuses.
+OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
 def _sharded_state(backend: MegatronBackend, *, loading: bool) -> dict[str, Any]:
     model = backend.module.sharded_state_dict()
     return {"model": model,
-            "optimizer": backend.optimizer.sharded_state_dict(model, is_loading=loading)}
+            "optimizer": backend.optimizer.sharded_state_dict(model, is_loading=loading,
+                                                              metadata=OPTIMIZER_SHARDING)}
 
 
 def _rng_states(backend: MegatronBackend) -> dict[str, torch.Tensor]:

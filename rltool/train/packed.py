@@ -1,22 +1,25 @@
-"""Packed micro-batches for the torch backend (`--micro-batch-layout packed`).
+"""Packed micro-batches: the torch backend's `--micro-batch-layout packed`, and the row, the
+attention and the logprobs of the megatron backend's THD micro-batches.
 
-The samples of a micro-batch are concatenated into one row without padding: position ids restart
-at 0 for every sample, and attention stays inside each sample through the attention function
-registered here with transformers (`rltool_varlen`). On CUDA in bf16/fp16 it is one call to
-torch's variable-length flash attention (`torch.nn.attention.varlen.varlen_attn`) over the
-cumulative sample offsets; elsewhere (CPU, fp32) it is one causal SDPA call per sample. A call
-without offsets (a single sequence) is plain causal SDPA.
+The samples of a micro-batch are concatenated into one row without padding (`pack`: built on the
+host, moved in one asynchronous copy): position ids restart at 0 for every sample, and attention
+stays inside each sample (`causal_varlen`; for transformers through the attention function
+registered here, `rltool_varlen`). On CUDA in bf16/fp16 it is one call to torch's
+variable-length flash attention (`torch.nn.attention.varlen.varlen_attn`) over the cumulative
+sample offsets; elsewhere (CPU, fp32) it is one causal SDPA call per sample. A call without
+offsets (a single sequence) is plain causal SDPA.
 
 The response logprobs (and entropy, top-k) come from the decoder's last hidden states in chunks of
-`chunk` rows: each chunk's logits are computed, reduced to what the loss needs and dropped, and
-under autograd the chunk is checkpointed (its logits are recomputed in the backward pass), so the
-full [tokens, vocab] float32 logits never exist at once. Logprobs keep rltool.logprobs'
-convention (float32 log-softmax of the temperature-scaled logits).
+`chunk` rows: each chunk's logits are computed (by the caller's LM head), reduced to what the loss
+needs and dropped, and under autograd the chunk is checkpointed (its logits are recomputed in the
+backward pass), so the full [tokens, vocab] float32 logits never exist at once. Logprobs keep
+rltool.logprobs' convention (float32 log-softmax of the temperature-scaled logits).
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from rltool.logprobs import effective_temperature
 
 ATTN_IMPLEMENTATION = "rltool_varlen"
+LogitsOf = Callable[[torch.Tensor], torch.Tensor]
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -63,7 +67,6 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         raise ValueError("the packed layout has no attention dropout")
     cu = kwargs.get("cu_seq_lens_q")
     total = query.shape[2]
-    groups = query.shape[1] // key.shape[1]
     if cu is None:
         cu = torch.tensor([0, total], dtype=torch.int32, device=query.device)
     dtype = query.dtype
@@ -71,10 +74,23 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         # Under autocast the rotary embedding leaves q and k in float32 (it follows the fp32
         # residual stream); SDPA would cast them itself, the flash kernel needs them cast.
         dtype = torch.get_autocast_dtype("cuda")
-    if varlen_attn is not None and query.is_cuda and dtype in (torch.bfloat16, torch.float16):
-        q = query[0].transpose(0, 1).to(dtype).contiguous()            # [T, H, D]
-        k = key[0].transpose(0, 1).to(dtype).contiguous()              # [T, Hkv, D]
-        v = value[0].transpose(0, 1).to(dtype).contiguous()
+    q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # [T, H(kv), D]
+    out = causal_varlen(q, k, v, cu, kwargs.get("max_length_q"), scale=scaling)
+    return out.unsqueeze(0), None
+
+
+def causal_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
+                  max_len: int | None, *, scale: float | None) -> torch.Tensor:
+    """Causal attention within each sample of a packed row: q [T, H, D], k/v [T, Hkv, D] (Hkv
+    divides H: grouped-query attention), `cu` [N + 1] the sample offsets (int32 on q's device, or
+    on the CPU: then the per-sample path reads them without a device sync) -> [T, H, D].
+    On CUDA in bf16/fp16: one variable-length flash call (no host sync when `max_len` is given);
+    elsewhere one causal SDPA call per sample."""
+    groups = q.shape[1] // k.shape[1]
+    if varlen_attn is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        cu32 = cu.to(device=q.device, dtype=torch.int32, non_blocking=True)
+        if max_len is None:
+            max_len = int((cu32[1:] - cu32[:-1]).max())
         # The keyword names moved between torch releases: causal is `is_causal` in some and a
         # window (-1, 0) in others; GQA and the scale are not accepted everywhere.
         extra: dict = {"is_causal": True} if "is_causal" in _VARLEN_ARGS else {
@@ -84,20 +100,18 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         else:
             k, v = _repeat_kv(k, groups, 1), _repeat_kv(v, groups, 1)
         if "scale" in _VARLEN_ARGS:
-            extra["scale"] = scaling
-        elif scaling is not None and abs(scaling - q.shape[-1] ** -0.5) > 1e-12:
+            extra["scale"] = scale
+        elif scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-12:
             raise NotImplementedError("this torch's varlen_attn has no scale argument; use "
                                       "--micro-batch-layout padded for this model")
-        max_len = kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max())
-        cu32 = cu.to(torch.int32)
-        out = varlen_attn(q, k, v, cu32, cu32, max_len, max_len, **extra)
-        return out.unsqueeze(0), None
+        return varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu32, cu32, max_len,
+                           max_len, **extra)
     bounds = cu.tolist()
     outs = [F.scaled_dot_product_attention(
-                query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True,
-                scale=scaling, enable_gqa=groups > 1)
+                *(x[s:e].transpose(0, 1).unsqueeze(0) for x in (q, k, v)), is_causal=True,
+                scale=scale, enable_gqa=groups > 1)[0].transpose(0, 1)
             for s, e in zip(bounds[:-1], bounds[1:])]
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
 @dataclass
@@ -107,6 +121,7 @@ class Packed:
     ids: torch.Tensor            # [1, T]
     position_ids: torch.Tensor   # [1, T], restarting at 0 per sample
     cu_seqlens: torch.Tensor     # [N + 1] int32 sample offsets
+    cu_seqlens_host: torch.Tensor  # the same on the CPU (pinned on CUDA): read without a sync
     max_len: int
     rows: torch.Tensor           # [R] positions whose logits predict a response token
     targets: torch.Tensor        # [R] those response tokens
@@ -114,19 +129,31 @@ class Packed:
 
 
 def pack(tokens: list[list[int]], response_starts: list[int], device: torch.device) -> Packed:
-    lengths = [len(t) for t in tokens]
-    flat = [tok for t in tokens for tok in t]
-    ids = torch.tensor(flat, dtype=torch.long, device=device).unsqueeze(0)
-    position_ids = torch.cat([torch.arange(n, device=device) for n in lengths]).unsqueeze(0)
-    offsets = [0]
-    for n in lengths:
-        offsets.append(offsets[-1] + n)
-    rows = torch.cat([torch.arange(off + start - 1, off + n - 1, device=device)
-                      for off, n, start in zip(offsets, lengths, response_starts)])
-    return Packed(ids=ids, position_ids=position_ids,
-                  cu_seqlens=torch.tensor(offsets, dtype=torch.int32, device=device),
-                  max_len=max(lengths), rows=rows, targets=ids[0, rows + 1],
-                  response_lengths=[n - s for n, s in zip(lengths, response_starts)])
+    """Build the row on the host and move it in one copy (pinned and asynchronous on CUDA, so
+    packing never waits for the device to drain)."""
+    lengths = torch.tensor([len(t) for t in tokens], dtype=torch.long)
+    starts = torch.tensor(response_starts, dtype=torch.long)
+    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    total = int(offsets[-1])
+    ids = torch.tensor([tok for t in tokens for tok in t], dtype=torch.long)
+    position_ids = torch.arange(total) - offsets[:-1].repeat_interleave(lengths)
+    # response rows: position (offset + j - 1) predicts token j, for j from the response start
+    kept = position_ids >= starts.repeat_interleave(lengths) - 1
+    kept &= position_ids < (lengths - 1).repeat_interleave(lengths)
+    rows = torch.arange(total)[kept]
+    host = torch.cat([ids, position_ids, rows, offsets])
+    cu_host = offsets.to(torch.int32)
+    if device.type == "cuda":
+        host, cu_host = host.pin_memory(), cu_host.pin_memory()
+    flat = host.to(device, non_blocking=True)
+    n = rows.numel()
+    ids_d = flat[:total].unsqueeze(0)
+    rows_d = flat[2 * total:2 * total + n]
+    return Packed(ids=ids_d, position_ids=flat[total:2 * total].unsqueeze(0),
+                  cu_seqlens=flat[2 * total + n:].to(torch.int32),
+                  cu_seqlens_host=cu_host, max_len=int(lengths.max()),
+                  rows=rows_d, targets=ids_d[0, rows_d + 1],
+                  response_lengths=(lengths - starts).tolist())
 
 
 def decoder_kwargs(p: Packed) -> dict:
@@ -136,10 +163,10 @@ def decoder_kwargs(p: Packed) -> dict:
                 use_cache=False)
 
 
-def _chunk_outputs(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor,
-                   bias: torch.Tensor | None, temperature: float, with_entropy: bool,
-                   top_k: int) -> tuple[torch.Tensor, ...]:
-    logits = F.linear(hidden, weight, bias).float() / temperature
+def _chunk_outputs(hidden: torch.Tensor, targets: torch.Tensor, logits_of: LogitsOf,
+                   temperature: float, with_entropy: bool, top_k: int
+                   ) -> tuple[torch.Tensor, ...]:
+    logits = logits_of(hidden).float() / temperature
     logp = torch.log_softmax(logits, dim=-1)
     out = [logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)]
     if with_entropy:
@@ -150,17 +177,17 @@ def _chunk_outputs(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Te
     return tuple(out)
 
 
-def response_outputs(hidden: torch.Tensor, p: Packed, lm_head: torch.nn.Linear, *,
+def response_outputs(hidden: torch.Tensor, p: Packed, logits_of: LogitsOf, *,
                      temperature: float, with_entropy: bool, top_k: int,
                      chunk: int) -> dict[str, list[torch.Tensor]]:
     """Per-sample logprobs (and entropy, top-k) of the response tokens from the last hidden
-    states [T, hidden] of a packed row, `chunk` rows of logits at a time."""
+    states [T, hidden] of a packed row, `chunk` rows of logits at a time; `logits_of` maps
+    hidden rows [r, hidden] to their logits over the full vocabulary [r, V] (the LM head)."""
     temp = effective_temperature(temperature)
     h = hidden.index_select(0, p.rows)
     parts: list[tuple[torch.Tensor, ...]] = []
     for s in range(0, h.shape[0], chunk):
-        args = (h[s:s + chunk], p.targets[s:s + chunk], lm_head.weight, lm_head.bias, temp,
-                with_entropy, top_k)
+        args = (h[s:s + chunk], p.targets[s:s + chunk], logits_of, temp, with_entropy, top_k)
         if torch.is_grad_enabled() and h.requires_grad:
             parts.append(checkpoint(_chunk_outputs, *args, use_reentrant=False))
         else:

@@ -22,12 +22,18 @@ from safetensors.torch import load_file
 
 from rltool.errors import ConfigError
 from rltool.train import run
+from rltool.train.backend import MicroBatch
 from rltool.train.config import BackendConfig, TrainConfig
 from tests.helpers.shards import REWARDS, make_shard, shard_rows
 from tests.helpers.torchrun import train_cli
 
+# Adam's first step moves each weight by lr * g / (|g| + eps): with the default eps (1e-8) a
+# gradient of ~1e-8 turns fp32 rounding differences between the backends (different GEMM shapes:
+# the response rows only, vocabulary shards under TP) into weight differences of up to lr. eps
+# 1e-6 bounds that amplification, so weights agree within 1e-5 while a wrong gradient still moves
+# them by ~lr.
 ARGS = dict(lr=3e-3, max_tokens_per_microbatch=24, global_batch_size=12, num_steps=1,
-            entropy_coef=0.01)
+            entropy_coef=0.01, adam_eps=1e-6)
 METRICS = ("train/loss", "train/pg_loss", "train/entropy_loss", "train/grad_norm")
 STEP1 = Path("step-000001")
 
@@ -152,3 +158,19 @@ def test_cpu_refuses_megatron_mixed_precision_and_distributed_optimizer(shards):
     for extra in (dict(dtype="bf16"), dict(use_distributed_optimizer=True)):
         with pytest.raises(ConfigError, match="need CUDA"):
             MegatronBackend(model, options=BackendConfig(backend="megatron", **extra))
+
+
+def test_bf16_model_holds_bf16_norms_and_computes_logprobs(shards):
+    """megatron's torch-norm fallback builds fp32 norms; bf16 activations then take torch's
+    unfused RMSNorm. A frozen bf16 model (allowed on the CPU) holds every parameter in bf16."""
+    from rltool.train.megatron_backend import MegatronBackend
+
+    model, _ = shards["qwen2"]
+    backend = MegatronBackend(model, options=BackendConfig(backend="megatron", dtype="bf16",
+                                                           device="cpu"), trainable=False)
+    assert {p.dtype for p in backend.module.parameters()} == {torch.bfloat16}
+    batch = MicroBatch([0, 1], [[5, 6, 7, 8, 9], [4, 3, 2]], [2, 1])
+    out = backend.forward_logprobs(batch, temperature=1.0, with_entropy=True, top_k=2)
+    assert [t.shape[0] for t in out.logprobs] == [3, 2] == [t.shape[0] for t in out.entropy]
+    assert all(bool((t <= 0).all()) for t in out.logprobs)
+    assert [t.shape for t in out.topk_ids] == [(3, 2), (2, 2)]

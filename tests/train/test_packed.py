@@ -111,3 +111,16 @@ def test_layout_choice_and_refusals(tiny_model_dir):
     assert _backend(tiny_model_dir, "packed").packed
     with pytest.raises(ConfigError, match="deterministic"):
         _backend(tiny_model_dir, "packed", deterministic=True)
+
+
+def test_pack_builds_the_row_sample_by_sample():
+    from rltool.train import packed
+
+    tokens = [[5, 6, 7, 8], [9, 10, 11], [0, 0]]     # the last: a padding sample, no response
+    p = packed.pack(tokens, [2, 1, 2], torch.device("cpu"))
+    assert p.ids.tolist() == [[5, 6, 7, 8, 9, 10, 11, 0, 0]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 0, 1]]
+    assert p.cu_seqlens.tolist() == p.cu_seqlens_host.tolist() == [0, 4, 7, 9]
+    assert p.cu_seqlens.dtype == p.cu_seqlens_host.dtype == torch.int32
+    assert p.rows.tolist() == [1, 2, 4, 5] and p.targets.tolist() == [7, 8, 10, 11]
+    assert p.response_lengths == [2, 2, 0] and p.max_len == 4
