@@ -201,8 +201,8 @@ class MegatronBackend:
     # -- forward -----------------------------------------------------------------------------
     def _pack(self, mb: MicroBatch, length: int) -> tuple[packed.Packed, Any]:
         """The packed row of one micro-batch, [1, length]: its samples, then one padding sequence
-        up to `length` (no response rows, never read), and its PackedSeqParams. Every pass of a
-        schedule call has the same length (the pipeline's sends have fixed shapes). The offsets in
+        up to `length` when it is shorter (no response rows, never read), and its
+        PackedSeqParams. The offsets in
         the params stay on the CPU: megatron's THD rotary embedding reads them per layer, which
         on the device would wait for the GPU to drain each time."""
         from megatron.core.packed_seq_params import PackedSeqParams
@@ -218,14 +218,23 @@ class MegatronBackend:
                                  max_seqlen_kv=p.max_len)
         return p, params
 
-    def _length(self, units: list[MicroBatch]) -> int:
-        """The packed length of every pass of a schedule call: the longest unit over all ranks,
-        rounded up to a multiple of TP under sequence parallelism."""
+    def _rounded(self, tokens: int) -> int:
+        """A packed length: at least one token, a multiple of TP under sequence parallelism."""
+        multiple = self.options.tensor_model_parallel_size if self.options.sequence_parallel else 1
+        return math.ceil(max(tokens, 1) / multiple) * multiple
+
+    def _length(self, units: list[MicroBatch]) -> int | None:
+        """The packed length every pass of a schedule call shares when passes pair up across
+        ranks (the pipeline's sends have fixed shapes, expert dispatch gathers equal shapes): the
+        longest unit over all ranks. None without PP and EP: each pass keeps its own length, so
+        no compute goes to padding."""
+        if self.ps.get_pipeline_model_parallel_world_size() == 1 and \
+                self.ps.get_expert_model_parallel_world_size() == 1:
+            return None
         longest = torch.tensor([max([sum(map(len, u.tokens)) for u in units] + [1])],
                                dtype=torch.long, device=self.device)
         dist.all_reduce(longest, op=dist.ReduceOp.MAX)
-        multiple = self.options.tensor_model_parallel_size if self.options.sequence_parallel else 1
-        return math.ceil(int(longest.item()) / multiple) * multiple
+        return self._rounded(int(longest.item()))
 
     def _logits_of(self) -> packed.LogitsOf:
         """Hidden rows [r, hidden] -> logits [r, vocab]: the output layer's TP shard, gathered
@@ -284,7 +293,7 @@ class MegatronBackend:
 
         def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Callable]:
             unit = next(data_iterator)
-            p, params = self._pack(unit, length)
+            p, params = self._pack(unit, length or self._rounded(sum(map(len, unit.tokens))))
             with self._hidden_out():
                 output = model(p.ids, p.position_ids, None, packed_seq_params=params)
 
@@ -296,7 +305,7 @@ class MegatronBackend:
 
         get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=queue, model=[self.model],
-            num_microbatches=len(units), seq_length=length, micro_batch_size=1,
+            num_microbatches=len(units), seq_length=length or 0, micro_batch_size=1,
             forward_only=forward_only)
 
     def _broadcast_from_last_stage(self, obj: Any) -> Any:
