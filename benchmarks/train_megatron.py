@@ -18,7 +18,8 @@ policy-gradient step). Each backend runs in its best configuration:
   MFU          model FLOPs / step time / --peak-tflops: 6 x (linear-layer parameters, lm_head
                included) per token plus causal attention 12 x layers x q_dim x position per token,
                padding not counted (CUDA only)
-  peak memory  torch.cuda.max_memory_allocated over the timed steps (CUDA only)
+  peak memory  torch.cuda.max_memory_allocated over the timed steps (CUDA only; the row also
+               records what was allocated before the backend was built, which should be ~0)
 
 With --profile (default on CUDA) one more megatron step runs under torch.profiler and the top
 operators by device time are written to OUT/profile-<preset>-megatron.txt (and the first lines
@@ -110,6 +111,8 @@ def bench_backend(name: str, model_dir: Path, samples: list[list[int]], args: ar
                                 micro_batch_layout="packed" if args.device == "cuda" else "padded",
                                 recompute_activations=recompute)
         cap = args.torch_seq_len
+    # what an earlier backend of the run left allocated (its memory should be gone)
+    before = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
     backend = build_backend(model_dir, options=options)
     mbs = micro_batches(samples, cap)
     try:
@@ -130,6 +133,7 @@ def bench_backend(name: str, model_dir: Path, samples: list[list[int]], args: ar
             result["recompute_activations"] = recompute
         if torch.cuda.is_available():
             result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            result["allocated_before_gib"] = before
         if args.profile and name == "megatron":
             result["profile"] = profile_step(backend, mbs, out_dir / f"profile-{preset}-{name}.txt")
         return result
