@@ -166,7 +166,9 @@ def decoder_kwargs(p: Packed) -> dict:
 def _chunk_outputs(hidden: torch.Tensor, targets: torch.Tensor, logits_of: LogitsOf,
                    temperature: float, with_entropy: bool, top_k: int
                    ) -> tuple[torch.Tensor, ...]:
-    logits = logits_of(hidden).float() / temperature
+    logits = logits_of(hidden).float()
+    if temperature != 1.0:  # x / 1.0 == x exactly: skip a pass over [rows, vocab] float32
+        logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)
     out = [logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)]
     if with_entropy:
