@@ -13,6 +13,7 @@ elementwise work runs in fused Triton kernels (rltool.engine.fused), on CPU as t
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -22,13 +23,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rltool.engine import moe
+from rltool.engine import moe, quant
+from rltool.engine.quant import linear
 from rltool.errors import CheckpointError
 
 ARCHS = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
          "Qwen3MoeForCausalLM": "qwen3_moe"}
 # For a config.json without "architectures":
 MODEL_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3_moe"}
+
+# The layers' linear weights: FP8-resident on CUDA when the checkpoint stores them in block FP8.
+LINEAR_KEYS = ("qkv", "o", "gate_up", "down", "experts_gate_up", "experts_down")
 
 # attend(layer index, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -118,11 +123,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class DenseLM:
     """Parameters as plain tensors (HF naming, fused where noted) and a packed forward."""
 
-    def __init__(self, spec: ModelSpec, *, device: torch.device | str, dtype: torch.dtype):
+    def __init__(self, spec: ModelSpec, *, device: torch.device | str, dtype: torch.dtype,
+                 fp8_keys: frozenset[tuple[int, str]] = frozenset(), fp8_block_k: int = 128):
+        """`fp8_keys`: the (layer, linear) weights kept in FP8 (with K-blocks of `fp8_block_k`)."""
         self.spec = spec
         self.device = torch.device(device)
         self.dtype = dtype
         self.fused = self.device.type == "cuda"  # Triton kernels; torch ops on CPU
+        self.fp8_keys = fp8_keys
         s = spec
         q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         empty = lambda *shape: torch.empty(*shape, device=self.device, dtype=dtype)  # noqa: E731
@@ -142,6 +150,10 @@ class DenseLM:
                 layer["qkv_bias"] = empty(q + 2 * kv)
             if s.qk_norm:
                 layer["q_norm"], layer["k_norm"] = empty(s.head_dim), empty(s.head_dim)
+            for key in LINEAR_KEYS:
+                if (i, key) in fp8_keys:
+                    layer[key] = quant.Fp8Weight.empty(*layer[key].shape, block_k=fp8_block_k,
+                                                       device=self.device)
             self.layers.append(layer)
         # transformers' default RoPE, computed the same way (fp32) so fp32 logits match it.
         self._inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.int64)
@@ -205,8 +217,19 @@ class DenseLM:
             raise CheckpointError(f"{where} lacks {len(missing)} tensors of the served model, "
                                   f"e.g. {missing[0]!r}")
 
+    def fp8_sources(self) -> dict[tuple[int, str], list[str]]:
+        """(layer, linear key) -> the HF weight names fused into it."""
+        owner = {id(t): (i, key) for i, L in enumerate(self.layers) for key, t in L.items()
+                 if key in LINEAR_KEYS}
+        out: dict[tuple[int, str], list[str]] = {}
+        for name, (dest, _, _) in self._targets().items():
+            base = dest if dest._base is None else dest._base
+            if id(base) in owner:
+                out.setdefault(owner[id(base)], []).append(name)
+        return out
+
     @torch.no_grad()
-    def load_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def load_tensors(self, tensors: Iterable[tuple[str, torch.Tensor | quant.BlockFp8]]) -> int:
         """Copy named HF tensors into place (names already checked). Returns how many."""
         targets = self._targets()
         n = 0
@@ -214,7 +237,7 @@ class DenseLM:
             if name not in targets:
                 continue
             dest, start, rows = targets[name]
-            dest[start:start + rows].copy_(t, non_blocking=True)
+            quant.copy_into(dest, start, rows, t)
             n += 1
         return n
 
@@ -222,7 +245,8 @@ class DenseLM:
         tensors = {id(t): t for L in self.layers for t in L.values()}
         for t in (self.embed, self.lm_head, self.norm):
             tensors[id(t)] = t
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        return sum(t.nbytes() if isinstance(t, quant.Fp8Weight) else t.numel() * t.element_size()
+                   for t in tensors.values())
 
     # ----- forward -------------------------------------------------------------------------
 
@@ -266,7 +290,7 @@ class DenseLM:
         if collect is not None:
             collect.append(x)
         for i, L in enumerate(self.layers):
-            qkv = F.linear(h, L["qkv"], L.get("qkv_bias"))
+            qkv = linear(h, L["qkv"], L.get("qkv_bias"))
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = q.view(T, s.num_heads, s.head_dim)
             k = k.view(T, s.num_kv_heads, s.head_dim)
@@ -275,11 +299,11 @@ class DenseLM:
                 q = rms_norm(q, L["q_norm"], s.rms_norm_eps)
                 k = rms_norm(k, L["k_norm"], s.rms_norm_eps)
             a = attend(i, q, k, v).reshape(T, q_size)
-            h, residual = add_norm(F.linear(a, L["o"]), residual, L["ln2"], s.rms_norm_eps)
+            h, residual = add_norm(linear(a, L["o"]), residual, L["ln2"], s.rms_norm_eps)
             if self._sparse(i):
                 m = moe.forward(h, L, s.moe, silu_mul)
             else:
-                m = F.linear(silu_mul(F.linear(h, L["gate_up"])), L["down"])
+                m = linear(silu_mul(linear(h, L["gate_up"])), L["down"])
             after = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.norm
             h, residual = add_norm(m, residual, after, s.rms_norm_eps)
             if collect is not None:
@@ -293,40 +317,87 @@ class DenseLM:
 
 
 def load_model(model_dir: str | Path, *, device: torch.device | str, dtype: torch.dtype,
-               spec: ModelSpec | None = None) -> DenseLM:
-    """Build a DenseLM from a HF checkpoint directory (every tensor checked before any is kept)."""
+               spec: ModelSpec | None = None, fp8_resident: bool = False) -> DenseLM:
+    """Build a DenseLM from a HF checkpoint directory (every tensor checked before any is kept).
+    `fp8_resident`: keep the linears a block-FP8 checkpoint stores in FP8 as FP8 (when every
+    source of a fused weight is FP8 and the K-block is a power of two >= 16); otherwise they
+    are dequantized into `dtype`."""
     model_dir = Path(model_dir)
-    model = DenseLM(spec or read_spec(model_dir), device=device, dtype=dtype)
-    load_checkpoint(model, model_dir)
+    spec = spec or read_spec(model_dir)
+    index = read_index(model_dir)
+    keys: frozenset[tuple[int, str]] = frozenset()
+    fmt = index.fmt
+    if fp8_resident and fmt is not None and fmt.block[1] >= 16 and fmt.block[1] & (
+            fmt.block[1] - 1) == 0:
+        sources = DenseLM(spec, device="meta", dtype=dtype).fp8_sources()
+        keys = frozenset(k for k, names in sources.items() if all(n in index.fp8 for n in names))
+    model = DenseLM(spec, device=device, dtype=dtype, fp8_keys=keys,
+                    fp8_block_k=fmt.block[1] if fmt else 128)
+    load_checkpoint(model, model_dir, index=index)
     return model
 
 
-def load_checkpoint(model: DenseLM, model_dir: Path,
-                    before_copy: Callable[[], None] | None = None) -> int:
-    """Copy a HF checkpoint directory's tensors into `model` after checking every name and shape:
-    nothing changes unless the whole checkpoint matches. `before_copy` runs before each tensor's
-    copy. Returns the number of tensors copied."""
+@dataclass(frozen=True)
+class CheckpointIndex:
+    files: list[Path]
+    infos: dict[str, tuple[tuple[int, ...], str, Path]]  # name -> (shape, dtype, file)
+    fmt: quant.Fp8Format | None
+    shapes: dict[str, tuple[int, ...]]  # every tensor but the FP8 scales
+    fp8: set[str]  # the FP8 weights (each with its checked scale)
+
+
+def read_index(model_dir: Path) -> CheckpointIndex:
+    """The tensors of a HF checkpoint directory (headers only), its quantization checked."""
     from safetensors import safe_open
 
     files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
     if not files:
         raise CheckpointError(f"{model_dir} holds no *.safetensors files; pass a HF checkpoint "
                               "directory")
-    shapes: dict[str, tuple[int, ...]] = {}
+    infos: dict[str, tuple[tuple[int, ...], str, Path]] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
-                shapes[name] = tuple(sf.get_slice(name).get_shape())
-    model.check_tensors(shapes, where=str(model_dir))
+                sl = sf.get_slice(name)
+                infos[name] = (tuple(sl.get_shape()), sl.get_dtype(), f)
+    config_file = model_dir / "config.json"
+    fmt = None
+    if config_file.is_file():
+        try:
+            config = json.loads(config_file.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{config_file} is not valid JSON ({e}); restore it") from e
+        fmt = quant.read_format(config, where=str(model_dir)) if isinstance(config, dict) else None
+    shapes, fp8 = quant.split_scales({n: (s, d) for n, (s, d, _) in infos.items()}, fmt,
+                                     where=str(model_dir))
+    return CheckpointIndex(files=files, infos=infos, fmt=fmt, shapes=shapes, fp8=fp8)
 
-    def tensors(sf: Any) -> Iterable[tuple[str, torch.Tensor]]:
-        for name in sf.keys():
-            if before_copy is not None:
-                before_copy()
-            yield name, sf.get_tensor(name)
 
-    n = 0
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            n += model.load_tensors(tensors(sf))
-    return n
+def load_checkpoint(model: DenseLM, model_dir: Path,
+                    before_copy: Callable[[], None] | None = None, *,
+                    index: CheckpointIndex | None = None) -> int:
+    """Copy a HF checkpoint directory's tensors into `model` after checking every name and shape
+    (and every FP8 weight's scales): nothing changes unless the whole checkpoint matches.
+    `before_copy` runs before each tensor's copy. Returns the number of tensors copied."""
+    from safetensors import safe_open
+
+    index = index or read_index(model_dir)
+    model.check_tensors(index.shapes, where=str(model_dir))
+    with contextlib.ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(str(f), framework="pt"))
+                   for f in index.files}
+
+        def tensors(f: Path) -> Iterable[tuple[str, torch.Tensor | quant.BlockFp8]]:
+            for name in handles[f].keys():
+                if name not in index.shapes:
+                    continue  # a scale, read with its weight
+                if before_copy is not None:
+                    before_copy()
+                t = handles[f].get_tensor(name)
+                if name in index.fp8:
+                    scale = name + quant.SCALE_SUFFIX
+                    t = quant.BlockFp8(t, handles[index.infos[scale][2]].get_tensor(scale),
+                                       index.fmt.block)
+                yield name, t
+
+        return sum(model.load_tensors(tensors(f)) for f in index.files)

@@ -2,10 +2,10 @@
 one-line CheckpointError (exit 2 from `rltool serve`, 400 from a weight route) rather than a
 library traceback.
 
-The builtin engine serves plain HF checkpoints in fp32/bf16. Quantized checkpoints (for example
-the block-FP8 ones `rltool convert fp8` writes) are refused up front with the two ways to serve
-them; anything else that cannot be loaded (corrupt shards, unknown architectures) is reported
-with the library's own first line.
+The builtin engine serves plain HF checkpoints in fp32/bf16 and block-FP8 ones (rltool.engine.quant,
+what `rltool convert fp8` writes). Other quantizations are refused up front with the two ways to
+serve them; anything else that cannot be loaded (corrupt shards, unknown architectures) is
+reported with the library's own first line.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from rltool.engine import quant
 from rltool.errors import CheckpointError
 
 _MAX_REASON_CHARS = 300
@@ -34,14 +35,24 @@ def check_servable(path: Path) -> dict[str, Any]:
             from e
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_file} is not a JSON object; restore the checkpoint")
-    quant = config.get("quantization_config")
-    if quant is not None:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-        raise CheckpointError(
-            f"{path} is a quantized checkpoint (quant_method {method!r}); the builtin engine "
-            "serves fp32/bf16 only: serve it with --engine sglang, or `rltool convert dequant` it "
-            "first")
+    quant.read_format(config, where=str(path))  # block FP8 or nothing
     return config
+
+
+def eos_token_ids(path: Path, config: dict[str, Any], tokenizer: Any) -> set[int]:
+    """Every end-of-sequence id of a checkpoint: config.json's, the tokenizer's and
+    generation_config.json's."""
+    ids: set[int] = set()
+    sources = [config.get("eos_token_id"), tokenizer.eos_token_id]
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for source in sources:
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(x) for x in source)
+    return ids
 
 
 def load_tokenizer(path: Path) -> Any:

@@ -15,7 +15,8 @@ graph (rltool.engine.paged_runner runs it eagerly).
 
 Weights: each expert's HF tensors (`mlp.experts.{j}.gate_proj/up_proj/down_proj.weight`) are
 slices of two stacked tensors per layer, `experts_gate_up` [E, 2I, H] and `experts_down`
-[E, H, I]; the router is `mlp.gate.weight` [E, H].
+[E, H, I] (kept in FP8 on CUDA when the checkpoint stores them so, rltool.engine.quant); the
+router is `mlp.gate.weight` [E, H].
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rltool.engine.quant import linear
 from rltool.errors import CheckpointError
 
 
@@ -109,7 +111,7 @@ def forward(h: torch.Tensor, layer: dict[str, torch.Tensor], spec: MoeSpec,
         if n == 0:
             continue
         rows = slice(start, start + n)
-        y = F.linear(silu_mul(F.linear(x[rows], gate_up[j])), down[j]) * scale[rows]
+        y = linear(silu_mul(linear(x[rows], gate_up[j])), down[j]) * scale[rows]
         out.index_add_(0, token[rows], y)
         start += n
     return out

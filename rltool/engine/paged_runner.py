@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from rltool.engine.dense_model import DenseLM, load_checkpoint, load_model, read_spec
-from rltool.engine.loading import check_servable, load_tokenizer, loading
+from rltool.engine import quant
+from rltool.engine.loading import check_servable, eos_token_ids, load_tokenizer, loading
 from rltool.engine.paged import KVPool, PageTable, decode_attention_ref
 from rltool.errors import BadInputError, EngineError
 from rltool.faults import kill_point
@@ -66,7 +66,7 @@ class PagedRunner:
         self.tokenizer = load_tokenizer(self.model_path)
         self.context_length = self.spec.max_position_embeddings
         self.vocab_size = self.spec.vocab_size
-        self.eos_token_ids = self._eos_ids()
+        self.eos_token_ids = eos_token_ids(self.model_path, self.config_json, self.tokenizer)
         self.max_running = max_running
         self.page_size = page_size
         self.mem_fraction_static = mem_fraction_static
@@ -97,24 +97,14 @@ class PagedRunner:
         self._max_len = 1
         self._build()
 
-    def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        sources = [self.config_json.get("eos_token_id"), self.tokenizer.eos_token_id]
-        gen = self.model_path / "generation_config.json"
-        if gen.is_file():
-            sources.append(json.loads(gen.read_text()).get("eos_token_id"))
-        for source in sources:
-            if isinstance(source, int):
-                ids.add(source)
-            elif isinstance(source, (list, tuple)):
-                ids.update(int(x) for x in source)
-        return ids
-
     # ----- memory --------------------------------------------------------------------------
 
     def _build(self) -> None:
         self.model = loading(self.model_path, "model", lambda: load_model(
-            self.model_path, device=self.device, dtype=DTYPES[self.dtype], spec=self.spec))
+            self.model_path, device=self.device, dtype=DTYPES[self.dtype], spec=self.spec,
+            fp8_resident=self.device.type == "cuda" and not self.deterministic))
+        self.weight_info = quant.describe(self.model.fp8_keys, quant.read_format(
+            self.config_json, where=str(self.model_path)), self.dtype)
         if self.deterministic:  # transformers' ops one by one (the trainer's), invariant kernels
             self.model.fused = False
         self.model.rope_table(self.context_length)
@@ -200,9 +190,10 @@ class PagedRunner:
             if tuple(t.shape) != want:
                 raise BadInputError(f"tensor {name!r} has shape {list(t.shape)}, the served model "
                                     f"expects {list(want)}")
-            if t.dtype != dest.dtype:
+            want_dtype = DTYPES[self.dtype] if dest.dtype == torch.float8_e4m3fn else dest.dtype
+            if t.dtype != want_dtype:  # FP8 weights take the model dtype (quantized on load)
                 raise BadInputError(f"tensor {name!r} has dtype {t.dtype}, the served model "
-                                    f"holds {dest.dtype}; send it as {dest.dtype}")
+                                    f"takes {want_dtype}; send it as {want_dtype}")
             keep.append((name, t))
         n = self.model.load_tensors(keep)
         if self.device.type == "cuda":
@@ -474,7 +465,6 @@ class PagedRunner:
                          scale=self.scale).squeeze(0)
 
         return self.model.hidden(ids, attend, collect=collect)
-
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,

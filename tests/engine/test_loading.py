@@ -25,18 +25,6 @@ def assert_one_line_bad_input(result, *needles):
         assert needle in error[0], error[0]
 
 
-def test_block_fp8_checkpoint_is_refused_in_one_line(tiny_model_dir, tmp_path):
-    """Bug: serving a block-FP8 checkpoint (what `rltool convert fp8` writes) died in
-    transformers' quantizer with "unexpected internal failure" (exit 3). The builtin engine now
-    refuses it up front, naming the quantization and the two ways to serve it."""
-    from rltool.convert.fp8 import Fp8Config, quantize_checkpoint
-
-    quantize_checkpoint(Fp8Config(hf=tiny_model_dir, out=tmp_path / "fp8", block=(16, 16),
-                                  workers=1))
-    assert_one_line_bad_input(serve(tmp_path / "fp8"), "quantized", "'fp8'", "--engine sglang",
-                              "convert dequant")
-
-
 @pytest.mark.parametrize("damage", ["truncated_shard", "unknown_architecture", "config_not_json",
                                     "unsupported_architecture"])
 def test_unloadable_checkpoint_is_one_line_bad_input(tiny_model_dir, tmp_path, damage):

@@ -54,7 +54,7 @@ class EngineState:
                 "weight_version": runner.weight_version, "has_image_understanding": False,
                 "has_audio_understanding": False, "model_type": cfg_json.get("model_type"),
                 "architectures": list(cfg_json.get("architectures") or []),
-                "device": runner.device.type, "dtype": runner.dtype,
+                "device": runner.device.type, "dtype": runner.dtype, **runner.weight_info,
                 "served_model_name": self.served_model_name}
 
     async def on_thread(self, fn: Callable[[], Any]) -> Any:

@@ -67,7 +67,7 @@ def router(state: EngineState) -> APIRouter:
             "context_length": runner.context_length,
             "max_total_num_tokens": runner.context_length * cfg.max_running_requests,
             "max_req_input_len": runner.context_length - 1,
-            "weight_version": runner.weight_version,
+            "weight_version": runner.weight_version, **runner.weight_info,
             "internal_states": [sched.stats()],
             "version": _version(),
             "engine": "builtin",

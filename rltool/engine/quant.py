@@ -1,0 +1,171 @@
+"""Block-FP8 checkpoints in the builtin engine (the format `rltool convert fp8`, slime and
+DeepSeek-V3 write; docs/formats.md): the quantization_config it accepts, the checks of the scale
+tensors, and the weights that stay FP8 in memory on CUDA.
+
+A checkpoint's quantized linear is `<p>.weight` float8_e4m3fn [N, K] plus `<p>.weight_scale_inv`
+float32 [ceil(N/bn), ceil(K/bk)]. On CPU (and whenever a destination is not FP8) it is dequantized
+at load into the model dtype by the convert path's own dequantizer, so the served weights are bit
+for bit those of a checkpoint `rltool convert dequant --dtype <model dtype>` wrote. On CUDA a
+fused projection whose sources are all FP8 stays FP8 (`Fp8Weight`) and runs through
+rltool.engine.fp8_gemm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rltool.convert.fp8 import (SCALE_SUFFIX, dequantize_blocks, quantize_blocks,
+                                quantize_blocks_torch, scale_shape)
+from rltool.errors import CheckpointError
+
+SUPPORTED = ("quant_method fp8, fmt e4m3, activation_scheme dynamic, weight_block_size [bn, bk]")
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    """A checkpoint's block-FP8 quantization_config."""
+    block: tuple[int, int]
+    not_converted: frozenset[str]  # modules_to_not_convert: 2-D weights kept in their dtype
+
+    def describe(self) -> dict[str, Any]:
+        return {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(self.block)}
+
+
+def read_format(config: dict[str, Any], *, where: str) -> Fp8Format | None:
+    """The block-FP8 format of a config.json (None when unquantized); anything else that names a
+    quantization is refused in one line."""
+    qc = config.get("quantization_config")
+    if qc is None:
+        return None
+    block = qc.get("weight_block_size") if isinstance(qc, dict) else None
+    skip = qc.get("modules_to_not_convert") if isinstance(qc, dict) else None
+    ok = (isinstance(qc, dict) and qc.get("quant_method") == "fp8"
+          and qc.get("fmt", "e4m3") == "e4m3" and qc.get("activation_scheme", "dynamic") == "dynamic"
+          and isinstance(block, list) and len(block) == 2
+          and all(isinstance(b, int) and b > 0 for b in block)
+          and (skip is None or (isinstance(skip, list) and all(isinstance(s, str) for s in skip))))
+    if not ok:
+        shown = {k: qc.get(k) for k in ("quant_method", "fmt", "activation_scheme",
+                                        "weight_block_size") if k in qc} \
+            if isinstance(qc, dict) else qc
+        raise CheckpointError(
+            f"{where}: quantization_config {shown} is not supported by the builtin engine (block "
+            f"FP8 only: {SUPPORTED}); serve it with --engine sglang, or `rltool convert dequant` "
+            "it first")
+    return Fp8Format(block=(block[0], block[1]), not_converted=frozenset(skip or ()))
+
+
+def describe(fp8_keys: frozenset, fmt: Fp8Format | None, dtype: str) -> dict[str, Any]:
+    """What /get_model_info reports of the weight precision: `weight_dtype` (fp8_e4m3 when
+    linears stay FP8) and the checkpoint's quantization (and whether it was dequantized at load)."""
+    return {"weight_dtype": "fp8_e4m3" if fp8_keys else dtype,
+            "quantization": None if fmt is None else {
+                **fmt.describe(), "resident": "fp8" if fp8_keys else "dequantized"}}
+
+
+def split_scales(infos: dict[str, tuple[tuple[int, ...], str]], fmt: Fp8Format | None, *,
+                 where: str) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """Check a checkpoint's FP8 weights against their scales (`infos`: name -> (shape, safetensors
+    dtype)). Returns the shapes of everything but the scales, and the names of the FP8 weights."""
+    fp8: set[str] = set()
+    for name, (shape, dtype) in infos.items():
+        if name.endswith(SCALE_SUFFIX):
+            weight = infos.get(name.removesuffix(SCALE_SUFFIX))
+            if weight is None or weight[1] != "F8_E4M3":
+                raise CheckpointError(f"{where}: {name} scales no FP8 weight; restore the "
+                                      "checkpoint or re-run `rltool convert fp8`")
+            continue
+        if dtype != "F8_E4M3":
+            continue
+        if fmt is None:
+            raise CheckpointError(f"{where}: {name} is FP8 but config.json has no "
+                                  "quantization_config; restore config.json")
+        if name.removesuffix(".weight") in fmt.not_converted:
+            raise CheckpointError(f"{where}: {name} is FP8 but quantization_config lists it in "
+                                  "modules_to_not_convert; restore the checkpoint")
+        scale = infos.get(name + SCALE_SUFFIX)
+        want = scale_shape(shape, fmt.block) if len(shape) == 2 else None
+        if scale is None or want is None or (tuple(scale[0]), scale[1]) != (want, "F32"):
+            got = "is missing" if scale is None else f"is {scale[1]}{list(scale[0])}"
+            expected = f"F32{list(want)}" if want else "a 2-D weight"
+            raise CheckpointError(f"{where}: {name + SCALE_SUFFIX} {got}, expected {expected} "
+                                  f"for block {list(fmt.block)}; restore the checkpoint or re-run "
+                                  "`rltool convert fp8`")
+        fp8.add(name)
+    shapes = {n: tuple(s) for n, (s, _) in infos.items() if not n.endswith(SCALE_SUFFIX)}
+    return shapes, fp8
+
+
+@dataclass(frozen=True)
+class BlockFp8:
+    """A checkpoint's quantized tensor, as stored: q [N, K] e4m3 and its block scales."""
+    q: torch.Tensor
+    scale_inv: torch.Tensor  # float32 [ceil(N / bn), ceil(K / bk)]
+    block: tuple[int, int]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+class Fp8Weight:
+    """A linear weight kept in FP8: q [..., N, K] e4m3 and one float32 scale per row and K-block
+    (`scale` [..., N, ceil(K / block_k)]; the block scales repeated over their rows)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, block_k: int):
+        self.q, self.scale, self.block_k = q, scale, block_k
+
+    @classmethod
+    def empty(cls, *shape: int, block_k: int, device: torch.device) -> Fp8Weight:
+        return cls(torch.empty(*shape, dtype=torch.float8_e4m3fn, device=device),
+                   torch.empty(*shape[:-1], -(-shape[-1] // block_k), dtype=torch.float32,
+                               device=device), block_k)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+    def __getitem__(self, index: Any) -> Fp8Weight:
+        return Fp8Weight(self.q[index], self.scale[index], self.block_k)
+
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * 4
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or the block-FP8 GEMM for a weight kept in FP8."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, bias)
+    from rltool.engine.fp8_gemm import fp8_linear
+
+    return fp8_linear(x, w.q, w.scale, block_k=w.block_k, bias=bias)
+
+
+def copy_into(dest: torch.Tensor | Fp8Weight, start: int, rows: int,
+              value: torch.Tensor | BlockFp8) -> None:
+    """Write `value` into rows [start, start + rows) of `dest`: dequantized into a plain weight,
+    quantized (with the destination's K-block, square blocks) into an FP8 one."""
+    if isinstance(dest, torch.Tensor):
+        if isinstance(value, BlockFp8):
+            value = dequantize_blocks(value.q, value.scale_inv, value.block, dtype=dest.dtype)
+        dest[start:start + rows].copy_(value, non_blocking=True)
+        return
+    if not isinstance(value, BlockFp8) or value.block[1] != dest.block_k:
+        if isinstance(value, BlockFp8):
+            value = dequantize_blocks(value.q, value.scale_inv, value.block, dtype=torch.float32)
+        block = (dest.block_k, dest.block_k)
+        quantize = quantize_blocks if value.device.type == "cpu" else quantize_blocks_torch
+        q, scale_inv = quantize(value, block)
+        value = BlockFp8(q, scale_inv.to(value.device), block)
+    dest.q[start:start + rows].copy_(value.q, non_blocking=True)
+    per_row = value.scale_inv.repeat_interleave(value.block[0], dim=0)[:rows]
+    dest.scale[start:start + rows].copy_(per_row, non_blocking=True)
