@@ -21,8 +21,13 @@ What limits each figure: per decode step at B, the GPU time of one graph replay 
 the sampling time, and the scheduler's wall time per step (the rest is host work); a short torch
 profiler trace of the steady state lists the top kernels.
 
+`--precision fp8` measures instead workload (a) in process with the checkpoint's bf16 weights,
+with its block-FP8 version and with FP8 weights plus an FP8 KV cache (benchmarks/engine_gpu_fp8.py
+says how).
+
 Usage: python benchmarks/engine_gpu.py [--presets qwen2.5-0.5b,qwen2.5-7b] [--batches 64,256]
-       [--quick] [--skip-http] [--hf-compile] [--deterministic-cost] [--out FILE.json]
+       [--quick] [--skip-http] [--hf-compile] [--deterministic-cost] [--precision fp8]
+       [--out FILE.json]
        python benchmarks/engine_gpu.py [--grpo qwen2.5-0.5b] [--tensor-sync qwen2.5-0.5b,qwen2.5-7b]
        [--bucket-mib 512] [--device cuda|cpu] [--grpo-prompts 64 --grpo-samples 8
        --grpo-prompt-len 512 --grpo-max-output 2048] [--out FILE.json]
@@ -292,26 +297,37 @@ def http_runs(model_dir: Path, batches, vocab: int) -> dict:
         proc.stop()
 
 
+def in_process(model_dir: Path, batches: list[int], *, deterministic: bool = False,
+               kv_cache_dtype: str = "auto") -> dict:
+    """Workload (a) in process on a fresh engine: {batch: run_batch result}, plus what the engine
+    holds under "engine" (weight bytes and precision, KV bytes per token, pool tokens)."""
+    runner = PagedRunner(model_dir, device="cuda", dtype="bf16", max_running=max(batches),
+                         cuda_graph_max_bs=max(batches), deterministic=deterministic,
+                         kv_cache_dtype=kv_cache_dtype)
+    sched = PagedScheduler(runner, max_running=max(batches), max_prefill_tokens=16384,
+                           chunked_prefill_size=8192, deterministic=deterministic)
+    sched.start()
+    try:
+        run_batch(sched, prompts_for(8, runner.vocab_size, 1), max_new=16)  # warm-up
+        out: dict = {b: run_batch(sched, prompts_for(b, runner.vocab_size, 3 + b))
+                     for b in batches}
+        out["engine"] = {"weight_bytes": runner.model.nbytes(), **runner.weight_info,
+                         "kv_bytes_per_token": runner.kv_bytes_per_token,
+                         "kv_pool_tokens": runner.max_total_num_tokens}
+    finally:
+        sched.stop()
+        runner.release()
+    del runner, sched
+    torch.cuda.empty_cache()
+    return out
+
+
 def deterministic_cost(preset: str, batches: list[int]) -> dict:
     """Workload (a) in process, default mode then deterministic mode (same engine settings)."""
     model_dir = random_checkpoint(Path(tempfile.mkdtemp()) / preset, preset)
     out: dict = {}
     for mode in ("default", "deterministic"):
-        det = mode == "deterministic"
-        runner = PagedRunner(model_dir, device="cuda", dtype="bf16", max_running=max(batches),
-                             cuda_graph_max_bs=max(batches), deterministic=det)
-        sched = PagedScheduler(runner, max_running=max(batches), max_prefill_tokens=16384,
-                               chunked_prefill_size=8192, deterministic=det)
-        sched.start()
-        try:
-            run_batch(sched, prompts_for(8, runner.vocab_size, 1), max_new=16)  # warm-up
-            out[mode] = {b: run_batch(sched, prompts_for(b, runner.vocab_size, 3 + b))
-                         for b in batches}
-        finally:
-            sched.stop()
-            runner.release()
-        del runner, sched
-        torch.cuda.empty_cache()
+        out[mode] = in_process(model_dir, batches, deterministic=mode == "deterministic")
     for b in batches:
         ratio = out["deterministic"][b]["tokens_per_s"] / out["default"][b]["tokens_per_s"]
         out.setdefault("ratio", {})[b] = ratio
@@ -370,18 +386,25 @@ def main() -> None:
     ap.add_argument("--grpo-samples", type=int, default=8)
     ap.add_argument("--grpo-prompt-len", type=int, default=512)
     ap.add_argument("--grpo-max-output", type=int, default=2048)
+    ap.add_argument("--precision", choices=["fp8"], default=None,
+                    help="only workload (a) in process: bf16 weights against block-FP8 weights "
+                         "(and FP8 weights + FP8 KV), plus the GEMMs' TFLOP/s")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     if args.grpo or args.tensor_sync:
         rl_runs(args)
         return
-    if args.deterministic_cost:
+    if args.deterministic_cost or args.precision:
+        key, fn = "deterministic_cost", deterministic_cost
+        if args.precision:
+            from engine_gpu_fp8 import precision_cost as fn
+
+            key = "precision_cost"
         results = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                    "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                    "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN,
-                   "deterministic_cost": {p: deterministic_cost(p, batches)
-                                          for p in args.presets.split(",")}}
+                   key: {p: fn(p, batches) for p in args.presets.split(",")}}
         if args.out:
             Path(args.out).write_text(json.dumps(results, indent=1, default=str))
         print(json.dumps(results, default=str))

@@ -50,6 +50,9 @@ class ServeConfig(StageConfig):
     dtype: ComputeDtype | None = Field(None, description="Weight and compute dtype "
                                                                     "(default bf16 on cuda, fp32 "
                                                                     "on cpu).")
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
+        "auto", description="KV cache element type: auto (the model dtype) or fp8_e4m3 (one "
+                            "float32 scale per token and KV head; about half the bytes).")
     mem_fraction_static: float = Field(0.85, gt=0, lt=1, description="cuda: weights + KV pool "
                                                                      "as a fraction of GPU memory.")
     page_size: int = Field(16, ge=1, description="cuda: tokens per KV-cache page.")

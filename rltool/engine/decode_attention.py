@@ -7,6 +7,10 @@ log-sum-exp. Stage 2 merges the splits with softmax weights of their log-sum-exp
 
 The number of splits is fixed per call, so a CUDA graph captured for a batch size replays with any
 sequence lengths: a split longer than the sequence simply has no tokens (lse = -inf, weight 0).
+An FP8 cache (float8_e4m3fn K/V with one float32 scale per token and KV head) is read as e4m3
+converted to the query's dtype; the K scales multiply the scores and the V scales the softmax
+weights, so the products stay on tensor cores.
+
 Tested against `paged.decode_attention_ref` on CPU with TRITON_INTERPRET=1.
 """
 
@@ -20,13 +24,13 @@ BLOCK_N = 32
 
 
 @triton.jit
-def _stage1(Q, K, V, ReqToPage, Rows, SeqLens, MidO, MidLse,
-            stride_qb, stride_qh, stride_kt, stride_kh, stride_rp,
+def _stage1(Q, K, V, KScale, VScale, ReqToPage, Rows, SeqLens, MidO, MidLse,
+            stride_qb, stride_qh, stride_kt, stride_kh, stride_st, stride_rp,
             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
             sm_scale,
             GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+            NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -53,15 +57,22 @@ def _stage1(Q, K, V, ReqToPage, Rows, SeqLens, MidO, MidLse,
         tok = page.to(tl.int64) * PAGE + offs_n % PAGE
         kv_off = tok[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+        k = tl.load(K + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
+        if FP8:  # the per-token scales factor out of the dot products
+            scale_off = tok * stride_st + kvh
+            s = s * tl.load(KScale + scale_off, mask=mask_n, other=0.0)[None, :]
         s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        v = tl.load(V + kv_off, mask=kv_mask, other=0.0).to(q.dtype)
+        if FP8:
+            pv = p * tl.load(VScale + scale_off, mask=mask_n, other=0.0)[None, :]
+        else:
+            pv = p
+        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
         n0 += BLOCK_N
     has = l > 0
@@ -101,22 +112,29 @@ def num_splits_for(batch: int, num_kv_heads: int, *, max_len: int = 1 << 30,
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                      req_to_page: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
-                     page_size: int, scale: float, num_splits: int) -> torch.Tensor:
-    """q [B, H, D]; k/v_cache [slots, KVH, D]; rows, seq_lens [B]. Returns [B, H, D], q's dtype."""
+                     page_size: int, scale: float, num_splits: int,
+                     k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, D]; k/v_cache [slots, KVH, D] (in q's dtype, or float8_e4m3fn with k/v_scale
+    [slots, KVH]: one scale per token and head); rows, seq_lens [B]. Returns [B, H, D], q's
+    dtype."""
     B, H, D = q.shape
     kvh = k_cache.shape[1]
     group = H // kvh
     mid_o = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    fp8 = k_scale is not None
+    ks, vs = (k_scale, v_scale) if fp8 else (seq_lens, seq_lens)
     _stage1[(B, kvh, num_splits)](
-        q, k_cache, v_cache, req_to_page, rows, seq_lens, mid_o, mid_lse,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), req_to_page.stride(0),
+        q, k_cache, v_cache, ks, vs, req_to_page, rows, seq_lens, mid_o, mid_lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), ks.stride(0),
+        req_to_page.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         scale,
         GROUP=group, PAGE=page_size, HEAD_DIM=D, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(D)), NUM_SPLITS=num_splits,
-        PRECISION=precision, num_warps=4, num_stages=2)
+        PRECISION=precision, FP8=fp8, num_warps=4, num_stages=2)
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     _stage2[(B, H)](mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
                     mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),

@@ -261,13 +261,17 @@ class DenseLM:
 
     def rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    positions: torch.Tensor, *, k_cache: torch.Tensor | None = None,
-                   v_cache: torch.Tensor | None = None, loc: torch.Tensor | None = None) -> None:
-        """Rotate q and k in place by their positions; write k, v into cache slots `loc`."""
+                   v_cache: torch.Tensor | None = None, loc: torch.Tensor | None = None,
+                   k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> None:
+        """Rotate q and k in place by their positions; write k, v into cache slots `loc`
+        (quantized, their scales into `k_scale`/`v_scale`, for an FP8 cache)."""
         from rltool.engine import fused
 
         cos, sin = self.rope_table(self.spec.max_position_embeddings)
         fn = fused.rope_store if self.fused else fused.rope_store_ref
-        fn(q, k, v, cos, sin, positions, k_cache=k_cache, v_cache=v_cache, loc=loc)
+        fn(q, k, v, cos, sin, positions, k_cache=k_cache, v_cache=v_cache, loc=loc,
+           k_scale=k_scale, v_scale=v_scale)
 
     def hidden(self, input_ids: torch.Tensor, attend: Attend,
                collect: list[torch.Tensor] | None = None) -> torch.Tensor:
@@ -319,15 +323,15 @@ def load_model(model_dir: str | Path, *, device: torch.device | str, dtype: torc
                spec: ModelSpec | None = None, fp8_resident: bool = False) -> DenseLM:
     """Build a DenseLM from a HF checkpoint directory (every tensor checked before any is kept).
     `fp8_resident`: keep the linears a block-FP8 checkpoint stores in FP8 as FP8 (when every
-    source of a fused weight is FP8 and the K-block is a power of two >= 16); otherwise they
+    source of a fused weight is FP8 and the K-block is a power of two >= 32); otherwise they
     are dequantized into `dtype`."""
     model_dir = Path(model_dir)
     spec = spec or read_spec(model_dir)
     index = read_index(model_dir)
     keys: frozenset[tuple[int, str]] = frozenset()
     fmt = index.fmt
-    if fp8_resident and fmt is not None and fmt.block[1] >= 16 and fmt.block[1] & (
-            fmt.block[1] - 1) == 0:
+    if fp8_resident and fmt is not None and fmt.block[1] >= 32 and fmt.block[1] & (
+            fmt.block[1] - 1) == 0:  # the FP8 tensor-core dot needs K >= 32
         sources = DenseLM(spec, device="meta", dtype=dtype).fp8_sources()
         keys = frozenset(k for k, names in sources.items() if all(n in index.fp8 for n in names))
     model = DenseLM(spec, device=device, dtype=dtype, fp8_keys=keys,

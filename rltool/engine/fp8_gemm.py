@@ -21,13 +21,15 @@ import triton
 import triton.language as tl
 
 from rltool.batch_invariant import INTERPRETED
+from rltool.convert import fp8
 
-E4M3_MAX = 448.0
-SCALE_FLOOR = 1e-12
+# Kernels may read only constexpr globals.
+E4M3_MAX = tl.constexpr(fp8.E4M3_MAX)
+SCALE_FLOOR = tl.constexpr(fp8.SCALE_FLOOR)
 
 
 @triton.jit
-def _to_e4m3(x, EMULATE: tl.constexpr):
+def to_e4m3(x, EMULATE: tl.constexpr):
     """float32 (already clamped to ±448) -> float8e4nv, rounding to nearest even."""
     if EMULATE:
         bits = x.to(tl.int32, bitcast=True)
@@ -39,8 +41,8 @@ def _to_e4m3(x, EMULATE: tl.constexpr):
 
 @triton.jit
 def _fp8_gemm(A, B, Bs, Bias, C, M, N, K, stride_am, stride_bn, stride_sn, stride_cm,
-              NUM_KB: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+              NUM_KB: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -57,7 +59,7 @@ def _fp8_gemm(A, B, Bs, Bias, C, M, N, K, stride_am, stride_bn, stride_sn, strid
         a = tl.load(a_ptr + k[None, :], mask=mask_m[:, None] & mask_k[None, :],
                     other=0.0).to(tl.float32)
         sa = tl.maximum(tl.max(tl.abs(a), axis=1), SCALE_FLOOR) / E4M3_MAX
-        aq = _to_e4m3(tl.clamp(a / sa[:, None], -E4M3_MAX, E4M3_MAX), EMULATE)
+        aq = to_e4m3(tl.clamp(a / sa[:, None], -E4M3_MAX, E4M3_MAX), EMULATE)
         b = tl.load(b_ptr + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         sb = tl.load(Bs + offs_n * stride_sn + kb, mask=mask_n, other=0.0)
         acc += tl.dot(aq, tl.trans(b), out_dtype=tl.float32) * sa[:, None] * sb[None, :]
@@ -82,7 +84,8 @@ def _tiles(m: int) -> tuple[int, int, int, int]:
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, block_k: int,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) times the block-FP8 weight (q [N, K], scale [N, ceil(K /
-    block_k)]) transposed, plus bias: [M, N] in x's dtype. `block_k`: a power of two >= 16."""
+    block_k)]) transposed, plus bias: [M, N] in x's dtype. `block_k`: a power of two >= 32 (the
+    FP8 tensor-core dot's K)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     M, K = x.shape

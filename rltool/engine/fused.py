@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from rltool.engine.dense_model import apply_rope, rms_norm
+from rltool.engine.paged import quantize_kv
 
 try:  # the CPU path never needs triton
     import triton
@@ -34,14 +35,23 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
 
 def rope_store_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, positions: torch.Tensor, *, k_cache: torch.Tensor | None,
-                   v_cache: torch.Tensor | None, loc: torch.Tensor | None) -> None:
-    """Rotate q [T, H, D] and k [T, KVH, D] in place; write k, v into cache slots `loc`."""
+                   v_cache: torch.Tensor | None, loc: torch.Tensor | None,
+                   k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> None:
+    """Rotate q [T, H, D] and k [T, KVH, D] in place; write k, v into cache slots `loc`
+    (quantized, with their scales written to `k_scale`/`v_scale`, for an FP8 cache)."""
     c, s = cos[positions], sin[positions]
     q.copy_(apply_rope(q, c, s))
     k.copy_(apply_rope(k, c, s))
-    if k_cache is not None:
-        k_cache.index_copy_(0, loc, k)
-        v_cache.index_copy_(0, loc, v)
+    if k_cache is None:
+        return
+    for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        if scales is None:
+            cache.index_copy_(0, loc, x)
+        else:
+            qx, sx = quantize_kv(x)  # bytes: CPU index_copy_ has no float8 kernel
+            cache.view(torch.uint8).index_copy_(0, loc, qx.view(torch.uint8))
+            scales.index_copy_(0, loc, sx)
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
@@ -52,6 +62,8 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 # ----- Triton kernels -----------------------------------------------------------------------
 
 if triton is not None:
+    from rltool.engine.fp8_gemm import E4M3_MAX, SCALE_FLOOR, to_e4m3
+
     @triton.jit
     def _add_rms_norm(X, R, W, Out, stride_x, stride_r, stride_o, N, eps,
                       HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
@@ -73,9 +85,30 @@ if triton is not None:
                  (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
 
     @triton.jit
-    def _rotate(X, Cos, Sin, row, stride_t, stride_h, KC, slot, stride_ct, stride_ch,
-                HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                BLOCK_D: tl.constexpr, STORE: tl.constexpr):
+    def _store_kv(KC, KS, slot, stride_ct, stride_ch, stride_st, offs_h, offs_d, mask, x1, x2,
+                  HALF: tl.constexpr, FP8: tl.constexpr, EMULATE: tl.constexpr):
+        """Write one token's heads (their two halves) into cache slot `slot`: as they are, or
+        quantized per head (scale = max(max|x|, 1e-12) / 448) with the scales into KS."""
+        dst = KC + slot * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :]
+        if FP8:
+            f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+            amax = tl.maximum(tl.max(tl.abs(f1), axis=1), tl.max(tl.abs(f2), axis=1))
+            scale = tl.maximum(amax, SCALE_FLOOR) / E4M3_MAX  # masked elements are 0
+            tl.store(dst, to_e4m3(tl.clamp(f1 / scale[:, None], -E4M3_MAX, E4M3_MAX), EMULATE),
+                     mask=mask)
+            tl.store(dst + HALF, to_e4m3(tl.clamp(f2 / scale[:, None], -E4M3_MAX, E4M3_MAX),
+                                         EMULATE), mask=mask)
+            tl.store(KS + slot * stride_st + offs_h, scale,
+                     mask=tl.max(mask.to(tl.int32), axis=1) > 0)
+        else:
+            tl.store(dst, x1, mask=mask)
+            tl.store(dst + HALF, x2, mask=mask)
+
+    @triton.jit
+    def _rotate(X, Cos, Sin, row, stride_t, stride_h, KC, KS, slot, stride_ct, stride_ch,
+                stride_st, HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                BLOCK_D: tl.constexpr, STORE: tl.constexpr, FP8: tl.constexpr,
+                EMULATE: tl.constexpr):
         """Rotate-half RoPE on one token's heads in place (and into cache slot `slot`)."""
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
@@ -92,17 +125,16 @@ if triton is not None:
         tl.store(base, o1, mask=mask)
         tl.store(base + HALF, o2, mask=mask)
         if STORE:
-            dst = KC + slot * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :]
-            tl.store(dst, o1, mask=mask)
-            tl.store(dst + HALF, o2, mask=mask)
+            _store_kv(KC, KS, slot, stride_ct, stride_ch, stride_st, offs_h, offs_d, mask, o1, o2,
+                      HALF, FP8, EMULATE)
 
     @triton.jit
-    def _rope_store(Q, K, V, Cos, Sin, Pos, KC, VC, Loc,
+    def _rope_store(Q, K, V, Cos, Sin, Pos, KC, VC, KS, VS, Loc,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                    stride_ct, stride_ch, stride_cos,
+                    stride_ct, stride_ch, stride_st, stride_cos,
                     H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                    BLOCK_D: tl.constexpr, STORE: tl.constexpr):
+                    STORE: tl.constexpr, FP8: tl.constexpr, EMULATE: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         pos = tl.load(Pos + t).to(tl.int64)
         cos, sin = Cos + pos * stride_cos, Sin + pos * stride_cos
@@ -110,18 +142,18 @@ if triton is not None:
             slot = tl.load(Loc + t).to(tl.int64)
         else:
             slot = t
-        _rotate(Q, cos, sin, t, stride_qt, stride_qh, KC, slot, stride_ct, stride_ch,
-                H, HALF, BLOCK_H, BLOCK_HALF, False)
-        _rotate(K, cos, sin, t, stride_kt, stride_kh, KC, slot, stride_ct, stride_ch,
-                KVH, HALF, BLOCK_KVH, BLOCK_HALF, STORE)
-        if STORE:
+        _rotate(Q, cos, sin, t, stride_qt, stride_qh, KC, KS, slot, stride_ct, stride_ch,
+                stride_st, H, HALF, BLOCK_H, BLOCK_HALF, False, FP8, EMULATE)
+        _rotate(K, cos, sin, t, stride_kt, stride_kh, KC, KS, slot, stride_ct, stride_ch,
+                stride_st, KVH, HALF, BLOCK_KVH, BLOCK_HALF, STORE, FP8, EMULATE)
+        if STORE:  # v in its two halves, so that it is stored like k
             offs_h = tl.arange(0, BLOCK_KVH)
-            offs_d = tl.arange(0, BLOCK_D)
-            mask = (offs_h[:, None] < KVH) & (offs_d[None, :] < D)
-            v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :],
-                        mask=mask)
-            tl.store(VC + slot * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :], v,
-                     mask=mask)
+            offs_d = tl.arange(0, BLOCK_HALF)
+            mask = (offs_h[:, None] < KVH) & (offs_d[None, :] < HALF)
+            src = V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+            _store_kv(VC, VS, slot, stride_ct, stride_ch, stride_st, offs_h, offs_d, mask,
+                      tl.load(src, mask=mask, other=0.0), tl.load(src + HALF, mask=mask, other=0.0),
+                      HALF, FP8, EMULATE)
 
     @triton.jit
     def _silu_mul(GU, Out, stride_g, stride_o, N, BLOCK: tl.constexpr):
@@ -152,20 +184,26 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, positions: torch.Tensor, *, k_cache: torch.Tensor | None,
-               v_cache: torch.Tensor | None, loc: torch.Tensor | None) -> None:
+               v_cache: torch.Tensor | None, loc: torch.Tensor | None,
+               k_scale: torch.Tensor | None = None,
+               v_scale: torch.Tensor | None = None) -> None:
     """Fused `rope_store_ref` (q, k, v may be strided views of the fused qkv output)."""
+    from rltool.batch_invariant import INTERPRETED
+
     T, H, D = q.shape
     kvh = k.shape[1]
     store = k_cache is not None
+    fp8 = k_scale is not None
     kc = k_cache if store else k
     vc = v_cache if store else v
+    ks, vs = (k_scale, v_scale) if fp8 else (positions, positions)
     _rope_store[(T,)](
-        q, k, v, cos, sin, positions, kc, vc, loc if store else positions,
+        q, k, v, cos, sin, positions, kc, vc, ks, vs, loc if store else positions,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        kc.stride(0), kc.stride(1), cos.stride(0),
+        kc.stride(0), kc.stride(1), ks.stride(0), cos.stride(0),
         H=H, KVH=kvh, D=D, HALF=D // 2, BLOCK_H=triton.next_power_of_2(H),
         BLOCK_KVH=triton.next_power_of_2(kvh), BLOCK_HALF=triton.next_power_of_2(D // 2),
-        BLOCK_D=triton.next_power_of_2(D), STORE=store, num_warps=4)
+        STORE=store, FP8=fp8, EMULATE=INTERPRETED, num_warps=4)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

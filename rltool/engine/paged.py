@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from rltool.convert.fp8 import E4M3_MAX, SCALE_FLOOR
 from rltool.engine.radix_cache import Node, RadixCache
 from rltool.errors import EngineError
 
@@ -233,17 +234,67 @@ class PageTable:
         self.req_to_page.index_put_((dev[0], dev[1]), dev[2].to(torch.int32))
 
 
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+
+
 class KVPool:
-    """K and V for every layer: [layers, num_pages * page_size, kv_heads, head_dim] each."""
+    """K and V for every layer: [layers, num_pages * page_size, kv_heads, head_dim] each, in the
+    model dtype, or (kv_cache_dtype fp8_e4m3) in float8_e4m3fn with one float32 scale per token
+    and KV head for each of K and V (`k_scale`, `v_scale` [layers, slots, kv_heads]), computed
+    when the token's KV is written: `quantize_kv`."""
 
     def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 kv_cache_dtype: str = "auto"):
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.fp8 = kv_cache_dtype == "fp8_e4m3"
+        store = torch.float8_e4m3fn if self.fp8 else dtype
+        self.k = torch.zeros(shape, dtype=store, device=device)
+        self.v = torch.zeros(shape, dtype=store, device=device)
+        self.k_scale = self.v_scale = None
+        if self.fp8:
+            self.k_scale = torch.ones(shape[:3], dtype=torch.float32, device=device)
+            self.v_scale = torch.ones(shape[:3], dtype=torch.float32, device=device)
+
+    @staticmethod
+    def bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        kv_cache_dtype: str) -> int:
+        """K and V of one token in every layer: 2 * layers * kv_heads * head_dim * element
+        bytes, or with fp8_e4m3 2 * layers * kv_heads * (head_dim + 4) (the float32 scales)."""
+        per_head = (head_dim + 4 if kv_cache_dtype == "fp8_e4m3"
+                    else head_dim * torch.empty((), dtype=dtype).element_size())
+        return 2 * num_layers * num_kv_heads * per_head
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                     torch.Tensor | None]:
+        """(k, v, k_scale, v_scale) of layer i (scales None unless FP8)."""
+        if not self.fp8:
+            return self.k[i], self.v[i], None, None
+        return self.k[i], self.v[i], self.k_scale[i], self.v_scale[i]
+
+    def gather(self, i: int, slots: torch.Tensor, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of layer i at `slots`, in `dtype` (dequantized when FP8)."""
+        k, v, ks, vs = self.layer(i)
+        if not self.fp8:
+            return k[slots], v[slots]
+        return dequantize_kv(k[slots], ks[slots], dtype), dequantize_kv(v[slots], vs[slots], dtype)
 
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        scales = 2 * self.k_scale.numel() * 4 if self.fp8 else 0
+        return 2 * self.k.numel() * self.k.element_size() + scales
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, KVH, D] -> (e4m3 [T, KVH, D], float32 scale [T, KVH]): per token and head,
+    scale = max(max_d |x|, 1e-12) / 448, q = clamp(x / scale, ±448) rounded to nearest even."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1).clamp(min=SCALE_FLOOR) / E4M3_MAX
+    return (xf / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale[..., None]).to(dtype)
 
     def copy_tokens(self, src_page: int, dst_page: int, n: int, *, page_size: int) -> None:
         """Copy the KV of the first `n` tokens of page `src_page` into page `dst_page`, every
@@ -255,17 +306,22 @@ class KVPool:
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                          req_to_page: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
-                         page_size: int, max_len: int, scale: float) -> torch.Tensor:
+                         page_size: int, max_len: int, scale: float,
+                         k_scale: torch.Tensor | None = None,
+                         v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Reference paged decode attention (pure torch; the CPU decode path). q [B, H, D];
     k/v_cache [slots, KVH, D]; rows [B] page-table rows; seq_lens [B] tokens to attend to (the new
-    one included). Returns [B, H, D] in q's dtype, computed in fp32. The K/V of each row are
+    one included); k/v_scale [slots, KVH] for an FP8 cache. Returns [B, H, D] in q's dtype,
+    computed in fp32 (FP8 K/V dequantized to fp32 first). The K/V of each row are
     gathered through its pages into [B, KVH, max_len, D] and attended with one masked SDPA call
     (half the time of the einsum formulation on CPU, which copies for its permutes)."""
     pos = torch.arange(max_len, device=q.device)
     pages = req_to_page[rows.long()][:, pos // page_size].long()  # [B, max_len]
     slots = pages * page_size + pos % page_size
-    k = k_cache[slots].float().transpose(1, 2)  # [B, KVH, L, D]
-    v = v_cache[slots].float().transpose(1, 2)
+    k, v = k_cache[slots].float(), v_cache[slots].float()  # [B, L, KVH, D]
+    if k_scale is not None:
+        k, v = k * k_scale[slots][..., None], v * v_scale[slots][..., None]
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, KVH, L, D]
     valid = pos.unsqueeze(0) < seq_lens.unsqueeze(1).long()  # [B, L]
     out = F.scaled_dot_product_attention(q.float().unsqueeze(2), k, v,
                                          attn_mask=valid[:, None, None, :], scale=scale,

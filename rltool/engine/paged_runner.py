@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from rltool.engine.dense_model import DenseLM, load_checkpoint, load_model, read_spec
 from rltool.engine import quant
 from rltool.engine.loading import check_servable, eos_token_ids, load_tokenizer, loading
-from rltool.engine.paged import KVPool, PageTable, decode_attention_ref
+from rltool.engine.paged import KV_CACHE_DTYPES, KVPool, PageTable, decode_attention_ref
 from rltool.errors import BadInputError, EngineError
 from rltool.faults import kill_point
 
@@ -53,9 +53,14 @@ class PagedRunner:
                  weight_version: str = "default", max_running: int = 64, page_size: int = 16,
                  mem_fraction_static: float = 0.85, max_total_tokens: int | None = None,
                  cuda_graph_max_bs: int = 256, disable_cuda_graph: bool = False,
-                 prefix_cache: bool = True, deterministic: bool = False):
+                 prefix_cache: bool = True, deterministic: bool = False,
+                 kv_cache_dtype: str = "auto"):
         if dtype not in DTYPES:
             raise BadInputError(f"unknown --dtype {dtype!r}; choose fp32 or bf16")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise BadInputError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}; choose "
+                                f"{' or '.join(KV_CACHE_DTYPES)}")
+        self.kv_cache_dtype = kv_cache_dtype
         self.model_path = Path(model_path)
         self.tokenizer_path = self.model_path
         self.device = torch.device(device)
@@ -108,8 +113,10 @@ class PagedRunner:
         if self.deterministic:  # transformers' ops one by one (the trainer's), invariant kernels
             self.model.fused = False
         self.model.rope_table(self.context_length)
-        elem = torch.empty((), dtype=DTYPES[self.dtype]).element_size()
-        per_token = self.spec.kv_bytes_per_token * elem
+        s = self.spec
+        per_token = self.kv_bytes_per_token = KVPool.bytes_per_token(
+            num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+            dtype=DTYPES[self.dtype], kv_cache_dtype=self.kv_cache_dtype)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             gc.collect()
@@ -128,7 +135,7 @@ class PagedRunner:
         self.pool = KVPool(num_layers=self.spec.num_layers, num_pages=num_pages,
                            page_size=self.page_size, num_kv_heads=self.spec.num_kv_heads,
                            head_dim=self.spec.head_dim, dtype=DTYPES[self.dtype],
-                           device=self.device)
+                           device=self.device, kv_cache_dtype=self.kv_cache_dtype)
         self.table = PageTable(num_pages=num_pages, page_size=self.page_size,
                                max_requests=self.max_running,
                                max_pages_per_request=-(-self.context_length // self.page_size),
@@ -284,8 +291,9 @@ class PagedRunner:
         pool, model = self.pool, self.model
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            kc, vc = pool.k[layer], pool.v[layer]
-            model.rope_store(q, k, v, pos_t, k_cache=kc, v_cache=vc, loc=loc_t)
+            kc, vc, ks, vs = pool.layer(layer)  # fresh chunks attend to their own k, v
+            model.rope_store(q, k, v, pos_t, k_cache=kc, v_cache=vc, loc=loc_t, k_scale=ks,
+                             v_scale=vs)
             out = torch.empty_like(q)
             for o, c, n in groups:
                 out[o:o + c * n] = _sdpa(q[o:o + c * n].view(c, n, *q.shape[1:]),
@@ -295,9 +303,9 @@ class PagedRunner:
             for o, n, s, slots in cont_t:
                 mask = (torch.arange(s + n, device=dev).unsqueeze(0)
                         <= torch.arange(s, s + n, device=dev).unsqueeze(1))
-                out[o:o + n] = _sdpa(q[o:o + n].unsqueeze(0), kc[slots].unsqueeze(0),
-                                     vc[slots].unsqueeze(0), scale=self.scale,
-                                     mask=mask).squeeze(0)
+                kp, vp = pool.gather(layer, slots, q.dtype)
+                out[o:o + n] = _sdpa(q[o:o + n].unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0),
+                                     scale=self.scale, mask=mask).squeeze(0)
             return out
 
         hidden = model.hidden(ids_t, attend)
@@ -382,27 +390,31 @@ class PagedRunner:
             splits = (DETERMINISTIC_SPLITS if self.deterministic
                       else num_splits_for(meta.shape[1], self.spec.num_kv_heads))
 
-            def attn(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+            def attn(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, **sc: Any
+                     ) -> torch.Tensor:
                 return decode_attention(q, kc, vc, req_to_page=table.req_to_page, rows=rows,
                                         seq_lens=seq_lens, page_size=self.page_size,
-                                        scale=self.scale, num_splits=splits)
+                                        scale=self.scale, num_splits=splits, **sc)
         elif self.deterministic:  # CPU: each request alone, over its own length
-            def attn(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+            def attn(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, **sc: Any
+                     ) -> torch.Tensor:
                 return torch.cat([
                     decode_attention_ref(q[i:i + 1], kc, vc, req_to_page=table.req_to_page,
                                          rows=rows[i:i + 1], seq_lens=seq_lens[i:i + 1],
                                          page_size=self.page_size, max_len=int(seq_lens[i]),
-                                         scale=self.scale) for i in range(q.shape[0])])
+                                         scale=self.scale, **sc) for i in range(q.shape[0])])
         else:
-            def attn(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+            def attn(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, **sc: Any
+                     ) -> torch.Tensor:
                 return decode_attention_ref(q, kc, vc, req_to_page=table.req_to_page, rows=rows,
                                             seq_lens=seq_lens, page_size=self.page_size,
-                                            max_len=self._max_len, scale=self.scale)
+                                            max_len=self._max_len, scale=self.scale, **sc)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            kc, vc = pool.k[layer], pool.v[layer]
-            model.rope_store(q, k, v, pos, k_cache=kc, v_cache=vc, loc=loc)
-            return attn(q, kc, vc)
+            kc, vc, ks, vs = pool.layer(layer)
+            model.rope_store(q, k, v, pos, k_cache=kc, v_cache=vc, loc=loc, k_scale=ks,
+                             v_scale=vs)
+            return attn(q, kc, vc, k_scale=ks, v_scale=vs)
 
         # Logits stay in the model dtype here (the sampling kernel reads them as they are): the
         # float32 copy of a [256, 152k] batch would cost as much as a layer.

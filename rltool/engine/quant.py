@@ -44,7 +44,8 @@ def read_format(config: dict[str, Any], *, where: str) -> Fp8Format | None:
     block = qc.get("weight_block_size") if isinstance(qc, dict) else None
     skip = qc.get("modules_to_not_convert") if isinstance(qc, dict) else None
     ok = (isinstance(qc, dict) and qc.get("quant_method") == "fp8"
-          and qc.get("fmt", "e4m3") == "e4m3" and qc.get("activation_scheme", "dynamic") == "dynamic"
+          and qc.get("fmt", "e4m3") == "e4m3"
+          and qc.get("activation_scheme", "dynamic") == "dynamic"
           and isinstance(block, list) and len(block) == 2
           and all(isinstance(b, int) and b > 0 for b in block)
           and (skip is None or (isinstance(skip, list) and all(isinstance(s, str) for s in skip))))

@@ -258,7 +258,7 @@ def test_deterministic_mode_is_batch_invariant(tiny_model_dir, request):
 def fp8_linear_float64(x, q, scale, block_k, bias=None):
     """The block-FP8 GEMM's math in float64 after the same float32 activation quantization:
     per token and K-block, s = max(max|x|, 1e-12) / 448, e4m3(clamp(x / s, ±448))."""
-    out = torch.zeros(x.shape[0], q.shape[0], dtype=torch.float64)
+    out = torch.zeros(x.shape[0], q.shape[0], dtype=torch.float64, device=x.device)
     for b in range(scale.shape[1]):
         a = x[:, b * block_k:(b + 1) * block_k].float()
         sa = a.abs().amax(dim=1).clamp(min=1e-12) / 448
@@ -283,7 +283,7 @@ def test_fp8_gemm_matches_float64_reference(on_dev, request):
     """The block-FP8 GEMM (activations quantized per token and K-block inside the kernel) equals
     its float64 reference to float32 accumulation error, and the dequantized-weight product to
     within the analytic bound of the activation rounding. Shapes: partial K- and N-blocks, one
-    token, tile-crossing token counts, a bias, 16- and 128-wide K-blocks."""
+    token, tile-crossing token counts, a bias, 32- and 128-wide K-blocks."""
     if ran_in_child(request):
         return
     from rltool.convert.fp8 import quantize_blocks_torch
@@ -291,7 +291,7 @@ def test_fp8_gemm_matches_float64_reference(on_dev, request):
 
     torch.manual_seed(5)
     for m, n, k, block_k, bias in [(1, 40, 200, 128, False), (5, 72, 256, 128, True),
-                                   (33, 24, 48, 16, False)]:
+                                   (33, 24, 80, 32, False)]:
         w = torch.randn(n, k) * 0.05
         w[3, 7] = 4.0  # an outlier: its block's scale is large
         q, block_scale = quantize_blocks_torch(w, (block_k, block_k))
@@ -319,7 +319,7 @@ def test_fp8_resident_model_is_close_to_dequantized(on_dev, request, tiny_model_
     """A block-FP8 checkpoint loaded with its linears kept in FP8 (the CUDA path: fused q/k/v and
     gate/up with per-row block scales, stacked MoE experts) against the same checkpoint
     dequantized at load: log-probabilities within the measured effect of quantizing activations
-    (max |difference| 0.014 and 0.020 nats here)."""
+    (max |difference| measured 0.025 and 0.017 nats)."""
     if ran_in_child(request):
         return
     import torch.nn.functional as F
@@ -329,7 +329,7 @@ def test_fp8_resident_model_is_close_to_dequantized(on_dev, request, tiny_model_
 
     ids = torch.tensor([3, 9, 4, 17, 22, 5, 8, 30, 11, 2])
     pos = torch.arange(len(ids))
-    for arch, block in [("qwen2", (16, 16)), ("qwen3_moe", (32, 16))]:
+    for arch, block in [("qwen2", (16, 32)), ("qwen3_moe", (32, 32))]:
         out = tmp_path / arch
         quantize_checkpoint(Fp8Config(hf=tiny_model_factory(arch, 0), out=out, block=block,
                                       workers=1))
@@ -349,3 +349,55 @@ def test_fp8_resident_model_is_close_to_dequantized(on_dev, request, tiny_model_
             logprobs.append(torch.log_softmax(model.logits(model.hidden(ids, attend)), -1))
         diff = (logprobs[0] - logprobs[1]).abs().max().item()
         assert 0 < diff < 0.05, (arch, diff)
+
+
+def test_fp8_kv_kernels_match_reference(on_dev, request):
+    """FP8 KV cache: the fused RoPE + cache write stores the reference's bytes and per-(token,
+    head) scales, and split-KV decode attention over that cache matches the torch reference
+    (which dequantizes to float32) for GQA groups, pages out of order and several splits."""
+    if ran_in_child(request):
+        return
+    from rltool.engine import fused
+    from rltool.engine.decode_attention import decode_attention
+
+    torch.manual_seed(2)
+    T, H, KVH, D = 5, 6, 2, 16
+    qkv = torch.randn(T, (H + 2 * KVH) * D) * 3
+    qkv[1, H * D:(H + 1) * D] = 0.0  # an all-zero head: scale at the floor, zeros stored
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    emb = torch.cat([torch.outer(torch.arange(64).float(), inv)] * 2, dim=-1)
+    pos, loc = torch.tensor([0, 3, 17, 63, 5]), torch.tensor([9, 2, 4, 0, 7])
+    outs = []
+    for fn in (fused.rope_store_ref, fused.rope_store):
+        t = qkv.clone()
+        q, k, v = (x.view(T, -1, D) for x in t.split([H * D, KVH * D, KVH * D], dim=-1))
+        kc, vc = (torch.zeros(10, KVH, D, dtype=torch.float8_e4m3fn) for _ in range(2))
+        ks, vs = torch.ones(10, KVH), torch.ones(10, KVH)
+        fn(q, k, v, emb.cos(), emb.sin(), pos, k_cache=kc, v_cache=vc, loc=loc, k_scale=ks,
+           v_scale=vs)
+        outs.append((t, kc, vc, ks, vs))
+    for name, a, b in zip(["qkv", "k_cache", "v_cache", "k_scale", "v_scale"], *outs):
+        assert torch.equal(a.float(), b.float()), name  # values: the kernel may store -0 for 0
+
+    for heads, kv_heads, head_dim, page_size in [(4, 2, 16, 4), (8, 2, 32, 16)]:
+        table = PageTable(num_pages=160, page_size=page_size, max_requests=4,
+                          max_pages_per_request=80, device=DEV)
+        table.allocator._free.reverse()
+        lens = [1, 37, 70]
+        for i, n in enumerate(lens):
+            table.add(f"r{i}")
+            table.extend(f"r{i}", n)
+        table.flush()
+        slots = 160 * page_size
+        k = (torch.randn(slots, kv_heads, head_dim) * 4).to(torch.float8_e4m3fn)
+        v = (torch.randn(slots, kv_heads, head_dim) * 4).to(torch.float8_e4m3fn)
+        ks, vs = torch.rand(slots, kv_heads) + 0.01, torch.rand(slots, kv_heads) + 0.01
+        q = torch.randn(len(lens), heads, head_dim)
+        kw = dict(req_to_page=table.req_to_page,
+                  rows=torch.tensor([table.entries[f"r{i}"].row for i in range(len(lens))]),
+                  seq_lens=torch.tensor(lens), page_size=page_size, scale=head_dim ** -0.5,
+                  k_scale=ks, v_scale=vs)
+        ref = decode_attention_ref(q, k, v, max_len=max(lens), **kw)
+        for splits in (1, 3):
+            out = decode_attention(q, k, v, num_splits=splits, **kw)
+            assert torch.allclose(out, ref, atol=1e-5, rtol=0), splits

@@ -68,6 +68,8 @@ def router(state: EngineState) -> APIRouter:
             "max_total_num_tokens": runner.context_length * cfg.max_running_requests,
             "max_req_input_len": runner.context_length - 1,
             "weight_version": runner.weight_version, **runner.weight_info,
+            "kv_bytes_per_token": runner.kv_bytes_per_token,
+            "kv_pool_tokens": runner.max_total_num_tokens,
             "internal_states": [sched.stats()],
             "version": _version(),
             "engine": "builtin",
