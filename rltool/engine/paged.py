@@ -12,6 +12,7 @@ token and write their junk KV there, so graph replay needs no branches.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -257,13 +258,13 @@ class KVPool:
             self.v_scale = torch.ones(shape[:3], dtype=torch.float32, device=device)
 
     @staticmethod
-    def bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                        kv_cache_dtype: str) -> int:
-        """K and V of one token in every layer: 2 * layers * kv_heads * head_dim * element
-        bytes, or with fp8_e4m3 2 * layers * kv_heads * (head_dim + 4) (the float32 scales)."""
-        per_head = (head_dim + 4 if kv_cache_dtype == "fp8_e4m3"
-                    else head_dim * torch.empty((), dtype=dtype).element_size())
-        return 2 * num_layers * num_kv_heads * per_head
+    def bytes_per_token(spec: Any, *, dtype: torch.dtype, kv_cache_dtype: str) -> int:
+        """K and V of one token in every layer of a model (`spec`: num_layers, num_kv_heads,
+        head_dim): 2 * layers * kv_heads * head_dim * element bytes, or with fp8_e4m3
+        2 * layers * kv_heads * (head_dim + 4) (the float32 scales)."""
+        per_head = (spec.head_dim + 4 if kv_cache_dtype == "fp8_e4m3"
+                    else spec.head_dim * torch.empty((), dtype=dtype).element_size())
+        return 2 * spec.num_layers * spec.num_kv_heads * per_head
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                      torch.Tensor | None]:
@@ -284,6 +285,15 @@ class KVPool:
         scales = 2 * self.k_scale.numel() * 4 if self.fp8 else 0
         return 2 * self.k.numel() * self.k.element_size() + scales
 
+    def copy_tokens(self, src_page: int, dst_page: int, n: int, *, page_size: int) -> None:
+        """Copy the KV (and FP8 scales) of the first `n` tokens of page `src_page` into page
+        `dst_page`, every layer (queued on the current stream, so it lands before any later
+        forward reads it)."""
+        src, dst = src_page * page_size, dst_page * page_size
+        for t in (self.k, self.v, self.k_scale, self.v_scale):
+            if t is not None:
+                t[:, dst:dst + n] = t[:, src:src + n]
+
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, KVH, D] -> (e4m3 [T, KVH, D], float32 scale [T, KVH]): per token and head,
@@ -295,13 +305,6 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (q.float() * scale[..., None]).to(dtype)
-
-    def copy_tokens(self, src_page: int, dst_page: int, n: int, *, page_size: int) -> None:
-        """Copy the KV of the first `n` tokens of page `src_page` into page `dst_page`, every
-        layer (queued on the current stream, so it lands before any later forward reads it)."""
-        src, dst = src_page * page_size, dst_page * page_size
-        self.k[:, dst:dst + n] = self.k[:, src:src + n]
-        self.v[:, dst:dst + n] = self.v[:, src:src + n]
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,

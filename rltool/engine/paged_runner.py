@@ -26,8 +26,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rltool.engine.dense_model import DenseLM, load_checkpoint, load_model, read_spec
 from rltool.engine import quant
+from rltool.engine.dense_model import DenseLM, load_checkpoint, load_model, read_spec
 from rltool.engine.loading import check_servable, eos_token_ids, load_tokenizer, loading
 from rltool.engine.paged import KV_CACHE_DTYPES, KVPool, PageTable, decode_attention_ref
 from rltool.errors import BadInputError, EngineError
@@ -58,8 +58,8 @@ class PagedRunner:
         if dtype not in DTYPES:
             raise BadInputError(f"unknown --dtype {dtype!r}; choose fp32 or bf16")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise BadInputError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}; choose "
-                                f"{' or '.join(KV_CACHE_DTYPES)}")
+            raise BadInputError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}; choose auto or "
+                                "fp8_e4m3")
         self.kv_cache_dtype = kv_cache_dtype
         self.model_path = Path(model_path)
         self.tokenizer_path = self.model_path
@@ -113,10 +113,8 @@ class PagedRunner:
         if self.deterministic:  # transformers' ops one by one (the trainer's), invariant kernels
             self.model.fused = False
         self.model.rope_table(self.context_length)
-        s = self.spec
         per_token = self.kv_bytes_per_token = KVPool.bytes_per_token(
-            num_layers=s.num_layers, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
-            dtype=DTYPES[self.dtype], kv_cache_dtype=self.kv_cache_dtype)
+            self.spec, dtype=DTYPES[self.dtype], kv_cache_dtype=self.kv_cache_dtype)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             gc.collect()

@@ -5,6 +5,7 @@ bytes per token and capacity; what /get_server_info and /get_model_info report."
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -48,15 +49,15 @@ def test_fp8_kv_logprobs_are_close_to_model_dtype_kv(tiny_model_factory, arch, d
 def test_fp8_kv_pool_holds_about_twice_the_tokens_of_bf16():
     """Bytes per token: 2 x layers x KV heads x (head_dim + 4) against x (2 x head_dim), so a
     memory budget holds 2 x 128 / 132 = 1.94x the tokens at head_dim 128 (the float32 scales)."""
-    shape = dict(num_layers=24, num_kv_heads=2, head_dim=128)
-    bf16 = KVPool.bytes_per_token(**shape, dtype=torch.bfloat16, kv_cache_dtype="auto")
-    fp8 = KVPool.bytes_per_token(**shape, dtype=torch.bfloat16, kv_cache_dtype="fp8_e4m3")
+    shape = SimpleNamespace(num_layers=24, num_kv_heads=2, head_dim=128)
+    bf16 = KVPool.bytes_per_token(shape, dtype=torch.bfloat16, kv_cache_dtype="auto")
+    fp8 = KVPool.bytes_per_token(shape, dtype=torch.bfloat16, kv_cache_dtype="fp8_e4m3")
     assert (bf16, fp8) == (24 * 2 * 2 * 128 * 2, 24 * 2 * 2 * 132)
     budget = 8 << 30
     assert (budget // fp8) / (budget // bf16) == pytest.approx(256 / 132, rel=1e-6)
     pool = KVPool(num_layers=2, num_pages=8, page_size=4, num_kv_heads=2, head_dim=16,
                   dtype=torch.bfloat16, device="cpu", kv_cache_dtype="fp8_e4m3")
-    per_token = KVPool.bytes_per_token(num_layers=2, num_kv_heads=2, head_dim=16,
+    per_token = KVPool.bytes_per_token(SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=16),
                                        dtype=torch.bfloat16, kv_cache_dtype="fp8_e4m3")
     assert pool.nbytes() == 8 * 4 * per_token and pool.k.dtype == torch.float8_e4m3fn
 
@@ -84,3 +85,29 @@ def test_server_info_reports_kv_and_weight_precision(tiny_model_dir):
     assert info["weight_dtype"] == model["weight_dtype"] == "fp32"
     assert info["quantization"] is model["quantization"] is None
     assert len(out["output_ids"]) == 3
+
+
+def test_copy_on_write_copies_fp8_kv_with_its_scales():
+    """A reused partial page of an FP8 pool carries its tokens' scales with their bytes."""
+    from rltool.engine.paged import PageTable
+
+    table = PageTable(num_pages=6, page_size=4, max_requests=4, max_pages_per_request=4,
+                      device="cpu", prefix_cache=True)
+    pool = KVPool(num_layers=2, num_pages=6, page_size=4, num_kv_heads=1, head_dim=2,
+                  dtype=torch.float32, device="cpu", kv_cache_dtype="fp8_e4m3")
+    for t in (pool.k, pool.v):
+        t.copy_(torch.randn(t.shape).to(torch.float8_e4m3fn))
+    pool.k_scale.uniform_(0.5, 2)
+    pool.v_scale.uniform_(0.5, 2)
+    tokens = list(range(12))
+    table.add("a")
+    table.extend("a", 12)
+    table.cache_prefix("a", tokens)
+    source = table.entries["a"].pages[2]
+    table.remove("a")
+    assert table.reuse_prefix("b", tokens, max_tokens=11, pool=pool) == 11
+    own = table.entries["b"].pages[2]
+    assert own != source
+    for t in (pool.k, pool.v, pool.k_scale, pool.v_scale):
+        copied, original = t[:, own * 4:own * 4 + 3], t[:, source * 4:source * 4 + 3]
+        assert torch.equal(copied.float(), original.float())
