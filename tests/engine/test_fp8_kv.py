@@ -86,28 +86,3 @@ def test_server_info_reports_kv_and_weight_precision(tiny_model_dir):
     assert info["quantization"] is model["quantization"] is None
     assert len(out["output_ids"]) == 3
 
-
-def test_copy_on_write_copies_fp8_kv_with_its_scales():
-    """A reused partial page of an FP8 pool carries its tokens' scales with their bytes."""
-    from rltool.engine.paged import PageTable
-
-    table = PageTable(num_pages=6, page_size=4, max_requests=4, max_pages_per_request=4,
-                      device="cpu", prefix_cache=True)
-    pool = KVPool(num_layers=2, num_pages=6, page_size=4, num_kv_heads=1, head_dim=2,
-                  dtype=torch.float32, device="cpu", kv_cache_dtype="fp8_e4m3")
-    for t in (pool.k, pool.v):
-        t.copy_(torch.randn(t.shape).to(torch.float8_e4m3fn))
-    pool.k_scale.uniform_(0.5, 2)
-    pool.v_scale.uniform_(0.5, 2)
-    tokens = list(range(12))
-    table.add("a")
-    table.extend("a", 12)
-    table.cache_prefix("a", tokens)
-    source = table.entries["a"].pages[2]
-    table.remove("a")
-    assert table.reuse_prefix("b", tokens, max_tokens=11, pool=pool) == 11
-    own = table.entries["b"].pages[2]
-    assert own != source
-    for t in (pool.k, pool.v, pool.k_scale, pool.v_scale):
-        copied, original = t[:, own * 4:own * 4 + 3], t[:, source * 4:source * 4 + 3]
-        assert torch.equal(copied.float(), original.float())

@@ -138,13 +138,16 @@ def test_reuse_covers_every_cached_token_but_the_last(tiny_model_dir):
     assert table.free_pages == table.allocator.num_pages - 1  # copies freed with their requests
 
 
-def test_copy_on_write_copies_kv_and_needs_a_free_page():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_copy_on_write_copies_kv_and_needs_a_free_page(kv_cache_dtype):
+    """The copied tokens carry their KV (and, in an FP8 pool, their scales)."""
     table = PageTable(num_pages=6, page_size=4, max_requests=4, max_pages_per_request=4,
                       device="cpu", prefix_cache=True)
     pool = KVPool(num_layers=2, num_pages=6, page_size=4, num_kv_heads=1, head_dim=2,
-                  dtype=torch.float32, device="cpu")
-    pool.k.normal_()
-    pool.v.normal_()
+                  dtype=torch.float32, device="cpu", kv_cache_dtype=kv_cache_dtype)
+    for t in (pool.k, pool.v, pool.k_scale, pool.v_scale):
+        if t is not None:
+            t.copy_(torch.randn(t.shape).to(t.dtype))
     tokens = list(range(12))
     table.add("a")
     table.extend("a", 12)
@@ -155,8 +158,10 @@ def test_copy_on_write_copies_kv_and_needs_a_free_page():
     assert table.reuse_prefix("b", tokens, max_tokens=11, pool=pool) == 11
     own = table.entries["b"].pages[2]
     assert own != source and table.entries["b"].pages[:2] == [1, 2]
-    for kv in (pool.k, pool.v):
-        assert torch.equal(kv[:, own * 4:own * 4 + 3], kv[:, source * 4:source * 4 + 3])
+    for kv in (pool.k, pool.v, pool.k_scale, pool.v_scale):
+        if kv is not None:
+            assert torch.equal(kv[:, own * 4:own * 4 + 3].float(),
+                               kv[:, source * 4:source * 4 + 3].float())
     # One page free, kept for a running request: no copy.
     assert table.reuse_prefix("c", tokens, max_tokens=11, pool=pool, spare=1) == 8
     table.remove("c")
