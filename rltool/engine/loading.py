@@ -67,3 +67,18 @@ def one_line(error: BaseException) -> str:
     if len(text) > _MAX_REASON_CHARS:
         text = text[:_MAX_REASON_CHARS - 3] + "..."
     return f"{type(error).__name__}: {text}"
+
+
+def eos_token_ids(model_path: Path, config_json: dict[str, Any], tokenizer: Any) -> set[int]:
+    """Every EOS id the checkpoint names: config.json, the tokenizer, generation_config.json."""
+    ids: set[int] = set()
+    sources = [config_json.get("eos_token_id"), tokenizer.eos_token_id]
+    gen = model_path / "generation_config.json"
+    if gen.is_file():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for source in sources:
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(x) for x in source)
+    return ids

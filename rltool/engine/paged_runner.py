@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from rltool.engine.dense_model import DenseLM, load_checkpoint, load_model, read_spec
-from rltool.engine.loading import check_servable, load_tokenizer, loading
+from rltool.engine.loading import check_servable, eos_token_ids, load_tokenizer, loading
 from rltool.engine.paged import KVPool, PageTable, decode_attention_ref
 from rltool.errors import BadInputError, EngineError
 from rltool.faults import kill_point
@@ -66,7 +65,8 @@ class PagedRunner:
         self.tokenizer = load_tokenizer(self.model_path)
         self.context_length = self.spec.max_position_embeddings
         self.vocab_size = self.spec.vocab_size
-        self.eos_token_ids = self._eos_ids()
+        self.eos_token_ids = eos_token_ids(self.model_path, self.config_json,
+                                           self.tokenizer)
         self.max_running = max_running
         self.page_size = page_size
         self.mem_fraction_static = mem_fraction_static
@@ -75,10 +75,11 @@ class PagedRunner:
         self.use_graphs = (self.device.type == "cuda" and not disable_cuda_graph
                            and self.spec.moe is None)
         self.deterministic = deterministic
-        # The batch-invariant kernels are Triton: on CUDA, and on CPU under TRITON_INTERPRET=1
-        # (tests). Without them (CPU) the scheduler runs each request in a forward of its own.
-        self.invariant_kernels = deterministic and (self.device.type == "cuda"
-                                                    or _interpreted())
+        # The Triton kernels (sampler, batch-invariant ops) run on CUDA, and on CPU under
+        # TRITON_INTERPRET=1 (tests). Deterministic without them (CPU): a forward per request.
+        from rltool.batch_invariant import INTERPRETED
+        self.triton_kernels = self.device.type == "cuda" or INTERPRETED
+        self.invariant_kernels = deterministic and self.triton_kernels
         # Deterministic: a reused prefix would compute a prompt's tail in another attention
         # layout than a fresh prefill, so whether a prompt hit the cache would change its numbers.
         self.prefix_cache = prefix_cache and not deterministic
@@ -95,20 +96,8 @@ class PagedRunner:
         self._host_meta: list[tuple[torch.Tensor, Any]] = []  # pinned, two (see `decode`)
         self._calls = 0
         self._max_len = 1
+        self._block: tuple[torch.Tensor, int, Any] | None = None  # see `decode_next`
         self._build()
-
-    def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        sources = [self.config_json.get("eos_token_id"), self.tokenizer.eos_token_id]
-        gen = self.model_path / "generation_config.json"
-        if gen.is_file():
-            sources.append(json.loads(gen.read_text()).get("eos_token_id"))
-        for source in sources:
-            if isinstance(source, int):
-                ids.add(source)
-            elif isinstance(source, (list, tuple)):
-                ids.update(int(x) for x in source)
-        return ids
 
     # ----- memory --------------------------------------------------------------------------
 
@@ -157,7 +146,7 @@ class PagedRunner:
         """Free weights, KV pool and CUDA graphs (the scheduler has retracted every request)."""
         self.graphs.clear()
         self.model = self.pool = self.table = None
-        self._meta = None
+        self._meta = self._block = None
         self._host_meta = []
         gc.collect()
         if self.device.type == "cuda":
@@ -318,22 +307,42 @@ class PagedRunner:
     @torch.no_grad()
     def decode(self, rids: list[str], token_ids: list[int] | None, *,
                prev_tokens: torch.Tensor | None = None,
-               src_rows: list[int] | None = None) -> torch.Tensor:
+               src_rows: list[int] | None = None, steps: int = 1) -> torch.Tensor:
         """One decode step: token_ids[i] is fed to request rids[i] (its KV grows by one token), or,
         with `prev_tokens` (a device tensor of the last step's samples), prev_tokens[src_rows[i]],
         so the step can be queued before the host has seen those tokens. Returns logits [B, V]
         (on CUDA in the model dtype, in a graph's output buffer: valid until the next call).
 
+        `steps` > 1 starts a block of that many steps over the batch: the KV of all of them is
+        reserved now (the caller checked the pages are free); `decode_next` runs the others.
         Nothing here waits for the device unless the host is two steps ahead: the host buffers
         the copies read from are pinned and used alternately."""
         # Eager decode on CUDA pads to the same buckets, so it computes exactly what a replay does.
         bucket = next((b for b in self._buckets if b >= len(rids)), None)
         with self.invariant():
-            return self._decode(rids, token_ids, prev_tokens, src_rows, bucket)
+            return self._decode(rids, token_ids, prev_tokens, src_rows, bucket, steps)
+
+    @torch.no_grad()
+    def decode_next(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The next step of the block `decode(steps=...)` started, fed `tokens` (on the device, [B]):
+        positions, lengths and KV slots (from `req_to_page`) advance on the device, not the host."""
+        full, B, graph = self._block
+        meta = full[:, :B]
+        meta[0].copy_(tokens)
+        meta[1] += 1
+        meta[3] += 1
+        self.table.device_slots(meta[2], meta[1], out=meta[4])
+        self._max_len += 1
+        with self.invariant():
+            if graph is None:
+                return self._decode_forward(full)[:B]
+            graph, out = graph
+            graph.replay()
+            return out[:B]
 
     def _decode(self, rids: list[str], token_ids: list[int] | None,
                 prev_tokens: torch.Tensor | None, src_rows: list[int] | None,
-                bucket: int | None) -> torch.Tensor:
+                bucket: int | None, steps: int) -> torch.Tensor:
         table, B = self.table, len(rids)
         n = bucket or B
         rows, locs, positions = [], [], []
@@ -342,10 +351,10 @@ class PagedRunner:
         for rid in rids:  # the per-request host work of a step: keep it lean
             entry = entries[rid]
             p = entry.length
-            if p == len(entry.pages) * ps:
-                extend(rid, p + 1)
+            if p + steps > len(entry.pages) * ps:
+                extend(rid, p + steps)
             else:
-                entry.length = p + 1
+                entry.length = p + steps
             add_row(entry.row)
             add_position(p)
             add_loc(entry.pages[p // ps] * ps + p % ps)
@@ -371,6 +380,7 @@ class PagedRunner:
             meta = torch.from_numpy(host).to(self.device)
             if prev_tokens is not None:
                 meta[0, :B] = prev_tokens[meta[5, :B]]
+            self._block = (meta, B, None) if steps > 1 else None
             return self._decode_forward(meta)[:B]
         # The whole staging buffer in one contiguous (so asynchronous) copy: the graphs read
         # their bucket's columns of `_meta`, nothing reads the others.
@@ -378,6 +388,7 @@ class PagedRunner:
         copied.record()
         if prev_tokens is not None:
             torch.index_select(prev_tokens, 0, self._meta[5, :B], out=self._meta[0, :B])
+        self._block = (self._meta, B, graph) if steps > 1 else None
         graph, out = graph
         graph.replay()
         return out[:B]
@@ -476,7 +487,6 @@ class PagedRunner:
         return self.model.hidden(ids, attend, collect=collect)
 
 
-
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
           mask: torch.Tensor | None = None) -> torch.Tensor:
     """q [G, n, H, D], k/v [G, L, KVH, D] -> [G, n, H, D]; causal unless `mask` [n, L] is given."""
@@ -490,9 +500,3 @@ def host_tensor(values: list, dtype: Any = np.int64) -> torch.Tensor:
     """A CPU tensor from (nested) Python lists through numpy: torch.tensor on lists costs ~5x
     more, and on the decode path it is paid for every request of every step."""
     return torch.from_numpy(np.asarray(values, dtype=dtype))
-
-
-def _interpreted() -> bool:
-    from rltool import batch_invariant
-
-    return batch_invariant.INTERPRETED
