@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import logging
 from pathlib import Path
 from typing import Any
@@ -94,9 +95,8 @@ class PagedRunner:
         self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
         self._meta: torch.Tensor | None = None
         self._host_meta: list[tuple[torch.Tensor, Any]] = []  # pinned, two (see `decode`)
-        self._calls = 0
-        self._max_len = 1
-        self._block: tuple[torch.Tensor, int, Any] | None = None  # see `decode_next`
+        self._calls, self._max_len = 0, 1
+        self._block: tuple | None = None  # (meta, B, graph, KV slots, step count): `decode_next`
         self._build()
 
     # ----- memory --------------------------------------------------------------------------
@@ -312,11 +312,10 @@ class PagedRunner:
         with `prev_tokens` (a device tensor of the last step's samples), prev_tokens[src_rows[i]],
         so the step can be queued before the host has seen those tokens. Returns logits [B, V]
         (on CUDA in the model dtype, in a graph's output buffer: valid until the next call).
-
         `steps` > 1 starts a block of that many steps over the batch: the KV of all of them is
         reserved now (the caller checked the pages are free); `decode_next` runs the others.
-        Nothing here waits for the device unless the host is two steps ahead: the host buffers
-        the copies read from are pinned and used alternately."""
+        Nothing here waits for the device unless the host is two steps ahead (pinned host
+        buffers, used alternately)."""
         # Eager decode on CUDA pads to the same buckets, so it computes exactly what a replay does.
         bucket = next((b for b in self._buckets if b >= len(rids)), None)
         with self.invariant():
@@ -326,12 +325,11 @@ class PagedRunner:
     def decode_next(self, tokens: torch.Tensor) -> torch.Tensor:
         """The next step of the block `decode(steps=...)` started, fed `tokens` (on the device, [B]):
         positions, lengths and KV slots (from `req_to_page`) advance on the device, not the host."""
-        full, B, graph = self._block
+        full, B, graph, slots, step = self._block
         meta = full[:, :B]
         meta[0].copy_(tokens)
-        meta[1] += 1
-        meta[3] += 1
-        self.table.device_slots(meta[2], meta[1], out=meta[4])
+        meta[1:4:2] += 1  # positions and sequence lengths
+        meta[4].copy_(slots[next(step)])
         self._max_len += 1
         with self.invariant():
             if graph is None:
@@ -380,7 +378,8 @@ class PagedRunner:
             meta = torch.from_numpy(host).to(self.device)
             if prev_tokens is not None:
                 meta[0, :B] = prev_tokens[meta[5, :B]]
-            self._block = (meta, B, None) if steps > 1 else None
+            self._block = (meta, B, None, table.block_slots(meta[2, :B], meta[1, :B], steps),
+                           itertools.count()) if steps > 1 else None
             return self._decode_forward(meta)[:B]
         # The whole staging buffer in one contiguous (so asynchronous) copy: the graphs read
         # their bucket's columns of `_meta`, nothing reads the others.
@@ -388,7 +387,8 @@ class PagedRunner:
         copied.record()
         if prev_tokens is not None:
             torch.index_select(prev_tokens, 0, self._meta[5, :B], out=self._meta[0, :B])
-        self._block = (self._meta, B, graph) if steps > 1 else None
+        self._block = (self._meta, B, graph, table.block_slots(self._meta[2, :B],
+                       self._meta[1, :B], steps), itertools.count()) if steps > 1 else None
         graph, out = graph
         graph.replay()
         return out[:B]
