@@ -408,6 +408,7 @@ def main() -> None:
         r: dict = {"weight_bytes": runner.model.nbytes(), "kv_pool_bytes": runner.pool.nbytes(),
                    "engine": {}, "roofline": {}, "breakdown": {}, "by_decode_steps": {}}
         for n in multi:  # one scheduler per value, over the same runner
+            runner.flush_prefix_cache()  # every value prefills the same prompts in full
             sched = PagedScheduler(runner, max_running=max(batches), max_prefill_tokens=16384,
                                    chunked_prefill_size=8192, num_continuous_decode_steps=n)
             sched.start()
