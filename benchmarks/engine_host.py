@@ -169,7 +169,8 @@ def main() -> None:
                 pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile)
                 print(text.getvalue())
     total = "CPU" if args.cpu_time else "wall"  # the clock of every column
-    print(f"| N | B | host µs/step | host µs/token | {total} µs/step | device µs/step | host runs |")
+    print(f"| N | B | host µs/step | host µs/token | {total} µs/step | device µs/step | "
+          "host runs |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         n = r["num_continuous_decode_steps"]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import itertools
 import logging
 from pathlib import Path
 from typing import Any
@@ -96,7 +95,7 @@ class PagedRunner:
         self._meta: torch.Tensor | None = None
         self._host_meta: list[tuple[torch.Tensor, Any]] = []  # pinned, two (see `decode`)
         self._calls, self._max_len = 0, 1
-        self._block: tuple | None = None  # (meta, B, graph, KV slots, step count): `decode_next`
+        self._block: tuple | None = None  # (meta, B, graph, iterator of KV slots): `decode_next`
         self._build()
 
     # ----- memory --------------------------------------------------------------------------
@@ -323,13 +322,12 @@ class PagedRunner:
 
     @torch.no_grad()
     def decode_next(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The next step of the block `decode(steps=...)` started, fed `tokens` (on the device, [B]):
-        positions, lengths and KV slots (from `req_to_page`) advance on the device, not the host."""
-        full, B, graph, slots, step = self._block
+        """The next step of the block `decode(steps=...)` began, fed `tokens` ([B], on device)."""
+        full, B, graph, slots = self._block  # positions, lengths and slots advance on the device
         meta = full[:, :B]
         meta[0].copy_(tokens)
         meta[1:4:2] += 1  # positions and sequence lengths
-        meta[4].copy_(slots[next(step)])
+        meta[4].copy_(next(slots))
         self._max_len += 1
         with self.invariant():
             if graph is None:
@@ -378,8 +376,8 @@ class PagedRunner:
             meta = torch.from_numpy(host).to(self.device)
             if prev_tokens is not None:
                 meta[0, :B] = prev_tokens[meta[5, :B]]
-            self._block = (meta, B, None, table.block_slots(meta[2, :B], meta[1, :B], steps),
-                           itertools.count()) if steps > 1 else None
+            self._block = (meta, B, None, iter(table.block_slots(meta[2, :B], meta[1, :B],
+                                                                 steps))) if steps > 1 else None
             return self._decode_forward(meta)[:B]
         # The whole staging buffer in one contiguous (so asynchronous) copy: the graphs read
         # their bucket's columns of `_meta`, nothing reads the others.
@@ -387,8 +385,8 @@ class PagedRunner:
         copied.record()
         if prev_tokens is not None:
             torch.index_select(prev_tokens, 0, self._meta[5, :B], out=self._meta[0, :B])
-        self._block = (self._meta, B, graph, table.block_slots(self._meta[2, :B],
-                       self._meta[1, :B], steps), itertools.count()) if steps > 1 else None
+        self._block = (self._meta, B, graph, iter(table.block_slots(
+            self._meta[2, :B], self._meta[1, :B], steps))) if steps > 1 else None
         graph, out = graph
         graph.replay()
         return out[:B]
