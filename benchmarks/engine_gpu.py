@@ -13,6 +13,9 @@ the same engine settings: tokens/s of each and their ratio.
 without the prefix cache, and the in-memory weight sync through /update_weights_from_tensor
 (benchmarks/engine_gpu_rl.py says how); with `--device cpu` (the tiny preset, shared memory in
 place of CUDA IPC) they run on a machine without a GPU.
+`--num-continuous-decode-steps 1,8` runs workload (a) in process once per value (decode steps
+run back to back per scheduler iteration; the first value is the one the table's main columns
+show, every value gets a row of its own); the HTTP run serves with the last one.
 Beside it, in the same run: `generate` naive (dynamic cache) and at its best measured here (static
 cache; `--hf-compile` adds torch.compile), and the workload's roofline: the sum over its prefill
 and decode steps of max(bytes moved / measured copy bandwidth, FLOPs / 989 TFLOP/s).
@@ -27,7 +30,7 @@ says how).
 
 Usage: python benchmarks/engine_gpu.py [--presets qwen2.5-0.5b,qwen2.5-7b] [--batches 64,256]
        [--quick] [--skip-http] [--hf-compile] [--deterministic-cost] [--precision fp8]
-       [--out FILE.json]
+       [--num-continuous-decode-steps 1,8] [--out FILE.json]
        python benchmarks/engine_gpu.py [--grpo qwen2.5-0.5b] [--tensor-sync qwen2.5-0.5b,qwen2.5-7b]
        [--bucket-mib 512] [--device cuda|cpu] [--grpo-prompts 64 --grpo-samples 8
        --grpo-prompt-len 512 --grpo-max-output 2048] [--out FILE.json]
@@ -285,11 +288,12 @@ async def _http_batch(url: str, prompts) -> dict:
     return out
 
 
-def http_runs(model_dir: Path, batches, vocab: int) -> dict:
+def http_runs(model_dir: Path, batches, vocab: int, steps: int) -> dict:
     from rltool.rollout.launch import start_engine
 
     proc = start_engine(["--engine", "builtin", "--device", "cuda", "--model", str(model_dir),
-                         "--max-running-requests", str(max(batches)), "--log-level", "warning"],
+                         "--max-running-requests", str(max(batches)), "--log-level", "warning",
+                         "--num-continuous-decode-steps", str(steps)],
                         log_path=Path(tempfile.mkdtemp()) / "serve.log", ready_timeout_s=300)
     try:
         return {b: asyncio.run(_http_batch(proc.url, prompts_for(b, vocab, 11))) for b in batches}
@@ -389,9 +393,12 @@ def main() -> None:
     ap.add_argument("--precision", choices=["fp8"], default=None,
                     help="only workload (a) in process: bf16 weights against block-FP8 weights "
                          "(and FP8 weights + FP8 KV), plus the GEMMs' TFLOP/s")
+    ap.add_argument("--num-continuous-decode-steps", default="1",
+                    help="comma-separated: one in-process run of workload (a) per value")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    multi = [int(n) for n in args.num_continuous_decode_steps.split(",")]
     if args.grpo or args.tensor_sync:
         rl_runs(args)
         return
@@ -419,20 +426,25 @@ def main() -> None:
         model_dir = random_checkpoint(Path(tempfile.mkdtemp()) / preset, preset)
         runner = PagedRunner(model_dir, device="cuda", dtype="bf16", max_running=max(batches),
                              cuda_graph_max_bs=max(batches))
-        sched = PagedScheduler(runner, max_running=max(batches), max_prefill_tokens=16384,
-                               chunked_prefill_size=8192)
-        sched.start()
         vocab = runner.vocab_size
         r: dict = {"weight_bytes": runner.model.nbytes(), "kv_pool_bytes": runner.pool.nbytes(),
-                   "engine": {}, "roofline": {}, "breakdown": {}}
-        run_batch(sched, prompts_for(8, vocab, 1), max_new=16)  # warm-up
+                   "engine": {}, "roofline": {}, "breakdown": {}, "by_decode_steps": {}}
+        for n in multi:  # one scheduler per value, over the same runner
+            runner.flush_prefix_cache()  # every value prefills the same prompts in full
+            sched = PagedScheduler(runner, max_running=max(batches), max_prefill_tokens=16384,
+                                   chunked_prefill_size=8192, num_continuous_decode_steps=n)
+            sched.start()
+            run_batch(sched, prompts_for(8, vocab, 1), max_new=16)  # warm-up
+            r["by_decode_steps"][n] = {b: run_batch(sched, prompts_for(b, vocab, 3 + b))
+                                       for b in batches}
+            if n == multi[0]:
+                ttfts = [run_batch(sched, prompts_for(1, vocab, 100 + i), max_new=1)
+                         ["mean_ttft_s"] for i in range(8)]
+                r["engine_ttft_b1_s"] = statistics.median(ttfts)
+            sched.stop()
         for b in batches:
-            r["engine"][b] = run_batch(sched, prompts_for(b, vocab, 3 + b))
+            r["engine"][b] = r["by_decode_steps"][multi[0]][b]
             r["roofline"][b] = roofline(runner.spec, b, bw=bw, weight_bytes=r["weight_bytes"])
-        ttfts = [run_batch(sched, prompts_for(1, vocab, 100 + i), max_new=1)["mean_ttft_s"]
-                 for i in range(8)]
-        r["engine_ttft_b1_s"] = statistics.median(ttfts)
-        sched.stop()
         for b in batches:
             bd = step_breakdown(runner, b)
             print(bd.pop("profile_top"), flush=True)
@@ -442,7 +454,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         engine_only = preset in args.engine_only.split(",")
         if not args.skip_http and not engine_only:
-            r["http"] = http_runs(model_dir, batches, vocab)
+            r["http"] = http_runs(model_dir, batches, vocab, multi[-1])
         if not args.quick and not engine_only:
             r["hf"] = {}
             for mode in ("dynamic", "static"):
@@ -455,22 +467,27 @@ def main() -> None:
                         r["hf"][mode][b] = {"error": f"{type(e).__name__}: {e}"[:300]}
                     print("generate", mode, b, r["hf"][mode][b], flush=True)
         results["models"][preset] = r
-        for b in batches:
-            e, roof = r["engine"][b], r["roofline"][b]
-            rows.append((preset, b, e["tokens_per_s"],
-                         r.get("http", {}).get(b, {}).get("tokens_per_s"),
-                         r.get("hf", {}).get("dynamic", {}).get(b, {}).get("tokens_per_s"),
-                         r.get("hf", {}).get("static", {}).get(b, {}).get("tokens_per_s"),
-                         roof["tokens_per_s"], e["tokens_per_s"] / roof["tokens_per_s"],
-                         r["breakdown"][b]["decode_graph_gpu_s"] * 1e3,
-                         e["seconds"] / max(e["decode_steps"], 1) * 1e3))
+        for n in multi:
+            for b in batches:
+                e, roof = r["by_decode_steps"][n][b], r["roofline"][b]
+                main_row = n == multi[0]
+                rows.append((preset, n, b, e["tokens_per_s"],
+                             r.get("http", {}).get(b, {}).get("tokens_per_s")
+                             if n == multi[-1] else None,
+                             r.get("hf", {}).get("dynamic", {}).get(b, {}).get("tokens_per_s")
+                             if main_row else None,
+                             r.get("hf", {}).get("static", {}).get(b, {}).get("tokens_per_s")
+                             if main_row else None,
+                             roof["tokens_per_s"], e["tokens_per_s"] / roof["tokens_per_s"],
+                             r["breakdown"][b]["decode_graph_gpu_s"] * 1e3,
+                             e["seconds"] / max(e["decode_steps"], 1) * 1e3))
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
-    print(f"{'model':14} {'B':>4} {'engine tok/s':>13} {'http tok/s':>11} {'hf dyn':>9} "
+    print(f"{'model':14} {'N':>3} {'B':>4} {'engine tok/s':>13} {'http tok/s':>11} {'hf dyn':>9} "
           f"{'hf static':>10} {'roofline':>10} {'of roof':>8} {'gpu ms/step':>12} "
           f"{'wall ms/step':>13}")
     fmt = lambda x, w, p=0: f"{x:>{w}.{p}f}" if x is not None else f"{'-':>{w}}"  # noqa: E731
-    for p, b, e, h, hd, hs, roof, frac, gpu, wall in rows:
-        print(f"{p:14} {b:>4} {fmt(e, 13)} {fmt(h, 11)} {fmt(hd, 9)} {fmt(hs, 10)} "
+    for p, n, b, e, h, hd, hs, roof, frac, gpu, wall in rows:
+        print(f"{p:14} {n:>3} {b:>4} {fmt(e, 13)} {fmt(h, 11)} {fmt(hd, 9)} {fmt(hs, 10)} "
               f"{fmt(roof, 10)} {frac:>8.1%} {gpu:>12.2f} {wall:>13.2f}")
     for p, r in results["models"].items():
         hf_ttft = min((x["ttft_b1_s"] for mode in r.get("hf", {}).values() for x in mode.values()

@@ -10,8 +10,14 @@ work (the rest). Requests: B concurrent, 16-token prompts, temperature 1.0, `ign
 `return_logprob` (what an RL rollout sends), all admitted at once, so every measured step decodes
 exactly B requests.
 
+`--num-continuous-decode-steps 1,4` measures instead the CUDA engine's decode path, once per
+value: the overlapped path (device-fed input ids, blocks of N decode steps per scheduler iteration,
+one read-back per block), with the Triton sampler replaced by a torch stand-in of the same
+signature (timed as device work; the Triton interpreter would take seconds per step). A row's
+host time is then per decode step of the block, and per token.
+
 Usage: python benchmarks/engine_host.py [--batches 64,256] [--steps 64] [--repeats 3]
-       [--profile N] [--out FILE.json]
+       [--num-continuous-decode-steps 1,4] [--cpu-time] [--profile N] [--out FILE.json]
 Prints a table (median host µs per step over the repeats, each repeat's median over its steps)
 and, last, one JSON line. --profile N prints cProfile's top N functions of the decode steps.
 """
@@ -34,7 +40,7 @@ from pathlib import Path
 import torch
 
 from rltool.data.models import init_model
-from rltool.engine import batch_sampling
+from rltool.engine import batch_sampling, sampling_kernel
 from rltool.engine.paged_runner import PagedRunner
 from rltool.engine.paged_scheduler import PagedScheduler
 from rltool.engine.request import Request
@@ -44,44 +50,64 @@ PROMPT_LEN = 16
 
 
 class StepClock:
-    """Accumulates the wall time of the wrapped calls within the current decode step."""
+    """Accumulates the time of the wrapped calls within the current decode step: wall time, or
+    with `cpu` the thread's CPU time (what other processes on a loaded machine do not inflate)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cpu: bool = False) -> None:
+        self.now = time.thread_time if cpu else time.perf_counter
         self.device = 0.0
-        self.steps: list[tuple[int, float, float]] = []  # (batch, wall s, device s)
+        # (batch, wall s, device s, decode steps) per call of the scheduler's decode step
+        self.steps: list[tuple[int, float, float, int]] = []
 
     def timed(self, fn):
         def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0 = self.now()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.device += time.perf_counter() - t0
+                self.device += self.now() - t0
 
         return wrapper
 
     def step(self, fn, sched: PagedScheduler, profiler: cProfile.Profile | None):
         def wrapper() -> None:
             batch = len(sched.running)
+            forwards = sched.num_decode_forwards
             self.device = 0.0
-            t0 = time.perf_counter()
+            t0 = self.now()
             if profiler is None:
                 fn()
             else:
                 profiler.runcall(fn)
-            self.steps.append((batch, time.perf_counter() - t0, self.device))
+            self.steps.append((batch, self.now() - t0, self.device,
+                               max(sched.num_decode_forwards - forwards, 1)))
 
         return wrapper
 
 
-def run(model_dir: Path, batch: int, steps: int, *, profiler: cProfile.Profile | None) -> dict:
+def stand_in_sample_rows(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor,
+                         greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sampling_kernel.sample_rows`'s signature and outputs (the argmax of logits / T and its
+    logprob) in torch: the device work of the CUDA path's sampler, on CPU."""
+    x = logits.float() / temps.unsqueeze(1)
+    tokens = x.argmax(dim=-1)
+    return tokens, torch.log_softmax(x, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+def run(model_dir: Path, batch: int, steps: int, *, profiler: cProfile.Profile | None,
+        multistep: int | None, cpu_time: bool = False) -> dict:
     runner = PagedRunner(model_dir, device="cpu", dtype="fp32", max_running=batch,
-                         max_total_tokens=batch * (PROMPT_LEN + steps + 32))
-    sched = PagedScheduler(runner, max_running=batch, max_prefill_tokens=batch * PROMPT_LEN)
-    clock = StepClock()
+                         max_total_tokens=batch * (PROMPT_LEN + steps + 64))
+    if multistep is not None:  # the CUDA engine's decode path (see the module docstring)
+        runner.triton_kernels = True
+    sched = PagedScheduler(runner, max_running=batch, max_prefill_tokens=batch * PROMPT_LEN,
+                           num_continuous_decode_steps=multistep or 1)
+    clock = StepClock(cpu_time)
     runner._decode_forward = clock.timed(runner._decode_forward)
     original_sampler = batch_sampling._torch_sample
     batch_sampling._torch_sample = clock.timed(original_sampler)
+    original_kernel = sampling_kernel.sample_rows
+    sampling_kernel.sample_rows = clock.timed(stand_in_sample_rows)
     sched._decode_step = clock.step(sched._decode_step, sched, profiler)
     done = threading.Semaphore(0)
     reqs = [Request(rid=f"h{i}", prompt_ids=[(7 * i + j) % 40 + 3 for j in range(PROMPT_LEN)],
@@ -97,8 +123,11 @@ def run(model_dir: Path, batch: int, steps: int, *, profiler: cProfile.Profile |
     finally:
         sched.stop()
         batch_sampling._torch_sample = original_sampler
-    full = [(wall, dev) for b, wall, dev in clock.steps if b == batch]
-    assert len(full) >= steps // 2, f"only {len(full)} steps decoded all {batch} requests"
+        sampling_kernel.sample_rows = original_kernel
+    # Per decode step: a call that ran a block of n steps counts as n steps of 1/n its time.
+    full = [(wall / n, dev / n) for b, wall, dev, n in clock.steps if b == batch]
+    assert len(full) >= steps // (4 * (multistep or 1)), \
+        f"only {len(full)} calls decoded all {batch} requests"
     return {"steps": len(full),
             "host_us": statistics.median(w - d for w, d in full) * 1e6,
             "wall_us": statistics.median(w for w, _ in full) * 1e6,
@@ -112,19 +141,25 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--profile", type=int, default=0, help="print cProfile's top N functions")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="the scheduler thread's CPU time instead of wall time (loaded machines)")
+    ap.add_argument("--num-continuous-decode-steps", default="",
+                    help="comma-separated: the CUDA engine's decode path with blocks of N steps")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
+    modes = ([int(n) for n in args.num_continuous_decode_steps.split(",")]
+             if args.num_continuous_decode_steps else [None])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = init_model(Path(tmp) / "tiny", arch="qwen2", preset="tiny", task="reverse",
                                seed=0)
-        for batch in batches:
+        for batch, multistep in [(b, m) for m in modes for b in batches]:
             profiler = cProfile.Profile() if args.profile else None
-            runs = [run(model_dir, batch, args.steps, profiler=profiler)
-                    for _ in range(args.repeats)]
-            rows.append({"batch": batch,
+            runs = [run(model_dir, batch, args.steps, profiler=profiler, multistep=multistep,
+                        cpu_time=args.cpu_time) for _ in range(args.repeats)]
+            rows.append({"batch": batch, "num_continuous_decode_steps": multistep,
                          "host_us": statistics.median(r["host_us"] for r in runs),
                          "host_us_runs": [round(r["host_us"], 1) for r in runs],
                          "wall_us": statistics.median(r["wall_us"] for r in runs),
@@ -133,13 +168,18 @@ def main() -> None:
                 text = io.StringIO()
                 pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile)
                 print(text.getvalue())
-    print("| B | host µs/step | host µs/request | wall µs/step | device µs/step | host runs |")
-    print("|---|---|---|---|---|---|")
+    total = "CPU" if args.cpu_time else "wall"  # the clock of every column
+    print(f"| N | B | host µs/step | host µs/token | {total} µs/step | device µs/step | "
+          "host runs |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['host_us']:.0f} | {r['host_us'] / r['batch']:.2f} | "
+        n = r["num_continuous_decode_steps"]
+        print(f"| {'-' if n is None else n} | {r['batch']} | {r['host_us']:.0f} | "
+              f"{r['host_us'] / r['batch']:.2f} | "
               f"{r['wall_us']:.0f} | {r['device_us']:.0f} | {r['host_us_runs']} |")
     result = {"benchmark": "engine_host", "date": datetime.now(timezone.utc).isoformat(),
               "machine": platform.node(), "threads": args.threads, "steps": args.steps,
+              "clock": "thread CPU time" if args.cpu_time else "wall",
               "torch": torch.__version__, "rows": rows}
     if args.out:
         from rltool.atomic import write_json

@@ -67,6 +67,10 @@ class ServeConfig(StageConfig):
     disable_radix_cache: bool = Field(False, description="cuda: do not reuse the KV pages of "
                                                          "cached prompt prefixes.")
     max_running_requests: int = Field(64, ge=1, description="Largest decode batch.")
+    num_continuous_decode_steps: int = Field(
+        1, ge=1, description="Decode steps run back to back per scheduler iteration (cuda): "
+                             "fewer host round trips; new requests and control operations wait "
+                             "for the block to end.")
     max_queued_requests: int = Field(4096, ge=0, description="Waiting requests beyond the "
                                                              "running ones before 429.")
     max_prefill_tokens: int | None = Field(None, ge=1, description="Prompt tokens prefilled "

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from rltool.engine import moe, quant
 from rltool.engine.quant import linear
-from rltool.errors import CheckpointError
+from rltool.errors import BadInputError, CheckpointError
 
 ARCHS = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
          "Qwen3MoeForCausalLM": "qwen3_moe"}
@@ -226,6 +226,31 @@ class DenseLM:
             if id(base) in owner:
                 out.setdefault(owner[id(base)], []).append(name)
         return out
+
+    def checked_tensors(self, named: list[tuple[str, torch.Tensor]], *,
+                        update_dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+        """The tensors of an in-memory update that `load_tensors` takes, after checking every
+        name, shape and dtype (BadInputError on the first mismatch, before anything is copied);
+        a tied head is dropped (it is the embedding). FP8 weights take `update_dtype` (the
+        model's dtype) and are quantized on load."""
+        targets = self._targets()
+        keep = []
+        for name, t in named:
+            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+                continue
+            if name not in targets:
+                raise BadInputError(f"tensor {name!r} is not a parameter of the served model")
+            dest, _, rows = targets[name]
+            want = (rows, *dest.shape[1:])
+            if tuple(t.shape) != want:
+                raise BadInputError(f"tensor {name!r} has shape {list(t.shape)}, the served model "
+                                    f"expects {list(want)}")
+            want_dtype = update_dtype if dest.dtype == torch.float8_e4m3fn else dest.dtype
+            if t.dtype != want_dtype:
+                raise BadInputError(f"tensor {name!r} has dtype {t.dtype}, the served model "
+                                    f"takes {want_dtype}; send it as {want_dtype}")
+            keep.append((name, t))
+        return keep
 
     @torch.no_grad()
     def load_tensors(self, tensors: Iterable[tuple[str, torch.Tensor | quant.BlockFp8]]) -> int:

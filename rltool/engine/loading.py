@@ -78,3 +78,4 @@ def one_line(error: BaseException) -> str:
     if len(text) > _MAX_REASON_CHARS:
         text = text[:_MAX_REASON_CHARS - 3] + "..."
     return f"{type(error).__name__}: {text}"
+

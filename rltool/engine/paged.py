@@ -144,6 +144,16 @@ class PageTable:
         pages, ps = self.entries[rid].pages, self.page_size
         return [pages[j // ps] * ps + j % ps for j in range(start, end)]
 
+    def block_slots(self, rows: torch.Tensor, positions: torch.Tensor, steps: int
+                    ) -> torch.Tensor:
+        """Pool slots [steps - 1, B] of the `steps` - 1 tokens after `positions` of the requests in
+        page-table `rows` (pages reserved and flushed), looked up in `req_to_page` on the device:
+        no host work per request."""
+        ps = self.page_size
+        pos = positions + torch.arange(1, steps, device=positions.device).unsqueeze(1)
+        pages = self.req_to_page[rows, torch.div(pos, ps, rounding_mode="floor")]
+        return pages.long() * ps + pos % ps
+
     def remove(self, rid: str) -> None:
         entry = self.entries.pop(rid, None)
         if entry is None:

@@ -80,10 +80,11 @@ class PagedRunner:
         self.use_graphs = (self.device.type == "cuda" and not disable_cuda_graph
                            and self.spec.moe is None)
         self.deterministic = deterministic
-        # The batch-invariant kernels are Triton: on CUDA, and on CPU under TRITON_INTERPRET=1
-        # (tests). Without them (CPU) the scheduler runs each request in a forward of its own.
-        self.invariant_kernels = deterministic and (self.device.type == "cuda"
-                                                    or _interpreted())
+        # The Triton kernels (sampler, batch-invariant ops) run on CUDA, and on CPU under
+        # TRITON_INTERPRET=1 (tests). Deterministic without them (CPU): a forward per request.
+        from rltool.batch_invariant import INTERPRETED
+        self.triton_kernels = self.device.type == "cuda" or INTERPRETED
+        self.invariant_kernels = deterministic and self.triton_kernels
         # Deterministic: a reused prefix would compute a prompt's tail in another attention
         # layout than a fresh prefill, so whether a prompt hit the cache would change its numbers.
         self.prefix_cache = prefix_cache and not deterministic
@@ -98,8 +99,8 @@ class PagedRunner:
         self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}
         self._meta: torch.Tensor | None = None
         self._host_meta: list[tuple[torch.Tensor, Any]] = []  # pinned, two (see `decode`)
-        self._calls = 0
-        self._max_len = 1
+        self._calls, self._max_len = 0, 1
+        self._block: tuple | None = None  # (meta, B, graph, iterator of KV slots): `decode_next`
         self._build()
 
     # ----- memory --------------------------------------------------------------------------
@@ -152,7 +153,7 @@ class PagedRunner:
         """Free weights, KV pool and CUDA graphs (the scheduler has retracted every request)."""
         self.graphs.clear()
         self.model = self.pool = self.table = None
-        self._meta = None
+        self._meta = self._block = None
         self._host_meta = []
         gc.collect()
         if self.device.type == "cuda":
@@ -182,24 +183,7 @@ class PagedRunner:
         never kept."""
         if self.model is None:
             raise BadInputError("weights are released; call /resume_memory_occupation first")
-        targets = self.model._targets()
-        tied = self.model.spec.tie_word_embeddings
-        keep = []
-        for name, t in named:
-            if name == "lm_head.weight" and tied:
-                continue  # the head is the embedding
-            if name not in targets:
-                raise BadInputError(f"tensor {name!r} is not a parameter of the served model")
-            dest, _, rows = targets[name]
-            want = (rows, *dest.shape[1:])
-            if tuple(t.shape) != want:
-                raise BadInputError(f"tensor {name!r} has shape {list(t.shape)}, the served model "
-                                    f"expects {list(want)}")
-            want_dtype = DTYPES[self.dtype] if dest.dtype == torch.float8_e4m3fn else dest.dtype
-            if t.dtype != want_dtype:  # FP8 weights take the model dtype (quantized on load)
-                raise BadInputError(f"tensor {name!r} has dtype {t.dtype}, the served model "
-                                    f"takes {want_dtype}; send it as {want_dtype}")
-            keep.append((name, t))
+        keep = self.model.checked_tensors(named, update_dtype=DTYPES[self.dtype])
         n = self.model.load_tensors(keep)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the sender may reuse its buffer after we answer
@@ -315,22 +299,39 @@ class PagedRunner:
     @torch.no_grad()
     def decode(self, rids: list[str], token_ids: list[int] | None, *,
                prev_tokens: torch.Tensor | None = None,
-               src_rows: list[int] | None = None) -> torch.Tensor:
+               src_rows: list[int] | None = None, steps: int = 1) -> torch.Tensor:
         """One decode step: token_ids[i] is fed to request rids[i] (its KV grows by one token), or,
         with `prev_tokens` (a device tensor of the last step's samples), prev_tokens[src_rows[i]],
         so the step can be queued before the host has seen those tokens. Returns logits [B, V]
         (on CUDA in the model dtype, in a graph's output buffer: valid until the next call).
-
-        Nothing here waits for the device unless the host is two steps ahead: the host buffers
-        the copies read from are pinned and used alternately."""
+        `steps` > 1 starts a block of that many steps over the batch: the KV of all of them is
+        reserved now (the caller checked the pages are free); `decode_next` runs the others.
+        Nothing here waits for the device unless the host is two steps ahead (pinned host
+        buffers, used alternately)."""
         # Eager decode on CUDA pads to the same buckets, so it computes exactly what a replay does.
         bucket = next((b for b in self._buckets if b >= len(rids)), None)
         with self.invariant():
-            return self._decode(rids, token_ids, prev_tokens, src_rows, bucket)
+            return self._decode(rids, token_ids, prev_tokens, src_rows, bucket, steps)
+
+    @torch.no_grad()
+    def decode_next(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The next step of the block `decode(steps=...)` began, fed `tokens` ([B], on device)."""
+        full, B, graph, slots = self._block  # positions, lengths and slots advance on the device
+        meta = full[:, :B]
+        meta[0].copy_(tokens)
+        meta[1:4:2] += 1  # positions and sequence lengths
+        meta[4].copy_(next(slots))
+        self._max_len += 1
+        with self.invariant():
+            if graph is None:
+                return self._decode_forward(full)[:B]
+            graph, out = graph
+            graph.replay()
+            return out[:B]
 
     def _decode(self, rids: list[str], token_ids: list[int] | None,
                 prev_tokens: torch.Tensor | None, src_rows: list[int] | None,
-                bucket: int | None) -> torch.Tensor:
+                bucket: int | None, steps: int) -> torch.Tensor:
         table, B = self.table, len(rids)
         n = bucket or B
         rows, locs, positions = [], [], []
@@ -339,10 +340,10 @@ class PagedRunner:
         for rid in rids:  # the per-request host work of a step: keep it lean
             entry = entries[rid]
             p = entry.length
-            if p == len(entry.pages) * ps:
-                extend(rid, p + 1)
+            if p + steps > len(entry.pages) * ps:
+                extend(rid, p + steps)
             else:
-                entry.length = p + 1
+                entry.length = p + steps
             add_row(entry.row)
             add_position(p)
             add_loc(entry.pages[p // ps] * ps + p % ps)
@@ -368,6 +369,8 @@ class PagedRunner:
             meta = torch.from_numpy(host).to(self.device)
             if prev_tokens is not None:
                 meta[0, :B] = prev_tokens[meta[5, :B]]
+            self._block = (meta, B, None, iter(table.block_slots(meta[2, :B], meta[1, :B],
+                                                                 steps))) if steps > 1 else None
             return self._decode_forward(meta)[:B]
         # The whole staging buffer in one contiguous (so asynchronous) copy: the graphs read
         # their bucket's columns of `_meta`, nothing reads the others.
@@ -375,6 +378,8 @@ class PagedRunner:
         copied.record()
         if prev_tokens is not None:
             torch.index_select(prev_tokens, 0, self._meta[5, :B], out=self._meta[0, :B])
+        self._block = (self._meta, B, graph, iter(table.block_slots(
+            self._meta[2, :B], self._meta[1, :B], steps))) if steps > 1 else None
         graph, out = graph
         graph.replay()
         return out[:B]
@@ -490,9 +495,3 @@ def host_tensor(values: list, dtype: Any = np.int64) -> torch.Tensor:
     """A CPU tensor from (nested) Python lists through numpy: torch.tensor on lists costs ~5x
     more, and on the decode path it is paid for every request of every step."""
     return torch.from_numpy(np.asarray(values, dtype=dtype))
-
-
-def _interpreted() -> bool:
-    from rltool import batch_invariant
-
-    return batch_invariant.INTERPRETED

@@ -31,6 +31,7 @@ import torch
 from rltool.engine.batch_sampling import sample_batch
 from rltool.engine.request import Request
 from rltool.engine.scheduler import Scheduler
+from rltool.errors import BadInputError
 from rltool.logprobs import effective_temperature
 
 
@@ -39,10 +40,10 @@ SEED_MODULUS = 2**31 - 1  # the sampling kernel's Philox seeds are 31-bit here
 
 @dataclass
 class _Buffers:
-    """Pinned host memory one overlapped step reads its sampling parameters from (int32: B
-    temperatures as float32 bits, B seeds, B greedy flags, contiguous so one asynchronous copy
-    takes them) and writes its tokens to, and the event that marks its copies done (two sets,
-    used alternately)."""
+    """Host memory one overlapped block of decode steps reads its sampling parameters from
+    (int32: B temperatures as float32 bits, B greedy flags, then B seeds per step, contiguous so
+    one asynchronous copy takes them) and writes its tokens to (step-major), and the event that
+    marks its copies done (two sets, used alternately). Pinned on CUDA."""
 
     params: torch.Tensor
     tokens: torch.Tensor
@@ -50,23 +51,36 @@ class _Buffers:
     event: Any
 
     @staticmethod
-    def make(n: int) -> "_Buffers":
-        def pinned(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.empty(*shape, dtype=dtype, device="cpu").pin_memory()
+    def make(n: int, steps: int, cuda: bool) -> "_Buffers":
+        def host(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            t = torch.empty(*shape, dtype=dtype, device="cpu")
+            return t.pin_memory() if cuda else t
 
-        return _Buffers(pinned(3 * n, dtype=torch.int32), pinned(n, dtype=torch.int64),
-                        pinned(n, dtype=torch.float32), torch.cuda.Event())
+        return _Buffers(host((2 + steps) * n, dtype=torch.int32),
+                        host(steps * n, dtype=torch.int64), host(steps * n, dtype=torch.float32),
+                        torch.cuda.Event() if cuda else _Done())
+
+
+class _Done:
+    """The event of a buffer on CPU, where every copy is done when it returns."""
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
 
 
 @dataclass
 class _Inflight:
     reqs: list[Request]
-    tokens: torch.Tensor  # on the device
+    tokens: torch.Tensor  # the last step's, on the device
     buf: _Buffers
     removals: int  # the scheduler's count of requests leaving `running`, at launch
+    steps: int
 
     def rows(self) -> dict[int, int]:
-        """Row of each request in this step's batch, by id(request)."""
+        """Row of each request in this block's batch, by id(request)."""
         return {id(r): i for i, r in enumerate(self.reqs)}
 
 
@@ -81,8 +95,13 @@ class _BatchConsts:
 
 
 class PagedScheduler(Scheduler):
-    def __init__(self, runner: Any, *, overlap: bool = True, **kwargs: Any):
+    def __init__(self, runner: Any, *, overlap: bool = True, num_continuous_decode_steps: int = 1,
+                 **kwargs: Any):
         super().__init__(runner, **kwargs)
+        if num_continuous_decode_steps < 1:
+            raise BadInputError(f"--num-continuous-decode-steps {num_continuous_decode_steps}: "
+                                "must be at least 1")
+        self.num_continuous_decode_steps = num_continuous_decode_steps
         self.num_retractions = 0
         self._shared_generator = torch.Generator(device=runner.device)
         self._shared_generator.seed()
@@ -90,7 +109,8 @@ class PagedScheduler(Scheduler):
         # Per request (see `_info`); the kernel's base seed is its own (sampling_seed) or drawn.
         self._infos: dict[str, tuple[float, bool, int, bool, int]] = {}
         self._seed_rng = random.Random()
-        self._use_kernel = runner.device.type == "cuda"
+        # The Triton sampler: compiled on CUDA, interpreted on CPU under TRITON_INTERPRET=1.
+        self._use_kernel = runner.triton_kernels
         self._overlap = self._use_kernel and overlap
         # Deterministic without the batch-invariant kernels (CPU): every forward holds one request.
         self._alone = self.deterministic and not runner.invariant_kernels
@@ -99,8 +119,9 @@ class PagedScheduler(Scheduler):
         self._removals = 0  # requests that left `running` (finished or retracted), ever
         self._sampler_args: tuple | None = None
         self._launches = 0
-        self._buffers = [_Buffers.make(self.max_running) for _ in range(2)] if self._overlap \
-            else []
+        cuda = runner.device.type == "cuda"
+        self._buffers = ([_Buffers.make(self.max_running, num_continuous_decode_steps, cuda)
+                          for _ in range(2)] if self._overlap else [])
 
     # ----- steps ---------------------------------------------------------------------------
 
@@ -186,15 +207,22 @@ class PagedScheduler(Scheduler):
         if prev is not None and not overlap:
             self._drain()
             prev = None
+        ahead = prev.steps if prev is not None else 0  # tokens of the queued block
         if not runner.has_free_pages(len(reqs)):  # at most one new page each; count exactly
             reqs.sort(key=lambda r: r.seq)
-            need = sum(runner.extra_pages(r.rid, len(r.prompt_ids) + len(r.output_ids))
-                       for r in reqs)
+            need = sum(runner.extra_pages(r.rid, _kv_length(r, ahead + 1)) for r in reqs)
             while need > runner.free_pages() and len(reqs) > 1:
                 victim = reqs.pop()
-                need -= runner.extra_pages(victim.rid,
-                                           len(victim.prompt_ids) + len(victim.output_ids))
+                need -= runner.extra_pages(victim.rid, _kv_length(victim, ahead + 1))
                 self._retract(victim)
+        steps = 1
+        if overlap and self.num_continuous_decode_steps > 1:
+            steps = self._block_steps(reqs, ahead)
+            if steps < 1:  # a request ends inside the queued block, at the end of its context
+                self._drain()
+                if self.running:
+                    self._decode_step()
+                return
         rids = [r.rid for r in reqs]
         if self._alone:
             self.num_decode_forwards += 1
@@ -208,18 +236,34 @@ class PagedScheduler(Scheduler):
             if reqs != prev.reqs:  # some finished or were retracted
                 rows = prev.rows()
                 src_rows = [rows[id(r)] for r in reqs]
-            logits = runner.decode(rids, None, prev_tokens=prev.tokens, src_rows=src_rows)
+            logits = runner.decode(rids, None, prev_tokens=prev.tokens, src_rows=src_rows,
+                                   steps=steps)
         else:
-            logits = runner.decode(rids, [r.output_ids[-1] for r in reqs])
-        self.num_decode_forwards += 1
+            logits = runner.decode(rids, [r.output_ids[-1] for r in reqs], steps=steps)
+        self.num_decode_forwards += steps
         self.max_decode_batch = max(self.max_decode_batch, len(reqs))
-        self.decode_log.append(rids)
+        self.decode_log.extend([rids] * steps)
         if not overlap:
             self._sample_and_accept(reqs, logits)
             return
-        self._inflight = self._launch_sampling(reqs, logits, ahead=int(prev is not None))
+        self._inflight = self._launch_block(reqs, logits, ahead=ahead, steps=steps)
         if prev is not None:
             self._accept_inflight(prev)
+
+    def _block_steps(self, reqs: list[Request], ahead: int) -> int:
+        """Decode steps of the next block: --num-continuous-decode-steps, fewer where a request
+        would pass its context length or the pool lacks the pages (then 1: the step's pages are
+        free). Below 1 when a request ends inside the queued block at the end of its context."""
+        runner = self.runner
+        longest = max(len(r.prompt_ids) + len(r.output_ids) for r in reqs)
+        steps = min(self.num_continuous_decode_steps,
+                    runner.context_length - (longest - 1 + ahead))
+        if steps > 1 and not runner.has_free_pages(len(reqs) * (-(-steps // runner.page_size)
+                                                                + 1)):
+            need = sum(runner.extra_pages(r.rid, _kv_length(r, ahead + steps)) for r in reqs)
+            if need > runner.free_pages():
+                return 1
+        return steps
 
     # ----- overlapped decoding -------------------------------------------------------------
     # Step N + 1 is queued on the device, fed straight from step N's sampled tokens, before the
@@ -246,8 +290,10 @@ class PagedScheduler(Scheduler):
         info = self._info(req)
         return info[3] and len(req.output_ids) >= info[4]
 
-    def _launch_sampling(self, reqs: list[Request], logits: torch.Tensor, *, ahead: int
-                         ) -> "_Inflight":
+    def _launch_block(self, reqs: list[Request], logits: torch.Tensor, *, ahead: int,
+                      steps: int) -> "_Inflight":
+        """Sample the first step's logits, then run the rest of the block, each step fed the
+        last one's samples on the device; queue one copy of all the block's tokens back."""
         from rltool.engine.sampling_kernel import sample_rows
 
         B = len(reqs)
@@ -261,31 +307,52 @@ class PagedScheduler(Scheduler):
         drawn = np.array([len(r.output_ids) for r in reqs], dtype=np.int64)
         self._launches += 1
         buf = self._buffers[self._launches % 2]
-        buf.event.synchronize()  # the copies of the step that last used this buffer are done
+        buf.event.synchronize()  # the copies of the block that last used this buffer are done
         host = buf.params.numpy()
         host[:B] = consts.temps.view(np.int32)
-        host[B:2 * B] = (consts.seeds + drawn + ahead) % SEED_MODULUS
-        host[2 * B:3 * B] = consts.greedy
-        dev = buf.params[:3 * B].to(logits.device, non_blocking=True)
-        tokens, logprobs = sample_rows(logits, dev[:B].view(torch.float32), dev[B:2 * B],
-                                       dev[2 * B:])
-        buf.tokens[:B].copy_(tokens, non_blocking=True)
-        buf.logprobs[:B].copy_(logprobs, non_blocking=True)
+        host[B:2 * B] = consts.greedy
+        # A draw is keyed by (seed, token index): step i of the block draws token drawn + ahead + i.
+        first = consts.seeds + drawn + ahead
+        host[2 * B:(2 + steps) * B].reshape(steps, B)[:] = (
+            (first + np.arange(steps)[:, None]) % SEED_MODULUS)
+        dev = buf.params[:(2 + steps) * B].to(logits.device, non_blocking=True)
+        temps, greedy = dev[:B].view(torch.float32), dev[B:2 * B]
+        tokens, logprobs = [], []
+        for i in range(steps):
+            if i:
+                logits = self.runner.decode_next(tokens[-1])
+            tok, lp = sample_rows(logits, temps, dev[(2 + i) * B:(3 + i) * B], greedy)
+            tokens.append(tok)
+            logprobs.append(lp)
+        last = tokens[-1]
+        if steps > 1:
+            tokens, logprobs = [torch.stack(tokens)], [torch.stack(logprobs)]
+        buf.tokens[:steps * B].copy_(tokens[0].view(-1), non_blocking=True)
+        buf.logprobs[:steps * B].copy_(logprobs[0].view(-1), non_blocking=True)
         buf.event.record()
-        return _Inflight(reqs=reqs, tokens=tokens, buf=buf, removals=self._removals)
+        return _Inflight(reqs=reqs, tokens=last, buf=buf, removals=self._removals, steps=steps)
 
-    def _accept_inflight(self, step: "_Inflight") -> None:
-        step.buf.event.synchronize()
-        B = len(step.reqs)
-        tokens = step.buf.tokens[:B].tolist()
-        logprobs = step.buf.logprobs[:B].tolist()
-        if step.removals == self._removals:  # every request of the step is still running
-            self._accept(step.reqs, tokens, logprobs)
-            return
-        running = self.running
-        live = [i for i, r in enumerate(step.reqs) if running.get(r.rid) is r]
-        self._accept([step.reqs[i] for i in live], [tokens[i] for i in live],
-                     [logprobs[i] for i in live])
+    def _accept_inflight(self, block: "_Inflight") -> None:
+        """Record a block's tokens step by step; a request's tokens after the one that stops it
+        are dropped (its pages, the block's extra KV included, were freed when it finished)."""
+        block.buf.event.synchronize()
+        reqs, B, steps = block.reqs, len(block.reqs), block.steps
+        tokens = block.buf.tokens[:steps * B].tolist()
+        logprobs = block.buf.logprobs[:steps * B].tolist()
+        if block.removals == self._removals:  # every request of the block is still running
+            live = range(B)
+        else:
+            running = self.running
+            live = [i for i, r in enumerate(reqs) if running.get(r.rid) is r]
+        for step in range(steps):
+            if step:
+                live = [i for i in live if not reqs[i].finished]
+            at = step * B
+            if len(live) == B:
+                self._accept(reqs, tokens[at:at + B], logprobs[at:at + B])
+            elif live:
+                self._accept([reqs[i] for i in live], [tokens[at + i] for i in live],
+                             [logprobs[at + i] for i in live])
 
     def _drain(self) -> None:
         step, self._inflight = self._inflight, None
@@ -391,3 +458,9 @@ class PagedScheduler(Scheduler):
         self._removals += 1
         self.runner.clear()
         super()._retract_all()
+
+
+def _kv_length(req: Request, steps: int) -> int:
+    """Tokens in the request's KV after `steps` more decode steps (the last sampled token is not
+    in it yet)."""
+    return len(req.prompt_ids) + len(req.output_ids) - 1 + steps

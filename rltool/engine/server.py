@@ -81,7 +81,8 @@ def build_engine(cfg: ServeConfig) -> tuple[Any, Scheduler]:
                                   max_queued=cfg.max_queued_requests,
                                   max_prefill_tokens=cfg.max_prefill_tokens,
                                   chunked_prefill_size=cfg.chunked_prefill_size,
-                                  deterministic=cfg.deterministic)
+                                  deterministic=cfg.deterministic,
+                                  num_continuous_decode_steps=cfg.num_continuous_decode_steps)
 
 
 def serve(cfg: ServeConfig) -> None:

@@ -1,7 +1,8 @@
 """The paged engine on a CUDA GPU: the engine's model (dense and qwen3_moe) against transformers on
 the same GPU (teacher-forced, fp32 within 1e-5, bf16 within 2e-2), CUDA-graph replay against
-eager decode (identical), memory release and resume (free memory returns, generation repeats),
-pause modes, prefix reuse with a copied page.
+eager decode (identical), multi-step decode against one step per iteration (identical), memory
+release and resume (free memory returns, generation repeats), pause modes, prefix reuse with a
+copied page.
 
 Every test skips only when `torch.cuda.is_available()` is false (the CI machines have none)."""
 
@@ -193,3 +194,35 @@ def test_prefix_reuse_copies_the_partly_reused_page_on_the_gpu(tiny_model_dir):
     assert sched.num_prefill_tokens == 12 + 1 + 1 + 1 + 2
     table = runner.table
     assert not table.entries and table.free_pages == table.allocator.num_pages - 1
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_multistep_decode_equals_single_steps(temperature, tiny_model_dir):
+    """Blocks of 4 or 7 decode steps per scheduler iteration, replayed from CUDA graphs with the
+    advance and the sampler between replays (and 4 eagerly), give the tokens and logprobs of one
+    step per iteration exactly; requests stop inside blocks; every page comes back."""
+    outs = []
+    for steps, graphs in ((1, True), (4, True), (7, True), (4, False)):
+        runner = runner_for(tiny_model_dir, "bf16", disable_cuda_graph=not graphs)
+        runner._buckets = [8]  # one padded shape: see test_overlapped_decoding_equals_step_by_step
+        full = runner.free_pages()
+        sched = PagedScheduler(runner, max_running=8, max_prefill_tokens=64,
+                               chunked_prefill_size=32, num_continuous_decode_steps=steps)
+        sched.start()
+        try:
+            done, got = threading.Event(), []
+            reqs = [Request(rid=f"m{i}", prompt_ids=SEQ[i:i + 4 + i], return_logprob=True,
+                            generator=torch.Generator().manual_seed(200 + i),
+                            on_finish=lambda r: (got.append(r), len(got) == 6 and done.set()),
+                            params=SamplingParams(max_new_tokens=5 + 7 * i, ignore_eos=True,
+                                                  temperature=temperature))
+                    for i in range(6)]
+            sched.submit(reqs)
+            assert done.wait(60)
+        finally:
+            sched.stop()
+        assert runner.free_pages() == full
+        assert bool(runner.graphs) == graphs
+        outs.append([(r.output_ids, r.output_logprobs) for r in reqs])
+        assert all(len(r.output_ids) == 5 + 7 * i for i, r in enumerate(reqs))
+    assert all(out == outs[0] for out in outs[1:])
