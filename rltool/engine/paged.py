@@ -340,3 +340,18 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                                          attn_mask=valid[:, None, None, :], scale=scale,
                                          enable_gqa=True)
     return out.squeeze(2).to(q.dtype)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+          mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q [G, n, H, D], k/v [G, L, KVH, D] -> [G, n, H, D]; causal unless `mask` [n, L] is given."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask, is_causal=mask is None, scale=scale,
+                                         enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def host_tensor(values: list, dtype: Any = np.int64) -> torch.Tensor:
+    """A CPU tensor from (nested) Python lists through numpy: torch.tensor on lists costs ~5x
+    more, and on the decode path it is paid for every request of every step."""
+    return torch.from_numpy(np.asarray(values, dtype=dtype))

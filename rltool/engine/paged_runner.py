@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from rltool.engine import quant
 from rltool.engine.dense_model import DenseLM, load_checkpoint, load_model, read_spec
 from rltool.engine.loading import check_servable, eos_token_ids, load_tokenizer, loading
-from rltool.engine.paged import KV_CACHE_DTYPES, KVPool, PageTable, decode_attention_ref
+from rltool.engine.paged import (KV_CACHE_DTYPES, KVPool, PageTable, decode_attention_ref,
+                                 host_tensor, sdpa)
 from rltool.errors import BadInputError, EngineError
 from rltool.faults import kill_point
 
@@ -249,6 +250,7 @@ class PagedRunner:
         last: dict[int, int] = {}
         groups: list[tuple[int, int, int]] = []  # fresh chunks: (offset, count, length)
         cont: list[tuple[int, int, int, list[int]]] = []  # (offset, length, start, kv slots)
+        singles: list[tuple[int, int, int]] = []  # one-token continuations: (offset, row, len)
         for i in order:
             rid, toks, start = chunks[i]
             n = len(toks)
@@ -259,7 +261,9 @@ class PagedRunner:
             pos += range(start, start + n)
             loc += table.slots(rid, start, start + n)
             last[i] = offset + n - 1
-            if start > 0:
+            if start > 0 and n == 1 and not self.deterministic:  # e.g. a GRPO sample's prompt
+                singles.append((offset, table.entries[rid].row, start + 1))
+            elif start > 0:
                 cont.append((offset, n, start, table.slots(rid, 0, start + n)))
             elif (groups and groups[-1][2] == n and groups[-1][0] + groups[-1][1] * n == offset
                   and not self.deterministic):  # deterministic: attention per request
@@ -270,6 +274,7 @@ class PagedRunner:
         table.flush()
         ids_t, pos_t, loc_t = host_tensor([ids, pos, loc]).to(dev, non_blocking=True)
         cont_t = [(o, n, s, host_tensor(sl).to(dev, non_blocking=True)) for o, n, s, sl in cont]
+        single_t = host_tensor(list(zip(*singles))).to(dev, non_blocking=True) if singles else None
         pool, model = self.pool, self.model
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -278,15 +283,20 @@ class PagedRunner:
                              v_scale=vs)
             out = torch.empty_like(q)
             for o, c, n in groups:
-                out[o:o + c * n] = _sdpa(q[o:o + c * n].view(c, n, *q.shape[1:]),
+                out[o:o + c * n] = sdpa(q[o:o + c * n].view(c, n, *q.shape[1:]),
                                          k[o:o + c * n].view(c, n, *k.shape[1:]),
                                          v[o:o + c * n].view(c, n, *v.shape[1:]),
                                          scale=self.scale).reshape(c * n, *q.shape[1:])
+            if single_t is not None:  # one batched paged-attention call, as in a decode step
+                at, rows_s, lens_s = single_t
+                out[at] = self._paged_attention(
+                    q[at], kc, vc, rows_s, lens_s, k_scale=ks, v_scale=vs,
+                    max_len=max(length for *_, length in singles))
             for o, n, s, slots in cont_t:
                 mask = (torch.arange(s + n, device=dev).unsqueeze(0)
                         <= torch.arange(s, s + n, device=dev).unsqueeze(1))
                 kp, vp = pool.gather(layer, slots, q.dtype)
-                out[o:o + n] = _sdpa(q[o:o + n].unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0),
+                out[o:o + n] = sdpa(q[o:o + n].unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0),
                                      scale=self.scale, mask=mask).squeeze(0)
             return out
 
@@ -387,18 +397,7 @@ class PagedRunner:
     def _decode_forward(self, meta: torch.Tensor) -> torch.Tensor:
         ids, pos, rows, seq_lens, loc, _ = meta
         pool, table, model = self.pool, self.table, self.model
-        if self.device.type == "cuda":
-            from rltool.engine.decode_attention import decode_attention, num_splits_for
-
-            splits = (DETERMINISTIC_SPLITS if self.deterministic
-                      else num_splits_for(meta.shape[1], self.spec.num_kv_heads))
-
-            def attn(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, **sc: Any
-                     ) -> torch.Tensor:
-                return decode_attention(q, kc, vc, req_to_page=table.req_to_page, rows=rows,
-                                        seq_lens=seq_lens, page_size=self.page_size,
-                                        scale=self.scale, num_splits=splits, **sc)
-        elif self.deterministic:  # CPU: each request alone, over its own length
+        if self.deterministic and self.device.type != "cuda":  # CPU: each request alone
             def attn(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, **sc: Any
                      ) -> torch.Tensor:
                 return torch.cat([
@@ -407,11 +406,12 @@ class PagedRunner:
                                          page_size=self.page_size, max_len=int(seq_lens[i]),
                                          scale=self.scale, **sc) for i in range(q.shape[0])])
         else:
+            splits = DETERMINISTIC_SPLITS if self.deterministic else None
+
             def attn(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, **sc: Any
                      ) -> torch.Tensor:
-                return decode_attention_ref(q, kc, vc, req_to_page=table.req_to_page, rows=rows,
-                                            seq_lens=seq_lens, page_size=self.page_size,
-                                            max_len=self._max_len, scale=self.scale, **sc)
+                return self._paged_attention(q, kc, vc, rows, seq_lens, max_len=self._max_len,
+                                             splits=splits, **sc)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kc, vc, ks, vs = pool.layer(layer)
@@ -422,6 +422,23 @@ class PagedRunner:
         # Logits stay in the model dtype here (the sampling kernel reads them as they are): the
         # float32 copy of a [256, 152k] batch would cost as much as a layer.
         return model.logits(model.hidden(ids, attend), upcast=self.device.type != "cuda")
+
+    def _paged_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                         rows: torch.Tensor, seq_lens: torch.Tensor, *, max_len: int,
+                         splits: int | None = None, **sc: Any) -> torch.Tensor:
+        """q [B, H, D] (one token per row) over the first seq_lens[i] cached tokens of table row
+        rows[i]: the Triton split-KV kernel on CUDA, the torch reference (`max_len`) on CPU."""
+        if self.device.type == "cuda":
+            from rltool.engine.decode_attention import decode_attention, num_splits_for
+
+            return decode_attention(q, kc, vc, req_to_page=self.table.req_to_page, rows=rows,
+                                    seq_lens=seq_lens, page_size=self.page_size, scale=self.scale,
+                                    num_splits=splits or num_splits_for(q.shape[0],
+                                                                        self.spec.num_kv_heads),
+                                    **sc)
+        return decode_attention_ref(q, kc, vc, req_to_page=self.table.req_to_page, rows=rows,
+                                    seq_lens=seq_lens, page_size=self.page_size, max_len=max_len,
+                                    scale=self.scale, **sc)
 
     def _capture(self) -> None:
         """Capture the decode step for each batch-size bucket, largest first, in one memory pool."""
@@ -476,22 +493,7 @@ class PagedRunner:
             self.model.rope_store(q, k, v, pos)
             if self.deterministic:  # transformers' memory layout: the same attention kernel
                 q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-            return _sdpa(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+            return sdpa(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                          scale=self.scale).squeeze(0)
 
         return self.model.hidden(ids, attend, collect=collect)
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-          mask: torch.Tensor | None = None) -> torch.Tensor:
-    """q [G, n, H, D], k/v [G, L, KVH, D] -> [G, n, H, D]; causal unless `mask` [n, L] is given."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask, is_causal=mask is None, scale=scale,
-                                         enable_gqa=True)
-    return out.transpose(1, 2)
-
-
-def host_tensor(values: list, dtype: Any = np.int64) -> torch.Tensor:
-    """A CPU tensor from (nested) Python lists through numpy: torch.tensor on lists costs ~5x
-    more, and on the decode path it is paid for every request of every step."""
-    return torch.from_numpy(np.asarray(values, dtype=dtype))
