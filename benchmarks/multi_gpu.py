@@ -233,24 +233,29 @@ def run_megatron(args: argparse.Namespace, root: Path) -> Path:
 # -- engines -----------------------------------------------------------------------------------
 def start_engines(args: argparse.Namespace, model: Path, count: int, *, first_gpu: int,
                   logs: Path, extra: list[str] = ()) -> list[Any]:
-    """`count` builtin engines, one per GPU from `first_gpu` on (on the CPU: `count` engines)."""
+    """`count` builtin engines, one per GPU from `first_gpu` on (on the CPU: `count` engines),
+    started at the same time (from threads, so not `die_with_parent`: the parent-death signal
+    follows the starting thread; the callers stop them in `finally`)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from rltool.rollout.launch import start_engine
 
-    procs = []
-    try:
-        for i in range(count):
-            env = None
-            if args.device == "cuda":
-                env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(first_gpu + i))
-            procs.append(start_engine(
-                ["--engine", "builtin", "--device", args.device, "--dtype", "bf16", "--model",
-                 str(model), "--log-level", "warning", *extra, *args.engine_args],
-                log_path=logs / f"engine-{len(os.listdir(logs))}.log", env=env,
-                ready_timeout_s=900, die_with_parent=True))
-    except BaseException:
+    def one(i: int) -> Any:
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(first_gpu + i)) \
+            if args.device == "cuda" else None
+        return start_engine(["--engine", "builtin", "--device", args.device, "--dtype", "bf16",
+                             "--model", str(model), "--log-level", "warning", *extra,
+                             *args.engine_args], log_path=logs / f"engine-{first_gpu + i}.log",
+                            env=env, ready_timeout_s=900)
+
+    with ThreadPoolExecutor(count) as pool:
+        futures = [pool.submit(one, i) for i in range(count)]
+    procs = [f.result() for f in futures if f.exception() is None]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
         for p in procs:
             p.stop()
-        raise
+        raise failed[0]
     return procs
 
 
@@ -413,15 +418,17 @@ def run_sync(args: argparse.Namespace, root: Path) -> Path:
     return path
 
 
-async def grpo_round(urls: list[str], args: argparse.Namespace, vocab: int) -> dict:
-    """Every prompt x group request at once through the router (keyed per prompt)."""
+async def grpo_round(urls: list[str], args: argparse.Namespace, vocab: int, *, keyed: bool,
+                     cap: int) -> dict:
+    """Every prompt x group request at once through the router: keyed by prompt (consistent
+    hashing, a group's samples on one engine) or unkeyed (least outstanding)."""
     from engine_gpu_rl import output_lengths, random_prompts
 
     from rltool.rollout.client import EngineClient
     from rltool.rollout.router import Router
 
     prompts = random_prompts(args.prompts, args.prompt_len, vocab, seed=0)
-    lengths = output_lengths(args.prompts * args.group, cap=args.max_new_tokens, seed=0)
+    lengths = output_lengths(args.prompts * args.group, cap=cap, seed=0)
     router = Router({u: EngineClient(u, timeout_s=1800) for u in urls},
                     concurrency=args.concurrency)
     try:
@@ -429,37 +436,48 @@ async def grpo_round(urls: list[str], args: argparse.Namespace, vocab: int) -> d
         answers = await asyncio.gather(*(router.generate(
             {"input_ids": prompts[i // args.group], "sampling_params": {
                 "max_new_tokens": n, "temperature": 1.0, "ignore_eos": True}},
-            routing_key=f"prompt-{i // args.group}") for i, n in enumerate(lengths)))
+            routing_key=f"prompt-{i // args.group}" if keyed else None)
+            for i, n in enumerate(lengths)))
         seconds = time.perf_counter() - start
     finally:
         await router.aclose()
     tokens = sum(len(answer["output_ids"]) for answer, _ in answers)
     assert tokens == sum(lengths), (tokens, sum(lengths))
     return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
-            "requests_per_engine": [e["requests"] for e in router.stats()["engines"]]}
+            "requests_per_engine": [e["requests"]
+                                    for e in router.stats()["engines"].values()]}
 
 
 def run_engines(args: argparse.Namespace, root: Path) -> Path:
+    """All engines start once; the first k of them serve each round (idle ones cost nothing on
+    their own GPUs)."""
     model = model_dir(root, arch="qwen2", preset=args.engine_preset, dtype="bf16")
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     logs = root / "logs"
     logs.mkdir(exist_ok=True)
     counts = sorted({k for k in (1, 2, 4, 8, args.engines) if k <= args.engines})
     rows: list[dict] = []
-    for k in counts:
-        procs = start_engines(args, model, k, first_gpu=0, logs=logs)
-        try:
-            asyncio.run(grpo_round([p.url for p in procs], args, vocab))  # warm-up
-            row = {"engines": k, **asyncio.run(grpo_round([p.url for p in procs], args, vocab))}
-        finally:
-            for p in procs:
-                p.stop()
-        row["efficiency"] = row["tokens_per_s"] / (k * rows[0]["tokens_per_s"]) if rows else 1.0
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    procs = start_engines(args, model, args.engines, first_gpu=0, logs=logs)
+    try:
+        urls = [p.url for p in procs]
+        for keyed in (True, False):
+            for k in counts:
+                asyncio.run(grpo_round(urls[:k], args, vocab, keyed=keyed, cap=8))  # warm-up
+                row = {"routing": "keyed" if keyed else "unkeyed", "engines": k,
+                       **asyncio.run(grpo_round(urls[:k], args, vocab, keyed=keyed,
+                                                cap=args.max_new_tokens))}
+                one = [r for r in rows if r["routing"] == row["routing"]]
+                row["efficiency"] = row["tokens_per_s"] / (k * one[0]["tokens_per_s"]) \
+                    if one else 1.0
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        for p in procs:
+            p.stop()
     path = write_record(args, "engines", rows, preset=args.engine_preset, target_efficiency=0.9)
-    print_table(["engines", "seconds", "output tokens", "tokens/s", "efficiency", "per engine"],
-                [[r["engines"], r["seconds"], r["output_tokens"], r["tokens_per_s"],
+    print_table(["routing", "engines", "seconds", "output tokens", "tokens/s", "efficiency",
+                 "requests per engine"],
+                [[r["routing"], r["engines"], r["seconds"], r["output_tokens"], r["tokens_per_s"],
                   r["efficiency"], r["requests_per_engine"]] for r in rows])
     return path
 
