@@ -512,7 +512,7 @@ def main() -> None:
                        help="GPUs to use (default: every visible one)")
         p.add_argument("--layouts", default="tp2,tp2pp2,ep2,ep4")
         p.add_argument("--dense-preset", default=None, help="default: qwen2.5-3b (tiny on cpu)")
-        p.add_argument("--timeout-s", type=float, default=900.0, help="per torchrun launch")
+        p.add_argument("--timeout-s", type=float, default=300.0, help="per torchrun launch")
         p.add_argument("--engines", type=int, default=None,
                        help="engines (default: sync GPUs - 1, engines all GPUs; cpu 1)")
         p.add_argument("--sync-preset", default=None, help="default: qwen2.5-7b (tiny on cpu)")
@@ -553,7 +553,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     items = list(RUNS) if args.item == "all" else [args.item]
-    paths = {}
+    paths, elapsed = {}, {}
     with tempfile.TemporaryDirectory(prefix="multi_gpu-") as tmp:
         for item in items:
             if item in ("sync", "engines"):
@@ -564,9 +564,11 @@ def main() -> None:
             else:
                 engines = args.engines
             run_args = argparse.Namespace(**{**vars(args), "engines": engines})
+            start = time.perf_counter()
             paths[item] = str(RUNS[item](run_args, Path(tmp)))
-            print(f"results: {paths[item]}", flush=True)
-    print(json.dumps({"benchmark": "multi_gpu", "results": paths}))
+            elapsed[item] = time.perf_counter() - start
+            print(f"results: {paths[item]} ({elapsed[item]:.0f} s)", flush=True)
+    print(json.dumps({"benchmark": "multi_gpu", "results": paths, "elapsed_s": elapsed}))
 
 
 if __name__ == "__main__":
