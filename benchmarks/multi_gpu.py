@@ -14,7 +14,8 @@ megatron  The dense preset (--dense-preset, qwen2.5-3b on GPUs) and the tiny qwe
           difference from TP1 fp32 (reported, no bound); then --steps timed train steps (after
           --warmup; bf16 on CUDA, fp32 on the CPU), each DP rank its share of the samples by the
           DP schedule: tokens/s, and on CUDA MFU = model FLOPs / step time / (--peak-tflops x
-          ranks) (benchmarks/train_megatron.py's FLOP count).
+          ranks) (benchmarks/train_megatron.py's FLOP count); beside them `rltool plan`'s
+          trainer memory per GPU for the layout (rltool.profile.models.trainer_memory).
 sync      This process is the trainer (cuda:0) holding the bf16 weights of --sync-preset
           (qwen2.5-7b on GPUs); --engines builtin engines serve the same model, one per GPU
           (GPUs 1..N). Per repeat the weights take one simulated optimizer step
@@ -30,6 +31,8 @@ sync      This process is the trainer (cuda:0) holding the bf16 weights of --syn
                          /update_weights_from_disk, as the loop's `--sync delta` does.
           Checks: every method leaves the engines serving the same weights (greedy tokens and
           their logprobs equal after each), and these differ from the previous version's.
+          Beside each t_W: `rltool plan`'s prediction (rltool.profile.models.weight_sync at
+          plan's default bandwidths and t0, density = the measured delta's wire / full bytes).
 engines   GRPO-shaped generation (--prompts x --group random --prompt-len-token prompts,
           seeded lognormal output lengths, ignore_eos) through rltool's router over 1, 2, 4 ...
           --engines builtin engines, one per GPU: output tokens/s and the scaling efficiency
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import platform
@@ -105,6 +109,32 @@ def model_dir(root: Path, *, arch: str, preset: str, dtype: str) -> Path:
                                                  dtype=dtype)
 
 
+def planned_memory_gib(model: Path, layout: str, *, micro_batch_tokens: int) -> float:
+    """`rltool plan`'s trainer memory per GPU (weights, gradients, optimizer, activations)."""
+    from rltool.profile import models
+    from rltool.profile.modelcfg import load_shape
+
+    tp, pp, ep = LAYOUTS[layout]
+    mem = models.trainer_memory(load_shape(model), gpus=tp * pp * ep, tp=tp, pp=pp, cp=1, ep=ep,
+                                etp=tp, micro_batch_tokens=micro_batch_tokens, recompute="none")
+    return sum(mem.values()) / models.GIB
+
+
+def planned_t_w(model: Path, *, density: float) -> dict[str, float]:
+    """`rltool plan`'s t_W per sync mode with its default assumptions (bandwidths, t0) and the
+    measured delta density."""
+    from rltool.profile import models
+    from rltool.profile.modelcfg import load_shape
+    from rltool.profile.plan import GB, PlanInputs
+
+    x = PlanInputs(density=density)
+    rows = models.weight_sync(load_shape(model), weight_bits=x.weight_bits, bandwidth_Bps={
+        "tensor": x.B_tensor_GBps * GB, "distributed": x.B_distributed_GBps * GB,
+        "full": x.B_full_GBps * GB}, decode_Bps=x.decode_GBps * GB, t0_s=x.t0_s,
+        density=density)["rows"]
+    return {r["mode"]: r["t_W_s"] for r in rows if r["mode"] in ("distributed", "full", "delta")}
+
+
 # -- megatron layouts --------------------------------------------------------------------------
 def megatron_rank(args: argparse.Namespace) -> None:
     """One torchrun rank of one layout (the hidden `_megatron-rank` subcommand)."""
@@ -135,6 +165,9 @@ def megatron_rank(args: argparse.Namespace) -> None:
         return [t.float() for t in backend.forward_logprobs(batch, temperature=1.0).logprobs]
 
     got = logprobs(backend_of("fp32", False))
+    gc.collect()  # the fp32 model goes before the training one is built
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
     if args.ref is None:
         if rank0:
             with atomic.atomic_path(args.reference_out) as tmp:
@@ -215,16 +248,18 @@ def run_megatron(args: argparse.Namespace, root: Path) -> Path:
                 row = {"layout": layout, "ranks": need, "skipped": "the TP1 reference failed"}
             else:
                 row = launch_layout(args, model, layout, root, ref)
+                row["plan_memory_gib"] = planned_memory_gib(model, layout,
+                                                            micro_batch_tokens=args.seq_len)
                 if "fp32_max_abs_diff" in row:
                     row["fp32_check"] = row["fp32_max_abs_diff"] <= FP32_BOUND
             rows.append({"model": f"{arch} {preset}", **row})
             print(json.dumps(rows[-1]), flush=True)
     path = write_record(args, "megatron", rows, fp32_bound=FP32_BOUND)
     print_table(["model", "layout", "ranks", "fp32 diff", "bf16 max", "bf16 mean", "tokens/s",
-                 "MFU", "peak GiB", "note"],
+                 "MFU", "peak GiB", "plan GiB", "note"],
                 [[r["model"], r["layout"], r["ranks"], r.get("fp32_max_abs_diff"),
                   r.get("bf16_max_abs_diff"), r.get("bf16_mean_abs_diff"), r.get("tokens_per_s"),
-                  r.get("mfu"), r.get("peak_memory_gib"),
+                  r.get("mfu"), r.get("peak_memory_gib"), r.get("plan_memory_gib"),
                   (r.get("error") or r.get("skipped") or "")[:60].replace("\n", " ")]
                  for r in rows])
     return path
@@ -407,13 +442,17 @@ def run_sync(args: argparse.Namespace, root: Path) -> Path:
              "publish_s": statistics.median(publish_s[m]), "same_weights_every_method": same,
              "probe_changed_every_version": changed}
             for m, ts in times.items()]
+    plan = planned_t_w(model, density=min(1.0, statistics.median(wire["delta"]) / nbytes))
+    for row in rows:
+        row["plan_t_W_s"] = plan[row["method"]]
     path = write_record(args, "sync", rows, preset=args.sync_preset,
                         bucket_bytes=int(args.bucket_mb * 2**20), lr=args.lr,
                         transport="nccl" if args.device == "cuda" else "gloo")
-    print_table(["method", "engines", "GB", "wire GB", "t_W s", "GB/s/engine", "publish s",
-                 "same"],
+    print_table(["method", "engines", "GB", "wire GB", "t_W s", "plan t_W s", "GB/s/engine",
+                 "publish s", "same"],
                 [[r["method"], r["engines"], r["bytes"] / 1e9, r["wire_bytes"] / 1e9, r["t_W_s"],
-                  r["GBps_per_engine"], r["publish_s"], r["same_weights_every_method"]]
+                  r["plan_t_W_s"], r["GBps_per_engine"], r["publish_s"],
+                  r["same_weights_every_method"]]
                  for r in rows])
     return path
 
@@ -518,7 +557,7 @@ def main() -> None:
         p.add_argument("--sync-preset", default=None, help="default: qwen2.5-7b (tiny on cpu)")
         p.add_argument("--bucket-mb", type=float, default=512.0)
         p.add_argument("--lr", type=float, default=1e-5, help="sync: the simulated step's size")
-        p.add_argument("--repeats", type=int, default=3)
+        p.add_argument("--repeats", type=int, default=2)
         p.add_argument("--engine-preset", default=None,
                        help="default: qwen2.5-0.5b (tiny on cpu)")
         p.add_argument("--prompts", type=int, default=64)
