@@ -8,8 +8,9 @@ the code paths, not the performance.
 megatron  The dense preset (--dense-preset, qwen2.5-3b on GPUs) and the tiny qwen3_moe under
           megatron layouts (--layouts, default tp2,tp2pp2,ep2,ep4), each launched with torchrun
           over TP x PP x EP local ranks (one GPU each; a layout needing more than --gpus is
-          recorded as skipped). Per model a TP1 run first gives the reference: fp32 logprobs
-          of --samples seeded random samples. Per layout: the fp32 logprobs' largest
+          recorded as skipped; the ranks are benchmarks/multi_gpu_megatron.py). Per model a
+          TP1 run first gives the reference: fp32 logprobs of --samples seeded random
+          samples. Per layout: the fp32 logprobs' largest
           difference from TP1 (check: <= 1e-5); on CUDA the bf16 logprobs' largest and mean
           difference from TP1 fp32 (reported, no bound); then --steps timed train steps (after
           --warmup; bf16 on CUDA, fp32 on the CPU), each DP rank its share of the samples by the
@@ -49,13 +50,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import platform
+import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from datetime import datetime, timezone
@@ -64,12 +63,9 @@ from typing import Any
 
 import torch
 
+from multi_gpu_megatron import FP32_BOUND, LAYOUTS, add_step_options, launch_layout, \
+    planned_memory_gib
 from rltool import atomic
-
-FP32_BOUND = 1e-5
-LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "tp2pp2": (2, 2, 1), "ep1": (1, 1, 1),
-           "ep2": (1, 1, 2), "ep4": (1, 1, 4)}
-
 
 # -- common ------------------------------------------------------------------------------------
 def machine(args: argparse.Namespace) -> tuple[str, str]:
@@ -109,17 +105,6 @@ def model_dir(root: Path, *, arch: str, preset: str, dtype: str) -> Path:
                                                  dtype=dtype)
 
 
-def planned_memory_gib(model: Path, layout: str, *, micro_batch_tokens: int) -> float:
-    """`rltool plan`'s trainer memory per GPU (weights, gradients, optimizer, activations)."""
-    from rltool.profile import models
-    from rltool.profile.modelcfg import load_shape
-
-    tp, pp, ep = LAYOUTS[layout]
-    mem = models.trainer_memory(load_shape(model), gpus=tp * pp * ep, tp=tp, pp=pp, cp=1, ep=ep,
-                                etp=tp, micro_batch_tokens=micro_batch_tokens, recompute="none")
-    return sum(mem.values()) / models.GIB
-
-
 def planned_t_w(model: Path, *, density: float) -> dict[str, float]:
     """`rltool plan`'s t_W per sync mode with its default assumptions (bandwidths, t0) and the
     measured delta density."""
@@ -136,96 +121,6 @@ def planned_t_w(model: Path, *, density: float) -> dict[str, float]:
 
 
 # -- megatron layouts --------------------------------------------------------------------------
-def megatron_rank(args: argparse.Namespace) -> None:
-    """One torchrun rank of one layout (the hidden `_megatron-rank` subcommand)."""
-    from safetensors.torch import load_file, save_file
-
-    from rltool.train.backend import MicroBatch
-    from rltool.train.backends import build_backend
-    from rltool.train.config import BackendConfig
-    from rltool.train.dp_schedule import schedule
-    from train_megatron import loss_fn, make_samples, model_flops
-
-    tp, pp, ep = LAYOUTS[args.layout]
-    config = json.loads((Path(args.model) / "config.json").read_text())
-    samples = make_samples(config["vocab_size"], args, seed=0)
-    rank0 = int(os.environ.get("RANK", "0")) == 0
-    result: dict[str, Any] = {"layout": args.layout, "ranks": tp * pp * ep,
-                              "tokens_per_step": sum(map(len, samples))}
-
-    def backend_of(dtype: str, trainable: bool) -> Any:
-        return build_backend(args.model, trainable=trainable, options=BackendConfig(
-            backend="megatron", dtype=dtype, device=args.device, lr=1e-5,
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-            expert_model_parallel_size=ep))
-
-    def logprobs(backend: Any) -> list[torch.Tensor]:
-        batch = MicroBatch(indices=list(range(len(samples))), tokens=samples,
-                           response_starts=[1] * len(samples))
-        return [t.float() for t in backend.forward_logprobs(batch, temperature=1.0).logprobs]
-
-    got = logprobs(backend_of("fp32", False))
-    gc.collect()  # the fp32 model goes before the training one is built
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
-    if args.ref is None:
-        if rank0:
-            with atomic.atomic_path(args.reference_out) as tmp:
-                save_file({str(i): t.contiguous() for i, t in enumerate(got)}, str(tmp))
-        ref = got
-    else:
-        ref = [load_file(args.ref)[str(i)] for i in range(len(samples))]
-    result["fp32_max_abs_diff"] = max(float((a - b).abs().max()) for a, b in zip(got, ref))
-    train_dtype = "bf16" if args.device == "cuda" else "fp32"
-    backend = backend_of(train_dtype, True)
-    if args.device == "cuda":
-        diffs = torch.cat([(a - b).abs() for a, b in zip(logprobs(backend), ref)])
-        result.update(bf16_max_abs_diff=float(diffs.max()), bf16_mean_abs_diff=float(diffs.mean()))
-    mine = schedule([len(s) for s in samples], dp_size=backend.dp_size,
-                    max_tokens_per_microbatch=args.seq_len)[backend.dp_rank]
-    mbs = [MicroBatch(indices=mb, tokens=[samples[i] for i in mb], response_starts=[1] * len(mb))
-           for mb in mine]
-    times = []
-    for step in range(args.warmup + args.steps):
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        backend.train_step(mbs, loss_fn, temperature=1.0)
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        torch.distributed.barrier()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - start)
-    step_s = statistics.median(times)
-    result.update(train_dtype=train_dtype, step_s=step_s, step_s_all=times,
-                  tokens_per_s=result["tokens_per_step"] / step_s)
-    if args.device == "cuda":
-        result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        result["mfu"] = model_flops(config, samples) / step_s / (
-            args.peak_tflops * 1e12 * result["ranks"])
-    if rank0:
-        atomic.write_json(args.result, result)
-
-
-def launch_layout(args: argparse.Namespace, model: Path, layout: str, work: Path,
-                  ref: Path | None) -> dict:
-    tp, pp, ep = LAYOUTS[layout]
-    result = work / f"{model.name}-{layout}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={tp * pp * ep}", str(Path(__file__).resolve()), "_megatron-rank",
-           "--model", str(model), "--layout", layout, "--result", str(result),
-           "--device", args.device, "--samples", str(args.samples_per_step), "--min-len",
-           str(args.min_len), "--max-len", str(args.max_len), "--seq-len", str(args.seq_len),
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--peak-tflops",
-           str(args.peak_tflops)]
-    cmd += ["--ref", str(ref)] if ref else ["--reference-out", str(work / f"{model.name}.ref")]
-    env = dict(os.environ, OMP_NUM_THREADS="1") if args.device == "cpu" else None
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
-    if proc.returncode != 0:
-        return {"layout": layout, "ranks": tp * pp * ep,
-                "error": f"exit {proc.returncode}: {proc.stderr[-1500:]}"}
-    return json.loads(result.read_text())
-
-
 def run_megatron(args: argparse.Namespace, root: Path) -> Path:
     dtype = "fp32"
     families = [("qwen2", args.dense_preset, [x for x in args.layouts if not x.startswith("ep")]),
@@ -254,6 +149,7 @@ def run_megatron(args: argparse.Namespace, root: Path) -> Path:
                     row["fp32_check"] = row["fp32_max_abs_diff"] <= FP32_BOUND
             rows.append({"model": f"{arch} {preset}", **row})
             print(json.dumps(rows[-1]), flush=True)
+        shutil.rmtree(model)  # disk for the next runs (the 3B fp32 model is 12 GB)
     path = write_record(args, "megatron", rows, fp32_bound=FP32_BOUND)
     print_table(["model", "layout", "ranks", "fp32 diff", "bf16 max", "bf16 mean", "tokens/s",
                  "MFU", "peak GiB", "plan GiB", "note"],
@@ -399,9 +295,9 @@ def run_sync(args: argparse.Namespace, root: Path) -> Path:
                    for n, t in load_file(str(f)).items())
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     dirs = {m: root / f"publish-{m}" for m in ("full", "delta")}
-    for method, publish in dirs.items():
-        publish_version(model, SyncConfig(sync="full"), publish_dir=publish, version=0,
-                        dtype="bf16")
+    # the base of the first delta (full versions need none)
+    publish_version(model, SyncConfig(sync="full"), publish_dir=dirs["delta"], version=0,
+                    dtype="bf16")
     procs = start_engines(args, model, args.engines, first_gpu=1, logs=logs,
                           extra=["--local-checkpoint-dir", str(local)])
     urls = [p.url for p in procs]
@@ -429,6 +325,8 @@ def run_sync(args: argparse.Namespace, root: Path) -> Path:
                 pull = (local, publish, v) if method == "delta" else None
                 times[method].append(asyncio.run(sync_disk(
                     urls, publish / weight_dir_name(v), str(v), pull=pull)))
+                if method == "full":  # served now; the previous full version is not needed
+                    shutil.rmtree(publish / weight_dir_name(v - 1), ignore_errors=True)
                 answers.append(asyncio.run(probe(urls, str(v))))
             same = same and all(a == answers[0] for a in answers)
             changed = changed and answers[0] != previous
@@ -527,30 +425,16 @@ RUNS = {"megatron": run_megatron, "sync": run_sync, "engines": run_engines}
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="item", required=True)
-    rank = sub.add_parser("_megatron-rank", help=argparse.SUPPRESS)
-    rank.add_argument("--model", required=True)
-    rank.add_argument("--layout", choices=sorted(LAYOUTS), required=True)
-    rank.add_argument("--result", required=True)
-    rank.add_argument("--ref")
-    rank.add_argument("--reference-out")
-    for name in (*RUNS, "all", "_megatron-rank"):
-        p = rank if name == "_megatron-rank" else sub.add_parser(name)
-        p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-        p.add_argument("--samples", dest="samples_per_step", type=int, default=32)
-        p.add_argument("--min-len", type=int, default=512)
-        p.add_argument("--max-len", type=int, default=4096)
-        p.add_argument("--seq-len", type=int, default=8192, help="micro-batch token cap")
-        p.add_argument("--steps", type=int, default=3)
-        p.add_argument("--warmup", type=int, default=1)
-        p.add_argument("--peak-tflops", type=float, default=989.0,
-                       help="dense bf16 peak of one device (H100/H200 SXM: 989)")
-        if name == "_megatron-rank":
-            continue
+    for name in (*RUNS, "all"):
+        p = sub.add_parser(name)
+        add_step_options(p)
         p.add_argument("--out", required=True, help="directory for the results JSON")
         p.add_argument("--gpus", type=int, default=None,
                        help="GPUs to use (default: every visible one)")
         p.add_argument("--layouts", default="tp2,tp2pp2,ep2,ep4")
         p.add_argument("--dense-preset", default=None, help="default: qwen2.5-3b (tiny on cpu)")
+        p.add_argument("--work-dir", default=None, help="where models and published versions "
+                       "go (default: the system's temporary directory; removed at the end)")
         p.add_argument("--timeout-s", type=float, default=300.0, help="per torchrun launch")
         p.add_argument("--engines", type=int, default=None,
                        help="engines (default: sync GPUs - 1, engines all GPUs; cpu 1)")
@@ -567,9 +451,6 @@ def main() -> None:
         p.add_argument("--concurrency", type=int, default=256, help="requests per engine")
         p.add_argument("--engine-args", default="", help="extra `rltool serve` flags, quoted")
     args = parser.parse_args()
-    if args.item == "_megatron-rank":
-        megatron_rank(args)
-        return
     cuda = torch.cuda.is_available()
     if args.device == "cuda" and not cuda:
         parser.error("--device cuda but no CUDA device is visible; use --device cpu")
@@ -593,7 +474,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     items = list(RUNS) if args.item == "all" else [args.item]
     paths, elapsed = {}, {}
-    with tempfile.TemporaryDirectory(prefix="multi_gpu-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="multi_gpu-", dir=args.work_dir) as tmp:
         for item in items:
             if item in ("sync", "engines"):
                 default = 1 if small else (args.gpus - 1 if item == "sync" else args.gpus)
