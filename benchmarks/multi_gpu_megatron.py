@@ -69,10 +69,16 @@ def megatron_rank(args: argparse.Namespace) -> None:
                            response_starts=[1] * len(samples))
         return [t.float() for t in backend.forward_logprobs(batch, temperature=1.0).logprobs]
 
-    got = logprobs(backend_of("fp32", False))
-    gc.collect()  # the fp32 model goes before the training one is built
-    if args.device == "cuda":
+    cuda = args.device == "cuda"
+    train_dtype = "bf16" if cuda else "fp32"
+    if cuda:  # a frozen fp32 model for the check, then the bf16 one that trains
+        got = logprobs(backend_of("fp32", False))
+        gc.collect()
         torch.cuda.empty_cache()
+        backend = backend_of(train_dtype, True)
+    else:  # the fp32 model that trains gives the check's logprobs too
+        backend = backend_of(train_dtype, True)
+        got = logprobs(backend)
     if args.ref is None:
         if rank0:
             with atomic.atomic_path(args.reference_out) as tmp:
@@ -81,9 +87,7 @@ def megatron_rank(args: argparse.Namespace) -> None:
     else:
         ref = [load_file(args.ref)[str(i)] for i in range(len(samples))]
     result["fp32_max_abs_diff"] = max(float((a - b).abs().max()) for a, b in zip(got, ref))
-    train_dtype = "bf16" if args.device == "cuda" else "fp32"
-    backend = backend_of(train_dtype, True)
-    if args.device == "cuda":
+    if cuda:
         diffs = torch.cat([(a - b).abs() for a, b in zip(logprobs(backend), ref)])
         result.update(bf16_max_abs_diff=float(diffs.max()), bf16_mean_abs_diff=float(diffs.mean()))
     mine = schedule([len(s) for s in samples], dp_size=backend.dp_size,
@@ -95,7 +99,7 @@ def megatron_rank(args: argparse.Namespace) -> None:
         torch.distributed.barrier()
         start = time.perf_counter()
         backend.train_step(mbs, loss_fn, temperature=1.0)
-        if args.device == "cuda":
+        if cuda:
             torch.cuda.synchronize()
         torch.distributed.barrier()
         if step >= args.warmup:
@@ -103,7 +107,7 @@ def megatron_rank(args: argparse.Namespace) -> None:
     step_s = statistics.median(times)
     result.update(train_dtype=train_dtype, step_s=step_s, step_s_all=times,
                   tokens_per_s=result["tokens_per_step"] / step_s)
-    if args.device == "cuda":
+    if cuda:
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         result["mfu"] = model_flops(config, samples) / step_s / (
             args.peak_tflops * 1e12 * result["ranks"])
