@@ -95,6 +95,8 @@ def megatron_rank(args: argparse.Namespace) -> None:
     mbs = [MicroBatch(indices=mb, tokens=[samples[i] for i in mb], response_starts=[1] * len(mb))
            for mb in mine]
     times = []
+    if cuda:  # the peak of the training steps, not of the frozen fp32 model before them
+        torch.cuda.reset_peak_memory_stats()
     for step in range(args.warmup + args.steps):
         torch.distributed.barrier()
         start = time.perf_counter()
