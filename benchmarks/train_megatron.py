@@ -75,13 +75,18 @@ def micro_batches(samples: list[list[int]], cap: int) -> list[MicroBatch]:
 
 
 def model_flops(config: dict, samples: list[list[int]]) -> float:
-    """Training FLOPs of one step over `samples` (3 x forward; forward = 2 x MACs)."""
+    """Training FLOPs of one step over `samples` (3 x forward; forward = 2 x MACs; a MoE layer
+    counts its top-k experts and its router)."""
     h, layers = config["hidden_size"], config["num_hidden_layers"]
     heads, groups = config["num_attention_heads"], config.get("num_key_value_heads") or \
         config["num_attention_heads"]
     d = config.get("head_dim") or h // heads
     ffn, vocab = config["intermediate_size"], config["vocab_size"]
-    per_layer = h * heads * d + 2 * h * groups * d + heads * d * h + 3 * h * ffn
+    router = 0
+    if config.get("num_experts"):  # MoE: the active experts' FFN and the router per token
+        ffn = config["num_experts_per_tok"] * config["moe_intermediate_size"]
+        router = h * config["num_experts"]
+    per_layer = h * heads * d + 2 * h * groups * d + heads * d * h + 3 * h * ffn + router
     linear = layers * per_layer + h * vocab
     tokens = sum(len(s) for s in samples)
     positions = sum(len(s) * (len(s) + 1) / 2 for s in samples)

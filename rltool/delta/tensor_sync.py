@@ -15,9 +15,11 @@ base64, in place of `segment`; what torch.multiprocessing would pickle, written 
 engine opens the handle on the GPU with that UUID, copies into its parameters, waits, releases the
 mapping and answers; the offsets index the buffer. Extra device memory: one bucket on the sender.
 
-Process group (`/init_weights_update_group`): a TCPStore at the trainer's address and a gloo
-process group of its own (not the default group, which the trainer may use for data parallelism),
-trainer rank 0, engine rank `rank_offset`.
+Process group (`/init_weights_update_group`): a TCPStore at the trainer's address and a process
+group of its own (not the default group, which the trainer may use for data parallelism), trainer
+rank 0, engine rank `rank_offset`: gloo (tensors through host memory) or, between processes on
+different GPUs, NCCL (tensors on each process's current CUDA device; two ranks on one GPU are
+refused by NCCL, so a trainer sharing the engine's GPU uses gloo).
 """
 
 from __future__ import annotations
@@ -280,29 +282,39 @@ def _close(mm: mmap.mmap) -> None:
 
 def join_group(*, master_address: str, master_port: int, rank: int, world_size: int,
                backend: str = "gloo", timeout_s: float = 120.0) -> Any:
-    """A process group of its own for weight broadcasts (rank 0 hosts the store). Only gloo is
-    served on CPU; nccl needs the CUDA engine."""
+    """A process group of its own for weight broadcasts (rank 0 hosts the store): gloo, or nccl
+    when CUDA is available."""
     import torch.distributed as dist
 
-    if backend != "gloo":
-        raise BadInputError(f"backend {backend!r} is not served here; use backend \"gloo\" "
-                            "(nccl needs a CUDA engine)")
+    if backend not in ("gloo", "nccl"):
+        raise BadInputError(f"backend {backend!r} is not served; use \"gloo\" or \"nccl\"")
+    if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        raise BadInputError("backend \"nccl\" needs CUDA in both processes; this one has none, "
+                            "use backend \"gloo\"")
     if not 0 <= rank < world_size:
         raise BadInputError(f"rank {rank} is outside world_size {world_size}")
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         store = dist.TCPStore(master_address, master_port, world_size, rank == 0,
                               timeout=timeout)
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        if backend == "gloo":
+            return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
     except (RuntimeError, ValueError) as e:
         raise BadInputError(f"cannot join the weight update group at {master_address}:"
                             f"{master_port} as rank {rank}: {e}") from e
 
 
 def broadcast(group: Any, tensors: Iterable[torch.Tensor]) -> None:
-    """Rank 0 sends, every other rank receives into `tensors` (same order, shapes and dtypes)."""
+    """Rank 0 sends, every other rank receives into `tensors` (same order, shapes and dtypes).
+    Returns once the tensors are usable from any thread and stream."""
+    tensors = list(tensors)
     for t in tensors:
         group.broadcast(t, 0).wait()
+    if any(t.is_cuda for t in tensors):
+        torch.cuda.synchronize()
 
 
 def describe(named: list[tuple[str, torch.Tensor]]) -> dict[str, list[Any]]:

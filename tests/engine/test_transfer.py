@@ -203,3 +203,11 @@ def test_paged_runner_takes_named_tensors_like_a_checkpoint(tiny_model_dir, tiny
     runner.load_named_tensors(named[:half])  # buckets: any subset, in any number of calls
     runner.load_named_tensors(named[half:])
     assert all(a.equal(b) for a, b in zip(fused_tensors(runner), fused_tensors(reference)))
+
+
+def test_join_group_refuses_nccl_without_cuda_and_unknown_backends(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for backend, words in (("nccl", "needs CUDA"), ("mpi", "not served")):
+        with pytest.raises(BadInputError, match=words):
+            tensor_sync.join_group(master_address="127.0.0.1", master_port=1, rank=0,
+                                   world_size=2, backend=backend)

@@ -5,7 +5,8 @@
   (load_format "rltool_cuda_ipc", CUDA engines), described by a JSON `TensorMessage`
   (rltool.delta.tensor_sync).
 - /init_weights_update_group, /update_weights_from_distributed: the engine joins a process group
-  (gloo on CPU) and receives tensors that the trainer's rank 0 broadcasts.
+  (gloo, or nccl on a CUDA engine: received straight into device buffers) and receives tensors
+  that the trainer's rank 0 broadcasts.
 
 Each update is applied by the scheduler like /update_weights_from_disk (after earlier requests
 finish, or at once while paused, aborting first on abort_all_requests) and all-or-nothing: a wrong
@@ -75,10 +76,12 @@ def router(state: EngineState) -> APIRouter:
         if body.group_name in groups:
             return refused(f"group {body.group_name!r} exists; choose another group_name")
         try:
-            groups[body.group_name] = await asyncio.to_thread(
+            group = await asyncio.to_thread(
                 tensor_sync.join_group, master_address=body.master_address,
                 master_port=body.master_port, rank=body.rank_offset,
                 world_size=body.world_size, backend=body.backend)
+            # nccl receives on the engine's device, gloo through host memory
+            groups[body.group_name] = (group, runner.device if body.backend == "nccl" else "cpu")
         except BadInputError as e:
             return refused(str(e))
         return JSONResponse(api.UpdateWeightsResult(
@@ -87,11 +90,11 @@ def router(state: EngineState) -> APIRouter:
     @r.post(api.UPDATE_WEIGHTS_FROM_DISTRIBUTED, dependencies=[ADMIN])
     async def update_weights_from_distributed(request: HttpRequest) -> JSONResponse:
         body = await parse_body(request, api.UpdateWeightsFromDistributedInput)
-        group = groups.get(body.group_name)
-        if group is None:
+        if body.group_name not in groups:
             return refused(f"no group {body.group_name!r}; call /init_weights_update_group first")
+        group, device = groups[body.group_name]
         try:
-            buffers = _receive_buffers(body, limit_bytes=_param_bytes(runner))
+            buffers = _receive_buffers(body, limit_bytes=_param_bytes(runner), device=device)
         except BadInputError as e:
             return refused(str(e))
         # Received off the scheduler thread (generation goes on), applied by the scheduler.
@@ -112,8 +115,8 @@ def _param_bytes(runner: Any) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _receive_buffers(body: api.UpdateWeightsFromDistributedInput, *,
-                     limit_bytes: int) -> list[torch.Tensor]:
+def _receive_buffers(body: api.UpdateWeightsFromDistributedInput, *, limit_bytes: int,
+                     device: Any) -> list[torch.Tensor]:
     """Buffers for the broadcast, in the declared dtypes and shapes. The tensors are received even
     when their names or shapes will then be refused, so the sender's collective always completes;
     only a malformed body (which the sender itself got wrong) is refused before receiving."""
@@ -131,4 +134,4 @@ def _receive_buffers(body: api.UpdateWeightsFromDistributedInput, *,
             raise BadInputError(f"the update declares more bytes than the served model holds "
                                 f"({limit_bytes}); split it or fix the shapes")
         buffers.append((shape, torch_dtype))
-    return [torch.empty(shape, dtype=dtype) for shape, dtype in buffers]
+    return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in buffers]
