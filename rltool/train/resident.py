@@ -99,10 +99,18 @@ class ResidentTrainer:
         """Whether offload moved the state to host memory (and no reload followed)."""
         return any(o.offloaded for o in self._offloaders)
 
+    def keep_params(self, keep: bool) -> None:
+        """Whether offload leaves the parameters on the device (`[loop] offload = "optimizer"`)."""
+        self._check_offloadable()
+        if self.offloaded:
+            raise RuntimeError("change the offload policy while the trainer is loaded")
+        for o in self._offloaders:
+            o.params = not keep
+
     def offload(self) -> Move:
-        """Parameters, gradients and optimizer state to host memory, releasing the device for
-        the engine (rltool.train.residency); the reference model and distillation teachers are
-        weight snapshots, held in host memory already."""
+        """Optimizer state and (unless `keep_params`) parameters to host memory, gradients freed,
+        releasing the device for the engine (rltool.train.residency); the reference model and
+        distillation teachers are weight snapshots, held in host memory already."""
         self._check_offloadable()
         return _merge([o.offload() for o in self._offloaders])
 
@@ -125,6 +133,11 @@ class ResidentTrainer:
 
 
 def _merge(moves: list[Move]) -> Move:
+    moved: dict[str, int] = {}
+    for m in moves:
+        for kind, n in m.moved.items():
+            moved[kind] = moved.get(kind, 0) + n
     return Move(tensors=sum(m.tensors for m in moves), bytes=sum(m.bytes for m in moves),
                 seconds=sum(m.seconds for m in moves),
-                device_allocated_after=moves[-1].device_allocated_after)
+                device_allocated_after=moves[-1].device_allocated_after, moved=moved,
+                grads_freed=sum(m.grads_freed for m in moves))
