@@ -18,8 +18,8 @@ Both phases, predicted by `plan` (bytes; N parameters, T the micro-batch token c
   pool of `kv_tokens` (2 x layers x KV heads x head dim x engine dtype a token);
 - train: 16 N of trainer state + the activations of one micro-batch: with activation recompute
   the layer inputs (layers x T x hidden x 4) and one layer's tensors recomputed for its backward,
-  without it every layer's; plus two chunks of logits (`logprob_chunk_tokens` rows, the packed
-  layout) and the final hidden states.
+  without it every layer's; plus one chunk of logits (`logprob_chunk_tokens` rows, the packed
+  layout, recomputed in the backward pass) and the final hidden states.
 - host: the pinned buffers of what moves, plus the engines' staged weights (N x engine dtype,
   rltool.loop.residency) -- pinned, so the kernel cannot swap them.
 
@@ -125,7 +125,7 @@ def activation_bytes(shape: Shape, *, tokens: int, compute_dtype: str, recompute
     out = {"layer_inputs": shape.layers * tokens * h * 4} if recompute else {}
     out["layers"] = layer if recompute else shape.layers * layer
     chunk = min(tokens, logprob_chunk_tokens)
-    out["logits"] = 2 * chunk * shape.vocab * (a + 4 + 4)  # compute dtype, fp32 softmax, grad
+    out["logits"] = chunk * shape.vocab * (2 * a + 8)  # logits, fp32 log-softmax, their grads
     out["final_hidden"] = 2 * tokens * h * (4 + a)
     return out
 
