@@ -136,6 +136,7 @@ def test_optimizer_offload_keeps_the_parameters_and_auto_picks_it_when_the_host_
     # the parameters as well (14): auto keeps them on the device.
     on_a_device(monkeypatch, device_gib=80, host_gib=12 * n / 0.75 / 2**30)
     before = state_of(trainer)
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in inner.parameters())
     params = {name: p.data_ptr() for name, p in inner.named_parameters()}
     with caplog.at_level("INFO", logger="rltool.loop.residency"):
         res.offload_trainer(trainer)
@@ -143,6 +144,11 @@ def test_optimizer_offload_keeps_the_parameters_and_auto_picks_it_when_the_host_
     assert "trainer offloaded (optimizer): optimizer" in caplog.text and "params" not in \
         caplog.text.split("trainer offloaded")[1]
     assert all(p.data_ptr() == params[name] for name, p in inner.named_parameters())
+    res.reload_trainer(trainer)
+    for p in inner.parameters():  # gradients again, as a step leaves them
+        p.grad = torch.ones_like(p)
+    move = trainer.offload()
+    assert move.moved == {"optimizer": 2 * grads} and move.grads_freed == grads
     assert all(p.grad is None for p in inner.parameters())
     moments = [v for st in opt.state.values() for v in st.values() if v.dim() > 0]
     assert len(moments) == 2 * len(params)
