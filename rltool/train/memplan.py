@@ -184,16 +184,21 @@ def choose(shape: Shape, *, offload: str = "auto", device_bytes: int, host_bytes
                       "offload = all or lower [loop] min_kv_tokens")
 
 
-def host_available() -> int:
-    """Host memory available to this process: /proc/meminfo's MemAvailable, capped by the
-    cgroup's limit (a container's share) when there is one."""
-    with open("/proc/meminfo") as f:
+def host_available(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int:
+    """Host memory available to this process: `meminfo`'s MemAvailable, capped by the cgroup's
+    limit (a container's share) less what it uses besides its page cache, when it has one."""
+    with open(meminfo) as f:
         avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
     try:
-        with open("/sys/fs/cgroup/memory.max") as f:
+        with open(f"{cgroup}/memory.max") as f:
             limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as f:
+        with open(f"{cgroup}/memory.current") as f:
             used = int(f.read())
+        with open(f"{cgroup}/memory.stat") as f:
+            stat = dict(line.split() for line in f if line.strip())
     except OSError:
         return avail
-    return avail if limit == "max" else min(avail, int(limit) - used)
+    if limit == "max":
+        return avail
+    cache = int(stat.get("active_file", 0)) + int(stat.get("inactive_file", 0))
+    return min(avail, int(limit) - used + cache)

@@ -101,7 +101,7 @@ class ResidentTrainer:
 
     def keep_params(self, keep: bool) -> None:
         """Whether offload leaves the parameters on the device (`[loop] offload = "optimizer"`)."""
-        self._check_offloadable()
+        self.check_offloadable()
         if self.offloaded:
             raise RuntimeError("change the offload policy while the trainer is loaded")
         for o in self._offloaders:
@@ -111,14 +111,14 @@ class ResidentTrainer:
         """Optimizer state and (unless `keep_params`) parameters to host memory, gradients freed,
         releasing the device for the engine (rltool.train.residency); the reference model and
         distillation teachers are weight snapshots, held in host memory already."""
-        self._check_offloadable()
+        self.check_offloadable()
         return _merge([o.offload() for o in self._offloaders])
 
     def reload(self) -> Move:
-        self._check_offloadable()
+        self.check_offloadable()
         return _merge([o.reload() for o in self._offloaders])
 
-    def _check_offloadable(self) -> None:
+    def check_offloadable(self) -> None:
         if not self._offloaders:
             raise ConfigError("device offload of the resident trainer covers the torch backend "
                               "only; run the megatron backend without offload")
@@ -127,7 +127,7 @@ class ResidentTrainer:
         """The policy's weights under HF names (what an engine serves), in a stable order; host
         copies unless `on_device` (the torch backend: its parameters where they live)."""
         if on_device:
-            self._check_offloadable()
+            self.check_offloadable()
             return sorted(self.backend.export_hf_state_dict(on_device=True).items())
         return sorted(self.backend.export_hf_state_dict().items())
 

@@ -171,3 +171,21 @@ def test_a_plan_that_does_not_fit_stops_with_the_knob_to_turn(tiny_model_dir, mo
                        "offload = optimizer"):
         res.offload_trainer(trainer)
     assert not trainer.offloaded
+
+
+def test_a_model_the_plan_does_not_cover_offloads_as_set(tiny_model_dir, monkeypatch):
+    on_a_device(monkeypatch, device_gib=80, host_gib=64)
+    for offload in ("auto", "optimizer"):
+        settings = LoopSettings.from_tables(tables(tiny_model_dir, sync__sync="tensor",
+                                                   loop__offload=offload))
+        res = Residency(settings, Engines(), resident=True, disk_sync=False)
+        res.alternate = True
+        trainer = trained(tiny_model_dir)
+        trainer.backend.config.model_type = "qwen3_moe"
+        if offload == "auto":
+            with pytest.raises(ConfigError, match="covers dense models"):
+                res.offload_trainer(trainer)
+            continue
+        res.offload_trainer(trainer)
+        assert res.plan is None and res.policy == "optimizer" and trainer.offloaded
+        assert not trainer._offloaders[0].params  # the parameters stay

@@ -98,3 +98,21 @@ def test_shapes_it_does_not_cover():
         Shape.of(PRESETS["tiny"], arch="qwen2")
     with pytest.raises(ConfigError, match="covers dense models .* not 'qwen3_moe'"):
         Shape.of({"model_type": "qwen3_moe"})
+
+
+def test_host_memory_available_is_capped_by_the_cgroup(tmp_path):
+    from rltool.train.memplan import host_available
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       134217728 kB\nMemAvailable:   125829120 kB\n")
+    assert host_available(str(meminfo), str(tmp_path / "none")) == 120 * 2**30
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    (cgroup / "memory.max").write_text("max\n")
+    (cgroup / "memory.current").write_text(f"{40 * 2**30}\n")
+    (cgroup / "memory.stat").write_text(f"anon {30 * 2**30}\nactive_file {4 * 2**30}\n"
+                                        f"inactive_file {6 * 2**30}\n")
+    assert host_available(str(meminfo), str(cgroup)) == 120 * 2**30  # no limit
+    (cgroup / "memory.max").write_text(f"{100 * 2**30}\n")
+    # The limit less what the cgroup uses besides its page cache: 100 - (40 - 10).
+    assert host_available(str(meminfo), str(cgroup)) == 70 * 2**30
