@@ -12,7 +12,7 @@ frees them instead of moving them. What moves to pinned host memory during rollo
 | `optimizer` | optimizer state (8 B/param) | the fp32 parameters (4 B/param) |
 | `auto` | `all` when the host has room for it, else `optimizer` | |
 
-Both phases, predicted by `plan` (bytes; N parameters, T the micro-batch token cap):
+Each phase, predicted by `plan` (bytes; N parameters, T the micro-batch token cap):
 
 - rollout: the trainer's part left on the device + the engine's weights (N x engine dtype) + a KV
   pool of `kv_tokens` (2 x layers x KV heads x head dim x engine dtype a token);
