@@ -73,6 +73,7 @@ def build_engine(cfg: ServeConfig) -> tuple[Any, Scheduler]:
                          weight_version=cfg.weight_version,
                          max_running=cfg.max_running_requests, page_size=cfg.page_size,
                          mem_fraction_static=cfg.mem_fraction_static,
+                         max_total_tokens=cfg.max_total_tokens,
                          cuda_graph_max_bs=cfg.cuda_graph_max_bs,
                          disable_cuda_graph=cfg.disable_cuda_graph,
                          prefix_cache=not cfg.disable_radix_cache,

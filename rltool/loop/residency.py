@@ -6,9 +6,13 @@ and the engines' memory are never on it together:
 
 | phase | on the device | elsewhere |
 |---|---|---|
-| rollout, eval | engines: weights, KV pool, graphs | trainer: parameters, gradients, optimizer state in pinned host memory |
+| rollout, eval | engines: weights, KV pool, graphs; the trainer's fp32 parameters with `[loop] offload = "optimizer"` | trainer: optimizer state (and parameters unless kept) in pinned host memory; gradients freed |
 | train, publish | trainer | engines released (`/release_memory_occupation`, or the in-process engine's call) |
 | sync | first the trainer: its weights are staged in pinned host memory in the engines' dtype; it is offloaded; the engines resume (a KV pool sized without the trainer) and take the staged weights (CUDA IPC buckets, or a copy into the in-process engine) | |
+
+Before the first offload the trainer's policy is planned (rltool.train.memplan: `[loop] offload`,
+auto choosing from the device's and host's memory) and logged with each phase's predicted peak; a
+plan that does not fit stops the loop with a one-line error naming the knob.
 
 Elsewhere (CPU, disaggregated) only the disk-sync release/resume the colocated loop always made
 remains: engines release before training and resume before loading a version from disk.
@@ -28,6 +32,7 @@ from typing import Any
 import torch
 
 from rltool.loop.config import LoopSettings
+from rltool.train.memplan import DENSE, Plan, Shape, choose, host_available
 
 log = logging.getLogger(__name__)
 GIB = float(1 << 30)
@@ -44,6 +49,10 @@ class Residency:
                           and loop.launcher == "local" and settings.device == "cuda"
                           and getattr(engines, "device", None) == "cuda")
         self.disk_sync = disk_sync
+        self.offload = loop.offload
+        self.min_kv_tokens = loop.min_kv_tokens
+        self.policy: str | None = None  # the trainer's offload policy, set at its first offload
+        self.plan: Plan | None = None  # and the memory plan behind it
         self.engines_released = False
         self.seconds: dict[str, float] = {}  # offload/reload seconds of the current step
         self._stage: dict[str, torch.Tensor] = {}  # pinned host buffers of the staged weights
@@ -65,13 +74,42 @@ class Residency:
             self.engines_released = False
             self._add("engine_resume", t0)
 
+    def plan_offload(self, trainer: Any) -> str:
+        """The trainer's offload policy for this device and host (`[loop] offload`), set on it;
+        `plan` holds the memory plan (none for a model it does not cover, offloaded as set)."""
+        trainer.check_offloadable()
+        config = trainer.backend.config
+        if self.offload != "auto" and getattr(config, "model_type", None) not in DENSE:
+            log.info("no memory plan for a %s model; offload %s as set", config.model_type,
+                     self.offload)
+            policy = self.offload
+        else:
+            opts = trainer.backend.options
+            dtype = getattr(self.engines, "dtype", torch.bfloat16)
+            self.plan = choose(Shape.of(config), offload=self.offload,
+                               device_bytes=torch.cuda.mem_get_info()[1],
+                               host_bytes=host_available(), compute_dtype=opts.dtype,
+                               engine_dtype="fp32" if dtype == torch.float32 else "bf16",
+                               micro_batch_tokens=opts.max_tokens_per_microbatch,
+                               recompute=opts.recompute_activations,
+                               logprob_chunk_tokens=opts.logprob_chunk_tokens,
+                               kv_tokens=self.min_kv_tokens)
+            log.info("memory plan (predicted peaks): %s", self.plan.summary())
+            policy = self.plan.offload
+        trainer.keep_params(policy == "optimizer")
+        return policy
+
     def offload_trainer(self, trainer: Any) -> None:
         if trainer is not None and self.alternate and not trainer.offloaded:
+            if self.policy is None:
+                self.policy = self.plan_offload(trainer)
             move = trainer.offload()
             self.seconds["trainer_offload"] = self.seconds.get("trainer_offload", 0.0) + \
                 move.seconds
-            log.info("trainer offloaded: %d tensors, %.2f GiB in %.2fs", move.tensors,
-                     move.bytes / GIB, move.seconds)
+            log.info("trainer offloaded (%s): %s to host, gradients %.2f GiB freed, in %.2fs",
+                     self.policy, ", ".join(f"{k} {v / GIB:.2f} GiB"
+                                                  for k, v in move.moved.items()) or "nothing",
+                     move.grads_freed / GIB, move.seconds)
 
     def reload_trainer(self, trainer: Any) -> None:
         if self.alternate and trainer.offloaded:

@@ -99,18 +99,26 @@ class ResidentTrainer:
         """Whether offload moved the state to host memory (and no reload followed)."""
         return any(o.offloaded for o in self._offloaders)
 
+    def keep_params(self, keep: bool) -> None:
+        """Whether offload leaves the parameters on the device (`[loop] offload = "optimizer"`)."""
+        self.check_offloadable()
+        if self.offloaded:
+            raise RuntimeError("change the offload policy while the trainer is loaded")
+        for o in self._offloaders:
+            o.params = not keep
+
     def offload(self) -> Move:
-        """Parameters, gradients and optimizer state to host memory, releasing the device for
-        the engine (rltool.train.residency); the reference model and distillation teachers are
-        weight snapshots, held in host memory already."""
-        self._check_offloadable()
+        """Optimizer state and (unless `keep_params`) parameters to host memory, gradients freed,
+        releasing the device for the engine (rltool.train.residency); the reference model and
+        distillation teachers are weight snapshots, held in host memory already."""
+        self.check_offloadable()
         return _merge([o.offload() for o in self._offloaders])
 
     def reload(self) -> Move:
-        self._check_offloadable()
+        self.check_offloadable()
         return _merge([o.reload() for o in self._offloaders])
 
-    def _check_offloadable(self) -> None:
+    def check_offloadable(self) -> None:
         if not self._offloaders:
             raise ConfigError("device offload of the resident trainer covers the torch backend "
                               "only; run the megatron backend without offload")
@@ -119,12 +127,17 @@ class ResidentTrainer:
         """The policy's weights under HF names (what an engine serves), in a stable order; host
         copies unless `on_device` (the torch backend: its parameters where they live)."""
         if on_device:
-            self._check_offloadable()
+            self.check_offloadable()
             return sorted(self.backend.export_hf_state_dict(on_device=True).items())
         return sorted(self.backend.export_hf_state_dict().items())
 
 
 def _merge(moves: list[Move]) -> Move:
+    moved: dict[str, int] = {}
+    for m in moves:
+        for kind, n in m.moved.items():
+            moved[kind] = moved.get(kind, 0) + n
     return Move(tensors=sum(m.tensors for m in moves), bytes=sum(m.bytes for m in moves),
                 seconds=sum(m.seconds for m in moves),
-                device_allocated_after=moves[-1].device_allocated_after)
+                device_allocated_after=moves[-1].device_allocated_after, moved=moved,
+                grads_freed=sum(m.grads_freed for m in moves))

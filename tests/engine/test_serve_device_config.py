@@ -49,3 +49,12 @@ def test_cpu_scheduler_splits_prompts_into_chunks_within_the_budget(tiny_model_d
     finally:
         sched.stop()
     assert sched.num_prefill_forwards == 3 and len(req.output_ids) == 1
+
+
+def test_max_total_tokens_caps_the_kv_pool(tiny_model_dir):
+    from rltool.engine.server import build_engine
+
+    runner, _ = build_engine(ServeConfig(model=tiny_model_dir, device="cpu",
+                                         max_total_tokens=256))
+    assert runner.max_total_num_tokens == 256 - runner.page_size  # the first page is reserved
+    assert runner.pool.nbytes() == 256 * runner.spec.kv_bytes_per_token * 4  # fp32

@@ -60,9 +60,9 @@ def test_resident_state_equals_a_reload_of_its_checkpoint_at_every_save(tiny_mod
 
 
 def test_offload_and_reload_between_sets_change_nothing(tiny_model_dir, tmp_path):
-    """The residency bookkeeping of a colocated GPU loop, run on CPU: parameters, gradients and
-    optimizer moments go to reused host buffers and come back bit-exact, and training on after
-    each round trip gives the state of a trainer that never left."""
+    """The residency bookkeeping of a colocated GPU loop, run on CPU: parameters and optimizer
+    moments go to reused host buffers and come back bit-exact, gradients are freed, and training
+    on after each round trip gives the state of a trainer that never left."""
     shards = [make_shard(tmp_path / "rollouts" / f"step-{s:06d}", tiny_model_dir,
                          shard_rows(REWARDS, seed=s), step=s) for s in range(2)]
 
@@ -84,6 +84,8 @@ def test_offload_and_reload_between_sets_change_nothing(tiny_model_dir, tmp_path
         moments = sum(1 for _, kind in offloader._host if kind.startswith("opt."))
         assert moments == 2 * len(params) and move.tensors == len(offloader._host)
         assert move.bytes == sum(b.numel() * b.element_size() for b in offloader._host.values())
+        assert move.moved["params"] == sum(p.numel() * 4 for p in params.values())
+        assert all(p.grad is None for p in params.values())  # gradients: never moved
         with pytest.raises(RuntimeError, match="twice"):
             moves.offload()
         ptrs = {k: b.data_ptr() for k, b in offloader._host.items()}
