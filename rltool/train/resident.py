@@ -46,9 +46,9 @@ class ResidentTrainer:
             self.backend.load(target.ckpt_dir)
             self.loop_step = int(read_trainer_state(target.ckpt_dir).get("loop_step", -1))
         self._last: tuple[Any, Any, _Plan, TrainConfig] | None = None
-        self._offloaders: list[Offloader] = []
-        if cfg.backend == "torch":  # the megatron backend's buffers are megatron's (not covered)
-            self._offloaders = [Offloader(self.backend.inner, self.backend.optimizer)]
+        # the megatron backend's buffers are megatron's (device offload does not cover them)
+        self._offloader = (Offloader(self.backend.inner, self.backend.optimizer)
+                           if cfg.backend == "torch" else None)
         # The trainer's own RNG stream: whatever else the loop's process draws between steps
         # leaves it alone, so it continues exactly as a reload from its checkpoint would.
         self._rng = torch.get_rng_state()
@@ -103,17 +103,16 @@ class ResidentTrainer:
         """Parameters, gradients and optimizer state to host memory, releasing the device for
         the engine (rltool.train.residency); the reference model and distillation teachers are
         weight snapshots, held in host memory already."""
-        self._check_offloadable()
-        return _merge([o.offload() for o in self._offloaders])
+        return self._offloadable().offload()
 
     def reload(self) -> Move:
-        self._check_offloadable()
-        return _merge([o.reload() for o in self._offloaders])
+        return self._offloadable().reload()
 
-    def _check_offloadable(self) -> None:
-        if not self._offloaders:
+    def _offloadable(self) -> Offloader:
+        if self._offloader is None:
             raise ConfigError("device offload of the resident trainer covers the torch backend "
                               "only; run the megatron backend without offload")
+        return self._offloader
 
     def named_tensors(self, *, on_device: bool = False) -> list[tuple[str, torch.Tensor]]:
         """The policy's weights under HF names (what an engine serves), in a stable order; host
@@ -123,8 +122,3 @@ class ResidentTrainer:
             return sorted(self.backend.export_hf_state_dict(on_device=True).items())
         return sorted(self.backend.export_hf_state_dict().items())
 
-
-def _merge(moves: list[Move]) -> Move:
-    return Move(tensors=sum(m.tensors for m in moves), bytes=sum(m.bytes for m in moves),
-                seconds=sum(m.seconds for m in moves),
-                device_allocated_after=moves[-1].device_allocated_after)
