@@ -1,6 +1,6 @@
 """The concurrency recommendation on the builtin CPU engine: traced requests at 4 concurrencies
-give a profile; the concurrency it recommends reaches within 10% of the best throughput of the
-sweep."""
+give a profile; the concurrency it recommends is the sweep's best or, measured alternately with
+that one, reaches within 10% of its throughput."""
 
 from __future__ import annotations
 
@@ -55,6 +55,11 @@ def test_recommended_concurrency_is_within_10_percent_of_the_sweeps_best(builtin
     result = recommend(read_events(tmp_path), kv_pool_tokens=100_000)
     recommended = result["rows"][0]["value"]
     assert set(result["inputs"]["throughput_by_concurrency"]) >= {"2", "16"}
-    again = max(run_at(builtin_engine.url, recommended) for _ in range(2))  # a shared CPU
-    best = max(sweep.values())
-    assert again >= 0.9 * best, (recommended, again, sweep, result)
+    best = max(sweep, key=sweep.__getitem__)
+    if recommended != best:
+        # The load of a shared CPU drifts between measurements: measure the two concurrencies
+        # alternately, the better of two rounds each, and compare those.
+        rounds = [(run_at(builtin_engine.url, recommended), run_at(builtin_engine.url, best))
+                  for _ in range(2)]
+        mine, theirs = max(r[0] for r in rounds), max(r[1] for r in rounds)
+        assert mine >= 0.9 * theirs, (recommended, mine, best, theirs, sweep, result)
