@@ -47,21 +47,12 @@ def fsync_dir(path: Path) -> None:
 
 def write_bytes(path: str | os.PathLike, data: bytes, *, fsync: bool = True) -> None:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, FILE_MODE)
+    with _renamed_temp(path) as (fd, _):
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
-        kill_point("publish.file")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
     if fsync:
         fsync_dir(path.parent)
 
@@ -103,6 +94,22 @@ def discard_temp(fd: int, tmp: Path) -> None:
 
 
 @contextlib.contextmanager
+def _renamed_temp(path: str | os.PathLike) -> Iterator[tuple[int, Path]]:
+    """`create_temp` for `path` (its directory made first): renamed onto `path` when the block
+    succeeds, removed when it fails. The block owns the descriptor."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = create_temp(path)
+    try:
+        yield fd, tmp
+        kill_point("publish.file")
+        os.replace(tmp, path)
+    except BaseException:
+        discard_temp(-1, tmp)
+        raise
+
+
+@contextlib.contextmanager
 def atomic_fd(path: str | os.PathLike) -> Iterator[int]:
     """Yield a file descriptor of a temporary file next to `path` (published mode); on success it
     is fsynced and renamed onto `path`, on error removed."""
@@ -121,23 +128,13 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
 
     For writers that insist on a filename (pyarrow, safetensors.save_file).
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.fchmod(fd, FILE_MODE)
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        # Writers that replace the file (safetensors' save_file does) drop the mode set above.
+    with _renamed_temp(path) as (fd, tmp):
+        os.close(fd)
+        yield tmp
+        # Writers that replace the file (safetensors' save_file does) drop create_temp's mode.
         os.chmod(tmp, FILE_MODE)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-        kill_point("publish.file")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 @contextlib.contextmanager

@@ -22,11 +22,18 @@ def effective_temperature(temperature: float) -> float:
     return 1.0 if temperature < GREEDY_TEMPERATURE else float(temperature)
 
 
+def scaled_logits(logits: torch.Tensor, *, temperature: float) -> torch.Tensor:
+    """float32 logits / the effective temperature (at 1 the division is skipped: x / 1.0 == x
+    exactly, and a pass over [tokens, vocab] float32 is saved)."""
+    temp = effective_temperature(temperature)
+    scaled = logits.float()
+    return scaled if temp == 1.0 else scaled / temp
+
+
 def logits_to_logprobs(logits: torch.Tensor, targets: torch.Tensor, *,
                        temperature: float) -> torch.Tensor:
     """logits [..., T, V], targets [..., T] -> logprobs [..., T] (float32)."""
-    scaled = logits.float() / effective_temperature(temperature)
-    return torch.log_softmax(scaled, dim=-1).gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    return torch.log_softmax(scaled_logits(logits, temperature=temperature), dim=-1).gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-from rltool.logprobs import effective_temperature, logits_to_logprobs
+from rltool.logprobs import logits_to_logprobs, scaled_logits
 from rltool.train.algo.losses import entropy_from_logits
 
 
@@ -50,22 +50,39 @@ class ForwardOutput:
     extras: dict[str, Any] = field(default_factory=dict)  # "values" [L]; "logits" [L, V] raw
 
 
+def token_outputs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float,
+                  with_entropy: bool, top_k: int) -> tuple[torch.Tensor, ...]:
+    """Logits [L, V] that predict `targets` [L] -> their logprobs under rltool.logprobs'
+    convention, then the entropy (with_entropy) and the top-k logprobs and ids (top_k > 0).
+    Each output takes its own log-softmax of the logits: sharing one would change the order in
+    which their gradients add up, and with it the trained weights' last bits."""
+    out = [logits_to_logprobs(logits, targets, temperature=temperature)]
+    if with_entropy:
+        out.append(entropy_from_logits(logits, temperature=temperature))
+    if top_k:
+        out += torch.log_softmax(scaled_logits(logits, temperature=temperature),
+                                 dim=-1).topk(top_k, dim=-1)
+    return tuple(out)
+
+
+def output_names(*, with_entropy: bool, top_k: int) -> list[str]:
+    """The ForwardOutput fields that `token_outputs` fills, in its order."""
+    return ["logprobs"] + (["entropy"] if with_entropy else []) + (
+        ["topk_logprobs", "topk_ids"] if top_k else [])
+
+
 def response_outputs(rows: list[torch.Tensor], targets: list[torch.Tensor], *, temperature: float,
                      with_entropy: bool, top_k: int) -> ForwardOutput:
-    """Per sample: `rows` are the logits [L, V] that predict its response tokens `targets` [L];
-    logprobs under rltool.logprobs' convention, and optionally entropy and the top-k logprobs.
-    Every backend builds its ForwardOutput here, so all compute the same functions."""
-    temp = effective_temperature(temperature)
+    """Per sample: `rows` are the logits [L, V] that predict its response tokens `targets` [L]
+    (`token_outputs` of each). Every backend builds its ForwardOutput here, so all compute the
+    same functions."""
+    names = output_names(with_entropy=with_entropy, top_k=top_k)
     out = ForwardOutput(logprobs=[], entropy=[] if with_entropy else None,
                         topk_logprobs=[] if top_k else None, topk_ids=[] if top_k else None)
     for row, target in zip(rows, targets, strict=True):
-        out.logprobs.append(logits_to_logprobs(row, target, temperature=temperature))
-        if with_entropy:
-            out.entropy.append(entropy_from_logits(row, temperature=temp))
-        if top_k:
-            top_values, top_ids = torch.log_softmax(row.float() / temp, dim=-1).topk(top_k, dim=-1)
-            out.topk_logprobs.append(top_values)
-            out.topk_ids.append(top_ids)
+        for name, value in zip(names, token_outputs(row, target, temperature=temperature,
+                                                    with_entropy=with_entropy, top_k=top_k)):
+            getattr(out, name).append(value)
     return out
 
 

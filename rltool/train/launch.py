@@ -3,10 +3,13 @@ under torchrun with the resolved config, so every rank sees exactly the same Tra
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from rltool.train.config import TrainConfig
@@ -39,3 +42,40 @@ def launch(cfg: TrainConfig, *, nproc_per_node: int, extra_args: list[str] | Non
 
 def is_rank_zero() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
+
+
+@contextlib.contextmanager
+def process_group_scope() -> Iterator[None]:
+    """A block whose ranks may join the torchrun process group: when the group started inside
+    the block, it ends with the block (threads included, see `destroy_process_groups`)."""
+    import torch.distributed as dist
+
+    owns_group = not dist.is_initialized()
+    try:
+        yield
+    finally:
+        if owns_group and dist.is_initialized():
+            destroy_process_groups()
+
+
+def destroy_process_groups() -> None:
+    """Destroy every process group and drop what still holds one. `destroy_process_group` only
+    unregisters the groups: megatron's model-parallel state and FSDP2's DeviceMesh, which DTensor
+    keeps in its sharding-propagation and redistribution caches, still reference them, so their
+    gloo worker threads would run on into interpreter shutdown. There a worker that releases a
+    finished collective's tensors needs the GIL, Python ends the thread inside a C++ destructor,
+    and the rank aborts: "terminate called without an active exception". Unreferenced, the
+    groups join their threads here, while the interpreter is whole."""
+    import sys
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None:
+        parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    gc.collect()  # the models and optimizers that referenced a mesh sit in reference cycles
+    for obj in gc.get_objects():  # the meshes the caches keep: release their groups
+        if type(obj) is DeviceMesh:
+            obj._pg_registry.clear()

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from rltool.logprobs import effective_temperature
+from rltool.train.backend import output_names, token_outputs
 
 ATTN_IMPLEMENTATION = "rltool_varlen"
 LogitsOf = Callable[[torch.Tensor], torch.Tensor]
@@ -166,17 +167,8 @@ def decoder_kwargs(p: Packed) -> dict:
 def _chunk_outputs(hidden: torch.Tensor, targets: torch.Tensor, logits_of: LogitsOf,
                    temperature: float, with_entropy: bool, top_k: int
                    ) -> tuple[torch.Tensor, ...]:
-    logits = logits_of(hidden).float()
-    if temperature != 1.0:  # x / 1.0 == x exactly: skip a pass over [rows, vocab] float32
-        logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    out = [logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)]
-    if with_entropy:
-        out.append(-(logp.exp() * logp).sum(-1))
-    if top_k:
-        values, ids = logp.topk(top_k, dim=-1)
-        out += [values, ids]
-    return tuple(out)
+    return token_outputs(logits_of(hidden), targets, temperature=temperature,
+                         with_entropy=with_entropy, top_k=top_k)
 
 
 def response_outputs(hidden: torch.Tensor, p: Packed, logits_of: LogitsOf, *,
@@ -194,7 +186,6 @@ def response_outputs(hidden: torch.Tensor, p: Packed, logits_of: LogitsOf, *,
             parts.append(checkpoint(_chunk_outputs, *args, use_reentrant=False))
         else:
             parts.append(_chunk_outputs(*args))
-    names = ["logprobs"] + (["entropy"] if with_entropy else []) + (
-        ["topk_logprobs", "topk_ids"] if top_k else [])
+    names = output_names(with_entropy=with_entropy, top_k=top_k)
     return {name: list(torch.cat([part[i] for part in parts]).split(p.response_lengths))
             for i, name in enumerate(names)}

@@ -46,9 +46,9 @@ class ResidentTrainer:
             self.backend.load(target.ckpt_dir)
             self.loop_step = int(read_trainer_state(target.ckpt_dir).get("loop_step", -1))
         self._last: tuple[Any, Any, _Plan, TrainConfig] | None = None
-        self._offloaders: list[Offloader] = []
-        if cfg.backend == "torch":  # the megatron backend's buffers are megatron's (not covered)
-            self._offloaders = [Offloader(self.backend.inner, self.backend.optimizer)]
+        # the megatron backend's buffers are megatron's (device offload does not cover them)
+        self._offloader = (Offloader(self.backend.inner, self.backend.optimizer)
+                           if cfg.backend == "torch" else None)
         # The trainer's own RNG stream: whatever else the loop's process draws between steps
         # leaves it alone, so it continues exactly as a reload from its checkpoint would.
         self._rng = torch.get_rng_state()
@@ -97,31 +97,29 @@ class ResidentTrainer:
     @property
     def offloaded(self) -> bool:
         """Whether offload moved the state to host memory (and no reload followed)."""
-        return any(o.offloaded for o in self._offloaders)
+        return self._offloader is not None and self._offloader.offloaded
 
     def keep_params(self, keep: bool) -> None:
         """Whether offload leaves the parameters on the device (`[loop] offload = "optimizer"`)."""
-        self.check_offloadable()
-        if self.offloaded:
+        offloader = self.check_offloadable()
+        if offloader.offloaded:
             raise RuntimeError("change the offload policy while the trainer is loaded")
-        for o in self._offloaders:
-            o.params = not keep
+        offloader.params = not keep
 
     def offload(self) -> Move:
         """Optimizer state and (unless `keep_params`) parameters to host memory, gradients freed,
         releasing the device for the engine (rltool.train.residency); the reference model and
         distillation teachers are weight snapshots, held in host memory already."""
-        self.check_offloadable()
-        return _merge([o.offload() for o in self._offloaders])
+        return self.check_offloadable().offload()
 
     def reload(self) -> Move:
-        self.check_offloadable()
-        return _merge([o.reload() for o in self._offloaders])
+        return self.check_offloadable().reload()
 
-    def check_offloadable(self) -> None:
-        if not self._offloaders:
+    def check_offloadable(self) -> Offloader:
+        if self._offloader is None:
             raise ConfigError("device offload of the resident trainer covers the torch backend "
                               "only; run the megatron backend without offload")
+        return self._offloader
 
     def named_tensors(self, *, on_device: bool = False) -> list[tuple[str, torch.Tensor]]:
         """The policy's weights under HF names (what an engine serves), in a stable order; host
@@ -131,13 +129,3 @@ class ResidentTrainer:
             return sorted(self.backend.export_hf_state_dict(on_device=True).items())
         return sorted(self.backend.export_hf_state_dict().items())
 
-
-def _merge(moves: list[Move]) -> Move:
-    moved: dict[str, int] = {}
-    for m in moves:
-        for kind, n in m.moved.items():
-            moved[kind] = moved.get(kind, 0) + n
-    return Move(tensors=sum(m.tensors for m in moves), bytes=sum(m.bytes for m in moves),
-                seconds=sum(m.seconds for m in moves),
-                device_allocated_after=moves[-1].device_allocated_after, moved=moved,
-                grads_freed=sum(m.grads_freed for m in moves))

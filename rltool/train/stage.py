@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from rltool import trace
 from rltool.errors import CheckpointError, ConfigError
@@ -42,7 +41,7 @@ from rltool.train.config import TrainConfig
 from rltool.train.objective import (SampleTensors, base_tensors, batch_terms, make_loss_fn,
                                     pack_data, unpack_data)
 from rltool.train.dp_schedule import schedule
-from rltool.train.launch import is_rank_zero
+from rltool.train.launch import is_rank_zero, process_group_scope
 from rltool.train.samples import Sample, SampleSet, load_rollouts, load_sft_prompts
 from rltool.train.torch_backend import VALUE_HEAD, TorchBackend
 
@@ -270,13 +269,9 @@ def default_metrics_path(cfg: TrainConfig) -> Path | None:
 
 def run(cfg: TrainConfig) -> TrainResult:
     """Train on cfg's samples; see the module docstring. Collective under torchrun."""
-    owns_group = not dist.is_initialized()
-    try:
-        with trace.scope(Path(cfg.save).parent / "trace" if cfg.save else None, role="train"):
-            return _run(cfg)
-    finally:
-        if owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+    trace_dir = Path(cfg.save).parent / "trace" if cfg.save else None
+    with process_group_scope(), trace.scope(trace_dir, role="train"):
+        return _run(cfg)
 
 
 def _resume_step(cfg: TrainConfig, ckpt_dir: Path | None, sample_set: SampleSet,
@@ -481,17 +476,17 @@ def recompute_logprobs(weights_dir: str | Path, shard_dirs: list[str | Path], *,
                       max_tokens_per_microbatch=max_tokens_per_microbatch,
                       deterministic=deterministic, dtype=dtype,
                       global_batch_size=global_batch_size, device=device, backend=backend)
-    owns_group = not dist.is_initialized()
-    try:
-        target = resolve_load(cfg.load)
-        sample_set = _load_samples(cfg, target.model_dir)
-        trainer = build_backend(target.model_dir, options=cfg, trainable=False)
-        plan = _Plan(cfg, len(sample_set.samples))
-        logprobs = compute_logprobs(trainer, sample_set.samples,
-                                    [plan.batch(k) for k in range(plan.steps_per_epoch)],
-                                    temperature=sample_set.temperature,
-                                    max_tokens_per_microbatch=max_tokens_per_microbatch)
-        return [lp.tolist() for lp in logprobs["logprobs"]]
-    finally:
-        if owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+    with process_group_scope():  # the backend is gone (out of scope) when the group ends
+        return _recompute_logprobs(cfg)
+
+
+def _recompute_logprobs(cfg: TrainConfig) -> list[list[float]]:
+    target = resolve_load(cfg.load)
+    sample_set = _load_samples(cfg, target.model_dir)
+    trainer = build_backend(target.model_dir, options=cfg, trainable=False)
+    plan = _Plan(cfg, len(sample_set.samples))
+    logprobs = compute_logprobs(trainer, sample_set.samples,
+                                [plan.batch(k) for k in range(plan.steps_per_epoch)],
+                                temperature=sample_set.temperature,
+                                max_tokens_per_microbatch=cfg.max_tokens_per_microbatch)
+    return [lp.tolist() for lp in logprobs["logprobs"]]

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from rltool.engine.paged import PageTable, decode_attention_ref
+from tests.helpers.engines import generate_deterministic
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -214,38 +215,11 @@ def test_deterministic_mode_is_batch_invariant(tiny_model_dir, request):
     the same logprobs alone and as one of 16 requests prefilled and decoded together."""
     if ran_in_child(request):
         return
-    import threading
-
-    from rltool.engine.paged_runner import PagedRunner
-    from rltool.engine.paged_scheduler import PagedScheduler
-    from rltool.engine.request import Request
-    from rltool.engine.sampling import SamplingParams, make_generator
 
     def run(prompts):
-        runner = PagedRunner(tiny_model_dir, device=DEV, dtype="fp32", max_running=16,
-                             page_size=4, max_total_tokens=1024, cuda_graph_max_bs=16,
-                             deterministic=True)
-        sched = PagedScheduler(runner, max_running=16, max_prefill_tokens=256,
-                               chunked_prefill_size=8, deterministic=True)
-        done, finished = threading.Event(), []
-
-        def on_finish(req):
-            finished.append(req)
-            if len(finished) == len(prompts):
-                done.set()
-
-        reqs = [Request(rid=f"r{i}", prompt_ids=p, return_logprob=i == 0, on_finish=on_finish,
-                        generator=make_generator(100 + i if i != 0 else 7),
-                        params=SamplingParams(max_new_tokens=4, temperature=1.0,
-                                              ignore_eos=True))
-                for i, p in enumerate(prompts)]
-        sched.start()
-        try:
-            sched.submit(reqs)
-            assert done.wait(600)
-        finally:
-            sched.stop()
-        return reqs[0].output_ids, reqs[0].output_logprobs
+        return generate_deterministic(tiny_model_dir, prompts, device=DEV, dtype="fp32",
+                                      max_new_tokens=4, max_total_tokens=1024,
+                                      max_prefill_tokens=256, chunked_prefill_size=8)[0]
 
     target = [5, 9, 3, 17, 22, 8, 30, 11, 4, 2, 19]  # two prefill chunks of 8
     others = [[(7 * i + j) % 50 + 3 for j in range(3 + i % 9)] for i in range(15)]

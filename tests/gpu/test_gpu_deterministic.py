@@ -6,15 +6,10 @@ Every test skips only when `torch.cuda.is_available()` is false (the CI machines
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
-from rltool.engine.paged_runner import PagedRunner
-from rltool.engine.paged_scheduler import PagedScheduler
-from rltool.engine.request import Request
-from rltool.engine.sampling import SamplingParams, make_generator
+from tests.helpers.engines import generate_deterministic
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -25,29 +20,11 @@ OTHERS = [[(7 * i + j) % 50 + 3 for j in range(3 + 5 * i)] for i in range(15)]
 
 def generate(model_dir, dtype: str, prompts: list[list[int]]) -> tuple[list[int], list[float]]:
     """The first prompt's sampled tokens and logprobs, all prompts submitted together."""
-    runner = PagedRunner(model_dir, device="cuda", dtype=dtype, max_running=16, page_size=4,
-                         max_total_tokens=8192, cuda_graph_max_bs=16, deterministic=True)
-    sched = PagedScheduler(runner, max_running=16, max_prefill_tokens=64,
-                           chunked_prefill_size=16, deterministic=True)
-    done, finished = threading.Event(), []
-
-    def on_finish(req):
-        finished.append(req)
-        if len(finished) == len(prompts):
-            done.set()
-
-    reqs = [Request(rid=f"r{i}", prompt_ids=p, return_logprob=True, on_finish=on_finish,
-                    generator=make_generator(7 if i == 0 else 100 + i),
-                    params=SamplingParams(max_new_tokens=48, temperature=1.0, ignore_eos=True))
-            for i, p in enumerate(prompts)]
-    sched.start()
-    try:
-        sched.submit(reqs)
-        assert done.wait(300)
-    finally:
-        sched.stop()
+    first, runner, sched = generate_deterministic(
+        model_dir, prompts, device="cuda", dtype=dtype, max_new_tokens=48,
+        max_total_tokens=8192, max_prefill_tokens=64, chunked_prefill_size=16, timeout_s=300)
     assert runner.graphs and sched.max_decode_batch == len(prompts)
-    return reqs[0].output_ids, reqs[0].output_logprobs
+    return first
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

@@ -15,3 +15,43 @@ def engine_call(url: str, method: str, *args, **kwargs):
             return await getattr(client, method)(*args, **kwargs)
 
     return asyncio.run(go())
+
+
+def generate_deterministic(model_dir, prompts: list[list[int]], *, device: str, dtype: str,
+                           max_new_tokens: int, max_total_tokens: int, max_prefill_tokens: int,
+                           chunked_prefill_size: int, timeout_s: float = 600):
+    """The paged engine in deterministic mode (16 slots, pages of 4, CUDA graphs up to batch 16)
+    with `prompts` submitted together, each sampled by its own seeded generator (7 for the first,
+    100 + i for the others). Returns ((the first prompt's tokens, their logprobs), runner,
+    scheduler)."""
+    import threading
+
+    from rltool.engine.paged_runner import PagedRunner
+    from rltool.engine.paged_scheduler import PagedScheduler
+    from rltool.engine.request import Request
+    from rltool.engine.sampling import SamplingParams, make_generator
+
+    runner = PagedRunner(model_dir, device=device, dtype=dtype, max_running=16, page_size=4,
+                         max_total_tokens=max_total_tokens, cuda_graph_max_bs=16,
+                         deterministic=True)
+    sched = PagedScheduler(runner, max_running=16, max_prefill_tokens=max_prefill_tokens,
+                           chunked_prefill_size=chunked_prefill_size, deterministic=True)
+    done, finished = threading.Event(), []
+
+    def on_finish(req):
+        finished.append(req)
+        if len(finished) == len(prompts):
+            done.set()
+
+    reqs = [Request(rid=f"r{i}", prompt_ids=p, return_logprob=True, on_finish=on_finish,
+                    generator=make_generator(7 if i == 0 else 100 + i),
+                    params=SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0,
+                                          ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    sched.start()
+    try:
+        sched.submit(reqs)
+        assert done.wait(timeout_s)
+    finally:
+        sched.stop()
+    return (reqs[0].output_ids, reqs[0].output_logprobs), runner, sched

@@ -188,4 +188,4 @@ def test_a_model_the_plan_does_not_cover_offloads_as_set(tiny_model_dir, monkeyp
             continue
         res.offload_trainer(trainer)
         assert res.plan is None and res.policy == "optimizer" and trainer.offloaded
-        assert not trainer._offloaders[0].params  # the parameters stay
+        assert not trainer._offloader.params  # the parameters stay

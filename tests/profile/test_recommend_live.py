@@ -1,6 +1,6 @@
 """The concurrency recommendation on the builtin CPU engine: traced requests at 4 concurrencies
-give a profile; the concurrency it recommends reaches within 10% of the best throughput of the
-sweep."""
+give a profile; the concurrency it recommends is the sweep's best or, measured again back to back
+with that one, reaches within 10% of its throughput."""
 
 from __future__ import annotations
 
@@ -55,6 +55,9 @@ def test_recommended_concurrency_is_within_10_percent_of_the_sweeps_best(builtin
     result = recommend(read_events(tmp_path), kv_pool_tokens=100_000)
     recommended = result["rows"][0]["value"]
     assert set(result["inputs"]["throughput_by_concurrency"]) >= {"2", "16"}
-    again = max(run_at(builtin_engine.url, recommended) for _ in range(2))  # a shared CPU
-    best = max(sweep.values())
-    assert again >= 0.9 * best, (recommended, again, sweep, result)
+    best = max(sweep, key=sweep.__getitem__)
+    if recommended != best:
+        # The load of a shared CPU drifts between the sweep and a later measurement: measure
+        # the two concurrencies again, back to back, and compare those.
+        mine, theirs = run_at(builtin_engine.url, recommended), run_at(builtin_engine.url, best)
+        assert mine >= 0.9 * theirs, (recommended, mine, best, theirs, sweep, result)

@@ -3,18 +3,26 @@
 Tolerance: after 2 AdamW steps (lr 3e-3) every weight within 1e-5 of the single-process run and
 the metrics within 1e-4 relative. The ranks see different micro-batch shapes (padding), so float
 sums differ in the last bits, and Adam's normalised update can amplify that to ~1e-6.
+
+The process group a rank started ends with its threads before the interpreter does.
 """
 
 from __future__ import annotations
 
+import gc
 import json
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
 
 from rltool.train import run
 from rltool.train.config import TrainConfig
+from rltool.train.launch import process_group_scope
 from tests.helpers.torchrun import train_cli
 
 ARGS = dict(lr=3e-3, max_tokens_per_microbatch=24, global_batch_size=6, num_steps=2,
@@ -68,3 +76,34 @@ def test_two_processes_match_one(tiny_model_dir, tiny_model_factory, train_shard
     more = run(TrainConfig(rollouts=[str(train_shard)], load=str(tmp_path / "ckpt"),
                            advantage_estimator=estimator, **dict(ARGS, num_steps=1)))
     assert more.policy_version == 3 and more.optimizer_steps == 1
+
+
+def _gloo_threads() -> int:
+    names = [(task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()]
+    return sum(name in ("pt_gloo_runloop", "gloo_tcp_loop") for name in names)
+
+
+def _fsdp_step() -> None:
+    """One FSDP2 step and a full state dict in a one-process gloo group (DTensor caches its
+    DeviceMesh on the way)."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    model(torch.randn(2, 8)).sum().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def test_process_group_scope_ends_the_gloo_threads():
+    """A process group still referenced after destroy_process_group (FSDP2's mesh in DTensor's
+    caches) kept its gloo threads running into interpreter shutdown, where a torchrun rank
+    aborted ("terminate called without an active exception"): the scope ends them."""
+    gc.collect()  # groups that earlier tests ended but whose last holders await collection
+    before = _gloo_threads()
+    with process_group_scope():
+        _fsdp_step()
+        assert _gloo_threads() > before
+    assert not dist.is_initialized() and _gloo_threads() == before

@@ -24,6 +24,7 @@ from rltool.errors import ConfigError
 from rltool.train import run
 from rltool.train.backend import MicroBatch
 from rltool.train.config import BackendConfig, TrainConfig
+from rltool.train.launch import process_group_scope
 from tests.helpers.shards import REWARDS, make_shard, shard_rows
 from tests.helpers.torchrun import train_cli
 
@@ -166,11 +167,12 @@ def test_bf16_model_holds_bf16_norms_and_computes_logprobs(shards):
     from rltool.train.megatron_backend import MegatronBackend
 
     model, _ = shards["qwen2"]
-    backend = MegatronBackend(model, options=BackendConfig(backend="megatron", dtype="bf16",
-                                                           device="cpu"), trainable=False)
-    assert {p.dtype for p in backend.module.parameters()} == {torch.bfloat16}
-    batch = MicroBatch([0, 1], [[5, 6, 7, 8, 9], [4, 3, 2]], [2, 1])
-    out = backend.forward_logprobs(batch, temperature=1.0, with_entropy=True, top_k=2)
+    with process_group_scope():  # the backend starts a one-process group
+        backend = MegatronBackend(model, options=BackendConfig(backend="megatron", dtype="bf16",
+                                                               device="cpu"), trainable=False)
+        assert {p.dtype for p in backend.module.parameters()} == {torch.bfloat16}
+        batch = MicroBatch([0, 1], [[5, 6, 7, 8, 9], [4, 3, 2]], [2, 1])
+        out = backend.forward_logprobs(batch, temperature=1.0, with_entropy=True, top_k=2)
     assert [t.shape[0] for t in out.logprobs] == [3, 2] == [t.shape[0] for t in out.entropy]
     assert all(bool((t <= 0).all()) for t in out.logprobs)
     assert [t.shape for t in out.topk_ids] == [(3, 2), (2, 2)]

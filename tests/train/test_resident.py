@@ -76,7 +76,7 @@ def test_offload_and_reload_between_sets_change_nothing(tiny_model_dir, tmp_path
             trainer.train(cfg(step), loop_step=step, log_metrics=False)
         before = state_of(moves)
         move = moves.offload()
-        offloader = moves._offloaders[0]
+        offloader = moves._offloader
         params = dict(moves.backend.inner.named_parameters())
         # every parameter and Adam moment now lives in the offloader's host buffers
         assert all(params[n].data.data_ptr() == buf.data_ptr()

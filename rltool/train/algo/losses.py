@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rltool.logprobs import scaled_logits
+
 AGGREGATIONS = ("token", "sequence", "group")
 
 
@@ -79,7 +81,7 @@ def gspo_log_ratio(logprobs: list[torch.Tensor], old_logprobs: list[torch.Tensor
 
 def entropy_from_logits(logits: torch.Tensor, *, temperature: float) -> torch.Tensor:
     """Entropy of softmax(logits / temperature) over the last dim, in float32."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logp = torch.log_softmax(scaled_logits(logits, temperature=temperature), dim=-1)
     return -(logp.exp() * logp).sum(-1)
 
 
