@@ -25,7 +25,9 @@ from rltool import atomic
 from rltool.faults import kill_point
 from rltool.errors import BadInputError, ShardSchemaError, TokenizerMismatchError
 
-SCHEMA_VERSION = 1
+# "major.minor": a reader takes its own major version and any minor up to its own (a minor
+# version only adds optional columns; a part file without one reads it as nulls).
+SCHEMA_VERSION = "1.1"
 MANIFEST = "_SUCCESS"
 STATUSES = ("completed", "truncated", "aborted", "failed")
 PER_TOKEN_COLUMNS = ("rollout_logprobs", "loss_mask", "weight_versions")
@@ -50,8 +52,11 @@ SCHEMA = pa.schema([
     pa.field("label", pa.string(), nullable=True),
     pa.field("teacher_logprobs", pa.list_(pa.float32()), nullable=True),
     pa.field("metadata", pa.string(), nullable=False),
+    pa.field("rollout_routed_experts", pa.binary(), nullable=True),  # since 1.1
 ])
 COLUMNS = tuple(SCHEMA.names)
+OPTIONAL_COLUMNS = ("rollout_routed_experts",)  # absent from files of an older minor version
+NO_EXPERT = 0xFFFF  # rollout_routed_experts: a dense layer, or a token the engine did not route
 
 
 @dataclass
@@ -62,7 +67,7 @@ class ShardMeta:
     step: int
     producer: str
     sampling: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, top_k, ...
-    schema_version: int = SCHEMA_VERSION
+    schema_version: str = SCHEMA_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_parquet(self) -> dict[bytes, bytes]:
@@ -82,15 +87,52 @@ class ShardMeta:
         if missing:
             raise ShardSchemaError(f"{where}: file metadata lacks {', '.join(missing)}; "
                                    "the shard was not written by rltool's shard writer")
-        if kv["schema_version"] != str(SCHEMA_VERSION):
+        if not readable_version(kv["schema_version"]):
             raise ShardSchemaError(f"{where}: schema version {kv['schema_version']} is not "
-                                   f"{SCHEMA_VERSION}; re-create the shard with this rltool")
+                                   f"{SCHEMA_VERSION} or an older 1.x; re-create the shard with "
+                                   "this rltool, or read it with the rltool that wrote it")
         try:
             return cls(tokenizer_hash=kv["tokenizer_hash"], step=int(kv["step"]),
                        producer=kv["producer"], sampling=json.loads(kv["sampling"]),
-                       schema_version=SCHEMA_VERSION, extra=json.loads(kv.get("extra", "{}")))
+                       schema_version=kv["schema_version"],
+                       extra=json.loads(kv.get("extra", "{}")))
         except ValueError as e:  # a non-integer step, or sampling/extra that is not JSON
             raise ShardSchemaError(f"{where}: corrupt rltool.* file metadata ({e})") from e
+
+
+def readable_version(version: str) -> bool:
+    """Whether this reader takes a file of schema `version` ("1" is "1.0")."""
+    want_major, want_minor = (int(x) for x in SCHEMA_VERSION.split("."))
+    major, _, minor = version.partition(".")
+    if not major.isdigit() or not (minor or "0").isdigit():
+        return False
+    return int(major) == want_major and int(minor or "0") <= want_minor
+
+
+def encode_routed_experts(ids: Any, num_tokens: int) -> bytes:
+    """The `rollout_routed_experts` value of a sample of `num_tokens` tokens: expert ids [n, W]
+    (n <= num_tokens - 1 routed tokens, W = MoE layers x top-k; -1 for none) as little-endian
+    uint16 [num_tokens - 1, W], tokens past n marked NO_EXPERT."""
+    import numpy as np
+
+    ids = np.asarray(ids, dtype=np.int64).reshape(len(ids), -1)
+    rows = max(num_tokens - 1, 0)
+    if len(ids) > rows or (ids >= NO_EXPERT).any():
+        raise BadInputError(f"routed experts of {len(ids)} tokens with ids up to "
+                            f"{int(ids.max(initial=0))} do not fit a sample of {num_tokens} tokens "
+                            f"(at most {rows} tokens, ids below {NO_EXPERT})")
+    out = np.full((rows, ids.shape[1]), NO_EXPERT, dtype="<u2")
+    out[:len(ids)] = np.where(ids < 0, NO_EXPERT, ids)
+    return out.tobytes()
+
+
+def decode_routed_experts(raw: bytes, num_tokens: int) -> Any:
+    """int32 [num_tokens - 1, W] (-1: none) from a `rollout_routed_experts` value."""
+    import numpy as np
+
+    ids = np.frombuffer(raw, dtype="<u2").astype(np.int32).reshape(max(num_tokens - 1, 0), -1)
+    ids[ids == NO_EXPERT] = -1
+    return ids
 
 
 def file_xxh3_128(path: str | os.PathLike) -> str:
@@ -103,7 +145,8 @@ def file_xxh3_128(path: str | os.PathLike) -> str:
 
 def make_row(**values: Any) -> dict[str, Any]:
     """A row with the optional columns defaulted; `metadata` may be a dict (stored as JSON)."""
-    row = {"rewards": None, "label": None, "teacher_logprobs": None, "metadata": "{}", **values}
+    row = {"rewards": None, "label": None, "teacher_logprobs": None, "metadata": "{}",
+           "rollout_routed_experts": None, **values}
     if not isinstance(row["metadata"], str):
         row["metadata"] = json.dumps(row["metadata"], sort_keys=True)
     return row
@@ -155,14 +198,25 @@ def write_shard(out: str | os.PathLike, rows: Iterable[dict[str, Any]], meta: Sh
 
 
 def _check_schema(schema: pa.Schema, *, where: str) -> None:
-    missing = [c for c in COLUMNS if c not in schema.names]
+    missing = [c for c in COLUMNS if c not in schema.names and c not in OPTIONAL_COLUMNS]
     if missing:
         raise ShardSchemaError(f"{where}: missing column(s) {', '.join(missing)}")
     for name in COLUMNS:
+        if name not in schema.names:
+            continue
         want = SCHEMA.field(name).type
         got = schema.field(name).type
         if got != want:
             raise ShardSchemaError(f"{where}: column {name} has type {got}, expected {want}")
+
+
+def _with_optional_columns(table: pa.Table) -> pa.Table:
+    """A table of an older minor version with the columns it predates, all null."""
+    for name in OPTIONAL_COLUMNS:
+        if name not in table.schema.names:
+            table = table.append_column(SCHEMA.field(name),
+                                        pa.nulls(table.num_rows, SCHEMA.field(name).type))
+    return table
 
 
 def _validate_table(table: pa.Table, *, where: str) -> None:
@@ -195,6 +249,14 @@ def _validate_table(table: pa.Table, *, where: str) -> None:
             i = pc.index(bad, True).as_py()
             raise ShardSchemaError(f"{where}: row {i}: teacher_logprobs length differs from "
                                    "the response length")
+    routed = table["rollout_routed_experts"]
+    if routed.null_count < len(routed):  # uint16 [tokens - 1, W] per row
+        tokens = pc.add(pc.list_value_length(table["prompt_token_ids"]), resp_len).to_pylist()
+        for i, (n, t) in enumerate(zip(pc.binary_length(routed).to_pylist(), tokens)):
+            if n is not None and (n % (2 * max(t - 1, 1)) or (t <= 1 and n)):
+                raise ShardSchemaError(f"{where}: row {i}: rollout_routed_experts holds {n} "
+                                       f"bytes, not 2 x {max(t - 1, 0)} (tokens - 1) x the "
+                                       "experts per token")
     bad_status = pc.invert(pc.is_in(table["status"], value_set=pa.array(STATUSES)))
     if pc.any(bad_status).as_py():
         i = pc.index(bad_status, True).as_py()
@@ -229,7 +291,7 @@ class Shard:
         for part in self.part_paths():
             pf = pq.ParquetFile(part)
             for i in range(pf.num_row_groups):
-                table = pf.read_row_group(i)
+                table = _with_optional_columns(pf.read_row_group(i))
                 _validate_table(table, where=str(part))
                 if columns is not None:
                     table = table.select(columns)

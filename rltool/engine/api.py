@@ -84,11 +84,16 @@ class GenerateInput(BaseModel):
     top_logprobs_num: int | list[int] = 0
     token_ids_logprob: list[int] | None = None
     return_text_in_logprobs: bool = False
+    # MoE models: meta_info["routed_experts"] of a finished request, base64 of little-endian
+    # int32 [prompt + completion tokens - 1, num_hidden_layers, top_k] (-1 in dense layers).
+    return_routed_experts: bool | list[bool] = False
 
-    @field_validator("return_logprob", "logprob_start_len", "top_logprobs_num", mode="before")
+    @field_validator("return_logprob", "logprob_start_len", "top_logprobs_num",
+                     "return_routed_experts", mode="before")
     @classmethod
     def _null_is_default(cls, value: Any, info: Any) -> Any:
-        defaults = {"return_logprob": False, "logprob_start_len": -1, "top_logprobs_num": 0}
+        defaults = {"return_logprob": False, "logprob_start_len": -1, "top_logprobs_num": 0,
+                    "return_routed_experts": False}
         return defaults[info.field_name] if value is None else value
 
 

@@ -299,11 +299,13 @@ class DenseLM:
            k_scale=k_scale, v_scale=v_scale)
 
     def hidden(self, input_ids: torch.Tensor, attend: Attend,
-               collect: list[torch.Tensor] | None = None) -> torch.Tensor:
+               collect: list[torch.Tensor] | None = None,
+               routed: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Final-norm hidden states [T, hidden] of a packed token stream. `attend` gets q, k, v
         before RoPE (it applies `rope_store`, so the cache write can be fused with it). `collect`
         receives transformers' `output_hidden_states`: the embeddings, each layer's output, the
-        last one after the final norm."""
+        last one after the final norm. `routed` receives each sparse layer's expert ids [T, k], in
+        layer order."""
         from rltool.engine import fused
 
         s = self.spec
@@ -329,7 +331,7 @@ class DenseLM:
             a = attend(i, q, k, v).reshape(T, q_size)
             h, residual = add_norm(linear(a, L["o"]), residual, L["ln2"], s.rms_norm_eps)
             if self._sparse(i):
-                m = moe.forward(h, L, s.moe, silu_mul)
+                m = moe.forward(h, L, s.moe, silu_mul, routed)
             else:
                 m = linear(silu_mul(linear(h, L["gate_up"])), L["down"])
             after = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.norm

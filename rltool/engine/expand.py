@@ -29,8 +29,10 @@ def _per_item(value: Any, i: int, count: int, name: str) -> Any:
 
 
 def expand_generate(body: GenerateInput, *, tokenizer: Any, context_length: int,
-                    vocab_size: int, deterministic: bool) -> tuple[list[Request], bool]:
-    """Validate and expand a /generate body. Returns (requests, respond_with_list)."""
+                    vocab_size: int, deterministic: bool,
+                    moe: bool = False) -> tuple[list[Request], bool]:
+    """Validate and expand a /generate body (`moe`: the served model has MoE layers). Returns
+    (requests, respond_with_list)."""
     extra = body.model_extra or {}
     for name in UNSUPPORTED_FIELDS:
         if extra.get(name) not in (None, [], {}):
@@ -77,6 +79,10 @@ def expand_generate(body: GenerateInput, *, tokenizer: Any, context_length: int,
             raise BadInputError(f"top_logprobs_num must be in [0, {vocab_size}]")
         if start < -1:
             raise BadInputError("logprob_start_len must be >= -1")
+        routed = bool(_per_item(body.return_routed_experts, i, count, "return_routed_experts"))
+        if routed and not moe:
+            raise BadInputError("return_routed_experts needs an MoE model; the served model has "
+                                "no MoE layers (drop the field)")
         base = _rid(body.rid, i, batched=batched)
         for j in range(n):
             rid = base if n == 1 else f"{base}_{j}"
@@ -91,7 +97,8 @@ def expand_generate(body: GenerateInput, *, tokenizer: Any, context_length: int,
                 return_logprob=bool(_per_item(body.return_logprob, i, count, "return_logprob")),
                 logprob_start_len=min(start, len(prompt) - 1), top_logprobs_num=top_n,
                 token_ids_logprob=body.token_ids_logprob,
-                return_text_in_logprobs=body.return_text_in_logprobs, generator=generator))
+                return_text_in_logprobs=body.return_text_in_logprobs,
+                return_routed_experts=routed, generator=generator))
     return reqs, batched or n > 1
 
 

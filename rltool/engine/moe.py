@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -95,9 +96,13 @@ def route(h: torch.Tensor, router: torch.Tensor, spec: MoeSpec
 
 
 def forward(h: torch.Tensor, layer: dict[str, torch.Tensor], spec: MoeSpec,
-            silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """The sparse MLP of one layer: h [T, H] -> [T, H] in h's dtype."""
+            silu_mul: Callable[[torch.Tensor], torch.Tensor],
+            routed: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """The sparse MLP of one layer: h [T, H] -> [T, H] in h's dtype. `routed` receives the
+    expert ids [T, k] the tokens were routed to (rollout routing replay)."""
     weights, experts = route(h, layer["router"], spec)
+    if routed is not None:
+        routed.append(experts)
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token = order // spec.top_k
@@ -115,3 +120,58 @@ def forward(h: torch.Tensor, layer: dict[str, torch.Tensor], spec: MoeSpec,
         out.index_add_(0, token[rows], y)
         start += n
     return out
+
+
+class RoutedExperts:
+    """The experts each token of the engine's KV pool was routed to, per sparse layer, indexed
+    by KV slot (so a reused cached prefix keeps the routing it was computed with):
+    [slots, sparse layers, k], int16 (int32 past 32,767 experts), on the pool's device."""
+
+    def __init__(self, spec: MoeSpec, num_layers: int, *, slots: int, device: torch.device):
+        self.spec, self.num_layers = spec, num_layers
+        self.layers = sorted(spec.sparse_layers)
+        self.ids = torch.zeros(slots, len(self.layers), spec.top_k, dtype=self.dtype(spec),
+                               device=device)
+
+    @staticmethod
+    def make(spec: MoeSpec | None, num_layers: int, *, slots: int, device: torch.device
+             ) -> "RoutedExperts | None":
+        """The record of an MoE model's pool of `slots` tokens (None for a dense model)."""
+        return None if spec is None else RoutedExperts(spec, num_layers, slots=slots,
+                                                       device=device)
+
+    @staticmethod
+    def dtype(spec: MoeSpec) -> torch.dtype:
+        return torch.int16 if spec.num_experts <= 2**15 else torch.int32
+
+    @staticmethod
+    def bytes_per_token(spec: MoeSpec | None) -> int:
+        """Bytes of the record per pool token (0 for a dense model)."""
+        if spec is None:
+            return 0
+        size = torch.empty((), dtype=RoutedExperts.dtype(spec)).element_size()
+        return len(spec.sparse_layers) * spec.top_k * size
+
+    @staticmethod
+    def hidden(model: Any, ids: torch.Tensor, attend: Any, record: "RoutedExperts | None",
+               slots: torch.Tensor) -> torch.Tensor:
+        """`model.hidden(ids, attend)` (rltool.engine.dense_model), its routing recorded at the
+        KV slots [T] of the tokens when `record` is given."""
+        routed: list[torch.Tensor] | None = [] if record is not None else None
+        hidden = model.hidden(ids, attend, routed=routed)
+        if routed:
+            record.ids[slots] = torch.stack(routed, dim=1).to(record.ids.dtype)
+        return hidden
+
+    def read(self, table: Any, rid: str, length: int) -> np.ndarray | None:
+        """int32 [length, num_layers, k]: the experts of the first `length` tokens of request
+        `rid` of the page table, -1 in dense layers (SGLang's layout of routed_experts); None
+        once the KV of those tokens is no longer held."""
+        entry = table.entries.get(rid)
+        if entry is None or entry.length < length:
+            return None
+        slots = torch.tensor(table.slots(rid, 0, length), dtype=torch.long,
+                             device=self.ids.device)
+        out = np.full((length, self.num_layers, self.spec.top_k), -1, dtype=np.int32)
+        out[:, self.layers] = self.ids[slots].cpu().numpy()
+        return out

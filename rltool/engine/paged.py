@@ -266,6 +266,8 @@ class KVPool:
         if self.fp8:
             self.k_scale = torch.ones(shape[:3], dtype=torch.float32, device=device)
             self.v_scale = torch.ones(shape[:3], dtype=torch.float32, device=device)
+        # An MoE model's routed experts per slot, kept with their KV (rltool.engine.moe)
+        self.routed: Any = None
 
     @staticmethod
     def bytes_per_token(spec: Any, *, dtype: torch.dtype, kv_cache_dtype: str) -> int:
@@ -296,13 +298,15 @@ class KVPool:
         return 2 * self.k.numel() * self.k.element_size() + scales
 
     def copy_tokens(self, src_page: int, dst_page: int, n: int, *, page_size: int) -> None:
-        """Copy the KV (and FP8 scales) of the first `n` tokens of page `src_page` into page
-        `dst_page`, every layer (queued on the current stream, so it lands before any later
-        forward reads it)."""
+        """Copy the KV (and FP8 scales, routed experts) of the first `n` tokens of page
+        `src_page` into page `dst_page`, every layer (queued on the current stream, so it lands
+        before any later forward reads it)."""
         src, dst = src_page * page_size, dst_page * page_size
         for t in (self.k, self.v, self.k_scale, self.v_scale):
             if t is not None:
                 t[:, dst:dst + n] = t[:, src:src + n]
+        if self.routed is not None:
+            self.routed.ids[dst:dst + n] = self.routed.ids[src:src + n]
 
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

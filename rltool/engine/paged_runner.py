@@ -26,9 +26,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from rltool import batch_invariant
 from rltool.engine import quant
 from rltool.engine.dense_model import DenseLM, load_checkpoint, load_model, read_spec
 from rltool.engine.loading import check_servable, eos_token_ids, load_tokenizer, loading
+from rltool.engine.moe import RoutedExperts
 from rltool.engine.paged import (KV_CACHE_DTYPES, KVPool, PageTable, decode_attention_ref,
                                  host_tensor, sdpa)
 from rltool.errors import BadInputError, EngineError
@@ -83,8 +85,7 @@ class PagedRunner:
         self.deterministic = deterministic
         # The Triton kernels (sampler, batch-invariant ops) run on CUDA, and on CPU under
         # TRITON_INTERPRET=1 (tests). Deterministic without them (CPU): a forward per request.
-        from rltool.batch_invariant import INTERPRETED
-        self.triton_kernels = self.device.type == "cuda" or INTERPRETED
+        self.triton_kernels = self.device.type == "cuda" or batch_invariant.INTERPRETED
         self.invariant_kernels = deterministic and self.triton_kernels
         # Deterministic: a reused prefix would compute a prompt's tail in another attention
         # layout than a fresh prefill, so whether a prompt hit the cache would change its numbers.
@@ -115,8 +116,9 @@ class PagedRunner:
         if self.deterministic:  # transformers' ops one by one (the trainer's), invariant kernels
             self.model.fused = False
         self.model.rope_table(self.context_length)
-        per_token = self.kv_bytes_per_token = KVPool.bytes_per_token(
+        self.kv_bytes_per_token = KVPool.bytes_per_token(
             self.spec, dtype=DTYPES[self.dtype], kv_cache_dtype=self.kv_cache_dtype)
+        per_token = self.kv_bytes_per_token + RoutedExperts.bytes_per_token(self.spec.moe)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             gc.collect()
@@ -141,6 +143,8 @@ class PagedRunner:
                                max_pages_per_request=-(-self.context_length // self.page_size),
                                device=self.device, prefix_cache=self.prefix_cache)
         self.max_total_num_tokens = (num_pages - 1) * self.page_size
+        self.pool.routed = RoutedExperts.make(self.spec.moe, self.spec.num_layers,
+                                              slots=num_pages * self.page_size, device=self.device)
         log.info("KV pool: %d pages of %d tokens (%.2f GiB); weights %.2f GiB", num_pages,
                  self.page_size, self.pool.nbytes() / 2**30, self.model.nbytes() / 2**30)
         if self.use_graphs:
@@ -228,8 +232,6 @@ class PagedRunner:
         kernels (rltool.batch_invariant) while the block runs; otherwise nothing."""
         if not self.invariant_kernels:
             return contextlib.nullcontext()
-        from rltool import batch_invariant
-
         return batch_invariant.enabled(self.device.type)
 
     @torch.no_grad()
@@ -300,7 +302,7 @@ class PagedRunner:
                                      scale=self.scale, mask=mask).squeeze(0)
             return out
 
-        hidden = model.hidden(ids_t, attend)
+        hidden = RoutedExperts.hidden(model, ids_t, attend, pool.routed, loc_t)
         rows = [last[i] for i in range(len(chunks)) if want[i]]
         if not rows:
             return None
@@ -421,21 +423,20 @@ class PagedRunner:
 
         # Logits stay in the model dtype here (the sampling kernel reads them as they are): the
         # float32 copy of a [256, 152k] batch would cost as much as a layer.
-        return model.logits(model.hidden(ids, attend), upcast=self.device.type != "cuda")
+        hidden = RoutedExperts.hidden(model, ids, attend, pool.routed, loc)  # MoE: no graph
+        return model.logits(hidden, upcast=self.device.type != "cuda")
 
     def _paged_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
                          rows: torch.Tensor, seq_lens: torch.Tensor, *, max_len: int,
                          splits: int | None = None, **sc: Any) -> torch.Tensor:
-        """q [B, H, D] (one token per row) over the first seq_lens[i] cached tokens of table row
-        rows[i]: the Triton split-KV kernel on CUDA, the torch reference (`max_len`) on CPU."""
+        """q [B, H, D] over rows' first seq_lens cached tokens: Triton on CUDA, torch on CPU."""
         if self.device.type == "cuda":
             from rltool.engine.decode_attention import decode_attention, num_splits_for
 
+            splits = splits or num_splits_for(q.shape[0], self.spec.num_kv_heads)
             return decode_attention(q, kc, vc, req_to_page=self.table.req_to_page, rows=rows,
                                     seq_lens=seq_lens, page_size=self.page_size, scale=self.scale,
-                                    num_splits=splits or num_splits_for(q.shape[0],
-                                                                        self.spec.num_kv_heads),
-                                    **sc)
+                                    num_splits=splits, **sc)
         return decode_attention_ref(q, kc, vc, req_to_page=self.table.req_to_page, rows=rows,
                                     seq_lens=seq_lens, page_size=self.page_size, max_len=max_len,
                                     scale=self.scale, **sc)

@@ -448,6 +448,10 @@ class PagedScheduler(Scheduler):
 
     def _finish(self, req: Request, reason: dict[str, Any]) -> None:
         if not req.finished:
+            routed = getattr(self.runner.pool, "routed", None)  # an MoE model's, while loaded
+            if req.return_routed_experts and routed is not None:
+                # every token whose KV was computed (all but the last sampled), as SGLang does
+                req.routed_experts = routed.read(self.runner.table, req.rid, req.prefill_target)
             self._removals += 1
             self.runner.remove(req.rid)
             self._generators.pop(req.rid, None)

@@ -9,11 +9,13 @@ last one at the end of the output); `weight_spans` gives SGLang's [{version, sta
 
 from __future__ import annotations
 
+import base64
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from rltool.engine.sampling import SamplingParams
@@ -30,6 +32,7 @@ class Request:
     top_logprobs_num: int = 0
     token_ids_logprob: list[int] | None = None
     return_text_in_logprobs: bool = False
+    return_routed_experts: bool = False
     generator: torch.Generator | None = None
     # Called on the scheduler thread: after each sampled token (streaming) and once at the end.
     on_token: Callable[["Request"], None] | None = None
@@ -41,6 +44,8 @@ class Request:
     output_token_ids_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    # int32 [tokens - 1, layers, k], set when a request with return_routed_experts finishes
+    routed_experts: np.ndarray | None = None
     spans: list[tuple[str, int]] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     text: str = ""
@@ -114,6 +119,9 @@ def build_response(req: Request, *, tokenizer: Any, weight_version: str) -> dict
     }
     if req.finished and req.t_finish is not None:
         meta["e2e_latency"] = req.t_finish - req.t_arrival
+    if req.finished and req.routed_experts is not None:
+        meta["routed_experts"] = base64.b64encode(
+            req.routed_experts.astype("<i4", copy=False).tobytes()).decode("ascii")
     if req.return_logprob:
         with_text = req.return_text_in_logprobs
         meta["output_token_logprobs"] = _triples(

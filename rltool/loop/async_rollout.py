@@ -156,7 +156,8 @@ class RolloutStream:
                               generate_fn=self.inputs.generate_fn, sampling=self.cfg.sampling(),
                               reward_fn=self.inputs.reward_fn,
                               reward_timeout_s=self.cfg.reward_timeout_s,
-                              reward_workers=self.cfg.reward_workers)
+                              reward_workers=self.cfg.reward_workers,
+                              request_fields=self.cfg.request_fields())
         tasks: set[asyncio.Task] = set()
         try:
             async with collector.streaming():

@@ -89,6 +89,10 @@ class LoopConfig(TrackingConfig):
                                    json_schema_extra=cli(option=False))
     engine_ready_timeout_s: float = Field(180.0, gt=0, description="Wait this long for an "
                                           "engine's ready file.")
+    use_rollout_routing_replay: bool = Field(
+        False, description="MoE models (R3): rollouts ask the engines for the experts they "
+        "routed every token to and the trainer replays them (rollout and train "
+        "--use-rollout-routing-replay).")
     deterministic: bool = Field(False, description="Engines --deterministic, trainer "
                                 "--deterministic and a fixed rollout seed: a resumed run reaches "
                                 "the same weights as an uninterrupted one.")
@@ -303,6 +307,8 @@ class LoopSettings(BaseModel):
     def rollout_config(self, run: RunDir, *, step: int, urls: list[str]) -> RolloutConfig:
         values = dict(self.rollout)
         values.setdefault("seed", self.loop.seed if self.loop.deterministic else None)
+        if self.loop.use_rollout_routing_replay:
+            values["use_rollout_routing_replay"] = True
         values.update(self._target(values, urls), out=str(run.rollout_step(step)), step=step,
                       quiet=True, metrics=str(run.metrics_file("rollout")))
         return _validate(RolloutConfig, values, "rollout")
@@ -355,6 +361,8 @@ class LoopSettings(BaseModel):
             values.setdefault("dtype", "bf16")
         if self.loop.deterministic:
             values["deterministic"] = True
+        if self.loop.use_rollout_routing_replay:
+            values["use_rollout_routing_replay"] = True
         values.update(rollouts=[str(run.rollout_step(step))], load=load, save=str(run.ckpt),
                       metrics=str(run.metrics_file("train")))
         return _validate(TrainConfig, values, "train")

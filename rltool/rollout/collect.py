@@ -63,7 +63,8 @@ class Collector:
     def __init__(self, *, router: Any, tokenizer: Any, generate_fn: GenerateFn,
                  sampling: dict[str, Any], reward_fn: Callable[..., Any], reward_timeout_s: float,
                  reward_workers: int = 4, options: dict[str, Any] | None = None,
-                 progress: Any = None):
+                 progress: Any = None, request_fields: dict[str, Any] | None = None):
+        """request_fields: added to every /generate body (e.g. return_routed_experts)."""
         self.router = router
         self.tokenizer = tokenizer
         self.generate_fn = generate_fn
@@ -72,6 +73,7 @@ class Collector:
         self.reward_timeout_s = reward_timeout_s
         self.reward_workers = reward_workers
         self.options = options or {}
+        self.request_fields = request_fields or {}
         self.progress = progress
         self.output_tokens = 0
         self.reward_calls = 0
@@ -239,10 +241,12 @@ class Collector:
 
     async def _run_group_batched(self, group: _Group) -> list[Sample]:
         samples = group.samples
-        sessions = [SessionClient(self.router, session_id=s.uid) for s in samples]
+        sessions = [SessionClient(self.router, session_id=s.uid,
+                                  request_fields=self.request_fields) for s in samples]
         group.sessions.extend(sessions)
         budget = self.sampling["max_response_len"]
-        payload = {"input_ids": [s.tokens for s in samples], "return_logprob": True,
+        payload = {**self.request_fields,
+                   "input_ids": [s.tokens for s in samples], "return_logprob": True,
                    "sampling_params": [self._context(c).sampling_params(
                        max_new_tokens=budget, turn=0, sample=s)
                        for s, c in zip(samples, sessions)],
@@ -269,7 +273,8 @@ class Collector:
     async def _run_sample(self, sample: Sample, group: _Group) -> list[Sample]:
         if sample.status in ("completed", "truncated", "failed"):
             return [sample]  # a finished member of a carried-over group
-        session = SessionClient(self.router, session_id=sample.uid)
+        session = SessionClient(self.router, session_id=sample.uid,
+                                request_fields=self.request_fields)
         group.sessions.append(session)
         ctx = self._context(session)
         sample.status = "pending"

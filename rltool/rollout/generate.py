@@ -55,6 +55,9 @@ class Sample:
     rewards: dict[str, float] | None = None
     engine_urls: list[str] = field(default_factory=list)
     teacher_logprobs: list[float] | None = None  # on-policy distillation (rollout.teachers)
+    # Rollout routing replay: int32 [tokens - 1 (or fewer), MoE layers x k], the experts the
+    # engine routed each token to in its last turn (-1: none); the shard's rollout_routed_experts.
+    routed_experts: Any = None
 
     @property
     def tokens(self) -> list[int]:
@@ -68,6 +71,9 @@ class Sample:
     def append_engine_output(self, response: dict[str, Any]) -> str:
         """Append one engine turn (model tokens: loss_mask 1); return the engine's finish type."""
         ids, logprobs, versions, finish = parse_engine_output(response)
+        routed = (response.get("meta_info") or {}).get("routed_experts")
+        if routed is not None:  # the turn's input and output, all but the last token
+            self.routed_experts = parse_routed_experts(routed, len(self.tokens) + len(ids) - 1)
         self.response_token_ids += ids
         self.rollout_logprobs += logprobs
         self.loss_mask += [1] * len(ids)
@@ -94,9 +100,11 @@ class SessionClient:
     turn meets its KV prefix on the same engine; sticky=False balances by load.
     """
 
-    def __init__(self, router: Any, *, session_id: str):
+    def __init__(self, router: Any, *, session_id: str,
+                 request_fields: dict[str, Any] | None = None):
         self.router = router
         self.session_id = session_id
+        self.request_fields = request_fields or {}  # added to every payload (the stage's)
         self.engine_urls: list[str] = []
         self.rids: list[str] = []
         self.aborted = False  # set when the batch is full: later turns are not sent
@@ -104,7 +112,7 @@ class SessionClient:
     async def generate(self, payload: dict[str, Any], *, sticky: bool = False) -> dict[str, Any]:
         if self.aborted:
             return abort_response("aborted before dispatch (the batch was full)")
-        payload = dict(payload)
+        payload = {**self.request_fields, **payload}
         payload.setdefault("rid", uuid.uuid4().hex)
         self.rids.append(payload["rid"])
         response, url = await self.router.generate(
@@ -155,6 +163,24 @@ def parse_version(value: Any) -> int:
     except (TypeError, ValueError):
         raise EngineError(f"engine reported weight_version {value!r}, not an integer; rltool "
                           "engines are given integer versions") from None
+
+
+def parse_routed_experts(value: Any, tokens: int) -> Any:
+    """SGLang's meta_info.routed_experts (base64 of int32 [tokens, layers, k]) as int32
+    [tokens, layers x k]."""
+    import base64
+    import binascii
+
+    import numpy as np
+
+    try:
+        flat = np.frombuffer(base64.b64decode(value, validate=True), dtype="<i4")
+    except (binascii.Error, TypeError, ValueError) as e:
+        raise EngineError(f"malformed routed_experts in the /generate response ({e})") from e
+    if tokens <= 0 or flat.size % tokens or not flat.size:
+        raise EngineError(f"engine returned {flat.size} routed expert ids for {tokens} tokens, "
+                          "not a whole number per token")
+    return flat.astype(np.int32).reshape(tokens, -1)
 
 
 def parse_engine_output(response: dict[str, Any]) -> tuple[list[int], list[float], list[int], str]:
@@ -231,12 +257,14 @@ def load_generate_fn(spec: str | None) -> GenerateFn:
 
 def to_row(sample: Sample) -> dict[str, Any]:
     """A finished sample as a shard row (docs/formats.md schema)."""
-    from rltool.data.shards import make_row
+    from rltool.data.shards import encode_routed_experts, make_row
 
     assert sample.finished, f"sample {sample.uid} is still {sample.status}"
     metadata = dict(sample.metadata)
     if sample.engine_urls:
         metadata["engines"] = sample.engine_urls
+    routed = (None if sample.routed_experts is None else
+              encode_routed_experts(sample.routed_experts, len(sample.tokens)))
     return make_row(
         uid=sample.uid, prompt_id=sample.prompt_id, group_id=sample.group_id,
         sample_index=sample.sample_index, prompt=sample.prompt,
@@ -245,14 +273,18 @@ def to_row(sample: Sample) -> dict[str, Any]:
         loss_mask=sample.loss_mask, weight_versions=sample.weight_versions,
         reward=float(sample.reward), rewards=sample.rewards, status=sample.status,
         finish_reason=sample.finish_reason, label=sample.label, metadata=metadata,
-        teacher_logprobs=sample.teacher_logprobs)
+        teacher_logprobs=sample.teacher_logprobs, rollout_routed_experts=routed)
 
 
 def from_row(row: dict[str, Any]) -> Sample:
     """A shard row back as a Sample (partial rollouts resume from these)."""
     import json
 
+    from rltool.data.shards import decode_routed_experts
+
     metadata = json.loads(row["metadata"]) if row.get("metadata") else {}
+    routed = row.get("rollout_routed_experts")
+    tokens = len(row["prompt_token_ids"]) + len(row["response_token_ids"])
     engine_urls = metadata.pop("engines", [])
     rewards = row.get("rewards")
     if isinstance(rewards, list):  # pyarrow gives a map column as [(key, value), ...]
@@ -265,4 +297,5 @@ def from_row(row: dict[str, Any]) -> Sample:
         rollout_logprobs=list(row["rollout_logprobs"]), loss_mask=list(row["loss_mask"]),
         weight_versions=list(row["weight_versions"]), status=row["status"],
         finish_reason=row["finish_reason"], reward=float(row["reward"]), rewards=rewards,
-        engine_urls=list(engine_urls))
+        engine_urls=list(engine_urls),
+        routed_experts=None if routed is None else decode_routed_experts(routed, tokens))

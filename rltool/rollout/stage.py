@@ -102,6 +102,10 @@ class EngineStageConfig(StageConfig):
             raise ValueError("give exactly one of --engines URL[,URL...] or --router URL")
         return self
 
+    def request_fields(self) -> dict[str, Any]:
+        """Fields added to every /generate body of the stage."""
+        return {}
+
     def sampling(self) -> dict[str, Any]:
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                 "max_response_len": self.max_response_len,
@@ -129,6 +133,10 @@ class RolloutConfig(EngineStageConfig):
     opd_teacher_route: str | None = Field(None, description="Prompt metadata field whose value "
                                           "names each sample's teacher (default: teachers mixed "
                                           "by their weights).")
+    use_rollout_routing_replay: bool = Field(
+        False, description="MoE models: ask the engines for the experts they routed every "
+        "token to (return_routed_experts) and store them in the shard "
+        "(rollout_routed_experts), for the trainer to replay.")
     max_failed_rewards_frac: float = Field(
         0.05, ge=0.0, le=1.0, description="Exit 3, writing nothing, when more than this share "
         "of the step's reward calls failed (raised or timed out), so a broken reward function "
@@ -149,6 +157,9 @@ class RolloutConfig(EngineStageConfig):
         if self.opd_teacher_route and not self.opd_teacher:
             raise ValueError("--opd-teacher-route needs --opd-teacher NAME=URL[,...]")
         return self
+
+    def request_fields(self) -> dict[str, Any]:
+        return {"return_routed_experts": True} if self.use_rollout_routing_replay else {}
 
     @model_validator(mode="after")
     def _filter_needs_groups(self) -> "RolloutConfig":
@@ -234,7 +245,8 @@ class StageInputs:
                                           generate_fn=self.generate_fn, sampling=cfg.sampling(),
                                           reward_fn=self.reward_fn,
                                           reward_timeout_s=cfg.reward_timeout_s,
-                                          reward_workers=cfg.reward_workers, progress=progress)
+                                          reward_workers=cfg.reward_workers, progress=progress,
+                                          request_fields=cfg.request_fields())
                     result = await collector.run(source, target_groups=target_groups, **run_kwargs)
                 return result, router.stats()
             finally:

@@ -29,14 +29,18 @@ class MicroBatch:
     indices: list[int]
     tokens: list[list[int]]        # prompt + response ids per sample
     response_starts: list[int]     # first response position per sample
+    # Rollout routing replay: per sample, the experts the engine routed its tokens to (int32
+    # [tokens - 1, MoE layers x k], -1: none), replayed instead of the router's top-k; or None.
+    routed_experts: list[Any] | None = None
 
     @property
     def empty(self) -> bool:
         return not self.indices
 
     def split(self) -> list["MicroBatch"]:
-        return [MicroBatch([i], [t], [s])
-                for i, t, s in zip(self.indices, self.tokens, self.response_starts)]
+        routes = self.routed_experts or [None] * len(self.indices)
+        return [MicroBatch([i], [t], [s], None if r is None else [r])
+                for i, t, s, r in zip(self.indices, self.tokens, self.response_starts, routes)]
 
 
 @dataclass

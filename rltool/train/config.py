@@ -52,6 +52,11 @@ class BackendConfig(MegatronOptions):
                                 "(rltool.logprobs.sequence_logprobs layout): exact alignment "
                                 "with the engine's deterministic mode, slower.")
     seed: int = Field(0, description="Seed of torch RNG and shuffling.")
+    use_rollout_routing_replay: bool = Field(
+        False, description="MoE models (R3): the old-logprob recompute and training route every "
+        "token to the experts the engine routed it to (the shards' rollout_routed_experts, "
+        "rltool rollout --use-rollout-routing-replay) instead of the router's own top-k; the "
+        "routing weights still come from the trainer's router over those experts.")
 
 
 class TrainConfig(BackendConfig, SyncConfig):

@@ -45,6 +45,7 @@ from rltool.train import megatron_state, packed
 from rltool.train.backend import ForwardOutput, LossFn, MicroBatch
 from rltool.train.config import BackendConfig
 from rltool.train.lr import lr_of
+from rltool.train.megatron_routing import MegatronRouterReplay
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,9 @@ class MegatronBackend:
         if cuda:
             model = model.cuda()
         megatron_state.load_hf_weights(model, self.model_dir)
+        self.replay = MegatronRouterReplay(
+            model, options, tp_rank=ps.get_tensor_model_parallel_rank()
+        ) if options.use_rollout_routing_replay else None  # rltool.train.megatron_routing
         self.config = model.config
         self.module = model
         self.model: Any = model
@@ -294,6 +298,8 @@ class MegatronBackend:
         def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Callable]:
             unit = next(data_iterator)
             p, params = self._pack(unit, length or self._rounded(sum(map(len, unit.tokens))))
+            if self.replay is not None:
+                self.replay.prepare(unit, p.ids.shape[1], self.device)
             with self._hidden_out():
                 output = model(p.ids, p.position_ids, None, packed_seq_params=params)
 

@@ -20,7 +20,8 @@ from rltool.errors import BadInputError, ShardSchemaError
 
 log = logging.getLogger(__name__)
 SHARD_COLUMNS = ["uid", "group_id", "prompt_token_ids", "response_token_ids", "rollout_logprobs",
-                 "loss_mask", "reward", "status", "teacher_logprobs", "metadata"]
+                 "loss_mask", "reward", "status", "teacher_logprobs", "metadata",
+                 "rollout_routed_experts"]
 
 
 @dataclass
@@ -34,6 +35,8 @@ class Sample:
     group: int  # dense group index across all shards of the set
     metadata: dict[str, Any] = field(default_factory=dict)
     teacher_logprobs: list[float] | None = None  # engine-mode on-policy distillation
+    # int32 [tokens - 1, MoE layers x k] (-1: none), the shard's rollout_routed_experts
+    routed_experts: Any = None
 
     @property
     def tokens(self) -> list[int]:
@@ -63,11 +66,12 @@ class SampleSet:
 
 
 def load_rollouts(shard_dirs: list[str | os.PathLike], *, tokenizer_hash: str,
-                  vocab_size: int) -> SampleSet:
-    """Open, verify and read shards; refuse a tokenizer mismatch, mixed temperatures, bad ids.
+                  vocab_size: int, routed_experts: bool = False) -> SampleSet:
+    """Open, verify and read shards; refuse a tokenizer mismatch, mixed temperatures, bad ids,
+    and with `routed_experts` (rollout routing replay) a sample without them.
 
     Groups that contain a `failed` sample are left out (and counted in the SampleSet)."""
-    from rltool.data.shards import MANIFEST, open_shard
+    from rltool.data.shards import MANIFEST, decode_routed_experts, open_shard
 
     samples: list[Sample] = []
     group_index: dict[tuple[int, int], int] = {}
@@ -98,6 +102,14 @@ def load_rollouts(shard_dirs: list[str | os.PathLike], *, tokenizer_hash: str,
                             reward=float(row["reward"]), group=g,
                             metadata=json.loads(row["metadata"] or "{}"),
                             teacher_logprobs=row["teacher_logprobs"])
+            if row["rollout_routed_experts"] is not None:
+                sample.routed_experts = decode_routed_experts(row["rollout_routed_experts"],
+                                                              sample.num_tokens)
+            elif routed_experts:
+                raise BadInputError(f"--use-rollout-routing-replay: sample {sample.uid} of {d} "
+                                    "has no rollout_routed_experts; re-run the rollout with "
+                                    "--use-rollout-routing-replay against an MoE engine, or "
+                                    "train without the flag")
             _check_sample(sample, where=str(d), vocab_size=vocab_size)
             samples.append(sample)
     if len(temperatures) > 1:

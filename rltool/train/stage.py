@@ -62,33 +62,32 @@ class TrainResult:
                 "checkpoint": self.checkpoint, "published": self.published, "last_metrics": last}
 
 
-def make_micro_batch(samples: list[Sample], indices: list[int]) -> MicroBatch:
-    return MicroBatch(indices=list(indices), tokens=[samples[i].tokens for i in indices],
-                      response_starts=[samples[i].response_start for i in indices])
-
-
 def rank_micro_batches(backend: TrainerBackend, samples: list[Sample], batch: list[int], *,
-                       max_tokens_per_microbatch: int) -> list[MicroBatch]:
+                       max_tokens_per_microbatch: int, replay: bool = False) -> list[MicroBatch]:
     """This rank's micro-batches of one global batch, from the DP schedule (the same plan for
     logprob recompute and training, so both see identical micro-batches)."""
     plan = schedule([samples[i].num_tokens for i in batch], dp_size=backend.dp_size,
                     max_tokens_per_microbatch=max_tokens_per_microbatch)
-    return [make_micro_batch(samples, [batch[j] for j in mb]) for mb in plan[backend.dp_rank]]
+    micro = [[batch[j] for j in mb] for mb in plan[backend.dp_rank]]
+    return [MicroBatch(indices=idx, tokens=[samples[i].tokens for i in idx],
+                       response_starts=[samples[i].response_start for i in idx],
+                       routed_experts=[samples[i].routed_experts for i in idx] if replay else None)
+            for idx in micro]
 
 
 def compute_logprobs(backend: TrainerBackend, samples: list[Sample], batches: list[list[int]], *,
                      temperature: float, max_tokens_per_microbatch: int,
                      with_values: bool = False, top_k: int = 0,
-                     rows_fn: Any = None) -> dict[str, list[torch.Tensor]]:
+                     rows_fn: Any = None, replay: bool = False) -> dict[str, list[torch.Tensor]]:
     """Logprobs (and with_values, the value head's values; top_k, "topk_ids"; rows_fn, "rows":
     rows_fn(index, logits [L, V])) of every sample in `batches`, computed with the training
     schedule of each batch and shared with every rank: {"logprobs": [...], ...}, lists indexed
-    like `samples` (empty tensors for samples not in any)."""
+    like `samples` (empty tensors for samples not in any); replay: the rollout's routing (R3)."""
     keys = ["logprobs"] + ["values"] * with_values + ["topk_ids"] * bool(top_k) + ["rows"] * bool(
         rows_fn)
     own: dict[str, dict[int, torch.Tensor]] = {k: {} for k in keys}
     for batch in batches:
-        for mb in rank_micro_batches(backend, samples, batch,
+        for mb in rank_micro_batches(backend, samples, batch, replay=replay,
                                      max_tokens_per_microbatch=max_tokens_per_microbatch):
             with trace.span("logprob_recompute", cat="train", samples=len(mb.indices)):
                 # with_logits only when asked: a backend without it (megatron) never gets it
@@ -152,7 +151,7 @@ def _load_samples(cfg: TrainConfig, model_dir: Path) -> SampleSet:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{model_dir}: unreadable config.json ({e})") from e
     return load_rollouts(cfg.rollouts, tokenizer_hash=tokenizer_hash(model_dir),
-                         vocab_size=vocab_size)
+                         vocab_size=vocab_size, routed_experts=cfg.use_rollout_routing_replay)
 
 
 def role_snapshots(cfg: TrainConfig, backend: TorchBackend, *, ref_dir: Path | None,
@@ -213,7 +212,7 @@ def _prepare_set(cfg: TrainConfig, backend: TrainerBackend, snapshots: WeightBac
         if "old_actor" in tags:
             switch("old_actor")
         # Values always come from the current weights (its value head trains with them).
-        old = compute_logprobs(backend, samples, batches,
+        old = compute_logprobs(backend, samples, batches, replay=cfg.use_rollout_routing_replay,
                                with_values=cfg.value_head and "old_actor" not in tags, **kwargs)
         data.old_logprobs = old["logprobs"]
         data.old_values = old.get("values")
@@ -240,6 +239,7 @@ def _prepare_set(cfg: TrainConfig, backend: TrainerBackend, snapshots: WeightBac
     if cfg.value_head:
         if data.old_values is None:  # bypass or --old-actor: no values from the current weights
             data.old_values = compute_logprobs(backend, samples, batches, with_values=True,
+                                               replay=cfg.use_rollout_routing_replay,
                                                **kwargs)["values"]
         advantages, data.returns = gae(rewards, data.old_values, masks, gamma=cfg.gamma,
                                        lambd=cfg.lambd, kl=kl, kl_coef=cfg.kl_coef)
@@ -406,7 +406,8 @@ def train_set(cfg: TrainConfig, backend: TrainerBackend, data: SampleTensors,
         batch = plan.batch(step)
         terms = batch_terms(cfg, data, batch, torch.tensor([samples[i].group for i in batch]))
         micro = rank_micro_batches(backend, samples, batch,
-                                   max_tokens_per_microbatch=cfg.max_tokens_per_microbatch)
+                                   max_tokens_per_microbatch=cfg.max_tokens_per_microbatch,
+                                   replay=cfg.use_rollout_routing_replay)
         with trace.span("train_step", cat="train", micro_batches=len(micro)), \
                 trace.torch_profile(step=sample_set.rollout_step, name="train"):
             metrics = backend.train_step(

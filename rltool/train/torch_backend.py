@@ -17,6 +17,9 @@
 - On CUDA: fused AdamW (one process or DDP); optional activation checkpointing.
 - Every rank runs the same number of forward passes and backward passes: empty or missing units
   become a one-token dummy pass whose loss is multiplied by zero.
+- `use_rollout_routing_replay` (MoE): a unit whose micro-batch carries routed experts replays
+  them through hooks on the model's routers (rltool.train.routing_replay), in its forward and
+  its backward.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from rltool.train import packed
 from rltool.train.backend import ForwardOutput, LossFn, MicroBatch, response_outputs
 from rltool.train.config import BackendConfig
 from rltool.train.lr import lr_of
+from rltool.train.routing_replay import HFRouterReplay
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +100,7 @@ class TorchBackend:
             torch.nn.init.zeros_(inner.value_head.weight)
             torch.nn.init.zeros_(inner.value_head.bias)
         self.inner = inner.to(self.device)
+        self.replay = HFRouterReplay(inner) if options.use_rollout_routing_replay else None
         self.fsdp = options.parallel == "fsdp" and self.dp_size > 1
         self.ddp = options.parallel == "ddp" and self.dp_size > 1 and self.trainable
         self.model: Any = self.inner
@@ -155,6 +160,14 @@ class TorchBackend:
         from rltool import batch_invariant
 
         return batch_invariant.enabled("cuda")
+
+    def _replaying(self, mb: MicroBatch) -> contextlib.AbstractContextManager:
+        """Rollout routing replay of `mb`'s routes, in the token layout `_forward` gives it."""
+        if self.replay is None or mb.empty or mb.routed_experts is None:
+            return contextlib.nullcontext()
+        padded = not self.packed and len(mb.tokens) > 1
+        return self.replay.replaying(mb, device=self.device,
+                                     width=max(map(len, mb.tokens)) if padded else None)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.options.dtype == "bf16" and not self.fsdp and not self.pure_bf16:
@@ -264,7 +277,7 @@ class TorchBackend:
         merged = ForwardOutput(logprobs=[], entropy=[] if with_entropy else None,
                                topk_logprobs=[] if top_k else None, topk_ids=[] if top_k else None)
         for unit in self._units([batch], lockstep=self.fsdp):
-            with self._kernels():
+            with self._kernels(), self._replaying(unit):
                 out, _ = self._forward(module, unit, temperature=temperature,
                                        with_entropy=with_entropy, top_k=top_k,
                                        with_logits=with_logits)
@@ -297,7 +310,7 @@ class TorchBackend:
         units = self._units(micro_batches, lockstep=self.dp_size > 1)
         sums: dict[str, float] = {}
         for k, unit in enumerate(units):
-            with self._grad_sync(k == len(units) - 1), self._kernels():
+            with self._grad_sync(k == len(units) - 1), self._kernels(), self._replaying(unit):
                 out, anchor = self._forward(self.model, unit, temperature=temperature,
                                             with_entropy=with_entropy, top_k=0,
                                             with_logits=with_logits)

@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rltool.data.shards import (COLUMNS, MANIFEST, SCHEMA, STATUSES, ShardMeta, make_row,
+from rltool.data.shards import (COLUMNS, MANIFEST, SCHEMA, STATUSES, ShardMeta,
+                                decode_routed_experts, encode_routed_experts, make_row,
                                 open_shard, shard_stats, write_shard)
 from rltool.errors import BadInputError, ShardSchemaError, TokenizerMismatchError
 from tests.helpers.shards import random_rewards, shard_meta, shard_rows, write_raw_shard
@@ -17,7 +18,7 @@ from tests.helpers.shards import random_rewards, shard_meta, shard_rows, write_r
 DOCUMENTED_COLUMNS = ["uid", "prompt_id", "group_id", "sample_index", "prompt", "prompt_token_ids",
                       "response", "response_token_ids", "rollout_logprobs", "loss_mask",
                       "weight_versions", "reward", "rewards", "status", "finish_reason", "label",
-                      "teacher_logprobs", "metadata"]
+                      "teacher_logprobs", "metadata", "rollout_routed_experts"]
 
 
 def _rows():
@@ -71,7 +72,7 @@ def test_file_metadata_keys(tmp_path):
     write_shard(tmp_path / "s", shard_rows(random_rewards()), meta)
     md = pq.read_metadata(tmp_path / "s" / "part-00000.parquet").metadata
     kv = {k.decode(): v.decode() for k, v in md.items() if k.startswith(b"rltool.")}
-    assert kv == {"rltool.schema_version": "1", "rltool.tokenizer_hash": "abcdef0123456789",
+    assert kv == {"rltool.schema_version": "1.1", "rltool.tokenizer_hash": "abcdef0123456789",
                   "rltool.step": "3", "rltool.producer": "rltool rollout",
                   "rltool.sampling": '{"temperature": 0.7, "top_k": 20, "top_p": 0.9}',
                   "rltool.extra": '{"engine": "builtin"}'}
@@ -233,3 +234,45 @@ def test_round_trip_property(tmp_path_factory):
             assert got == want
 
     check()
+
+
+def test_routed_experts_column_round_trip_and_refusals(tmp_path):
+    """rollout_routed_experts (schema 1.1): uint16 [tokens - 1, layers x k], -1 (a dense layer,
+    or a token after the engine's last turn) stored as 0xFFFF; a value of the wrong size is
+    refused by the writer and the reader."""
+    import numpy as np
+
+    rows = shard_rows(random_rewards(1, 2, seed=3), seed=3)
+    tokens = len(rows[0]["prompt_token_ids"]) + len(rows[0]["response_token_ids"])
+    ids = np.arange((tokens - 2) * 4).reshape(tokens - 2, 4) % 300  # one token short
+    ids[0, 1] = -1
+    rows[0]["rollout_routed_experts"] = encode_routed_experts(ids, tokens)
+    write_shard(tmp_path / "s", rows, shard_meta())
+    back = open_shard(tmp_path / "s").rows()
+    got = decode_routed_experts(back[0]["rollout_routed_experts"], tokens)
+    assert got.shape == (tokens - 1, 4) and got.dtype == np.int32
+    np.testing.assert_array_equal(got[:-1], ids)
+    assert (got[-1] == -1).all() and back[1]["rollout_routed_experts"] is None
+    with pytest.raises(BadInputError, match="do not fit"):
+        encode_routed_experts(np.zeros((tokens, 4)), tokens)
+    rows[1]["rollout_routed_experts"] = b"\x00" * 6
+    with pytest.raises(ShardSchemaError, match="rollout_routed_experts holds 6 bytes"):
+        write_shard(tmp_path / "bad", rows, shard_meta())
+
+
+def test_a_shard_of_schema_1_0_still_reads(tmp_path):
+    """A shard written before rollout_routed_experts existed (schema version "1", no column)
+    reads with the column null; a newer major version or minor is refused."""
+    table = pa.Table.from_pylist(shard_rows(random_rewards(1, 2)), schema=SCHEMA)
+    old = table.drop_columns(["rollout_routed_experts"])
+    meta = shard_meta()
+    meta.schema_version = "1"
+    write_raw_shard(tmp_path / "old", [old], meta=meta)
+    shard = open_shard(tmp_path / "old")
+    assert [r["rollout_routed_experts"] for r in shard.rows()] == [None, None]
+    assert shard.read(columns=["uid", "rollout_routed_experts"]).num_rows == 2
+    for version in ("2", "1.2", "x"):
+        meta.schema_version = version
+        write_raw_shard(tmp_path / version, [old], meta=meta)
+        with pytest.raises(ShardSchemaError, match=f"schema version {version} is not"):
+            open_shard(tmp_path / version)

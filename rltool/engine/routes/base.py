@@ -67,7 +67,8 @@ class EngineState:
             return expand_generate(body, tokenizer=runner.tokenizer,
                                    context_length=runner.context_length,
                                    vocab_size=runner.vocab_size,
-                                   deterministic=self.cfg.deterministic)
+                                   deterministic=self.cfg.deterministic,
+                                   moe=runner.spec.moe is not None)
         except ValidationError as e:  # sampling_params
             raise BadInputError(describe_errors(e.errors())) from e
 
