@@ -58,10 +58,8 @@ def _fp8_gemm(A, B, Bs, Bias, C, M, N, K, stride_am, stride_bn, stride_sn, strid
         mask_k = k < K
         a = tl.load(a_ptr + k[None, :], mask=mask_m[:, None] & mask_k[None, :],
                     other=0.0).to(tl.float32)
-        # Correctly rounded divisions (Triton's `/` on fp32 is approximate on the GPU): the
-        # quantized activations then match torch's bit for bit.
-        sa = tl.math.div_rn(tl.maximum(tl.max(tl.abs(a), axis=1), SCALE_FLOOR), E4M3_MAX + 0.0)
-        aq = to_e4m3(tl.clamp(tl.math.div_rn(a, sa[:, None]), -E4M3_MAX, E4M3_MAX), EMULATE)
+        sa = tl.maximum(tl.max(tl.abs(a), axis=1), SCALE_FLOOR) / E4M3_MAX
+        aq = to_e4m3(tl.clamp(a / sa[:, None], -E4M3_MAX, E4M3_MAX), EMULATE)
         b = tl.load(b_ptr + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         sb = tl.load(Bs + offs_n * stride_sn + kb, mask=mask_n, other=0.0)
         acc += tl.dot(aq, tl.trans(b), out_dtype=tl.float32) * sa[:, None] * sb[None, :]
