@@ -95,8 +95,11 @@ def grpo_workload(model_dir: Path, *, device: str, prompts: int, samples: int, p
         sched.start()
         try:
             vocab = runner.vocab_size
-            submit_and_wait(sched, random_prompts(8, prompt_len, vocab, seed + 1), [16] * 8,
-                            "warm")
+            # The warm-up has the workload's shape (groups of `samples` copies of a prompt), so
+            # kernels specialised for it (the cached groups' one-token continuations) compile here.
+            warm = [p for p in random_prompts(4, prompt_len, vocab, seed + 1)
+                    for _ in range(samples)]
+            submit_and_wait(sched, warm, [16] * len(warm), "warm")
             group = random_prompts(prompts, prompt_len, vocab, seed + 2)
             batch = [p for p in group for _ in range(samples)]
             pre0, fw0 = sched.num_prefill_tokens, sched.num_prefill_forwards
