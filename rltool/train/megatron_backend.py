@@ -255,7 +255,7 @@ class MegatronBackend:
 
         return logits_of
 
-    def _outputs(self, hidden: torch.Tensor, p: packed.Packed, *, temperature: float,
+    def _outputs(self, hidden: torch.Tensor, p: packed.Packed, *, samples: int, temperature: float,
                  with_entropy: bool, top_k: int) -> ForwardOutput:
         """The last stage's hidden states [T (/ TP under sequence parallelism), 1, hidden] of a
         packed row -> per-sample outputs, through the torch backend's chunked logprobs (logits
@@ -271,6 +271,8 @@ class MegatronBackend:
         parts = packed.response_outputs(hidden, p, self._logits_of(), temperature=temperature,
                                         with_entropy=with_entropy, top_k=top_k,
                                         chunk=self.options.logprob_chunk_tokens)
+        # the first `samples` are the micro-batch's; a padding sequence after them has no rows
+        parts = {name: value[:samples] for name, value in parts.items()}
         return ForwardOutput(logprobs=parts["logprobs"], entropy=parts.get("entropy"),
                              topk_logprobs=parts.get("topk_logprobs"),
                              topk_ids=parts.get("topk_ids"))
@@ -332,7 +334,7 @@ class MegatronBackend:
 
         def collect(unit: MicroBatch, p: packed.Packed, hidden: torch.Tensor) -> torch.Tensor:
             if not unit.empty:
-                out = self._outputs(hidden, p, temperature=temperature,
+                out = self._outputs(hidden, p, samples=len(unit.tokens), temperature=temperature,
                                     with_entropy=with_entropy, top_k=top_k)
                 results.append(ForwardOutput(
                     logprobs=[t.cpu() for t in out.logprobs],
@@ -370,8 +372,8 @@ class MegatronBackend:
         def loss_of(unit: MicroBatch, p: packed.Packed, hidden: torch.Tensor) -> torch.Tensor:
             if unit.empty:
                 return hidden.sum() * 0.0
-            out = self._outputs(hidden, p, temperature=temperature, with_entropy=with_entropy,
-                                top_k=0)
+            out = self._outputs(hidden, p, samples=len(unit.tokens), temperature=temperature,
+                                with_entropy=with_entropy, top_k=0)
             loss, metrics = loss_fn(out, unit)
             for name, value in metrics.items():  # summed on the device: no sync per micro-batch
                 sums[name] = sums.get(name, 0.0) + value.detach().double()

@@ -80,7 +80,8 @@ def test_megatron_bf16_micro_batch_never_waits_for_the_gpu(tiny_model_dir):
         p, params = backend._pack(unit, 10)
         with backend._hidden_out():
             hidden = backend.model(p.ids, p.position_ids, None, packed_seq_params=params)
-        out = backend._outputs(hidden, p, temperature=1.0, with_entropy=True, top_k=0)
+        out = backend._outputs(hidden, p, samples=len(unit.tokens), temperature=1.0,
+                               with_entropy=True, top_k=0)
         sum(lp.sum() for lp in out.logprobs).backward()
         return out
 

@@ -176,3 +176,26 @@ def test_bf16_model_holds_bf16_norms_and_computes_logprobs(shards):
     assert [t.shape[0] for t in out.logprobs] == [3, 2] == [t.shape[0] for t in out.entropy]
     assert all(bool((t <= 0).all()) for t in out.logprobs)
     assert [t.shape for t in out.topk_ids] == [(3, 2), (2, 2)]
+
+
+def test_a_padded_packed_row_gives_the_micro_batch_s_samples_only(shards):
+    """Pipeline and expert parallelism pad every pass to a shared length with one padding
+    sequence; its outputs are dropped, and the real samples' logprobs are those of the unpadded
+    row (forward_logprobs concatenates units, so an extra entry would shift later samples)."""
+    from rltool.train.megatron_backend import MegatronBackend
+
+    model, _ = shards["qwen2"]
+    batch = MicroBatch([0, 1], [[5, 6, 7, 8, 9], [4, 3, 2]], [2, 1])
+    with process_group_scope():
+        backend = MegatronBackend(model, options=BackendConfig(backend="megatron", device="cpu"),
+                                  trainable=False)
+        outs = []
+        for length in (8, 13):
+            p, params = backend._pack(batch, length)
+            with torch.no_grad(), backend._hidden_out():
+                hidden = backend.model(p.ids, p.position_ids, None, packed_seq_params=params)
+            outs.append(backend._outputs(hidden, p, samples=2, temperature=1.0,
+                                         with_entropy=False, top_k=0).logprobs)
+    assert [t.shape[0] for t in outs[1]] == [3, 2]
+    for exact, padded in zip(*outs):
+        assert torch.allclose(exact, padded, atol=1e-6, rtol=0)
