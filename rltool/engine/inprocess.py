@@ -51,7 +51,10 @@ class InProcessEngine:
         return self.state.scheduler
 
     def stop(self) -> None:
+        """Stop the scheduler thread and free the weights, KV pool and graphs: a caller that
+        goes on (a loop run as a library, the next test) gets the device memory back."""
         self.scheduler.stop()
+        self.runner.release()
 
     # ----- what a rollout client calls -------------------------------------------------------
 
