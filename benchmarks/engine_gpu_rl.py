@@ -95,11 +95,13 @@ def grpo_workload(model_dir: Path, *, device: str, prompts: int, samples: int, p
         sched.start()
         try:
             vocab = runner.vocab_size
-            # The warm-up has the workload's shape (groups of `samples` copies of a prompt), so
-            # kernels specialised for it (the cached groups' one-token continuations) compile here.
-            warm = [p for p in random_prompts(4, prompt_len, vocab, seed + 1)
+            # The warm-up is the workload itself on other prompts with outputs an eighth as long:
+            # the kernels specialised for its shapes (the cached groups' one-token continuations,
+            # the sampler at every batch size the run shrinks through) compile here, not in
+            # whichever arm runs first.
+            warm = [p for p in random_prompts(prompts, prompt_len, vocab, seed + 1)
                     for _ in range(samples)]
-            submit_and_wait(sched, warm, [16] * len(warm), "warm")
+            submit_and_wait(sched, warm, [max(1, n // 8) for n in lengths], "warm")
             group = random_prompts(prompts, prompt_len, vocab, seed + 2)
             batch = [p for p in group for _ in range(samples)]
             pre0, fw0 = sched.num_prefill_tokens, sched.num_prefill_forwards
