@@ -162,21 +162,7 @@ def test_overlapped_decoding_equals_step_by_step(temperature, tiny_model_dir):
         # One bucket: overlapped batches keep a stopped row one step longer, and a different
         # padded shape could pick other GEMM kernels (bf16 noise), which is not what is tested.
         runner._buckets = [8]
-        sched = PagedScheduler(runner, max_running=8, max_prefill_tokens=64,
-                               chunked_prefill_size=32, overlap=overlap)
-        sched.start()
-        try:
-            done, got = threading.Event(), []
-            reqs = [Request(rid=f"o{i}", prompt_ids=SEQ[i:i + 4 + i], return_logprob=True,
-                            generator=torch.Generator().manual_seed(100 + i),
-                            on_finish=lambda r: (got.append(r), len(got) == 6 and done.set()),
-                            params=SamplingParams(max_new_tokens=5 + 7 * i, ignore_eos=True,
-                                                  temperature=temperature))
-                    for i in range(6)]
-            sched.submit(reqs)
-            assert done.wait(60)
-        finally:
-            sched.stop()
+        reqs = six_requests(runner, "o", 100, temperature, overlap=overlap)
         outs.append([(r.output_ids, r.output_logprobs) for r in reqs])
         assert all(len(r.output_ids) == 5 + 7 * i for i, r in enumerate(reqs))
     assert outs[0] == outs[1]
@@ -206,23 +192,30 @@ def test_multistep_decode_equals_single_steps(temperature, tiny_model_dir):
         runner = runner_for(tiny_model_dir, "bf16", disable_cuda_graph=not graphs)
         runner._buckets = [8]  # one padded shape: see test_overlapped_decoding_equals_step_by_step
         full = runner.free_pages()
-        sched = PagedScheduler(runner, max_running=8, max_prefill_tokens=64,
-                               chunked_prefill_size=32, num_continuous_decode_steps=steps)
-        sched.start()
-        try:
-            done, got = threading.Event(), []
-            reqs = [Request(rid=f"m{i}", prompt_ids=SEQ[i:i + 4 + i], return_logprob=True,
-                            generator=torch.Generator().manual_seed(200 + i),
-                            on_finish=lambda r: (got.append(r), len(got) == 6 and done.set()),
-                            params=SamplingParams(max_new_tokens=5 + 7 * i, ignore_eos=True,
-                                                  temperature=temperature))
-                    for i in range(6)]
-            sched.submit(reqs)
-            assert done.wait(60)
-        finally:
-            sched.stop()
+        reqs = six_requests(runner, "m", 200, temperature, num_continuous_decode_steps=steps)
         assert runner.free_pages() == full
         assert bool(runner.graphs) == graphs
         outs.append([(r.output_ids, r.output_logprobs) for r in reqs])
         assert all(len(r.output_ids) == 5 + 7 * i for i, r in enumerate(reqs))
     assert all(out == outs[0] for out in outs[1:])
+
+
+def six_requests(runner, prefix: str, seed: int, temperature: float, **options) -> list:
+    """Six seeded requests of 5-40 new tokens (ignore_eos) on a scheduler over `runner` with
+    `options`; returns them finished."""
+    sched = PagedScheduler(runner, max_running=8, max_prefill_tokens=64, chunked_prefill_size=32,
+                           **options)
+    sched.start()
+    try:
+        done, got = threading.Event(), []
+        reqs = [Request(rid=f"{prefix}{i}", prompt_ids=SEQ[i:i + 4 + i], return_logprob=True,
+                        generator=torch.Generator().manual_seed(seed + i),
+                        on_finish=lambda r: (got.append(r), len(got) == 6 and done.set()),
+                        params=SamplingParams(max_new_tokens=5 + 7 * i, ignore_eos=True,
+                                              temperature=temperature))
+                for i in range(6)]
+        sched.submit(reqs)
+        assert done.wait(60)
+    finally:
+        sched.stop()
+    return reqs
