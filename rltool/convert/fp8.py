@@ -77,9 +77,42 @@ class DequantConfig(StageConfig):
     max_shard_mb: float = Field(default=5000.0, gt=0, description="Largest output shard, in MB.")
 
 
+def quantizable(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether a float tensor of this name and shape is quantized (2-D weights, not skipped)."""
+    return (name.endswith(".weight") and len(shape) == 2
+            and not any(s in name for s in SKIP_SUBSTRINGS))
+
+
 def should_quantize(info: st.TensorInfo) -> bool:
-    return (info.name.endswith(".weight") and len(info.shape) == 2 and info.dtype in _FLOAT_CODES
-            and not any(s in info.name for s in SKIP_SUBSTRINGS))
+    return info.dtype in _FLOAT_CODES and quantizable(info.name, info.shape)
+
+
+def quantization_config(block: tuple[int, int], not_converted: list[str]) -> dict[str, Any]:
+    """config.json's quantization_config of a block-FP8 checkpoint."""
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": list(block), "modules_to_not_convert": sorted(not_converted)}
+
+
+def quantize_state(tensors: dict[str, torch.Tensor], block: tuple[int, int]
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The block-FP8 version of a state dict (HF names, float tensors, as a checkpoint stores
+    them): what `rltool convert fp8` writes for a checkpoint of these tensors, and its
+    quantization_config. Raises CheckpointError for a weight holding inf or NaN."""
+    import torch
+
+    out: dict[str, torch.Tensor] = {}
+    skipped = []
+    for name, t in tensors.items():
+        if not (t.is_floating_point() and quantizable(name, tuple(t.shape))):
+            if name.endswith(".weight") and t.dim() == 2:
+                skipped.append(name.removesuffix(".weight"))
+            out[name] = t
+            continue
+        q, scale = quantize_blocks(t, block)
+        if not torch.isfinite(scale).all():
+            raise CheckpointError(f"{name} holds inf or NaN values; its FP8 blocks would be NaN")
+        out[name], out[name + SCALE_SUFFIX] = q, scale
+    return out, quantization_config(block, skipped)
 
 
 def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
@@ -202,9 +235,7 @@ def quantize_checkpoint(cfg: Fp8Config) -> dict[str, Any]:
             if info.name.endswith(".weight") and len(info.shape) == 2:
                 skipped_modules.append(info.name.removesuffix(".weight"))
             jobs.append(_copy_job(info))
-    config["quantization_config"] = {
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-        "weight_block_size": list(cfg.block), "modules_to_not_convert": sorted(skipped_modules)}
+    config["quantization_config"] = quantization_config(cfg.block, skipped_modules)
     written = hf_writer.publish_checkpoint(out, jobs, config=config, side_files_from=cfg.hf,
                                            stage_config=cfg, workers=cfg.workers,
                                            max_shard_mb=cfg.max_shard_mb)

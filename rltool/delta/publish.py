@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from rltool import atomic, trace
+from rltool.convert.fp8 import quantize_state
 from rltool.delta.config import SyncConfig
 from rltool.delta.deltadir import open_delta
 from rltool.delta.diff import write_delta
@@ -47,7 +48,7 @@ from rltool.delta.pull import (SYNC_DIR, host_lock, open_cached, pull_weights, r
 from rltool.errors import BadInputError, CheckpointError, DeltaChainError
 from rltool.io.checkpoint import Checkpoint, is_delta_dir, open_checkpoint
 from rltool.io.header import INDEX_NAME
-from rltool.io.hf_dir import write_hf_dir
+from rltool.io.hf_dir import CONFIG_NAME, DTYPES, write_hf_dir
 from rltool.rundir import VERSION_FILE, list_versions, weight_dir_name
 
 STATS_FILE = ".publish_stats.json"
@@ -56,6 +57,8 @@ CACHE_DIR = ".publish_cache"
 DEFAULT_DECODE_BPS = 1.7e9  # 0.988 GB rebuilt in 0.57 s (lr 1e-6, native kernels)
 DEFAULT_LINK_BPS = 1.25e9  # 10 Gb/s, when neither given nor measured yet
 EMA = 0.5
+SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+FP8_BLOCK = (128, 128)  # the block of `--precision fp8` (rltool convert fp8's default)
 
 
 def _load_stats(publish_dir: Path) -> dict[str, float]:
@@ -95,7 +98,7 @@ def _chain_length(publish_dir: Path, base: int) -> int:
         length += 1
 
 
-def _copy_full(src: Path, out: Path, *, version: int) -> None:
+def _copy_full(src: Path, out: Path, *, marker: dict[str, Any]) -> None:
     with atomic.publish_dir(out) as tmp:
         for p in sorted(src.rglob("*")):
             rel = p.relative_to(src)
@@ -103,18 +106,49 @@ def _copy_full(src: Path, out: Path, *, version: int) -> None:
                     and rel.as_posix() != INDEX_NAME:
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(p, tmp / rel)
-        atomic.write_json(tmp / VERSION_FILE, {"version": version})
+        atomic.write_json(tmp / VERSION_FILE, marker)
         if (src / INDEX_NAME).is_file():  # the index last: readers treat it as the marker
             shutil.copyfile(src / INDEX_NAME, tmp / INDEX_NAME)
 
 
-def _stage_state_dict(state: Mapping[str, Any], cache: Path, *, source_model_dir: Path,
-                      dtype: str, version: int) -> Path:
+def precision_of(sync: SyncConfig, dtype: str) -> str:
+    """The precision a version is published in: `sync.precision`, else the weights' dtype."""
+    return sync.precision or SHORT_DTYPES[DTYPES[dtype]]
+
+
+def _write_state(out: Path, state: Mapping[str, Any], sync: SyncConfig, *,
+                 source_model_dir: str | os.PathLike, dtype: str) -> None:
+    """`state` as a HF directory in the sync's precision (fp8: `rltool convert fp8`'s format)."""
+    quantize = None
+    if sync.precision == "fp8":
+        def quantize(tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+            return quantize_state(tensors, FP8_BLOCK)
+    write_hf_dir(out, dict(state), source_model_dir=source_model_dir,
+                 dtype="bf16" if sync.precision == "bf16" else dtype, quantize=quantize)
+
+
+def _read_state(model_dir: Path) -> tuple[dict[str, Any], str]:
+    """A HF checkpoint directory's tensors and their dtype (to re-publish it in another
+    precision)."""
+    from safetensors.torch import load_file
+
+    state: dict[str, Any] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    config = json.loads((model_dir / CONFIG_NAME).read_text())
+    if config.get("quantization_config"):
+        raise BadInputError(f"{model_dir} is already quantized; publish its unquantized weights")
+    return state, str(config.get("dtype") or config.get("torch_dtype") or "float32")
+
+
+def _stage_state_dict(state: Mapping[str, Any], cache: Path, sync: SyncConfig, *,
+                      source_model_dir: Path, dtype: str, version: int) -> Path:
     staging = cache / SYNC_DIR / "next"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    write_hf_dir(staging, dict(state), source_model_dir=source_model_dir, dtype=dtype)
-    atomic.write_json(staging / VERSION_FILE, {"version": version})
+    _write_state(staging, state, sync, source_model_dir=source_model_dir, dtype=dtype)
+    atomic.write_json(staging / VERSION_FILE,
+                      {"version": version, "precision": precision_of(sync, dtype)})
     return staging
 
 
@@ -230,7 +264,8 @@ def publish_version(src: Mapping[str, Any] | str | os.PathLike, sync: SyncConfig
     transport = decide_transport(sync, in_memory=in_memory)
     if transport is not None and not to_disk:
         return {"sync/mode": transport.in_memory, "sync/reason": transport.reason,
-                "sync/version": version, "perf/update_weights_wire_bytes": 0}
+                "sync/version": version, "perf/update_weights_wire_bytes": 0,
+                "sync/precision": precision_of(sync, dtype)}
     if transport is not None or sync.sync in ("tensor", "distributed"):
         # A disk copy of an in-memory version (or no in-memory receiver): a full version.
         result = publish_version(src, sync.model_copy(update={"sync": "full"}),
@@ -250,19 +285,23 @@ def publish_version(src: Mapping[str, Any] | str | os.PathLike, sync: SyncConfig
     if out.exists():
         raise BadInputError(f"{out} already exists; a published version is never replaced "
                             "(resume from the checkpoint that produced it, or publish elsewhere)")
+    if sync.precision is not None and not isinstance(src, Mapping):
+        source_model_dir = Path(src)
+        src, dtype = _read_state(source_model_dir)
     is_state = isinstance(src, Mapping)
     if is_state and source_model_dir is None:
         raise BadInputError("publishing a state dict needs source_model_dir (config + tokenizer)")
     if is_state and sync.sync == "full":
         # No delta will ever be built on it: write the version in place, no staging copy.
-        with atomic.publish_dir(out, marker=VERSION_FILE, marker_content={"version": version}) \
-                as tmp:
-            write_hf_dir(tmp, dict(src), source_model_dir=source_model_dir, dtype=dtype)
+        marker = {"version": version, "precision": precision_of(sync, dtype)}
+        with atomic.publish_dir(out, marker=VERSION_FILE, marker_content=marker) as tmp:
+            _write_state(tmp, src, sync, source_model_dir=source_model_dir, dtype=dtype)
         return _metrics(out, None, Decision(False, "--sync full"), version=version,
-                        full_bytes=_full_bytes(open_checkpoint(out)), link=None, t_start=t_start)
+                        full_bytes=_full_bytes(open_checkpoint(out)), link=None, t_start=t_start,
+                        precision=marker["precision"])
     cache = Path(cache_dir) if cache_dir is not None else publish_dir / CACHE_DIR
     stats = _load_stats(publish_dir)
-    staged = (_stage_state_dict(src, cache, version=version, dtype=dtype,
+    staged = (_stage_state_dict(src, cache, sync, version=version, dtype=dtype,
                                 source_model_dir=Path(source_model_dir)) if is_state else None)
     new_dir = staged if staged is not None else Path(src)
     new = open_checkpoint(new_dir)
@@ -290,7 +329,10 @@ def publish_version(src: Mapping[str, Any] | str | os.PathLike, sync: SyncConfig
         shutil.rmtree(candidate, ignore_errors=True)
         delta_stats = None
         t = time.perf_counter()
-        _copy_full(new_dir, out, version=version)
+        marker = {"version": version}
+        if is_state:
+            marker["precision"] = precision_of(sync, dtype)
+        _copy_full(new_dir, out, marker=marker)
         _update(stats, "link_Bps", full_bytes / max(time.perf_counter() - t, 1e-9))
     if staged is not None:
         # The staged state dict is exactly `version`: make it the cache's base for the next publish.
@@ -300,7 +342,8 @@ def publish_version(src: Mapping[str, Any] | str | os.PathLike, sync: SyncConfig
         shutil.rmtree(staged, ignore_errors=True)
     atomic.write_json(publish_dir / STATS_FILE, stats)
     return _metrics(out, delta_stats, decision, version=version, full_bytes=full_bytes,
-                    link=link_bandwidth_Bps(sync, stats), t_start=t_start)
+                    link=link_bandwidth_Bps(sync, stats), t_start=t_start,
+                    precision=precision_of(sync, dtype) if is_state else None)
 
 
 def _full_bytes(ckpt: Checkpoint) -> int:
@@ -308,7 +351,8 @@ def _full_bytes(ckpt: Checkpoint) -> int:
 
 
 def _metrics(out: Path, delta_stats: dict[str, Any] | None, decision: Decision, *, version: int,
-             full_bytes: int, link: float | None, t_start: float) -> dict[str, Any]:
+             full_bytes: int, link: float | None, t_start: float,
+             precision: str | None) -> dict[str, Any]:
     wire = delta_stats["wire_bytes"] if delta_stats else sum(
         p.stat().st_size for p in out.rglob("*") if p.is_file())
     return {
@@ -320,4 +364,5 @@ def _metrics(out: Path, delta_stats: dict[str, Any] | None, decision: Decision, 
         "sync/predicted_full_s": decision.predicted_full_s,
         "sync/predicted_delta_s": decision.predicted_delta_s,
         "sync/link_Bps": link, "sync/path": str(out),
+        **({"sync/precision": precision} if precision else {}),
     }

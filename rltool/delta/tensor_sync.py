@@ -36,12 +36,14 @@ from typing import Any
 
 import torch
 
+from rltool.convert.fp8 import SCALE_SUFFIX, quantize_state
 from rltool.errors import BadInputError
 
 SHM_DIR = Path("/dev/shm")
 ALIGN = 64
 DEFAULT_BUCKET_BYTES = 512 << 20
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float8_e4m3fn": torch.float8_e4m3fn}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
@@ -59,12 +61,14 @@ def _aligned(n: int) -> int:
 def buckets(named: list[tuple[str, torch.Tensor]], *, bucket_bytes: int
             ) -> list[list[tuple[str, torch.Tensor]]]:
     """Consecutive groups of tensors of at most `bucket_bytes` (aligned) each; a tensor larger
-    than a bucket travels alone."""
+    than a bucket travels alone, and an FP8 weight's scales travel with the weight before them."""
     out: list[list[tuple[str, torch.Tensor]]] = []
     size = 0
     for name, t in named:
         n = _aligned(t.numel() * t.element_size())
-        if not out or (size + n > bucket_bytes and out[-1]):
+        pairs = name.endswith(SCALE_SUFFIX) and out and out[-1][-1][0] == name.removesuffix(
+            SCALE_SUFFIX)
+        if not out or (size + n > bucket_bytes and out[-1] and not pairs):
             out.append([])
             size = 0
         out[-1].append((name, t))
@@ -194,6 +198,14 @@ def _unpack(src: torch.Tensor, message: Any) -> list[tuple[str, torch.Tensor]]:
                                 f"fit the {size}-byte buffer (offsets are {ALIGN}-aligned)")
         named.append((e.name, src[e.offset:e.offset + n].view(dtype).view(e.shape)))
     return named
+
+
+def quantize_named(named: list[tuple[str, torch.Tensor]], *, dtype: torch.dtype,
+                   block: tuple[int, int]) -> list[tuple[str, torch.Tensor]]:
+    """The block-FP8 version of `named` cast to `dtype` (what `rltool convert fp8` stores for a
+    checkpoint of them): each quantized weight followed by its `<name>_scale_inv`."""
+    state = {n: t.detach().to(device="cpu", dtype=dtype).contiguous() for n, t in named}
+    return list(quantize_state(state, block)[0].items())
 
 
 def segment_bytes(named: list[tuple[str, torch.Tensor]], *, bucket_bytes: int) -> int:

@@ -159,7 +159,7 @@ class TensorEntry(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1)
-    dtype: str = Field(description="float32, bfloat16 or float16")
+    dtype: str = Field(description="float32, bfloat16, float16 or float8_e4m3fn")
     shape: list[int]
     offset: int = Field(ge=0)
 
@@ -192,6 +192,9 @@ class TensorMessage(BaseModel):
     cuda_ipc: CudaIpcHandle | None = None
     nbytes: int = Field(ge=0)
     tensors: list[TensorEntry]
+    weight_block_size: list[int] | None = Field(
+        None, min_length=2, max_length=2, description="Block-FP8 weights: [bn, bk] of the "
+        "float8_e4m3fn weights, each followed by its float32 `<name>_scale_inv`.")
 
     @model_validator(mode="after")
     def _one_source(self) -> "TensorMessage":

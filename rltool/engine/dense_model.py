@@ -227,8 +227,9 @@ class DenseLM:
                 out.setdefault(owner[id(base)], []).append(name)
         return out
 
-    def checked_tensors(self, named: list[tuple[str, torch.Tensor]], *,
-                        update_dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    def checked_tensors(self, named: list[tuple[str, torch.Tensor | quant.BlockFp8]], *,
+                        update_dtype: torch.dtype
+                        ) -> list[tuple[str, torch.Tensor | quant.BlockFp8]]:
         """The tensors of an in-memory update that `load_tensors` takes, after checking every
         name, shape and dtype (BadInputError on the first mismatch, before anything is copied);
         a tied head is dropped (it is the embedding). FP8 weights take `update_dtype` (the
@@ -246,7 +247,7 @@ class DenseLM:
                 raise BadInputError(f"tensor {name!r} has shape {list(t.shape)}, the served model "
                                     f"expects {list(want)}")
             want_dtype = update_dtype if dest.dtype == torch.float8_e4m3fn else dest.dtype
-            if t.dtype != want_dtype:
+            if not isinstance(t, quant.BlockFp8) and t.dtype != want_dtype:
                 raise BadInputError(f"tensor {name!r} has dtype {t.dtype}, the served model "
                                     f"takes {want_dtype}; send it as {want_dtype}")
             keep.append((name, t))

@@ -109,7 +109,8 @@ class InProcessEngine:
         weight update follows)."""
         self.scheduler.call(self.runner.resume).result()
 
-    def load_tensors(self, named: list[tuple[str, Any]], *, weight_version: str) -> None:
+    def load_tensors(self, named: list[tuple[str, Any]], *, weight_version: str,
+                     block: tuple[int, int] | None = None) -> None:
         """Copy named tensors into the served model (cast to the engine's --dtype), after the requests that
         arrived before have finished; all or nothing (a wrong name or shape raises EngineError
         with status 400 and the weights stay)."""
@@ -117,7 +118,8 @@ class InProcessEngine:
         dtype = dtype_of(torch_dtype_name(self.state.cfg.dtype))
 
         def apply() -> None:
-            runner.load_named_tensors([(n, t.detach().to(dtype)) for n, t in named])
+            runner.load_named_tensors(named if block is not None else  # block FP8: as sent
+                                      [(n, t.detach().to(dtype)) for n, t in named], block=block)
             runner.weight_version = weight_version
 
         try:

@@ -181,13 +181,13 @@ class PagedRunner:
         self.model_path = Path(path)
         return n
 
-    def load_named_tensors(self, named: list[tuple[str, torch.Tensor]]) -> int:
-        """Copy named HF tensors (any subset, e.g. one bucket of an in-memory update) into their
-        slices of the fused layout, after checking every name, shape and dtype: nothing changes
-        unless all of them match. The tensors may be views of a sender's buffer; they are copied,
-        never kept."""
+    def load_named_tensors(self, named: list[tuple[str, Any]], *, block: Any = None) -> int:
+        """Copy named HF tensors (any subset, e.g. a bucket of an in-memory update; with `block`,
+        FP8 weights and their scales) into their slices of the fused layout after checking every
+        name, shape and dtype (all or nothing). Views of a sender's buffer are copied, not kept."""
         if self.model is None:
             raise BadInputError("weights are released; call /resume_memory_occupation first")
+        named = named if block is None else quant.pair_scales(named, (block[0], block[1]))
         keep = self.model.checked_tensors(named, update_dtype=DTYPES[self.dtype])
         n = self.model.load_tensors(keep)
         if self.device.type == "cuda":

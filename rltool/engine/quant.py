@@ -113,6 +113,38 @@ class BlockFp8:
         return self.q.shape
 
 
+def pair_scales(named: list[tuple[str, torch.Tensor]], block: tuple[int, int]
+                ) -> list[tuple[str, torch.Tensor | BlockFp8]]:
+    """An in-memory block-FP8 update: each float8_e4m3fn weight joined with its float32
+    `<name>_scale_inv` (checked against `block`); other tensors as they are."""
+    from rltool.errors import BadInputError
+
+    if block[0] < 1 or block[1] < 1:
+        raise BadInputError(f"weight_block_size {list(block)} must be two positive integers")
+    tensors = dict(named)
+    out: list[tuple[str, torch.Tensor | BlockFp8]] = []
+    for name, t in named:
+        if name.endswith(SCALE_SUFFIX):
+            weight = tensors.get(name.removesuffix(SCALE_SUFFIX))
+            if weight is None or weight.dtype != torch.float8_e4m3fn:
+                raise BadInputError(f"{name} scales no float8_e4m3fn weight of the update; send "
+                                    "each FP8 weight with its scales")
+            continue
+        if t.dtype != torch.float8_e4m3fn:
+            out.append((name, t))
+            continue
+        scale = tensors.get(name + SCALE_SUFFIX)
+        want = scale_shape(tuple(t.shape), block) if t.dim() == 2 else None
+        if scale is None or want is None or (tuple(scale.shape), scale.dtype) != (
+                want, torch.float32):
+            got = "is missing" if scale is None else f"is {scale.dtype}{list(scale.shape)}"
+            raise BadInputError(f"{name}{SCALE_SUFFIX} {got}, expected float32"
+                                f"{list(want) if want else ''} for weight_block_size "
+                                f"{list(block)}; send the scales of that block size")
+        out.append((name, BlockFp8(t, scale, block)))
+    return out
+
+
 class Fp8Weight:
     """A linear weight kept in FP8: q [..., N, K] e4m3 and one float32 scale per row and K-block
     (`scale` [..., N, ceil(K / block_k)]; the block scales repeated over their rows)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Container
+from collections.abc import Callable, Container
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +40,12 @@ def copy_side_files(src: str | os.PathLike, dst: Path, *,
 
 
 def write_hf_dir(out: Path, state_dict: dict[str, Any], *, source_model_dir: str | os.PathLike,
-                 dtype: str) -> None:
+                 dtype: str, quantize: Callable[[dict[str, Any]], tuple[dict[str, Any],
+                                                                       dict[str, Any]]]
+                 | None = None) -> None:
     """Fill `out` with config + tokenizer files from `source_model_dir` and `state_dict` cast to
-    `dtype` (fp32, bf16 or fp16) as model.safetensors."""
+    `dtype` (fp32, bf16 or fp16) as model.safetensors. `quantize`: turns the cast tensors into
+    the stored ones and returns them with config.json's quantization_config."""
     import torch
     from safetensors.torch import save_file
 
@@ -58,11 +61,13 @@ def write_hf_dir(out: Path, state_dict: dict[str, Any], *, source_model_dir: str
     config["dtype"] = DTYPES[dtype]
     if "torch_dtype" in config:  # transformers < 5 spelling
         config["torch_dtype"] = DTYPES[dtype]
-    atomic.write_json(out / CONFIG_NAME, config)
     if config.get("tie_word_embeddings"):
         # Tied heads share the embedding's storage; HF re-ties them on load.
         state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
     tensors = {k: v.detach().to(device="cpu", dtype=torch_dtype).contiguous()
                for k, v in state_dict.items()}
+    if quantize is not None:
+        tensors, config["quantization_config"] = quantize(tensors)
+    atomic.write_json(out / CONFIG_NAME, config)
     with atomic.atomic_path(out / WEIGHTS_FILE) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt"})

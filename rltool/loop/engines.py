@@ -196,10 +196,11 @@ class EngineSet:
                               else "auto")
 
     def load_tensors(self, named: list[tuple[str, Any]], *, version: int,
-                     bucket_bytes: int) -> float:
+                     bucket_bytes: int, block: tuple[int, int] | None = None) -> float:
         """Hand the weights to every engine a bucket at a time (/update_weights_from_tensor)
         through one buffer: a CUDA IPC device buffer when the engines serve on CUDA, else a
-        shared-memory segment; the last bucket sets the version. Returns the seconds."""
+        shared-memory segment; the last bucket sets the version. `block`: `named` is block FP8
+        (rltool.delta.tensor_sync.quantize_named), sent as it is. Returns the seconds."""
         import json
 
         from rltool.delta import tensor_sync
@@ -214,7 +215,10 @@ class EngineSet:
                   else tensor_sync.ShmSegment(size))
         with buffer as buf:
             for i, bucket in enumerate(groups):
-                message = json.dumps(buf.write(bucket, dtype=self.dtype))
+                message = buf.write(bucket, dtype=None if block else self.dtype)
+                if block:
+                    message["weight_block_size"] = list(block)
+                message = json.dumps(message)
                 tag = str(version) if i == len(groups) - 1 else None
                 self._each(lambda c: c.update_weights_from_tensor(
                     [message], load_format=fmt, weight_version=tag))

@@ -299,8 +299,17 @@ def sync(ctx: StepContext) -> float:
 def push_weights(ctx: StepContext, mode: str) -> float:
     """Hand the resident trainer's weights to every engine in memory as state.policy_version
     (on CUDA colocated: staged on the host, the trainer offloaded, the engines resumed first)."""
+    from rltool.delta import tensor_sync
+    from rltool.delta.publish import FP8_BLOCK
+
     named = ctx.residency.engine_weights(resident_trainer(ctx), ctx.engines.dtype)
     bucket_bytes = ctx.settings.sync.tensor_bucket_mb << 20
+    if mode == "tensor" and ctx.settings.sync.precision == "fp8":
+        t0 = time.perf_counter()
+        named = tensor_sync.quantize_named(named, dtype=ctx.engines.dtype, block=FP8_BLOCK)
+        quantize_s = time.perf_counter() - t0
+        return quantize_s + ctx.engines.load_tensors(
+            named, version=ctx.state.policy_version, bucket_bytes=bucket_bytes, block=FP8_BLOCK)
     load = ctx.engines.load_tensors if mode == "tensor" else ctx.engines.load_distributed
     return load(named, version=ctx.state.policy_version, bucket_bytes=bucket_bytes)
 

@@ -65,7 +65,7 @@ def router(state: EngineState) -> APIRouter:
 
         def load() -> None:
             with tensor_sync.open_message(message, device=device) as named:
-                runner.load_named_tensors(named)
+                runner.load_named_tensors(named, block=message.weight_block_size)
 
         return await apply(load, abort_all=body.abort_all_requests,
                            weight_version=body.weight_version)
