@@ -282,6 +282,10 @@ class LoopSettings(BaseModel):
             raise ConfigError("--sync tensor hands weights over shared memory to engines the "
                               "loop starts on its host; external engines take --sync full, "
                               "delta, auto or distributed")
+        if settings.sync.precision == "fp8" and loop.external and settings.sync.sync == "auto":
+            raise ConfigError("--precision fp8 reaches external engines on disk only (auto may "
+                              "pick a broadcast, which carries no scales): use --sync full or "
+                              "delta")
         if loop.eval_interval is not None and settings.eval is None:
             raise ConfigError("[loop] eval_interval needs an [eval] table with prompts = FILE")
         # Validate every stage with placeholder values for the keys the loop owns.

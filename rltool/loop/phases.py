@@ -82,11 +82,17 @@ def newest_checkpoint_version(run: RunDir) -> int | None:
     return max(versions, default=None)
 
 
-def train_load_path(run: RunDir, version: int) -> Path:
+def train_load_path(run: RunDir, version: int, *, initial: Path | None = None) -> Path:
     """What the trainer resumes from: the checkpoint that produced `version`, else the initial
-    weights (version 0 has no checkpoint)."""
+    weights (version 0 has no checkpoint): `initial`, or version 0 as published."""
     ckpt = run.ckpt_step(version)
-    return ckpt if version > 0 and ckpt.exists() else run.weight_version(0)
+    return ckpt if version > 0 and ckpt.exists() else initial or run.weight_version(0)
+
+
+def initial_weights(settings: LoopSettings) -> Path | None:
+    """The trainer's starting weights when version 0 is not them: the model itself when versions
+    are published block-FP8 (the trainer trains the unquantized weights)."""
+    return Path(settings.model.path) if settings.sync.precision == "fp8" else None
 
 
 def in_memory_transport(settings: LoopSettings) -> str | None:
@@ -145,7 +151,8 @@ def resident_trainer(ctx: StepContext) -> Any:
     ctx.residency.before_trainer(training=False)  # CUDA colocated: the device is the trainer's
     state, run = ctx.state, ctx.run
     newest = newest_checkpoint_version(run)
-    load = run.ckpt_step(newest) if newest is not None else run.weight_version(0)
+    load = (run.ckpt_step(newest) if newest is not None
+            else initial_weights(ctx.settings) or run.weight_version(0))
     trainer = ResidentTrainer(ctx.settings.train_config(run, step=0, load=str(load)))
     if newest is not None:
         trainer.loop_step = _checkpoint_loop_step(run, run.ckpt_step(newest))
@@ -197,7 +204,8 @@ def train(ctx: StepContext) -> None:
         return
     newest = newest_checkpoint_version(ctx.run)
     if newest is None or newest <= state.policy_version:
-        load = train_load_path(ctx.run, state.policy_version)
+        load = train_load_path(ctx.run, state.policy_version,
+                               initial=initial_weights(settings))
         cfg = settings.train_config(ctx.run, step=state.step, load=str(load))
         atomic.remove_stale_temporaries(ctx.run.ckpt)
         if settings.loop.placement == "colocated":

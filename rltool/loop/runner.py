@@ -215,7 +215,8 @@ def step_metrics(ctx: phases.StepContext, *, eval_row: dict[str, Any],
     for name, seconds in ctx.residency.seconds.items():
         row[f"perf/loop/{name}_time"] = seconds
     row.update(ctx.memory.row)
-    for key in ("sync/mode", "perf/update_weights_wire_bytes", "perf/update_weights_density"):
+    for key in ("sync/mode", "sync/precision", "perf/update_weights_wire_bytes",
+                "perf/update_weights_density"):
         if key in state.publish:
             row[key] = state.publish[key]
     for key in ("eval/mean_reward", "eval/pass@1", "eval/pass@k"):
