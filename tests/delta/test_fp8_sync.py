@@ -90,6 +90,8 @@ def test_full_and_delta_versions_are_convert_fp8(setup, tmp_path):
     local = tmp_path / "local"
     pull_weights(local_checkpoint_dir=local, source_dir=pub, target_version=2, workers=1)
     assert_same_checkpoint(local, refs[2])  # the delta of FP8 bytes and scales rebuilds exactly
+    for path in (v2, local):
+        assert json.loads((path / VERSION_FILE).read_text()) == {"version": 2, "precision": "fp8"}
     engine = runner(base)
     for v, path in ((1, v1), (2, local)):
         engine.load_weights(path)

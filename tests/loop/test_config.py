@@ -78,6 +78,12 @@ def test_deterministic_sets_trainer_and_seed(tiny_model_dir, tmp_path):
     ({"loop__engine": "inprocess", "sync__sync": "auto",
       "loop__engine_urls": ["http://127.0.0.1:1"], "loop__num_engines": None},
      "excludes engine_urls"),
+    ({"sync__precision": "fp16"}, "--precision (in [sync])"),
+    ({"sync__sync": "distributed", "sync__precision": "fp8", "loop__placement": "colocated"},
+     "not sent over --sync distributed"),
+    ({"sync__sync": "auto", "sync__precision": "fp8",
+      "loop__engine_urls": ["http://127.0.0.1:1"], "loop__num_engines": None},
+     "reaches external engines on disk only"),
 ])
 def test_bad_config_names_the_key(tiny_model_dir, change, message):
     with pytest.raises(ConfigError) as err:
