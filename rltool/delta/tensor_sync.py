@@ -6,7 +6,9 @@ O_EXCL, sized to one bucket (at least the largest tensor). For each bucket it co
 at 64-byte aligned offsets and sends their description (name, dtype, shape, offset: a JSON
 `rltool.engine.api.TensorMessage`, never a pickle) in `/update_weights_from_tensor`; the engine maps
 the segment copy-on-write, checks every entry, copies into its parameters and answers; only then
-is the segment reused for the next bucket. Extra memory on either side is one bucket.
+is the segment reused for the next bucket. Extra memory on either side is one bucket. Block-FP8
+weights (`quantize_named`) travel as e4m3 tensors, each with its float32 scales in the same bucket,
+the message naming their `weight_block_size`.
 
 CUDA IPC (a sender and a CUDA engine on the same GPU). The same message with transport
 "cuda_ipc": the sender owns one device buffer of a bucket, copies each bucket in, waits for the

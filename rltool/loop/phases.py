@@ -307,11 +307,15 @@ def sync(ctx: StepContext) -> float:
 def push_weights(ctx: StepContext, mode: str) -> float:
     """Hand the resident trainer's weights to every engine in memory as state.policy_version
     (on CUDA colocated: staged on the host, the trainer offloaded, the engines resumed first)."""
+    import torch
+
     from rltool.delta import tensor_sync
     from rltool.delta.publish import FP8_BLOCK
 
     named = ctx.residency.engine_weights(resident_trainer(ctx), ctx.engines.dtype)
     bucket_bytes = ctx.settings.sync.tensor_bucket_mb << 20
+    if ctx.settings.sync.precision == "bf16":  # bf16 values, whatever dtype the engines hold
+        named = [(n, t.to(torch.bfloat16)) for n, t in named]
     if mode == "tensor" and ctx.settings.sync.precision == "fp8":
         t0 = time.perf_counter()
         named = tensor_sync.quantize_named(named, dtype=ctx.engines.dtype, block=FP8_BLOCK)
