@@ -1,0 +1,150 @@
+"""Quantize + sync time per step of `[sync] precision = "fp8"` against the model's own dtype.
+
+A random-init checkpoint of a preset (`rltool.data.models.init_model`, bf16) is the trainer's
+version 0; each step changes a third of its entries (one simulated optimizer step). One engine
+(`PagedRunner` on --device) serves version 0 as published in the precision under test, then per
+step and per sync mode it takes the new weights the way the loop hands them over:
+  tensor  quantize the trainer's tensors (rltool.delta.tensor_sync.quantize_named, fp8 only), copy
+          them bucket by bucket into one shared-memory segment and load each bucket into the engine
+          (`load_named_tensors`, what /update_weights_from_tensor runs)
+  full    publish_version --sync full (write the version, fp8: block-quantized) + load_weights
+  delta   publish_version --sync delta (encode on the cached base) + pull_weights + load_weights
+Each figure is the median over --steps steps (step 0, which warms caches, not counted). The
+engine's logprobs after the last step are checked bit-identical across the three modes of one
+precision (they all hand over the same weights).
+
+Usage: .venv/bin/python benchmarks/fp8_sync.py [--preset tiny|qwen2.5-0.5b|qwen2.5-3b ...]
+       [--device cpu|cuda] [--steps 3] [--out FILE.json]
+Prints a table and, last, one JSON line on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from rltool.data.models import init_model
+from rltool.delta import tensor_sync
+from rltool.delta.config import SyncConfig
+from rltool.delta.publish import FP8_BLOCK, publish_version
+from rltool.delta.pull import pull_weights
+from rltool.engine.api import TensorMessage
+from rltool.engine.paged_runner import PagedRunner
+
+MODES = ("tensor", "full", "delta")
+SEQ = list(range(3, 35))
+
+
+def trajectory(base: dict[str, torch.Tensor], steps: int) -> list[dict[str, torch.Tensor]]:
+    """Version 0 and `steps + 1` simulated optimizer steps: each adds one update (a third of the
+    entries, std 1e-3; drawn once per tensor, rotated by one element per step)."""
+    g = torch.Generator().manual_seed(1)
+    update = {k: ((torch.rand(v.shape, generator=g) < 0.3) * torch.randn(v.shape, generator=g)
+                  * 1e-3).flatten() for k, v in base.items()}
+    states = [base]
+    for s in range(steps + 1):
+        states.append({k: (v.float() + update[k].roll(s).view(v.shape)).to(v.dtype)
+                       for k, v in states[-1].items()})
+    return states
+
+
+def tensor_sync_into(runner: PagedRunner, state: dict[str, torch.Tensor], *, fp8: bool) -> None:
+    named = list(state.items())
+    block = FP8_BLOCK if fp8 else None
+    if fp8:
+        named = tensor_sync.quantize_named(named, dtype=torch.bfloat16, block=FP8_BLOCK)
+    bucket_bytes = 512 << 20
+    with tensor_sync.ShmSegment(tensor_sync.segment_bytes(named, bucket_bytes=bucket_bytes)) as seg:
+        for bucket in tensor_sync.buckets(named, bucket_bytes=bucket_bytes):
+            message = seg.write(bucket, dtype=None if fp8 else torch.bfloat16)
+            if fp8:
+                message["weight_block_size"] = list(FP8_BLOCK)
+            with tensor_sync.open_message(TensorMessage.model_validate(message)) as got:
+                runner.load_named_tensors(got, block=block)
+
+
+def run_precision(model: Path, states: list[dict[str, torch.Tensor]], precision: str | None,
+                  mode: str, *, device: str, root: Path) -> tuple[list[float], torch.Tensor]:
+    pub = root / f"{precision}-{mode}"
+    sync = SyncConfig(sync="delta" if mode == "delta" else "full", precision=precision)
+    publish_version(states[0], sync, publish_dir=pub, version=0, source_model_dir=model,
+                    dtype="bf16")
+    runner = PagedRunner(pub / "weight_v000000", device=device, dtype="bf16", max_running=1,
+                         page_size=16, max_total_tokens=256)
+    times = []
+    for v, state in enumerate(states[1:], start=1):
+        t0 = time.perf_counter()
+        if mode == "tensor":
+            tensor_sync_into(runner, state, fp8=precision == "fp8")
+        else:
+            publish_version(state, sync, publish_dir=pub, version=v, source_model_dir=model,
+                            dtype="bf16")
+            path = pub / f"weight_v{v:06d}"
+            if mode == "delta":
+                path = root / f"{precision}-local"
+                pull_weights(local_checkpoint_dir=path, source_dir=pub, target_version=v)
+            runner.load_weights(path)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times, runner.full_pass_logits(SEQ, start=1).cpu()
+
+
+def bench(preset: str, *, device: str, steps: int) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = init_model(root / "model", preset=preset, dtype="bf16", seed=0)
+        base = {k: v.to(torch.bfloat16)
+                for k, v in load_file(str(model / "model.safetensors")).items()}
+        states = trajectory(base, steps)
+        nbytes = sum(t.numel() * t.element_size() for t in base.values())
+        for precision in (None, "fp8"):
+            logits = {}
+            for mode in MODES:
+                times, logits[mode] = run_precision(model, states, precision, mode, device=device,
+                                                    root=root)
+                rows.append({"preset": preset, "precision": precision or "bf16", "mode": mode,
+                             "bf16_bytes": nbytes, "step_s": statistics.median(times[1:]),
+                             "steps": len(times) - 1})
+            same = all(torch.equal(logits["tensor"], logits[m]) for m in MODES)
+            for row in rows[-len(MODES):]:
+                row["modes_agree"] = same
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", nargs="+", default=["tiny"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    rows = [r for preset in args.preset for r in bench(preset, device=args.device,
+                                                        steps=args.steps)]
+    print(f"{'preset':14} {'precision':9} {'mode':6} {'MB bf16':>8} {'s/step':>8} agree")
+    for r in rows:
+        print(f"{r['preset']:14} {r['precision']:9} {r['mode']:6} {r['bf16_bytes'] / 1e6:8.1f} "
+              f"{r['step_s']:8.3f} {r['modes_agree']}")
+    result = {"benchmark": "fp8_sync", "date": datetime.now(timezone.utc).isoformat(),
+              "machine": platform.node(), "device": args.device,
+              "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+              "rows": rows}
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
+    sys.exit(0 if all(r["modes_agree"] for r in rows) else 1)
+
+
+if __name__ == "__main__":
+    main()
