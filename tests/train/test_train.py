@@ -100,7 +100,8 @@ def test_published_version_is_a_hf_checkpoint(tiny_model_dir, train_shard, tmp_p
                              num_steps=1, **COMMON))
     published = tmp_path / "weights" / "weight_v000001"
     assert result.published == str(published)
-    assert json.loads((published / "rltool_version.json").read_text()) == {"version": 1}
+    assert json.loads((published / "rltool_version.json").read_text()) == {"version": 1,
+                                                                           "precision": "fp32"}
     model = AutoModelForCausalLM.from_pretrained(str(published))
     AutoTokenizer.from_pretrained(str(published))
     saved = load_file(tmp_path / "ckpt" / "step-000001" / "model" / "model.safetensors")
