@@ -211,3 +211,29 @@ def test_join_group_refuses_nccl_without_cuda_and_unknown_backends(monkeypatch):
         with pytest.raises(BadInputError, match=words):
             tensor_sync.join_group(master_address="127.0.0.1", master_port=1, rank=0,
                                    world_size=2, backend=backend)
+
+
+def test_block_fp8_update_over_the_route(engine):
+    """A bucket of block-FP8 weights (`weight_block_size`, each e4m3 weight with its scales) is
+    dequantized into the fp32 engine exactly as `rltool convert dequant` would; scales of another
+    block size are refused with 400 and the old weights keep serving."""
+    from rltool.convert.fp8 import SCALE_SUFFIX, dequantize_blocks
+
+    client, runner = engine
+    named = tensor_sync.quantize_named(new_state(runner, seed=4), dtype=torch.float32,
+                                       block=(16, 16))
+    assert any(t.dtype == torch.float8_e4m3fn for _, t in named)
+    before = served(runner)
+    with tensor_sync.ShmSegment(tensor_sync.segment_bytes(named, bucket_bytes=1 << 30)) as seg:
+        r = post_tensor(client, seg.write(named) | {"weight_block_size": [32, 32]})
+        assert r.status_code == 400 and "weight_block_size [32, 32]" in r.json()["message"]
+        assert all(served(runner)[n].equal(t) for n, t in before.items())
+        r = post_tensor(client, seg.write(named) | {"weight_block_size": [16, 16]},
+                        weight_version="8")
+    assert r.status_code == 200, r.text
+    state, now = dict(named), served(runner)
+    for name, t in state.items():
+        if t.dtype == torch.float8_e4m3fn:
+            t = dequantize_blocks(t, state[name + SCALE_SUFFIX], (16, 16), dtype=torch.float32)
+        if not name.endswith(SCALE_SUFFIX):
+            assert now[name].equal(t), name
