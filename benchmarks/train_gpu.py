@@ -156,9 +156,12 @@ def main() -> None:
         for preset in presets:
             model_dir = init_model(Path(tmp) / preset, arch="qwen2", preset=preset,
                                    dtype="bf16" if device.type == "cuda" else "fp32")
+            profiled = False  # the first packed layout of each preset is profiled
             for layout in args.layouts.split(","):
+                profile = layout.startswith("packed") and not profiled
+                profiled = profiled or profile
                 r = bench_layout(model_dir, device, layout, repeats=args.repeats,
-                                 lengths=lengths, profile=layout == "packed")
+                                 lengths=lengths, profile=profile)
                 r["preset"] = preset
                 results.append(r)
                 print(json.dumps(r), flush=True)

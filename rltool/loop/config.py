@@ -69,12 +69,14 @@ class LoopConfig(TrackingConfig):
         "the device: the trainer's parameters, gradients and optimizer state wait in pinned "
         "host memory during rollout and eval, the engines release weights and KV pool during "
         "training.")
-    offload: Literal["auto", "all", "optimizer"] = Field(
+    offload: Literal["auto", "all", "optimizer", "none"] = Field(
         "auto", description="Colocated on CUDA: what the trainer moves to pinned host memory "
         "during rollout and eval (its gradients are freed): all (parameters and optimizer "
         "state), optimizer (its state only; the fp32 parameters stay on the device), auto (all "
         "when the host has room for it, else optimizer; rltool.train.memplan's plan, which "
-        "refuses one that does not fit).")
+        "refuses one that does not fit), none (nothing moves and nothing alternates: trainer "
+        "and engines stay on the device together, for models small enough; cap the engines' KV "
+        "pool with engine_args --max-total-tokens or --mem-fraction-static).")
     min_kv_tokens: int = Field(65536, ge=1, description="Colocated on CUDA: the KV pool "
                                "(tokens) the engines need at least beside what the trainer "
                                "leaves on the device during rollout; the memory plan checks it.")

@@ -262,7 +262,7 @@ def check_align_gate(ctx: StepContext) -> None:
 
 
 def publish(ctx: StepContext) -> None:
-    from rltool.delta.publish import publish_version
+    from rltool.delta.publish import decide_transport, publish_version
     from rltool.train.checkpoint import MODEL_DIR
 
     settings, state = ctx.settings, ctx.state
@@ -273,9 +273,13 @@ def publish(ctx: StepContext) -> None:
         if sync_mode(settings) != "disk":
             state.publish["sync/mode"] = sync_mode(settings)
         return
+    to_disk = is_save_step(settings, state.step)
     if is_resident(settings):
         trainer = resident_trainer(ctx)
-        src: Any = dict(trainer.named_tensors())
+        # An in-memory version off the save steps writes nothing: no host copy of the weights.
+        writes = to_disk or decide_transport(settings.sync,
+                                             in_memory=in_memory_transport(settings)) is None
+        src: Any = dict(trainer.named_tensors()) if writes else {}
         kwargs: dict[str, Any] = {"source_model_dir": trainer.model_dir,
                                   "dtype": settings.train_config(
                                       ctx.run, step=state.step, load=settings.model.path).dtype}
@@ -283,8 +287,8 @@ def publish(ctx: StepContext) -> None:
         src, kwargs = ctx.run.ckpt_step(version) / MODEL_DIR, {}
     result = publish_version(src, settings.sync, publish_dir=ctx.run.weights, version=version,
                              base_version=state.base_version,
-                             in_memory=in_memory_transport(settings),
-                             to_disk=is_save_step(settings, state.step), **kwargs)
+                             in_memory=in_memory_transport(settings), to_disk=to_disk,
+                             **kwargs)
     state.publish = {k: v for k, v in result.items() if isinstance(v, (int, float, str))}
 
 

@@ -45,9 +45,12 @@ class Residency:
         loop = settings.loop
         self.engines = engines
         self.colocated = loop.placement == "colocated" and loop.mode == "sync"
-        self.alternate = (resident and self.colocated and not loop.external
-                          and loop.launcher == "local" and settings.device == "cuda"
-                          and getattr(engines, "device", None) == "cuda")
+        shared = (resident and self.colocated and not loop.external
+                  and loop.launcher == "local" and settings.device == "cuda"
+                  and getattr(engines, "device", None) == "cuda")
+        # offload none: trainer and engines share the device the whole run, nothing alternates
+        self.alternate = shared and loop.offload != "none"
+        self.together = shared and loop.offload == "none"
         self.disk_sync = disk_sync
         self.offload = loop.offload
         self.min_kv_tokens = loop.min_kv_tokens
@@ -75,9 +78,11 @@ class Residency:
             self._add("engine_resume", t0)
 
     def plan_offload(self, trainer: Any) -> str:
-        """The trainer's offload policy for this device and host (`[loop] offload`), set on it;
+        """The trainer's offload policy for this device and host (`[loop] offload`; `none` is
+        only checked to fit), set on it;
         `plan` holds the memory plan (none for a model it does not cover, offloaded as set)."""
-        trainer.check_offloadable()
+        if self.offload != "none":
+            trainer.check_offloadable()
         config = trainer.backend.config
         if self.offload != "auto" and getattr(config, "model_type", None) not in DENSE:
             log.info("no memory plan for a %s model; offload %s as set", config.model_type,
@@ -134,7 +139,13 @@ class Residency:
     def engine_weights(self, trainer: Any, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
         """The trainer's weights as the engines take them. Alternating: staged in pinned host
         memory in `dtype`, then the trainer is offloaded and the engines resume; otherwise the
-        trainer's own tensors (the transport casts them)."""
+        trainer's own tensors (the transport casts them): on the device with `offload = "none"`
+        (planned at the first sync, refused there when trainer and engines do not fit together),
+        else host copies."""
+        if self.together:
+            if self.plan is None:
+                self.policy = self.plan_offload(trainer)
+            return trainer.named_tensors(on_device=True)
         if not self.alternate:
             return trainer.named_tensors()
         if trainer.offloaded:

@@ -11,6 +11,7 @@ frees them instead of moving them. What moves to pinned host memory during rollo
 | `all` | parameters (4 B/param) and optimizer state (8 B/param) | nothing |
 | `optimizer` | optimizer state (8 B/param) | the fp32 parameters (4 B/param) |
 | `auto` | `all` when the host has room for it, else `optimizer` | |
+| `none` | nothing (chosen explicitly, never by `auto`) | the trainer's whole state, beside the engines |
 
 Each phase, predicted by `plan` (bytes; N parameters, T the micro-batch token cap):
 
@@ -22,6 +23,9 @@ Each phase, predicted by `plan` (bytes; N parameters, T the micro-batch token ca
   layout, recomputed in the backward pass) and the final hidden states.
 - host: the pinned buffers of what moves, plus the engines' staged weights (N x engine dtype,
   rltool.loop.residency) -- pinned, so the kernel cannot swap them.
+
+With `none` nothing alternates: every phase holds the trainer's 16 N, the engines' weights and a
+KV pool of `kv_tokens` together, the train phase its activations besides; the host holds nothing.
 
 The parameter, gradient, optimizer, weight and KV bytes are exact (tests/train/test_memplan.py
 counts the parameters of the HF model); the activation bytes are an estimate (tensors the autograd
@@ -39,6 +43,7 @@ from rltool.errors import ConfigError
 
 GIB = float(1 << 30)
 OFFLOADS = ("all", "optimizer")  # `auto` tries them in this order
+POLICIES = (*OFFLOADS, "none")
 HOST_SHARE = 0.75  # pinned buffers take at most this share of the host memory available
 DEVICE_RESERVE = 2 << 30  # CUDA context, allocator slack, library workspaces
 ELEM = {"fp32": 4, "bf16": 2}
@@ -133,18 +138,23 @@ def activation_bytes(shape: Shape, *, tokens: int, compute_dtype: str, recompute
 def plan(shape: Shape, *, offload: str, compute_dtype: str = "bf16", engine_dtype: str = "bf16",
          micro_batch_tokens: int, recompute: bool, logprob_chunk_tokens: int = 4096,
          kv_tokens: int) -> Plan:
-    """Each phase's bytes under `offload` ("all" or "optimizer")."""
-    if offload not in OFFLOADS:
-        raise ConfigError(f"unknown offload {offload!r}; choose auto, {' or '.join(OFFLOADS)}")
+    """Each phase's bytes under `offload` ("all", "optimizer" or "none")."""
+    if offload not in POLICIES:
+        raise ConfigError(f"unknown offload {offload!r}; choose auto, {', '.join(POLICIES)}")
     n = shape.params
     weights = n * ELEM[engine_dtype]
-    rollout = {"trainer_params": 4 * n} if offload == "optimizer" else {}
-    rollout.update(engine_weights=weights, kv_pool=kv_tokens * shape.kv_bytes_per_token(
-        engine_dtype))
-    train = {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}
+    state = {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}
+    engines = {"engine_weights": weights,
+               "kv_pool": kv_tokens * shape.kv_bytes_per_token(engine_dtype)}
+    rollout = {"none": dict(state), "optimizer": {"trainer_params": 4 * n}}.get(offload, {})
+    rollout.update(engines)
+    train = dict(state)
     train.update(activation_bytes(shape, tokens=micro_batch_tokens, compute_dtype=compute_dtype,
                                   recompute=recompute,
                                   logprob_chunk_tokens=logprob_chunk_tokens))
+    if offload == "none":
+        train.update(engines)
+        return Plan(offload=offload, shape=shape, rollout=rollout, train=train, host={})
     host = {"optimizer": 8 * n}
     if offload == "all":
         host["params"] = 4 * n
@@ -171,6 +181,10 @@ def choose(shape: Shape, *, offload: str = "auto", device_bytes: int, host_bytes
     def gib(b: float) -> str:
         return f"{b / GIB:.1f} GiB"
 
+    if p.offload == "none":
+        raise ConfigError(f"offload none keeps the trainer and the engines on the device "
+                          f"together: {gib(max(p.peak('train'), p.peak('rollout')))} needed, the "
+                          f"device has {gib(device_room)}; set [loop] offload = auto")
     if p.peak("train") > device_room:
         raise ConfigError(f"the train phase needs {gib(p.peak('train'))} of device memory, the "
                           f"device has {gib(device_room)}; lower [train] "

@@ -123,9 +123,8 @@ class ResidentTrainer:
 
     def named_tensors(self, *, on_device: bool = False) -> list[tuple[str, torch.Tensor]]:
         """The policy's weights under HF names (what an engine serves), in a stable order; host
-        copies unless `on_device` (the torch backend: its parameters where they live)."""
-        if on_device:
-            self.check_offloadable()
+        copies unless `on_device` and the backend is torch's (its parameters where they live)."""
+        if on_device and self._offloader is not None:
             return sorted(self.backend.export_hf_state_dict(on_device=True).items())
         return sorted(self.backend.export_hf_state_dict().items())
 

@@ -189,3 +189,28 @@ def test_a_model_the_plan_does_not_cover_offloads_as_set(tiny_model_dir, monkeyp
         res.offload_trainer(trainer)
         assert res.plan is None and res.policy == "optimizer" and trainer.offloaded
         assert not trainer._offloader.params  # the parameters stay
+
+
+def test_offload_none_keeps_both_and_hands_over_the_trainers_own_tensors(tiny_model_dir,
+                                                                         monkeypatch):
+    settings = LoopSettings.from_tables(tables(tiny_model_dir, sync__sync="tensor",
+                                               loop__offload="none"))
+    engines = Engines()
+    res = Residency(settings, engines, resident=True, disk_sync=False)
+    res.together = True  # the CUDA mode, exercised on the CPU
+    trainer = trained(tiny_model_dir)
+    on_a_device(monkeypatch, device_gib=80, host_gib=1e-4)  # the host needs nothing
+    res.for_engines(trainer)
+    res.before_trainer(training=True)
+    named = res.engine_weights(trainer, torch.bfloat16)
+    assert engines.calls == [] and not trainer.offloaded and res.plan.offload == "none"
+    assert res.plan.host == {} and res.plan.peak("train") > res.plan.peak("rollout")
+    params = {p.data_ptr() for p in trainer.backend.inner.parameters()}
+    assert named and all(t.dtype == torch.float32 for _, t in named)
+    assert any(t.data_ptr() in params for _, t in named)  # the trainer's own, not host copies
+    res.plan = None  # a device with room for 8 bytes a parameter besides the reserve: too small
+    n = sum(p.numel() for p in trainer.backend.inner.parameters())
+    on_a_device(monkeypatch, device_gib=2 + 8 * n / 2**30, host_gib=64)
+    with pytest.raises(ConfigError, match=r"offload none keeps .* \[loop\] offload = auto"):
+        res.engine_weights(trainer, torch.bfloat16)
+

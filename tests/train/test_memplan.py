@@ -84,7 +84,7 @@ def test_auto_on_one_h200_keeps_the_7b_parameters_and_moves_everything_of_the_3b
                             "or set recompute_activations"),
     (dict(offload="optimizer", kv_tokens=2_000_000),
      r"rollout phase needs .* set \[loop\] offload = all or lower \[loop\] min_kv_tokens"),
-    (dict(offload="auto-ish"), r"unknown offload 'auto-ish'; choose auto, all or optimizer"),
+    (dict(offload="auto-ish"), r"unknown offload 'auto-ish'; choose auto, all, optimizer, none"),
 ])
 def test_a_plan_that_does_not_fit_is_refused_naming_the_knob(change, message):
     seven = Shape.of(PRESETS["qwen2.5-7b"], arch="qwen2")
