@@ -1,11 +1,10 @@
 """The paged model runner: the engine's own model over a paged KV pool, on CUDA or CPU.
 
-Prefill is packed: the chunks of every request prefilled in a step form one token stream (no
-padding) through the projections and MLPs; attention runs per group of equal-length fresh chunks
-(one batched SDPA call, causal) and per chunk that continues a cached prefix (SDPA over the
-prefix gathered from its pages). Decode runs the whole running batch as one step over the paged
-pool: on CUDA with the Triton split-KV kernel, captured in a CUDA graph per batch-size bucket and
-replayed; on CPU with the torch reference attention.
+Prefill is packed: a step's chunks form one token stream (no padding) through the projections and
+MLPs; attention runs per group of equal-length fresh chunks (one causal SDPA call), continuations
+of a cached prefix as decode rows (DECODE_QUERIES). Decode runs the running batch as one step over
+the paged pool: on CUDA with the Triton split-KV kernel, in a CUDA graph per batch-size bucket; on
+CPU with the torch reference attention.
 
 Memory on CUDA: weights, then the KV pool sized once from what `--mem-fraction-static` leaves
 (fraction x total memory, minus what is in use), then the graphs. `release` frees all three;
@@ -47,6 +46,8 @@ META_ROWS = 6
 # Deterministic mode: every decode attention call splits a request's KV this many ways, so its
 # reduction order depends on its own length only, never on the batch.
 DETERMINISTIC_SPLITS = 8
+# Chunks of at most this many tokens over a cached prefix attend as decode rows, all in one call;
+DECODE_QUERIES = 64  # longer ones (chunked prefill) gather their prefix for an SDPA of their own
 
 
 class PagedRunner:
@@ -170,8 +171,7 @@ class PagedRunner:
             self._build()
 
     def load_weights(self, path: str | Path) -> int:
-        """Copy a HF checkpoint's tensors into the live model after checking every name and shape.
-        Nothing changes unless the whole checkpoint matches."""
+        """Copy a HF checkpoint's tensors into the live model, all or nothing (names, shapes)."""
         if self.model is None:
             raise BadInputError("weights are released; call /resume_memory_occupation first")
         n = load_checkpoint(self.model, Path(path),
@@ -252,7 +252,7 @@ class PagedRunner:
         last: dict[int, int] = {}
         groups: list[tuple[int, int, int]] = []  # fresh chunks: (offset, count, length)
         cont: list[tuple[int, int, int, list[int]]] = []  # (offset, length, start, kv slots)
-        singles: list[tuple[int, int, int]] = []  # one-token continuations: (offset, row, len)
+        singles: list[tuple[int, int, int]] = []  # continuation tokens: (offset, row, length)
         for i in order:
             rid, toks, start = chunks[i]
             n = len(toks)
@@ -263,8 +263,8 @@ class PagedRunner:
             pos += range(start, start + n)
             loc += table.slots(rid, start, start + n)
             last[i] = offset + n - 1
-            if start > 0 and n == 1 and not self.deterministic:  # e.g. a GRPO sample's prompt
-                singles.append((offset, table.entries[rid].row, start + 1))
+            if 0 < start and n <= DECODE_QUERIES and not self.deterministic:  # as decode rows
+                singles += ((offset + j, table.entries[rid].row, start + j + 1) for j in range(n))
             elif start > 0:
                 cont.append((offset, n, start, table.slots(rid, 0, start + n)))
             elif (groups and groups[-1][2] == n and groups[-1][0] + groups[-1][1] * n == offset
@@ -289,7 +289,7 @@ class PagedRunner:
                                          k[o:o + c * n].view(c, n, *k.shape[1:]),
                                          v[o:o + c * n].view(c, n, *v.shape[1:]),
                                          scale=self.scale).reshape(c * n, *q.shape[1:])
-            if single_t is not None:  # one batched paged-attention call, as in a decode step
+            if single_t is not None:  # one batched paged-attention call for every such token
                 at, rows_s, lens_s = single_t
                 out[at] = self._paged_attention(
                     q[at], kc, vc, rows_s, lens_s, k_scale=ks, v_scale=vs,
