@@ -55,7 +55,7 @@ WINDOW = 5  # the demo stops once the mean rollout reward of the last WINDOW ste
 # The addition recipe's warm start stops once exp(-(answer tokens) x (mean loss of the last 10
 # steps)), the chance of sampling a whole right answer at temperature 1, reaches this; it leaves
 # the first RL step's exact match well under 0.3.
-ADD_SFT_EXACT = 0.1
+ADD_SFT_EXACT = 0.05
 # Warm-start steps per further train call (each loads the set, ends with a checkpoint): the loss
 # falls steeply once the model starts to add (0.5B shapes on an H200: 0.92 at step 226, 0.25 at
 # 295), so the steps are small enough not to jump past the stopping point.
@@ -169,13 +169,15 @@ def add_warm_start(root: Path, model: Path, *, first_steps: int, max_steps: int,
     answer_tokens = sum(len(x) + 1 for x in labels) / len(labels)  # digits and EOS
     batch = min(recipe.sft_batch, len(labels))
     save, losses, load = root / "sft" / "ckpt", [], str(model)
-    steps = min(first_steps, max_steps)
-    while True:
+    steps = chunk = min(first_steps, max_steps)
+    while True:  # a call on a finished checkpoint trains `chunk` more steps from it
         cfg = TrainConfig(loss="sft", prompts=str(root / "sft.jsonl"), load=load, save=str(save),
                           publish=str(root / "sft" / "weights"),
                           metrics=str(root / "sft" / "train.jsonl"), lr=recipe.sft_lr,
-                          lr_warmup_steps=min(20, steps), global_batch_size=batch,
-                          num_steps=steps, seed=seed, device=device,
+                          # warm-up on the first call; later ones resume Adam's state
+                          lr_warmup_steps=min(20, chunk) if load == str(model) else 0,
+                          global_batch_size=batch,
+                          num_steps=chunk, seed=seed, device=device,
                           dtype="bf16" if device == "cuda" else "fp32")
         result = run_train(cfg)
         losses += [m["train/sft_loss"] for m in result.metrics if "train/sft_loss" in m]
@@ -183,7 +185,8 @@ def add_warm_start(root: Path, model: Path, *, first_steps: int, max_steps: int,
         exact = math.exp(-answer_tokens * mean10)
         if exact >= ADD_SFT_EXACT or steps >= max_steps:
             break
-        steps, load = min(steps + ADD_SFT_CHUNK, max_steps), str(save)
+        chunk, load = min(ADD_SFT_CHUNK, max_steps - steps), str(save)
+        steps += chunk
     clock.say(f"rltool train --loss sft --num-steps {steps} --global-batch-size "
               f"{batch} --lr {recipe.sft_lr:g}: supervised warm start, mean token loss "
               f"of the last 10 steps {mean10:.3f}, estimated exact match {exact:.3f}")
@@ -217,18 +220,20 @@ def warm_start(root: Path, model: Path, *, sft_steps: int, seed: int,
     from rltool.train import run as run_train
     from rltool.train.config import TrainConfig
 
-    save, losses, steps, load = root / "sft" / "ckpt", [], sft_steps, str(model)
-    while True:
+    save, losses, load = root / "sft" / "ckpt", [], str(model)
+    steps = chunk = sft_steps
+    while True:  # a call on a finished checkpoint trains `chunk` more steps from it
         cfg = TrainConfig(loss="sft", prompts=str(root / "sft.jsonl"), load=load, save=str(save),
                           publish=str(root / "sft" / "weights"),
                           metrics=str(root / "sft" / "train.jsonl"), lr=3e-3,
-                          global_batch_size=32, num_steps=steps, seed=seed)
+                          global_batch_size=32, num_steps=chunk, seed=seed)
         result = run_train(cfg)
         losses += [m["train/sft_loss"] for m in result.metrics if "train/sft_loss" in m]
         mean10 = sum(losses[-10:]) / max(1, len(losses[-10:]))
         if mean10 <= SFT_LOSS_TARGET or steps >= SFT_MAX_STEPS:
             break
-        steps, load = steps + SFT_EXTRA_STEPS, str(save)
+        chunk, load = SFT_EXTRA_STEPS, str(save)
+        steps += chunk
     clock.say(f"rltool train --loss sft --num-steps {steps} --global-batch-size 32 --lr 3e-3:"
               f" supervised warm start, mean sft loss of the last 10 steps {mean10:.3f}")
     assert result.published is not None
