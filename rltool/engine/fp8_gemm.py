@@ -246,23 +246,25 @@ def native_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, bloc
 
 
 class _Native:
-    """Whether the native path is used on a device: `auto` probes it once (outside CUDA-graph
-    capture) against the Triton kernel at three token counts; `set_backend` overrides."""
+    """Whether the native path is used on a device for M tokens: `auto` probes it once per device
+    (outside CUDA-graph capture) against the Triton kernel, one token apart from several (torch
+    takes a one-row activation scale as a 128x128 block); `set_backend` overrides."""
 
     def __init__(self):
         self.backend = "auto"
-        self.verdict: dict[torch.device, bool] = {}
+        self.verdict: dict[tuple[torch.device, bool], bool] = {}
         self.lock = threading.Lock()
 
-    def usable(self, device: torch.device) -> bool:
+    def usable(self, device: torch.device, m: int) -> bool:
         if self.backend != "auto":
             return self.backend == "native"
-        if device not in self.verdict:
+        key = (device, m == 1)
+        if key not in self.verdict:
             if torch.cuda.is_current_stream_capturing():
                 return False
             with self.lock:
-                self.verdict.setdefault(device, probe_native(device))
-        return self.verdict[device]
+                self.verdict.setdefault(key, probe_native(device, (1,) if m == 1 else (5, 64)))
+        return self.verdict[key]
 
 
 _NATIVE = _Native()
@@ -276,17 +278,20 @@ def set_backend(name: str) -> None:
     _NATIVE.backend = name
 
 
-def probe_native(device: torch.device) -> bool:
-    """One call of the native path per token count 1, 5 and 64 at N=256, K=512, within float32
-    accumulation error of the Triton path; False when torch, cuBLASLt or the GPU refuse it."""
+def probe_native(device: torch.device, tokens: tuple[int, ...] = (1, 5, 64)) -> bool:
+    """One call of the native path per token count at N=256, K=512, within the two GEMMs'
+    rounding and accumulation differences of the Triton path; False when torch, cuBLASLt or the
+    GPU refuse it."""
     if not _hopper(device) or not hasattr(torch, "_scaled_mm"):
         return False
     gen = torch.Generator(device=device).manual_seed(0)
     w = torch.randn(256, 512, device=device, generator=gen)
     q = (w / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn)
-    scale = torch.rand(4, 256, device=device, generator=gen).add_(0.5).mul_(0.01).t()
+    # scales 2^-3..2^3 apart: one read from the wrong row or K-block shows
+    exponents = torch.randint(-3, 4, (4, 256), device=device, generator=gen)
+    scale = (0.01 * 2.0 ** exponents).t()  # K-block-major, as native_fits requires
     deq = q.float() * scale.repeat_interleave(128, dim=1)
-    for m in (1, 5, 64):
+    for m in tokens:
         x = torch.randn(m, 512, device=device, generator=gen, dtype=torch.bfloat16)
         try:
             got = native_linear(x, q, scale, block_k=128).float()
@@ -304,6 +309,6 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, block_k
     """x [M, K] (bf16/fp16/fp32) times the block-FP8 weight (q [N, K], scale [N, ceil(K /
     block_k)], any strides) transposed, plus bias: [M, N] in x's dtype. `block_k`: a power of
     two >= 32 (the FP8 tensor-core dot's K)."""
-    if x.shape[0] and native_fits(x, q, scale, block_k) and _NATIVE.usable(x.device):
+    if x.shape[0] and native_fits(x, q, scale, block_k) and _NATIVE.usable(x.device, x.shape[0]):
         return native_linear(x, q, scale, block_k=block_k, bias=bias)
     return triton_linear(x, q, scale, block_k=block_k, bias=bias)
