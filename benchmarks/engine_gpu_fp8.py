@@ -7,10 +7,11 @@ random-init checkpoint: its bf16 weights, its block-FP8 version (`rltool convert
 blocks; the engine keeps the linears in FP8 and runs them through rltool.engine.fp8_gemm), and FP8
 weights with `--kv-cache-dtype fp8_e4m3`; then the GEMM rates below.
 
-Quick (`python benchmarks/engine_gpu_fp8.py`, about two minutes for the 7B shapes): the GEMM rates,
-then workload (a) on bf16 weights and on FP8 weights twice, the GEMM chosen as in serving (`auto`:
-torch._scaled_mm where its probe passes) and forced to the Triton kernel. `--gemm-only`: the GEMM
-rates alone (seconds, no checkpoint written).
+Quick (`python benchmarks/engine_gpu_fp8.py`, a few minutes for the 7B shapes, most of it writing
+and converting the checkpoint): the GEMM rates, then workload (a) on bf16 weights and on FP8
+weights twice, the GEMM chosen as in serving (`auto`: torch._scaled_mm where its probe passes)
+and forced to the Triton kernel. `--gemm-only`: the GEMM rates alone (under a minute, no
+checkpoint written).
 
 GEMM rates: at the model's four linear shapes (qkv, o, gate_up, down) for 1, 64, 256 and 8192
 tokens, bf16 F.linear, the Triton FP8 GEMM and the native one (null where torch has no 1x128 block
