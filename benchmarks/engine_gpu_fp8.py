@@ -14,8 +14,9 @@ and forced to the Triton kernel. `--gemm-only`: the GEMM rates alone (under a mi
 checkpoint written).
 
 GEMM rates: at the model's four linear shapes (qkv, o, gate_up, down) for 1, 64, 256 and 8192
-tokens, bf16 F.linear, the Triton FP8 GEMM and the native one (null where torch has no 1x128 block
-scaling), each call including its activation quantization; GPU time of 20 calls replayed from a
+tokens, bf16 F.linear, the Triton FP8 GEMM, the native one (null where torch has no 1x128 block
+scaling) and torch._scaled_mm with the weight's 128x128 block scales (not used by the engine),
+each call including its activation quantization; GPU time of 20 calls replayed from a
 CUDA graph (as the engine's decode runs them, without host launch cost). Reported: TFLOP/s, and
 GB/s of the bytes each moves (weight, its scales, activations, output) beside the measured
 device copy bandwidth (bytes read + written per second). Engines report tokens/s, the ratio to
@@ -72,8 +73,24 @@ def graph_seconds(fn, calls: int = 20) -> float:
     return start.elapsed_time(end) / 5 / calls / 1e3
 
 
+def native_block_weight(x, q, block_scale):
+    """torch._scaled_mm with the weight's 128x128 block scales as they are stored ([N / 128,
+    K / 128], one per block) and 1x128 activation scales: the pairing DeepSeek-V3 uses, which
+    the engine does not (its per-row scales need no 128-row alignment of fused projections);
+    measured beside it to see what the other cuBLAS recipe would gain."""
+    from rltool.engine.fp8_gemm import quantize_activations
+
+    xq, xs = quantize_activations(x, 128)
+    return torch._scaled_mm(xq, q.t(), scale_a=xs.t(), scale_b=block_scale.t(),
+                            out_dtype=x.dtype)
+
+
+KINDS = ("bf16", "triton", "native", "native_128x128")
+
+
 def gemm_rates(spec, tokens: tuple[int, ...] = TOKENS) -> list[dict]:
-    """TFLOP/s and GB/s of bf16 F.linear and of both FP8 GEMMs at the model's linear shapes."""
+    """TFLOP/s and GB/s of bf16 F.linear and of the FP8 GEMMs at the model's linear shapes
+    (null where torch refuses one, or where native_128x128 disagrees with the Triton kernel)."""
     from rltool.convert.fp8 import quantize_blocks_torch
     from rltool.engine import fp8_gemm
 
@@ -82,8 +99,9 @@ def gemm_rates(spec, tokens: tuple[int, ...] = TOKENS) -> list[dict]:
     for name, (n, k) in linear_shapes(spec).items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
         q, block_scale = quantize_blocks_torch(w, (128, 128))
+        block_scale = block_scale.to("cuda")
         # the engine's layout: per-row scales, K-block-major
-        scale = block_scale.to("cuda").repeat_interleave(128, dim=0)[:n].t().contiguous().t()
+        scale = block_scale.repeat_interleave(128, dim=0)[:n].t().contiguous().t()
         for m in tokens:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {"gemm": name, "m": m, "n": n, "k": k}
@@ -95,7 +113,16 @@ def gemm_rates(spec, tokens: tuple[int, ...] = TOKENS) -> list[dict]:
             if native:
                 kinds["native"] = (lambda: fp8_gemm.native_linear(x, q, scale, block_k=128),
                                    fp8_bytes)
-            for kind in ("bf16", "triton", "native"):
+            want = fp8_gemm.triton_linear(x, q, scale, block_k=128).float()
+            try:
+                got = native_block_weight(x, q, block_scale).float()
+                if ((got - want).abs() <= 2 ** -6 * want.abs().amax()).all():
+                    kinds["native_128x128"] = (lambda: native_block_weight(x, q, block_scale),
+                                               fp8_bytes - (scale.numel() - block_scale.numel())
+                                               * 4)
+            except (RuntimeError, NotImplementedError):
+                pass
+            for kind in KINDS:
                 if kind not in kinds:
                     row[f"{kind}_tflops"] = row[f"{kind}_GBps"] = None
                     continue
@@ -104,7 +131,7 @@ def gemm_rates(spec, tokens: tuple[int, ...] = TOKENS) -> list[dict]:
                 row[f"{kind}_tflops"] = 2 * m * n * k / seconds / 1e12
                 row[f"{kind}_GBps"] = nbytes / seconds / 1e9
             rows.append(row)
-        del w, q, scale
+        del w, q, scale, block_scale
     torch.cuda.empty_cache()
     return rows
 
@@ -115,7 +142,7 @@ def print_gemms(preset: str, rows: list[dict], bw: float) -> None:
         cells = ", ".join(
             f"{kind} {r[f'{kind}_tflops']:6.1f} TFLOP/s {r[f'{kind}_GBps']:6.0f} GB/s"
             if r[f"{kind}_tflops"] is not None else f"{kind} n/a"
-            for kind in ("bf16", "triton", "native"))
+            for kind in KINDS)
         print(f"{preset:14} GEMM {r['gemm']:8} m={r['m']:>5} n={r['n']:>6} k={r['k']:>5}: "
               f"{cells}", flush=True)
 
