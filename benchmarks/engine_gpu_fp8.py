@@ -80,9 +80,10 @@ def native_block_weight(x, q, block_scale):
     measured beside it to see what the other cuBLAS recipe would gain."""
     from rltool.engine.fp8_gemm import quantize_activations
 
-    xq, xs = quantize_activations(x, 128)
+    m = x.shape[0]
+    xq, xs = quantize_activations(x, 128, rows=-(-m // 4) * 4)  # as native_linear pads
     return torch._scaled_mm(xq, q.t(), scale_a=xs.t(), scale_b=block_scale.t(),
-                            out_dtype=x.dtype)
+                            out_dtype=x.dtype)[:m]
 
 
 KINDS = ("bf16", "triton", "native", "native_128x128")

@@ -55,19 +55,20 @@ def to_e4m3(x, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows(X, Q, S, M, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EMULATE: tl.constexpr):
-    """Q[m, k-block] = e4m3(x / s), S[k-block, m] = s: one program per row tile and K-block."""
+def _quantize_rows(X, Q, S, M, ROWS, K, stride_xm, BLOCK_M: tl.constexpr,
+                   BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+    """Q[m, k-block] = e4m3(x / s), S[k-block, m] = s for ROWS >= M rows (those past M zero):
+    one program per row tile and K-block."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kb = tl.program_id(1)
     k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (offs_m < M)[:, None] & (k < K)[None, :]
     rows = offs_m.to(tl.int64)[:, None]
-    a = tl.load(X + rows * stride_xm + k[None, :], mask=mask, other=0.0).to(tl.float32)
+    a = tl.load(X + rows * stride_xm + k[None, :], mask=(offs_m < M)[:, None] & (k < K)[None, :],
+                other=0.0).to(tl.float32)
     s = tl.maximum(tl.max(tl.abs(a), axis=1), SCALE_FLOOR) / E4M3_MAX
     q = to_e4m3(tl.clamp(a / s[:, None], -E4M3_MAX, E4M3_MAX), EMULATE)
-    tl.store(Q + rows * K + k[None, :], q, mask=mask)
-    tl.store(S + kb * M + offs_m, s, mask=offs_m < M)
+    tl.store(Q + rows * K + k[None, :], q, mask=(offs_m < ROWS)[:, None] & (k < K)[None, :])
+    tl.store(S + kb * ROWS + offs_m, s, mask=offs_m < ROWS)
 
 
 @triton.jit
@@ -153,16 +154,19 @@ def _sum_splits(P, Bias, C, M, N, stride_cm, SPLIT: tl.constexpr, HAS_BIAS: tl.c
     tl.store(C + (offs // N) * stride_cm + col, acc.to(C.dtype.element_ty), mask=mask)
 
 
-def quantize_activations(x: torch.Tensor, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], float32 scales [ceil(K / block_k), M]): per token and K-block."""
+def quantize_activations(x: torch.Tensor, block_k: int, rows: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [R, K], float32 scales [ceil(K / block_k), R]): per token and K-block,
+    R = `rows` (>= M; the rows past M quantize zeros) or M."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     M, K = x.shape
+    R = M if rows is None else rows
     num_kb = triton.cdiv(K, block_k)
-    q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(num_kb, M, dtype=torch.float32, device=x.device)
-    if M:
-        _quantize_rows[(triton.cdiv(M, 16), num_kb)](x, q, s, M, K, x.stride(0), BLOCK_M=16,
+    q = torch.empty(R, K, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(num_kb, R, dtype=torch.float32, device=x.device)
+    if R:
+        _quantize_rows[(triton.cdiv(R, 16), num_kb)](x, q, s, M, R, K, x.stride(0), BLOCK_M=16,
                                                      BLOCK_K=block_k, EMULATE=INTERPRETED,
                                                      num_warps=4)
     return q, s
@@ -239,9 +243,12 @@ def native_fits(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block_k: 
 def native_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, block_k: int,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """The cuBLASLt path of fp8_linear (operands as `native_fits` requires): A's scales [M, Kb]
-    with strides (1, M), B = q.T column-major with scales whose transpose is `scale`."""
-    xq, xs = quantize_activations(x, block_k)
-    out = torch._scaled_mm(xq, q.t(), scale_a=xs.t(), scale_b=scale.t(), out_dtype=x.dtype)
+    with strides (1, M), B = q.T column-major with scales whose transpose is `scale`. cuBLASLt
+    wants M a multiple of 4 for these scales (16-byte aligned columns): the activations are
+    padded with zero rows and the result cut back."""
+    M = x.shape[0]
+    xq, xs = quantize_activations(x, block_k, rows=-(-M // 4) * 4)
+    out = torch._scaled_mm(xq, q.t(), scale_a=xs.t(), scale_b=scale.t(), out_dtype=x.dtype)[:M]
     return out if bias is None else out.add_(bias)
 
 

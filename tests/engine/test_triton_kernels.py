@@ -277,6 +277,28 @@ def test_fp8_gemm_within_analytic_bound(on_dev, request):
     assert paths == {(True, False), (True, True), (False, False), (False, True)}
 
 
+def test_fp8_activation_quantization(on_dev, request):
+    """The activation kernel writes the reference's e4m3 bytes and scales (K-block-major), and
+    rows past M (the padding cuBLASLt's block scales want) as zeros with the floor scale."""
+    if ran_in_child(request):
+        return
+    from rltool.engine.fp8_gemm import quantize_activations
+    from tests.helpers.fp8_gemm import activation_scales
+
+    torch.manual_seed(7)
+    x = torch.randn(3, 200) * 5
+    x[1, :128] = 0.0  # an all-zero K-block: the floor scale
+    want_s = activation_scales(x, 128)
+    want_q = (x / want_s.repeat_interleave(128, dim=1)[:, :200]).clamp(-448, 448).to(
+        torch.float8_e4m3fn)
+    q, s = quantize_activations(x.to(DEV), 128, rows=8)
+    assert q.shape == (8, 200) and s.shape == (2, 8)
+    assert torch.equal(q[:3].cpu().view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(s[:, :3].cpu(), want_s.t())
+    assert not q[3:].cpu().float().any()
+    assert torch.equal(s[:, 3:].cpu(), torch.full((2, 5), 1e-12) / 448)
+
+
 def test_fp8_resident_model_is_close_to_dequantized(on_dev, request, tiny_model_factory,
                                                      tmp_path):
     """A block-FP8 checkpoint loaded with its linears kept in FP8 (the CUDA path: fused q/k/v and
