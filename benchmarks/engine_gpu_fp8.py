@@ -1,79 +1,246 @@
-"""`benchmarks/engine_gpu.py --precision fp8`: FP8 weights and FP8 KV against bf16 on one GPU.
+"""FP8 weights against bf16 on one GPU: `benchmarks/engine_gpu.py --precision fp8`, or this file
+alone for the quick run.
 
-Workload (a) of engine_gpu.py (B concurrent requests of 128-token prompts, 256 output tokens each,
-in process) on three fresh engines over the same random-init checkpoint: its bf16 weights, its
-block-FP8 version (`rltool convert fp8`, 128x128 blocks; the engine keeps the linears in FP8 and
-runs them through rltool.engine.fp8_gemm), and FP8 weights with `--kv-cache-dtype fp8_e4m3`.
-Reports tokens/s of each and the ratio to bf16, what each engine holds (weight bytes, weight
-precision, KV bytes per token, pool tokens), and the TFLOP/s of the block-FP8 GEMM and of bf16
-F.linear at the model's four linear shapes for 256 and 8192 tokens (CUDA events, 20 calls).
+Full (`engine_gpu.py --precision fp8`): workload (a) of engine_gpu.py (B concurrent requests of
+128-token prompts, 256 output tokens each, in process) on three fresh engines over the same
+random-init checkpoint: its bf16 weights, its block-FP8 version (`rltool convert fp8`, 128x128
+blocks; the engine keeps the linears in FP8 and runs them through rltool.engine.fp8_gemm), and FP8
+weights with `--kv-cache-dtype fp8_e4m3`; then the GEMM rates below.
+
+Quick (`python benchmarks/engine_gpu_fp8.py`, a few minutes for the 7B shapes, most of it writing
+and converting the checkpoint): the GEMM rates, then workload (a) on bf16 weights and on FP8
+weights twice, the GEMM chosen as in serving (`auto`: torch._scaled_mm where its probe passes)
+and forced to the Triton kernel. `--gemm-only`: the GEMM rates alone (under a minute, no
+checkpoint written).
+
+GEMM rates: at the model's four linear shapes (qkv, o, gate_up, down) for 1, 64, 256 and 8192
+tokens, bf16 F.linear, the Triton FP8 GEMM, the native one (null where torch has no 1x128 block
+scaling) and torch._scaled_mm with the weight's 128x128 block scales (not used by the engine),
+each call including its activation quantization; GPU time of 20 calls replayed from a
+CUDA graph (as the engine's decode runs them, without host launch cost). Reported: TFLOP/s, and
+GB/s of the bytes each moves (weight, its scales, activations, output) beside the measured
+device copy bandwidth (bytes read + written per second). Engines report tokens/s, the ratio to
+bf16, and weight GB/s (weight bytes x decode steps / seconds: a lower bound of what decode reads).
+
+Usage: python benchmarks/engine_gpu_fp8.py [--preset qwen2.5-7b] [--batches 64,256] [--gemm-only]
+       [--out FILE.json]
+Prints a table and, last, one JSON line.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import tempfile
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-from engine_gpu import in_process, random_checkpoint
+from engine_gpu import copy_bandwidth, in_process, random_checkpoint
+
+TOKENS = (1, 64, 256, 8192)
 
 
-def gemm_rates(spec, tokens: tuple[int, ...] = (256, 8192)) -> list[dict]:
-    """TFLOP/s of the block-FP8 GEMM and of bf16 F.linear at the model's linear shapes."""
-    from rltool.engine.fp8_gemm import fp8_linear
-
+def linear_shapes(spec) -> dict[str, tuple[int, int]]:
+    """(N, K) of the model's four linears."""
     q_rows = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
-    shapes = {"qkv": (q_rows, spec.hidden_size),
-              "o": (spec.hidden_size, spec.num_heads * spec.head_dim),
-              "gate_up": (2 * spec.intermediate_size, spec.hidden_size),
-              "down": (spec.hidden_size, spec.intermediate_size)}
+    return {"qkv": (q_rows, spec.hidden_size),
+            "o": (spec.hidden_size, spec.num_heads * spec.head_dim),
+            "gate_up": (2 * spec.intermediate_size, spec.hidden_size),
+            "down": (spec.hidden_size, spec.intermediate_size)}
+
+
+def graph_seconds(fn, calls: int = 20) -> float:
+    """GPU seconds per call of `fn`, replayed from a CUDA graph of `calls` calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 5 / calls / 1e3
+
+
+def native_block_weight(x, q, block_scale):
+    """torch._scaled_mm with the weight's 128x128 block scales as they are stored ([N / 128,
+    K / 128], one per block) and 1x128 activation scales: the pairing DeepSeek-V3 uses, which
+    the engine does not (its per-row scales need no 128-row alignment of fused projections);
+    measured beside it to see what the other cuBLAS recipe would gain."""
+    from rltool.engine.fp8_gemm import quantize_activations
+
+    m = x.shape[0]
+    xq, xs = quantize_activations(x, 128, rows=-(-m // 4) * 4)  # as native_linear pads
+    return torch._scaled_mm(xq, q.t(), scale_a=xs.t(), scale_b=block_scale.t(),
+                            out_dtype=x.dtype)[:m]
+
+
+KINDS = ("bf16", "triton", "native", "native_128x128")
+
+
+def gemm_rates(spec, tokens: tuple[int, ...] = TOKENS) -> list[dict]:
+    """TFLOP/s and GB/s of bf16 F.linear and of the FP8 GEMMs at the model's linear shapes
+    (null where torch refuses one, or where native_128x128 disagrees with the Triton kernel)."""
+    from rltool.convert.fp8 import quantize_blocks_torch
+    from rltool.engine import fp8_gemm
+
+    native = fp8_gemm.probe_native(torch.device("cuda"))
     rows = []
-    for name, (n, k) in shapes.items():
+    for name, (n, k) in linear_shapes(spec).items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        q = w.to(torch.float8_e4m3fn)
-        scale = torch.ones(n, -(-k // 128), device="cuda")
+        q, block_scale = quantize_blocks_torch(w, (128, 128))
+        block_scale = block_scale.to("cuda")
+        # the engine's layout: per-row scales, K-block-major
+        scale = block_scale.repeat_interleave(128, dim=0)[:n].t().contiguous().t()
         for m in tokens:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {"gemm": name, "m": m, "n": n, "k": k}
-            for kind, fn in (("bf16", lambda: torch.nn.functional.linear(x, w)),
-                             ("fp8", lambda: fp8_linear(x, q, scale, block_k=128))):
-                for _ in range(3):
-                    fn()
-                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-                start.record()
-                for _ in range(20):
-                    fn()
-                end.record()
-                torch.cuda.synchronize()
-                seconds = start.elapsed_time(end) / 20 / 1e3
+            fp8_bytes = n * k + scale.numel() * 4 + m * k * 2 + m * n * 2
+            kinds = {"bf16": (lambda: torch.nn.functional.linear(x, w),
+                              2 * (n * k + m * k + m * n)),
+                     "triton": (lambda: fp8_gemm.triton_linear(x, q, scale, block_k=128),
+                                fp8_bytes)}
+            if native:
+                kinds["native"] = (lambda: fp8_gemm.native_linear(x, q, scale, block_k=128),
+                                   fp8_bytes)
+            want = fp8_gemm.triton_linear(x, q, scale, block_k=128).float()
+            try:
+                got = native_block_weight(x, q, block_scale).float()
+                if ((got - want).abs() <= 2 ** -6 * want.abs().amax()).all():
+                    kinds["native_128x128"] = (lambda: native_block_weight(x, q, block_scale),
+                                               fp8_bytes - (scale.numel() - block_scale.numel())
+                                               * 4)
+            except (RuntimeError, NotImplementedError):
+                pass
+            for kind in KINDS:
+                if kind not in kinds:
+                    row[f"{kind}_tflops"] = row[f"{kind}_GBps"] = None
+                    continue
+                fn, nbytes = kinds[kind]
+                seconds = graph_seconds(fn)
                 row[f"{kind}_tflops"] = 2 * m * n * k / seconds / 1e12
+                row[f"{kind}_GBps"] = nbytes / seconds / 1e9
             rows.append(row)
+        del w, q, scale, block_scale
+    torch.cuda.empty_cache()
     return rows
 
 
-def precision_cost(preset: str, batches: list[int]) -> dict:
-    """The three engines' workload (a), and the GEMM rates."""
-    from rltool.convert.fp8 import Fp8Config, quantize_checkpoint
+def print_gemms(preset: str, rows: list[dict], bw: float) -> None:
+    print(f"{preset:14} device copy bandwidth {bw / 1e9:.0f} GB/s (read + write)", flush=True)
+    for r in rows:
+        cells = ", ".join(
+            f"{kind} {r[f'{kind}_tflops']:6.1f} TFLOP/s {r[f'{kind}_GBps']:6.0f} GB/s"
+            if r[f"{kind}_tflops"] is not None else f"{kind} n/a"
+            for kind in KINDS)
+        print(f"{preset:14} GEMM {r['gemm']:8} m={r['m']:>5} n={r['n']:>6} k={r['k']:>5}: "
+              f"{cells}", flush=True)
+
+
+def engines(preset: str, batches: list[int], modes: dict) -> dict:
+    """Workload (a) on each mode's engine: {mode: in_process result}, each batch with its
+    tokens/s ratio to the first mode and the engine's weight GB/s."""
+    from rltool.engine import fp8_gemm
+
+    out: dict = {}
+    for mode, (model_dir, kv, backend) in modes.items():
+        fp8_gemm.set_backend(backend)
+        try:
+            out[mode] = in_process(model_dir, batches, kv_cache_dtype=kv)
+        finally:
+            fp8_gemm.set_backend("auto")
+        for b in batches:
+            r = out[mode][b]
+            r["weight_GBps"] = (out[mode]["engine"]["weight_bytes"] * r["decode_steps"]
+                                / r["seconds"] / 1e9)
+    first = next(iter(modes))
+    for b in batches:
+        base = out[first][b]["tokens_per_s"]
+        for mode in modes:
+            out[mode][b]["vs_" + first] = out[mode][b]["tokens_per_s"] / base
+        print(f"{preset:14} B={b:>4}: " + ", ".join(
+            f"{m} {out[m][b]['tokens_per_s']:>8.0f} tok/s ({out[m][b]['vs_' + first]:.2f}x, "
+            f"weights {out[m][b]['weight_GBps']:.0f} GB/s)" for m in modes), flush=True)
+    for m in modes:
+        print(f"{preset:14} {m}: {out[m]['engine']}", flush=True)
+    return out
+
+
+def preset_spec(preset: str):
+    """The engine's spec of a preset's shapes (its config.json alone, no weights)."""
+    from rltool.data.models import build_config
     from rltool.engine.dense_model import read_spec
+
+    config = build_config("qwen2", preset, vocab_size=1024, eos_token_id=0, pad_token_id=0)
+    config.architectures = ["Qwen2ForCausalLM"]
+    out = Path(tempfile.mkdtemp())
+    config.save_pretrained(str(out))
+    return read_spec(out)
+
+
+def checkpoints(preset: str) -> tuple[Path, Path]:
+    """A random-init bf16 checkpoint of the preset and its `rltool convert fp8` version."""
+    from rltool.convert.fp8 import Fp8Config, quantize_checkpoint
 
     model_dir = random_checkpoint(Path(tempfile.mkdtemp()) / preset, preset)
     fp8_dir = model_dir.parent / f"{preset}-fp8"
     quantize_checkpoint(Fp8Config(hf=model_dir, out=fp8_dir, workers=8))
-    modes = {"bf16": (model_dir, "auto"), "fp8": (fp8_dir, "auto"),
-             "fp8+fp8kv": (fp8_dir, "fp8_e4m3")}
-    out: dict = {mode: in_process(d, batches, kv_cache_dtype=kv)
-                 for mode, (d, kv) in modes.items()}
+    return model_dir, fp8_dir
+
+
+def precision_cost(preset: str, batches: list[int]) -> dict:
+    """engine_gpu.py --precision fp8: the three engines' workload (a), and the GEMM rates."""
+    from rltool.engine.dense_model import read_spec
+
+    model_dir, fp8_dir = checkpoints(preset)
+    out = engines(preset, batches, {"bf16": (model_dir, "auto", "auto"),
+                                    "fp8": (fp8_dir, "auto", "auto"),
+                                    "fp8+fp8kv": (fp8_dir, "fp8_e4m3", "auto")})
+    out["copy_bandwidth_Bps"] = copy_bandwidth()
     out["gemm"] = gemm_rates(read_spec(model_dir))
-    for b in batches:
-        base = out["bf16"][b]["tokens_per_s"]
-        print(f"{preset:14} B={b:>4}: " + ", ".join(
-            f"{m} {out[m][b]['tokens_per_s']:>8.0f} tok/s ({out[m][b]['tokens_per_s'] / base:.2f}x)"
-            for m in modes), flush=True)
-    for m in modes:
-        print(f"{preset:14} {m}: {out[m]['engine']}", flush=True)
-    for row in out["gemm"]:
-        print(f"{preset:14} GEMM {row['gemm']:8} m={row['m']:>5} n={row['n']:>6} "
-              f"k={row['k']:>5}: bf16 {row['bf16_tflops']:6.1f} TFLOP/s, fp8 "
-              f"{row['fp8_tflops']:6.1f} TFLOP/s", flush=True)
+    print_gemms(preset, out["gemm"], out["copy_bandwidth_Bps"])
     return out
+
+
+def quick(preset: str, batches: list[int], gemm_only: bool) -> dict:
+    """The GEMM rates, then (unless gemm_only) bf16, FP8 (auto) and FP8 (Triton) engines."""
+    bw = copy_bandwidth()
+    out: dict = {"copy_bandwidth_Bps": bw, "gemm": gemm_rates(preset_spec(preset))}
+    print_gemms(preset, out["gemm"], bw)
+    if not gemm_only:
+        model_dir, fp8_dir = checkpoints(preset)
+        out["engines"] = engines(preset, batches, {"bf16": (model_dir, "auto", "auto"),
+                                                   "fp8": (fp8_dir, "auto", "auto"),
+                                                   "fp8-triton": (fp8_dir, "auto", "triton")})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="qwen2.5-7b")
+    ap.add_argument("--batches", default="64,256")
+    ap.add_argument("--gemm-only", action="store_true", help="the GEMM rates alone")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    results = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "preset": args.preset,
+               **quick(args.preset, [int(b) for b in args.batches.split(",")], args.gemm_only)}
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+    print(json.dumps(results, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,20 +1,34 @@
-"""Block-FP8 GEMM (DeepSeek-V3 style) as a Triton kernel: y = x @ dequant(w).T (+ bias).
+"""Block-FP8 GEMM (DeepSeek-V3 style): y = x @ dequant(w).T (+ bias).
 
-Weights are float8_e4m3fn [N, K] with one float32 scale per row and K-block of `BLOCK_K` columns
-(`scale` [N, ceil(K / BLOCK_K)]: a checkpoint's 128x128 block scales repeated over the block's
-rows, so fused projections need not start on a block boundary). Activations are quantized inside
-the kernel, per token and K-block, exactly as weights are: `s = max(max|x|, 1e-12) / 448`,
-`q = clamp(x / s, ±448)` cast to e4m3 (round to nearest even). Each K-block's product is an FP8
-tensor-core dot accumulated in float32, multiplied by the token's and the row's scales and added
-into a float32 accumulator (the per-block promotion DeepSeek-V3 uses), then rounded once to x's
-dtype.
+Weights are float8_e4m3fn [N, K] with one float32 scale per row and K-block of `block_k` columns
+(`scale` [N, ceil(K / block_k)]: a checkpoint's 128x128 block scales repeated over the block's
+rows, so fused projections need not start on a block boundary; rltool.engine.quant keeps it
+K-block-major in memory, strides (1, N), the layout cuBLAS's 1x128 scales take). Activations
+are quantized first, per token and K-block exactly as weights are: `s = max(max|x|, 1e-12) /
+448`, `q = clamp(x / s, ±448)` cast to e4m3 (round to nearest even), one Triton kernel writing
+q [M, K] and s [ceil(K / block_k), M].
+
+Two GEMMs take the quantized operands:
+- native: `torch._scaled_mm` with 1x128 block scales on both operands (cuBLASLt >= 12.9 on
+  Hopper, sm90), used on a GPU where a first call's probe against the Triton kernel passes;
+- Triton (everywhere else): each K-block's product is an FP8 tensor-core dot (accumulated
+  inside the tensor core), multiplied by the token's and the row's scales and added into a float32
+  accumulator: the per-block promotion DeepSeek-V3 uses. At decode sizes (M <= 64) it computes
+  the transposed product (weight rows fill the MMA's 64-row side, tokens its narrow side) and
+  splits K over enough programs to fill the GPU, the float32 partial sums added by a second
+  kernel in a fixed order; prefill tiles are 64 or 128 x 128 in grouped launch order.
+The result is rounded once to x's dtype. Neither is batch invariant (tiles and splits follow M):
+the engine's deterministic mode serves FP8 checkpoints dequantized.
 
 Triton 3.6's interpreter casts float32 to e4m3 wrongly when the mantissa carries into the exponent
-(31.6 becomes 16), so under TRITON_INTERPRET=1 (CPU tests) the kernel rounds to an exact e4m3
+(31.6 becomes 16), so under TRITON_INTERPRET=1 (CPU tests) the kernels round to an exact e4m3
 value first with float32 arithmetic; on a GPU the hardware conversion does the same rounding.
 """
 
 from __future__ import annotations
+
+import functools
+import threading
 
 import torch
 import triton
@@ -26,6 +40,7 @@ from rltool.convert import fp8
 # Kernels may read only constexpr globals.
 E4M3_MAX = tl.constexpr(fp8.E4M3_MAX)
 SCALE_FLOOR = tl.constexpr(fp8.SCALE_FLOOR)
+BACKENDS = ("auto", "triton", "native")
 
 
 @triton.jit
@@ -40,63 +55,267 @@ def to_e4m3(x, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _fp8_gemm(A, B, Bs, Bias, C, M, N, K, stride_am, stride_bn, stride_sn, stride_cm,
-              NUM_KB: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+def _quantize_rows(X, Q, S, M, ROWS, K, stride_xm, BLOCK_M: tl.constexpr,
+                   BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+    """Q[m, k-block] = e4m3(x / s), S[k-block, m] = s for ROWS >= M rows (those past M zero):
+    one program per row tile and K-block."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    kb = tl.program_id(1)
+    k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    rows = offs_m.to(tl.int64)[:, None]
+    a = tl.load(X + rows * stride_xm + k[None, :], mask=(offs_m < M)[:, None] & (k < K)[None, :],
+                other=0.0).to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(a), axis=1), SCALE_FLOOR) / E4M3_MAX
+    q = to_e4m3(tl.clamp(a / s[:, None], -E4M3_MAX, E4M3_MAX), EMULATE)
+    tl.store(Q + rows * K + k[None, :], q, mask=(offs_m < ROWS)[:, None] & (k < K)[None, :])
+    tl.store(S + kb * ROWS + offs_m, s, mask=offs_m < ROWS)
+
+
+@triton.jit
+def _block_product(acc, a_ptr, b_ptr, As, Bs, rows_a, rows_b, kb, offs_k, M, K, stride_bsn,
+                   stride_bsk, EVEN_K: tl.constexpr, SWAP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + K-block kb's FP8 dot times its activation and weight scales."""
+    if EVEN_K:
+        a = tl.load(a_ptr + kb * BLOCK_K)
+        b = tl.load(b_ptr + kb * BLOCK_K)
+    else:
+        mask_k = (kb * BLOCK_K + offs_k < K)[None, :]
+        a = tl.load(a_ptr + kb * BLOCK_K, mask=mask_k, other=0.0)
+        b = tl.load(b_ptr + kb * BLOCK_K, mask=mask_k, other=0.0)
+    sa = tl.load(As + kb * M + rows_a)
+    sb = tl.load(Bs + rows_b * stride_bsn + kb * stride_bsk)
+    if SWAP:
+        d = tl.dot(b, tl.trans(a), out_dtype=tl.float32) * sb[:, None] * sa[None, :]
+    else:
+        d = tl.dot(a, tl.trans(b), out_dtype=tl.float32) * sa[:, None] * sb[None, :]
+    return acc + d
+
+
+@triton.jit
+def _fp8_gemm(A, As, B, Bs, Bias, C, M, N, K, stride_bn, stride_bsn, stride_bsk, stride_cm,
+              stride_cs, KB_PER_SPLIT, NUM_KB: tl.constexpr, EVEN_K: tl.constexpr,
+              HAS_BIAS: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+              EMULATE: tl.constexpr):
+    """C (or split pid_k's float32 partial sum at C + pid_k * stride_cs) of the quantized A
+    [M, K] (scales As [NUM_KB, M]) times B [N, K] (scales Bs, strides stride_bsn/stride_bsk)."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n  # GROUP_M row tiles sweep the columns together (L2 reuse of B)
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_a = offs_m % M  # wrapped: loads need no row mask, the store drops the copies
+    rows_b = offs_n % N
     offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    a_ptr = A + offs_m.to(tl.int64)[:, None] * stride_am
-    b_ptr = B + offs_n.to(tl.int64)[:, None] * stride_bn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kb in range(0, NUM_KB):
-        k = kb * BLOCK_K + offs_k
-        mask_k = k < K
-        a = tl.load(a_ptr + k[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                    other=0.0).to(tl.float32)
-        sa = tl.maximum(tl.max(tl.abs(a), axis=1), SCALE_FLOOR) / E4M3_MAX
-        aq = to_e4m3(tl.clamp(a / sa[:, None], -E4M3_MAX, E4M3_MAX), EMULATE)
-        b = tl.load(b_ptr + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        sb = tl.load(Bs + offs_n * stride_sn + kb, mask=mask_n, other=0.0)
-        acc += tl.dot(aq, tl.trans(b), out_dtype=tl.float32) * sa[:, None] * sb[None, :]
+    kb_lo = pid_k * KB_PER_SPLIT
+    kb_hi = tl.minimum(kb_lo + KB_PER_SPLIT, NUM_KB)
+    a_ptr = A + rows_a.to(tl.int64)[:, None] * K + offs_k[None, :]
+    b_ptr = B + rows_b.to(tl.int64)[:, None] * stride_bn + offs_k[None, :]
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if EMULATE:  # a while loop: the interpreter cannot range() over program-id arithmetic
+        kb = kb_lo
+        while kb < kb_hi:
+            acc = _block_product(acc, a_ptr, b_ptr, As, Bs, rows_a, rows_b, kb, offs_k, M, K,
+                                 stride_bsn, stride_bsk, EVEN_K, SWAP, BLOCK_K)
+            kb += 1
+    else:  # software-pipelined over num_stages K-blocks
+        for kb in range(kb_lo, kb_hi):
+            acc = _block_product(acc, a_ptr, b_ptr, As, Bs, rows_a, rows_b, kb, offs_k, M, K,
+                                 stride_bsn, stride_bsk, EVEN_K, SWAP, BLOCK_K)
+    if SWAP:
+        acc = tl.trans(acc)
     if HAS_BIAS:
-        acc += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(C + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :],
-             acc.to(C.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        acc += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    out = C + pid_k * stride_cs + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(out, acc.to(C.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
-def _tiles(m: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) by the number of tokens: narrow tiles at decode
-    batch sizes (more programs over the weight, which is what is read), square ones for prefill."""
-    if m <= 16:
-        return 16, 64, 4, 4
-    if m <= 32:
-        return 32, 64, 4, 4
-    if m <= 64:
-        return 64, 64, 4, 3
-    return 128, 128, 8, 3
+@triton.jit
+def _sum_splits(P, Bias, C, M, N, stride_cm, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """C = sum of the SPLIT float32 partial products P [SPLIT, M, N], in split order, + bias."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.load(P + offs, mask=mask, other=0.0)
+    for s in range(1, SPLIT):
+        acc += tl.load(P + s * M * N + offs, mask=mask, other=0.0)
+    col = offs % N
+    if HAS_BIAS:
+        acc += tl.load(Bias + col, mask=mask, other=0.0).to(tl.float32)
+    tl.store(C + (offs // N) * stride_cm + col, acc.to(C.dtype.element_ty), mask=mask)
 
 
-def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, block_k: int,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (bf16/fp16/fp32) times the block-FP8 weight (q [N, K], scale [N, ceil(K /
-    block_k)]) transposed, plus bias: [M, N] in x's dtype. `block_k`: a power of two >= 32 (the
-    FP8 tensor-core dot's K)."""
+def quantize_activations(x: torch.Tensor, block_k: int, rows: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [R, K], float32 scales [ceil(K / block_k), R]): per token and K-block,
+    R = `rows` (>= M; the rows past M quantize zeros) or M."""
     if x.stride(-1) != 1:
         x = x.contiguous()
+    M, K = x.shape
+    R = M if rows is None else rows
+    num_kb = triton.cdiv(K, block_k)
+    q = torch.empty(R, K, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(num_kb, R, dtype=torch.float32, device=x.device)
+    if R:
+        _quantize_rows[(triton.cdiv(R, 16), num_kb)](x, q, s, M, R, K, x.stride(0), BLOCK_M=16,
+                                                     BLOCK_K=block_k, EMULATE=INTERPRETED,
+                                                     num_warps=4)
+    return q, s
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # Triton's interpreter: a small "GPU", so CPU tests cover the split-K path
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=4096)
+def config(m: int, n: int, num_kb: int, sms: int) -> dict:
+    """Tiles, warps, stages and K splits by problem size. Decode sizes (m <= 64) read the weight
+    once and do little math: the transposed product with 64 weight rows per tile, the tokens
+    padded to 16/32/64, and K split until the tiles cover every SM once (at least 2 K-blocks per
+    split). Prefill: 64x128 tiles to m = 128, 128x128 beyond; 4 stages of 128-wide K-blocks."""
+    if m <= 64:
+        bm, bn, warps, swap, min_kb = max(16, triton.next_power_of_2(m)), 64, 4, True, 2
+    elif m <= 128:
+        bm, bn, warps, swap, min_kb = 64, 128, 4, False, 4
+    else:
+        bm, bn, warps, swap, min_kb = 128, 128, 8, False, 4
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    split = max(1, min(triton.cdiv(sms, tiles) if tiles < sms else 1, num_kb // min_kb))
+    per_split = triton.cdiv(num_kb, split)
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "SWAP": swap, "num_warps": warps, "num_stages": 4,
+            "split": triton.cdiv(num_kb, per_split), "per_split": per_split}
+
+
+def triton_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, block_k: int,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton path of fp8_linear."""
+    xq, xs = quantize_activations(x, block_k)
     M, K = x.shape
     N = q.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    bm, bn, warps, stages = _tiles(M)
-    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
-    _fp8_gemm[grid](x, q, scale, bias if bias is not None else scale, out, M, N, K,
-                    x.stride(0), q.stride(0), scale.stride(0), out.stride(0),
-                    NUM_KB=scale.shape[1], HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
-                    BLOCK_K=block_k, EMULATE=INTERPRETED, num_warps=warps, num_stages=stages)
+    num_kb = scale.shape[1]
+    cfg = dict(config(M, N, num_kb, _num_sms(x.device)))
+    split, per_split = cfg.pop("split"), cfg.pop("per_split")
+    dest = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split)
+    has_bias = bias is not None and split == 1
+    _fp8_gemm[grid](xq, xs, q, scale, bias if has_bias else scale, dest, M, N, K, q.stride(0),
+                    scale.stride(0), scale.stride(1), N if split > 1 else out.stride(0), M * N,
+                    per_split, NUM_KB=num_kb, EVEN_K=K % block_k == 0, HAS_BIAS=has_bias,
+                    BLOCK_K=block_k, GROUP_M=8, EMULATE=INTERPRETED, **cfg)
+    if split > 1:
+        block = 1024
+        _sum_splits[(triton.cdiv(M * N, block),)](dest, bias if bias is not None else scale, out,
+                                                  M, N, out.stride(0), SPLIT=split,
+                                                  HAS_BIAS=bias is not None, BLOCK=block)
     return out
+
+
+@functools.cache
+def _hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+def native_fits(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block_k: int) -> bool:
+    """Whether torch._scaled_mm's 1x128 x 1x128 block scaling takes these operands as they are:
+    a CUDA device of compute capability 9.x, 128-wide K-blocks, K and N multiples of 128 and 16,
+    a bf16/fp16 output, the weight row-major and its scales K-block-major (strides (1, N))."""
+    N, K = q.shape
+    return (x.is_cuda and hasattr(torch, "_scaled_mm") and block_k == 128 and K % 128 == 0
+            and N % 16 == 0 and x.dtype in (torch.bfloat16, torch.float16)
+            and q.stride() == (K, 1) and scale.stride() == (1, N) and _hopper(x.device))
+
+
+def native_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, block_k: int,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The cuBLASLt path of fp8_linear (operands as `native_fits` requires): A's scales [M, Kb]
+    with strides (1, M), B = q.T column-major with scales whose transpose is `scale`. cuBLASLt
+    wants M a multiple of 4 for these scales (16-byte aligned columns): the activations are
+    padded with zero rows and the result cut back."""
+    M = x.shape[0]
+    xq, xs = quantize_activations(x, block_k, rows=-(-M // 4) * 4)
+    out = torch._scaled_mm(xq, q.t(), scale_a=xs.t(), scale_b=scale.t(), out_dtype=x.dtype)[:M]
+    return out if bias is None else out.add_(bias)
+
+
+class _Native:
+    """Whether the native path is used on a device for M tokens: `auto` probes it once per device
+    (outside CUDA-graph capture) against the Triton kernel, one token apart from several (torch
+    takes a one-row activation scale as a 128x128 block); `set_backend` overrides."""
+
+    def __init__(self):
+        self.backend = "auto"
+        self.verdict: dict[tuple[torch.device, bool], bool] = {}
+        self.lock = threading.Lock()
+
+    def usable(self, device: torch.device, m: int) -> bool:
+        if self.backend != "auto":
+            return self.backend == "native"
+        key = (device, m == 1)
+        if key not in self.verdict:
+            if torch.cuda.is_current_stream_capturing():
+                return False
+            with self.lock:
+                self.verdict.setdefault(key, probe_native(device, (1,) if m == 1 else (5, 64)))
+        return self.verdict[key]
+
+
+_NATIVE = _Native()
+
+
+def set_backend(name: str) -> None:
+    """`auto` (native where its probe passes, else Triton), `triton`, or `native` (where
+    `native_fits`; Triton for the other shapes)."""
+    if name not in BACKENDS:
+        raise ValueError(f"FP8 GEMM backend {name!r} is not one of {', '.join(BACKENDS)}")
+    _NATIVE.backend = name
+
+
+def probe_native(device: torch.device, tokens: tuple[int, ...] = (1, 5, 64)) -> bool:
+    """One call of the native path per token count at N=256, K=512, within the two GEMMs'
+    rounding and accumulation differences of the Triton path; False when torch, cuBLASLt or the
+    GPU refuse it."""
+    if not _hopper(device) or not hasattr(torch, "_scaled_mm"):
+        return False
+    gen = torch.Generator(device=device).manual_seed(0)
+    w = torch.randn(256, 512, device=device, generator=gen)
+    q = (w / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn)
+    # scales 2^-3..2^3 apart: one read from the wrong row or K-block shows
+    exponents = torch.randint(-3, 4, (4, 256), device=device, generator=gen)
+    scale = (0.01 * 2.0 ** exponents).t()  # K-block-major, as native_fits requires
+    deq = q.float() * scale.repeat_interleave(128, dim=1)
+    for m in tokens:
+        x = torch.randn(m, 512, device=device, generator=gen, dtype=torch.bfloat16)
+        try:
+            got = native_linear(x, q, scale, block_k=128).float()
+        except (RuntimeError, NotImplementedError):
+            return False
+        want = triton_linear(x, q, scale, block_k=128).float()
+        magnitude = x.float().abs() @ deq.abs().T  # both round activations and accumulate
+        if not ((got - want).abs() <= 2 ** -6 * magnitude).all():
+            return False
+    return True
+
+
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, block_k: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32) times the block-FP8 weight (q [N, K], scale [N, ceil(K /
+    block_k)], any strides) transposed, plus bias: [M, N] in x's dtype. `block_k`: a power of
+    two >= 32 (the FP8 tensor-core dot's K)."""
+    if x.shape[0] and native_fits(x, q, scale, block_k) and _NATIVE.usable(x.device, x.shape[0]):
+        return native_linear(x, q, scale, block_k=block_k, bias=bias)
+    return triton_linear(x, q, scale, block_k=block_k, bias=bias)

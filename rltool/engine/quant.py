@@ -147,16 +147,17 @@ def pair_scales(named: list[tuple[str, torch.Tensor]], block: tuple[int, int]
 
 class Fp8Weight:
     """A linear weight kept in FP8: q [..., N, K] e4m3 and one float32 scale per row and K-block
-    (`scale` [..., N, ceil(K / block_k)]; the block scales repeated over their rows)."""
+    (`scale` [..., N, ceil(K / block_k)]; the block scales repeated over their rows), stored
+    K-block-major (strides (1, N) per matrix: the layout of cuBLAS's 1x128 scales)."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, block_k: int):
         self.q, self.scale, self.block_k = q, scale, block_k
 
     @classmethod
     def empty(cls, *shape: int, block_k: int, device: torch.device) -> Fp8Weight:
-        return cls(torch.empty(*shape, dtype=torch.float8_e4m3fn, device=device),
-                   torch.empty(*shape[:-1], -(-shape[-1] // block_k), dtype=torch.float32,
-                               device=device), block_k)
+        scale = torch.empty(*shape[:-2], -(-shape[-1] // block_k), shape[-2],
+                            dtype=torch.float32, device=device).transpose(-1, -2)
+        return cls(torch.empty(*shape, dtype=torch.float8_e4m3fn, device=device), scale, block_k)
 
     @property
     def shape(self) -> torch.Size:

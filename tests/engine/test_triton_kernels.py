@@ -229,63 +229,74 @@ def test_deterministic_mode_is_batch_invariant(tiny_model_dir, request):
     assert len(alone[0]) == 4
 
 
-def fp8_linear_float64(x, q, scale, block_k, bias=None):
-    """The block-FP8 GEMM's math in float64 after the same float32 activation quantization:
-    per token and K-block, s = max(max|x|, 1e-12) / 448, e4m3(clamp(x / s, ±448))."""
-    out = torch.zeros(x.shape[0], q.shape[0], dtype=torch.float64, device=x.device)
-    for b in range(scale.shape[1]):
-        a = x[:, b * block_k:(b + 1) * block_k].float()
-        sa = a.abs().amax(dim=1).clamp(min=1e-12) / 448
-        aq = (a / sa[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
-        out += ((aq.double() @ q[:, b * block_k:(b + 1) * block_k].double().T)
-                * sa.double()[:, None] * scale[:, b].double()[None, :])
-    return out if bias is None else out + bias.double()
-
-
-def activation_error_bound(x, w, block_k):
-    """|x @ w.T - (fp8 activations) @ w.T| <= sum_k err(x_k) |w_nk|, with err the e4m3 rounding
-    error's bound: half an ulp, 2^-4 relative for normals, 2^-10 of the block scale below them."""
-    err = torch.zeros_like(x, dtype=torch.float64)
-    for b in range(0, x.shape[1], block_k):
-        a = x[:, b:b + block_k].double()
-        sa = a.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448
-        err[:, b:b + block_k] = torch.maximum(a.abs() * 2.0 ** -4, sa * 2.0 ** -10)
-    return err @ w.double().abs().T
-
-
-def test_fp8_gemm_matches_float64_reference(on_dev, request):
-    """The block-FP8 GEMM (activations quantized per token and K-block inside the kernel) equals
-    its float64 reference to float32 accumulation error, and the dequantized-weight product to
-    within the analytic bound of the activation rounding. Shapes: partial K- and N-blocks, one
-    token, tile-crossing token counts, a bias, 32- and 128-wide K-blocks."""
+def test_fp8_gemm_within_analytic_bound(on_dev, request):
+    """The block-FP8 GEMM (activations quantized per token and K-block by its own kernel) equals
+    its float64 reference to float32 accumulation error, and the unquantized product within the
+    analytic bound derived from the block scales (tests/helpers/fp8_gemm.py), which the same
+    math with the scales of the wrong K-block violates. Shapes cover the decode path (transposed
+    product; split K with a bias), the prefill path (64- and 128-row tiles, split K), partial K-
+    and N-blocks, 32- and 128-wide K-blocks, and scales in either memory layout."""
     if ran_in_child(request):
         return
     from rltool.convert.fp8 import quantize_blocks_torch
-    from rltool.engine.fp8_gemm import fp8_linear
+    from rltool.engine.fp8_gemm import config, fp8_linear
+    from tests.helpers.fp8_gemm import error_bound, fp8_linear_float64
 
     torch.manual_seed(5)
-    for m, n, k, block_k, bias in [(1, 40, 200, 128, False), (5, 72, 256, 128, True),
-                                   (33, 24, 80, 32, False)]:
-        w = torch.randn(n, k) * 0.05
+    paths = set()
+    for m, n, k, block_k, bias, kb_major in [(1, 40, 200, 128, False, False),
+                                             (5, 72, 1024, 128, True, True),
+                                             (33, 24, 80, 32, False, False),
+                                             (70, 136, 256, 128, True, True),
+                                             (130, 40, 256, 32, False, True)]:
+        cfg = config(m, n, -(-k // block_k), 8)
+        paths.add((cfg["SWAP"], cfg["split"] > 1))
+        # K-blocks of magnitudes 1 and 1/64: a scale taken from the wrong block shows
+        w = torch.randn(n, k) * 0.05 * 64.0 ** -(torch.arange(k) // block_k % 2).float()
         w[3, 7] = 4.0  # an outlier: its block's scale is large
         q, block_scale = quantize_blocks_torch(w, (block_k, block_k))
-        scale = block_scale.repeat_interleave(block_k, dim=0)[:n].to(DEV)
-        q = q.to(DEV)
+        scale = block_scale.repeat_interleave(block_k, dim=0)[:n]
+        dev_scale = scale.t().contiguous().t() if kb_major else scale
         x = torch.randn(m, k) * 3
         x[0, :5] = torch.tensor([0.0, -0.0, 1e-9, 300.0, -2.5])
         b = torch.randn(n) if bias else None
-        got = fp8_linear(x, q, scale, block_k=block_k, bias=b).double().cpu()
-        want = fp8_linear_float64(x.cpu(), q.cpu(), scale.cpu(), block_k,
-                                  b.cpu() if bias else None)
-        assert (got - want).abs().max() <= 1e-5 * want.abs().max() + 1e-6, (m, n, k)
-        deq = (q.cpu().double() * scale.cpu().double().repeat_interleave(block_k, dim=1)[:, :k])
-        exact = x.cpu().double() @ deq.T + (b.cpu().double() if bias else 0)
-        bound = activation_error_bound(x.cpu(), deq, block_k)
-        assert ((got - exact).abs() <= bound * 1.001 + 1e-5).all(), (m, n, k)
-        xb = x.to(torch.bfloat16)  # bf16 activations: the output rounded once to bf16
-        got_bf16 = fp8_linear(xb, q, scale, block_k=block_k).double().cpu()
-        want_bf16 = fp8_linear_float64(xb.cpu(), q.cpu(), scale.cpu(), block_k)
-        assert torch.allclose(got_bf16, want_bf16, rtol=2 ** -7, atol=1e-2), (m, n, k)
+        for xin in (x, x.to(torch.bfloat16)):
+            got = fp8_linear(xin, q.to(DEV), dev_scale.to(DEV), block_k=block_k,
+                             bias=b).double().cpu()
+            xc = xin.cpu()
+            want = fp8_linear_float64(xc, q, scale, block_k, b.cpu() if bias else None)
+            ulp = torch.finfo(xin.dtype).eps  # the interpreter truncates casts to bf16
+            assert ((got - want).abs() <= ulp * want.abs() + 1e-5 * want.abs().max()
+                    + 1e-6).all(), (m, n, k, xin.dtype)
+            exact, bound = error_bound(xc, w, scale, block_k, xin.dtype)
+            exact = exact + (b.cpu().double() if bias else 0)
+            assert ((got - exact).abs() <= bound).all(), (m, n, k, xin.dtype)
+            wrong = fp8_linear_float64(xc, q, scale.roll(1, dims=1), block_k,
+                                       b.cpu() if bias else None)
+            assert ((wrong - exact).abs() > bound).any(), (m, n, k, xin.dtype)
+    assert paths == {(True, False), (True, True), (False, False), (False, True)}
+
+
+def test_fp8_activation_quantization(on_dev, request):
+    """The activation kernel writes the reference's e4m3 bytes and scales (K-block-major), and
+    rows past M (the padding cuBLASLt's block scales want) as zeros with the floor scale."""
+    if ran_in_child(request):
+        return
+    from rltool.engine.fp8_gemm import quantize_activations
+    from tests.helpers.fp8_gemm import activation_scales
+
+    torch.manual_seed(7)
+    x = torch.randn(3, 200) * 5
+    x[1, :128] = 0.0  # an all-zero K-block: the floor scale
+    want_s = activation_scales(x, 128)
+    want_q = (x / want_s.repeat_interleave(128, dim=1)[:, :200]).clamp(-448, 448).to(
+        torch.float8_e4m3fn)
+    q, s = quantize_activations(x.to(DEV), 128, rows=8)
+    assert q.shape == (8, 200) and s.shape == (2, 8)
+    assert torch.equal(q[:3].cpu().view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(s[:, :3].cpu(), want_s.t())
+    assert not q[3:].cpu().float().any()
+    assert torch.equal(s[:, 3:].cpu(), torch.full((2, 5), 1e-12) / 448)
 
 
 def test_fp8_resident_model_is_close_to_dequantized(on_dev, request, tiny_model_factory,
