@@ -20,8 +20,12 @@ without CUDA, `enable_cpu()` patches exactly these, and nothing when CUDA is ava
   (`megatron.core.utils`): those modules see a `torch` whose
   `tensor`/`zeros` put such tensors on the CPU; and gradient clipping, which asserts CUDA tensor
   types, is replaced by the same scaling (grads times max_norm / (norm + 1e-6) when below 1).
-  This covers the fp32 optimizer; the bf16 and distributed optimizers check for CUDA tensor
-  types and stay CUDA-only.
+  This covers the fp32 optimizer.
+- the distributed optimizer's parameter grouping (`DistributedOptimizer.
+  _build_model_and_main_param_groups`) accepts only CUDA tensor types by their type strings;
+  while it runs, CPU tensors report the CUDA type of their dtype, so the fp32 distributed
+  optimizer (shards, main-parameter views, its checkpoint state) runs on the CPU. The bf16
+  optimizers are not adapted and stay CUDA-only.
 
 Also required on CPU, but not patchable here: `psutil` must be installed (torch_dist saving
 otherwise waits forever for a worker), and scripts that save torch_dist checkpoints need an
@@ -117,6 +121,7 @@ def enable_cpu() -> bool:
     mrandom.initialize_rng_tracker = initialize_rng_tracker
     _patch_causal_mask()
     _patch_cuda_scalars()
+    _patch_distributed_optimizer_types()
     mrandom.initialize_rng_tracker(force_reset=True)
     _ENABLED = True
     log.debug("megatron-core CPU compatibility enabled")
@@ -174,6 +179,39 @@ def _patch_cuda_scalars() -> None:
                 grad.detach().mul_(coeff)
 
     optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+
+@contextlib.contextmanager
+def _cuda_type_strings() -> Iterator[None]:
+    """`tensor.type()` names a CPU tensor by the CUDA type of its dtype ("torch.cuda.FloatTensor")
+    inside the block."""
+    import torch
+
+    original = torch.Tensor.type
+
+    def type_(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        name = original(self, *args, **kwargs)
+        if args or kwargs or self.is_cuda:
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _patch_distributed_optimizer_types() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    build = DistributedOptimizer._build_model_and_main_param_groups.__func__
+
+    def build_on_cpu(cls: type, *args: Any, **kwargs: Any) -> Any:
+        with _cuda_type_strings():
+            return build(cls, *args, **kwargs)
+
+    DistributedOptimizer._build_model_and_main_param_groups = classmethod(build_on_cpu)
 
 
 def _patch_causal_mask() -> None:

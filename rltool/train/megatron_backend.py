@@ -98,11 +98,10 @@ class MegatronBackend:
         if options.device == "cpu" and cuda:
             raise ConfigError("--backend megatron uses the GPUs when CUDA is visible (its process "
                               "groups are NCCL); use --device auto, or hide the GPUs")
-        if trainable and not cuda and (options.use_distributed_optimizer
-                                       or options.dtype != "fp32"):
-            raise ConfigError("--use-distributed-optimizer and --dtype bf16 need CUDA with "
-                              "--backend megatron (megatron-core's distributed and mixed-precision "
-                              "optimizers check for CUDA tensors); use fp32 without it on the CPU")
+        if trainable and not cuda and options.dtype != "fp32":
+            raise ConfigError("--dtype bf16 needs CUDA to train with --backend megatron (megatron-"
+                              "core's mixed-precision optimizers check for CUDA tensors); use "
+                              "--dtype fp32 on the CPU")
         megatron_compat.init_distributed(**_sizes(options), seed=options.seed)
         from megatron.core import parallel_state as ps
 

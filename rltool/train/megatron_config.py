@@ -31,8 +31,8 @@ class MegatronOptions(StageConfig):
     sequence_parallel: bool = Field(False, description="megatron: shard activations outside "
                                     "attention/MLP along the sequence over the TP ranks.")
     use_distributed_optimizer: bool = Field(False, description="megatron: shard optimizer state "
-                                            "and fp32 master weights over data-parallel ranks "
-                                            "(CUDA only).")
+                                            "and fp32 master weights over data-parallel "
+                                            "ranks.")
     recompute_granularity: Literal["none", "full", "selective"] = Field(
         "none", description="megatron: activation recomputation (full: every layer; selective: "
         "the core attention).")

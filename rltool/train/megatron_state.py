@@ -12,11 +12,15 @@
   fp32, so `--load step-N/model` starts any backend or engine from it. Resuming restores model,
   optimizer moments and master weights, RNG and schedule position bit for bit; it needs the
   layout (TP/PP/EP/CP and the distributed optimizer) the checkpoint was written with.
+- With the distributed optimizer over torch's Adam (no apex or transformer-engine), loading
+  sets up and afterwards restores each parameter's Adam `step`, which megatron-core 0.16 cannot
+  load by itself (`_allocate_adam_state`, `_restore_adam_steps`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -97,7 +101,47 @@ def _layout(backend: MegatronBackend) -> dict[str, Any]:
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
+def _torch_adam_parts(optimizer: Any) -> Iterator[tuple[Any, torch.optim.Optimizer]]:
+    """(distributed optimizer, its torch Adam) for each part of `optimizer` that pairs them (no
+    apex or transformer-engine: megatron falls back to torch's Adam, which keeps a `step` per
+    parameter where the fused Adams keep one per group)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(part, DistributedOptimizer) and isinstance(part.optimizer, torch.optim.Adam):
+            yield part, part.optimizer
+
+
+def _allocate_adam_state(optimizer: Any) -> None:
+    """Before loading: give every parameter of a torch Adam that has not stepped yet megatron's
+    zero moments and a `step` of 0. Torch's Adam creates its state at the first step; without it
+    the distributed optimizer's `state_dict`, which its `sharded_state_dict` reads when loading
+    too, finds no step and fails its assertion that the parameters' steps agree. The
+    checkpoint's values replace these."""
+    for part, adam in _torch_adam_parts(optimizer):
+        if adam.state:
+            continue
+        part.init_state_fn(adam, part.config)
+        for group in adam.param_groups:
+            for param in group["params"]:
+                adam.state[param]["step"] = torch.zeros((), dtype=torch.float32)
+
+
+def _restore_adam_steps(optimizer: Any) -> None:
+    """After loading: each parameter's `step`, its own tensor, from the step its parameter group
+    was saved with. The distributed optimizer's `load_state_dict` sets every parameter's step from
+    the groups, but as one shared tensor (which torch's Adam would increment once per parameter),
+    and then copies the loading template's step tensors back over it (the template's 0)."""
+    for _, adam in _torch_adam_parts(optimizer):
+        for group in adam.param_groups:
+            for param in group["params"]:
+                adam.state[param]["step"] = torch.tensor(float(group["step"]),
+                                                         dtype=torch.float32)
+
+
 def _sharded_state(backend: MegatronBackend, *, loading: bool) -> dict[str, Any]:
+    if loading:
+        _allocate_adam_state(backend.optimizer)
     model = backend.module.sharded_state_dict()
     return {"model": model,
             "optimizer": backend.optimizer.sharded_state_dict(model, is_loading=loading,
@@ -199,7 +243,9 @@ def load_checkpoint(backend: MegatronBackend, ckpt_dir: Path
     loaded = dist_checkpointing.load(sharded, str(source),
                                      common_strategy=_weights_only_common_strategy())
     backend.module.load_state_dict(loaded["model"])
-    backend.optimizer.load_state_dict(loaded["optimizer"])
+    with torch.no_grad():  # fp32 distributed-optimizer shards are views of the model parameters
+        backend.optimizer.load_state_dict(loaded["optimizer"])
+    _restore_adam_steps(backend.optimizer)
     backend.optimizer_steps = int(written["optimizer_steps"])
     rng = ckpt.read_tensors(ckpt_dir / ckpt.RNG_FILE)
     rank = dist.get_rank()
