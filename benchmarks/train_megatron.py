@@ -2,17 +2,20 @@
 
 For each model preset (random init, rltool.data.models.PRESETS: qwen2.5-0.5b and qwen2.5-3b by
 default) it builds each backend on one device, draws --samples-per-step random samples of
---min-len..--max-len tokens (seeded), plans them with the DP schedule into micro-batches and times
---steps optimizer steps after --warmup steps (loss: mean token logprob, the shape of a
-policy-gradient step). Each backend runs in its best configuration:
+--min-len..--max-len tokens (seeded), plans them with the DP schedule into micro-batches of
+<= 4,096 tokens by default and times --steps optimizer steps after --warmup steps (loss: mean
+token logprob, the shape of a policy-gradient step). The defaults (16 samples of 512-4,096
+tokens, 1 warmup and 3 timed steps, both presets) take about three minutes on one H200.
 
   megatron  micro-batches of <= --seq-len tokens, each packed into one THD row (bf16 parameters,
-            fp32 master weights in megatron's optimizer)
+            fp32 master weights and Adam moments in megatron's optimizer, --use-distributed-
+            optimizer and --recompute-granularity as in `rltool train`). Qwen2.5-3B shapes need
+            ~56 GiB of weights, fp32 gradient buffer, master weights and moments, plus ~15 GiB of
+            bf16 activations per 4,096-token row without recompute: one 141 GiB GPU holds them.
   torch     its packed layout on CUDA (padded on the CPU) with micro-batches of <= --torch-seq-len
-            tokens, as benchmarks/train_gpu.py runs it (fp32 parameters under bf16 autocast);
-            when a preset runs out of memory without activation checkpointing it is retried with
-            it (the row says `recompute_activations`), unless --torch-recompute-activations forces
-            it on from the start
+            tokens (fp32 parameters under bf16 autocast); when a preset runs out of memory
+            without activation checkpointing it is retried with it (the row says
+            `recompute_activations`), unless --torch-recompute-activations forces it from the start
 
   tokens/s     real (unpadded) tokens per second of train_step, median step
   MFU          model FLOPs / step time / --peak-tflops: 6 x (linear-layer parameters, lm_head
@@ -20,10 +23,12 @@ policy-gradient step). Each backend runs in its best configuration:
                padding not counted (CUDA only)
   peak memory  torch.cuda.max_memory_allocated over the timed steps (CUDA only; the row also
                records what was allocated before the backend was built, which should be ~0)
-
-With --profile (default on CUDA) one more megatron step runs under torch.profiler and the top
-operators by device time are written to OUT/profile-<preset>-megatron.txt (and the first lines
-printed), which names what limits the step.
+  profile      with --profile (default on CUDA) one more step of each backend under
+               torch.profiler: the operator table in OUT/profile-<preset>-<backend>.txt, and in
+               the row the device's busy fraction of the median step, the host gaps (device idle
+               between kernels, the largest with the kernel that ended each), device time per
+               kernel kind, the top kernels and host operators, and `limit`: the largest share of
+               the step (device idle, i.e. the host, or a kernel kind)
 
 Results are written after every (preset, backend) to OUT/train_megatron-<date>-<machine>.json
 (atomic), so a run cut short keeps what it measured; a backend that fails (e.g. out of memory)
@@ -35,7 +40,6 @@ CPU (a check of the script itself, minutes):
           --torch-seq-len 64 --min-len 8 --max-len 48 --samples-per-step 8 --steps 2 --warmup 1 \\
           --out /tmp/bench
 """
-
 from __future__ import annotations
 
 import argparse
@@ -44,6 +48,7 @@ import json
 import os
 import platform
 import random
+import re
 import statistics
 import tempfile
 import time
@@ -139,8 +144,9 @@ def bench_backend(name: str, model_dir: Path, samples: list[list[int]], args: ar
         if torch.cuda.is_available():
             result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
             result["allocated_before_gib"] = before
-        if args.profile and name == "megatron":
-            result["profile"] = profile_step(backend, mbs, out_dir / f"profile-{preset}-{name}.txt")
+        if args.profile:
+            result["profile"] = profile_step(backend, mbs, out_dir / f"profile-{preset}-{name}.txt",
+                                             result["step_s"])
         return result
     finally:
         del backend
@@ -164,18 +170,108 @@ def best_run(name: str, model_dir: Path, samples: list[list[int]], args: argpars
     return bench_backend(name, model_dir, samples, args, out_dir, preset, recompute=True)
 
 
-def profile_step(backend, mbs: list[MicroBatch], path: Path) -> str:
+# Device kernels by what they compute, for the profile summary (first match wins).
+KERNEL_KINDS = (
+    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|gmma|wgmma", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn", re.I)),
+    ("softmax", re.compile(r"softmax|logsumexp|cross_entropy", re.I)),
+    ("reduction", re.compile(r"reduce|norm", re.I)),
+    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|pointwise|index|cat|fill", re.I)),
+)
+DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def kernel_kind(name: str, cat: str) -> str:
+    """The kind of a device event: by the kernel's name before its template arguments (which
+    name unrelated functors), else by the whole name."""
+    if cat != "kernel":
+        return cat.removeprefix("gpu_")
+    for text in (name.split("<")[0], name):
+        for kind, pattern in KERNEL_KINDS:
+            if pattern.search(text):
+                return kind
+    return "other"
+
+
+def trace_summary(events: list[dict], step_s: float, *, top: int = 10,
+                  gap_us: float = 50.0) -> dict:
+    """What limits a profiled step, from its chrome-trace events (device kernels, copies and
+    memsets: `cat` in DEVICE_EVENTS, `ts`/`dur` in microseconds) and the step's unprofiled time:
+    the device's busy time (the union of its events over all streams) as a fraction of the step,
+    the idle gaps between device work (where the device waits for the host), device time per
+    kernel kind and the top kernels, and `limit`: the largest of the step's shares (device idle,
+    or a kernel kind)."""
+    device = sorted((e["ts"], e["ts"] + e["dur"], e.get("name", ""), e["cat"])
+                    for e in events if e.get("cat") in DEVICE_EVENTS and e.get("ph") == "X")
+    busy_us, gaps, end = 0.0, [], None
+    for start, stop, name, _ in device:
+        if end is None or start > end:
+            if end is not None:
+                gaps.append((start - end, name))
+            busy_us += stop - start
+            end = stop
+        elif stop > end:
+            busy_us += stop - end
+            end = stop
+    by_kind: dict[str, float] = {}
+    by_name: dict[str, list[float]] = {}
+    for start, stop, name, cat in device:
+        kind = kernel_kind(name, cat)
+        by_kind[kind] = by_kind.get(kind, 0.0) + (stop - start)
+        entry = by_name.setdefault(name, [0.0, 0])
+        entry[0] += stop - start
+        entry[1] += 1
+    step_us = step_s * 1e6
+    long_gaps = sorted((g for g in gaps if g[0] >= gap_us), reverse=True)
+    shares = {"device idle": max(0.0, 1.0 - busy_us / step_us),
+              **{kind: t / step_us for kind, t in by_kind.items()}}
+    limit = max(shares, key=shares.get)
+    return {
+        "device_busy_s": busy_us / 1e6,
+        "gpu_busy_fraction": busy_us / step_us,
+        "device_events": len(device),
+        "device_span_s": (device[-1][1] - device[0][0]) / 1e6 if device else 0.0,
+        "host_gaps": {"count": len(gaps), "idle_s": sum(g for g, _ in gaps) / 1e6,
+                      f"count_over_{gap_us:g}us": len(long_gaps),
+                      f"idle_over_{gap_us:g}us_s": sum(g for g, _ in long_gaps) / 1e6,
+                      "largest": [{"ms": g / 1e3, "before": name[:80]}
+                                  for g, name in long_gaps[:5]]},
+        "device_s_by_kind": {k: t / 1e6 for k, t in sorted(by_kind.items(),
+                                                            key=lambda kv: -kv[1])},
+        "top_kernels": [{"name": name[:100], "ms": t / 1e3, "calls": n}
+                        for name, (t, n) in sorted(by_name.items(),
+                                                   key=lambda kv: -kv[1][0])[:top]],
+        "limit": f"{limit} ({shares[limit]:.0%} of the step)",
+    }
+
+
+def profile_step(backend, mbs: list[MicroBatch], path: Path, step_s: float) -> dict:
+    """One more step under torch.profiler: its operator table to `path`, and a summary: the top
+    host operators by self CPU time and, on CUDA, `trace_summary` against the unprofiled median
+    step time `step_s` (the profiler's own host overhead would inflate the profiled step)."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
-                                           if torch.cuda.is_available() else [])
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
+        start = time.perf_counter()
         backend.train_step(mbs, loss_fn, temperature=1.0)
         sync()
-    key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    table = prof.key_averages().table(sort_by=key, row_limit=25)
-    atomic.write_text(path, table)
-    return str(path)
+        profiled_s = time.perf_counter() - start
+    averages = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    atomic.write_text(path, averages.table(sort_by=key, row_limit=25))
+    host = sorted(averages, key=lambda e: -e.self_cpu_time_total)[:5]
+    summary = {"table": str(path), "profiled_step_s": profiled_s,
+               "host_top_ops": [{"name": e.key[:80], "self_cpu_ms": e.self_cpu_time_total / 1e3,
+                                 "calls": e.count} for e in host]}
+    if cuda:
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(trace))
+            events = json.loads(trace.read_text())["traceEvents"]
+        summary.update(trace_summary(events, step_s))
+    return summary
 
 
 def main() -> None:
@@ -184,15 +280,15 @@ def main() -> None:
     parser.add_argument("--backends", default="megatron,torch")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    parser.add_argument("--seq-len", type=int, default=8192,
+    parser.add_argument("--seq-len", type=int, default=4096,
                         help="megatron: micro-batch token cap (one packed row)")
-    parser.add_argument("--torch-seq-len", type=int, default=16384,
-                        help="torch: micro-batch token cap (benchmarks/train_gpu.py's)")
+    parser.add_argument("--torch-seq-len", type=int, default=4096,
+                        help="torch: micro-batch token cap (benchmarks/train_gpu.py runs 16384)")
     parser.add_argument("--min-len", type=int, default=512)
     parser.add_argument("--max-len", type=int, default=4096)
-    parser.add_argument("--samples-per-step", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--samples-per-step", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--recompute-granularity", choices=("none", "full", "selective"),
                         default="none")
     parser.add_argument("--use-distributed-optimizer", action="store_true")
@@ -247,15 +343,17 @@ def main() -> None:
                 atomic.write_json(path, record)
                 print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
     print(f"{'preset':14s} {'backend':9s} {'tokens':>7s} {'step s':>8s} {'tokens/s':>10s} "
-          f"{'MFU':>6s} {'peak GiB':>9s}")
+          f"{'MFU':>6s} {'peak GiB':>9s} {'busy':>5s}  limit")
     for r in record["results"]:
         if "error" in r:
             print(f"{r['preset']:14s} {r['backend']:9s} error: {r['error'][:80]}")
             continue
         mfu = f"{r['mfu']:6.1%}" if "mfu" in r else "     -"
         mem = f"{r['peak_memory_gib']:9.1f}" if "peak_memory_gib" in r else "        -"
+        prof = r.get("profile", {})
+        busy = f"{prof['gpu_busy_fraction']:5.0%}" if "gpu_busy_fraction" in prof else "    -"
         print(f"{r['preset']:14s} {r['backend']:9s} {r['tokens_per_step']:7d} {r['step_s']:8.3f} "
-              f"{r['tokens_per_s']:10.0f} {mfu} {mem}")
+              f"{r['tokens_per_s']:10.0f} {mfu} {mem} {busy}  {prof.get('limit', '-')}")
     print(f"results: {path}")
     print(json.dumps(record))
 

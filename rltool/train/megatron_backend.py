@@ -194,9 +194,18 @@ class MegatronBackend:
         return (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
                 and ps.get_context_parallel_rank() == 0)
 
+    def _paired(self) -> bool:
+        """Whether passes pair up across ranks (the pipeline's sends, expert-parallel dispatch),
+        so every rank must run the same number of passes of the same length."""
+        return (self.ps.get_pipeline_model_parallel_world_size() > 1
+                or self.ps.get_expert_model_parallel_world_size() > 1)
+
     def _lockstep(self, units: list[MicroBatch]) -> list[MicroBatch]:
-        """Pad with empty units to the same count on every rank (expert-parallel dispatch and the
-        pipeline's sends pair up passes across ranks)."""
+        """Pad with empty units to the same count on every rank when passes pair up; otherwise
+        (no collective, so no wait for the device) at least one pass, which a rank without units
+        still runs for the step's gradient reduction."""
+        if not self._paired():
+            return units or [MicroBatch([], [], [])]
         count = torch.tensor([len(units)], dtype=torch.long, device=self.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         return units + [MicroBatch([], [], [])] * (max(int(count.item()), 1) - len(units))
@@ -231,8 +240,7 @@ class MegatronBackend:
         ranks (the pipeline's sends have fixed shapes, expert dispatch gathers equal shapes): the
         longest unit over all ranks. None without PP and EP: each pass keeps its own length, so
         no compute goes to padding."""
-        if self.ps.get_pipeline_model_parallel_world_size() == 1 and \
-                self.ps.get_expert_model_parallel_world_size() == 1:
+        if not self._paired():
             return None
         longest = torch.tensor([max([sum(map(len, u.tokens)) for u in units] + [1])],
                                dtype=torch.long, device=self.device)
