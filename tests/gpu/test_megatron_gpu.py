@@ -97,3 +97,37 @@ def test_megatron_bf16_micro_batch_never_waits_for_the_gpu(tiny_model_dir):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert [t.shape[0] for t in out.logprobs] == [3, 2]
+
+
+def test_megatron_bf16_train_step_waits_for_the_gpu_per_step_not_per_micro_batch(tiny_model_dir):
+    """A whole bf16 train_step through megatron's schedule, loss, gradient reduction and optimizer
+    makes as many host-device synchronisations with 4 micro-batches as with 1 (the per-step
+    reads: the grad norm, the summed metrics), so none happens per micro-batch."""
+    import warnings
+
+    from rltool.train.backend import MicroBatch
+    from rltool.train.config import BackendConfig
+    from rltool.train.megatron_backend import MegatronBackend
+
+    backend = MegatronBackend(tiny_model_dir, options=BackendConfig(
+        backend="megatron", dtype="bf16", device="cuda", lr=1e-3))
+
+    def loss_fn(out, mb):
+        loss = -sum(lp.sum() for lp in out.logprobs) / 100
+        return loss, {"train/loss": loss.detach()}
+
+    def syncs(count: int) -> int:
+        mbs = [MicroBatch([i], [[5, 6, 7, 8, 9, 4 + i]], [2]) for i in range(count)]
+        backend.train_step(mbs, loss_fn, temperature=1.0)  # first use of these shapes
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                backend.train_step(mbs, loss_fn, temperature=1.0)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchronizing" in str(w.message) for w in caught)
+
+    one = syncs(1)
+    assert syncs(4) == one, one
