@@ -5,7 +5,7 @@ default) it builds each backend on one device, draws --samples-per-step random s
 --min-len..--max-len tokens (seeded), plans them with the DP schedule into micro-batches of
 <= 4,096 tokens by default and times --steps optimizer steps after --warmup steps (loss: mean
 token logprob, the shape of a policy-gradient step). The defaults (16 samples of 512-4,096
-tokens, 1 warmup and 3 timed steps, both presets) take about three minutes on one H200.
+tokens, 1 warmup and 3 timed steps, both presets) are sized for about three minutes on one H200.
 
   megatron  micro-batches of <= --seq-len tokens, each packed into one THD row (bf16 parameters,
             fp32 master weights and Adam moments in megatron's optimizer, --use-distributed-
