@@ -1,7 +1,7 @@
 """`--backend megatron` against the torch backend: one GRPO step on a fixed shard of 12 samples.
 
-Layouts: TP1 (one process), TP2, PP2 (tiny qwen2) and EP2 (tiny
-qwen3_moe), the last three as 2 gloo ranks under torchrun. Checked for each: the old logprobs
+Layouts: TP1 (one process; also with the distributed optimizer), TP2, PP2 (tiny qwen2) and EP2
+(tiny qwen3_moe), the last three as 2 gloo ranks under torchrun. Checked for each: the old logprobs
 recomputed before the step (saved in the checkpoint's data.safetensors) within 1e-5 of the torch
 backend's, the loss terms and the grad norm within 1e-5, and every updated weight within 1e-5.
 
