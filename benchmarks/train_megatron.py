@@ -145,8 +145,12 @@ def bench_backend(name: str, model_dir: Path, samples: list[list[int]], args: ar
             result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
             result["allocated_before_gib"] = before
         if args.profile:
-            result["profile"] = profile_step(backend, mbs, out_dir / f"profile-{preset}-{name}.txt",
-                                             result["step_s"])
+            try:
+                result["profile"] = profile_step(backend, mbs,
+                                                 out_dir / f"profile-{preset}-{name}.txt",
+                                                 result["step_s"])
+            except Exception as e:  # noqa: BLE001 - the timings above stand without a profile
+                result["profile"] = {"error": f"{type(e).__name__}: {e}"}
         return result
     finally:
         del backend
