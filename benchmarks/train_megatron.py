@@ -10,7 +10,7 @@ tokens, 1 warmup and 3 timed steps, both presets) are sized for about three minu
   megatron  micro-batches of <= --seq-len tokens, each packed into one THD row (bf16 parameters,
             fp32 master weights and Adam moments in megatron's optimizer, --use-distributed-
             optimizer and --recompute-granularity as in `rltool train`). Qwen2.5-3B shapes need
-            ~56 GiB of weights, fp32 gradient buffer, master weights and moments, plus ~15 GiB of
+            about 56 GiB of weights, fp32 gradient buffer, master weights and moments, plus ~15 GiB of
             bf16 activations per 4,096-token row without recompute: one 141 GiB GPU holds them.
   torch     its packed layout on CUDA (padded on the CPU) with micro-batches of <= --torch-seq-len
             tokens (fp32 parameters under bf16 autocast); when a preset runs out of memory
@@ -26,7 +26,8 @@ tokens, 1 warmup and 3 timed steps, both presets) are sized for about three minu
   profile      with --profile (default on CUDA) one more step of each backend under
                torch.profiler: the operator table in OUT/profile-<preset>-<backend>.txt, and in
                the row the device's busy fraction of the median step, the host gaps (device idle
-               between kernels, the largest with the kernel that ended each), device time per
+               between kernels in the profiled step, whose host work the profiler slows; the largest
+               with the kernel that follows each), device time per
                kernel kind, the top kernels and host operators, and `limit`: the largest share of
                the step (device idle, i.e. the host, or a kernel kind)
 
@@ -40,6 +41,7 @@ CPU (a check of the script itself, minutes):
           --torch-seq-len 64 --min-len 8 --max-len 48 --samples-per-step 8 --steps 2 --warmup 1 \\
           --out /tmp/bench
 """
+
 from __future__ import annotations
 
 import argparse
