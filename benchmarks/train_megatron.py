@@ -10,8 +10,9 @@ tokens, 1 warmup and 3 timed steps, both presets) are sized for about three minu
   megatron  micro-batches of <= --seq-len tokens, each packed into one THD row (bf16 parameters,
             fp32 master weights and Adam moments in megatron's optimizer, --use-distributed-
             optimizer and --recompute-granularity as in `rltool train`). Qwen2.5-3B shapes need
-            about 56 GiB of weights, fp32 gradient buffer, master weights and moments, plus ~15 GiB of
-            bf16 activations per 4,096-token row without recompute: one 141 GiB GPU holds them.
+            about 56 GiB of weights, fp32 gradient buffer, master weights and moments, plus
+            ~15 GiB of bf16 activations per 4,096-token row without recompute: one 141 GiB GPU
+            holds them.
   torch     its packed layout on CUDA (padded on the CPU) with micro-batches of <= --torch-seq-len
             tokens (fp32 parameters under bf16 autocast); when a preset runs out of memory
             without activation checkpointing it is retried with it (the row says
@@ -26,10 +27,10 @@ tokens, 1 warmup and 3 timed steps, both presets) are sized for about three minu
   profile      with --profile (default on CUDA) one more step of each backend under
                torch.profiler: the operator table in OUT/profile-<preset>-<backend>.txt, and in
                the row the device's busy fraction of the median step, the host gaps (device idle
-               between kernels in the profiled step, whose host work the profiler slows; the largest
-               with the kernel that follows each), device time per
-               kernel kind, the top kernels and host operators, and `limit`: the largest share of
-               the step (device idle, i.e. the host, or a kernel kind)
+               between kernels in the profiled step, whose host work the profiler slows; the
+               largest with the kernel that follows each), device time per kernel kind, the top
+               kernels and host operators, and `limit`: the largest share of the step (device
+               idle, i.e. the host, or a kernel kind)
 
 Results are written after every (preset, backend) to OUT/train_megatron-<date>-<machine>.json
 (atomic), so a run cut short keeps what it measured; a backend that fails (e.g. out of memory)
