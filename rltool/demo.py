@@ -18,10 +18,9 @@ tokenizer) on 3-digit addition with an exact-match reward, which the tiny CPU mo
 Its warm start (3-digit sums on prompts disjoint from the RL and eval sets) stops once the chance
 of sampling a whole right answer, exp(-(answer tokens) x (mean token loss)), reaches
 ADD_SFT_EXACT; GRPO then runs until the held-out eval's exact match reaches the target or the
-time budget (`--time-budget-s`, 480) is spent. The loop is colocated on the one GPU (engine and
-trainer take turns on it, weights handed over in memory); each step prints its reward, eval
-reward and phase times, and `--out-json FILE` writes the summary with the per-phase means.
-`--task add --preset tiny` runs the same recipe on CPU (the CPU test runs two steps of it).
+time budget (`--time-budget-s`, 480) is spent, colocated on the one GPU (engine and trainer on it
+together, weights handed over in memory); each step prints reward, eval reward and phase times,
+`--out-json FILE` writes the summary. `--task add --preset tiny` runs the recipe on CPU.
 
 Run: `python -m rltool.demo [DIR] [--device cpu|cuda] [--task copy|add] [--preset P]
 [--seed S] [--steps N] [--sft-steps N] [--out-json FILE] [-q]` (default DIR `demo-run`).
@@ -56,10 +55,8 @@ WINDOW = 5  # the demo stops once the mean rollout reward of the last WINDOW ste
 # steps)), the chance of sampling a whole right answer at temperature 1, reaches this; it leaves
 # the first RL step's exact match well under 0.3.
 ADD_SFT_EXACT = 0.05
-# Warm-start steps per further train call (each loads the set, ends with a checkpoint): the loss
-# falls steeply once the model starts to add (0.5B shapes on an H200: 0.92 at step 226, 0.25 at
-# 295), so the steps are small enough not to jump past the stopping point.
-ADD_SFT_CHUNK = 25
+# Warm-start steps per further train call: the loss falls steeply once the model starts to add
+ADD_SFT_CHUNK = 25  # (0.5B shapes on an H200: 0.92 at step 226, 0.25 at 295)
 KV_TOKENS = 65536  # the add recipe's KV pool: 512 rollouts of at most ~30 tokens fit many times
 
 
