@@ -52,8 +52,7 @@ SFT_EXTRA_STEPS = 10
 SFT_MAX_STEPS = 200
 WINDOW = 5  # the demo stops once the mean rollout reward of the last WINDOW steps reaches TARGET
 # The addition recipe's warm start stops once exp(-(answer tokens) x (mean loss of the last 10
-# steps)), the chance of sampling a whole right answer at temperature 1, reaches this; it leaves
-# the first RL step's exact match well under 0.3.
+# steps)), the chance of sampling a whole right answer at temperature 1, reaches this.
 ADD_SFT_EXACT = 0.05
 # Warm-start steps per further train call: the loss falls steeply once the model starts to add
 ADD_SFT_CHUNK = 25  # (0.5B shapes on an H200: 0.92 at step 226, 0.25 at 295)
@@ -173,8 +172,7 @@ def add_warm_start(root: Path, model: Path, *, first_steps: int, max_steps: int,
                           metrics=str(root / "sft" / "train.jsonl"), lr=recipe.sft_lr,
                           # warm-up on the first call; later ones resume Adam's state
                           lr_warmup_steps=min(20, chunk) if load == str(model) else 0,
-                          global_batch_size=batch,
-                          num_steps=chunk, seed=seed, device=device,
+                          global_batch_size=batch, num_steps=chunk, seed=seed, device=device,
                           dtype="bf16" if device == "cuda" else "fp32")
         result = run_train(cfg)
         losses += [m["train/sft_loss"] for m in result.metrics if "train/sft_loss" in m]
