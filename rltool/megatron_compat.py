@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,6 +46,7 @@ from rltool.errors import RltoolError
 log = logging.getLogger(__name__)
 
 _ENABLED = False
+_CUDA_NAMES = threading.local()  # .on: CPU tensors report CUDA type names
 
 
 class MegatronUnavailableError(RltoolError):
@@ -181,35 +183,31 @@ def _patch_cuda_scalars() -> None:
     optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
 
 
-@contextlib.contextmanager
-def _cuda_type_strings() -> Iterator[None]:
-    """`tensor.type()` names a CPU tensor by the CUDA type of its dtype ("torch.cuda.FloatTensor")
-    inside the block."""
+def _patch_distributed_optimizer_types() -> None:
+    """While the distributed optimizer groups its parameters (on the calling thread only),
+    `tensor.type()` names a CPU tensor by the CUDA type of its dtype ("torch.cuda.FloatTensor").
+    The patched `type` is installed once and is inert elsewhere: a flag per thread, not a swap of
+    the method per call, which threads building optimizers at once could leave swapped."""
     import torch
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     original = torch.Tensor.type
 
     def type_(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         name = original(self, *args, **kwargs)
-        if args or kwargs or self.is_cuda:
+        if args or kwargs or self.is_cuda or not getattr(_CUDA_NAMES, "on", False):
             return name
         return name.replace("torch.", "torch.cuda.", 1)
 
     torch.Tensor.type = type_
-    try:
-        yield
-    finally:
-        torch.Tensor.type = original
-
-
-def _patch_distributed_optimizer_types() -> None:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
     build = DistributedOptimizer._build_model_and_main_param_groups.__func__
 
     def build_on_cpu(cls: type, *args: Any, **kwargs: Any) -> Any:
-        with _cuda_type_strings():
+        before, _CUDA_NAMES.on = getattr(_CUDA_NAMES, "on", False), True
+        try:
             return build(cls, *args, **kwargs)
+        finally:
+            _CUDA_NAMES.on = before
 
     DistributedOptimizer._build_model_and_main_param_groups = classmethod(build_on_cpu)
 
