@@ -255,7 +255,8 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp:
         for preset in presets:
-            model_dir = init_model(Path(tmp) / preset, preset=preset, seed=0)
+            model_dir = init_model(Path(tmp) / preset, preset=preset, seed=0,
+                                   device=device.type)
             row = {"preset": preset, **bench_tiers(model_dir, device, Path(tmp) / "ssd",
                                                    args.repeats)}
             if preset in args.overlap_presets.split(","):

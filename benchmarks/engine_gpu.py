@@ -106,49 +106,11 @@ def roofline(spec, batch: int, *, bw: float, weight_bytes: int) -> dict:
 
 
 def random_checkpoint(out: Path, preset: str, device: str = "cuda") -> Path:
-    """A random-init bf16 checkpoint of the preset's shapes, drawn on `device` (on the GPU a 7B
-    model takes seconds, not the minutes of transformers' CPU init): N(0, 0.02) matrices, unit
-    norms, zero biases; tensor names and shapes from the transformers model built on the meta
-    device."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """A random-init bf16 checkpoint of the preset's shapes (`rltool init-model`), drawn on
+    `device`: on the GPU a 7B model takes seconds, not the minutes of the CPU init."""
+    from rltool.data.models import init_model
 
-    from rltool.data.models import build_config
-    from rltool.data.tokenizer import build_tokenizer
-
-    out.mkdir(parents=True)
-    build_tokenizer(out)
-    tok = AutoTokenizer.from_pretrained(str(out))
-    config = build_config("qwen2", preset, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
-                          pad_token_id=tok.pad_token_id)
-    config.dtype = "bfloat16"
-    config.architectures = ["Qwen2ForCausalLM"]
-    config.save_pretrained(str(out))
-    with torch.device("meta"):
-        meta_model = AutoModelForCausalLM.from_config(config)
-        shapes = {k: v.shape for k, v in meta_model.state_dict().items()}
-    gen = torch.Generator(device=device).manual_seed(0)
-    shard: dict[str, torch.Tensor] = {}
-    n_shard, size, index = 0, 0, {}
-    for name, shape in shapes.items():
-        if name.endswith("norm.weight"):
-            t = torch.ones(shape, dtype=torch.bfloat16)
-        elif name.endswith(".bias"):
-            t = torch.zeros(shape, dtype=torch.bfloat16)
-        else:
-            t = torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(
-                0, 0.02, generator=gen).cpu()
-        shard[name] = t
-        index[name] = f"model-{n_shard:05d}.safetensors"
-        size += t.numel() * 2
-        if size > 4 << 30:
-            save_file(shard, str(out / index[name]), metadata={"format": "pt"})
-            shard, size, n_shard = {}, 0, n_shard + 1
-    if shard:
-        save_file(shard, str(out / f"model-{n_shard:05d}.safetensors"), metadata={"format": "pt"})
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {},
-                                                                 "weight_map": index}))
-    return out
+    return init_model(out, preset=preset, dtype="bf16", device=device)
 
 
 def prompts_for(n: int, vocab: int, seed: int) -> list[list[int]]:

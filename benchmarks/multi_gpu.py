@@ -97,12 +97,12 @@ def print_table(header: list[str], rows: list[list[Any]]) -> None:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
 
 
-def model_dir(root: Path, *, arch: str, preset: str, dtype: str) -> Path:
+def model_dir(root: Path, *, arch: str, preset: str, dtype: str, device: str) -> Path:
     from rltool.data.models import init_model
 
     path = root / f"{arch}-{preset}-{dtype}"
     return path if path.exists() else init_model(path, arch=arch, preset=preset, seed=0,
-                                                 dtype=dtype)
+                                                 dtype=dtype, device=device)
 
 
 def planned_t_w(model: Path, *, density: float) -> dict[str, float]:
@@ -129,7 +129,7 @@ def run_megatron(args: argparse.Namespace, root: Path) -> Path:
     for arch, preset, layouts in families:
         if not layouts:
             continue
-        model = model_dir(root, arch=arch, preset=preset, dtype=dtype)
+        model = model_dir(root, arch=arch, preset=preset, dtype=dtype, device=args.device)
         ref_layout = "tp1" if arch == "qwen2" else "ep1"
         ref_row = launch_layout(args, model, ref_layout, root, None)
         rows.append({"model": f"{arch} {preset}", **ref_row})
@@ -287,7 +287,8 @@ def run_sync(args: argparse.Namespace, root: Path) -> Path:
     from rltool.delta.publish import publish_version
     from rltool.rundir import weight_dir_name
 
-    model = model_dir(root, arch="qwen2", preset=args.sync_preset, dtype="bf16")
+    model = model_dir(root, arch="qwen2", preset=args.sync_preset, dtype="bf16",
+                      device=args.device)
     logs, local = root / "logs", root / "engine_local"
     logs.mkdir(exist_ok=True)
     device = "cuda:0" if args.device == "cuda" else "cpu"
@@ -388,7 +389,8 @@ async def grpo_round(urls: list[str], args: argparse.Namespace, vocab: int, *, k
 def run_engines(args: argparse.Namespace, root: Path) -> Path:
     """All engines start once; the first k of them serve each round (idle ones cost nothing on
     their own GPUs)."""
-    model = model_dir(root, arch="qwen2", preset=args.engine_preset, dtype="bf16")
+    model = model_dir(root, arch="qwen2", preset=args.engine_preset, dtype="bf16",
+                      device=args.device)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     logs = root / "logs"
     logs.mkdir(exist_ok=True)

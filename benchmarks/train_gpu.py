@@ -155,7 +155,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for preset in presets:
             model_dir = init_model(Path(tmp) / preset, arch="qwen2", preset=preset,
-                                   dtype="bf16" if device.type == "cuda" else "fp32")
+                                   dtype="bf16" if device.type == "cuda" else "fp32",
+                                   device=args.device)
             profiled = False  # the first packed layout of each preset is profiled
             for layout in args.layouts.split(","):
                 profile = layout.startswith("packed") and not profiled

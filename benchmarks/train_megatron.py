@@ -331,7 +331,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for preset in args.presets.split(","):
             model_dir = init_model(Path(tmp) / preset, preset=preset, seed=0,
-                                   dtype="bf16" if args.dtype == "bf16" else "fp32")
+                                   dtype="bf16" if args.dtype == "bf16" else "fp32",
+                                   device=args.device)
             config = json.loads((model_dir / "config.json").read_text())
             samples = make_samples(config["vocab_size"], args, seed=0)
             flops = model_flops(config, samples)

@@ -19,7 +19,7 @@ def command(as_json, **_):
 
     cfg = build_config(InitModelConfig, table="init_model")
     path = init_model(cfg.out, arch=cfg.arch, preset=cfg.preset, task=cfg.task, seed=cfg.seed,
-                      dtype=cfg.dtype)
+                      dtype=cfg.dtype, device=cfg.device)
     result = {"path": str(path), "arch": cfg.arch, "preset": cfg.preset, "task": cfg.task}
     if as_json:
         echo_json(result)

@@ -1,14 +1,15 @@
 """Tiny random-init HF causal LMs for tests, CI and the demo (no hub access).
 
 `init_model` writes config.json + model.safetensors + the character tokenizer + chat template +
-`rltool_version.json` ({"version": 0}), published atomically.
+`rltool_version.json` ({"version": 0}), published atomically. The weights are drawn on the CPU or,
+for the large presets, on a GPU (seconds instead of minutes).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -70,13 +71,24 @@ def build_config(arch: str, preset: str, *, vocab_size: int, eos_token_id: int,
     return LlamaConfig(**common)
 
 
+# Weights drawn off the CPU are written in shards of at most this size: safetensors stages a
+# shard in host memory on its way to the file, so the host never holds the whole model.
+DEVICE_SHARD_SIZE = "4GB"
+
+
 def init_model(out: str | os.PathLike, *, arch: str = "qwen2", preset: str = "tiny",
                task: str | None = None, seed: int = 0, dtype: str = "fp32",
-               fit_vocab: bool = False) -> Path:
+               fit_vocab: bool = False, device: str = "cpu") -> Path:
     """Write a random-init checkpoint and tokenizer to `out` (refuses an existing directory);
-    `fit_vocab`: the preset's shapes with the tokenizer's vocabulary (no unused embedding rows)."""
+    `fit_vocab`: the preset's shapes with the tokenizer's vocabulary (no unused embedding rows).
+
+    `device` ("cpu", "cuda", "cuda:N"): where the weights are drawn, directly in `dtype` and with
+    transformers' own init (same distributions). A seed gives the same weights on the same kind
+    of device, not across devices; off the CPU the file is written in shards of at most
+    DEVICE_SHARD_SIZE and the device's memory is released before returning.
+    """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from rltool.data.tasks import get_task
     from rltool.data.tokenizer import build_tokenizer
@@ -89,6 +101,7 @@ def init_model(out: str | os.PathLike, *, arch: str = "qwen2", preset: str = "ti
     dtype = DTYPE_ALIASES.mapping.get(dtype, dtype)
     if dtype not in ("fp32", "bf16"):
         raise BadInputError(f"unknown --dtype {dtype!r}; choose fp32 or bf16")
+    where = _init_device(device)
     with atomic.publish_dir(out, marker=VERSION_FILE, marker_content={"version": 0}) as tmp:
         build_tokenizer(tmp)
         tok = AutoTokenizer.from_pretrained(str(tmp))
@@ -96,13 +109,47 @@ def init_model(out: str | os.PathLike, *, arch: str = "qwen2", preset: str = "ti
                               pad_token_id=tok.pad_token_id, fit_vocab=fit_vocab)
         if task is not None:
             config.rltool_task = task
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config,
-                                                 dtype=getattr(torch, torch_dtype_name(dtype)))
-        model.generation_config.eos_token_id = tok.eos_token_id
-        model.generation_config.pad_token_id = tok.pad_token_id
-        model.save_pretrained(str(tmp), safe_serialization=True)
+        try:
+            _save_weights(tmp, config, tok, seed=seed, device=where,
+                          dtype=getattr(torch, torch_dtype_name(dtype)))
+        finally:
+            if where.type == "cuda":  # the model went with _save_weights' frame
+                torch.cuda.empty_cache()
     return out
+
+
+def _init_device(device: str) -> Any:
+    """`device` as a torch.device; one-line errors for a malformed or absent device."""
+    import torch
+
+    try:
+        where = torch.device(device)
+    except RuntimeError:
+        raise BadInputError(f"unknown --device {device!r}; choose cpu or cuda") from None
+    if where.type not in ("cpu", "cuda"):
+        raise BadInputError(f"unknown --device {device!r}; choose cpu or cuda")
+    if where.type == "cuda" and not torch.cuda.is_available():
+        raise BadInputError(f"--device {device}: torch sees no CUDA GPU; use --device cpu")
+    return where
+
+
+def build_model(config: Any, *, seed: int, dtype: Any, device: Any) -> Any:
+    """The random-init model of `config`, built and initialised on `device` in `dtype`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with device:
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def _save_weights(tmp: Path, config: Any, tok: Any, *, seed: int, dtype: Any,
+                  device: Any) -> None:
+    model = build_model(config, seed=seed, dtype=dtype, device=device)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    shards = {} if device.type == "cpu" else {"max_shard_size": DEVICE_SHARD_SIZE}
+    model.save_pretrained(str(tmp), safe_serialization=True, **shards)
 
 
 class InitModelConfig(StageConfig):
@@ -114,4 +161,7 @@ class InitModelConfig(StageConfig):
     task: str | None = Field(None, description="Built-in task the model is for (in config.json).")
     seed: int = Field(0, description="Init seed.")
     dtype: ComputeDtype = Field("fp32", description="Weight dtype.")
+    device: Literal["cpu", "cuda"] = Field(
+        "cpu", description="Where the weights are drawn (cuda: seconds for the 7B shapes instead "
+        "of minutes; a seed gives the same weights on the same kind of device only).")
     out: str = Field(description="Directory to create (must not exist).")

@@ -1,14 +1,15 @@
 """The 7B shapes on one GPU: the colocated loop's phases fit with the offload `auto` chooses, and
 each phase's measured peak is within MARGIN of rltool.train.memplan's prediction.
 
-Random init (Qwen2.5-7B's shapes): the weights are written once, in bf16, to pytest's tmp dir
-(the trainer and the engine both load a HF directory); no checkpoint of the trainer is written.
+Random init (Qwen2.5-7B's shapes): the weights are drawn on the GPU and written once, in bf16, to
+pytest's tmp dir (the trainer and the engine both load a HF directory); no checkpoint of the
+trainer is written.
 The phases, in the loop's order: a train step (activation recompute), the trainer offloaded (the
 plan made there), the in-process engine's weights and a KV pool of `min_kv_tokens` allocated and
 a short generation, the engine released, the trainer reloaded, a second train step.
 
-Skips only when `torch.cuda.is_available()` is false. About 2-3 minutes on an H200, most of it
-writing and reading the 15 GiB of weights."""
+Skips only when `torch.cuda.is_available()` is false. Most of its time on an H200 is writing and
+reading the 15 GiB of weights."""
 
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ def measure(fn) -> int:
 
 def test_the_7b_phases_fit_with_the_offload_auto_chooses(tmp_path):
     t0 = time.perf_counter()
-    model_dir = init_model(tmp_path / "qwen2.5-7b", preset="qwen2.5-7b", dtype="bf16")
+    model_dir = init_model(tmp_path / "qwen2.5-7b", preset="qwen2.5-7b", dtype="bf16",
+                           device="cuda")
     written = time.perf_counter() - t0
     settings = LoopSettings.from_tables(tables(model_dir, sync__sync="tensor",
                                                loop__device="cuda",
