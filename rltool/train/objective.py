@@ -72,6 +72,26 @@ def _cat(values: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(values) if values else torch.zeros(0)
 
 
+def to_device(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """`parts` on `device`, in order: those elsewhere move in one non-blocking copy per source
+    device and dtype, of their concatenation (into pinned memory when the copy goes from the CPU
+    to a GPU), and come back as views of it. One blocking copy per tensor would wait on the host
+    for each; parts already on `device` are returned as they are."""
+    out = list(parts)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for k, part in enumerate(parts):
+        if part.device != device:
+            groups.setdefault((part.device, part.dtype), []).append(k)
+    for (source, dtype), idx in groups.items():
+        sizes = [parts[k].numel() for k in idx]
+        pin = source.type == "cpu" and device.type == "cuda"
+        flat = torch.empty(sum(sizes), dtype=dtype, device=source, pin_memory=pin)
+        torch.cat([parts[k].reshape(-1) for k in idx], out=flat)
+        for k, piece in zip(idx, flat.to(device, non_blocking=True).split(sizes)):
+            out[k] = piece.view(parts[k].shape)
+    return out
+
+
 @dataclass
 class BatchTerms:
     """What one global batch's loss needs beyond the per-sample tensors, by sample index."""
@@ -117,14 +137,17 @@ def make_loss_fn(cfg: TrainConfig, data: SampleTensors, terms: BatchTerms, *,
     """The loss of `cfg.loss` for one global batch (see BatchTerms); `temperature`: the
     sampling temperature, for the topk/full distillation terms."""
 
-    def pick(values: dict[int, torch.Tensor] | list[torch.Tensor], out: ForwardOutput,
-             mb: MicroBatch) -> list[torch.Tensor]:
-        # Per-sample tensors live on the CPU (they go into checkpoints); move the micro-batch's.
-        device = out.logprobs[0].device
-        return [values[i].to(device) for i in mb.indices]
+    def stage(out: ForwardOutput, mb: MicroBatch,
+              sources: dict[str, dict[int, torch.Tensor] | list[torch.Tensor]]
+              ) -> dict[str, list[torch.Tensor]]:
+        """Each source's tensors of the micro-batch's samples, on the forward's device (the
+        per-sample tensors live on the CPU: they go into checkpoints)."""
+        parts = [values[i] for values in sources.values() for i in mb.indices]
+        moved = iter(to_device(parts, out.logprobs[0].device))
+        return {name: [next(moved) for _ in mb.indices] for name in sources}
 
     def sft(out: ForwardOutput, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        w = _cat(pick(terms.weights, out, mb))
+        w = _cat(stage(out, mb, {"weights": terms.weights})["weights"])
         loss = weighted_sum(sft_loss(_cat(out.logprobs)), w)
         metrics = {"train/loss": loss, "train/sft_loss": loss}
         if out.entropy is not None:
@@ -133,16 +156,30 @@ def make_loss_fn(cfg: TrainConfig, data: SampleTensors, terms: BatchTerms, *,
 
     def policy(out: ForwardOutput, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         assert data.old_logprobs is not None and data.advantages is not None
-        old = pick(data.old_logprobs, out, mb)
+        sources = {"weights": terms.weights, "scales": terms.scales, "old": data.old_logprobs,
+                   "advantages": data.advantages}
         if cfg.advantage_estimator == "gspo":
-            log_ratio = gspo_log_ratio(out.logprobs, old, pick(data.masks, out, mb))
+            sources["masks"] = data.masks
+        if data.ref_logprobs is not None:
+            sources["ref"] = data.ref_logprobs
+        if data.opd_teacher is not None:
+            sources["teacher"] = data.opd_teacher
+            if data.opd_ids is not None:
+                sources["opd_ids"] = data.opd_ids
+        if data.returns is not None:
+            assert data.old_values is not None
+            sources["old_values"], sources["returns"] = data.old_values, data.returns
+        t = stage(out, mb, sources)
+        old = t["old"]
+        if cfg.advantage_estimator == "gspo":
+            log_ratio = gspo_log_ratio(out.logprobs, old, t["masks"])
         else:
             log_ratio = [lp - o for lp, o in zip(out.logprobs, old)]
-        w = _cat(pick(terms.weights, out, mb))
-        pl = policy_loss(_cat(log_ratio), _cat(pick(data.advantages, out, mb)),
+        w = _cat(t["weights"])
+        pl = policy_loss(_cat(log_ratio), _cat(t["advantages"]),
                          eps_clip=cfg.eps_clip, eps_clip_high=cfg.eps_clip_high,
                          eps_clip_c=cfg.eps_clip_c)
-        pg_loss = weighted_sum(pl.loss * _cat(pick(terms.scales, out, mb)), w)
+        pg_loss = weighted_sum(pl.loss * _cat(t["scales"]), w)
         loss = pg_loss
         metrics = {"train/pg_loss": pg_loss, "train/pg_clipfrac": weighted_sum(pl.clipped, w),
                    "train/ppo_kl": weighted_sum(pl.ppo_kl, w)}
@@ -151,17 +188,15 @@ def make_loss_fn(cfg: TrainConfig, data: SampleTensors, terms: BatchTerms, *,
             metrics["train/entropy_loss"] = entropy
             loss = loss - cfg.entropy_coef * entropy
         if data.ref_logprobs is not None:
-            kl = approx_kl(_cat(out.logprobs), _cat(pick(data.ref_logprobs, out, mb)),
-                           kl_type=cfg.kl_loss_type)
+            kl = approx_kl(_cat(out.logprobs), _cat(t["ref"]), kl_type=cfg.kl_loss_type)
             kl_loss = weighted_sum(kl, w)
             metrics["train/kl_loss"] = kl_loss
             loss = loss + cfg.kl_loss_coef * kl_loss
         if data.opd_teacher is not None:
-            loss = loss + cfg.opd_kl_coef * _opd_term(out, mb, w, metrics)
+            loss = loss + cfg.opd_kl_coef * _opd_term(out, t, w, metrics)
         if data.returns is not None:
-            assert data.old_values is not None
-            vl = value_loss(_cat(out.extras["values"]), _cat(pick(data.old_values, out, mb)),
-                            _cat(pick(data.returns, out, mb)), value_clip=cfg.value_clip)
+            vl = value_loss(_cat(out.extras["values"]), _cat(t["old_values"]),
+                            _cat(t["returns"]), value_clip=cfg.value_clip)
             v_loss = weighted_sum(vl.loss, w)
             metrics["train/value_loss"] = v_loss
             metrics["train/value_clipfrac"] = weighted_sum(vl.clipped, w)
@@ -169,16 +204,17 @@ def make_loss_fn(cfg: TrainConfig, data: SampleTensors, terms: BatchTerms, *,
         metrics["train/loss"] = loss
         return loss, metrics
 
-    def _opd_term(out: ForwardOutput, mb: MicroBatch, w: torch.Tensor,
+    def _opd_term(out: ForwardOutput, t: dict[str, list[torch.Tensor]], w: torch.Tensor,
                   metrics: dict[str, torch.Tensor]) -> torch.Tensor:
         """The topk / full reverse KL to the teacher under the live student (a loss term)."""
         temp = effective_temperature(temperature)
-        teacher = pick(data.opd_teacher, out, mb)
-        if data.opd_ids is not None:
-            kl = [topk_kl(lg, ids, t, temperature=temp) for lg, ids, t in
-                  zip(out.extras["logits"], pick(data.opd_ids, out, mb), teacher)]
+        teacher = t["teacher"]
+        if "opd_ids" in t:
+            kl = [topk_kl(lg, ids, tt, temperature=temp) for lg, ids, tt in
+                  zip(out.extras["logits"], t["opd_ids"], teacher)]
         else:
-            kl = [full_kl(lg, t, temperature=temp) for lg, t in zip(out.extras["logits"], teacher)]
+            kl = [full_kl(lg, tt, temperature=temp)
+                  for lg, tt in zip(out.extras["logits"], teacher)]
         metrics["train/opd_kl"] = weighted_sum(_cat(kl), w)
         return metrics["train/opd_kl"]
 
