@@ -109,12 +109,10 @@ def init_model(out: str | os.PathLike, *, arch: str = "qwen2", preset: str = "ti
                               pad_token_id=tok.pad_token_id, fit_vocab=fit_vocab)
         if task is not None:
             config.rltool_task = task
-        try:
-            _save_weights(tmp, config, tok, seed=seed, device=where,
-                          dtype=getattr(torch, torch_dtype_name(dtype)))
-        finally:
-            if where.type == "cuda":  # the model went with _save_weights' frame
-                torch.cuda.empty_cache()
+        _save_weights(tmp, config, tok, seed=seed, device=where,
+                      dtype=getattr(torch, torch_dtype_name(dtype)))
+    if where.type == "cuda":  # the model went with _save_weights' frame: hand its memory back
+        torch.cuda.empty_cache()
     return out
 
 
