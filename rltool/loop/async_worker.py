@@ -9,10 +9,15 @@ REPLY_FD (stdout and stderr go to RUN/logs/rollout.log):
   {"op": "init", "rollout": {...RolloutConfig...}, "gate": {...StalenessGate...},
    "engine_version": V, "trainer_version": V, "next_position": N, "redo": [...],
    "cores": [...] | null}
-  {"op": "take", "rollout": {...the step's RolloutConfig...}, "train_version": V}
-      -> the step's batch written as its shard (async_batch.write_batch); {"seconds": s}
-  {"op": "set_versions", "trainer_version": V, "engine_version": V}
-  {"op": "in_flight"} -> {"samples": n}         {"op": "requeued"} -> {"samples": n}
+  {"op": "take", "rollout": {...the step's RolloutConfig...}, "train_version": V,
+   "next": {"rollout": {...}, "train_version": V'} | null}
+      -> the step's batch written as its shard (async_batch.write_batch); {"seconds": s}, the
+         seconds the caller waited for it. With "next", the worker then prepares the next step's
+         batch and shard on a thread of its own while the caller trains (async_batch.Prepared);
+         the next take of that step only waits for it to be written.
+  {"op": "set_versions", "trainer_version": V, "engine_version": V} -> {"requeued": n}, the
+      aborted samples requeued since the last set_versions
+  {"op": "in_flight"} -> {"samples": n}
 Every answer is {"ok": true, ...} or {"ok": false, "error": "..."}.
 """
 
@@ -84,13 +89,14 @@ class RolloutWorker:
 
 def serve(reply_fd: int) -> None:
     """The worker's command loop (see the module docstring)."""
-    from rltool.loop.async_batch import write_batch
+    from rltool.loop.async_batch import Prepared
     from rltool.loop.async_rollout import RolloutStream
     from rltool.loop.async_staleness import StalenessGate
     from rltool.rollout.stage import RolloutConfig
 
     replies = os.fdopen(reply_fd, "wb", buffering=0)
     stream: RolloutStream | None = None
+    prepared: Prepared | None = None
     for line in sys.stdin:
         message = json.loads(line)
         op = message["op"]
@@ -109,15 +115,20 @@ def serve(reply_fd: int) -> None:
             elif stream is None:
                 raise EngineError(f"{op} before init")
             elif op == "take":
-                answer["seconds"] = write_batch(stream, RolloutConfig(**message["rollout"]),
-                                                train_version=message["train_version"])
+                cfg = RolloutConfig(**message["rollout"])
+                if prepared is None or prepared.out != cfg.out:
+                    prepared = Prepared(stream, cfg, train_version=message["train_version"])
+                answer["seconds"] = prepared.wait()
+                following = message.get("next")
+                prepared = None if following is None else Prepared(
+                    stream, RolloutConfig(**following["rollout"]),
+                    train_version=following["train_version"])
             elif op == "set_versions":
                 stream.set_versions(trainer_version=message["trainer_version"],
                                     engine_version=message["engine_version"])
+                answer["requeued"] = stream.requeued_since_last_call()
             elif op == "in_flight":
                 answer["samples"] = stream.in_flight_samples()
-            elif op == "requeued":
-                answer["samples"] = stream.requeued_since_last_call()
             else:
                 raise EngineError(f"unknown op {op!r}")
             replies.write((json.dumps({"ok": True, **answer}) + "\n").encode())
