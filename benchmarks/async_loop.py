@@ -90,7 +90,9 @@ def one_seed(root: Path, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     base = loop_tables(root, model=weights, steps=args.steps, seed=seed)
     base.pop("eval")
     base["sync"]["sync"] = "tensor"
-    base["loop"].update(eval_interval=None, engine_cores=args.engine_cores,
+    # A served engine in both runs: the demo's in-process engine (a thread of the loop process)
+    # cannot be pinned apart from the trainer, and async needs engines of their own.
+    base["loop"].update(eval_interval=None, engine="serve", engine_cores=args.engine_cores,
                         trainer_cores=args.trainer_cores,
                         engine_args=["--max-running-requests", "128", "--num-threads", "1"])
     base["loop"] = {k: v for k, v in base["loop"].items() if v is not None}

@@ -139,10 +139,10 @@ def _start_evaluator(ctx: phases.StepContext, mode: str) -> EvalWorker | None:
     return worker
 
 
-def _set_versions(stream: RolloutWorker, version: int) -> int:
-    """The new version to the worker; the aborted samples it requeued since the last call."""
-    return stream.call({"op": "set_versions", "trainer_version": version,
-                        "engine_version": version})["requeued"]
+def _send_versions(stream: RolloutWorker, version: int) -> None:
+    """The new version to the worker; its answer (the aborted samples it requeued since the
+    last one) is read when the step is recorded."""
+    stream.send({"op": "set_versions", "trainer_version": version, "engine_version": version})
 
 
 def _batch_request(ctx: phases.StepContext, step: int, train_version: int) -> dict[str, Any]:
@@ -172,19 +172,19 @@ def _step(ctx: phases.StepContext, stream: RolloutWorker, evaluator: EvalWorker 
             state.done(run, name, seconds=seconds)
     if not state.completed("sync"):
         update_mode = settings.loop.update_mode
-        in_flight = stream.call({"op": "in_flight"})["samples"]
         t0 = time.perf_counter()
         with trace.span("sync", cat="phase", step=state.step, update_mode=update_mode):
+            stream.send({"op": "in_flight"})  # counted by the worker while the engines pause
             ctx.engines.pause(ENGINE_PAUSE_MODE[update_mode])
             try:
                 phases.sync(ctx)
             finally:
                 ctx.engines.continue_generation()
-        requeued = _set_versions(stream, state.policy_version)
-        state.publish[UPDATE_KEYS[update_mode]] = in_flight
+            state.publish[UPDATE_KEYS[update_mode]] = stream.receive()["samples"]
+            _send_versions(stream, state.policy_version)
         state.done(run, "sync", seconds=time.perf_counter() - t0)
     else:
-        requeued = _set_versions(stream, state.policy_version)
+        _send_versions(stream, state.policy_version)
     if evaluator is not None and settings.is_eval_step(state.step):
         evaluator.submit(state.policy_version,
                          phases.resident_trainer(ctx).named_tensors() if mode != "disk" else None)
@@ -194,7 +194,7 @@ def _step(ctx: phases.StepContext, stream: RolloutWorker, evaluator: EvalWorker 
         for key in UPDATE_KEYS.values():
             if key in state.publish:
                 row[key] = state.publish[key]
-        row["update/requeued"] = requeued
+        row["update/requeued"] = stream.receive()["requeued"]
         row.update(extra)
         if not any(r.get("step") == state.step for r in read_metrics(writer.path)):
             row = writer.log(row, step=state.step, policy_version=state.policy_version)

@@ -27,8 +27,9 @@ import json
 import os
 import subprocess
 import sys
+from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from rltool.errors import EngineError
 from rltool.loop.engines import ChildRegistry
@@ -49,6 +50,7 @@ class RolloutWorker:
         self.child = Child(popen=popen, cmdline=self.cmdline, log_path=log_path,
                            name="rollout worker")
         self.replies = os.fdopen(read_fd, "rb")
+        self.sent: deque[str] = deque()  # the ops whose answers are still to be read
         self.registry = registry
         registry.add(role="rollout", pid=popen.pid, cmdline=self.cmdline)
         try:
@@ -62,22 +64,38 @@ class RolloutWorker:
         return self.child.pid
 
     def call(self, message: dict[str, Any]) -> dict[str, Any]:
+        self.send(message)
+        return self.receive()
+
+    def send(self, message: dict[str, Any]) -> None:
+        """Write one command without waiting for its answer (`receive` reads the answers in the
+        order the commands were sent), so the caller can work meanwhile."""
         popen = self.child.popen
         try:
             assert popen.stdin is not None
             popen.stdin.write((json.dumps(message) + "\n").encode())
             popen.stdin.flush()
-            line = self.replies.readline()
         except (BrokenPipeError, OSError):
+            self._exited()
+        self.sent.append(message["op"])
+
+    def receive(self) -> dict[str, Any]:
+        """The answer to the oldest command sent and not yet received."""
+        op = self.sent.popleft()
+        try:
+            line = self.replies.readline()
+        except OSError:
             line = b""
         if not line:
-            raise EngineError(f"the rollout worker exited; {self.child.log_path} ends with:\n"
-                              f"{log_tail(self.child.log_path)}")
+            self._exited()
         answer = json.loads(line)
         if not answer.get("ok"):
-            raise EngineError(f"the rollout worker failed on {message['op']}: "
-                              f"{answer.get('error')}")
+            raise EngineError(f"the rollout worker failed on {op}: {answer.get('error')}")
         return answer
+
+    def _exited(self) -> NoReturn:
+        raise EngineError(f"the rollout worker exited; {self.child.log_path} ends with:\n"
+                          f"{log_tail(self.child.log_path)}")
 
     def stop(self) -> None:
         """End the worker by its PID (SIGTERM, then SIGKILL): what it holds in flight is never
