@@ -134,7 +134,9 @@ def serve(reply_fd: int) -> None:
                 raise EngineError(f"{op} before init")
             elif op == "take":
                 cfg = RolloutConfig(**message["rollout"])
-                if prepared is None or prepared.out != cfg.out:
+                if prepared is not None and prepared.out != cfg.out:
+                    raise EngineError(f"take of {cfg.out} while {prepared.out} is prepared")
+                if prepared is None:
                     prepared = Prepared(stream, cfg, train_version=message["train_version"])
                 answer["seconds"] = prepared.wait()
                 following = message.get("next")
