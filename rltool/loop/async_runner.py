@@ -158,13 +158,18 @@ def _step(ctx: phases.StepContext, stream: RolloutWorker, evaluator: EvalWorker 
     t_step = time.perf_counter()
     if not state.completed("rollout"):
         seconds = 0.0
-        if not (run.rollout_step(state.step) / MANIFEST).exists():
+        # A shard the worker prepares may already be written: take it from the worker anyway
+        # (that also asks for the next one); one written before a restart is just used.
+        if stream.prepared_step == state.step or \
+                not (run.rollout_step(state.step) / MANIFEST).exists():
+            following = state.step + 1 < settings.loop.num_steps
             with trace.span("rollout", cat="phase", step=state.step):
                 seconds = stream.call({
                     "op": "take", **_batch_request(ctx, state.step, state.policy_version),
                     "next": _batch_request(ctx, state.step + 1,
                                            state.policy_version + versions_per_step)
-                    if state.step + 1 < settings.loop.num_steps else None})["seconds"]
+                    if following else None})["seconds"]
+            stream.prepared_step = state.step + 1 if following else None
         state.done(run, "rollout", seconds=seconds)
     for name, fn in (("train", phases.train), ("publish", phases.publish)):
         if not state.completed(name):

@@ -51,6 +51,7 @@ class RolloutWorker:
                            name="rollout worker")
         self.replies = os.fdopen(read_fd, "rb")
         self.sent: deque[str] = deque()  # the ops whose answers are still to be read
+        self.prepared_step: int | None = None  # the step whose batch the worker prepares
         self.registry = registry
         registry.add(role="rollout", pid=popen.pid, cmdline=self.cmdline)
         try:
