@@ -6,7 +6,11 @@ Per seed: the demo's model init and supervised warm start (rltool.demo), then
 - async: the same tables with `--mode async --placement disaggregated --max-staleness K
   --update-mode MODE` and `[train] tis_mode` (decoupled PPO by default), the same pinning (the
   rollout worker beside the engine), more steps (to see when it reaches the sync run's reward).
-Neither run evaluates (eval would add its own engine and time).
+Neither run evaluates (eval would add its own engine and time). The async run's samples carry the
+sync run's uids, so both draw from the same sampling seeds (the same prompts in the same order).
+With `--on-policy-control` a third run per seed is async with `--max-staleness 0` (nothing starts
+while the trainer trains): it checks that the async path itself learns as the sync loop does, so
+that what is left of the difference is the staleness.
 
 Figures, from each run's metrics/loop.jsonl:
 - t_R, t_T, t_W: the sync run's median rollout, train + publish and sync phase times per step
@@ -86,11 +90,14 @@ def one_seed(root: Path, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     from rltool.demo import loop_tables
     from rltool.profile.analyze import async_speedup
 
+    load = os.getloadavg()
     weights = prepare(root, seed)
     base = loop_tables(root, model=weights, steps=args.steps, seed=seed)
     base.pop("eval")
     base["sync"]["sync"] = "tensor"
-    base["loop"].update(eval_interval=None, engine_cores=args.engine_cores,
+    # A served engine in both runs: the demo's in-process engine (a thread of the loop process)
+    # cannot be pinned apart from the trainer, and async needs engines of their own.
+    base["loop"].update(eval_interval=None, engine="serve", engine_cores=args.engine_cores,
                         trainer_cores=args.trainer_cores,
                         engine_args=["--max-running-requests", "128", "--num-threads", "1"])
     base["loop"] = {k: v for k, v in base["loop"].items() if v is not None}
@@ -111,7 +118,18 @@ def one_seed(root: Path, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     target = sum(r["rollout/raw_reward"] for r in sync_rows[-WINDOW:]) / WINDOW
     sync_reach, async_reach = first_reaching(sync_rows, target), first_reaching(async_rows, target)
     samples = sync_rows[0]["rollout/num_samples"]
-    return {"seed": seed, "t_R": t_r, "t_T": t_t, "t_W": t_w, "bound": bound,
+    control: dict[str, Any] = {}
+    if args.on_policy_control:
+        on_policy = json.loads(json.dumps(tables))
+        on_policy["loop"]["max_staleness"] = 0
+        control_rows = run_loop(root, "async-on-policy", on_policy)
+        reach = first_reaching(control_rows, target)
+        control = {"control_rows": control_rows,
+                   "control_samples_to_target": reach * samples if reach else None,
+                   "control_reward_max_diff": max(
+                       abs(a["rollout/raw_reward"] - b["rollout/raw_reward"])
+                       for a, b in zip(sync_rows, control_rows))}
+    return {"seed": seed, "load_avg": load, "t_R": t_r, "t_T": t_t, "t_W": t_w, "bound": bound,
             "sync_s_per_step": sync_s, "async_s_per_step": async_s, "speedup": sync_s / async_s,
             "of_bound": (sync_s / async_s) / bound, "target_reward": target,
             "sync_samples_to_target": sync_reach * samples if sync_reach else None,
@@ -119,7 +137,7 @@ def one_seed(root: Path, seed: int, args: argparse.Namespace) -> dict[str, Any]:
             "samples_ratio": (async_reach / sync_reach) if sync_reach and async_reach else None,
             "staleness_mean": statistics.mean(r.get("staleness/mean", 0.0) for r in async_rows),
             "staleness_dropped": sum(r.get("staleness/dropped", 0) for r in async_rows),
-            "sync_rows": sync_rows, "async_rows": async_rows}
+            "sync_rows": sync_rows, "async_rows": async_rows, **control}
 
 
 def main() -> None:
@@ -136,6 +154,8 @@ def main() -> None:
                         help="Off-policy correction of the async run (docs/loop.md).")
     parser.add_argument("--engine-cores", type=int, nargs="+", default=[0])
     parser.add_argument("--trainer-cores", type=int, nargs="+", default=[1])
+    parser.add_argument("--on-policy-control", action="store_true",
+                        help="Also run async with --max-staleness 0 per seed (see above).")
     parser.add_argument("--out", default=None, help="Write the JSON result here too.")
     args = parser.parse_args()
     load_before = os.getloadavg()

@@ -1,9 +1,13 @@
 """One batch of the asynchronous loop, taken from the rollout stream and written as the step's
 shard (the commit point of its samples), with the stream's positions in the shard's metadata
-(`extra.async`, docs/formats.md) and its metrics line in rollout.jsonl."""
+(`extra.async`, docs/formats.md) and its metrics line in rollout.jsonl.
+
+`Prepared` does that on a thread of its own, so the next step's batch is taken and its shard
+written while the trainer still trains the current one."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -38,3 +42,29 @@ def write_batch(stream: RolloutStream, cfg: RolloutConfig, *, train_version: int
                                           elapsed_s=waited, redispatched=0), **metrics},
                   default_name="rollout.jsonl")
     return time.perf_counter() - t0
+
+
+class Prepared:
+    """The batch of `cfg.out`, taken and written by `write_batch` on a daemon thread (a worker
+    stopped meanwhile leaves no shard, or a complete one: the shard is published atomically)."""
+
+    def __init__(self, stream: RolloutStream, cfg: RolloutConfig, *, train_version: int):
+        self.out = cfg.out
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(stream, cfg, train_version),
+                                        name="rltool-prepare-batch", daemon=True)
+        self._thread.start()
+
+    def _run(self, stream: RolloutStream, cfg: RolloutConfig, train_version: int) -> None:
+        try:
+            write_batch(stream, cfg, train_version=train_version)
+        except BaseException as e:  # noqa: BLE001 - raised to the caller by wait()
+            self._error = e
+
+    def wait(self) -> float:
+        """Block until the shard is written (re-raising what failed); the seconds waited."""
+        t0 = time.perf_counter()
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return time.perf_counter() - t0

@@ -30,7 +30,6 @@ from rltool.rollout.generate import Sample
 from rltool.rollout.stage import RolloutConfig, StageInputs
 
 log = logging.getLogger(__name__)
-UID_PREFIX = "async"
 
 
 def restart(sample: Sample) -> None:
@@ -102,10 +101,13 @@ class RolloutStream:
         return batch, dropped, time.perf_counter() - t0
 
     def set_versions(self, *, trainer_version: int, engine_version: int) -> None:
-        """After a weight update: the trainer is idle until the next `take`."""
+        """After a weight update: the engines serve `engine_version`, the trainer is at
+        `trainer_version`. A batch already taken for that version (prepared while the trainer
+        trained the previous one) still counts as being trained."""
         with self.cond:
-            self.trainer_version, self.engine_version = trainer_version, engine_version
-            self.training = False
+            self.engine_version = engine_version
+            if trainer_version > self.trainer_version:
+                self.trainer_version, self.training = trainer_version, False
         self._wake()
 
     def requeued_since_last_call(self) -> int:
@@ -188,8 +190,10 @@ class RolloutStream:
                 position = self.redo.popleft()
             else:
                 position, self.next_position = self.next_position, self.next_position + 1
+            # The uids (and so the sampling seeds) the synchronous loop gives this position.
             self.in_flight[position] = self.inputs.new_group(
-                position, n=self.cfg.n_samples_per_prompt, uid_prefix=UID_PREFIX)
+                position, n=self.cfg.n_samples_per_prompt,
+                uid_prefix=f"s{position // self.cfg.rollout_batch_size:06d}")
             starts.append(position)
         return starts
 

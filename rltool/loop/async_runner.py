@@ -9,17 +9,22 @@ runs on its own engine and thread (async_eval.EvalWorker).
 
 A step records the same phases as the synchronous loop, so state.json, resume and the kill points
 (`RLTOOL_LOOP_KILL_AFTER=STEP:PHASE`) work the same way:
-rollout  -> RUN/rollouts/step-K/: the batch, written when it is taken; its metadata (`extra.async`)
-            records the positions started but not taken (`held`), the next fresh position, the
-            positions dropped as too stale, and the step's staleness metrics;
+rollout  -> RUN/rollouts/step-K/: the batch, taken and written by the rollout worker while the
+            trainer trained step K-1 (the first step waits for it); its metadata
+            (`extra.async`) records the positions started but not taken (`held`), the next fresh
+            position, the positions dropped as too stale, and the step's staleness metrics;
 train, publish, sync -> as in the synchronous loop (sync: pause, load, continue).
-After a kill, the held positions of the newest shard are generated again from their prompts (their
-partial or finished samples were never written) and counted as `resume/regenerated_groups`.
+After a kill, a shard written ahead of the step in progress is discarded (its samples are not yet
+committed), the held positions of the newest remaining shard are generated again from their
+prompts (their partial or finished samples were never written) and counted as
+`resume/regenerated_groups`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import time
 from dataclasses import asdict
 from collections.abc import Callable
@@ -33,7 +38,7 @@ from rltool.loop.async_staleness import StalenessGate
 from rltool.loop.async_worker import RolloutWorker
 from rltool.loop.engines import EngineSet
 from rltool.loop.state import maybe_kill
-from rltool.rundir import MetricsWriter, list_versions, read_metrics
+from rltool.rundir import MetricsWriter, RunDir, list_versions, read_metrics
 
 log = logging.getLogger(__name__)
 ENGINE_PAUSE_MODE = {"in-place": "in_place", "retract": "retract", "abort": "abort"}
@@ -45,6 +50,19 @@ def shard_async_meta(ctx: phases.StepContext, step: int) -> dict[str, Any]:
     from rltool.data.shards import open_shard
 
     return open_shard(ctx.run.rollout_step(step)).meta.extra.get("async", {})
+
+
+def discard_prepared(run: RunDir, step: int) -> None:
+    """Remove the shards of steps after `step`: written ahead by a worker that was killed with
+    the loop, they are not committed (their positions are held or fresh in the newest shard up
+    to `step`, and are generated again). One rename each, then the removal."""
+    after = step + 1
+    while run.rollout_step(after).exists():
+        path = run.rollout_step(after)
+        gone = path.with_name(f".{path.name}.discarded.tmp")
+        os.rename(path, gone)
+        shutil.rmtree(gone)
+        after += 1
 
 
 def resume_positions(ctx: phases.StepContext) -> tuple[int, list[int]]:
@@ -67,6 +85,7 @@ def run_steps(ctx: phases.StepContext, *, writer: MetricsWriter,
     from rltool.train.stage import optimizer_steps
 
     phases.resident_trainer(ctx)  # rebuilt and replayed before anything generates
+    discard_prepared(run, state.step)
     mode = phases.sync_mode(settings)
     cfg = settings.rollout_config(run, step=state.step, urls=ctx.engines.urls)
     if (run.rollout_step(state.step) / MANIFEST).exists():
@@ -90,7 +109,7 @@ def run_steps(ctx: phases.StepContext, *, writer: MetricsWriter,
         while state.step < settings.loop.num_steps and not stopped:
             with trace.span("step", cat="step", step=state.step):
                 row = _step(ctx, stream, evaluator, mode=mode, writer=writer,
-                            step_metrics=step_metrics,
+                            step_metrics=step_metrics, versions_per_step=gate.versions_per_step,
                             extra={"resume/regenerated_groups": regenerated} if regenerated
                             else {})
             regenerated = 0
@@ -120,23 +139,37 @@ def _start_evaluator(ctx: phases.StepContext, mode: str) -> EvalWorker | None:
     return worker
 
 
-def _set_versions(stream: RolloutWorker, version: int) -> None:
-    stream.call({"op": "set_versions", "trainer_version": version, "engine_version": version})
+def _send_versions(stream: RolloutWorker, version: int) -> None:
+    """The new version to the worker; its answer (the aborted samples it requeued since the
+    last one) is read when the step is recorded."""
+    stream.send({"op": "set_versions", "trainer_version": version, "engine_version": version})
+
+
+def _batch_request(ctx: phases.StepContext, step: int, train_version: int) -> dict[str, Any]:
+    cfg = ctx.settings.rollout_config(ctx.run, step=step, urls=ctx.engines.urls)
+    return {"rollout": cfg.model_dump(mode="json"), "train_version": train_version}
 
 
 def _step(ctx: phases.StepContext, stream: RolloutWorker, evaluator: EvalWorker | None, *,
           mode: str, writer: MetricsWriter, step_metrics: Callable[..., dict[str, Any]],
-          extra: dict[str, Any]) -> dict[str, Any]:
+          versions_per_step: int, extra: dict[str, Any]) -> dict[str, Any]:
     state, run, settings = ctx.state, ctx.run, ctx.settings
     maybe_kill(f"{state.step}:start")
     t_step = time.perf_counter()
     if not state.completed("rollout"):
         seconds = 0.0
-        if not (run.rollout_step(state.step) / MANIFEST).exists():
+        # A shard the worker prepares may already be written: take it from the worker anyway
+        # (that also asks for the next one); one written before a restart is just used.
+        if stream.prepared_step == state.step or \
+                not (run.rollout_step(state.step) / MANIFEST).exists():
+            following = state.step + 1 < settings.loop.num_steps
             with trace.span("rollout", cat="phase", step=state.step):
-                cfg = settings.rollout_config(run, step=state.step, urls=ctx.engines.urls)
-                seconds = stream.call({"op": "take", "train_version": state.policy_version,
-                                       "rollout": cfg.model_dump(mode="json")})["seconds"]
+                seconds = stream.call({
+                    "op": "take", **_batch_request(ctx, state.step, state.policy_version),
+                    "next": _batch_request(ctx, state.step + 1,
+                                           state.policy_version + versions_per_step)
+                    if following else None})["seconds"]
+            stream.prepared_step = state.step + 1 if following else None
         state.done(run, "rollout", seconds=seconds)
     for name, fn in (("train", phases.train), ("publish", phases.publish)):
         if not state.completed(name):
@@ -144,19 +177,19 @@ def _step(ctx: phases.StepContext, stream: RolloutWorker, evaluator: EvalWorker 
             state.done(run, name, seconds=seconds)
     if not state.completed("sync"):
         update_mode = settings.loop.update_mode
-        in_flight = stream.call({"op": "in_flight"})["samples"]
         t0 = time.perf_counter()
         with trace.span("sync", cat="phase", step=state.step, update_mode=update_mode):
+            stream.send({"op": "in_flight"})  # counted by the worker while the engines pause
             ctx.engines.pause(ENGINE_PAUSE_MODE[update_mode])
             try:
                 phases.sync(ctx)
             finally:
                 ctx.engines.continue_generation()
-        _set_versions(stream, state.policy_version)
-        state.publish[UPDATE_KEYS[update_mode]] = in_flight
+            state.publish[UPDATE_KEYS[update_mode]] = stream.receive()["samples"]
+            _send_versions(stream, state.policy_version)
         state.done(run, "sync", seconds=time.perf_counter() - t0)
     else:
-        _set_versions(stream, state.policy_version)
+        _send_versions(stream, state.policy_version)
     if evaluator is not None and settings.is_eval_step(state.step):
         evaluator.submit(state.policy_version,
                          phases.resident_trainer(ctx).named_tensors() if mode != "disk" else None)
@@ -166,7 +199,7 @@ def _step(ctx: phases.StepContext, stream: RolloutWorker, evaluator: EvalWorker 
         for key in UPDATE_KEYS.values():
             if key in state.publish:
                 row[key] = state.publish[key]
-        row["update/requeued"] = stream.call({"op": "requeued"})["samples"]
+        row["update/requeued"] = stream.receive()["requeued"]
         row.update(extra)
         if not any(r.get("step") == state.step for r in read_metrics(writer.path)):
             row = writer.log(row, step=state.step, policy_version=state.policy_version)

@@ -9,10 +9,15 @@ REPLY_FD (stdout and stderr go to RUN/logs/rollout.log):
   {"op": "init", "rollout": {...RolloutConfig...}, "gate": {...StalenessGate...},
    "engine_version": V, "trainer_version": V, "next_position": N, "redo": [...],
    "cores": [...] | null}
-  {"op": "take", "rollout": {...the step's RolloutConfig...}, "train_version": V}
-      -> the step's batch written as its shard (async_batch.write_batch); {"seconds": s}
-  {"op": "set_versions", "trainer_version": V, "engine_version": V}
-  {"op": "in_flight"} -> {"samples": n}         {"op": "requeued"} -> {"samples": n}
+  {"op": "take", "rollout": {...the step's RolloutConfig...}, "train_version": V,
+   "next": {"rollout": {...}, "train_version": V'} | null}
+      -> the step's batch written as its shard (async_batch.write_batch); {"seconds": s}, the
+         seconds the caller waited for it. With "next", the worker then prepares the next step's
+         batch and shard on a thread of its own while the caller trains (async_batch.Prepared);
+         the next take of that step only waits for it to be written.
+  {"op": "set_versions", "trainer_version": V, "engine_version": V} -> {"requeued": n}, the
+      aborted samples requeued since the last set_versions
+  {"op": "in_flight"} -> {"samples": n}
 Every answer is {"ok": true, ...} or {"ok": false, "error": "..."}.
 """
 
@@ -22,8 +27,9 @@ import json
 import os
 import subprocess
 import sys
+from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from rltool.errors import EngineError
 from rltool.loop.engines import ChildRegistry
@@ -44,6 +50,8 @@ class RolloutWorker:
         self.child = Child(popen=popen, cmdline=self.cmdline, log_path=log_path,
                            name="rollout worker")
         self.replies = os.fdopen(read_fd, "rb")
+        self.sent: deque[str] = deque()  # the ops whose answers are still to be read
+        self.prepared_step: int | None = None  # the step whose batch the worker prepares
         self.registry = registry
         registry.add(role="rollout", pid=popen.pid, cmdline=self.cmdline)
         try:
@@ -57,22 +65,38 @@ class RolloutWorker:
         return self.child.pid
 
     def call(self, message: dict[str, Any]) -> dict[str, Any]:
+        self.send(message)
+        return self.receive()
+
+    def send(self, message: dict[str, Any]) -> None:
+        """Write one command without waiting for its answer (`receive` reads the answers in the
+        order the commands were sent), so the caller can work meanwhile."""
         popen = self.child.popen
         try:
             assert popen.stdin is not None
             popen.stdin.write((json.dumps(message) + "\n").encode())
             popen.stdin.flush()
-            line = self.replies.readline()
         except (BrokenPipeError, OSError):
+            self._exited()
+        self.sent.append(message["op"])
+
+    def receive(self) -> dict[str, Any]:
+        """The answer to the oldest command sent and not yet received."""
+        op = self.sent.popleft()
+        try:
+            line = self.replies.readline()
+        except OSError:
             line = b""
         if not line:
-            raise EngineError(f"the rollout worker exited; {self.child.log_path} ends with:\n"
-                              f"{log_tail(self.child.log_path)}")
+            self._exited()
         answer = json.loads(line)
         if not answer.get("ok"):
-            raise EngineError(f"the rollout worker failed on {message['op']}: "
-                              f"{answer.get('error')}")
+            raise EngineError(f"the rollout worker failed on {op}: {answer.get('error')}")
         return answer
+
+    def _exited(self) -> NoReturn:
+        raise EngineError(f"the rollout worker exited; {self.child.log_path} ends with:\n"
+                          f"{log_tail(self.child.log_path)}")
 
     def stop(self) -> None:
         """End the worker by its PID (SIGTERM, then SIGKILL): what it holds in flight is never
@@ -84,13 +108,14 @@ class RolloutWorker:
 
 def serve(reply_fd: int) -> None:
     """The worker's command loop (see the module docstring)."""
-    from rltool.loop.async_batch import write_batch
+    from rltool.loop.async_batch import Prepared
     from rltool.loop.async_rollout import RolloutStream
     from rltool.loop.async_staleness import StalenessGate
     from rltool.rollout.stage import RolloutConfig
 
     replies = os.fdopen(reply_fd, "wb", buffering=0)
     stream: RolloutStream | None = None
+    prepared: Prepared | None = None
     for line in sys.stdin:
         message = json.loads(line)
         op = message["op"]
@@ -109,15 +134,22 @@ def serve(reply_fd: int) -> None:
             elif stream is None:
                 raise EngineError(f"{op} before init")
             elif op == "take":
-                answer["seconds"] = write_batch(stream, RolloutConfig(**message["rollout"]),
-                                                train_version=message["train_version"])
+                cfg = RolloutConfig(**message["rollout"])
+                if prepared is not None and prepared.out != cfg.out:
+                    raise EngineError(f"take of {cfg.out} while {prepared.out} is prepared")
+                if prepared is None:
+                    prepared = Prepared(stream, cfg, train_version=message["train_version"])
+                answer["seconds"] = prepared.wait()
+                following = message.get("next")
+                prepared = None if following is None else Prepared(
+                    stream, RolloutConfig(**following["rollout"]),
+                    train_version=following["train_version"])
             elif op == "set_versions":
                 stream.set_versions(trainer_version=message["trainer_version"],
                                     engine_version=message["engine_version"])
+                answer["requeued"] = stream.requeued_since_last_call()
             elif op == "in_flight":
                 answer["samples"] = stream.in_flight_samples()
-            elif op == "requeued":
-                answer["samples"] = stream.requeued_since_last_call()
             else:
                 raise EngineError(f"unknown op {op!r}")
             replies.write((json.dumps({"ok": True, **answer}) + "\n").encode())

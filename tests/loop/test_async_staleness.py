@@ -62,21 +62,24 @@ def test_metrics_histogram_counts_token_ages():
 
 
 def simulate(*, max_staleness: int, versions_per_step: int, batch: int, seed: int,
-             steps: int = 40) -> dict:
+             prepare_ahead: bool, steps: int = 40) -> dict:
     """A tick clock: each in-flight group makes a token per tick at the engines' version (an
     in-place update switches later tokens), finishes after a random length; the trainer takes a
     batch when one is ready, trains for a random number of ticks, and the engines then serve its
-    new version."""
+    new version. With `prepare_ahead` the next batch is taken while the trainer trains (for the
+    version it will train at), as the rollout worker does, and counts as in training."""
     rng = random.Random(seed)
     gate = StalenessGate(max_staleness=max_staleness, batch_groups=batch,
                          versions_per_step=versions_per_step)
     trainer, engine, training_left = 0, 0, 0
-    ready, in_flight, trained, dropped, most_ahead = [], [], [], 0, 0
+    ready, in_flight, trained, dropped, most_ahead, prepared = [], [], [], 0, 0, None
     while len(trained) < steps:
-        while gate.admit(engine_version=engine, trainer_version=trainer,
-                         training=training_left > 0, ahead=len(ready) + len(in_flight)):
+        while gate.admit(engine_version=engine,
+                         trainer_version=trainer + versions_per_step if prepared else trainer,
+                         training=training_left > 0 or prepared is not None,
+                         ahead=len(ready) + len(in_flight)):
             in_flight.append([group_of([]), rng.randint(1, 6)])
-        most_ahead = max(most_ahead, len(ready) + len(in_flight))
+        most_ahead = max(most_ahead, len(ready) + len(in_flight) + len(prepared or []))
         for item in list(in_flight):  # a token per tick for each sample, completion random
             for s in item[0]:
                 s.weight_versions.append(engine)
@@ -88,9 +91,19 @@ def simulate(*, max_staleness: int, versions_per_step: int, batch: int, seed: in
         rng.shuffle(ready[-2:])  # completion order is not start order
         if training_left:
             training_left -= 1
+            if prepare_ahead and prepared is None:
+                keep, drop = gate.split(ready, train_version=trainer + versions_per_step)
+                dropped += len(drop)
+                ready = keep
+                if len(keep) >= batch:
+                    prepared, ready = keep[:batch], keep[batch:]
             if training_left == 0:
                 trainer += versions_per_step
                 engine = trainer  # the in-flight weight update
+            continue
+        if prepared is not None:  # a tick after the update: the prepared batch is taken
+            trained.append((trainer, prepared))
+            prepared, training_left = None, rng.randint(1, 5)
             continue
         keep, drop = gate.split(ready, train_version=trainer)
         dropped += len(drop)
@@ -106,11 +119,12 @@ def simulate(*, max_staleness: int, versions_per_step: int, batch: int, seed: in
 @pytest.mark.parametrize("max_staleness,versions_per_step", [(0, 1), (1, 1), (2, 1), (2, 2),
                                                              (1, 2), (4, 2)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("prepare_ahead", [False, True])
 def test_simulated_clock_never_trains_a_sample_older_than_k(max_staleness, versions_per_step,
-                                                            seed):
+                                                            seed, prepare_ahead):
     batch = 3
     out = simulate(max_staleness=max_staleness, versions_per_step=versions_per_step,
-                   batch=batch, seed=seed)
+                   batch=batch, seed=seed, prepare_ahead=prepare_ahead)
     ages = [sample_staleness(s, version) for version, groups in out["trained"]
             for g in groups for s in g]
     assert max(ages) <= max_staleness
