@@ -1,0 +1,53 @@
+"""benchmarks/fp8_mismatch.py on the CPU (tiny model, a few short prompts): the four engine
+configs and the fp32 floor, each engine's sampled-token logprobs against the trainer's
+recompute. FP8 weights must show a larger mismatch than bf16 weights (the quantization error is
+~5x the bf16 one on this model), and every sample must be scored on all its tokens."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("fp8_mismatch",
+                                                  ROOT / "benchmarks" / "fp8_mismatch.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tiny_model_four_configs_and_floor(tmp_path, tiny_model_dir, capsys):
+    bench = load_benchmark()
+    rc = bench.main(["--device", "cpu", "--presets", "", "--model", str(tiny_model_dir),
+                     "--prompts", "4", "--samples", "2", "--prompt-len", "16",
+                     "--new-tokens", "8", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    [written] = tmp_path.glob("fp8_mismatch-*-cpu*.json")
+    assert json.loads(written.read_text()) == printed
+    rows = printed["rows"]
+    assert [(r["weights"], r["kv"], r["trainer"]) for r in rows] == [
+        ("bf16", "bf16", "bf16"), ("fp8", "bf16", "bf16"), ("bf16", "fp8_e4m3", "bf16"),
+        ("fp8", "fp8_e4m3", "bf16"), ("bf16", "bf16", "fp32")]
+    for r in rows:
+        assert r["tokens"] == 4 * 2 * 8
+        assert 0.0 < r["abs_diff"] <= r["max_abs_diff"] and r["kl_k3"] >= 0.0
+    by = {(r["weights"], r["kv"], r["trainer"]): r["abs_diff"] for r in rows}
+    assert by[("fp8", "bf16", "bf16")] > 2 * by[("bf16", "bf16", "bf16")]
+    assert by[("fp8", "fp8_e4m3", "bf16")] > 2 * by[("bf16", "bf16", "bf16")]
+
+
+def test_bad_input_is_refused_in_one_line(tmp_path, capsys):
+    bench = load_benchmark()
+    assert bench.main(["--presets", "nope", "--out-dir", str(tmp_path)]) == 2
+    assert bench.main(["--presets", "", "--model", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["Error: unknown preset 'nope'; choose from " + ", ".join(bench.PRESETS),
+                   f"Error: --model {tmp_path / 'missing'} has no config.json; pass a HF "
+                   "checkpoint directory"]
+    assert list(tmp_path.iterdir()) == []
