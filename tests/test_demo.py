@@ -45,15 +45,18 @@ def test_demo_refuses_a_foreign_directory(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_addition_recipe_runs_on_cpu(tmp_path, capsys):
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_addition_recipe_runs_on_cpu(tmp_path, capsys, precision):
     """The GPU demo's recipe (`--device cuda` defaults to it) with the tiny shapes, two RL
     steps: the model's vocabulary is the tokenizer's, the SFT sums are disjoint from the RL and
     eval prompts, every step prints its phase times, and the summary JSON carries the phase
-    means, the eval reward and where it was measured."""
+    means, the eval reward and where it was measured. With FP8 rollouts the engine serves
+    block-FP8 weights from every sync and the trainer applies TIS."""
     root, out = tmp_path / "demo-run", tmp_path / "result.json"
     demo.main([str(root), "--task", "add", "--preset", "tiny", "--steps", "2", "--sft-steps",
                "2", "--sft-max-steps", "2", "--rollout-batch-size", "4", "--eval-prompts", "8",
-               "--sft-prompts", "64", "--out-json", str(out), "-q"])
+               "--sft-prompts", "64", "--rollout-precision", precision, "--out-json", str(out),
+               "-q"])
     printed = capsys.readouterr().out
     assert "rollout    train  publish     sync     eval" in printed
     assert "rltool report" in printed and "perf/loop/rollout_time" in printed
@@ -62,6 +65,13 @@ def test_addition_recipe_runs_on_cpu(tmp_path, capsys):
     assert summary["task"] == "add" and summary["device"] == "cpu" and summary["rl_steps"] == 2
     assert summary["sft_steps"] == 2 and summary["final_eval_reward"] is not None
     assert summary["phase_means"]["perf/loop/rollout_time"] > 0
+    assert summary["rollout_precision"] == precision
+    mismatch = summary["mismatch_means"]
+    assert mismatch["train/train_rollout_logprob_abs_diff"] > 0
+    assert ("train/tis_clipfrac" in mismatch) == (precision == "fp8")
+    rows = [json.loads(line) for line in
+            (root / "run" / "metrics" / "loop.jsonl").read_text().splitlines()]
+    assert ({r["sync/precision"] for r in rows} == {"fp8"}) == (precision == "fp8")
     prompts = {f: {json.loads(line)["prompt"] for line in (root / f).read_text().splitlines()}
                for f in ("rl.jsonl", "eval.jsonl", "sft.jsonl")}
     assert not prompts["sft.jsonl"] & (prompts["rl.jsonl"] | prompts["eval.jsonl"])
@@ -69,6 +79,13 @@ def test_addition_recipe_runs_on_cpu(tmp_path, capsys):
 
     config = json.loads((root / "model" / "config.json").read_text())
     assert config["vocab_size"] == len(AutoTokenizer.from_pretrained(str(root / "model")))
+
+
+def test_copy_demo_refuses_fp8_rollouts(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        demo.main([str(tmp_path / "d"), "--rollout-precision", "fp8"])
+    assert e.value.code == 2 and "--task copy is the CPU demo" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
 
 
 def test_copy_demo_refuses_the_gpu(tmp_path, capsys):

@@ -156,6 +156,8 @@ def resident_trainer(ctx: StepContext) -> Any:
     trainer = ResidentTrainer(ctx.settings.train_config(run, step=0, load=str(load)))
     if newest is not None:
         trainer.loop_step = _checkpoint_loop_step(run, run.ckpt_step(newest))
+    else:  # the run's version 0, whatever version the model's directory declares (fp8: the model)
+        trainer.version = 0
     last_trained = state.step if state.completed("train") else state.step - 1
     for step in range(trainer.loop_step + 1, last_trained + 1):
         log.info("replaying loop step %d from its rollouts", step)

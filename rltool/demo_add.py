@@ -1,0 +1,214 @@
+"""The GPU demo's recipe (`python -m rltool.demo --device cuda`, or `--task add`): 3-digit
+addition with an exact-match reward on the Qwen2.5-0.5B shapes (vocabulary sized to the demo's
+tokenizer), which the tiny CPU model cannot learn.
+
+Its warm start (3-digit sums on prompts disjoint from the RL and eval sets) stops once the chance
+of sampling a whole right answer, exp(-(answer tokens) x (mean token loss)), reaches
+ADD_SFT_EXACT; GRPO then runs until the held-out eval's exact match reaches the target or the
+time budget (`--time-budget-s`, 480) is spent, colocated on the one GPU (engine and trainer on it
+together, weights handed over in memory). `--rollout-precision fp8` serves the rollouts from
+block-FP8 weights requantized at every sync (`[sync] precision = "fp8"`) and corrects the
+train/rollout mismatch with token-level truncated importance sampling (`[train] tis_mode =
+"truncate"`). Each step prints reward, eval reward and phase times; `--task add --preset tiny`
+runs the recipe on CPU. docs/loop.md, "The GPU demo".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rltool.demo_common import HEADER, TARGET, Clock, finish, fresh, print_row, summarize
+
+# The addition recipe's warm start stops once exp(-(answer tokens) x (mean loss of the last 10
+# steps)), the chance of sampling a whole right answer at temperature 1, reaches this.
+ADD_SFT_EXACT = 0.05
+# Warm-start steps per further train call: the loss falls steeply once the model starts to add
+ADD_SFT_CHUNK = 25  # (0.5B shapes on an H200: 0.92 at step 226, 0.25 at 295)
+KV_TOKENS = 65536  # the add recipe's KV pool: 512 rollouts of at most ~30 tokens fit many times
+PRECISIONS = ("bf16", "fp8")  # --rollout-precision: the weights the engine serves
+MISMATCH_KEYS = ("train/train_rollout_logprob_abs_diff", "train/mismatch_kl",
+                 "train/mismatch_k3_kl", "train/tis_clipfrac")
+
+
+@dataclass(frozen=True)
+class AddRecipe:
+    """The `--task add` settings (tables in `add_loop_tables`); batch sizes and rates are chosen
+    for the 0.5B shapes on one H200 (docs/loop.md, "The GPU demo")."""
+
+    rollout_batch_size: int = 64  # prompts per step, 8 samples each: 512 rollouts
+    eval_prompts: int = 256
+    sft_prompts: int = 20000  # tokenizing the set is part of every warm-start call
+    sft_lr: float = 3e-4
+    rl_lr: float = 4e-5
+    eval_interval: int = 5
+    time_budget_s: float = 480.0
+    sft_batch: int = 256  # or the whole SFT set when smaller
+    rollout_precision: str = "bf16"  # or fp8 (see `add_loop_tables`)
+
+
+def add_loop_tables(root: Path, *, model: Path, steps: int, seed: int, device: str,
+                    recipe: AddRecipe) -> dict[str, Any]:
+    """The addition recipe's loop config: exact-match GRPO on 3-digit sums, colocated on
+    `device` with the in-process engine, the eval set sampled like the rollouts (temperature 1,
+    one sample per prompt), checkpoints only at the end. rollout_precision fp8: every sync
+    block-quantizes the trainer's weights (`[sync] precision = "fp8"`, the engine serves FP8
+    weights from version 0 on), and the policy loss weighs each token by the truncated ratio
+    min(pi_old / pi_rollout, 2) (token-level TIS, slime's --use-tis): every token keeps its
+    gradient, scaled by how far the FP8 engine's probability of it is from the trainer's."""
+    rollouts = recipe.rollout_batch_size * 8
+    fp8 = recipe.rollout_precision == "fp8"
+    return {
+        "model": {"path": str(model)},
+        "rollout": {"prompts": str(root / "rl.jsonl"), "reward": "add:exact",
+                    "n_samples_per_prompt": 8, "rollout_batch_size": recipe.rollout_batch_size,
+                    "max_response_len": 8, "temperature": 1.0, "seed": seed,
+                    # every sample in flight at once (the engine batches what it can run)
+                    "concurrency": rollouts},
+        "train": {"lr": recipe.rl_lr, "lr_warmup_steps": 2,
+                  "global_batch_size": recipe.rollout_batch_size * 4,
+                  "advantage_estimator": "grpo",
+                  **({"tis_mode": "truncate", "tis_clip_high": 2.0} if fp8 else {})},
+        "sync": {"sync": "auto", **({"precision": "fp8"} if fp8 else {})},
+        "eval": {"prompts": str(root / "eval.jsonl"), "n_samples_per_prompt": 1},
+        # The model is small: trainer (16 bytes a parameter) and engine (weights, a KV pool
+        # capped at 64k tokens, decode graphs captured once) stay on the device together, so
+        # nothing is offloaded or released between phases and the sync is a device copy.
+        "loop": {"num_steps": steps, "placement": "colocated", "num_engines": 1, "seed": seed,
+                 "engine": "inprocess", "device": device, "eval_interval": recipe.eval_interval,
+                 "save_interval": max(steps, 1), "offload": "none",
+                 "engine_args": ["--max-running-requests", str(rollouts),
+                                 "--cuda-graph-max-bs", str(rollouts),
+                                 "--max-total-tokens", str(KV_TOKENS)]},
+    }
+
+
+def make_add_data(root: Path, clock: Clock, recipe: AddRecipe) -> None:
+    from rltool.data.tasks import make_rows, write_prompts
+
+    rl = make_rows("add", num=4096, seed=1, min_len=3, max_len=3)
+    held_out = make_rows("add", num=recipe.eval_prompts, seed=3, min_len=3, max_len=3)
+    taken = {r["prompt"] for r in rl + held_out}
+    sft = [r for r in make_rows("add", num=recipe.sft_prompts, seed=2, min_len=3, max_len=3)
+           if r["prompt"] not in taken]
+    write_prompts(rl, root / "rl.jsonl")
+    write_prompts(held_out, root / "eval.jsonl")
+    write_prompts(sft, root / "sft.jsonl")
+    clock.say(f"rltool data make --task add --min-len 3 --max-len 3: {len(rl)} RL prompts "
+              f"(seed 1), {len(held_out)} eval prompts (seed 3), {len(sft)} SFT prompts (seed 2)"
+              " none of which is an RL or eval prompt")
+
+
+def add_warm_start(root: Path, model: Path, *, first_steps: int, max_steps: int, seed: int,
+                   device: str, recipe: AddRecipe, clock: Clock) -> tuple[Path, int]:
+    """Supervised steps on the SFT sums, ADD_SFT_CHUNK more at a time (resumed from the
+    checkpoint) until the estimated exact match reaches ADD_SFT_EXACT, at most `max_steps`."""
+    import math
+
+    from rltool.train import run as run_train
+    from rltool.train.config import TrainConfig
+
+    labels = [json.loads(line)["label"] for line in
+              (root / "sft.jsonl").read_text().splitlines()]
+    answer_tokens = sum(len(x) + 1 for x in labels) / len(labels)  # digits and EOS
+    batch = min(recipe.sft_batch, len(labels))
+    save, losses, load = root / "sft" / "ckpt", [], str(model)
+    steps = chunk = min(first_steps, max_steps)
+    while True:  # a call on a finished checkpoint trains `chunk` more steps from it
+        cfg = TrainConfig(loss="sft", prompts=str(root / "sft.jsonl"), load=load, save=str(save),
+                          publish=str(root / "sft" / "weights"),
+                          metrics=str(root / "sft" / "train.jsonl"), lr=recipe.sft_lr,
+                          # warm-up on the first call; later ones resume Adam's state
+                          lr_warmup_steps=min(20, chunk) if load == str(model) else 0,
+                          global_batch_size=batch, num_steps=chunk, seed=seed, device=device,
+                          dtype="bf16" if device == "cuda" else "fp32")
+        result = run_train(cfg)
+        losses += [m["train/sft_loss"] for m in result.metrics if "train/sft_loss" in m]
+        mean10 = sum(losses[-10:]) / max(1, len(losses[-10:]))
+        exact = math.exp(-answer_tokens * mean10)
+        if exact >= ADD_SFT_EXACT or steps >= max_steps:
+            break
+        chunk, load = min(ADD_SFT_CHUNK, max_steps - steps), str(save)
+        steps += chunk
+    clock.say(f"rltool train --loss sft --num-steps {steps} --global-batch-size "
+              f"{batch} --lr {recipe.sft_lr:g}: supervised warm start, mean token loss "
+              f"of the last 10 steps {mean10:.3f}, estimated exact match {exact:.3f}")
+    assert result.published is not None
+    return Path(result.published), steps
+
+
+
+def run_add(root: Path, *, steps: int, sft_steps: int, sft_max_steps: int, seed: int,
+            device: str, preset: str, recipe: AddRecipe) -> dict[str, Any]:
+    """The addition recipe (`--task add`; `--device cuda` by default): see the module docstring."""
+    import tomli_w
+
+    from rltool import atomic
+    from rltool.data.models import init_model
+    from rltool.loop import runner
+    from rltool.loop.config import LoopSettings
+
+    fresh(root)
+    clock = Clock()
+    model = init_model(root / "model", arch="qwen2", preset=preset, task="add", seed=seed,
+                       fit_vocab=True)
+    clock.say(f"rltool init-model --preset {preset} --task add --seed {seed} (vocabulary of the "
+              f"task tokenizer): random-init model {model}")
+    make_add_data(root, clock, recipe)
+    policy, sft_steps = add_warm_start(root, model, first_steps=sft_steps,
+                                       max_steps=sft_max_steps, seed=seed, device=device,
+                                       recipe=recipe, clock=clock)
+    tables = add_loop_tables(root, model=policy, steps=steps, seed=seed, device=device,
+                             recipe=recipe)
+    atomic.write_text(root / "run.toml", tomli_w.dumps(tables))
+    deadline = clock.t0 + recipe.time_budget_s
+    clock.say(f"rltool loop --config {root / 'run.toml'} --run-dir {root / 'run'}: at most "
+              f"{steps} steps of {recipe.rollout_batch_size} prompts x 8 samples, exact-match "
+              f"GRPO on {device}, {recipe.rollout_precision} rollout weights"
+              + (" with truncated importance sampling" if recipe.rollout_precision == "fp8"
+                 else "") + f"; stops once the eval exact match reaches {TARGET} or at "
+              f"{recipe.time_budget_s:.0f}s")
+    print(HEADER)
+
+    def stop(rows: list[dict[str, Any]]) -> bool:
+        return rows[-1].get("eval/mean_reward", 0.0) >= TARGET or time.perf_counter() > deadline
+
+    runner.start(LoopSettings.from_tables(tables), root / "run", on_step=print_row,
+                 stop_when=stop)
+    finish(root, clock)
+    evals = [r for r in _rows(root, "loop") if "eval/mean_reward" in r]
+    hit = next((r for r in evals if r["eval/mean_reward"] >= TARGET), None)
+    extra = {"device": device, "preset": preset, "device_name": _device_name(device),
+             "rollout_precision": recipe.rollout_precision,
+             "target_eval_exact": TARGET, "time_budget_s": recipe.time_budget_s,
+             "eval_step_reaching_target": hit["step"] if hit else None,
+             "seconds_to_target": hit["time"] - clock.t0_wall if hit else None,
+             "final_eval_reward": evals[-1]["eval/mean_reward"] if evals else None,
+             # the train/rollout mismatch, mean over the optimizer steps (bf16 vs fp8 rollouts)
+             "mismatch_means": {k: sum(v) / len(v) for k in MISMATCH_KEYS
+                                if (v := [r[k] for r in _rows(root, "train") if k in r])}}
+    summary = summarize(root, root / "run", sft_steps=sft_steps, seed=seed,
+                        started=clock.t0, task="add", extra=extra)
+    print(f"\nfirst RL step exact match {summary['first_rl_reward']:.3f}; eval exact match "
+          + (f"reached {TARGET} at step {hit['step']} after {extra['seconds_to_target']:.0f}s"
+             if hit else f"NOT at {TARGET} (last {extra['final_eval_reward']})")
+          + f"; total {summary['total_s']:.0f}s on {extra['device_name']}")
+    return summary
+
+
+def _rows(root: Path, stage: str) -> list[dict[str, Any]]:
+    from rltool.rundir import read_metrics
+
+    return read_metrics(root / "run" / "metrics" / f"{stage}.jsonl")
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    if device == "cuda":
+        return str(torch.cuda.get_device_name())
+    return f"{os.cpu_count()} CPU cores"
