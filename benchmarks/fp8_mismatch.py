@@ -17,14 +17,16 @@ k3. The floor row: the bf16/bf16 engine's samples against an fp32 trainer.
 
 Prompts: `--prompts` x `--samples` requests of `--prompt-len` random token ids (seeded), each
 sample its own `sampling_seed`, `--new-tokens` tokens (EOS ignored), temperature 1; by default
-64 x 4, 128 + 128 tokens on cuda, 16 x 4, 64 + 32 tokens on cpu. A random-init
+64 x 4, 128 + 128 tokens on cuda, 16 x 4, 64 + 32 tokens on cpu. `--prompt-file FILE` takes the
+first `--prompts` prompts of a prompt file instead (the rollout stage's format and chat
+template; responses end at EOS or `--new-tokens`). A random-init
 model's next-token distribution is near uniform, so its logprob differences say little about a
 trained model's: pass `--model DIR` (any HF checkpoint, e.g. the GPU demo's warm-started policy)
 for representative figures.
 
 Usage: .venv/bin/python benchmarks/fp8_mismatch.py [--presets tiny,qwen2.5-0.5b,...]
        [--model DIR] [--device cpu|cuda] [--prompts N] [--samples N] [--prompt-len N]
-       [--new-tokens N] [--seed 0] [--out-dir benchmarks/results]
+       [--new-tokens N] [--prompt-file FILE.jsonl] [--seed 0] [--out-dir benchmarks/results]
 Prints a table and, last, one JSON line on stdout; with --out-dir also writes
 fp8_mismatch-DATE-MACHINE.json there.
 """
@@ -36,6 +38,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -51,6 +54,7 @@ from rltool.delta.config import SyncConfig
 from rltool.delta.publish import publish_version
 from rltool.engine.config import ServeConfig
 from rltool.engine.inprocess import InProcessEngine
+from rltool.rollout.prompts import load_prompts, load_tokenizer, prompt_at, render_prompt
 from rltool.errors import BadInputError
 from rltool.train.algo.mismatch import mismatch_kl, train_rollout_logprob_abs_diff
 from rltool.train.config import BackendConfig, TrainConfig
@@ -69,18 +73,26 @@ def prompt_ids(vocab: int, *, prompts: int, prompt_len: int, seed: int) -> list[
     return torch.randint(0, vocab, (prompts, prompt_len), generator=g).tolist()
 
 
+def file_prompt_ids(path: Path, model: Path, *, prompts: int) -> list[list[int]]:
+    """The first `prompts` rows of a prompt file (cycling), chat-templated and tokenized as the
+    rollout stage does by default."""
+    rows, tokenizer = load_prompts(path), load_tokenizer(model)
+    return [render_prompt(tokenizer, prompt_at(rows, i)) for i in range(prompts)]
+
+
 def sample(model: Path, prompts: list[list[int]], *, weights: str, kv: str, device: str,
-           samples: int, new_tokens: int, seed: int) -> tuple[list[Sample], float]:
+           samples: int, new_tokens: int, seed: int,
+           ignore_eos: bool) -> tuple[list[Sample], float]:
     """Every prompt `samples` times from an in-process engine serving `model`; (samples, s)."""
     n = len(prompts) * samples
     cfg = ServeConfig(model=model, device=device, dtype="bf16", kv_cache_dtype=kv,
                       max_running_requests=n, cuda_graph_max_bs=n,
-                      max_total_tokens=n * (len(prompts[0]) + new_tokens + 16))
+                      max_total_tokens=n * (max(map(len, prompts)) + new_tokens + 16))
     engine = InProcessEngine(cfg, name=f"{weights}-{kv}")
     ids = [p for p in prompts for _ in range(samples)]
     payload = {"input_ids": ids, "return_logprob": True,
                "sampling_params": [{"max_new_tokens": new_tokens, "temperature": 1.0,
-                                    "ignore_eos": True, "sampling_seed": seed * 1_000_003 + i}
+                                    "ignore_eos": ignore_eos, "sampling_seed": seed * 1_000_003 + i}
                                    for i in range(n)]}
     try:
         t0 = time.perf_counter()
@@ -138,22 +150,28 @@ def bench(name: str, model: Path, *, device: str, args: argparse.Namespace,
     published = {}
     for weights in ("bf16", "fp8"):
         sync = SyncConfig(sync="full", precision="fp8" if weights == "fp8" else None)
-        publish_version(state, sync, publish_dir=root / f"{name}-{weights}", version=0,
-                        source_model_dir=model, dtype="bf16")
-        published[weights] = root / f"{name}-{weights}" / "weight_v000000"
+        out = root / "published" / weights  # one model at a time (emptied below)
+        publish_version(state, sync, publish_dir=out, version=0, source_model_dir=model,
+                        dtype="bf16")
+        published[weights] = out / "weight_v000000"
     del state
-    prompts = prompt_ids(int(trainer.config.vocab_size), prompts=args.prompts,
-                         prompt_len=args.prompt_len, seed=args.seed)
+    if args.prompt_file is not None:
+        prompts = file_prompt_ids(args.prompt_file, model, prompts=args.prompts)
+    else:
+        prompts = prompt_ids(int(trainer.config.vocab_size), prompts=args.prompts,
+                             prompt_len=args.prompt_len, seed=args.seed)
     rows, floor_samples = [], None
     for weights, kv in CONFIGS:
         samples, seconds = sample(published[weights], prompts, weights=weights, kv=kv,
                                   device=device, samples=args.samples,
-                                  new_tokens=args.new_tokens, seed=args.seed)
+                                  new_tokens=args.new_tokens, seed=args.seed,
+                                  ignore_eos=args.prompt_file is None)
         floor_samples = floor_samples or samples
         rows.append({"model": name, "weights": weights,
                      "kv": "fp8_e4m3" if kv == "fp8_e4m3" else "bf16", "trainer": "bf16",
                      "engine_s": seconds, **mismatch(samples, recompute(trainer, samples))})
     del trainer
+    shutil.rmtree(root / "published")
     fp32 = TorchBackend(model, options=BackendConfig(dtype="fp32", device=device),
                         trainable=False)
     assert floor_samples is not None
@@ -180,6 +198,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         key = flag[2:].replace("-", "_")
         p.add_argument(flag, type=int, help=f"{help_} (default {DEFAULTS['cuda'][key]} on cuda, "
                        f"{DEFAULTS['cpu'][key]} on cpu).")
+    p.add_argument("--prompt-file", type=Path, help="Prompts from this prompt file (JSONL, "
+                   "the rollout stage's format; chat-templated) instead of random token ids; "
+                   "responses then end at EOS.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, help="Write fp8_mismatch-DATE-MACHINE.json here.")
     args = p.parse_args(argv)
@@ -193,6 +214,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.model is not None and not (args.model / "config.json").is_file():
         raise BadInputError(f"--model {args.model} has no config.json; pass a HF checkpoint "
                             "directory")
+    if args.prompt_file is not None and not args.prompt_file.exists():
+        raise BadInputError(f"--prompt-file {args.prompt_file} does not exist; pass a prompt "
+                            "file (JSONL)")
     if not args.preset_list and args.model is None:
         raise BadInputError("nothing to measure; pass --presets or --model")
     if min(args.prompts, args.samples, args.prompt_len, args.new_tokens) < 1:
@@ -217,17 +241,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.model is not None:
             rows += bench(str(args.model), args.model, device=args.device, args=args, root=root)
     print(f"{'model':24} {'weights':7} {'kv':8} {'trainer':7} {'|dlogp| mean':>12} "
-          f"{'max':>9} {'KL k1':>10} {'KL k3':>10} {'engine s':>8}")
+          f"{'max':>9} {'KL k1':>10} {'KL k3':>10} {'mean logp':>9} {'engine s':>8}")
     for r in rows:
         print(f"{r['model'][-24:]:24} {r['weights']:7} {r['kv']:8} {r['trainer']:7} "
               f"{r['abs_diff']:12.3e} {r['max_abs_diff']:9.2e} {r['kl_k1']:10.2e} "
-              f"{r['kl_k3']:10.2e} {r['engine_s']:8.1f}")
+              f"{r['kl_k3']:10.2e} {r['mean_rollout_logprob']:9.3f} {r['engine_s']:8.1f}")
     now = datetime.now(timezone.utc)
     result = {"benchmark": "fp8_mismatch", "date": now.isoformat(),
               "machine": f"{platform.machine()} {os.cpu_count()} cpus, "
                          + (torch.cuda.get_device_name() if args.device == "cuda" else "no GPU"),
               "device": args.device, "prompts": args.prompts, "samples": args.samples,
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "seed": args.seed,
+              "prompt_file": str(args.prompt_file) if args.prompt_file else None,
               "temperature": 1.0, "rows": rows}
     if args.out_dir is not None:
         atomic.write_json(args.out_dir / f"fp8_mismatch-{now:%Y-%m-%d}-"

@@ -42,12 +42,29 @@ def test_tiny_model_four_configs_and_floor(tmp_path, tiny_model_dir, capsys):
     assert by[("fp8", "fp8_e4m3", "bf16")] > 2 * by[("bf16", "bf16", "bf16")]
 
 
+def test_prompt_file_prompts_end_at_eos(tmp_path, tiny_model_dir, capsys):
+    from rltool.data.tasks import make_rows, write_prompts
+
+    write_prompts(make_rows("reverse", num=3, seed=0, min_len=3, max_len=3),
+                  tmp_path / "p.jsonl")
+    bench = load_benchmark()
+    assert bench.main(["--device", "cpu", "--presets", "", "--model", str(tiny_model_dir),
+                       "--prompt-file", str(tmp_path / "p.jsonl"), "--prompts", "2",
+                       "--samples", "1", "--new-tokens", "4"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["prompt_file"] == str(tmp_path / "p.jsonl") and len(record["rows"]) == 5
+    assert all(0 < r["tokens"] <= 2 * 4 for r in record["rows"])
+
+
 def test_bad_input_is_refused_in_one_line(tmp_path, capsys):
     bench = load_benchmark()
     assert bench.main(["--presets", "nope", "--out-dir", str(tmp_path)]) == 2
     assert bench.main(["--presets", "", "--model", str(tmp_path / "missing")]) == 2
+    assert bench.main(["--prompt-file", str(tmp_path / "none.jsonl")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["Error: unknown preset 'nope'; choose from " + ", ".join(bench.PRESETS),
                    f"Error: --model {tmp_path / 'missing'} has no config.json; pass a HF "
-                   "checkpoint directory"]
+                   "checkpoint directory",
+                   f"Error: --prompt-file {tmp_path / 'none.jsonl'} does not exist; pass a "
+                   "prompt file (JSONL)"]
     assert list(tmp_path.iterdir()) == []
