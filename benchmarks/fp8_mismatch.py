@@ -28,7 +28,7 @@ Usage: .venv/bin/python benchmarks/fp8_mismatch.py [--presets tiny,qwen2.5-0.5b,
        [--model DIR] [--device cpu|cuda] [--prompts N] [--samples N] [--prompt-len N]
        [--new-tokens N] [--prompt-file FILE.jsonl] [--seed 0] [--out-dir benchmarks/results]
 Prints a table and, last, one JSON line on stdout; with --out-dir also writes
-fp8_mismatch-DATE-MACHINE.json there.
+fp8_mismatch-DATE-MACHINE.json there (a later run the same day adds its models' rows to it).
 """
 
 from __future__ import annotations
@@ -247,16 +247,22 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['abs_diff']:12.3e} {r['max_abs_diff']:9.2e} {r['kl_k1']:10.2e} "
               f"{r['kl_k3']:10.2e} {r['mean_rollout_logprob']:9.3f} {r['engine_s']:8.1f}")
     now = datetime.now(timezone.utc)
+    settings = {"prompts": args.prompts, "samples": args.samples, "seed": args.seed,
+                "prompt_len": None if args.prompt_file else args.prompt_len,
+                "new_tokens": args.new_tokens, "temperature": 1.0,
+                "prompt_file": str(args.prompt_file) if args.prompt_file else None}
+    rows = [{**r, **settings} for r in rows]
     result = {"benchmark": "fp8_mismatch", "date": now.isoformat(),
               "machine": f"{platform.machine()} {os.cpu_count()} cpus, "
                          + (torch.cuda.get_device_name() if args.device == "cuda" else "no GPU"),
-              "device": args.device, "prompts": args.prompts, "samples": args.samples,
-              "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "seed": args.seed,
-              "prompt_file": str(args.prompt_file) if args.prompt_file else None,
-              "temperature": 1.0, "rows": rows}
+              "device": args.device, "rows": rows}
     if args.out_dir is not None:
-        atomic.write_json(args.out_dir / f"fp8_mismatch-{now:%Y-%m-%d}-"
-                          f"{machine_tag(args.device)}.json", result)
+        out = args.out_dir / f"fp8_mismatch-{now:%Y-%m-%d}-{machine_tag(args.device)}.json"
+        if out.exists():  # a later run of the same day adds its models' rows (or replaces them)
+            mine = {r["model"] for r in rows}
+            earlier = json.loads(out.read_text())["rows"]
+            result["rows"] = [r for r in earlier if r["model"] not in mine] + rows
+        atomic.write_json(out, result)
     print(json.dumps(result))
     return 0
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,6 +31,8 @@ def test_tiny_model_four_configs_and_floor(tmp_path, tiny_model_dir, capsys):
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     [written] = tmp_path.glob("fp8_mismatch-*-cpu*.json")
     assert json.loads(written.read_text()) == printed
+    assert {(r["prompts"], r["samples"], r["prompt_len"], r["new_tokens"], r["prompt_file"])
+            for r in printed["rows"]} == {(4, 2, 16, 8, None)}
     rows = printed["rows"]
     assert [(r["weights"], r["kv"], r["trainer"]) for r in rows] == [
         ("bf16", "bf16", "bf16"), ("fp8", "bf16", "bf16"), ("bf16", "fp8_e4m3", "bf16"),
@@ -48,12 +51,20 @@ def test_prompt_file_prompts_end_at_eos(tmp_path, tiny_model_dir, capsys):
     write_prompts(make_rows("reverse", num=3, seed=0, min_len=3, max_len=3),
                   tmp_path / "p.jsonl")
     bench = load_benchmark()
+    # an earlier run of the day measured another model (kept) and this one (replaced)
+    out = tmp_path / "results" / (f"fp8_mismatch-{datetime.now(timezone.utc):%Y-%m-%d}-"
+                                  f"{bench.machine_tag('cpu')}.json")
+    out.parent.mkdir()
+    out.write_text(json.dumps({"rows": [{"model": "other"}, {"model": str(tiny_model_dir)}]}))
     assert bench.main(["--device", "cpu", "--presets", "", "--model", str(tiny_model_dir),
                        "--prompt-file", str(tmp_path / "p.jsonl"), "--prompts", "2",
-                       "--samples", "1", "--new-tokens", "4"]) == 0
+                       "--samples", "1", "--new-tokens", "4", "--out-dir",
+                       str(out.parent)]) == 0
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert record["prompt_file"] == str(tmp_path / "p.jsonl") and len(record["rows"]) == 5
-    assert all(0 < r["tokens"] <= 2 * 4 for r in record["rows"])
+    assert json.loads(out.read_text()) == record and record["rows"][0] == {"model": "other"}
+    assert len(record["rows"]) == 1 + 5
+    for r in record["rows"][1:]:
+        assert r["prompt_file"] == str(tmp_path / "p.jsonl") and 0 < r["tokens"] <= 2 * 4
 
 
 def test_bad_input_is_refused_in_one_line(tmp_path, capsys):
