@@ -25,7 +25,7 @@ trained model's: pass `--model DIR` (any HF checkpoint, e.g. the GPU demo's warm
 for representative figures.
 
 Usage: .venv/bin/python benchmarks/fp8_mismatch.py [--presets tiny,qwen2.5-0.5b,...]
-       [--model DIR] [--device cpu|cuda] [--prompts N] [--samples N] [--prompt-len N]
+       [--model DIR [--model-name NAME]] [--device cpu|cuda] [--prompts N] [--samples N] [--prompt-len N]
        [--new-tokens N] [--prompt-file FILE.jsonl] [--seed 0] [--out-dir benchmarks/results]
 Prints a table and, last, one JSON line on stdout; with --out-dir also writes
 fp8_mismatch-DATE-MACHINE.json there (a later run the same day adds its models' rows to it).
@@ -192,6 +192,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--presets", default="tiny", help="Comma-separated random-init presets "
                    f"({', '.join(PRESETS)}); empty with --model.")
     p.add_argument("--model", type=Path, help="Also measure this HF checkpoint directory.")
+    p.add_argument("--model-name", help="The --model's name in the table (default its path).")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     for flag, help_ in (("--prompts", "Prompts"), ("--samples", "Samples per prompt"),
                         ("--prompt-len", "Prompt tokens"), ("--new-tokens", "Response tokens")):
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             model = init_model(root / preset, preset=preset, dtype="bf16", seed=0)
             rows += bench(preset, model, device=args.device, args=args, root=root)
         if args.model is not None:
-            rows += bench(str(args.model), args.model, device=args.device, args=args, root=root)
+            rows += bench(args.model_name or str(args.model), args.model, device=args.device, args=args, root=root)
     print(f"{'model':24} {'weights':7} {'kv':8} {'trainer':7} {'|dlogp| mean':>12} "
           f"{'max':>9} {'KL k1':>10} {'KL k3':>10} {'mean logp':>9} {'engine s':>8}")
     for r in rows:
