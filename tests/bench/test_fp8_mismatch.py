@@ -55,8 +55,9 @@ def test_prompt_file_prompts_end_at_eos(tmp_path, tiny_model_dir, capsys):
     out = tmp_path / "results" / (f"fp8_mismatch-{datetime.now(timezone.utc):%Y-%m-%d}-"
                                   f"{bench.machine_tag('cpu')}.json")
     out.parent.mkdir()
-    out.write_text(json.dumps({"rows": [{"model": "other"}, {"model": str(tiny_model_dir)}]}))
+    out.write_text(json.dumps({"rows": [{"model": "other"}, {"model": "reverse-tiny"}]}))
     assert bench.main(["--device", "cpu", "--presets", "", "--model", str(tiny_model_dir),
+                       "--model-name", "reverse-tiny",
                        "--prompt-file", str(tmp_path / "p.jsonl"), "--prompts", "2",
                        "--samples", "1", "--new-tokens", "4", "--out-dir",
                        str(out.parent)]) == 0
@@ -65,6 +66,7 @@ def test_prompt_file_prompts_end_at_eos(tmp_path, tiny_model_dir, capsys):
     assert len(record["rows"]) == 1 + 5
     for r in record["rows"][1:]:
         assert r["prompt_file"] == str(tmp_path / "p.jsonl") and 0 < r["tokens"] <= 2 * 4
+        assert r["model"] == "reverse-tiny"
 
 
 def test_bad_input_is_refused_in_one_line(tmp_path, capsys):
