@@ -19,14 +19,14 @@ Prompts: `--prompts` x `--samples` requests of `--prompt-len` random token ids (
 sample its own `sampling_seed`, `--new-tokens` tokens (EOS ignored), temperature 1; by default
 64 x 4, 128 + 128 tokens on cuda, 16 x 4, 64 + 32 tokens on cpu. `--prompt-file FILE` takes the
 first `--prompts` prompts of a prompt file instead (the rollout stage's format and chat
-template; responses end at EOS or `--new-tokens`). A random-init
-model's next-token distribution is near uniform, so its logprob differences say little about a
-trained model's: pass `--model DIR` (any HF checkpoint, e.g. the GPU demo's warm-started policy)
-for representative figures.
+template; responses end at EOS or `--new-tokens`). A random-init model's next-token distribution
+is near uniform, so its logprob differences say little about a trained model's: pass `--model
+DIR` (any HF checkpoint, e.g. the GPU demo's warm-started policy) for representative figures.
 
 Usage: .venv/bin/python benchmarks/fp8_mismatch.py [--presets tiny,qwen2.5-0.5b,...]
-       [--model DIR [--model-name NAME]] [--device cpu|cuda] [--prompts N] [--samples N] [--prompt-len N]
-       [--new-tokens N] [--prompt-file FILE.jsonl] [--seed 0] [--out-dir benchmarks/results]
+       [--model DIR [--model-name NAME]] [--device cpu|cuda] [--prompts N] [--samples N]
+       [--prompt-len N] [--new-tokens N] [--prompt-file FILE.jsonl] [--seed 0]
+       [--out-dir benchmarks/results]
 Prints a table and, last, one JSON line on stdout; with --out-dir also writes
 fp8_mismatch-DATE-MACHINE.json there (a later run the same day adds its models' rows to it).
 """
@@ -54,8 +54,8 @@ from rltool.delta.config import SyncConfig
 from rltool.delta.publish import publish_version
 from rltool.engine.config import ServeConfig
 from rltool.engine.inprocess import InProcessEngine
-from rltool.rollout.prompts import load_prompts, load_tokenizer, prompt_at, render_prompt
 from rltool.errors import BadInputError
+from rltool.rollout.prompts import load_prompts, load_tokenizer, prompt_at, render_prompt
 from rltool.train.algo.mismatch import mismatch_kl, train_rollout_logprob_abs_diff
 from rltool.train.config import BackendConfig, TrainConfig
 from rltool.train.samples import Sample
@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
             model = init_model(root / preset, preset=preset, dtype="bf16", seed=0)
             rows += bench(preset, model, device=args.device, args=args, root=root)
         if args.model is not None:
-            rows += bench(args.model_name or str(args.model), args.model, device=args.device, args=args, root=root)
+            rows += bench(args.model_name or str(args.model), args.model, device=args.device,
+                          args=args, root=root)
     print(f"{'model':24} {'weights':7} {'kv':8} {'trainer':7} {'|dlogp| mean':>12} "
           f"{'max':>9} {'KL k1':>10} {'KL k3':>10} {'mean logp':>9} {'engine s':>8}")
     for r in rows:
