@@ -75,18 +75,19 @@ def output_names(*, with_entropy: bool, top_k: int) -> list[str]:
         ["topk_logprobs", "topk_ids"] if top_k else [])
 
 
-def response_outputs(rows: list[torch.Tensor], targets: list[torch.Tensor], *, temperature: float,
-                     with_entropy: bool, top_k: int) -> ForwardOutput:
-    """Per sample: `rows` are the logits [L, V] that predict its response tokens `targets` [L]
-    (`token_outputs` of each). Every backend builds its ForwardOutput here, so all compute the
-    same functions."""
+def response_outputs(rows: torch.Tensor, targets: torch.Tensor, lengths: list[int], *,
+                     temperature: float, with_entropy: bool, top_k: int) -> ForwardOutput:
+    """`rows`: the logits [R, V] that predict the response tokens `targets` [R] of the samples,
+    one after the other (`lengths` rows each, summing to R) -> their `token_outputs`, computed
+    once over all rows and split per sample. Every backend builds its ForwardOutput from
+    `token_outputs`, so all compute the same functions; each row's outputs (and the gradient they
+    send back to it) are those of the row on its own."""
     names = output_names(with_entropy=with_entropy, top_k=top_k)
-    out = ForwardOutput(logprobs=[], entropy=[] if with_entropy else None,
-                        topk_logprobs=[] if top_k else None, topk_ids=[] if top_k else None)
-    for row, target in zip(rows, targets, strict=True):
-        for name, value in zip(names, token_outputs(row, target, temperature=temperature,
-                                                    with_entropy=with_entropy, top_k=top_k)):
-            getattr(out, name).append(value)
+    parts = token_outputs(rows, targets, temperature=temperature, with_entropy=with_entropy,
+                          top_k=top_k)
+    out = ForwardOutput(logprobs=[])
+    for name, value in zip(names, parts):
+        setattr(out, name, list(value.split(lengths)))
     return out
 
 

@@ -215,28 +215,33 @@ class TorchBackend:
             return self._packed_forward(mb, temperature=temperature, with_entropy=with_entropy,
                                         top_k=top_k)
         lengths = [len(t) for t in mb.tokens]
+        width = max(lengths)
         if len(mb.tokens) == 1:
             # One sample: unpadded, no mask -- the layout of rltool.logprobs.sequence_logprobs.
             ids = torch.tensor(mb.tokens, dtype=torch.long, device=self.device)
             logits, values = self._model_call(module, ids, None)
         else:
-            width = max(lengths)
             pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
-            ids = torch.full((len(lengths), width), pad, dtype=torch.long, device=self.device)
-            mask = torch.zeros((len(lengths), width), dtype=torch.long, device=self.device)
-            for i, toks in enumerate(mb.tokens):
-                ids[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
-                mask[i, :len(toks)] = 1
+            ids = torch.tensor([t + [pad] * (width - len(t)) for t in mb.tokens],
+                               dtype=torch.long, device=self.device)
+            mask = (torch.arange(width, device=self.device)
+                    < torch.tensor(lengths, device=self.device).unsqueeze(1)).long()
             logits, values = self._model_call(module, ids, mask)
-        spans = list(enumerate(zip(lengths, mb.response_starts)))
-        out = response_outputs([logits[i, start - 1:n - 1] for i, (n, start) in spans],
-                               [ids[i, start:n] for i, (n, start) in spans],
+        # The rows (in the flattened [B * width] layout) whose logits predict a response token:
+        # position j - 1 of a sample predicts its token j, for j from its response start.
+        spans = [(i * width + start - 1, i * width + n - 1)
+                 for i, (n, start) in enumerate(zip(lengths, mb.response_starts))]
+        rows = torch.tensor([r for a, b in spans for r in range(a, b)], dtype=torch.long,
+                            device=self.device)
+        sizes = [b - a for a, b in spans]
+        flat = logits.reshape(-1, logits.shape[-1]).index_select(0, rows)
+        out = response_outputs(flat, ids.view(-1).index_select(0, rows + 1), sizes,
                                temperature=temperature, with_entropy=with_entropy, top_k=top_k)
         if values is not None:
             # V_t: the value of the state before response token t (same rows as its logits).
-            out.extras["values"] = [values[i, start - 1:n - 1] for i, (n, start) in spans]
+            out.extras["values"] = list(values.reshape(-1).index_select(0, rows).split(sizes))
         if with_logits:  # the response rows' raw logits [L, V] (on-policy distillation)
-            out.extras["logits"] = [logits[i, start - 1:n - 1] for i, (n, start) in spans]
+            out.extras["logits"] = list(flat.split(sizes))
         return out, logits.float().sum() * 0.0
 
     def _packed_forward(self, mb: MicroBatch, *, temperature: float, with_entropy: bool,
