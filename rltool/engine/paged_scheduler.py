@@ -131,25 +131,28 @@ class PagedScheduler(Scheduler):
         chunk = self.chunked_prefill_size
         reserved = len(self.running)  # a page per running request's next token
         ps = runner.page_size
-        filling: set[tuple[int, ...]] = set()  # first pages whose KV this step writes
+        # By length: prompt prefixes ending with the first uncached full page a request of this
+        # step writes; a new request whose prompt starts with one waits a step to reuse it.
+        filling: dict[int, set[tuple[int, ...]]] = {}
         chunks: list[tuple[str, list[int], int]] = []
         want: list[bool] = []
         reqs: list[Request] = []
         done: list[Request] = []
         for req in list(self.prefilling):
             target = req.prefill_target
-            head = tuple(req.prompt_ids[:ps])
             if req.num_cached == 0:
-                if len(head) == ps and head in filling:
+                if any(tuple(req.prompt_ids[:n]) in keys for n, keys in filling.items()):
                     continue  # an earlier request is writing this prefix: reuse it next step
                 req.num_cached = runner.reuse_prefix(req.rid, req.all_ids(),
                                                      max_tokens=target - 1, spare=reserved)
                 if not req.output_ids:
                     req.cached_tokens = req.num_cached
             start = req.num_cached
-            # It writes KV that a request with the same first page could reuse after it.
-            if runner.prefix_cache and start < target - 1:
-                filling.add(head)
+            # It writes full pages of its prompt that are not cached yet (a GRPO sample after
+            # the group's first writes only its partial last page: nobody waits for that).
+            if runner.prefix_cache and start < min(target - 1, len(req.prompt_ids) // ps * ps):
+                n = (start // ps + 1) * ps
+                filling.setdefault(n, set()).add(tuple(req.prompt_ids[:n]))
             end = min(target, (start // chunk + 1) * chunk)
             if chunks and end - start > budget:
                 break

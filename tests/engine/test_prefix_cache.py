@@ -80,6 +80,19 @@ def test_group_shares_prompt_pages_and_matches_no_cache(tiny_model_dir):
     assert _usage(outs, 4)["prompt_tokens_details"] == {"cached_tokens": 24}
 
 
+def test_groups_of_prompts_behind_a_shared_first_page_prefill_in_three_steps(tiny_model_dir):
+    """Two GRPO groups on a cold cache, their prompts alike in the first page (a chat template)
+    and ending inside a page: the first sample writes the shared page while the rest wait; then
+    its group's other samples (their partial last page is theirs alone) and the other group's
+    first sample go together, and the other group's samples follow. Outputs equal those without
+    the cache."""
+    prompts = [[5, 6, 7, 8, 20 + g, 21, 22, 23, 30 + g, 31] for g in range(2) for _ in range(4)]
+    _, sched, _, _, cached = cached_and_plain(tiny_model_dir, prompts)
+    assert [r.cached_tokens for r in cached] == [0, 8, 8, 8, 4, 8, 8, 8]
+    assert sched.num_prefill_forwards == 3
+    assert sched.num_prefill_tokens == 10 + 3 * 2 + 6 + 3 * 2
+
+
 def test_weight_update_and_flush_empty_the_cache(tiny_model_dir, tiny_model_factory):
     new_dir = tiny_model_factory("qwen2", seed=1)
     runner, sched = engine(tiny_model_dir)
