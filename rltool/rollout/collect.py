@@ -245,12 +245,13 @@ class Collector:
                                   request_fields=self.request_fields) for s in samples]
         group.sessions.extend(sessions)
         budget = self.sampling["max_response_len"]
+        group_rid = uuid.uuid4().hex  # one per group; its samples' request ids add their index
         payload = {**self.request_fields,
                    "input_ids": [s.tokens for s in samples], "return_logprob": True,
                    "sampling_params": [self._context(c).sampling_params(
                        max_new_tokens=budget, turn=0, sample=s)
                        for s, c in zip(samples, sessions)],
-                   "rid": [uuid.uuid4().hex for _ in samples]}
+                   "rid": [f"{group_rid}-{i}" for i in range(len(samples))]}
         for session, rid in zip(sessions, payload["rid"]):
             session.rids.append(rid)
         try:

@@ -235,7 +235,11 @@ class StageInputs:
         from rltool.rollout.collect import Collector
         from rltool.rollout.metrics import RolloutProgress
 
-        async def main() -> tuple[Any, dict[str, Any]]:
+        out: list[tuple[Any, dict[str, Any]]] = []
+
+        async def main() -> None:
+            # Returns nothing: asyncio.run's SIGINT bookkeeping formats the finished task with
+            # its result, and the repr of a whole rollout cost several ms per step.
             router = self.make_router(cfg)
             try:
                 with RolloutProgress(total_groups=target_groups,
@@ -248,11 +252,12 @@ class StageInputs:
                                           reward_workers=cfg.reward_workers, progress=progress,
                                           request_fields=cfg.request_fields())
                     result = await collector.run(source, target_groups=target_groups, **run_kwargs)
-                return result, router.stats()
+                out.append((result, router.stats()))
             finally:
                 await router.aclose()
 
-        result, stats = asyncio.run(main())
+        asyncio.run(main())
+        result, stats = out[0]
         if not any(e["alive"] for e in stats["engines"].values()):
             raise EngineError("every engine died during the rollout; nothing was written; restart "
                               "the engines and re-run the step")
