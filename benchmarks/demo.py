@@ -11,8 +11,9 @@ Example:
 `--compare-with CHECKOUT --seeds 0 1 2` instead measures the loop step of this checkout against
 another one (e.g. the previous release) on the same machine: for each seed it runs the other
 checkout's demo, then this one's, alternately (so a change in the machine's load hits both),
-and reports per run the median loop step, the median time of each phase and the first step whose
-5-step mean reward reaches 0.8, with the load average around every run.
+and reports per run the median loop step, the median time of each phase (wall, and CPU seconds of
+the loop process where the build records them: less moved by other load on a shared machine) and
+the first step whose 5-step mean reward reaches 0.8, with the load average around every run.
 """
 
 from __future__ import annotations
@@ -76,12 +77,20 @@ def seeded_run(root: Path, *, checkout: Path, seed: int, steps: int) -> dict[str
         values = [r[key] for r in steps_rows if key in r]
         return statistics.median(values) if values else None
 
+    def step_cpu(r: dict[str, Any]) -> float | None:
+        parts = [r[f"perf/loop/{p}_cpu_time"] for p in PHASES if f"perf/loop/{p}_cpu_time" in r]
+        return sum(parts) if parts else None
+
+    cpu_steps = [c for c in map(step_cpu, steps_rows) if c is not None]
     commit = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True, check=False).stdout.strip()
     return {"checkout": f"rltool {commit or 'unknown commit'}", "seed": seed, "wall_s": time.perf_counter() - t0,
             "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
             "rl_steps": len(rows), "median_step_s": median("perf/loop/step_time"),
             "median_phase_s": {p: median(f"perf/loop/{p}_time") for p in PHASES},
+            # CPU seconds of the loop process (builds that record perf/loop/*_cpu_time)
+            "median_step_cpu_s": statistics.median(cpu_steps) if cpu_steps else None,
+            "median_phase_cpu_s": {p: median(f"perf/loop/{p}_cpu_time") for p in PHASES},
             "steps_to_target": summary["first_step_mean5_reaching_target"],
             "sync_modes": sorted({str(r.get("sync/mode")) for r in rows}),
             "rewards": summary["rewards"]}
@@ -102,7 +111,9 @@ def compare(args: argparse.Namespace) -> None:
                 runs.append(r)
                 phases = " ".join(f"{p}={v:.3f}" for p, v in r["median_phase_s"].items()
                                   if v is not None)
-                print(f"{name:>6s} seed {seed}: median step {r['median_step_s']:.3f}s ({phases}); "
+                cpu = (f", CPU {r['median_step_cpu_s']:.3f}s" if r["median_step_cpu_s"] is not None
+                       else "")
+                print(f"{name:>6s} seed {seed}: median step {r['median_step_s']:.3f}s{cpu} ({phases}); "
                       f"5-step mean reward >= 0.8 at step {r['steps_to_target']}; load "
                       f"{r['load_avg_before'][0]:.1f} -> {r['load_avg_after'][0]:.1f}",
                       flush=True)
@@ -110,7 +121,9 @@ def compare(args: argparse.Namespace) -> None:
     def summary(name: str) -> dict[str, Any]:
         mine = [r for r in runs if r["name"] == name]
         reached = [r["steps_to_target"] for r in mine if r["steps_to_target"] is not None]
+        cpus = [r["median_step_cpu_s"] for r in mine if r["median_step_cpu_s"] is not None]
         return {"median_step_s": statistics.median(r["median_step_s"] for r in mine),
+                "median_step_cpu_s": statistics.median(cpus) if cpus else None,
                 "median_steps_to_target": statistics.median(reached) if reached else None,
                 "runs_reaching_target": len(reached), "runs": len(mine)}
 

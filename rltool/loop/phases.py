@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,9 @@ class StepContext:
     trainer: Any = None  # the ResidentTrainer (colocated placement), built on first use
     residency: Any = None  # a Residency: who holds the device in each phase
     memory: PhaseMemory | None = None
+    # Per phase of this step: CPU seconds of the loop process (all its threads: an in-process
+    # engine's too), beside the wall seconds; less moved by other load on a shared machine.
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.residency is None:
@@ -364,11 +367,13 @@ def rollout_summary(run: RunDir, step: int) -> dict[str, float]:
             "rollout/num_samples": len(rewards)}
 
 
-def timed(fn: Any, ctx: StepContext) -> tuple[Any, float]:
-    """Run one phase: its seconds, and its peak device memory in ctx.memory."""
-    t0 = time.perf_counter()
+def timed(fn: Any, ctx: StepContext, *, name: str | None = None) -> tuple[Any, float]:
+    """Run one phase: its seconds, its CPU seconds in ctx.cpu_seconds[name] (default: the
+    function's name) and its peak device memory in ctx.memory."""
+    t0, cpu0 = time.perf_counter(), time.process_time()
     ctx.memory.start()
     with trace.span(fn.__name__, cat="phase", step=ctx.state.step):
         result = fn(ctx)
     ctx.memory.stop(fn.__name__)
+    ctx.cpu_seconds[name or fn.__name__] = time.process_time() - cpu0
     return result, time.perf_counter() - t0

@@ -174,7 +174,7 @@ def run_step(ctx: phases.StepContext, *, writer: MetricsWriter,
     state, run = ctx.state, ctx.run
     maybe_kill(f"{state.step}:start")
     t_step = time.perf_counter()
-    ctx.residency.seconds, ctx.memory.row = {}, {}
+    ctx.residency.seconds, ctx.memory.row, ctx.cpu_seconds = {}, {}, {}
     for name, fn in (("rollout", phases.rollout), ("train", phases.train),
                      ("publish", phases.publish)):
         if not state.completed(name):
@@ -185,7 +185,7 @@ def run_step(ctx: phases.StepContext, *, writer: MetricsWriter,
         state.done(run, "sync", seconds=seconds)
     eval_row: dict[str, Any] = {}
     if ctx.settings.is_eval_step(state.step) and not state.completed("eval"):
-        eval_row, seconds = phases.timed(phases.evaluate, ctx)
+        eval_row, seconds = phases.timed(phases.evaluate, ctx, name="eval")
         state.done(run, "eval", seconds=seconds)
     with trace.span("record", cat="phase", step=state.step):
         row = step_metrics(ctx, eval_row=eval_row, wall_s=time.perf_counter() - t_step)
@@ -210,6 +210,8 @@ def step_metrics(ctx: phases.StepContext, *, eval_row: dict[str, Any],
     for name, seconds in state.phase_times.items():
         row[f"perf/loop/{name}_time"] = seconds
     row["perf/loop/step_time"] = sum(state.phase_times.values())
+    for name, seconds in ctx.cpu_seconds.items():  # the phases this process ran this step
+        row[f"perf/loop/{name}_cpu_time"] = seconds
     row["perf/loop/wall_time"] = wall_s
     # Device hand-overs inside the phases above (CUDA colocated: rltool.loop.residency).
     for name, seconds in ctx.residency.seconds.items():
