@@ -33,10 +33,14 @@ TARGET_S = 600.0
 
 
 def one_run(root: Path, args: list[str]) -> dict[str, Any]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    """`python -m rltool.demo` of this checkout (not whichever rltool the interpreter would
+    import from elsewhere: an installed or editable copy of another checkout)."""
+    here = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(here), os.environ.get("PYTHONPATH")])))
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "rltool.demo", str(root), "--json", *args],
-                          capture_output=True, text=True, env=env, check=False)
+                          capture_output=True, text=True, env=env, cwd=here, check=False)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"demo failed ({proc.returncode}):\n{proc.stderr[-3000:]}")

@@ -7,7 +7,7 @@
   stay fp32 and the forward runs under bf16 autocast (torch AMP).
 - AdamW, global-norm gradient clipping, the LR schedule of rltool.train.lr.
 - Logprobs under rltool.logprobs' convention. A micro-batch of several samples runs right-padded
-  with an attention mask, or packed into one row without padding (rltool.train.packed; logits
+  (no attention mask: causal attention never reaches the padding after a token), or packed into one row without padding (rltool.train.packed; logits
   in chunks, never the whole [tokens, vocab] at once); with `deterministic`, every sample runs
   alone, unpadded, exactly as rltool.logprobs.sequence_logprobs (bit-equal to the engine's
   deterministic mode in fp32). On CUDA, deterministic mode also runs every forward and backward
@@ -208,7 +208,7 @@ class TorchBackend:
         """Run one unit; returns the outputs and a zero scalar tied to the graph (for dummies)."""
         if mb.empty:
             ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-            logits, values = self._model_call(module, ids, None)
+            logits, values = self._model_call(module, ids)
             anchor = logits.float().sum() * 0.0
             if values is not None:
                 anchor = anchor + values.sum() * 0.0
@@ -218,17 +218,15 @@ class TorchBackend:
                                         top_k=top_k)
         lengths = [len(t) for t in mb.tokens]
         width = max(lengths)
-        if len(mb.tokens) == 1:
-            # One sample: unpadded, no mask -- the layout of rltool.logprobs.sequence_logprobs.
-            ids = torch.tensor(mb.tokens, dtype=torch.long, device=self.device)
-            logits, values = self._model_call(module, ids, None)
-        else:
-            pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
-            ids = torch.tensor([t + [pad] * (width - len(t)) for t in mb.tokens],
-                               dtype=torch.long, device=self.device)
-            mask = (torch.arange(width, device=self.device)
-                    < torch.tensor(lengths, device=self.device).unsqueeze(1)).long()
-            logits, values = self._model_call(module, ids, mask)
+        # One sample: unpadded -- the layout of rltool.logprobs.sequence_logprobs. Several:
+        # right-padded and without an attention mask, since under causal attention a token never
+        # sees the padding after it: the same logits at every real position (bit for bit on CPU
+        # in fp32) from SDPA's causal path, without building and applying a padding mask
+        # (-15% forward, -20% forward + backward on the demo's 64 x 35 micro-batches).
+        pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
+        ids = torch.tensor([t + [pad] * (width - len(t)) for t in mb.tokens], dtype=torch.long,
+                           device=self.device)
+        logits, values = self._model_call(module, ids)
         # The rows (in the flattened [B * width] layout) whose logits predict a response token:
         # position j - 1 of a sample predicts its token j, for j from its response start.
         spans = [(i * width + start - 1, i * width + n - 1)
@@ -263,14 +261,13 @@ class TorchBackend:
                 out.extras["values"] = list(values.float().split(p.response_lengths))
         return out, hidden.float().sum() * 0.0
 
-    def _model_call(self, module: Any, ids: torch.Tensor,
-                    mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logits, values or None) for a batch of ids."""
-        kwargs = {} if mask is None else {"attention_mask": mask}
+    def _model_call(self, module: Any, ids: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits, values or None) for a batch of right-padded ids (causal: no mask)."""
         with self._autocast():
             if not self.value_head:
-                return module(input_ids=ids, use_cache=False, **kwargs).logits, None
-            out = module(input_ids=ids, use_cache=False, output_hidden_states=True, **kwargs)
+                return module(input_ids=ids, use_cache=False).logits, None
+            out = module(input_ids=ids, use_cache=False, output_hidden_states=True)
             values = self.inner.value_head(out.hidden_states[-1]).squeeze(-1)
         return out.logits, values.float()
 
