@@ -46,6 +46,7 @@ from rltool.errors import RltoolError
 log = logging.getLogger(__name__)
 
 _ENABLED = False
+_ENABLE_LOCK = threading.Lock()
 _CUDA_NAMES = threading.local()  # .on: CPU tensors report CUDA type names
 
 
@@ -99,15 +100,22 @@ def _make_cpu_tracker_class() -> type:
 def enable_cpu() -> bool:
     """Apply the patches (idempotent). Returns True on CPU, False when CUDA is present (then only
     the missing-transformer-engine fix is applied)."""
-    global _ENABLED
     import torch
 
     require_megatron()
     _patch_missing_te_gemm()
     if torch.cuda.is_available():
         return False
-    if _ENABLED:
-        return True
+    with _ENABLE_LOCK:  # ranks run as threads in one process may call this at once
+        if not _ENABLED:
+            _enable_cpu()
+    return True
+
+
+def _enable_cpu() -> None:
+    global _ENABLED
+    import torch
+
     from megatron.core.tensor_parallel import random as mrandom
 
     torch.cuda.current_device = lambda: torch.device("cpu")
@@ -127,7 +135,6 @@ def enable_cpu() -> bool:
     mrandom.initialize_rng_tracker(force_reset=True)
     _ENABLED = True
     log.debug("megatron-core CPU compatibility enabled")
-    return True
 
 
 def _patch_missing_te_gemm() -> None:
@@ -195,7 +202,8 @@ def _patch_distributed_optimizer_types() -> None:
 
     def type_(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         name = original(self, *args, **kwargs)
-        if args or kwargs or self.is_cuda or not getattr(_CUDA_NAMES, "on", False):
+        if (args or kwargs or self.is_cuda or not getattr(_CUDA_NAMES, "on", False)
+                or name.startswith("torch.cuda.")):  # (installed twice: adds nothing)
             return name
         return name.replace("torch.", "torch.cuda.", 1)
 
