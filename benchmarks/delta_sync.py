@@ -240,7 +240,7 @@ def main() -> None:
     print(f"targets at lr {lr_t:g} (rltool format): " + ", ".join(f"{k}={v}" for k, v in checks.items())
           + (f"; slime-xor wire {slime['wire_fraction']:.3%}" if slime else ""))
     result = {"benchmark": "delta_sync", "date": datetime.now(timezone.utc).isoformat(),
-              "machine": f"{platform.machine()} {os.cpu_count()} CPUs (shared with other helpers)",
+              "machine": f"{platform.machine()} {os.cpu_count()} CPUs (shared with other jobs)",
               "load_average_before": load_before, "load_average_after": os.getloadavg(),
               "full_bytes": full_bytes, "workers": workers, "scale": args.scale,
               "repeats": args.repeats, "rows": rows,
