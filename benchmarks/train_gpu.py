@@ -2,11 +2,12 @@
 
 Workload (random-init models with real shapes, bf16 autocast over fp32 master weights, AdamW):
 128 samples of 128-1,280 tokens (seeded uniform; the last quarter of each is the response), the
-DP schedule's micro-batches of at most 16,384 tokens, one full train step (forward + backward of
-every micro-batch + clip + optimizer step) with a policy-gradient loss on the response tokens,
-and one logprob recompute pass (no grad). Per layout: tokens/s (real tokens, padding excluded),
-model-FLOPs utilisation = 6 * N * tokens / time / 989 TFLOP/s (N = every parameter; the dense
-BF16 peak of an H100/H200 SXM), and the peak allocated GPU memory.
+DP schedule's micro-batches of at most 16,384 tokens (`--cap-tokens`), one full train step
+(forward + backward of every micro-batch + clip + optimizer step) with a policy-gradient loss on
+the response tokens, and one logprob recompute pass (no grad). Per layout: tokens/s (real
+tokens, padding excluded), model-FLOPs utilisation = 6 * N * tokens / time / 989 TFLOP/s
+(N = every parameter; the dense BF16 peak of an H100/H200 SXM), and the peak allocated GPU
+memory.
 
 Layouts: `padded` (right-padded micro-batches with an attention mask: the layout before packing)
 and `packed` (one row per micro-batch, variable-length attention, logits in 4,096-row chunks);
@@ -14,7 +15,8 @@ and `packed` (one row per micro-batch, variable-length attention, logits in 4,09
 gives GPU kernel time against wall time and the top kernels.
 
 Usage: python benchmarks/train_gpu.py [--presets qwen2.5-0.5b,qwen2.5-3b] [--repeats 3]
-       [--layouts padded,packed,packed+recompute] [--device cuda|cpu] [--out FILE.json]
+       [--layouts padded,packed,packed+recompute] [--cap-tokens 16384,8192]
+       [--device cuda|cpu] [--out FILE.json]
 On CPU (`--device cpu --presets tiny`) it checks the script, not the speed.
 Prints a table and, last, one JSON line.
 """
@@ -44,13 +46,14 @@ NUM_SAMPLES = 128
 CAP = 16384
 
 
-def make_batches(vocab: int, *, seed: int, lengths: tuple[int, int]) -> list[MicroBatch]:
+def make_batches(vocab: int, *, seed: int, lengths: tuple[int, int],
+                 cap: int = CAP) -> list[MicroBatch]:
     rng = random.Random(seed)
     samples = []
     for _ in range(NUM_SAMPLES):
         n = rng.randint(*lengths)
         samples.append([rng.randrange(4, vocab) for _ in range(n)])
-    plan = schedule([len(s) for s in samples], dp_size=1, max_tokens_per_microbatch=CAP)[0]
+    plan = schedule([len(s) for s in samples], dp_size=1, max_tokens_per_microbatch=cap)[0]
     return [MicroBatch(list(mb), [samples[i] for i in mb],
                        [len(samples[i]) - len(samples[i]) // 4 for i in mb]) for mb in plan]
 
@@ -61,13 +64,13 @@ def sync(device: torch.device) -> None:
 
 
 def bench_layout(model_dir: Path, device: torch.device, layout: str, *, repeats: int,
-                 lengths: tuple[int, int], profile: bool) -> dict:
+                 lengths: tuple[int, int], profile: bool, cap: int = CAP) -> dict:
     name, _, extra = layout.partition("+")
     dtype = "bf16" if device.type == "cuda" else "fp32"
     backend = TorchBackend(model_dir, options=BackendConfig(
         dtype=dtype, lr=1e-6, device=device.type, micro_batch_layout=name,
         recompute_activations=extra == "recompute"))
-    batches = make_batches(int(backend.config.vocab_size), seed=0, lengths=lengths)
+    batches = make_batches(int(backend.config.vocab_size), seed=0, lengths=lengths, cap=cap)
     tokens = sum(len(t) for mb in batches for t in mb.tokens)
     responses = sum(len(t) - s for mb in batches for t, s in zip(mb.tokens, mb.response_starts))
     params = sum(p.numel() for p in backend.inner.parameters())
@@ -83,7 +86,8 @@ def bench_layout(model_dir: Path, device: torch.device, layout: str, *, repeats:
         for mb in batches:
             backend.forward_logprobs(mb, temperature=1.0)
 
-    r = {"layout": layout, "params": params, "tokens": tokens, "micro_batches": len(batches),
+    r = {"layout": layout, "cap_tokens": cap, "params": params, "tokens": tokens,
+         "micro_batches": len(batches),
          "padded_tokens": sum(len(mb.tokens) * max(len(t) for t in mb.tokens) for mb in batches)}
     try:
         step()  # warm-up: optimizer state, allocator, kernels
@@ -145,6 +149,8 @@ def main() -> None:
     ap.add_argument("--presets", default=None)
     ap.add_argument("--layouts", default="padded,packed,packed+recompute")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cap-tokens", default=str(CAP),
+                    help="comma-separated micro-batch token caps, each run with every layout")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -158,27 +164,29 @@ def main() -> None:
                                    dtype="bf16" if device.type == "cuda" else "fp32",
                                    device=args.device)
             profiled = False  # the first packed layout of each preset is profiled
-            for layout in args.layouts.split(","):
-                profile = layout.startswith("packed") and not profiled
-                profiled = profiled or profile
-                r = bench_layout(model_dir, device, layout, repeats=args.repeats,
-                                 lengths=lengths, profile=profile)
-                r["preset"] = preset
-                results.append(r)
-                print(json.dumps(r), flush=True)
+            for cap in (int(c) for c in args.cap_tokens.split(",")):
+                for layout in args.layouts.split(","):
+                    profile = layout.startswith("packed") and not profiled
+                    profiled = profiled or profile
+                    r = bench_layout(model_dir, device, layout, repeats=args.repeats,
+                                     lengths=lengths, profile=profile, cap=cap)
+                    r["preset"] = preset
+                    results.append(r)
+                    print(json.dumps(r), flush=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-    print(f"\n{'preset':14} {'layout':18} {'tok/s':>9} {'MFU':>6} {'peak GiB':>9} "
+    print(f"\n{'preset':14} {'layout':18} {'cap':>6} {'tok/s':>9} {'MFU':>6} {'peak GiB':>9} "
           f"{'recompute tok/s':>16}")
     for r in results:
         if "error" in r:
-            print(f"{r['preset']:14} {r['layout']:18} {r['error']}")
+            print(f"{r['preset']:14} {r['layout']:18} {r['cap_tokens']:6} {r['error']}")
             continue
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
-        print(f"{r['preset']:14} {r['layout']:18} {r['tokens_per_s']:9.0f} {r['mfu']:6.1%} "
+        print(f"{r['preset']:14} {r['layout']:18} {r['cap_tokens']:6} {r['tokens_per_s']:9.0f} "
+              f"{r['mfu']:6.1%} "
               f"{peak:>9} {r['recompute_tokens_per_s']:16.0f}")
     line = {"benchmark": "train_gpu", "date": datetime.now(timezone.utc).isoformat(),
             "machine": f"{platform.machine()}, {name}, torch {torch.__version__}",
-            "device": args.device, "samples": NUM_SAMPLES, "cap_tokens": CAP,
+            "device": args.device, "samples": NUM_SAMPLES,
             "sample_lengths": list(lengths), "results": results}
     if args.out:
         Path(args.out).write_text(json.dumps(line, indent=1))

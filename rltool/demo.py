@@ -185,7 +185,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sft-max-steps", type=int, default=1500, help="--task add: most "
                         "warm-start steps.")
     parser.add_argument("--rollout-batch-size", type=int, default=AddRecipe.rollout_batch_size,
-                        help="--task add: prompts per RL step (8 samples each).")
+                        help="--task add: prompts per RL step.")
+    parser.add_argument("--n-samples-per-prompt", type=int,
+                        default=AddRecipe.n_samples_per_prompt,
+                        help="--task add: samples per prompt (the GRPO group).")
     parser.add_argument("--eval-prompts", type=int, default=AddRecipe.eval_prompts,
                         help="--task add: held-out eval prompts.")
     parser.add_argument("--sft-prompts", type=int, default=AddRecipe.sft_prompts,
@@ -222,6 +225,7 @@ def main(argv: list[str] | None = None) -> None:
                           seed=args.seed)
         else:
             recipe = AddRecipe(rollout_batch_size=args.rollout_batch_size,
+                               n_samples_per_prompt=args.n_samples_per_prompt,
                                eval_prompts=args.eval_prompts, sft_prompts=args.sft_prompts,
                                time_budget_s=args.time_budget_s,
                                rollout_precision=args.rollout_precision)

@@ -40,7 +40,8 @@ class AddRecipe:
     """The `--task add` settings (tables in `add_loop_tables`); batch sizes and rates are chosen
     for the 0.5B shapes on one H200 (docs/loop.md, "The GPU demo")."""
 
-    rollout_batch_size: int = 64  # prompts per step, 8 samples each: 512 rollouts
+    rollout_batch_size: int = 64  # prompts per step
+    n_samples_per_prompt: int = 8  # 512 rollouts a step
     eval_prompts: int = 256
     sft_prompts: int = 20000  # tokenizing the set is part of every warm-start call
     sft_lr: float = 3e-4
@@ -55,22 +56,24 @@ def add_loop_tables(root: Path, *, model: Path, steps: int, seed: int, device: s
                     recipe: AddRecipe) -> dict[str, Any]:
     """The addition recipe's loop config: exact-match GRPO on 3-digit sums, colocated on
     `device` with the in-process engine, the eval set sampled like the rollouts (temperature 1,
-    one sample per prompt), checkpoints only at the end. rollout_precision fp8: every sync
-    block-quantizes the trainer's weights (`[sync] precision = "fp8"`, the engine serves FP8
-    weights from version 0 on), and the policy loss weighs each token by the truncated ratio
-    min(pi_old / pi_rollout, 2) (token-level TIS, slime's --use-tis): every token keeps its
-    gradient, scaled by how far the FP8 engine's probability of it is from the trainer's."""
-    rollouts = recipe.rollout_batch_size * 8
+    one sample per prompt), two optimizer steps per rollout step, checkpoints only at the end.
+    rollout_precision fp8: every sync block-quantizes the trainer's weights (`[sync] precision =
+    "fp8"`, the engine serves FP8 weights from version 0 on), and the policy loss weighs each
+    token by the truncated ratio min(pi_old / pi_rollout, 2) (token-level TIS, slime's
+    --use-tis): every token keeps its gradient, scaled by how far the FP8 engine's probability of
+    it is from the trainer's."""
+    rollouts = recipe.rollout_batch_size * recipe.n_samples_per_prompt
     fp8 = recipe.rollout_precision == "fp8"
     return {
         "model": {"path": str(model)},
         "rollout": {"prompts": str(root / "rl.jsonl"), "reward": "add:exact",
-                    "n_samples_per_prompt": 8, "rollout_batch_size": recipe.rollout_batch_size,
+                    "n_samples_per_prompt": recipe.n_samples_per_prompt,
+                    "rollout_batch_size": recipe.rollout_batch_size,
                     "max_response_len": 8, "temperature": 1.0, "seed": seed,
                     # every sample in flight at once (the engine batches what it can run)
                     "concurrency": rollouts},
         "train": {"lr": recipe.rl_lr, "lr_warmup_steps": 2,
-                  "global_batch_size": recipe.rollout_batch_size * 4,
+                  "global_batch_size": rollouts // 2,
                   "advantage_estimator": "grpo",
                   **({"tis_mode": "truncate", "tis_clip_high": 2.0} if fp8 else {})},
         "sync": {"sync": "auto", **({"precision": "fp8"} if fp8 else {})},
@@ -167,7 +170,8 @@ def run_add(root: Path, *, steps: int, sft_steps: int, sft_max_steps: int, seed:
     atomic.write_text(root / "run.toml", tomli_w.dumps(tables))
     deadline = clock.t0 + recipe.time_budget_s
     clock.say(f"rltool loop --config {root / 'run.toml'} --run-dir {root / 'run'}: at most "
-              f"{steps} steps of {recipe.rollout_batch_size} prompts x 8 samples, exact-match "
+              f"{steps} steps of {recipe.rollout_batch_size} prompts x "
+              f"{recipe.n_samples_per_prompt} samples, exact-match "
               f"GRPO on {device}, {recipe.rollout_precision} rollout weights"
               + (" with truncated importance sampling" if recipe.rollout_precision == "fp8"
                  else "") + f"; stops once the eval exact match reaches {TARGET} or at "
