@@ -13,11 +13,12 @@ stated: `--seed S` seeds the model init, both trainers and the engine's sampling
 seed gives every sample its own `sampling_seed`, from S and its uid); the prompt sets keep their
 own seeds, so every seed learns the same task. The measured curves are in docs/loop.md.
 
-`--device cuda` is the GPU counterpart: 3-digit addition on the Qwen2.5-0.5B shapes
-(rltool.demo_add, which also holds `--rollout-precision fp8`); `--out-json FILE` writes the
-summary. `--task add --preset tiny` runs that recipe on CPU.
+`--device cuda` is the GPU counterpart: 3-digit addition (or, `--task reverse`, reversing 8-12
+digit strings) on the Qwen2.5-0.5B shapes (rltool.demo_gpu, which also holds
+`--rollout-precision fp8`); `--out-json FILE` writes the summary. `--task add --preset tiny`
+runs that recipe on CPU.
 
-Run: `python -m rltool.demo [DIR] [--device cpu|cuda] [--task copy|add] [--preset P]
+Run: `python -m rltool.demo [DIR] [--device cpu|cuda] [--task copy|add|reverse] [--preset P]
 [--seed S] [--steps N] [--sft-steps N] [--rollout-precision bf16|fp8] [--out-json FILE] [-q]`
 (default DIR `demo-run`).
 """
@@ -32,9 +33,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rltool.demo_add import PRECISIONS, AddRecipe, run_add
-from rltool.demo_common import (HEADER, TARGET, WINDOW, Clock, finish, fresh, print_row,
-                                summarize, window_mean)
+from rltool.demo_common import (HEADER, TARGET, WINDOW, Clock, chunked_warm_start, finish,
+                                fresh, print_row, summarize, window_mean)
+from rltool.demo_gpu import PRECISIONS, TASKS, GpuRecipe, run_gpu_recipe
 from rltool.errors import BadInputError, RltoolError
 
 TASK = "copy"
@@ -92,28 +93,24 @@ def warm_start(root: Path, model: Path, *, sft_steps: int, seed: int,
     checkpoint) while the mean loss of the last 10 steps is above SFT_LOSS_TARGET, at most
     SFT_MAX_STEPS in all. Some model inits learn the answer format more slowly: seed 3 ended 60
     steps at loss 1.55 and RL from there stayed at reward 0.1 for 97 steps (docs/loop.md)."""
-    from rltool.train import run as run_train
     from rltool.train.config import TrainConfig
 
-    save, losses, load = root / "sft" / "ckpt", [], str(model)
-    steps = chunk = sft_steps
-    while True:  # a call on a finished checkpoint trains `chunk` more steps from it
-        cfg = TrainConfig(loss="sft", prompts=str(root / "sft.jsonl"), load=load, save=str(save),
-                          publish=str(root / "sft" / "weights"),
-                          metrics=str(root / "sft" / "train.jsonl"), lr=3e-3,
-                          global_batch_size=32, num_steps=chunk, seed=seed)
-        result = run_train(cfg)
-        losses += [m["train/sft_loss"] for m in result.metrics if "train/sft_loss" in m]
-        mean10 = sum(losses[-10:]) / max(1, len(losses[-10:]))
-        if mean10 <= SFT_LOSS_TARGET or steps >= SFT_MAX_STEPS:
-            break
-        chunk, load = SFT_EXTRA_STEPS, str(save)
-        steps += chunk
-    clock.say(f"rltool train --loss sft --num-steps {steps} --global-batch-size 32 --lr 3e-3:"
-              f" supervised warm start, mean sft loss of the last 10 steps {mean10:.3f}")
-    assert result.published is not None
-    return Path(result.published), steps
+    def config(*, load: str, save: str, num_steps: int, first: bool) -> TrainConfig:
+        return TrainConfig(loss="sft", prompts=str(root / "sft.jsonl"), load=load, save=save,
+                           publish=str(root / "sft" / "weights"),
+                           metrics=str(root / "sft" / "train.jsonl"), lr=3e-3,
+                           global_batch_size=32, num_steps=num_steps, seed=seed)
 
+    def mean10(losses: list[float]) -> float:
+        return sum(losses[-10:]) / max(1, len(losses[-10:]))
+
+    policy, steps, losses = chunked_warm_start(
+        root, model, first_steps=sft_steps, chunk_steps=SFT_EXTRA_STEPS,
+        max_steps=max(SFT_MAX_STEPS, sft_steps), config=config,
+        done=lambda losses: mean10(losses) <= SFT_LOSS_TARGET)
+    clock.say(f"rltool train --loss sft --num-steps {steps} --global-batch-size 32 --lr 3e-3:"
+              f" supervised warm start, mean sft loss of the last 10 steps {mean10(losses):.3f}")
+    return policy, steps
 
 
 def run(root: Path, *, steps: int, sft_steps: int, seed: int = SEED) -> dict[str, Any]:
@@ -171,34 +168,34 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the GPU "
                         "demo (the addition recipe on the 0.5B shapes unless --task/--preset "
                         "say otherwise).")
-    parser.add_argument("--task", choices=("copy", "add"), default=None, help="copy (the CPU "
-                        "demo; default on cpu) or add (3-digit sums, exact match; default on "
-                        "cuda).")
-    parser.add_argument("--preset", default=None, help="--task add: the model shapes "
+    parser.add_argument("--task", choices=("copy", *TASKS), default=None, help="copy (the CPU "
+                        "demo; default on cpu), add (3-digit sums, exact match; default on "
+                        "cuda) or reverse (8-12 digit strings reversed, exact match).")
+    parser.add_argument("--preset", default=None, help="add/reverse: the model shapes "
                         "(default qwen2.5-0.5b on cuda, tiny on cpu).")
     parser.add_argument("--steps", type=int, default=None, help="Most RL loop steps (copy: 150, "
-                        f"stops once the {WINDOW}-step mean reward reaches {TARGET}; add: 200, "
-                        f"stops once the eval exact match reaches {TARGET} or at the time "
+                        f"stops once the {WINDOW}-step mean reward reaches {TARGET}; "
+                        f"add/reverse: 200, stops once the eval exact match reaches {TARGET} or at the time "
                         "budget).")
     parser.add_argument("--sft-steps", type=int, default=None, help="Supervised warm-start "
-                        "steps (copy: 60, 0 is pure RL; add: the first call's, 200).")
-    parser.add_argument("--sft-max-steps", type=int, default=1500, help="--task add: most "
+                        "steps (copy: 60, 0 is pure RL; add/reverse: the first call's, 200).")
+    parser.add_argument("--sft-max-steps", type=int, default=1500, help="add/reverse: most "
                         "warm-start steps.")
-    parser.add_argument("--rollout-batch-size", type=int, default=AddRecipe.rollout_batch_size,
-                        help="--task add: prompts per RL step.")
+    parser.add_argument("--rollout-batch-size", type=int, default=GpuRecipe.rollout_batch_size,
+                        help="add/reverse: prompts per RL step.")
     parser.add_argument("--n-samples-per-prompt", type=int,
-                        default=AddRecipe.n_samples_per_prompt,
-                        help="--task add: samples per prompt (the GRPO group).")
-    parser.add_argument("--eval-prompts", type=int, default=AddRecipe.eval_prompts,
-                        help="--task add: held-out eval prompts.")
-    parser.add_argument("--sft-prompts", type=int, default=AddRecipe.sft_prompts,
-                        help="--task add: SFT prompts drawn (those equal to an RL or eval prompt "
+                        default=GpuRecipe.n_samples_per_prompt,
+                        help="add/reverse: samples per prompt (the GRPO group).")
+    parser.add_argument("--eval-prompts", type=int, default=GpuRecipe.eval_prompts,
+                        help="add/reverse: held-out eval prompts.")
+    parser.add_argument("--sft-prompts", type=int, default=GpuRecipe.sft_prompts,
+                        help="add/reverse: SFT prompts drawn (those equal to an RL or eval prompt "
                         "are left out).")
-    parser.add_argument("--time-budget-s", type=float, default=AddRecipe.time_budget_s,
-                        help="--task add: stop RL once this many seconds have passed since "
+    parser.add_argument("--time-budget-s", type=float, default=GpuRecipe.time_budget_s,
+                        help="add/reverse: stop RL once this many seconds have passed since "
                         "the demo began.")
     parser.add_argument("--rollout-precision", choices=PRECISIONS, default="bf16",
-                        help="--task add: fp8 serves the rollouts from block-FP8 weights "
+                        help="add/reverse: fp8 serves the rollouts from block-FP8 weights "
                         "requantized at every sync, with truncated importance sampling.")
     parser.add_argument("--out-json", default=None, help="Also write the summary JSON here.")
     parser.add_argument("--seed", type=int, default=SEED, help="Seed of the model init, the "
@@ -218,23 +215,23 @@ def main(argv: list[str] | None = None) -> None:
             if (args.device != "cpu" or args.preset not in (None, "tiny")
                     or args.rollout_precision != "bf16"):
                 raise BadInputError("--task copy is the CPU demo (tiny model on the CPU); use "
-                                    "--task add with --device cuda, --preset or "
+                                    "--task add or reverse with --device cuda, --preset or "
                                     "--rollout-precision")
             summary = run(Path(args.dir), steps=150 if args.steps is None else args.steps,
                           sft_steps=60 if args.sft_steps is None else args.sft_steps,
                           seed=args.seed)
         else:
-            recipe = AddRecipe(rollout_batch_size=args.rollout_batch_size,
+            recipe = GpuRecipe(task=task, rollout_batch_size=args.rollout_batch_size,
                                n_samples_per_prompt=args.n_samples_per_prompt,
                                eval_prompts=args.eval_prompts, sft_prompts=args.sft_prompts,
                                time_budget_s=args.time_budget_s,
                                rollout_precision=args.rollout_precision)
-            summary = run_add(Path(args.dir), steps=200 if args.steps is None else args.steps,
-                              sft_steps=200 if args.sft_steps is None else args.sft_steps,
-                              sft_max_steps=args.sft_max_steps, seed=args.seed,
-                              device=args.device, recipe=recipe,
-                              preset=args.preset or ("qwen2.5-0.5b" if args.device == "cuda"
-                                                     else "tiny"))
+            summary = run_gpu_recipe(
+                Path(args.dir), steps=200 if args.steps is None else args.steps,
+                sft_steps=200 if args.sft_steps is None else args.sft_steps,
+                sft_max_steps=args.sft_max_steps, seed=args.seed, device=args.device,
+                recipe=recipe, preset=args.preset or ("qwen2.5-0.5b" if args.device == "cuda"
+                                                      else "tiny"))
     except RltoolError as e:
         print(f"Error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)

@@ -1,12 +1,13 @@
-"""What the demo's recipes share (rltool.demo: the copy task on CPU; rltool.demo_add: 3-digit
-addition, the GPU demo): the step table, the summary, the demo directory and the clock."""
+"""What the demo's recipes share (rltool.demo: the copy task on CPU; rltool.demo_gpu: addition
+or reversal, the GPU demo): the step table, the summary, the demo directory, the clock and the
+chunked supervised warm start."""
 
 from __future__ import annotations
 
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rltool.errors import BadInputError
 
@@ -23,6 +24,28 @@ class Clock:
     def say(self, text: str) -> None:
         print(f"[{time.perf_counter() - self.t0:6.1f}s] {text}", flush=True)
 
+
+
+def chunked_warm_start(root: Path, model: Path, *, first_steps: int, chunk_steps: int,
+                       max_steps: int, config: Callable[..., Any],
+                       done: Callable[[list[float]], bool]) -> tuple[Path, int, list[float]]:
+    """Supervised steps: `first_steps`, then `chunk_steps` more at a time, each call resuming
+    from the checkpoint in DIR/sft/ckpt, until `done(sft losses so far)` or `max_steps` in all.
+    `config(load=, save=, num_steps=, first=)` builds each call's TrainConfig. Returns the
+    published weights, the steps trained and the per-step losses."""
+    from rltool.train import run as run_train
+
+    save, losses, load = str(root / "sft" / "ckpt"), [], str(model)
+    steps = chunk = min(first_steps, max_steps)
+    while True:  # a call on a finished checkpoint trains `chunk` more steps from it
+        result = run_train(config(load=load, save=save, num_steps=chunk, first=load == str(model)))
+        losses += [m["train/sft_loss"] for m in result.metrics if "train/sft_loss" in m]
+        if done(losses) or steps >= max_steps:
+            break
+        chunk, load = min(chunk_steps, max_steps - steps), save
+        steps += chunk
+    assert result.published is not None
+    return Path(result.published), steps, losses
 
 
 def window_mean(values: list[float]) -> float:

@@ -45,15 +45,15 @@ def test_demo_refuses_a_foreign_directory(tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_addition_recipe_runs_on_cpu(tmp_path, capsys, precision):
-    """The GPU demo's recipe (`--device cuda` defaults to it) with the tiny shapes, two RL
-    steps: the model's vocabulary is the tokenizer's, the SFT sums are disjoint from the RL and
-    eval prompts, every step prints its phase times, and the summary JSON carries the phase
+@pytest.mark.parametrize(("task", "precision"), [("add", "bf16"), ("reverse", "fp8")])
+def test_gpu_recipes_run_on_cpu(tmp_path, capsys, task, precision):
+    """The GPU demo's recipes (`--device cuda` defaults to add) with the tiny shapes, two RL
+    steps: the model's vocabulary is the tokenizer's, the SFT prompts are disjoint from the RL
+    and eval prompts, every step prints its phase times, and the summary JSON carries the phase
     means, the eval reward and where it was measured. With FP8 rollouts the engine serves
     block-FP8 weights from every sync and the trainer applies TIS."""
     root, out = tmp_path / "demo-run", tmp_path / "result.json"
-    demo.main([str(root), "--task", "add", "--preset", "tiny", "--steps", "2", "--sft-steps",
+    demo.main([str(root), "--task", task, "--preset", "tiny", "--steps", "2", "--sft-steps",
                "2", "--sft-max-steps", "2", "--rollout-batch-size", "4", "--eval-prompts", "8",
                "--sft-prompts", "64", "--rollout-precision", precision, "--out-json", str(out),
                "-q"])
@@ -62,7 +62,7 @@ def test_addition_recipe_runs_on_cpu(tmp_path, capsys, precision):
     assert "rltool report" in printed and "perf/loop/rollout_time" in printed
     summary = json.loads(out.read_text())
     assert summary == json.loads((root / "summary.json").read_text())
-    assert summary["task"] == "add" and summary["device"] == "cpu" and summary["rl_steps"] == 2
+    assert summary["task"] == task and summary["device"] == "cpu" and summary["rl_steps"] == 2
     assert summary["sft_steps"] == 2 and summary["final_eval_reward"] is not None
     assert summary["phase_means"]["perf/loop/rollout_time"] > 0
     assert summary["rollout_precision"] == precision
@@ -75,6 +75,8 @@ def test_addition_recipe_runs_on_cpu(tmp_path, capsys, precision):
     prompts = {f: {json.loads(line)["prompt"] for line in (root / f).read_text().splitlines()}
                for f in ("rl.jsonl", "eval.jsonl", "sft.jsonl")}
     assert not prompts["sft.jsonl"] & (prompts["rl.jsonl"] | prompts["eval.jsonl"])
+    if task == "reverse":  # 8-12 digit strings
+        assert {len(p.split()[-1]) for p in prompts["rl.jsonl"]} <= set(range(8, 13))
     from transformers import AutoTokenizer
 
     config = json.loads((root / "model" / "config.json").read_text())

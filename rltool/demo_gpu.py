@@ -1,45 +1,62 @@
-"""The GPU demo's recipe (`python -m rltool.demo --device cuda`, or `--task add`): 3-digit
-addition with an exact-match reward on the Qwen2.5-0.5B shapes (vocabulary sized to the demo's
-tokenizer), which the tiny CPU model cannot learn.
+"""The GPU demo's recipes (`python -m rltool.demo --device cuda`, or `--task add|reverse`):
+exact-match GRPO on the Qwen2.5-0.5B shapes (vocabulary sized to the demo's tokenizer) for a task
+the tiny CPU model cannot learn: 3-digit addition (`add`, the default) or reversing 8-12 digit
+strings (`reverse`).
 
-Its warm start (3-digit sums on prompts disjoint from the RL and eval sets) stops once the chance
+Its warm start (supervised, on prompts disjoint from the RL and eval sets) stops once the chance
 of sampling a whole right answer, exp(-(answer tokens) x (mean token loss)), reaches
-ADD_SFT_EXACT; GRPO then runs until the held-out eval's exact match reaches the target or the
-time budget (`--time-budget-s`, 480) is spent, colocated on the one GPU (engine and trainer on it
+SFT_EXACT; GRPO then runs until the held-out eval's exact match reaches the target or the time
+budget (`--time-budget-s`, 480) is spent, colocated on the one GPU (engine and trainer on it
 together, weights handed over in memory). `--rollout-precision fp8` serves the rollouts from
 block-FP8 weights requantized at every sync (`[sync] precision = "fp8"`) and corrects the
 train/rollout mismatch with token-level truncated importance sampling (`[train] tis_mode =
-"truncate"`). Each step prints reward, eval reward and phase times; `--task add --preset tiny`
-runs the recipe on CPU. docs/loop.md, "The GPU demo".
+"truncate"`). Each step prints reward, eval reward and phase times; `--preset tiny` runs the
+recipe on CPU. docs/loop.md, "The GPU demo".
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rltool.demo_common import HEADER, TARGET, Clock, finish, fresh, print_row, summarize
+from rltool.demo_common import (HEADER, TARGET, Clock, chunked_warm_start, finish, fresh,
+                                print_row, summarize)
 
-# The addition recipe's warm start stops once exp(-(answer tokens) x (mean loss of the last 10
-# steps)), the chance of sampling a whole right answer at temperature 1, reaches this.
-ADD_SFT_EXACT = 0.05
-# Warm-start steps per further train call: the loss falls steeply once the model starts to add
-ADD_SFT_CHUNK = 25  # (0.5B shapes on an H200: 0.92 at step 226, 0.25 at 295)
-KV_TOKENS = 65536  # the add recipe's KV pool: 512 rollouts of at most ~30 tokens fit many times
+# The warm start stops once exp(-(answer tokens) x (mean loss of the last 10 steps)), the chance
+# of sampling a whole right answer at temperature 1, reaches this.
+SFT_EXACT = 0.05
+# Warm-start steps per further train call: the loss falls steeply once answers start to come
+SFT_CHUNK = 25  # out right (add, 0.5B shapes on an H200: 0.92 at step 226, 0.25 at 295)
+KV_TOKENS = 65536  # the recipes' KV pool: 512 rollouts of at most ~40 tokens fit many times
 PRECISIONS = ("bf16", "fp8")  # --rollout-precision: the weights the engine serves
 MISMATCH_KEYS = ("train/train_rollout_logprob_abs_diff", "train/mismatch_kl",
                  "train/mismatch_k3_kl", "train/tis_clipfrac")
 
 
 @dataclass(frozen=True)
-class AddRecipe:
-    """The `--task add` settings (tables in `add_loop_tables`); batch sizes and rates are chosen
+class TaskSpec:
+    """A GPU recipe's task: digit lengths of its prompts and the most response tokens."""
+
+    min_len: int
+    max_len: int
+    max_response_len: int
+
+
+TASKS = {"add": TaskSpec(3, 3, 8),  # sums of two 3-digit numbers: at most 4 digits and EOS
+         "reverse": TaskSpec(8, 12, 16)}  # 8-12 digits reversed, EOS
+
+
+@dataclass(frozen=True)
+class GpuRecipe:
+    """The GPU recipes' settings (tables in `gpu_loop_tables`); batch sizes and rates are chosen
     for the 0.5B shapes on one H200 (docs/loop.md, "The GPU demo")."""
 
+    task: str = "add"  # or reverse (TASKS)
     rollout_batch_size: int = 64  # prompts per step
     n_samples_per_prompt: int = 8  # 512 rollouts a step
     eval_prompts: int = 256
@@ -52,9 +69,9 @@ class AddRecipe:
     rollout_precision: str = "bf16"  # or fp8 (see `add_loop_tables`)
 
 
-def add_loop_tables(root: Path, *, model: Path, steps: int, seed: int, device: str,
-                    recipe: AddRecipe) -> dict[str, Any]:
-    """The addition recipe's loop config: exact-match GRPO on 3-digit sums, colocated on
+def gpu_loop_tables(root: Path, *, model: Path, steps: int, seed: int, device: str,
+                    recipe: GpuRecipe) -> dict[str, Any]:
+    """The recipe's loop config: exact-match GRPO on the task's RL prompts, colocated on
     `device` with the in-process engine, the eval set sampled like the rollouts (temperature 1,
     one sample per prompt), two optimizer steps per rollout step, checkpoints only at the end.
     rollout_precision fp8: every sync block-quantizes the trainer's weights (`[sync] precision =
@@ -66,10 +83,11 @@ def add_loop_tables(root: Path, *, model: Path, steps: int, seed: int, device: s
     fp8 = recipe.rollout_precision == "fp8"
     return {
         "model": {"path": str(model)},
-        "rollout": {"prompts": str(root / "rl.jsonl"), "reward": "add:exact",
+        "rollout": {"prompts": str(root / "rl.jsonl"), "reward": f"{recipe.task}:exact",
                     "n_samples_per_prompt": recipe.n_samples_per_prompt,
                     "rollout_batch_size": recipe.rollout_batch_size,
-                    "max_response_len": 8, "temperature": 1.0, "seed": seed,
+                    "max_response_len": TASKS[recipe.task].max_response_len,
+                    "temperature": 1.0, "seed": seed,
                     # every sample in flight at once (the engine batches what it can run)
                     "concurrency": rollouts},
         "train": {"lr": recipe.rl_lr, "lr_warmup_steps": 2,
@@ -90,64 +108,61 @@ def add_loop_tables(root: Path, *, model: Path, steps: int, seed: int, device: s
     }
 
 
-def make_add_data(root: Path, clock: Clock, recipe: AddRecipe) -> None:
+def make_task_data(root: Path, clock: Clock, recipe: GpuRecipe) -> None:
     from rltool.data.tasks import make_rows, write_prompts
 
-    rl = make_rows("add", num=4096, seed=1, min_len=3, max_len=3)
-    held_out = make_rows("add", num=recipe.eval_prompts, seed=3, min_len=3, max_len=3)
+    spec = TASKS[recipe.task]
+    lengths = dict(min_len=spec.min_len, max_len=spec.max_len)
+    rl = make_rows(recipe.task, num=4096, seed=1, **lengths)
+    held_out = make_rows(recipe.task, num=recipe.eval_prompts, seed=3, **lengths)
     taken = {r["prompt"] for r in rl + held_out}
-    sft = [r for r in make_rows("add", num=recipe.sft_prompts, seed=2, min_len=3, max_len=3)
+    sft = [r for r in make_rows(recipe.task, num=recipe.sft_prompts, seed=2, **lengths)
            if r["prompt"] not in taken]
     write_prompts(rl, root / "rl.jsonl")
     write_prompts(held_out, root / "eval.jsonl")
     write_prompts(sft, root / "sft.jsonl")
-    clock.say(f"rltool data make --task add --min-len 3 --max-len 3: {len(rl)} RL prompts "
-              f"(seed 1), {len(held_out)} eval prompts (seed 3), {len(sft)} SFT prompts (seed 2)"
-              " none of which is an RL or eval prompt")
+    clock.say(f"rltool data make --task {recipe.task} --min-len {spec.min_len} --max-len "
+              f"{spec.max_len}: {len(rl)} RL prompts (seed 1), {len(held_out)} eval prompts "
+              f"(seed 3), {len(sft)} SFT prompts (seed 2) none of which is an RL or eval prompt")
 
 
-def add_warm_start(root: Path, model: Path, *, first_steps: int, max_steps: int, seed: int,
-                   device: str, recipe: AddRecipe, clock: Clock) -> tuple[Path, int]:
-    """Supervised steps on the SFT sums, ADD_SFT_CHUNK more at a time (resumed from the
-    checkpoint) until the estimated exact match reaches ADD_SFT_EXACT, at most `max_steps`."""
-    import math
-
-    from rltool.train import run as run_train
+def gpu_warm_start(root: Path, model: Path, *, first_steps: int, max_steps: int, seed: int,
+                   device: str, recipe: GpuRecipe, clock: Clock) -> tuple[Path, int]:
+    """Supervised steps on the SFT prompts, SFT_CHUNK more at a time (resumed from the
+    checkpoint) until the estimated exact match reaches SFT_EXACT, at most `max_steps`."""
     from rltool.train.config import TrainConfig
 
     labels = [json.loads(line)["label"] for line in
               (root / "sft.jsonl").read_text().splitlines()]
     answer_tokens = sum(len(x) + 1 for x in labels) / len(labels)  # digits and EOS
     batch = min(recipe.sft_batch, len(labels))
-    save, losses, load = root / "sft" / "ckpt", [], str(model)
-    steps = chunk = min(first_steps, max_steps)
-    while True:  # a call on a finished checkpoint trains `chunk` more steps from it
-        cfg = TrainConfig(loss="sft", prompts=str(root / "sft.jsonl"), load=load, save=str(save),
-                          publish=str(root / "sft" / "weights"),
-                          metrics=str(root / "sft" / "train.jsonl"), lr=recipe.sft_lr,
-                          # warm-up on the first call; later ones resume Adam's state
-                          lr_warmup_steps=min(20, chunk) if load == str(model) else 0,
-                          global_batch_size=batch, num_steps=chunk, seed=seed, device=device,
-                          dtype="bf16" if device == "cuda" else "fp32")
-        result = run_train(cfg)
-        losses += [m["train/sft_loss"] for m in result.metrics if "train/sft_loss" in m]
-        mean10 = sum(losses[-10:]) / max(1, len(losses[-10:]))
-        exact = math.exp(-answer_tokens * mean10)
-        if exact >= ADD_SFT_EXACT or steps >= max_steps:
-            break
-        chunk, load = min(ADD_SFT_CHUNK, max_steps - steps), str(save)
-        steps += chunk
+
+    def exact(losses: list[float]) -> float:
+        return math.exp(-answer_tokens * sum(losses[-10:]) / max(1, len(losses[-10:])))
+
+    def config(*, load: str, save: str, num_steps: int, first: bool) -> TrainConfig:
+        return TrainConfig(loss="sft", prompts=str(root / "sft.jsonl"), load=load, save=save,
+                           publish=str(root / "sft" / "weights"),
+                           metrics=str(root / "sft" / "train.jsonl"), lr=recipe.sft_lr,
+                           # warm-up on the first call; later ones resume Adam's state
+                           lr_warmup_steps=min(20, num_steps) if first else 0,
+                           global_batch_size=batch, num_steps=num_steps, seed=seed,
+                           device=device, dtype="bf16" if device == "cuda" else "fp32")
+
+    policy, steps, losses = chunked_warm_start(
+        root, model, first_steps=first_steps, chunk_steps=SFT_CHUNK, max_steps=max_steps,
+        config=config, done=lambda losses: exact(losses) >= SFT_EXACT)
     clock.say(f"rltool train --loss sft --num-steps {steps} --global-batch-size "
               f"{batch} --lr {recipe.sft_lr:g}: supervised warm start, mean token loss "
-              f"of the last 10 steps {mean10:.3f}, estimated exact match {exact:.3f}")
-    assert result.published is not None
-    return Path(result.published), steps
+              f"of the last 10 steps {sum(losses[-10:]) / max(1, len(losses[-10:])):.3f}, "
+              f"estimated exact match {exact(losses):.3f}")
+    return policy, steps
 
 
-
-def run_add(root: Path, *, steps: int, sft_steps: int, sft_max_steps: int, seed: int,
-            device: str, preset: str, recipe: AddRecipe) -> dict[str, Any]:
-    """The addition recipe (`--task add`; `--device cuda` by default): see the module docstring."""
+def run_gpu_recipe(root: Path, *, steps: int, sft_steps: int, sft_max_steps: int, seed: int,
+                   device: str, preset: str, recipe: GpuRecipe) -> dict[str, Any]:
+    """The GPU recipe (`--task add|reverse`; `--device cuda` runs add by default): see the
+    module docstring."""
     import tomli_w
 
     from rltool import atomic
@@ -157,15 +172,15 @@ def run_add(root: Path, *, steps: int, sft_steps: int, sft_max_steps: int, seed:
 
     fresh(root)
     clock = Clock()
-    model = init_model(root / "model", arch="qwen2", preset=preset, task="add", seed=seed,
+    model = init_model(root / "model", arch="qwen2", preset=preset, task=recipe.task, seed=seed,
                        fit_vocab=True)
-    clock.say(f"rltool init-model --preset {preset} --task add --seed {seed} (vocabulary of the "
-              f"task tokenizer): random-init model {model}")
-    make_add_data(root, clock, recipe)
-    policy, sft_steps = add_warm_start(root, model, first_steps=sft_steps,
+    clock.say(f"rltool init-model --preset {preset} --task {recipe.task} --seed {seed} "
+              f"(vocabulary of the task tokenizer): random-init model {model}")
+    make_task_data(root, clock, recipe)
+    policy, sft_steps = gpu_warm_start(root, model, first_steps=sft_steps,
                                        max_steps=sft_max_steps, seed=seed, device=device,
                                        recipe=recipe, clock=clock)
-    tables = add_loop_tables(root, model=policy, steps=steps, seed=seed, device=device,
+    tables = gpu_loop_tables(root, model=policy, steps=steps, seed=seed, device=device,
                              recipe=recipe)
     atomic.write_text(root / "run.toml", tomli_w.dumps(tables))
     deadline = clock.t0 + recipe.time_budget_s
@@ -196,7 +211,7 @@ def run_add(root: Path, *, steps: int, sft_steps: int, sft_max_steps: int, seed:
              "mismatch_means": {k: sum(v) / len(v) for k in MISMATCH_KEYS
                                 if (v := [r[k] for r in _rows(root, "train") if k in r])}}
     summary = summarize(root, root / "run", sft_steps=sft_steps, seed=seed,
-                        started=clock.t0, task="add", extra=extra)
+                        started=clock.t0, task=recipe.task, extra=extra)
     print(f"\nfirst RL step exact match {summary['first_rl_reward']:.3f}; eval exact match "
           + (f"reached {TARGET} at step {hit['step']} after {extra['seconds_to_target']:.0f}s"
              if hit else f"NOT at {TARGET} (last {extra['final_eval_reward']})")
