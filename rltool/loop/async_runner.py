@@ -38,7 +38,8 @@ from rltool.loop.async_staleness import StalenessGate
 from rltool.loop.async_worker import RolloutWorker
 from rltool.loop.engines import EngineSet
 from rltool.loop.state import maybe_kill
-from rltool.rundir import MetricsWriter, RunDir, list_versions, read_metrics
+from rltool.rundir import (MetricsWriter, RunDir, drop_metric_rows_after, list_versions,
+                           read_metrics)
 
 log = logging.getLogger(__name__)
 ENGINE_PAUSE_MODE = {"in-place": "in_place", "retract": "retract", "abort": "abort"}
@@ -55,7 +56,8 @@ def shard_async_meta(ctx: phases.StepContext, step: int) -> dict[str, Any]:
 def discard_prepared(run: RunDir, step: int) -> None:
     """Remove the shards of steps after `step`: written ahead by a worker that was killed with
     the loop, they are not committed (their positions are held or fresh in the newest shard up
-    to `step`, and are generated again). One rename each, then the removal."""
+    to `step`, and are generated again). One rename each, then the removal; then their lines in
+    the rollout metrics, so the batches generated again are the only rows of their steps."""
     after = step + 1
     while run.rollout_step(after).exists():
         path = run.rollout_step(after)
@@ -63,6 +65,7 @@ def discard_prepared(run: RunDir, step: int) -> None:
         os.rename(path, gone)
         shutil.rmtree(gone)
         after += 1
+    drop_metric_rows_after(run.metrics_file("rollout"), step)
 
 
 def resume_positions(ctx: phases.StepContext) -> tuple[int, list[int]]:

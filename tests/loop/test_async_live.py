@@ -103,6 +103,8 @@ def test_kill_and_resume_trains_each_sample_once(async_config, tmp_path):
 
     rows = read_metrics(run.metrics_file("loop"))
     assert [r["step"] for r in rows] == list(range(NUM_STEPS))
+    # one rollout row per step: those of batches written ahead by a killed worker went with them
+    assert [r["step"] for r in read_metrics(run.metrics_file("rollout"))] == list(range(NUM_STEPS))
     # the first step after each resume reports the held positions of the newest shard it found
     held_at_kill = [len(async_meta(run.rollout_step(1))["held"]),
                     len(async_meta(run.rollout_step(3))["held"])]
