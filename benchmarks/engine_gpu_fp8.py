@@ -15,8 +15,11 @@ checkpoint written).
 
 GEMM rates: at the model's four linear shapes (qkv, o, gate_up, down) for 1, 64, 256 and 8192
 tokens, bf16 F.linear, the Triton FP8 GEMM, the native one (null where torch has no 1x128 block
-scaling) and torch._scaled_mm with the weight's 128x128 block scales (not used by the engine),
-each call including its activation quantization; GPU time of 20 calls replayed from a
+scaling), the native one on activations already quantized (as the engine runs the qkv, gate_up
+and down projections, whose inputs the RMSNorm / SiLU-and-multiply kernel writes quantized) and
+torch._scaled_mm with the weight's 128x128 block scales (not used by the engine), each call but
+the prequantized one including its activation quantization; then the kernels before an FP8
+linear with the quantization separate and fused into them. GPU time of 20 calls replayed from a
 CUDA graph (as the engine's decode runs them, without host launch cost). Reported: TFLOP/s, and
 GB/s of the bytes each moves (weight, its scales, activations, output) beside the measured
 device copy bandwidth (bytes read + written per second). Engines report tokens/s, the ratio to
@@ -78,15 +81,14 @@ def native_block_weight(x, q, block_scale):
     K / 128], one per block) and 1x128 activation scales: the pairing DeepSeek-V3 uses, which
     the engine does not (its per-row scales need no 128-row alignment of fused projections);
     measured beside it to see what the other cuBLAS recipe would gain."""
-    from rltool.engine.fp8_gemm import quantize_activations
+    from rltool.engine.fp8_gemm import activations
 
-    m = x.shape[0]
-    xq, xs = quantize_activations(x, 128, rows=-(-m // 4) * 4)  # as native_linear pads
-    return torch._scaled_mm(xq, q.t(), scale_a=xs.t(), scale_b=block_scale.t(),
-                            out_dtype=x.dtype)[:m]
+    act = activations(x, 128)  # padded as native_linear takes them
+    return torch._scaled_mm(act.q, q.t(), scale_a=act.s.t(), scale_b=block_scale.t(),
+                            out_dtype=x.dtype)[:act.m]
 
 
-KINDS = ("bf16", "triton", "native", "native_128x128")
+KINDS = ("bf16", "triton", "native", "native_prequantized", "native_128x128")
 
 
 def gemm_rates(spec, tokens: tuple[int, ...] = TOKENS) -> list[dict]:
@@ -114,6 +116,10 @@ def gemm_rates(spec, tokens: tuple[int, ...] = TOKENS) -> list[dict]:
             if native:
                 kinds["native"] = (lambda: fp8_gemm.native_linear(x, q, scale, block_k=128),
                                    fp8_bytes)
+                act = fp8_gemm.activations(x, 128)  # as the fused norm / SiLU kernels leave them
+                kinds["native_prequantized"] = (
+                    lambda: fp8_gemm.native_linear(act, q, scale, block_k=128),
+                    fp8_bytes - m * k * 2 + m * k + act.s.numel() * 4)
             want = fp8_gemm.triton_linear(x, q, scale, block_k=128).float()
             try:
                 got = native_block_weight(x, q, block_scale).float()
@@ -134,6 +140,34 @@ def gemm_rates(spec, tokens: tuple[int, ...] = TOKENS) -> list[dict]:
             rows.append(row)
         del w, q, scale, block_scale
     torch.cuda.empty_cache()
+    return rows
+
+
+def quantize_fusion(spec, tokens: tuple[int, ...] = (64, 256)) -> list[dict]:
+    """GPU microseconds per call of the kernels before an FP8 linear, unfused (the bf16 kernel,
+    then the activation quantization) against fused (one kernel writing the e4m3 bytes and
+    scales): residual-add + RMSNorm at the hidden size (before qkv and gate_up) and
+    SiLU-and-multiply at the intermediate size (before down)."""
+    from rltool.engine import fp8_gemm, fused
+
+    rows = []
+    for m in tokens:
+        h = torch.randn(m, spec.hidden_size, device="cuda", dtype=torch.bfloat16)
+        res = torch.randn_like(h)
+        w = torch.randn(spec.hidden_size, device="cuda", dtype=torch.bfloat16)
+        gu = torch.randn(m, 2 * spec.intermediate_size, device="cuda", dtype=torch.bfloat16)
+        eps = spec.rms_norm_eps
+        kernels = {
+            "add_rms_norm": (
+                lambda: fp8_gemm.activations(fused.add_rms_norm(h, res, w, eps)[0], 128),
+                lambda: fused.add_rms_norm(h, res, w, eps, 128)),
+            "silu_mul": (lambda: fp8_gemm.activations(fused.silu_mul(gu), 128),
+                         lambda: fused.silu_mul(gu, 128))}
+        for name, (unfused, fused_fn) in kernels.items():
+            rows.append({"kernel": name, "m": m, "unfused_us": graph_seconds(unfused) * 1e6,
+                         "fused_us": graph_seconds(fused_fn) * 1e6})
+            print(f"quantize fusion {name:12} m={m:>4}: unfused {rows[-1]['unfused_us']:6.1f} us,"
+                  f" fused {rows[-1]['fused_us']:6.1f} us", flush=True)
     return rows
 
 
@@ -216,8 +250,10 @@ def precision_cost(preset: str, batches: list[int]) -> dict:
 def quick(preset: str, batches: list[int], gemm_only: bool) -> dict:
     """The GEMM rates, then (unless gemm_only) bf16, FP8 (auto) and FP8 (Triton) engines."""
     bw = copy_bandwidth()
-    out: dict = {"copy_bandwidth_Bps": bw, "gemm": gemm_rates(preset_spec(preset))}
+    spec = preset_spec(preset)
+    out: dict = {"copy_bandwidth_Bps": bw, "gemm": gemm_rates(spec)}
     print_gemms(preset, out["gemm"], bw)
+    out["quantize_fusion"] = quantize_fusion(spec)
     if not gemm_only:
         model_dir, fp8_dir = checkpoints(preset)
         out["engines"] = engines(preset, batches, {"bf16": (model_dir, "auto", "auto"),

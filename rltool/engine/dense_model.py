@@ -316,8 +316,10 @@ class DenseLM:
         x = F.embedding(input_ids, self.embed)
         T = x.shape[0]
         # Residual stream as transformers adds it: residual = residual + sublayer output (in the
-        # model dtype), each norm reading the updated residual.
-        h, residual = add_norm(x, None, self.layers[0]["ln1"], s.rms_norm_eps)
+        # model dtype), each norm reading the updated residual. The norm or SiLU-mul before an
+        # FP8 linear writes its output quantized for it (`fp8_input`).
+        h, residual = add_norm(x, None, self.layers[0]["ln1"], s.rms_norm_eps,
+                               fp8_input(self.layers[0]["qkv"]))
         if collect is not None:
             collect.append(x)
         for i, L in enumerate(self.layers):
@@ -330,13 +332,19 @@ class DenseLM:
                 q = rms_norm(q, L["q_norm"], s.rms_norm_eps)
                 k = rms_norm(k, L["k_norm"], s.rms_norm_eps)
             a = attend(i, q, k, v).reshape(T, q_size)
-            h, residual = add_norm(linear(a, L["o"]), residual, L["ln2"], s.rms_norm_eps)
-            if self._sparse(i):
+            sparse = self._sparse(i)
+            h, residual = add_norm(linear(a, L["o"]), residual, L["ln2"], s.rms_norm_eps,
+                                   None if sparse else fp8_input(L["gate_up"]))
+            if sparse:
                 m = moe.forward(h, L, s.moe, silu_mul, routed)
             else:
-                m = linear(silu_mul(linear(h, L["gate_up"])), L["down"])
-            after = self.layers[i + 1]["ln1"] if i + 1 < len(self.layers) else self.norm
-            h, residual = add_norm(m, residual, after, s.rms_norm_eps)
+                m = linear(silu_mul(linear(h, L["gate_up"]), fp8_input(L["down"])), L["down"])
+            if i + 1 < len(self.layers):
+                after = self.layers[i + 1]
+                h, residual = add_norm(m, residual, after["ln1"], s.rms_norm_eps,
+                                       fp8_input(after["qkv"]))
+            else:
+                h, residual = add_norm(m, residual, self.norm, s.rms_norm_eps)
             if collect is not None:
                 collect.append(residual if i + 1 < len(self.layers) else h)
         return h
@@ -345,6 +353,11 @@ class DenseLM:
         """[N, hidden] -> logits [N, vocab], float32 unless `upcast` is off (model dtype)."""
         out = F.linear(hidden, self.lm_head)
         return out.float() if upcast else out
+
+
+def fp8_input(w: torch.Tensor | quant.Fp8Weight) -> int | None:
+    """The K-block to quantize a linear's input with when its weight is FP8 (else None)."""
+    return w.block_k if isinstance(w, quant.Fp8Weight) else None
 
 
 def load_model(model_dir: str | Path, *, device: torch.device | str, dtype: torch.dtype,

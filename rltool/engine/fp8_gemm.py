@@ -5,8 +5,11 @@ Weights are float8_e4m3fn [N, K] with one float32 scale per row and K-block of `
 rows, so fused projections need not start on a block boundary; rltool.engine.quant keeps it
 K-block-major in memory, strides (1, N), the layout cuBLAS's 1x128 scales take). Activations
 are quantized first, per token and K-block exactly as weights are: `s = max(max|x|, 1e-12) /
-448`, `q = clamp(x / s, ±448)` cast to e4m3 (round to nearest even), one Triton kernel writing
-q [M, K] and s [ceil(K / block_k), M].
+448`, `q = clamp(x / s, ±448)` cast to e4m3 (round to nearest even), into `Fp8Activations`:
+q [R, K] and s [ceil(K / block_k), R], R = M rounded up to a multiple of 4 (cuBLASLt's block
+scales want 16-byte aligned columns; the padding rows are zeros with the floor scale). Either one
+Triton kernel quantizes x, or the kernel that computes x writes it quantized
+(`quantize_groups`: rltool.engine.fused's RMSNorm and SiLU-and-multiply), with the same bits.
 
 Two GEMMs take the quantized operands:
 - native: `torch._scaled_mm` with 1x128 block scales on both operands (cuBLASLt >= 12.9 on
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -55,6 +59,26 @@ def to_e4m3(x, EMULATE: tl.constexpr):
 
 
 @triton.jit
+def quantize_groups(a, EMULATE: tl.constexpr):
+    """float32 [G, block_k] (zeros past the data) -> (e4m3 [G, block_k], scales [G]): per row
+    s = max(max|a|, 1e-12) / 448, q = e4m3(clamp(a / s, ±448))."""
+    s = tl.maximum(tl.max(tl.abs(a), axis=1), SCALE_FLOOR) / E4M3_MAX
+    return to_e4m3(tl.clamp(a / s[:, None], -E4M3_MAX, E4M3_MAX), EMULATE), s
+
+
+@triton.jit
+def store_quantized(v, Q, S, ROWS, K, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+                    EMULATE: tl.constexpr):
+    """Quantize one row's chunk v [BLOCK] (float32, zeros past K; BLOCK a multiple of BLOCK_K)
+    into Q[0:K] and its K-blocks' scales into S[0], S[ROWS], ... (K-block-major scales)."""
+    q, s = quantize_groups(tl.reshape(v, (BLOCK // BLOCK_K, BLOCK_K)), EMULATE)
+    kb = tl.arange(0, BLOCK // BLOCK_K)
+    k = kb[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+    tl.store(Q + k, q, mask=k < K)
+    tl.store(S + kb * ROWS, s, mask=kb * BLOCK_K < K)
+
+
+@triton.jit
 def _quantize_rows(X, Q, S, M, ROWS, K, stride_xm, BLOCK_M: tl.constexpr,
                    BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
     """Q[m, k-block] = e4m3(x / s), S[k-block, m] = s for ROWS >= M rows (those past M zero):
@@ -65,15 +89,15 @@ def _quantize_rows(X, Q, S, M, ROWS, K, stride_xm, BLOCK_M: tl.constexpr,
     rows = offs_m.to(tl.int64)[:, None]
     a = tl.load(X + rows * stride_xm + k[None, :], mask=(offs_m < M)[:, None] & (k < K)[None, :],
                 other=0.0).to(tl.float32)
-    s = tl.maximum(tl.max(tl.abs(a), axis=1), SCALE_FLOOR) / E4M3_MAX
-    q = to_e4m3(tl.clamp(a / s[:, None], -E4M3_MAX, E4M3_MAX), EMULATE)
+    q, s = quantize_groups(a, EMULATE)
     tl.store(Q + rows * K + k[None, :], q, mask=(offs_m < ROWS)[:, None] & (k < K)[None, :])
     tl.store(S + kb * ROWS + offs_m, s, mask=offs_m < ROWS)
 
 
 @triton.jit
-def _block_product(acc, a_ptr, b_ptr, As, Bs, rows_a, rows_b, kb, offs_k, M, K, stride_bsn,
-                   stride_bsk, EVEN_K: tl.constexpr, SWAP: tl.constexpr, BLOCK_K: tl.constexpr):
+def _block_product(acc, a_ptr, b_ptr, As, Bs, rows_a, rows_b, kb, offs_k, stride_as, K,
+                   stride_bsn, stride_bsk, EVEN_K: tl.constexpr, SWAP: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
     """acc + K-block kb's FP8 dot times its activation and weight scales."""
     if EVEN_K:
         a = tl.load(a_ptr + kb * BLOCK_K)
@@ -82,7 +106,7 @@ def _block_product(acc, a_ptr, b_ptr, As, Bs, rows_a, rows_b, kb, offs_k, M, K, 
         mask_k = (kb * BLOCK_K + offs_k < K)[None, :]
         a = tl.load(a_ptr + kb * BLOCK_K, mask=mask_k, other=0.0)
         b = tl.load(b_ptr + kb * BLOCK_K, mask=mask_k, other=0.0)
-    sa = tl.load(As + kb * M + rows_a)
+    sa = tl.load(As + kb * stride_as + rows_a)
     sb = tl.load(Bs + rows_b * stride_bsn + kb * stride_bsk)
     if SWAP:
         d = tl.dot(b, tl.trans(a), out_dtype=tl.float32) * sb[:, None] * sa[None, :]
@@ -92,13 +116,14 @@ def _block_product(acc, a_ptr, b_ptr, As, Bs, rows_a, rows_b, kb, offs_k, M, K, 
 
 
 @triton.jit
-def _fp8_gemm(A, As, B, Bs, Bias, C, M, N, K, stride_bn, stride_bsn, stride_bsk, stride_cm,
-              stride_cs, KB_PER_SPLIT, NUM_KB: tl.constexpr, EVEN_K: tl.constexpr,
+def _fp8_gemm(A, As, B, Bs, Bias, C, M, N, K, stride_as, stride_bn, stride_bsn, stride_bsk,
+              stride_cm, stride_cs, KB_PER_SPLIT, NUM_KB: tl.constexpr, EVEN_K: tl.constexpr,
               HAS_BIAS: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
               EMULATE: tl.constexpr):
     """C (or split pid_k's float32 partial sum at C + pid_k * stride_cs) of the quantized A
-    [M, K] (scales As [NUM_KB, M]) times B [N, K] (scales Bs, strides stride_bsn/stride_bsk)."""
+    [M, K] (scales As [NUM_KB, stride_as]) times B [N, K] (scales Bs, strides
+    stride_bsn/stride_bsk)."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -124,13 +149,13 @@ def _fp8_gemm(A, As, B, Bs, Bias, C, M, N, K, stride_bn, stride_bsn, stride_bsk,
     if EMULATE:  # a while loop: the interpreter cannot range() over program-id arithmetic
         kb = kb_lo
         while kb < kb_hi:
-            acc = _block_product(acc, a_ptr, b_ptr, As, Bs, rows_a, rows_b, kb, offs_k, M, K,
-                                 stride_bsn, stride_bsk, EVEN_K, SWAP, BLOCK_K)
+            acc = _block_product(acc, a_ptr, b_ptr, As, Bs, rows_a, rows_b, kb, offs_k,
+                                 stride_as, K, stride_bsn, stride_bsk, EVEN_K, SWAP, BLOCK_K)
             kb += 1
     else:  # software-pipelined over num_stages K-blocks
         for kb in range(kb_lo, kb_hi):
-            acc = _block_product(acc, a_ptr, b_ptr, As, Bs, rows_a, rows_b, kb, offs_k, M, K,
-                                 stride_bsn, stride_bsk, EVEN_K, SWAP, BLOCK_K)
+            acc = _block_product(acc, a_ptr, b_ptr, As, Bs, rows_a, rows_b, kb, offs_k,
+                                 stride_as, K, stride_bsn, stride_bsk, EVEN_K, SWAP, BLOCK_K)
     if SWAP:
         acc = tl.trans(acc)
     if HAS_BIAS:
@@ -172,6 +197,40 @@ def quantize_activations(x: torch.Tensor, block_k: int, rows: int | None = None
     return q, s
 
 
+@dataclass(frozen=True)
+class Fp8Activations:
+    """Activations quantized for the block-FP8 GEMM: `q` e4m3 [R, K] and `s` float32 scales
+    [ceil(K / block_k), R] of `m` tokens (rows past m: zeros, floor scale); `dtype`: the GEMM's
+    output dtype (the unquantized activations')."""
+    q: torch.Tensor
+    s: torch.Tensor
+    m: int
+    dtype: torch.dtype
+
+
+def padded_rows(m: int) -> int:
+    """The rows of quantized activations for m tokens: m rounded up to a multiple of 4."""
+    return -(-m // 4) * 4
+
+
+def empty_activations(m: int, k: int, block_k: int, dtype: torch.dtype,
+                      device: torch.device) -> Fp8Activations:
+    """Uninitialized `Fp8Activations` for m tokens of k channels (a kernel fills them)."""
+    rows = padded_rows(m)
+    return Fp8Activations(torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=device),
+                          torch.empty(triton.cdiv(k, block_k), rows, dtype=torch.float32,
+                                      device=device), m, dtype)
+
+
+def activations(x: torch.Tensor | Fp8Activations, block_k: int) -> Fp8Activations:
+    """x quantized per token and K-block (by `quantize_activations`), or x as it is when a fused
+    kernel already quantized it."""
+    if isinstance(x, Fp8Activations):
+        return x
+    q, s = quantize_activations(x, block_k, rows=padded_rows(x.shape[0]))
+    return Fp8Activations(q, s, x.shape[0], x.dtype)
+
+
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -198,25 +257,27 @@ def config(m: int, n: int, num_kb: int, sms: int) -> dict:
             "split": triton.cdiv(num_kb, per_split), "per_split": per_split}
 
 
-def triton_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, block_k: int,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
+def triton_linear(x: torch.Tensor | Fp8Activations, q: torch.Tensor, scale: torch.Tensor, *,
+                  block_k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton path of fp8_linear."""
-    xq, xs = quantize_activations(x, block_k)
-    M, K = x.shape
+    act = activations(x, block_k)
+    xq, xs, M = act.q, act.s, act.m
+    K = xq.shape[1]
     N = q.shape[0]
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    out = torch.empty(M, N, dtype=act.dtype, device=xq.device)
     if M == 0:
         return out
     num_kb = scale.shape[1]
-    cfg = dict(config(M, N, num_kb, _num_sms(x.device)))
+    cfg = dict(config(M, N, num_kb, _num_sms(xq.device)))
     split, per_split = cfg.pop("split"), cfg.pop("per_split")
-    dest = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    dest = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=xq.device)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), split)
     has_bias = bias is not None and split == 1
-    _fp8_gemm[grid](xq, xs, q, scale, bias if has_bias else scale, dest, M, N, K, q.stride(0),
-                    scale.stride(0), scale.stride(1), N if split > 1 else out.stride(0), M * N,
-                    per_split, NUM_KB=num_kb, EVEN_K=K % block_k == 0, HAS_BIAS=has_bias,
-                    BLOCK_K=block_k, GROUP_M=8, EMULATE=INTERPRETED, **cfg)
+    _fp8_gemm[grid](xq, xs, q, scale, bias if has_bias else scale, dest, M, N, K, xs.stride(0),
+                    q.stride(0), scale.stride(0), scale.stride(1),
+                    N if split > 1 else out.stride(0), M * N, per_split, NUM_KB=num_kb,
+                    EVEN_K=K % block_k == 0, HAS_BIAS=has_bias, BLOCK_K=block_k, GROUP_M=8,
+                    EMULATE=INTERPRETED, **cfg)
     if split > 1:
         block = 1024
         _sum_splits[(triton.cdiv(M * N, block),)](dest, bias if bias is not None else scale, out,
@@ -230,25 +291,25 @@ def _hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
-def native_fits(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block_k: int) -> bool:
+def native_fits(x: torch.Tensor | Fp8Activations, q: torch.Tensor, scale: torch.Tensor,
+                block_k: int) -> bool:
     """Whether torch._scaled_mm's 1x128 x 1x128 block scaling takes these operands as they are:
     a CUDA device of compute capability 9.x, 128-wide K-blocks, K and N multiples of 128 and 16,
     a bf16/fp16 output, the weight row-major and its scales K-block-major (strides (1, N))."""
     N, K = q.shape
-    return (x.is_cuda and hasattr(torch, "_scaled_mm") and block_k == 128 and K % 128 == 0
+    return (q.is_cuda and hasattr(torch, "_scaled_mm") and block_k == 128 and K % 128 == 0
             and N % 16 == 0 and x.dtype in (torch.bfloat16, torch.float16)
-            and q.stride() == (K, 1) and scale.stride() == (1, N) and _hopper(x.device))
+            and q.stride() == (K, 1) and scale.stride() == (1, N) and _hopper(q.device))
 
 
-def native_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, block_k: int,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The cuBLASLt path of fp8_linear (operands as `native_fits` requires): A's scales [M, Kb]
-    with strides (1, M), B = q.T column-major with scales whose transpose is `scale`. cuBLASLt
-    wants M a multiple of 4 for these scales (16-byte aligned columns): the activations are
-    padded with zero rows and the result cut back."""
-    M = x.shape[0]
-    xq, xs = quantize_activations(x, block_k, rows=-(-M // 4) * 4)
-    out = torch._scaled_mm(xq, q.t(), scale_a=xs.t(), scale_b=scale.t(), out_dtype=x.dtype)[:M]
+def native_linear(x: torch.Tensor | Fp8Activations, q: torch.Tensor, scale: torch.Tensor, *,
+                  block_k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The cuBLASLt path of fp8_linear (operands as `native_fits` requires): A's scales [R, Kb]
+    with strides (1, R), B = q.T column-major with scales whose transpose is `scale`; the padding
+    rows' products are cut off."""
+    act = activations(x, block_k)
+    out = torch._scaled_mm(act.q, q.t(), scale_a=act.s.t(), scale_b=scale.t(),
+                           out_dtype=act.dtype)[:act.m]
     return out if bias is None else out.add_(bias)
 
 
@@ -311,11 +372,12 @@ def probe_native(device: torch.device, tokens: tuple[int, ...] = (1, 5, 64)) -> 
     return True
 
 
-def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *, block_k: int,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (bf16/fp16/fp32) times the block-FP8 weight (q [N, K], scale [N, ceil(K /
-    block_k)], any strides) transposed, plus bias: [M, N] in x's dtype. `block_k`: a power of
-    two >= 32 (the FP8 tensor-core dot's K)."""
-    if x.shape[0] and native_fits(x, q, scale, block_k) and _NATIVE.usable(x.device, x.shape[0]):
+def fp8_linear(x: torch.Tensor | Fp8Activations, q: torch.Tensor, scale: torch.Tensor, *,
+               block_k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32, or already quantized with this `block_k`) times the block-FP8
+    weight (q [N, K], scale [N, ceil(K / block_k)], any strides) transposed, plus bias: [M, N]
+    in x's dtype. `block_k`: a power of two >= 32 (the FP8 tensor-core dot's K)."""
+    m = x.m if isinstance(x, Fp8Activations) else x.shape[0]
+    if m and native_fits(x, q, scale, block_k) and _NATIVE.usable(q.device, m):
         return native_linear(x, q, scale, block_k=block_k, bias=bias)
     return triton_linear(x, q, scale, block_k=block_k, bias=bias)

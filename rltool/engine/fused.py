@@ -27,10 +27,12 @@ except ImportError:  # pragma: no cover - the dev extra installs triton; CUDA im
 # ----- torch references ---------------------------------------------------------------------
 
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(residual + x), residual + x); with no residual, (rms_norm(x), x)."""
+                     eps: float, block_k: int | None = None
+                     ) -> tuple[torch.Tensor | Fp8Activations, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x); with no residual, (rms_norm(x), x). With
+    `block_k`, the first quantized for the block-FP8 GEMM by its own kernel."""
     r = x if residual is None else residual + x
-    return rms_norm(r, weight, eps), r
+    return quantized(rms_norm(r, weight, eps), block_k), r
 
 
 def rope_store_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
@@ -54,22 +56,36 @@ def rope_store_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
             scales.index_copy_(0, loc, sx)
 
 
-def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul_ref(gate_up: torch.Tensor, block_k: int | None = None
+                 ) -> torch.Tensor | Fp8Activations:
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return quantized(F.silu(gate) * up, block_k)
+
+
+def quantized(x: torch.Tensor, block_k: int | None) -> torch.Tensor | Fp8Activations:
+    """x, or with `block_k` its quantization for the block-FP8 GEMM (fp8_gemm.activations)."""
+    if block_k is None:
+        return x
+    from rltool.engine.fp8_gemm import activations
+
+    return activations(x, block_k)
 
 
 # ----- Triton kernels -----------------------------------------------------------------------
 
 if triton is not None:
-    from rltool.engine.fp8_gemm import E4M3_MAX, SCALE_FLOOR, to_e4m3
+    from rltool.batch_invariant import INTERPRETED
+    from rltool.engine.fp8_gemm import (E4M3_MAX, SCALE_FLOOR, Fp8Activations, empty_activations,
+                                        store_quantized, to_e4m3)
 
     @triton.jit
-    def _add_rms_norm(X, R, W, Out, stride_x, stride_r, stride_o, N, eps,
-                      HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rms_norm(X, R, W, Out, Q, S, stride_x, stride_r, stride_o, T, ROWS, N, eps,
+                      HAS_RES: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
+                      BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+        """One row: Out (or, with QUANT, its FP8 quantization into Q, S; rows T..ROWS zeros)."""
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
-        mask = offs < N
+        mask = (offs < N) & (row < T)
         x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
         if HAS_RES:
             r = (tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
@@ -81,8 +97,12 @@ if triton is not None:
         var = tl.sum(rf * rf, axis=0) / N
         normed = (rf * (1.0 / tl.sqrt(var + eps))).to(x.dtype)
         w = tl.load(W + offs, mask=mask, other=0.0)
-        tl.store(Out + row * stride_o + offs,
-                 (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
+        out = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+        if QUANT:
+            store_quantized(out.to(tl.float32), Q + row * N, S + row, ROWS, N, BLOCK, BLOCK_K,
+                            EMULATE)
+        else:
+            tl.store(Out + row * stride_o + offs, out, mask=mask)
 
     @triton.jit
     def _store_kv(KC, KS, slot, stride_ct, stride_ch, stride_st, offs_h, offs_d, mask, x1, x2,
@@ -156,30 +176,52 @@ if triton is not None:
                       HALF, FP8, EMULATE)
 
     @triton.jit
-    def _silu_mul(GU, Out, stride_g, stride_o, N, BLOCK: tl.constexpr):
+    def _silu_mul(GU, Out, Q, S, stride_g, stride_o, T, ROWS, N, QUANT: tl.constexpr,
+                  BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+        """One row's BLOCK columns: Out (or, with QUANT, their FP8 quantization into Q, S; rows
+        T..ROWS zeros)."""
         row = tl.program_id(0).to(tl.int64)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < N
+        start = tl.program_id(1) * BLOCK
+        offs = start + tl.arange(0, BLOCK)
+        mask = (offs < N) & (row < T)
         g = tl.load(GU + row * stride_g + offs, mask=mask, other=0.0)
         u = tl.load(GU + row * stride_g + N + offs, mask=mask, other=0.0)
         gf = g.to(tl.float32)
         act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-        tl.store(Out + row * stride_o + offs,
-                 (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
+        out = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+        if QUANT:
+            store_quantized(out.to(tl.float32), Q + row * N + start,
+                            S + (start // BLOCK_K) * ROWS + row, ROWS, N - start, BLOCK, BLOCK_K,
+                            EMULATE)
+        else:
+            tl.store(Out + row * stride_o + offs, out, mask=mask)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused `add_rms_norm_ref`; the residual is updated in place (x is left untouched)."""
+                 eps: float, block_k: int | None = None
+                 ) -> tuple[torch.Tensor | Fp8Activations, torch.Tensor]:
+    """Fused `add_rms_norm_ref`; the residual is updated in place (x is left untouched). With
+    `block_k`, the normalized rows are written only quantized, in one kernel."""
     T, N = x.shape
-    out = torch.empty_like(x)
-    if residual is None:
-        _add_rms_norm[(T,)](x, x, weight, out, x.stride(0), x.stride(0), out.stride(0), N, eps,
-                            HAS_RES=False, BLOCK=triton.next_power_of_2(N), num_warps=4)
-        return out, x
-    _add_rms_norm[(T,)](x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0),
-                        N, eps, HAS_RES=True, BLOCK=triton.next_power_of_2(N), num_warps=4)
-    return out, residual
+    res = x if residual is None else residual
+    out, q, s, rows = _outputs(x, T, N, block_k)
+    block = triton.next_power_of_2(N) if block_k is None else max(triton.next_power_of_2(N),
+                                                                  block_k)
+    _add_rms_norm[(rows,)](x, res, weight, q if block_k else out, q, s, x.stride(0),
+                           res.stride(0), 0 if block_k else out.stride(0), T, rows, N, eps,
+                           HAS_RES=residual is not None, QUANT=block_k is not None, BLOCK=block,
+                           BLOCK_K=block_k or block, EMULATE=INTERPRETED, num_warps=4)
+    return out, res
+
+
+def _outputs(x: torch.Tensor, T: int, N: int, block_k: int | None):
+    """(the result: a tensor like x [T, N] or its Fp8Activations, the e4m3 and scale tensors to
+    write (x when unquantized), the rows to launch)."""
+    if block_k is None:
+        out = torch.empty(T, N, dtype=x.dtype, device=x.device)
+        return out, x, x, T
+    act = empty_activations(T, N, block_k, x.dtype, x.device)
+    return act, act.q, act.s, act.q.shape[0]
 
 
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
@@ -188,8 +230,6 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
                k_scale: torch.Tensor | None = None,
                v_scale: torch.Tensor | None = None) -> None:
     """Fused `rope_store_ref` (q, k, v may be strided views of the fused qkv output)."""
-    from rltool.batch_invariant import INTERPRETED
-
     T, H, D = q.shape
     kvh = k.shape[1]
     store = k_cache is not None
@@ -206,11 +246,15 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Ten
         STORE=store, FP8=fp8, EMULATE=INTERPRETED, num_warps=4)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, block_k: int | None = None
+             ) -> torch.Tensor | Fp8Activations:
+    """Fused `silu_mul_ref`; with `block_k`, the result is written only quantized."""
     T, N2 = gate_up.shape
     N = N2 // 2
-    out = torch.empty(T, N, dtype=gate_up.dtype, device=gate_up.device)
-    block = 1024
-    _silu_mul[(T, triton.cdiv(N, block))](gate_up, out, gate_up.stride(0), out.stride(0), N,
-                                         BLOCK=block, num_warps=4)
+    out, q, s, rows = _outputs(gate_up, T, N, block_k)
+    block = max(1024, block_k or 0)
+    _silu_mul[(rows, triton.cdiv(N, block))](
+        gate_up, q if block_k else out, q, s, gate_up.stride(0), 0 if block_k else out.stride(0),
+        T, rows, N, QUANT=block_k is not None, BLOCK=block, BLOCK_K=block_k or block,
+        EMULATE=INTERPRETED, num_warps=4)
     return out

@@ -13,7 +13,7 @@ rltool.engine.fp8_gemm.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,9 @@ import torch.nn.functional as F
 from rltool.convert.fp8 import (SCALE_SUFFIX, dequantize_blocks, quantize_blocks,
                                 quantize_blocks_torch, scale_shape)
 from rltool.errors import CheckpointError
+
+if TYPE_CHECKING:  # the GEMM module imports triton: only on the FP8 path
+    from rltool.engine.fp8_gemm import Fp8Activations
 
 SUPPORTED = ("quant_method fp8, fmt e4m3, activation_scheme dynamic, weight_block_size [bn, bk]")
 
@@ -174,9 +177,10 @@ class Fp8Weight:
         return self.q.numel() + self.scale.numel() * 4
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight,
+def linear(x: torch.Tensor | Fp8Activations, w: torch.Tensor | Fp8Weight,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or the block-FP8 GEMM for a weight kept in FP8."""
+    """F.linear, or the block-FP8 GEMM for a weight kept in FP8 (x possibly quantized for it
+    already, by the kernel that computed it)."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, bias)
     from rltool.engine.fp8_gemm import fp8_linear

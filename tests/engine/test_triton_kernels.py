@@ -307,13 +307,10 @@ def test_fp8_resident_model_is_close_to_dequantized(on_dev, request, tiny_model_
     (max |difference| measured 0.025 and 0.017 nats)."""
     if ran_in_child(request):
         return
-    import torch.nn.functional as F
-
     from rltool.convert.fp8 import Fp8Config, quantize_checkpoint
     from rltool.engine.dense_model import LINEAR_KEYS, load_model
 
     ids = torch.tensor([3, 9, 4, 17, 22, 5, 8, 30, 11, 2])
-    pos = torch.arange(len(ids))
     for arch, block in [("qwen2", (16, 32)), ("qwen3_moe", (32, 32))]:
         out = tmp_path / arch
         quantize_checkpoint(Fp8Config(hf=tiny_model_factory(arch, 0), out=out, block=block,
@@ -321,19 +318,79 @@ def test_fp8_resident_model_is_close_to_dequantized(on_dev, request, tiny_model_
         logprobs = []
         for resident in (False, True):
             model = load_model(out, device=DEV, dtype=torch.float32, fp8_resident=resident)
-
-            def attend(layer, q, k, v, model=model):
-                model.rope_store(q, k, v, pos)
-                return F.scaled_dot_product_attention(
-                    q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
-                    enable_gqa=True).transpose(0, 1)
-
             keys = {(i, key) for i, L in enumerate(model.layers) for key in L
                     if key in LINEAR_KEYS}
             assert model.fp8_keys == (keys if resident else set())
-            logprobs.append(torch.log_softmax(model.logits(model.hidden(ids, attend)), -1))
+            logprobs.append(torch.log_softmax(
+                model.logits(model.hidden(ids, sdpa_attend(model, len(ids)))), -1))
         diff = (logprobs[0] - logprobs[1]).abs().max().item()
         assert 0 < diff < 0.05, (arch, diff)
+
+
+def sdpa_attend(model, length: int):
+    """An `attend` for `DenseLM.hidden` of one causal sequence of `length` tokens from
+    position 0: the model's RoPE, then torch's attention."""
+    import torch.nn.functional as F
+
+    pos = torch.arange(length)
+
+    def attend(layer, q, k, v):
+        model.rope_store(q, k, v, pos)
+        return F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+            enable_gqa=True).transpose(0, 1)
+
+    return attend
+
+
+def test_fp8_quantization_fused_into_norm_and_silu(on_dev, request, tiny_model_factory,
+                                                   tmp_path, monkeypatch):
+    """RMSNorm (with and without the residual add) and SiLU-and-multiply writing their output
+    already quantized for the block-FP8 GEMM: the same e4m3 bytes and scales (padding rows
+    included) as the unfused kernel followed by the quantization kernel, the same residual, and
+    the same GEMM result; an FP8-resident model with the fused kernels gives the same logits as
+    with the quantization separate."""
+    if ran_in_child(request):
+        return
+    from rltool.convert.fp8 import Fp8Config, quantize_blocks_torch, quantize_checkpoint
+    from rltool.engine import dense_model, fp8_gemm, fused
+
+    torch.manual_seed(11)
+
+    def same(got, want):
+        assert (got.m, got.dtype) == (want.m, want.dtype)
+        assert torch.equal(got.q.view(torch.uint8), want.q.view(torch.uint8))
+        assert torch.equal(got.s, want.s)
+
+    for dtype, T, hidden, inter, block_k in [(torch.bfloat16, 5, 200, 1100, 128),
+                                             (torch.float32, 4, 96, 80, 32)]:
+        x, res = (torch.randn(T, hidden, dtype=dtype) * 3 for _ in range(2))
+        w = torch.randn(hidden, dtype=dtype)
+        x[1, :32] = -res[1, :32]  # an all-zero K-block after the add: the floor scale
+        for r in (res, None):
+            want, want_res = fused.add_rms_norm(x, None if r is None else r.clone(), w, 1e-6)
+            got, got_res = fused.add_rms_norm(x, None if r is None else r.clone(), w, 1e-6,
+                                              block_k)
+            same(got, fp8_gemm.activations(want, block_k))
+            assert torch.equal(got_res, want_res)
+        gu = torch.randn(T, 2 * inter, dtype=dtype)
+        gu[2, :block_k] = 0.0
+        got = fused.silu_mul(gu, block_k)
+        same(got, fp8_gemm.activations(fused.silu_mul(gu), block_k))
+        assert got.q.shape == (fp8_gemm.padded_rows(T), inter) and not got.q[T:].float().any()
+        q, block_scale = quantize_blocks_torch(torch.randn(24, inter) * 0.05, (block_k, block_k))
+        scale = block_scale.repeat_interleave(block_k, dim=0)[:24]
+        assert torch.equal(fp8_gemm.fp8_linear(got, q, scale, block_k=block_k),
+                           fp8_gemm.fp8_linear(fused.silu_mul(gu), q, scale, block_k=block_k))
+    quantize_checkpoint(Fp8Config(hf=tiny_model_factory("qwen2", 0), out=tmp_path / "fp8",
+                                  block=(32, 32), workers=1))
+    model = dense_model.load_model(tmp_path / "fp8", device=DEV, dtype=torch.float32,
+                                   fp8_resident=True)
+    model.fused = True
+    ids = torch.tensor([3, 9, 4, 17, 22, 5, 8, 30, 11, 2])
+    logits = model.logits(model.hidden(ids, sdpa_attend(model, len(ids))))
+    monkeypatch.setattr(dense_model, "fp8_input", lambda w: None)
+    assert torch.equal(model.logits(model.hidden(ids, sdpa_attend(model, len(ids)))), logits)
 
 
 def test_fp8_kv_kernels_match_reference(on_dev, request):

@@ -1,5 +1,6 @@
 """FP8 rollout on a CUDA GPU: the block-FP8 GEMMs (Triton and torch._scaled_mm) at Qwen2.5-0.5B's
-shapes within the analytic bound of the float32 product; a block-FP8 checkpoint
+shapes within the analytic bound of the float32 product; the quantization fused into RMSNorm and
+SiLU-and-multiply bit-equal to the separate kernel at Qwen2.5-7B's sizes; a block-FP8 checkpoint
 served with its linears kept in FP8 against the bf16 model it came from; the FP8 KV cache
 through CUDA-graph decode against the bf16 cache.
 
@@ -98,3 +99,30 @@ def test_fp8_kv_decode_on_cuda(tiny_model_factory):
     diff = (got - ref).abs().max().item()
     print(f"max |logprob(fp8 KV) - logprob(bf16 KV)| = {diff:.4f}")
     assert 0 < diff < KV_TOL
+
+
+@pytest.mark.parametrize("m", [1, 5, 64, 256])
+def test_quantization_fused_into_norm_and_silu_on_cuda(m):
+    """At Qwen2.5-7B's hidden and intermediate sizes, compiled: RMSNorm (with the residual add)
+    and SiLU-and-multiply writing their output quantized give the bytes and scales of the
+    unfused kernels followed by the quantization kernel, and the FP8 GEMM (as served: native
+    where its probe passes) the same result from either."""
+    from rltool.engine import fp8_gemm, fused
+
+    torch.manual_seed(m)
+    hidden, inter = 3584, 18944
+    x, res = (torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16) * 3 for _ in range(2))
+    w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+    gu = torch.randn(m, 2 * inter, device="cuda", dtype=torch.bfloat16)
+    pairs = [(fused.add_rms_norm(x, res.clone(), w, 1e-6, 128)[0],
+              fused.add_rms_norm(x, res.clone(), w, 1e-6)[0]),
+             (fused.silu_mul(gu, 128), fused.silu_mul(gu))]
+    for got, plain in pairs:
+        want = fp8_gemm.activations(plain, 128)
+        assert torch.equal(got.q.view(torch.uint8), want.q.view(torch.uint8))
+        assert torch.equal(got.s, want.s)
+        q, block_scale = quantize_blocks_torch(
+            torch.randn(512, plain.shape[1], device="cuda") * 0.02, (128, 128))
+        scale = block_scale.to("cuda").repeat_interleave(128, dim=0).t().contiguous().t()
+        assert torch.equal(fp8_gemm.fp8_linear(got, q, scale, block_k=128),
+                           fp8_gemm.fp8_linear(plain, q, scale, block_k=128))
