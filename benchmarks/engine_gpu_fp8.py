@@ -254,6 +254,11 @@ def quick(preset: str, batches: list[int], gemm_only: bool) -> dict:
     out: dict = {"copy_bandwidth_Bps": bw, "gemm": gemm_rates(spec)}
     print_gemms(preset, out["gemm"], bw)
     out["quantize_fusion"] = quantize_fusion(spec)
+    from rltool.engine.fp8_gemm import probe_native
+
+    out["native_bias_in_epilogue"] = probe_native(torch.device("cuda"), (5, 64), bias=True)
+    print(f"native GEMM adds the bias in cuBLASLt's epilogue: {out['native_bias_in_epilogue']}",
+          flush=True)
     if not gemm_only:
         model_dir, fp8_dir = checkpoints(preset)
         out["engines"] = engines(preset, batches, {"bf16": (model_dir, "auto", "auto"),

@@ -306,32 +306,47 @@ def native_linear(x: torch.Tensor | Fp8Activations, q: torch.Tensor, scale: torc
                   block_k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The cuBLASLt path of fp8_linear (operands as `native_fits` requires): A's scales [R, Kb]
     with strides (1, R), B = q.T column-major with scales whose transpose is `scale`; the padding
-    rows' products are cut off."""
+    rows' products are cut off. The bias is added in cuBLASLt's epilogue where a probe found it
+    honoured with block scales (one rounding, no second kernel), else by a second kernel."""
     act = activations(x, block_k)
-    out = torch._scaled_mm(act.q, q.t(), scale_a=act.s.t(), scale_b=scale.t(),
-                           out_dtype=act.dtype)[:act.m]
-    return out if bias is None else out.add_(bias)
+    fuse = bias is not None and _NATIVE.bias_fused(q.device, act.m)
+    out = _scaled_mm(act, q, scale, bias if fuse else None)
+    return out if bias is None or fuse else out.add_(bias)
+
+
+def _scaled_mm(act: Fp8Activations, q: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    return torch._scaled_mm(act.q, q.t(), scale_a=act.s.t(), scale_b=scale.t(), bias=bias,
+                            out_dtype=act.dtype)[:act.m]
 
 
 class _Native:
-    """Whether the native path is used on a device for M tokens: `auto` probes it once per device
-    (outside CUDA-graph capture) against the Triton kernel, one token apart from several (torch
-    takes a one-row activation scale as a 128x128 block); `set_backend` overrides."""
+    """Whether the native path is used on a device for M tokens, and whether it adds the bias in
+    cuBLASLt's epilogue: `auto` probes each once per device (outside CUDA-graph capture) against
+    the Triton kernel, one token apart from several (torch takes a one-row activation scale as a
+    128x128 block); `set_backend` overrides the first."""
 
     def __init__(self):
         self.backend = "auto"
-        self.verdict: dict[tuple[torch.device, bool], bool] = {}
+        self.verdict: dict[tuple[str, torch.device, bool], bool] = {}
         self.lock = threading.Lock()
 
     def usable(self, device: torch.device, m: int) -> bool:
         if self.backend != "auto":
             return self.backend == "native"
-        key = (device, m == 1)
+        return self._probed("gemm", device, m)
+
+    def bias_fused(self, device: torch.device, m: int) -> bool:
+        return self._probed("bias", device, m)
+
+    def _probed(self, what: str, device: torch.device, m: int) -> bool:
+        key = (what, device, m == 1)
         if key not in self.verdict:
             if torch.cuda.is_current_stream_capturing():
                 return False
+            tokens = (1,) if m == 1 else (5, 64)
             with self.lock:
-                self.verdict.setdefault(key, probe_native(device, (1,) if m == 1 else (5, 64)))
+                self.verdict.setdefault(key, probe_native(device, tokens, bias=what == "bias"))
         return self.verdict[key]
 
 
@@ -346,10 +361,12 @@ def set_backend(name: str) -> None:
     _NATIVE.backend = name
 
 
-def probe_native(device: torch.device, tokens: tuple[int, ...] = (1, 5, 64)) -> bool:
+def probe_native(device: torch.device, tokens: tuple[int, ...] = (1, 5, 64), *,
+                 bias: bool = False) -> bool:
     """One call of the native path per token count at N=256, K=512, within the two GEMMs'
     rounding and accumulation differences of the Triton path; False when torch, cuBLASLt or the
-    GPU refuse it."""
+    GPU refuse it. `bias`: the call with a bias (large against those differences) passed to
+    cuBLASLt's epilogue instead."""
     if not _hopper(device) or not hasattr(torch, "_scaled_mm"):
         return False
     gen = torch.Generator(device=device).manual_seed(0)
@@ -359,14 +376,16 @@ def probe_native(device: torch.device, tokens: tuple[int, ...] = (1, 5, 64)) -> 
     exponents = torch.randint(-3, 4, (4, 256), device=device, generator=gen)
     scale = (0.01 * 2.0 ** exponents).t()  # K-block-major, as native_fits requires
     deq = q.float() * scale.repeat_interleave(128, dim=1)
+    b = (torch.randn(256, device=device, generator=gen) * 256).to(torch.bfloat16) if bias else None
     for m in tokens:
         x = torch.randn(m, 512, device=device, generator=gen, dtype=torch.bfloat16)
         try:
-            got = native_linear(x, q, scale, block_k=128).float()
+            got = _scaled_mm(activations(x, 128), q, scale, b).float()
         except (RuntimeError, NotImplementedError):
             return False
-        want = triton_linear(x, q, scale, block_k=128).float()
-        magnitude = x.float().abs() @ deq.abs().T  # both round activations and accumulate
+        want = triton_linear(x, q, scale, block_k=128, bias=b).float()
+        # both round activations and accumulate; the output rounding of |y| <= |x||w| + |b|
+        magnitude = x.float().abs() @ deq.abs().T + (0 if b is None else b.float().abs())
         if not ((got - want).abs() <= 2 ** -6 * magnitude).all():
             return False
     return True
