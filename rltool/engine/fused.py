@@ -4,6 +4,9 @@ A decode step of a small model is bound by the number of kernels, not by bytes: 
 is ~45 kernels (RMSNorm alone is seven). These cut it to ~10 per layer: residual-add + RMSNorm,
 RoPE on q and k with the KV-cache write, SiLU-and-multiply. Each rounds where transformers rounds
 (every elementwise result back to the model dtype), so bf16 results stay those of the unfused ops.
+Before a linear kept in FP8, the norm and SiLU-and-multiply (`block_k` given) write their result
+only quantized for the block-FP8 GEMM (rltool.engine.fp8_gemm.Fp8Activations): the bytes and
+scales the separate quantization kernel would write from the rounded result, one kernel fewer.
 
 `*_ref` are the torch versions (used on CPU and as the tests' reference, run by Triton's
 interpreter there).
