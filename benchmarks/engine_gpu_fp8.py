@@ -15,10 +15,10 @@ checkpoint written).
 
 GEMM rates: at the model's four linear shapes (qkv, o, gate_up, down) for 1, 64, 256 and 8192
 tokens, bf16 F.linear, the Triton FP8 GEMM, the native one (null where torch has no 1x128 block
-scaling), the native one on activations already quantized (as the engine runs the qkv, gate_up
-and down projections, whose inputs the RMSNorm / SiLU-and-multiply kernel writes quantized) and
-torch._scaled_mm with the weight's 128x128 block scales (not used by the engine), each call but
-the prequantized one including its activation quantization; then the kernels before an FP8
+scaling), both also on activations already quantized (`_prequantized`: as the engine runs the
+qkv, gate_up and down projections, whose inputs the RMSNorm / SiLU-and-multiply kernel writes
+quantized) and torch._scaled_mm with the weight's 128x128 block scales (not used by the engine),
+each call but the prequantized ones including its activation quantization; then the kernels before an FP8
 linear with the quantization separate and fused into them. GPU time of 20 calls replayed from a
 CUDA graph (as the engine's decode runs them, without host launch cost). Reported: TFLOP/s, and
 GB/s of the bytes each moves (weight, its scales, activations, output) beside the measured
@@ -88,7 +88,8 @@ def native_block_weight(x, q, block_scale):
                             out_dtype=x.dtype)[:act.m]
 
 
-KINDS = ("bf16", "triton", "native", "native_prequantized", "native_128x128")
+KINDS = ("bf16", "triton", "triton_prequantized", "native", "native_prequantized",
+         "native_128x128")
 
 
 def gemm_rates(spec, tokens: tuple[int, ...] = TOKENS) -> list[dict]:
@@ -109,17 +110,21 @@ def gemm_rates(spec, tokens: tuple[int, ...] = TOKENS) -> list[dict]:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {"gemm": name, "m": m, "n": n, "k": k}
             fp8_bytes = n * k + scale.numel() * 4 + m * k * 2 + m * n * 2
+            act = fp8_gemm.activations(x, 128)  # as the fused norm / SiLU kernels leave them
+            prequantized_bytes = fp8_bytes - m * k * 2 + act.q.numel() + act.s.numel() * 4
             kinds = {"bf16": (lambda: torch.nn.functional.linear(x, w),
                               2 * (n * k + m * k + m * n)),
                      "triton": (lambda: fp8_gemm.triton_linear(x, q, scale, block_k=128),
-                                fp8_bytes)}
+                                fp8_bytes),
+                     "triton_prequantized": (
+                         lambda: fp8_gemm.triton_linear(act, q, scale, block_k=128),
+                         prequantized_bytes)}
             if native:
                 kinds["native"] = (lambda: fp8_gemm.native_linear(x, q, scale, block_k=128),
                                    fp8_bytes)
-                act = fp8_gemm.activations(x, 128)  # as the fused norm / SiLU kernels leave them
                 kinds["native_prequantized"] = (
                     lambda: fp8_gemm.native_linear(act, q, scale, block_k=128),
-                    fp8_bytes - m * k * 2 + m * k + act.s.numel() * 4)
+                    prequantized_bytes)
             want = fp8_gemm.triton_linear(x, q, scale, block_k=128).float()
             try:
                 got = native_block_weight(x, q, block_scale).float()
