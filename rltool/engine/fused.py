@@ -208,8 +208,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     T, N = x.shape
     res = x if residual is None else residual
     out, q, s, rows = _outputs(x, T, N, block_k)
-    block = triton.next_power_of_2(N) if block_k is None else max(triton.next_power_of_2(N),
-                                                                  block_k)
+    block = max(triton.next_power_of_2(N), block_k or 1)
     _add_rms_norm[(rows,)](x, res, weight, q if block_k else out, q, s, x.stride(0),
                            res.stride(0), 0 if block_k else out.stride(0), T, rows, N, eps,
                            HAS_RES=residual is not None, QUANT=block_k is not None, BLOCK=block,
