@@ -11,6 +11,9 @@ memory-efficient kernel runs and no S x S tensor is kept for backward.
   sequences back to back, delimited by `cu_seqlens_q`; rltool.train.packed.causal_varlen runs
   them (one variable-length flash call on CUDA in bf16, one causal SDPA call per sequence
   elsewhere; no token attends across a boundary) -> [t, heads * d]. No attention dropout there.
+  `RowParams` carries the offsets twice: on the host for megatron's THD rotary embedding (which
+  reads them with `.tolist()` in every layer) and on the device for the attention call, so no
+  layer copies them to the device or waits for it.
 - Grouped-query attention: key/value heads are shared by `heads / groups` query heads
   (`enable_gqa`), never copied.
 
@@ -20,13 +23,23 @@ Context parallelism needs transformer-engine's attention (the TE spec); this mod
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from rltool.errors import ConfigError
 from rltool.train.packed import causal_varlen
+
+
+@dataclass
+class RowParams(PackedSeqParams):
+    """PackedSeqParams of one packed row whose `cu_seqlens_q`/`_kv` stay on the host, plus the
+    same offsets already on the attention's device (`cu_seqlens_device`)."""
+
+    cu_seqlens_device: torch.Tensor | None = None
 
 
 class SdpaCoreAttention(torch.nn.Module):
@@ -65,7 +78,9 @@ class SdpaCoreAttention(torch.nn.Module):
             if self.dropout and self.training:
                 raise ConfigError("attention dropout is not supported with packed sequences; "
                                   "set attention_dropout to 0")
-            out = causal_varlen(query, key, value, packed_seq_params.cu_seqlens_q,
+            cu = getattr(packed_seq_params, "cu_seqlens_device", None)
+            out = causal_varlen(query, key, value,
+                                packed_seq_params.cu_seqlens_q if cu is None else cu,
                                 packed_seq_params.max_seqlen_q, scale=self.softmax_scale)
             return out.reshape(out.shape[0], -1)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, d]

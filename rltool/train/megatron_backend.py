@@ -214,10 +214,10 @@ class MegatronBackend:
     def _pack(self, mb: MicroBatch, length: int) -> tuple[packed.Packed, Any]:
         """The packed row of one micro-batch, [1, length]: its samples, then one padding sequence
         up to `length` when it is shorter (no response rows, never read), and its
-        PackedSeqParams. The offsets in
-        the params stay on the CPU: megatron's THD rotary embedding reads them per layer, which
-        on the device would wait for the GPU to drain each time."""
-        from megatron.core.packed_seq_params import PackedSeqParams
+        RowParams. The offsets megatron's THD rotary embedding reads per layer stay on the CPU
+        (on the device each read would wait for the GPU to drain); the core attention takes the
+        copy that arrived with the row."""
+        from rltool.train.megatron_attention import RowParams
 
         tokens, starts = list(mb.tokens), list(mb.response_starts)
         pad = length - sum(map(len, tokens))
@@ -225,9 +225,9 @@ class MegatronBackend:
             tokens.append([0] * pad)
             starts.append(pad)
         p = packed.pack(tokens, starts, self.device)
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=p.cu_seqlens_host,
-                                 cu_seqlens_kv=p.cu_seqlens_host, max_seqlen_q=p.max_len,
-                                 max_seqlen_kv=p.max_len)
+        params = RowParams(qkv_format="thd", cu_seqlens_q=p.cu_seqlens_host,
+                           cu_seqlens_kv=p.cu_seqlens_host, max_seqlen_q=p.max_len,
+                           max_seqlen_kv=p.max_len, cu_seqlens_device=p.cu_seqlens)
         return p, params
 
     def _rounded(self, tokens: int) -> int:

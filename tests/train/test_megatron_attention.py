@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rltool.errors import ConfigError
-from rltool.train.megatron_attention import SdpaCoreAttention
+from rltool.train.megatron_attention import RowParams, SdpaCoreAttention
 
 HEADS, GROUPS, DIM = 4, 2, 8
 
@@ -61,6 +61,20 @@ def test_packed_layout_attends_within_each_sample_only():
     out = _attention()(q, k, v, None, packed_seq_params=params)
     assert out.shape == (9, HEADS * DIM)
     for start, end in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        want = _reference(q[start:end], k[start:end], v[start:end])
+        assert torch.allclose(out[start:end].double(), want, atol=1e-6)
+
+
+def test_row_params_attend_with_the_offsets_already_on_the_device():
+    """RowParams' host offsets are for megatron's rotary embedding; the attention call takes the
+    device copy (here a different split, to tell which one it read)."""
+    q, k, v = _qkv(9, seed=2)
+    host = torch.tensor([0, 9], dtype=torch.int32)
+    device = torch.tensor([0, 4, 9], dtype=torch.int32)
+    params = RowParams(qkv_format="thd", cu_seqlens_q=host, cu_seqlens_kv=host, max_seqlen_q=9,
+                       max_seqlen_kv=9, cu_seqlens_device=device)
+    out = _attention()(q, k, v, None, packed_seq_params=params)
+    for start, end in ((0, 4), (4, 9)):
         want = _reference(q[start:end], k[start:end], v[start:end])
         assert torch.allclose(out[start:end].double(), want, atol=1e-6)
 
