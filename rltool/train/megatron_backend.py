@@ -140,6 +140,12 @@ class MegatronBackend:
         ) if options.use_rollout_routing_replay else None  # rltool.train.megatron_routing
         self.config = model.config
         self.module = model
+        # RoPE from tables built once per packed row (rltool.train.megatron_attention), where the
+        # model's RoPE is megatron's plain, non-interleaved one
+        self.row_rope = (getattr(model, "position_embedding_type", None) == "rope"
+                         and not self.config.rotary_interleaved
+                         and not self.config.multi_latent_attention
+                         and not self.config.apply_rope_fusion)
         self.model: Any = model
         self.optimizer: Any = None
         if trainable:
@@ -217,7 +223,7 @@ class MegatronBackend:
         RowParams. The offsets megatron's THD rotary embedding reads per layer stay on the CPU
         (on the device each read would wait for the GPU to drain); the core attention takes the
         copy that arrived with the row."""
-        from rltool.train.megatron_attention import RowParams
+        from rltool.train.megatron_attention import RowParams, rotary_tables
 
         tokens, starts = list(mb.tokens), list(mb.response_starts)
         pad = length - sum(map(len, tokens))
@@ -225,9 +231,14 @@ class MegatronBackend:
             tokens.append([0] * pad)
             starts.append(pad)
         p = packed.pack(tokens, starts, self.device)
+        rotary = None
+        if self.row_rope:  # the frequencies GPTModel computes, at the row's positions
+            emb = self.module.rotary_pos_emb(p.max_len, packed_seq=True, cp_group=None)
+            rotary = rotary_tables(emb, p.position_ids[0], self.config.params_dtype)
         params = RowParams(qkv_format="thd", cu_seqlens_q=p.cu_seqlens_host,
                            cu_seqlens_kv=p.cu_seqlens_host, max_seqlen_q=p.max_len,
-                           max_seqlen_kv=p.max_len, cu_seqlens_device=p.cu_seqlens)
+                           max_seqlen_kv=p.max_len, cu_seqlens_device=p.cu_seqlens,
+                           rotary=rotary)
         return p, params
 
     def _rounded(self, tokens: int) -> int:
@@ -287,12 +298,17 @@ class MegatronBackend:
     @contextlib.contextmanager
     def _hidden_out(self) -> Iterator[None]:
         """GPTModel returns the decoder's final (normed) hidden states instead of logits while its
-        `post_process` is off; the logits are then computed chunk by chunk (`_outputs`)."""
-        last, self.module.post_process = self.module.post_process, False
+        `post_process` is off; the logits are then computed chunk by chunk (`_outputs`). With
+        `row_rope` its own RoPE is off too: the core attention applies the row's tables."""
+        module = self.module
+        last = module.post_process, module.position_embedding_type
+        module.post_process = False
+        if self.row_rope:
+            module.position_embedding_type = "none"
         try:
             yield
         finally:
-            self.module.post_process = last
+            module.post_process, module.position_embedding_type = last
 
     def _run(self, units: list[MicroBatch], *, forward_only: bool,
              on_output: Callable[[MicroBatch, packed.Packed, torch.Tensor], torch.Tensor]) -> None:
