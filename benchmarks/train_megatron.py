@@ -146,9 +146,8 @@ def allocator_counters() -> dict[str, int]:
     """The CUDA caching allocators' cumulative event counters (see `allocator_events`)."""
     stats = torch.cuda.memory_stats()
     out = {name: int(stats.get(name, 0)) for name in ALLOC_COUNTERS}
-    host_stats = getattr(torch.cuda, "host_memory_stats", None)  # newer torch only
-    if host_stats is not None:
-        out["num_host_alloc"] = int(host_stats().get("num_host_alloc", 0))
+    if hasattr(torch.cuda, "host_memory_stats"):  # the pinned host allocator, newer torch only
+        out["num_host_alloc"] = int(torch.cuda.host_memory_stats().get("num_host_alloc", 0))
     return out
 
 
@@ -328,7 +327,8 @@ def profile_step(backend, mbs: list[MicroBatch], path: Path, step_s: float) -> d
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof, warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+        # every sync debug warning, not only the first per line (other warnings as before)
+        warnings.filterwarnings("always", message=".*synchroniz")
         start = time.perf_counter()
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
