@@ -79,6 +79,24 @@ def _config_overrides(options: BackendConfig, *, cuda: bool) -> dict[str, Any]:
     return overrides
 
 
+OUTPUT_FIELDS = ("logprobs", "entropy", "topk_logprobs", "topk_ids")
+
+
+def _to_host(outputs: list[ForwardOutput]) -> list[ForwardOutput]:
+    """The per-sample tensors of `outputs` on the CPU with one device-to-host copy per field (a
+    `.cpu()` per tensor would make the host wait for the device after every sample)."""
+    hosted = [ForwardOutput(logprobs=[]) for _ in outputs]
+    for name in OUTPUT_FIELDS:
+        parts = [getattr(out, name) for out in outputs]
+        if not parts or parts[0] is None:
+            continue
+        flat = [t for part in parts for t in part]
+        host = iter(torch.cat(flat).cpu().split([t.shape[0] for t in flat]) if flat else [])
+        for out, part in zip(hosted, parts):  # own storage each, like a per-tensor .cpu()
+            setattr(out, name, [next(host).clone() for _ in part])
+    return hosted
+
+
 class MegatronBackend:
     """See the module docstring; implements rltool.train.backend.TrainerBackend."""
 
@@ -357,17 +375,13 @@ class MegatronBackend:
 
         def collect(unit: MicroBatch, p: packed.Packed, hidden: torch.Tensor) -> torch.Tensor:
             if not unit.empty:
-                out = self._outputs(hidden, p, samples=len(unit.tokens), temperature=temperature,
-                                    with_entropy=with_entropy, top_k=top_k)
-                results.append(ForwardOutput(
-                    logprobs=[t.cpu() for t in out.logprobs],
-                    entropy=None if out.entropy is None else [t.cpu() for t in out.entropy],
-                    topk_logprobs=None if not top_k else [t.cpu() for t in out.topk_logprobs],
-                    topk_ids=None if not top_k else [t.cpu() for t in out.topk_ids]))
+                results.append(self._outputs(hidden, p, samples=len(unit.tokens),
+                                             temperature=temperature, with_entropy=with_entropy,
+                                             top_k=top_k))
             return hidden.sum() * 0.0
 
         self._run(self._lockstep(units), forward_only=True, on_output=collect)
-        results = self._broadcast_from_last_stage(results)
+        results = self._broadcast_from_last_stage(_to_host(results))
         merged = ForwardOutput(logprobs=[], entropy=[] if with_entropy else None,
                                topk_logprobs=[] if top_k else None, topk_ids=[] if top_k else None)
         for out in results:
