@@ -13,7 +13,8 @@
   chunks, gathered over TP and cut to the real vocabulary, turned into logprobs by
   rltool.train.packed.response_outputs, the function the torch backend's packed layout uses.
 - Per micro-batch the host never waits for the device (no `.item()`, `.tolist()` or blocking copy;
-  metrics are summed on the device), so the CPU queues kernels ahead of the GPU.
+  metrics are summed on the device, the logprob pass's outputs reach the host in one copy per
+  field after the last micro-batch), so the CPU queues kernels ahead of the GPU.
 - Forward and backward run through megatron's pipeline schedules (`get_forward_backward_func`),
   one call per logprob micro-batch and one per optimizer step, with `calculate_per_token_loss`:
   the stage's losses are already normalised for the global batch, so the schedule divides by
