@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import _rotate_half
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from rltool.errors import ConfigError
@@ -42,7 +43,8 @@ from rltool.train.packed import causal_varlen
 @dataclass
 class RowParams(PackedSeqParams):
     """PackedSeqParams of one packed row whose `cu_seqlens_q`/`_kv` stay on the host, plus the
-    same offsets already on the attention's device (`cu_seqlens_device`)."""
+    same offsets already on the attention's device (`cu_seqlens_device`) and the row's RoPE
+    tables (`rotary`, from `rotary_tables`; None while the model applies its own RoPE)."""
 
     cu_seqlens_device: torch.Tensor | None = None
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin) [T, 1, 1, rot_dim]
@@ -60,8 +62,6 @@ def rotary_tables(emb: torch.Tensor, position_ids: torch.Tensor,
 def apply_rotary(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """megatron's non-interleaved RoPE on t [T, heads, d] with precomputed tables: the same
     operations in the same order (the first rot_dim channels rotated, the rest passed)."""
-    from megatron.core.models.common.embeddings.rope_utils import _rotate_half
-
     x = t.unsqueeze(1)
     rot = cos.shape[-1]
     x, rest = x[..., :rot], x[..., rot:]
