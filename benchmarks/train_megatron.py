@@ -30,13 +30,26 @@ tokens, 1 warmup and 3 timed steps, both presets) are sized for about three minu
                between kernels in the profiled step, whose host work the profiler slows; the
                largest with the kernel that follows each), device time per kernel kind, the top
                kernels and host operators, and `limit`: the largest share of the step (device
-               idle, i.e. the host, or a kernel kind)
+               idle, i.e. the host, or a kernel kind); `host_syncs`: the calls that made the
+               host wait for the device in that step (torch's CUDA sync debug mode), by the
+               Python line that made them, so a wait per micro-batch shows with a count of at
+               least the micro-batch count
+  allocator    `allocator_events`: what the timed steps asked of the CUDA caching allocators
+               (cudaMalloc retries and cache flushes, each of which waits for the device; new
+               device segments and frees; new pinned host blocks). The script runs with
+               PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the environment sets it
+               (packed rows of varying length otherwise fragment the cache until a cudaMalloc
+               fails and the allocator flushes it, waiting for the device)
+  phases       `phase_s`: seconds to build the backend, run the warm-up, the timed steps and the
+               profiled step (with its trace summary), printed as they finish
 
 Results are written after every (preset, backend) to OUT/train_megatron-<date>-<machine>.json
 (atomic), so a run cut short keeps what it measured; a backend that fails (e.g. out of memory)
 records its error and the run goes on. Prints a table and, last, one JSON line.
 
 GPU:  python benchmarks/train_megatron.py --device cuda --out benchmarks/results
+      (Qwen2.5-3B shapes alone, both backends, about three minutes on one H200:
+      --presets qwen2.5-3b)
 CPU (a check of the script itself, minutes):
       python benchmarks/train_megatron.py --device cpu --presets tiny --dtype fp32 --seq-len 64 \\
           --torch-seq-len 64 --min-len 8 --max-len 48 --samples-per-step 8 --steps 2 --warmup 1 \\
@@ -53,20 +66,33 @@ import platform
 import random
 import re
 import statistics
+import sys
 import tempfile
 import time
 import traceback
+import warnings
+from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
+# read when torch first allocates CUDA memory, so set before anything does
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
-from rltool import atomic
-from rltool.data.models import init_model
-from rltool.train.backend import MicroBatch
-from rltool.train.backends import build_backend
-from rltool.train.config import BackendConfig
-from rltool.train.dp_schedule import schedule
+import torch  # noqa: E402
+
+from rltool import atomic  # noqa: E402
+from rltool.data.models import init_model  # noqa: E402
+from rltool.train.backend import MicroBatch  # noqa: E402
+from rltool.train.backends import build_backend  # noqa: E402
+from rltool.train.config import BackendConfig  # noqa: E402
+from rltool.train.dp_schedule import schedule  # noqa: E402
+
+T0 = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    """A timestamped line on stderr, so a run cut short shows how far it got."""
+    print(f"[{time.perf_counter() - T0:7.1f} s] {message}", file=sys.stderr, flush=True)
 
 
 def make_samples(vocab: int, args: argparse.Namespace, *, seed: int) -> list[list[int]]:
@@ -112,6 +138,28 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+ALLOC_COUNTERS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc",
+                  "num_device_free")
+
+
+def allocator_counters() -> dict[str, int]:
+    """The CUDA caching allocators' cumulative event counters (see `allocator_events`)."""
+    stats = torch.cuda.memory_stats()
+    out = {name: int(stats.get(name, 0)) for name in ALLOC_COUNTERS}
+    if hasattr(torch.cuda, "host_memory_stats"):  # the pinned host allocator, newer torch only
+        out["num_host_alloc"] = int(torch.cuda.host_memory_stats().get("num_host_alloc", 0))
+    return out
+
+
+def sync_sites(caught: list[warnings.WarningMessage], *, top: int = 8) -> dict:
+    """The sync debug mode's warnings -> their count and the Python lines that made them (the
+    file's last two path parts), most frequent first."""
+    sites = Counter(f"{Path(w.filename).parent.name}/{Path(w.filename).name}:{w.lineno}"
+                    for w in caught if "synchroniz" in str(w.message))
+    return {"count": sum(sites.values()),
+            "sites": [{"at": at, "calls": n} for at, n in sites.most_common(top)]}
+
+
 def bench_backend(name: str, model_dir: Path, samples: list[list[int]], args: argparse.Namespace,
                   out_dir: Path, preset: str, *, recompute: bool = False) -> dict:
     if name == "megatron":
@@ -124,36 +172,53 @@ def bench_backend(name: str, model_dir: Path, samples: list[list[int]], args: ar
                                 micro_batch_layout="packed" if args.device == "cuda" else "padded",
                                 recompute_activations=recompute)
         cap = args.torch_seq_len
+    cuda = torch.cuda.is_available()
     # what an earlier backend of the run left allocated (its memory should be gone)
-    before = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    before = torch.cuda.memory_allocated() / 2**30 if cuda else None
+    phases: dict[str, float] = {}
+    start = time.perf_counter()
     backend = build_backend(model_dir, options=options)
+    phases["build"] = time.perf_counter() - start
+    progress(f"{preset} {name}: built in {phases['build']:.1f} s")
     mbs = micro_batches(samples, cap)
     try:
+        start = time.perf_counter()
         for _ in range(args.warmup):
             backend.train_step(mbs, loss_fn, temperature=1.0)
         sync()
-        if torch.cuda.is_available():
+        phases["warmup"] = time.perf_counter() - start
+        if cuda:
             torch.cuda.reset_peak_memory_stats()
+            counters = allocator_counters()
         times = []
         for _ in range(args.steps):
             start = time.perf_counter()
             backend.train_step(mbs, loss_fn, temperature=1.0)
             sync()
             times.append(time.perf_counter() - start)
+        phases["steps"] = sum(times)
+        progress(f"{preset} {name}: warm-up {phases['warmup']:.1f} s, steps {times}")
         result = {"backend": name, "step_s": statistics.median(times), "step_s_all": times,
-                  "micro_batches": len(mbs), "max_tokens_per_microbatch": cap}
+                  "micro_batches": len(mbs), "max_tokens_per_microbatch": cap,
+                  "phase_s": phases}
         if name == "torch":
             result["recompute_activations"] = recompute
-        if torch.cuda.is_available():
+        if cuda:
             result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
             result["allocated_before_gib"] = before
+            result["allocator_events"] = {k: v - counters[k]
+                                          for k, v in allocator_counters().items()}
         if args.profile:
+            start = time.perf_counter()
             try:
                 result["profile"] = profile_step(backend, mbs,
                                                  out_dir / f"profile-{preset}-{name}.txt",
                                                  result["step_s"])
             except Exception as e:  # noqa: BLE001 - the timings above stand without a profile
                 result["profile"] = {"error": f"{type(e).__name__}: {e}"}
+            phases["profile"] = time.perf_counter() - start
+            progress(f"{preset} {name}: profiled in {phases['profile']:.1f} s")
         return result
     finally:
         del backend
@@ -255,14 +320,23 @@ def trace_summary(events: list[dict], step_s: float, *, top: int = 10,
 def profile_step(backend, mbs: list[MicroBatch], path: Path, step_s: float) -> dict:
     """One more step under torch.profiler: its operator table to `path`, and a summary: the top
     host operators by self CPU time and, on CUDA, `trace_summary` against the unprofiled median
-    step time `step_s` (the profiler's own host overhead would inflate the profiled step)."""
+    step time `step_s` (the profiler's own host overhead would inflate the profiled step) and
+    `host_syncs`, the step's synchronizing calls (`sync_sites`)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities) as prof, warnings.catch_warnings(record=True) as caught:
+        # every sync debug warning, not only the first per line (other warnings as before)
+        warnings.filterwarnings("always", message=".*synchroniz")
         start = time.perf_counter()
-        backend.train_step(mbs, loss_fn, temperature=1.0)
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            backend.train_step(mbs, loss_fn, temperature=1.0)
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
         sync()
         profiled_s = time.perf_counter() - start
     averages = prof.key_averages()
@@ -278,6 +352,7 @@ def profile_step(backend, mbs: list[MicroBatch], path: Path, step_s: float) -> d
             prof.export_chrome_trace(str(trace))
             events = json.loads(trace.read_text())["traceEvents"]
         summary.update(trace_summary(events, step_s))
+        summary["host_syncs"] = sync_sites(caught)
     return summary
 
 
@@ -326,13 +401,15 @@ def main() -> None:
 
     record = {"benchmark": "train_megatron", "date": stamp.isoformat(), "machine": machine,
               "torch": torch.__version__, "megatron_core": megatron.core.__version__,
-              "args": vars(args), "results": []}
+              "args": vars(args), "alloc_conf": os.environ["PYTORCH_CUDA_ALLOC_CONF"],
+              "results": []}
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         for preset in args.presets.split(","):
             model_dir = init_model(Path(tmp) / preset, preset=preset, seed=0,
                                    dtype="bf16" if args.dtype == "bf16" else "fp32",
                                    device=args.device)
+            progress(f"{preset}: random weights written")
             config = json.loads((model_dir / "config.json").read_text())
             samples = make_samples(config["vocab_size"], args, seed=0)
             flops = model_flops(config, samples)
@@ -362,6 +439,13 @@ def main() -> None:
         busy = f"{prof['gpu_busy_fraction']:5.0%}" if "gpu_busy_fraction" in prof else "    -"
         print(f"{r['preset']:14s} {r['backend']:9s} {r['tokens_per_step']:7d} {r['step_s']:8.3f} "
               f"{r['tokens_per_s']:10.0f} {mfu} {mem} {busy}  {prof.get('limit', '-')}")
+    for r in record["results"]:
+        prof = r.get("profile", {})
+        if "host_syncs" in prof:
+            sites = ", ".join(f"{s['at']} x{s['calls']}" for s in prof["host_syncs"]["sites"][:4])
+            print(f"{r['preset']} {r['backend']}: limit {prof['limit']}; host syncs in the "
+                  f"profiled step {prof['host_syncs']['count']} over {r['micro_batches']} "
+                  f"micro-batches ({sites or 'none'}); allocator {r.get('allocator_events')}")
     print(f"results: {path}")
     print(json.dumps(record))
 

@@ -11,6 +11,14 @@ memory-efficient kernel runs and no S x S tensor is kept for backward.
   sequences back to back, delimited by `cu_seqlens_q`; rltool.train.packed.causal_varlen runs
   them (one variable-length flash call on CUDA in bf16, one causal SDPA call per sequence
   elsewhere; no token attends across a boundary) -> [t, heads * d]. No attention dropout there.
+  `RowParams` carries the offsets twice: on the host for megatron's THD rotary embedding (which
+  reads them with `.tolist()` in every layer) and on the device for the attention call, so no
+  layer copies them to the device or waits for it.
+- Rotary embedding of a packed row from tables built once per row: when `RowParams.rotary` holds
+  the row's cos and sin (`rotary_tables`), the model's own RoPE is off for the pass and this
+  module rotates q and k with megatron's formula. Megatron's THD RoPE instead slices and
+  concatenates the frequencies per sample and recomputes cos and sin for q and for k in every
+  layer (about 13 kernels each); the values are the same, bit for bit.
 - Grouped-query attention: key/value heads are shared by `heads / groups` query heads
   (`enable_gqa`), never copied.
 
@@ -20,13 +28,45 @@ Context parallelism needs transformer-engine's attention (the TE spec); this mod
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import _rotate_half
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from rltool.errors import ConfigError
 from rltool.train.packed import causal_varlen
+
+
+@dataclass
+class RowParams(PackedSeqParams):
+    """PackedSeqParams of one packed row whose `cu_seqlens_q`/`_kv` stay on the host, plus the
+    same offsets already on the attention's device (`cu_seqlens_device`) and the row's RoPE
+    tables (`rotary`, from `rotary_tables`; None while the model applies its own RoPE)."""
+
+    cu_seqlens_device: torch.Tensor | None = None
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin) [T, 1, 1, rot_dim]
+
+
+def rotary_tables(emb: torch.Tensor, position_ids: torch.Tensor,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """megatron's rotary frequencies `emb` [S, 1, 1, rot_dim] (its RotaryEmbedding's output) at
+    a packed row's positions [T] -> (cos, sin) [T, 1, 1, rot_dim] in the activations' dtype, as
+    megatron's RoPE computes them per layer (its scale factor is 1 for plain RoPE)."""
+    freqs = emb.index_select(0, position_ids)
+    return torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+
+
+def apply_rotary(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """megatron's non-interleaved RoPE on t [T, heads, d] with precomputed tables: the same
+    operations in the same order (the first rot_dim channels rotated, the rest passed)."""
+    x = t.unsqueeze(1)
+    rot = cos.shape[-1]
+    x, rest = x[..., :rot], x[..., rot:]
+    x = (x * cos) + (_rotate_half(x, False) * sin)
+    return (torch.cat((x, rest), dim=-1) if rest.shape[-1] else x).squeeze(1)
 
 
 class SdpaCoreAttention(torch.nn.Module):
@@ -65,7 +105,12 @@ class SdpaCoreAttention(torch.nn.Module):
             if self.dropout and self.training:
                 raise ConfigError("attention dropout is not supported with packed sequences; "
                                   "set attention_dropout to 0")
-            out = causal_varlen(query, key, value, packed_seq_params.cu_seqlens_q,
+            cu = getattr(packed_seq_params, "cu_seqlens_device", None)
+            rotary = getattr(packed_seq_params, "rotary", None)
+            if rotary is not None:
+                query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
+            out = causal_varlen(query, key, value,
+                                packed_seq_params.cu_seqlens_q if cu is None else cu,
                                 packed_seq_params.max_seqlen_q, scale=self.softmax_scale)
             return out.reshape(out.shape[0], -1)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, d]

@@ -13,7 +13,8 @@
   chunks, gathered over TP and cut to the real vocabulary, turned into logprobs by
   rltool.train.packed.response_outputs, the function the torch backend's packed layout uses.
 - Per micro-batch the host never waits for the device (no `.item()`, `.tolist()` or blocking copy;
-  metrics are summed on the device), so the CPU queues kernels ahead of the GPU.
+  metrics are summed on the device, the logprob pass's outputs reach the host in one copy per
+  field after the last micro-batch), so the CPU queues kernels ahead of the GPU.
 - Forward and backward run through megatron's pipeline schedules (`get_forward_backward_func`),
   one call per logprob micro-batch and one per optimizer step, with `calculate_per_token_loss`:
   the stage's losses are already normalised for the global batch, so the schedule divides by
@@ -79,6 +80,24 @@ def _config_overrides(options: BackendConfig, *, cuda: bool) -> dict[str, Any]:
     return overrides
 
 
+OUTPUT_FIELDS = ("logprobs", "entropy", "topk_logprobs", "topk_ids")
+
+
+def _to_host(outputs: list[ForwardOutput]) -> list[ForwardOutput]:
+    """The per-sample tensors of `outputs` on the CPU with one device-to-host copy per field (a
+    `.cpu()` per tensor would make the host wait for the device after every sample)."""
+    hosted = [ForwardOutput(logprobs=[]) for _ in outputs]
+    for name in OUTPUT_FIELDS:
+        parts = [getattr(out, name) for out in outputs]
+        if not parts or parts[0] is None:
+            continue
+        flat = [t for part in parts for t in part]
+        host = iter(torch.cat(flat).cpu().split([t.shape[0] for t in flat]) if flat else [])
+        for out, part in zip(hosted, parts):  # own storage each, like a per-tensor .cpu()
+            setattr(out, name, [next(host).clone() for _ in part])
+    return hosted
+
+
 class MegatronBackend:
     """See the module docstring; implements rltool.train.backend.TrainerBackend."""
 
@@ -140,6 +159,12 @@ class MegatronBackend:
         ) if options.use_rollout_routing_replay else None  # rltool.train.megatron_routing
         self.config = model.config
         self.module = model
+        # RoPE from tables built once per packed row (rltool.train.megatron_attention), where the
+        # model's RoPE is megatron's plain, non-interleaved one
+        self.row_rope = (getattr(model, "position_embedding_type", None) == "rope"
+                         and not self.config.rotary_interleaved
+                         and not self.config.multi_latent_attention
+                         and not self.config.apply_rope_fusion)
         self.model: Any = model
         self.optimizer: Any = None
         if trainable:
@@ -214,10 +239,10 @@ class MegatronBackend:
     def _pack(self, mb: MicroBatch, length: int) -> tuple[packed.Packed, Any]:
         """The packed row of one micro-batch, [1, length]: its samples, then one padding sequence
         up to `length` when it is shorter (no response rows, never read), and its
-        PackedSeqParams. The offsets in
-        the params stay on the CPU: megatron's THD rotary embedding reads them per layer, which
-        on the device would wait for the GPU to drain each time."""
-        from megatron.core.packed_seq_params import PackedSeqParams
+        RowParams. The offsets megatron's THD rotary embedding reads per layer stay on the CPU
+        (on the device each read would wait for the GPU to drain); the core attention takes the
+        copy that arrived with the row."""
+        from rltool.train.megatron_attention import RowParams, rotary_tables
 
         tokens, starts = list(mb.tokens), list(mb.response_starts)
         pad = length - sum(map(len, tokens))
@@ -225,9 +250,14 @@ class MegatronBackend:
             tokens.append([0] * pad)
             starts.append(pad)
         p = packed.pack(tokens, starts, self.device)
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=p.cu_seqlens_host,
-                                 cu_seqlens_kv=p.cu_seqlens_host, max_seqlen_q=p.max_len,
-                                 max_seqlen_kv=p.max_len)
+        rotary = None
+        if self.row_rope:  # the frequencies GPTModel computes, at the row's positions
+            emb = self.module.rotary_pos_emb(p.max_len, packed_seq=True, cp_group=None)
+            rotary = rotary_tables(emb, p.position_ids[0], self.config.params_dtype)
+        params = RowParams(qkv_format="thd", cu_seqlens_q=p.cu_seqlens_host,
+                           cu_seqlens_kv=p.cu_seqlens_host, max_seqlen_q=p.max_len,
+                           max_seqlen_kv=p.max_len, cu_seqlens_device=p.cu_seqlens,
+                           rotary=rotary)
         return p, params
 
     def _rounded(self, tokens: int) -> int:
@@ -287,12 +317,17 @@ class MegatronBackend:
     @contextlib.contextmanager
     def _hidden_out(self) -> Iterator[None]:
         """GPTModel returns the decoder's final (normed) hidden states instead of logits while its
-        `post_process` is off; the logits are then computed chunk by chunk (`_outputs`)."""
-        last, self.module.post_process = self.module.post_process, False
+        `post_process` is off; the logits are then computed chunk by chunk (`_outputs`). With
+        `row_rope` its own RoPE is off too: the core attention applies the row's tables."""
+        module = self.module
+        last = module.post_process, module.position_embedding_type
+        module.post_process = False
+        if self.row_rope:
+            module.position_embedding_type = "none"
         try:
             yield
         finally:
-            self.module.post_process = last
+            module.post_process, module.position_embedding_type = last
 
     def _run(self, units: list[MicroBatch], *, forward_only: bool,
              on_output: Callable[[MicroBatch, packed.Packed, torch.Tensor], torch.Tensor]) -> None:
@@ -341,17 +376,13 @@ class MegatronBackend:
 
         def collect(unit: MicroBatch, p: packed.Packed, hidden: torch.Tensor) -> torch.Tensor:
             if not unit.empty:
-                out = self._outputs(hidden, p, samples=len(unit.tokens), temperature=temperature,
-                                    with_entropy=with_entropy, top_k=top_k)
-                results.append(ForwardOutput(
-                    logprobs=[t.cpu() for t in out.logprobs],
-                    entropy=None if out.entropy is None else [t.cpu() for t in out.entropy],
-                    topk_logprobs=None if not top_k else [t.cpu() for t in out.topk_logprobs],
-                    topk_ids=None if not top_k else [t.cpu() for t in out.topk_ids]))
+                results.append(self._outputs(hidden, p, samples=len(unit.tokens),
+                                             temperature=temperature, with_entropy=with_entropy,
+                                             top_k=top_k))
             return hidden.sum() * 0.0
 
         self._run(self._lockstep(units), forward_only=True, on_output=collect)
-        results = self._broadcast_from_last_stage(results)
+        results = self._broadcast_from_last_stage(_to_host(results))
         merged = ForwardOutput(logprobs=[], entropy=[] if with_entropy else None,
                                topk_logprobs=[] if top_k else None, topk_ids=[] if top_k else None)
         for out in results:

@@ -134,3 +134,44 @@ def test_megatron_bf16_train_step_waits_for_the_gpu_per_step_not_per_micro_batch
 
     one, four = syncs(1), syncs(4)
     assert four == one, f"per micro-batch: {four - one}"
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_megatron_bf16_logprob_pass_waits_for_the_gpu_per_call_not_per_sample(tiny_model_dir,
+                                                                               deterministic):
+    """forward_logprobs (entropy and top-k too) makes as many host-device synchronisations for 4
+    samples as for 1: its outputs reach the host in one copy per field after the schedule (with
+    --deterministic every sample is its own micro-batch)."""
+    import warnings
+    from collections import Counter
+
+    from rltool.train.backend import MicroBatch
+    from rltool.train.config import BackendConfig
+    from rltool.train.megatron_backend import MegatronBackend
+
+    backend = MegatronBackend(tiny_model_dir, trainable=False, options=BackendConfig(
+        backend="megatron", dtype="bf16", device="cuda", deterministic=deterministic))
+
+    def syncs(count: int) -> Counter:
+        batch = MicroBatch(list(range(count)), [[5, 6, 7, 8, 9, 4 + i] for i in range(count)],
+                           [2] * count)
+
+        def run():
+            return backend.forward_logprobs(batch, temperature=1.0, with_entropy=True, top_k=2)
+
+        first = run()  # first use of these shapes
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = run()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert all(torch.equal(a, b) for a, b in zip(first.logprobs, out.logprobs))
+        assert len(out.logprobs) == len(out.topk_ids) == count
+        return Counter(f"{w.filename}:{w.lineno}" for w in caught
+                       if "synchronizing" in str(w.message))
+
+    one, four = syncs(1), syncs(4)
+    assert four == one, f"per sample: {four - one}"

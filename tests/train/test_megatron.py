@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from rltool.errors import ConfigError
 from rltool.train import run
-from rltool.train.backend import MicroBatch
+from rltool.train.backend import ForwardOutput, MicroBatch
 from rltool.train.config import BackendConfig, TrainConfig
 from rltool.train.launch import process_group_scope
 from tests.helpers.shards import REWARDS, make_shard, shard_rows
@@ -222,3 +222,30 @@ def test_a_padded_packed_row_gives_the_micro_batch_s_samples_only(shards):
     assert [t.shape[0] for t in outs[1]] == [3, 2]
     for exact, padded in zip(*outs):
         assert torch.allclose(exact, padded, atol=1e-6, rtol=0)
+
+
+def test_logprob_outputs_reach_the_host_with_their_values_and_own_storage():
+    from rltool.train.megatron_backend import OUTPUT_FIELDS, _to_host
+
+    g = torch.Generator().manual_seed(0)
+
+    def out(lengths: list[int], entropy: bool) -> ForwardOutput:
+        return ForwardOutput(
+            logprobs=[-torch.rand(n, generator=g) for n in lengths],
+            entropy=[torch.rand(n, generator=g) for n in lengths] if entropy else None,
+            topk_logprobs=[-torch.rand(n, 3, generator=g) for n in lengths],
+            topk_ids=[torch.randint(0, 50, (n, 3), generator=g) for n in lengths])
+
+    for entropy in (True, False):
+        outputs = [out([2, 0, 3], entropy), out([1], entropy)]
+        hosted = _to_host(outputs)
+        assert len(hosted) == 2 and (hosted[0].entropy is None) == (not entropy)
+        for name in OUTPUT_FIELDS:
+            for want, got in zip(outputs, hosted):
+                if getattr(want, name) is None:
+                    continue
+                assert len(getattr(got, name)) == len(getattr(want, name))
+                for a, b in zip(getattr(want, name), getattr(got, name)):
+                    assert torch.equal(a, b) and a.dtype == b.dtype and b.device.type == "cpu"
+                    assert b.untyped_storage().nbytes() == b.numel() * b.element_size()
+    assert _to_host([]) == []

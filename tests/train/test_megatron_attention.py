@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from rltool.errors import ConfigError
-from rltool.train.megatron_attention import SdpaCoreAttention
+from rltool.train.megatron_attention import (RowParams, SdpaCoreAttention, apply_rotary,
+                                            rotary_tables)
 
 HEADS, GROUPS, DIM = 4, 2, 8
 
@@ -65,6 +66,39 @@ def test_packed_layout_attends_within_each_sample_only():
         assert torch.allclose(out[start:end].double(), want, atol=1e-6)
 
 
+def test_row_params_attend_with_the_offsets_already_on_the_device():
+    """RowParams' host offsets are for megatron's rotary embedding; the attention call takes the
+    device copy (here a different split, to tell which one it read)."""
+    q, k, v = _qkv(9, seed=2)
+    host = torch.tensor([0, 9], dtype=torch.int32)
+    device = torch.tensor([0, 4, 9], dtype=torch.int32)
+    params = RowParams(qkv_format="thd", cu_seqlens_q=host, cu_seqlens_kv=host, max_seqlen_q=9,
+                       max_seqlen_kv=9, cu_seqlens_device=device)
+    out = _attention()(q, k, v, None, packed_seq_params=params)
+    for start, end in ((0, 4), (4, 9)):
+        want = _reference(q[start:end], k[start:end], v[start:end])
+        assert torch.allclose(out[start:end].double(), want, atol=1e-6)
+
+
 def test_context_parallelism_is_refused():
     with pytest.raises(ConfigError, match="context-parallel-size"):
         _attention(cp=2)
+
+
+@pytest.mark.parametrize("rot_dim", [DIM, DIM // 2])
+def test_row_rotary_tables_match_megatron_s_thd_rope_bit_for_bit(rot_dim):
+    """The tables built once per row and applied in the core attention give exactly what
+    megatron's THD RoPE computes per layer (per-sample frequency slices, cos/sin per call)."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_thd
+
+    lengths = [3, 5, 1]
+    cu = torch.tensor([0, 3, 8, 9], dtype=torch.int32)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
+    freqs = torch.outer(torch.arange(5, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+    cos, sin = rotary_tables(emb, positions, torch.float32)
+    cp = SimpleNamespace(size=lambda: 1, rank=lambda: 0)
+    for t in _qkv(9, seed=3)[:2]:
+        want = _apply_rotary_pos_emb_thd(t, cu, emb, cp_group=cp)
+        assert torch.equal(apply_rotary(t, cos, sin), want)

@@ -1,11 +1,14 @@
 """benchmarks/train_megatron.py's profile summary: device busy time, host gaps, kernel kinds and
-the limit named from a chrome trace (synthetic events with known intervals)."""
+the limit named from a chrome trace (synthetic events with known intervals), and the host syncs
+by call site."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
-from benchmarks.train_megatron import kernel_kind, trace_summary
+from benchmarks.train_megatron import kernel_kind, sync_sites, trace_summary
 
 
 def kernel(name: str, ts: float, dur: float, cat: str = "kernel") -> dict:
@@ -53,3 +56,18 @@ def test_kernel_kinds_read_the_name_before_template_arguments():
                        "kernel") == "softmax"
     assert kernel_kind("Memset (Device)", "gpu_memset") == "memset"
     assert kernel_kind("some_custom_kernel", "kernel") == "other"
+
+
+def test_sync_sites_count_the_sync_warnings_by_the_line_that_made_them():
+    def warning(message: str, filename: str, lineno: int) -> warnings.WarningMessage:
+        return warnings.WarningMessage(UserWarning(message), UserWarning, filename, lineno)
+
+    sync = "called a synchronizing CUDA operation"
+    caught = [warning(sync, "/x/megatron/core/optimizer/clip_grads.py", 190),
+              warning(sync, "/x/rltool/train/packed.py", 7),
+              warning(sync, "/x/rltool/train/packed.py", 7),
+              warning("some other warning", "/x/rltool/train/packed.py", 9)]
+    assert sync_sites(caught) == {"count": 3, "sites": [
+        {"at": "train/packed.py:7", "calls": 2},
+        {"at": "optimizer/clip_grads.py:190", "calls": 1}]}
+    assert sync_sites([]) == {"count": 0, "sites": []}
