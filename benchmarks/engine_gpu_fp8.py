@@ -18,8 +18,8 @@ tokens, bf16 F.linear, the Triton FP8 GEMM, the native one (null where torch has
 scaling), both also on activations already quantized (`_prequantized`: as the engine runs the
 qkv, gate_up and down projections, whose inputs the RMSNorm / SiLU-and-multiply kernel writes
 quantized) and torch._scaled_mm with the weight's 128x128 block scales (not used by the engine),
-each call but the prequantized ones including its activation quantization; then the kernels before an FP8
-linear with the quantization separate and fused into them. GPU time of 20 calls replayed from a
+each call but the prequantized ones including its activation quantization; then the kernels
+before an FP8 linear with the quantization separate and fused into them. GPU time of 20 calls replayed from a
 CUDA graph (as the engine's decode runs them, without host launch cost). Reported: TFLOP/s, and
 GB/s of the bytes each moves (weight, its scales, activations, output) beside the measured
 device copy bandwidth (bytes read + written per second). Engines report tokens/s, the ratio to
@@ -132,7 +132,7 @@ def gemm_rates(spec, tokens: tuple[int, ...] = TOKENS) -> list[dict]:
                     kinds["native_128x128"] = (lambda: native_block_weight(x, q, block_scale),
                                                fp8_bytes - (scale.numel() - block_scale.numel())
                                                * 4)
-            except (RuntimeError, NotImplementedError):
+            except (RuntimeError, NotImplementedError, ValueError):  # refused, by torch version
                 pass
             for kind in KINDS:
                 if kind not in kinds:
