@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
                         f"add/reverse: 200, stops once the eval exact match reaches {TARGET} or at the time "
                         "budget).")
     parser.add_argument("--sft-steps", type=int, default=None, help="Supervised warm-start "
-                        "steps (copy: 60, 0 is pure RL; add/reverse: the first call's, 200).")
+                        "steps (copy: 60, 0 is pure RL; add/reverse: the first call's, 200 / 50).")
     parser.add_argument("--sft-max-steps", type=int, default=1500, help="add/reverse: most "
                         "warm-start steps.")
     parser.add_argument("--rollout-batch-size", type=int, default=GpuRecipe.rollout_batch_size,
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
                                rollout_precision=args.rollout_precision)
             summary = run_gpu_recipe(
                 Path(args.dir), steps=200 if args.steps is None else args.steps,
-                sft_steps=200 if args.sft_steps is None else args.sft_steps,
+                sft_steps=args.sft_steps,
                 sft_max_steps=args.sft_max_steps, seed=args.seed, device=args.device,
                 recipe=recipe, preset=args.preset or ("qwen2.5-0.5b" if args.device == "cuda"
                                                       else "tiny"))
