@@ -39,10 +39,12 @@ class BackendConfig(MegatronOptions):
                                                    "cpu: match an engine that runs on the CPU.")
     parallel: Literal["ddp", "fsdp"] = Field("ddp", description="Data parallelism under torchrun: "
                                              "DDP or FSDP2 (fully_shard).")
-    micro_batch_layout: Literal["auto", "padded", "packed"] = Field(
-        "auto", description="padded: samples right-padded to the longest with a mask; packed: "
-        "concatenated without padding, attention kept inside each sample (one process); auto: "
-        "packed on CUDA in one process unless --deterministic, else padded.")
+    micro_batch_layout: Literal["auto", "padded", "packed", "shared_prompt"] = Field(
+        "auto", description="padded: samples right-padded to the longest; packed: concatenated "
+        "without padding, attention kept inside each sample (one process); shared_prompt: each "
+        "prompt once per micro-batch, followed by the responses of its samples (padded where no "
+        "prompt repeats); auto: packed on CUDA in one process, shared_prompt on the CPU, unless "
+        "--deterministic, else padded.")
     logprob_chunk_tokens: int = Field(4096, ge=1, description="Packed layout: rows of logits "
                                       "computed at a time for logprobs and entropy (bounds the "
                                       "[tokens, vocab] float32 buffer).")

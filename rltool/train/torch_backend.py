@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from rltool.errors import CheckpointError, ConfigError
 from rltool.train import checkpoint as ckpt
-from rltool.train import packed
+from rltool.train import packed, shared_prompt
 from rltool.train.backend import ForwardOutput, LossFn, MicroBatch, response_outputs
 from rltool.train.config import BackendConfig
 from rltool.train.lr import lr_of
@@ -83,6 +83,10 @@ class TorchBackend:
         if self.trainable:  # a frozen reference must not reset the policy's RNG stream
             torch.manual_seed(options.seed + self.dp_rank)
         self.packed = self._packed_layout(options)
+        # auto on the CPU: each repeated prompt once per micro-batch (rltool.train.shared_prompt)
+        self.shared_prompts = options.micro_batch_layout == "shared_prompt" or (
+            options.micro_batch_layout == "auto" and self.device.type == "cpu"
+            and not options.deterministic)
         load_kwargs = {"attn_implementation": packed.register()} if self.packed else {}
         self.invariant = options.deterministic and self.device.type == "cuda"
         self.pure_bf16 = self.invariant and not trainable and options.dtype == "bf16"
@@ -134,6 +138,9 @@ class TorchBackend:
         if layout == "packed" and self.dp_size > 1:
             raise ConfigError("--micro-batch-layout packed runs in one process; use padded "
                               "(or auto) under torchrun")
+        if layout == "shared_prompt" and options.deterministic:
+            raise ConfigError("--micro-batch-layout shared_prompt and --deterministic exclude "
+                              "each other (deterministic runs every sample alone); drop one")
         return layout == "packed" or (layout == "auto" and self.device.type == "cuda"
                                       and self.dp_size == 1 and not options.deterministic)
 
@@ -214,6 +221,17 @@ class TorchBackend:
         if self.packed:
             return self._packed_forward(mb, temperature=temperature, with_entropy=with_entropy,
                                         top_k=top_k)
+        if self.shared_prompts and mb.routed_experts is None:  # replay: the padded layout
+            shared = shared_prompt.build(mb.tokens, mb.response_starts, pad=self._pad_id(),
+                                         device=self.device)
+            if shared is not None:
+                logits, values = self._model_call(module, shared.ids,
+                                                  position_ids=shared.positions,
+                                                  attention_mask=shared.mask)
+                return self._response_rows(logits, values, shared.rows, shared.targets,
+                                           shared.sizes, temperature=temperature,
+                                           with_entropy=with_entropy, top_k=top_k,
+                                           with_logits=with_logits)
         lengths = [len(t) for t in mb.tokens]
         width = max(lengths)
         # One sample: unpadded -- the layout of rltool.logprobs.sequence_logprobs. Several:
@@ -221,7 +239,7 @@ class TorchBackend:
         # sees the padding after it: the same logits at every real position (bit for bit on CPU
         # in fp32) from SDPA's causal path, without building and applying a padding mask
         # (-15% forward, -20% forward + backward on the demo's 64 x 35 micro-batches).
-        pad = self.config.pad_token_id if self.config.pad_token_id is not None else 0
+        pad = self._pad_id()
         ids = torch.tensor([t + [pad] * (width - len(t)) for t in mb.tokens], dtype=torch.long,
                            device=self.device)
         logits, values = self._model_call(module, ids)
@@ -231,10 +249,23 @@ class TorchBackend:
                  for i, (n, start) in enumerate(zip(lengths, mb.response_starts))]
         rows = torch.tensor([r for a, b in spans for r in range(a, b)], dtype=torch.long,
                             device=self.device)
-        sizes = [b - a for a, b in spans]
+        return self._response_rows(logits, values, rows, ids.view(-1).index_select(0, rows + 1),
+                                   [b - a for a, b in spans], temperature=temperature,
+                                   with_entropy=with_entropy, top_k=top_k,
+                                   with_logits=with_logits)
+
+    def _pad_id(self) -> int:
+        return self.config.pad_token_id if self.config.pad_token_id is not None else 0
+
+    def _response_rows(self, logits: torch.Tensor, values: torch.Tensor | None,
+                       rows: torch.Tensor, targets: torch.Tensor, sizes: list[int], *,
+                       temperature: float, with_entropy: bool, top_k: int,
+                       with_logits: bool) -> tuple[ForwardOutput, torch.Tensor]:
+        """The outputs of the logits rows (flat indices into [B * width]) that predict
+        `targets`, `sizes` rows per sample."""
         flat = logits.reshape(-1, logits.shape[-1]).index_select(0, rows)
-        out = response_outputs(flat, ids.view(-1).index_select(0, rows + 1), sizes,
-                               temperature=temperature, with_entropy=with_entropy, top_k=top_k)
+        out = response_outputs(flat, targets, sizes, temperature=temperature,
+                               with_entropy=with_entropy, top_k=top_k)
         if values is not None:
             # V_t: the value of the state before response token t (same rows as its logits).
             out.extras["values"] = list(values.reshape(-1).index_select(0, rows).split(sizes))
@@ -259,13 +290,14 @@ class TorchBackend:
                 out.extras["values"] = list(values.float().split(p.response_lengths))
         return out, hidden.float().sum() * 0.0
 
-    def _model_call(self, module: Any, ids: torch.Tensor
+    def _model_call(self, module: Any, ids: torch.Tensor, **layout: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logits, values or None) for a batch of right-padded ids (causal: no mask)."""
+        """(logits, values or None) for a batch of right-padded ids (causal: no mask), or of a
+        shared-prompt layout (`layout`: its position ids and attention mask)."""
         with self._autocast():
             if not self.value_head:
-                return module(input_ids=ids, use_cache=False).logits, None
-            out = module(input_ids=ids, use_cache=False, output_hidden_states=True)
+                return module(input_ids=ids, use_cache=False, **layout).logits, None
+            out = module(input_ids=ids, use_cache=False, output_hidden_states=True, **layout)
             values = self.inner.value_head(out.hidden_states[-1]).squeeze(-1)
         return out.logits, values.float()
 
