@@ -381,7 +381,10 @@ class TorchBackend:
     def _full_model_state(self, *, on_device: bool = False) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        state = get_model_state_dict(self.model, options=self._full_state_options())
+        # One process: the module's own state dict, the same keys and tensors without the
+        # distributed helper's walk over the module tree (3-6 ms per sync on the demo's model).
+        state = (self.inner.state_dict() if self.dp_size == 1 else
+                 get_model_state_dict(self.model, options=self._full_state_options()))
         keep = on_device and self.dp_size == 1
         return ({k: v.detach() if keep else v.detach().cpu() for k, v in state.items()}
                 if self.dp_rank == 0 else {})
