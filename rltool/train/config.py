@@ -43,8 +43,8 @@ class BackendConfig(MegatronOptions):
         "auto", description="padded: samples right-padded to the longest; packed: concatenated "
         "without padding, attention kept inside each sample (one process); shared_prompt: each "
         "prompt once per micro-batch, followed by the responses of its samples (padded where no "
-        "prompt repeats); auto: packed on CUDA in one process, shared_prompt on the CPU, unless "
-        "--deterministic, else padded.")
+        "prompt repeats); auto: packed on CUDA in one process, shared_prompt on the CPU (padded "
+        "for --loss sft), unless --deterministic, else padded.")
     logprob_chunk_tokens: int = Field(4096, ge=1, description="Packed layout: rows of logits "
                                       "computed at a time for logprobs and entropy (bounds the "
                                       "[tokens, vocab] float32 buffer).")

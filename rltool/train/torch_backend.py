@@ -38,7 +38,7 @@ from rltool.errors import CheckpointError, ConfigError
 from rltool.train import checkpoint as ckpt
 from rltool.train import packed, shared_prompt
 from rltool.train.backend import ForwardOutput, LossFn, MicroBatch, response_outputs
-from rltool.train.config import BackendConfig
+from rltool.train.config import BackendConfig, TrainConfig
 from rltool.train.lr import lr_of
 from rltool.train.routing_replay import HFRouterReplay
 
@@ -84,9 +84,12 @@ class TorchBackend:
             torch.manual_seed(options.seed + self.dp_rank)
         self.packed = self._packed_layout(options)
         # auto on the CPU: each repeated prompt once per micro-batch (rltool.train.shared_prompt)
+        # for policy losses, whose groups repeat every prompt; SFT prompts repeat only by chance
+        # and stay padded (the bits they had).
+        sft = isinstance(options, TrainConfig) and options.loss == "sft"
         self.shared_prompts = options.micro_batch_layout == "shared_prompt" or (
             options.micro_batch_layout == "auto" and self.device.type == "cpu"
-            and not options.deterministic)
+            and not options.deterministic and not sft)
         load_kwargs = {"attn_implementation": packed.register()} if self.packed else {}
         self.invariant = options.deterministic and self.device.type == "cuda"
         self.pure_bf16 = self.invariant and not trainable and options.dtype == "bf16"

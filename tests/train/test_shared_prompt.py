@@ -10,7 +10,7 @@ import torch
 from rltool.errors import ConfigError
 from rltool.train import shared_prompt
 from rltool.train.backend import MicroBatch
-from rltool.train.config import BackendConfig
+from rltool.train.config import BackendConfig, TrainConfig
 from rltool.train.torch_backend import TorchBackend
 
 
@@ -81,5 +81,10 @@ def test_auto_is_shared_prompt_on_cpu_and_deterministic_refused(tiny_model_dir):
     assert _backend(tiny_model_dir, "auto").shared_prompts
     assert not _backend(tiny_model_dir, "auto", deterministic=True).shared_prompts
     assert not _backend(tiny_model_dir, "padded").shared_prompts
+    sft = TrainConfig(loss="sft", prompts="p.jsonl", load=str(tiny_model_dir), save="ckpt",
+                      device="cpu")
+    assert not TorchBackend(tiny_model_dir, options=sft).shared_prompts  # SFT: padded
+    assert TorchBackend(tiny_model_dir, options=sft.model_copy(
+        update={"micro_batch_layout": "shared_prompt"})).shared_prompts
     with pytest.raises(ConfigError, match="shared_prompt and --deterministic"):
         _backend(tiny_model_dir, "shared_prompt", deterministic=True)
