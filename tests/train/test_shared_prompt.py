@@ -12,6 +12,7 @@ from rltool.train import shared_prompt
 from rltool.train.backend import MicroBatch
 from rltool.train.config import BackendConfig, TrainConfig
 from rltool.train.torch_backend import TorchBackend
+from tests.helpers.layouts import assert_outputs_close
 
 
 def _groups(vocab: int, *, seed: int = 0) -> MicroBatch:
@@ -57,13 +58,7 @@ def test_shared_prompt_outputs_and_gradients_equal_padded(tiny_model_factory, ar
     batch = _groups(int(padded.config.vocab_size))
     a = padded.forward_logprobs(batch, temperature=0.7, with_entropy=True, top_k=4)
     b = shared.forward_logprobs(batch, temperature=0.7, with_entropy=True, top_k=4)
-    assert [len(x) for x in b.logprobs] == [len(t) - s for t, s in
-                                            zip(batch.tokens, batch.response_starts)]
-    for name in ("logprobs", "entropy", "topk_logprobs"):
-        for x, y in zip(getattr(a, name), getattr(b, name)):
-            torch.testing.assert_close(y, x, atol=1e-5, rtol=0)
-    for x, y in zip(a.topk_ids, b.topk_ids):
-        assert torch.equal(x, y)
+    assert_outputs_close(a, b, batch)
     grads = []
     for backend in (padded, shared):
         backend.inner.train()
