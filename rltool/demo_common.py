@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rltool.errors import BadInputError
+from rltool.rundir import parse_step_dir_name, parse_weight_dir_name
 
 MARKER = ".rltool-demo"  # only a directory carrying this marker is ever deleted by the demo
 TARGET = 0.8
@@ -31,14 +32,17 @@ def chunked_warm_start(root: Path, model: Path, *, first_steps: int, chunk_steps
                        done: Callable[[list[float]], bool]) -> tuple[Path, int, list[float]]:
     """Supervised steps: `first_steps`, then `chunk_steps` more at a time, each call resuming
     from the checkpoint in DIR/sft/ckpt, until `done(sft losses so far)` or `max_steps` in all.
-    `config(load=, save=, num_steps=, first=)` builds each call's TrainConfig. Returns the
-    published weights, the steps trained and the per-step losses."""
+    `config(load=, save=, num_steps=, first=)` builds each call's TrainConfig; each call's
+    checkpoint and weights replace the previous call's on disk. Returns the published weights,
+    the steps trained and the per-step losses."""
     from rltool.train import run as run_train
 
     save, losses, load = str(root / "sft" / "ckpt"), [], str(model)
     steps = chunk = min(first_steps, max_steps)
     while True:  # a call on a finished checkpoint trains `chunk` more steps from it
         result = run_train(config(load=load, save=save, num_steps=chunk, first=load == str(model)))
+        _keep_newest(root / "sft" / "ckpt", parse_step_dir_name)  # the next call resumes it;
+        _keep_newest(root / "sft" / "weights", parse_weight_dir_name)  # (0.5B: ~4 GB each)
         losses += [m["train/sft_loss"] for m in result.metrics if "train/sft_loss" in m]
         if done(losses) or steps >= max_steps:
             break
@@ -46,6 +50,14 @@ def chunked_warm_start(root: Path, model: Path, *, first_steps: int, chunk_steps
         steps += chunk
     assert result.published is not None
     return Path(result.published), steps, losses
+
+
+def _keep_newest(parent: Path, parse: Callable[[str], int | None]) -> None:
+    """Delete every numbered directory in `parent` (a checkpoint step, a weight version) but the
+    newest: the warm start's earlier chunks are superseded by the one that resumed them."""
+    numbered = sorted((n, d) for d in parent.iterdir() if (n := parse(d.name)) is not None)
+    for _, old in numbered[:-1]:
+        shutil.rmtree(old)
 
 
 def window_mean(values: list[float]) -> float:

@@ -54,7 +54,7 @@ def test_gpu_recipes_run_on_cpu(tmp_path, capsys, task, precision):
     block-FP8 weights from every sync and the trainer applies TIS."""
     root, out = tmp_path / "demo-run", tmp_path / "result.json"
     demo.main([str(root), "--task", task, "--preset", "tiny", "--steps", "2", "--sft-steps",
-               "2", "--sft-max-steps", "2", "--rollout-batch-size", "4", "--eval-prompts", "8",
+               "1", "--sft-max-steps", "2", "--rollout-batch-size", "4", "--eval-prompts", "8",
                "--sft-prompts", "64", "--rollout-precision", precision, "--out-json", str(out),
                "-q"])
     printed = capsys.readouterr().out
@@ -64,6 +64,9 @@ def test_gpu_recipes_run_on_cpu(tmp_path, capsys, task, precision):
     assert summary == json.loads((root / "summary.json").read_text())
     assert summary["task"] == task and summary["device"] == "cpu" and summary["rl_steps"] == 2
     assert summary["sft_steps"] == 2 and summary["final_eval_reward"] is not None
+    # two warm-start calls (1 step, then 1 more resumed); only the newest checkpoint and weights
+    assert [d.name for d in (root / "sft" / "ckpt").iterdir()] == ["step-000002"]
+    assert [d.name for d in (root / "sft" / "weights").iterdir()] == ["weight_v000002"]
     assert summary["phase_means"]["perf/loop/rollout_time"] > 0
     assert summary["rollout_precision"] == precision
     mismatch = summary["mismatch_means"]
