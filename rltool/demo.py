@@ -178,9 +178,12 @@ def main(argv: list[str] | None = None) -> None:
                         f"add/reverse: 200, stops once the eval exact match reaches {TARGET} or at the time "
                         "budget).")
     parser.add_argument("--sft-steps", type=int, default=None, help="Supervised warm-start "
-                        "steps (copy: 60, 0 is pure RL; add/reverse: the first call's, 200 / 50).")
-    parser.add_argument("--sft-max-steps", type=int, default=1500, help="add/reverse: most "
-                        "warm-start steps.")
+                        "steps (copy: 60, 0 is pure RL; add/reverse: 500 / 200).")
+    parser.add_argument("--teacher-exact", type=float, default=GpuRecipe.teacher_exact,
+                        help="add/reverse: how often the warm start's demonstrator answers "
+                        "whole and right (1 is clean demonstrations).")
+    parser.add_argument("--rl-lr", type=float, default=GpuRecipe.rl_lr,
+                        help="add/reverse: the GRPO learning rate.")
     parser.add_argument("--rollout-batch-size", type=int, default=GpuRecipe.rollout_batch_size,
                         help="add/reverse: prompts per RL step.")
     parser.add_argument("--n-samples-per-prompt", type=int,
@@ -225,11 +228,11 @@ def main(argv: list[str] | None = None) -> None:
                                n_samples_per_prompt=args.n_samples_per_prompt,
                                eval_prompts=args.eval_prompts, sft_prompts=args.sft_prompts,
                                time_budget_s=args.time_budget_s,
-                               rollout_precision=args.rollout_precision)
+                               rollout_precision=args.rollout_precision,
+                               teacher_exact=args.teacher_exact, rl_lr=args.rl_lr)
             summary = run_gpu_recipe(
                 Path(args.dir), steps=200 if args.steps is None else args.steps,
-                sft_steps=args.sft_steps,
-                sft_max_steps=args.sft_max_steps, seed=args.seed, device=args.device,
+                sft_steps=args.sft_steps, seed=args.seed, device=args.device,
                 recipe=recipe, preset=args.preset or ("qwen2.5-0.5b" if args.device == "cuda"
                                                       else "tiny"))
     except RltoolError as e:

@@ -3,35 +3,32 @@ exact-match GRPO on the Qwen2.5-0.5B shapes (vocabulary sized to the demo's toke
 the tiny CPU model cannot learn: 3-digit addition (`add`, the default) or reversing 8-12 digit
 strings (`reverse`).
 
-Its warm start (supervised, on prompts disjoint from the RL and eval sets) stops once the chance
-of sampling a whole right answer, exp(-(answer tokens) x (mean token loss)), reaches
-SFT_EXACT; GRPO then runs until the held-out eval's exact match reaches the target or the time
-budget (`--time-budget-s`, 480) is spent, colocated on the one GPU (engine and trainer on it
-together, weights handed over in memory). `--rollout-precision fp8` serves the rollouts from
-block-FP8 weights requantized at every sync (`[sync] precision = "fp8"`) and corrects the
-train/rollout mismatch with token-level truncated importance sampling (`[train] tis_mode =
-"truncate"`). Each step prints reward, eval reward and phase times; `--preset tiny` runs the
-recipe on CPU. docs/loop.md, "The GPU demo".
+Its warm start imitates a noisy demonstrator: on prompts disjoint from the RL and eval sets,
+each answer is right with probability `--teacher-exact` (0.25), every digit of it replaced by
+another digit with probability 1 - 0.25^(1/digits). A policy that has learnt the demonstrator
+knows the task on every prompt yet samples a whole right answer about a quarter of the time;
+GRPO then has to beat its teacher, and runs until the held-out eval's exact match reaches the
+target or the time budget (`--time-budget-s`, 480) is spent, colocated on the one GPU (engine and
+trainer on it together, weights handed over in memory). `--rollout-precision fp8` serves the
+rollouts from block-FP8 weights requantized at every sync (`[sync] precision = "fp8"`) and
+corrects the train/rollout mismatch with token-level truncated importance sampling (`[train]
+tis_mode = "truncate"`). Each step prints reward, eval reward and phase times; `--preset tiny`
+runs the recipe on CPU. docs/loop.md, "The GPU demo".
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
+import string
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rltool.demo_common import (HEADER, TARGET, Clock, chunked_warm_start, finish, fresh,
+from rltool.demo_common import (HEADER, TARGET, Clock, finish, fresh,
                                 print_row, summarize)
+from rltool.errors import BadInputError
 
-# The warm start stops once exp(-(answer tokens) x (mean loss of the last 10 steps)), the chance
-# of sampling a whole right answer at temperature 1, reaches this.
-SFT_EXACT = 0.05
-# Warm-start steps per further train call: the loss falls steeply once answers start to come
-SFT_CHUNK = 25  # out right (add, 0.5B shapes on an H200: 0.92 at step 226, 0.25 at 295)
 KV_TOKENS = 65536  # the recipes' KV pool: 512 rollouts of at most ~40 tokens fit many times
 PRECISIONS = ("bf16", "fp8")  # --rollout-precision: the weights the engine serves
 MISMATCH_KEYS = ("train/train_rollout_logprob_abs_diff", "train/mismatch_kl",
@@ -41,21 +38,21 @@ MISMATCH_KEYS = ("train/train_rollout_logprob_abs_diff", "train/mismatch_kl",
 @dataclass(frozen=True)
 class TaskSpec:
     """A GPU recipe's task: digit lengths of its prompts, the most response tokens, and the
-    warm start's first call (`--sft-steps`; SFT_CHUNK more at a time after it)."""
+    warm start's steps (`--sft-steps`)."""
 
     min_len: int
     max_len: int
     max_response_len: int
-    sft_first_steps: int
+    sft_steps: int
 
 
 TASKS = {
-    # sums of two 3-digit numbers, at most 4 digits and EOS; the estimate stays under SFT_EXACT
-    # for the first 200 steps on the H200 (loss 0.64 at step 200)
-    "add": TaskSpec(3, 3, 8, 200),
-    # 8-12 digits reversed and EOS; not measured on a GPU: a short first call, so the stopping
-    # rule is checked every SFT_CHUNK steps from early on
-    "reverse": TaskSpec(8, 12, 16, 50),
+    # sums of two 3-digit numbers, at most 4 digits and EOS; clean demonstrations took ~300
+    # steps on the H200 before sums came out right
+    "add": TaskSpec(3, 3, 8, 500),
+    # 8-12 digits reversed and EOS; clean demonstrations: ~75 steps (loss 0.92 at step 50, 0.14
+    # at 75)
+    "reverse": TaskSpec(8, 12, 16, 200),
 }
 
 
@@ -74,6 +71,7 @@ class GpuRecipe:
     eval_interval: int = 5
     time_budget_s: float = 480.0
     sft_batch: int = 256  # or the whole SFT set when smaller
+    teacher_exact: float = 0.25  # the demonstrator's chance of a whole right answer
     rollout_precision: str = "bf16"  # or fp8 (see `add_loop_tables`)
 
 
@@ -126,49 +124,58 @@ def make_task_data(root: Path, clock: Clock, recipe: GpuRecipe) -> None:
     taken = {r["prompt"] for r in rl + held_out}
     sft = [r for r in make_rows(recipe.task, num=recipe.sft_prompts, seed=2, **lengths)
            if r["prompt"] not in taken]
+    sft = noisy_demonstrations(sft, teacher_exact=recipe.teacher_exact, seed=2)
     write_prompts(rl, root / "rl.jsonl")
     write_prompts(held_out, root / "eval.jsonl")
     write_prompts(sft, root / "sft.jsonl")
     clock.say(f"rltool data make --task {recipe.task} --min-len {spec.min_len} --max-len "
               f"{spec.max_len}: {len(rl)} RL prompts (seed 1), {len(held_out)} eval prompts "
-              f"(seed 3), {len(sft)} SFT prompts (seed 2) none of which is an RL or eval prompt")
+              f"(seed 3), {len(sft)} SFT prompts (seed 2) none of which is an RL or eval prompt, "
+              f"their answers from a demonstrator right {recipe.teacher_exact:g} of the time")
 
 
-def gpu_warm_start(root: Path, model: Path, *, first_steps: int, max_steps: int, seed: int,
-                   device: str, recipe: GpuRecipe, clock: Clock) -> tuple[Path, int]:
-    """Supervised steps on the SFT prompts, SFT_CHUNK more at a time (resumed from the
-    checkpoint) until the estimated exact match reaches SFT_EXACT, at most `max_steps`."""
+def noisy_demonstrations(rows: list[dict[str, Any]], *, teacher_exact: float,
+                         seed: int) -> list[dict[str, Any]]:
+    """The rows with each label's digits replaced, independently, by another digit with
+    probability 1 - teacher_exact^(1/digits): a label stays whole with probability teacher_exact
+    whatever its length."""
+    import random
+
+    if not 0.0 < teacher_exact <= 1.0:
+        raise BadInputError(f"--teacher-exact must be in (0, 1], got {teacher_exact:g}")
+    rng = random.Random(seed)
+    out = []
+    for row in rows:
+        label = row["label"]
+        flip = 1.0 - teacher_exact ** (1.0 / max(1, sum(c.isdigit() for c in label)))
+        noisy = "".join(rng.choice([d for d in string.digits if d != c])
+                        if c.isdigit() and rng.random() < flip else c for c in label)
+        out.append({**row, "label": noisy})
+    return out
+
+
+def gpu_warm_start(root: Path, model: Path, *, steps: int, seed: int, device: str,
+                   recipe: GpuRecipe, clock: Clock) -> Path:
+    """`steps` supervised steps on the (noisy) SFT prompts; returns the published weights."""
+    from rltool.train import run as run_train
     from rltool.train.config import TrainConfig
 
-    labels = [json.loads(line)["label"] for line in
-              (root / "sft.jsonl").read_text().splitlines()]
-    answer_tokens = sum(len(x) + 1 for x in labels) / len(labels)  # digits and EOS
-    batch = min(recipe.sft_batch, len(labels))
-
-    def exact(losses: list[float]) -> float:
-        return math.exp(-answer_tokens * sum(losses[-10:]) / max(1, len(losses[-10:])))
-
-    def config(*, load: str, save: str, num_steps: int, first: bool) -> TrainConfig:
-        return TrainConfig(loss="sft", prompts=str(root / "sft.jsonl"), load=load, save=save,
-                           publish=str(root / "sft" / "weights"),
-                           metrics=str(root / "sft" / "train.jsonl"), lr=recipe.sft_lr,
-                           # warm-up on the first call; later ones resume Adam's state
-                           lr_warmup_steps=min(20, num_steps) if first else 0,
-                           global_batch_size=batch, num_steps=num_steps, seed=seed,
-                           device=device, dtype="bf16" if device == "cuda" else "fp32")
-
-    policy, steps, losses = chunked_warm_start(
-        root, model, first_steps=first_steps, chunk_steps=SFT_CHUNK, max_steps=max_steps,
-        config=config, done=lambda losses: exact(losses) >= SFT_EXACT)
-    clock.say(f"rltool train --loss sft --num-steps {steps} --global-batch-size "
-              f"{batch} --lr {recipe.sft_lr:g}: supervised warm start, mean token loss "
-              f"of the last 10 steps {sum(losses[-10:]) / max(1, len(losses[-10:])):.3f}, "
-              f"estimated exact match {exact(losses):.3f}")
-    return policy, steps
+    batch = min(recipe.sft_batch, sum(1 for _ in (root / "sft.jsonl").open()))
+    result = run_train(TrainConfig(
+        loss="sft", prompts=str(root / "sft.jsonl"), load=str(model),
+        save=str(root / "sft" / "ckpt"), publish=str(root / "sft" / "weights"),
+        metrics=str(root / "sft" / "train.jsonl"), lr=recipe.sft_lr,
+        lr_warmup_steps=min(20, steps), global_batch_size=batch, num_steps=steps, seed=seed,
+        device=device, dtype="bf16" if device == "cuda" else "fp32"))
+    losses = [m["train/sft_loss"] for m in result.metrics if "train/sft_loss" in m][-10:]
+    clock.say(f"rltool train --loss sft --num-steps {steps} --global-batch-size {batch} --lr "
+              f"{recipe.sft_lr:g}: supervised warm start, mean token loss of the last 10 steps "
+              f"{sum(losses) / max(1, len(losses)):.3f}")
+    assert result.published is not None
+    return Path(result.published)
 
 
-def run_gpu_recipe(root: Path, *, steps: int, sft_steps: int | None, sft_max_steps: int,
-                   seed: int, device: str, preset: str, recipe: GpuRecipe) -> dict[str, Any]:
+def run_gpu_recipe(root: Path, *, steps: int, sft_steps: int | None, seed: int, device: str, preset: str, recipe: GpuRecipe) -> dict[str, Any]:
     """The GPU recipe (`--task add|reverse`; `--device cuda` runs add by default): see the
     module docstring."""
     import tomli_w
@@ -178,6 +185,9 @@ def run_gpu_recipe(root: Path, *, steps: int, sft_steps: int | None, sft_max_ste
     from rltool.loop import runner
     from rltool.loop.config import LoopSettings
 
+    if not recipe.rl_lr > 0:
+        raise BadInputError(f"--rl-lr must be > 0, got {recipe.rl_lr:g}")
+    noisy_demonstrations([], teacher_exact=recipe.teacher_exact, seed=0)  # checks it, early
     fresh(root)
     clock = Clock()
     model = init_model(root / "model", arch="qwen2", preset=preset, task=recipe.task, seed=seed,
@@ -185,10 +195,9 @@ def run_gpu_recipe(root: Path, *, steps: int, sft_steps: int | None, sft_max_ste
     clock.say(f"rltool init-model --preset {preset} --task {recipe.task} --seed {seed} "
               f"(vocabulary of the task tokenizer): random-init model {model}")
     make_task_data(root, clock, recipe)
-    first = TASKS[recipe.task].sft_first_steps if sft_steps is None else sft_steps
-    policy, sft_steps = gpu_warm_start(root, model, first_steps=first,
-                                       max_steps=sft_max_steps, seed=seed, device=device,
-                                       recipe=recipe, clock=clock)
+    sft_steps = TASKS[recipe.task].sft_steps if sft_steps is None else sft_steps
+    policy = gpu_warm_start(root, model, steps=sft_steps, seed=seed, device=device,
+                            recipe=recipe, clock=clock)
     tables = gpu_loop_tables(root, model=policy, steps=steps, seed=seed, device=device,
                              recipe=recipe)
     atomic.write_text(root / "run.toml", tomli_w.dumps(tables))
@@ -212,6 +221,7 @@ def run_gpu_recipe(root: Path, *, steps: int, sft_steps: int | None, sft_max_ste
     hit = next((r for r in evals if r["eval/mean_reward"] >= TARGET), None)
     extra = {"device": device, "preset": preset, "device_name": _device_name(device),
              "rollout_precision": recipe.rollout_precision,
+             "teacher_exact": recipe.teacher_exact, "rl_lr": recipe.rl_lr,
              "target_eval_exact": TARGET, "time_budget_s": recipe.time_budget_s,
              "eval_step_reaching_target": hit["step"] if hit else None,
              "seconds_to_target": hit["time"] - clock.t0_wall if hit else None,

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from rltool import demo
+from rltool.errors import BadInputError
 
 
 @pytest.mark.slow
@@ -54,7 +55,7 @@ def test_gpu_recipes_run_on_cpu(tmp_path, capsys, task, precision):
     block-FP8 weights from every sync and the trainer applies TIS."""
     root, out = tmp_path / "demo-run", tmp_path / "result.json"
     demo.main([str(root), "--task", task, "--preset", "tiny", "--steps", "2", "--sft-steps",
-               "1", "--sft-max-steps", "2", "--rollout-batch-size", "4", "--eval-prompts", "8",
+               "2", "--rollout-batch-size", "4", "--eval-prompts", "8",
                "--sft-prompts", "64", "--rollout-precision", precision, "--out-json", str(out),
                "-q"])
     printed = capsys.readouterr().out
@@ -64,7 +65,7 @@ def test_gpu_recipes_run_on_cpu(tmp_path, capsys, task, precision):
     assert summary == json.loads((root / "summary.json").read_text())
     assert summary["task"] == task and summary["device"] == "cpu" and summary["rl_steps"] == 2
     assert summary["sft_steps"] == 2 and summary["final_eval_reward"] is not None
-    # two warm-start calls (1 step, then 1 more resumed); only the newest checkpoint and weights
+    # one warm-start call: its checkpoint and weights
     assert [d.name for d in (root / "sft" / "ckpt").iterdir()] == ["step-000002"]
     assert [d.name for d in (root / "sft" / "weights").iterdir()] == ["weight_v000002"]
     assert summary["phase_means"]["perf/loop/rollout_time"] > 0
@@ -97,4 +98,34 @@ def test_copy_demo_refuses_the_gpu(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         demo.main([str(tmp_path / "d"), "--device", "cuda", "--task", "copy"])
     assert e.value.code == 2 and "--task copy is the CPU demo" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
+
+
+def test_noisy_demonstrator_is_right_as_often_as_asked_at_every_length():
+    """The GPU recipes' warm-start labels: each stays whole with probability teacher_exact
+    whatever its length, a changed digit is always another digit, non-digits and lengths are
+    kept, and the prompts are untouched."""
+    from rltool.data.tasks import make_rows
+    from rltool.demo_gpu import noisy_demonstrations
+
+    rows = make_rows("reverse", num=20000, seed=2, min_len=2, max_len=12)
+    noisy = noisy_demonstrations(rows, teacher_exact=0.25, seed=2)
+    assert [r["prompt"] for r in noisy] == [r["prompt"] for r in rows]
+    for short in (False, True):  # 2-6 digits and 8-12 digits: the same chance of a whole label
+        pairs = [(r["label"], n["label"]) for r, n in zip(rows, noisy)
+                 if (len(r["label"]) <= 6) == short]
+        whole = sum(a == b for a, b in pairs) / len(pairs)
+        assert abs(whole - 0.25) < 0.02, (short, whole)
+    assert all(len(a) == len(b) and b.isdigit() for a, b in
+               ((r["label"], n["label"]) for r, n in zip(rows, noisy)))
+    add = make_rows("add", num=50, seed=2)
+    assert noisy_demonstrations(add, teacher_exact=1.0, seed=2) == add
+    with pytest.raises(BadInputError, match="--teacher-exact"):
+        noisy_demonstrations(add, teacher_exact=0.0, seed=2)
+
+
+def test_gpu_recipe_refuses_a_bad_learning_rate_before_writing(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        demo.main([str(tmp_path / "d"), "--task", "reverse", "--preset", "tiny", "--rl-lr", "0"])
+    assert e.value.code != 0 and "--rl-lr must be > 0" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
