@@ -166,11 +166,11 @@ def main(argv: list[str] | None = None) -> None:
         "\n")[0])
     parser.add_argument("dir", nargs="?", default="demo-run", help="Demo directory (recreated).")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: the GPU "
-                        "demo (the addition recipe on the 0.5B shapes unless --task/--preset "
+                        "demo (the reversal recipe on the 0.5B shapes unless --task/--preset "
                         "say otherwise).")
     parser.add_argument("--task", choices=("copy", *TASKS), default=None, help="copy (the CPU "
-                        "demo; default on cpu), add (3-digit sums, exact match; default on "
-                        "cuda) or reverse (8-12 digit strings reversed, exact match).")
+                        "demo; default on cpu), reverse (8-12 digit strings reversed, exact "
+                        "match; default on cuda) or add (3-digit sums, exact match).")
     parser.add_argument("--preset", default=None, help="add/reverse: the model shapes "
                         "(default qwen2.5-0.5b on cuda, tiny on cpu).")
     parser.add_argument("--steps", type=int, default=None, help="Most RL loop steps (copy: 150, "
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("-q", "--quiet", action="store_true", help="No progress bars or "
                         "progress lines (the step table and the summary still print).")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    task = args.task or ("add" if args.device == "cuda" else "copy")
+    task = args.task or ("reverse" if args.device == "cuda" else "copy")
     from rltool.logs import setup_logging
 
     setup_logging(verbosity=-1)  # the step table is the demo's output; warnings still show

@@ -1,7 +1,7 @@
 """The GPU demo's recipes (`python -m rltool.demo --device cuda`, or `--task add|reverse`):
 exact-match GRPO on the Qwen2.5-0.5B shapes (vocabulary sized to the demo's tokenizer) for a task
-the tiny CPU model cannot learn: 3-digit addition (`add`, the default) or reversing 8-12 digit
-strings (`reverse`).
+the tiny CPU model cannot learn: reversing 8-12 digit strings (`reverse`, the default) or
+3-digit addition (`add`).
 
 Its warm start imitates a noisy demonstrator: on prompts disjoint from the RL and eval sets,
 each answer is right with probability `--teacher-exact` (0.25), every digit of it replaced by
@@ -61,7 +61,7 @@ class GpuRecipe:
     """The GPU recipes' settings (tables in `gpu_loop_tables`); batch sizes and rates are chosen
     for the 0.5B shapes on one H200 (docs/loop.md, "The GPU demo")."""
 
-    task: str = "add"  # or reverse (TASKS)
+    task: str = "reverse"  # or add (TASKS)
     rollout_batch_size: int = 64  # prompts per step
     n_samples_per_prompt: int = 8  # 512 rollouts a step
     eval_prompts: int = 256
@@ -176,7 +176,7 @@ def gpu_warm_start(root: Path, model: Path, *, steps: int, seed: int, device: st
 
 
 def run_gpu_recipe(root: Path, *, steps: int, sft_steps: int | None, seed: int, device: str, preset: str, recipe: GpuRecipe) -> dict[str, Any]:
-    """The GPU recipe (`--task add|reverse`; `--device cuda` runs add by default): see the
+    """The GPU recipe (`--task add|reverse`; `--device cuda` runs reverse by default): see the
     module docstring."""
     import tomli_w
 
