@@ -101,15 +101,13 @@ def warm_start(root: Path, model: Path, *, sft_steps: int, seed: int,
                            metrics=str(root / "sft" / "train.jsonl"), lr=3e-3,
                            global_batch_size=32, num_steps=num_steps, seed=seed)
 
-    def mean10(losses: list[float]) -> float:
-        return sum(losses[-10:]) / max(1, len(losses[-10:]))
-
     policy, steps, losses = chunked_warm_start(
         root, model, first_steps=sft_steps, chunk_steps=SFT_EXTRA_STEPS,
         max_steps=max(SFT_MAX_STEPS, sft_steps), config=config,
-        done=lambda losses: mean10(losses) <= SFT_LOSS_TARGET)
+        done=lambda losses: window_mean(losses, 10) <= SFT_LOSS_TARGET)
     clock.say(f"rltool train --loss sft --num-steps {steps} --global-batch-size 32 --lr 3e-3:"
-              f" supervised warm start, mean sft loss of the last 10 steps {mean10(losses):.3f}")
+              " supervised warm start, mean sft loss of the last 10 steps "
+              f"{window_mean(losses, 10):.3f}")
     return policy, steps
 
 

@@ -60,8 +60,9 @@ def _keep_newest(parent: Path, parse: Callable[[str], int | None]) -> None:
         shutil.rmtree(old)
 
 
-def window_mean(values: list[float]) -> float:
-    tail = values[-WINDOW:]
+def window_mean(values: list[float], window: int = WINDOW) -> float:
+    """The mean of the last `window` values (0 for none)."""
+    tail = values[-window:]
     return sum(tail) / len(tail) if tail else 0.0
 
 

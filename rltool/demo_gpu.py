@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rltool.demo_common import (HEADER, TARGET, Clock, finish, fresh,
-                                print_row, summarize)
+from rltool.demo_common import (HEADER, TARGET, Clock, finish, fresh, print_row, summarize,
+                                window_mean)
 from rltool.errors import BadInputError
 
 KV_TOKENS = 65536  # the recipes' KV pool: 512 rollouts of at most ~40 tokens fit many times
@@ -167,10 +167,10 @@ def gpu_warm_start(root: Path, model: Path, *, steps: int, seed: int, device: st
         metrics=str(root / "sft" / "train.jsonl"), lr=recipe.sft_lr,
         lr_warmup_steps=min(20, steps), global_batch_size=batch, num_steps=steps, seed=seed,
         device=device, dtype="bf16" if device == "cuda" else "fp32"))
-    losses = [m["train/sft_loss"] for m in result.metrics if "train/sft_loss" in m][-10:]
+    losses = [m["train/sft_loss"] for m in result.metrics if "train/sft_loss" in m]
     clock.say(f"rltool train --loss sft --num-steps {steps} --global-batch-size {batch} --lr "
               f"{recipe.sft_lr:g}: supervised warm start, mean token loss of the last 10 steps "
-              f"{sum(losses) / max(1, len(losses)):.3f}")
+              f"{window_mean(losses, 10):.3f}")
     assert result.published is not None
     return Path(result.published)
 
