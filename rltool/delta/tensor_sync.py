@@ -205,9 +205,12 @@ def _unpack(src: torch.Tensor, message: Any) -> list[tuple[str, torch.Tensor]]:
 def quantize_named(named: list[tuple[str, torch.Tensor]], *, dtype: torch.dtype,
                    block: tuple[int, int]) -> list[tuple[str, torch.Tensor]]:
     """The block-FP8 version of `named` cast to `dtype` (what `rltool convert fp8` stores for a
-    checkpoint of them): each quantized weight followed by its `<name>_scale_inv`."""
-    state = {n: t.detach().to(device="cpu", dtype=dtype).contiguous() for n, t in named}
-    return list(quantize_state(state, block)[0].items())
+    checkpoint of them): each quantized weight followed by its `<name>_scale_inv`, on the device
+    the tensors are on (a GPU quantizes its own tensors in a few kernels per weight; CPU tensors
+    go through the native kernel, one per thread)."""
+    state = {n: t.detach().to(dtype=dtype).contiguous() for n, t in named}
+    on_cpu = all(t.device.type == "cpu" for t in state.values())
+    return list(quantize_state(state, block, workers=None if on_cpu else 1)[0].items())
 
 
 def segment_bytes(named: list[tuple[str, torch.Tensor]], *, bucket_bytes: int) -> int:

@@ -67,8 +67,10 @@ def _reference_quantize(w: np.ndarray, block: tuple[int, int]):
     return q, scale
 
 
-# Both implementations: the native kernel (csrc/fp8.c) and the torch one (the fallback).
-IMPLEMENTATIONS = {"native": fp8_native.quantize, "torch": fp8.quantize_blocks_torch}
+# The implementations: the native kernel (csrc/fp8.c), the torch one (the fallback) and its
+# whole-tensor form (the one a GPU runs, checked here on CPU).
+IMPLEMENTATIONS = {"native": fp8_native.quantize, "torch": fp8.quantize_blocks_torch,
+                   "torch-whole": fp8.quantize_blocks_whole}
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
