@@ -6,6 +6,8 @@ Per seed: the demo's model init and supervised warm start (rltool.demo), then
 - async: the same tables with `--mode async --placement disaggregated --max-staleness K
   --update-mode MODE` and `[train] tis_mode` (decoupled PPO by default), the same pinning (the
   rollout worker beside the engine), more steps (to see when it reaches the sync run's reward).
+Both run past the speed window: the sync run `--learning-steps` steps (the demo's run length),
+the async run `--async-steps-factor` times that.
 Neither run evaluates (eval would add its own engine and time). The async run's samples carry the
 sync run's uids, so both draw from the same sampling seeds (the same prompts in the same order).
 With `--on-policy-control` a third run per seed is async with `--max-staleness 0` (nothing starts
@@ -18,8 +20,10 @@ Figures, from each run's metrics/loop.jsonl:
 - bound = (t_R + t_T + t_W) / (max(t_R, t_T) + t_W) (rltool.profile.analyze.async_speedup);
 - speedup = sync seconds per step / async seconds per step, both from the rows' wall-clock
   `time` between the first and the last of the first `--steps` steps (engine start excluded);
-- learning: target = the sync run's mean reward over its last 5 steps; the samples each run used
-  until its 5-step mean first reached the target, and their ratio async / sync.
+- learning: target = the reward the demo finishes at (`--target-reward`, the demo's 0.8: `make
+  demo` stops once its 5-step mean reaches it); the samples each run used until its 5-step mean
+  first reached the target, and their ratio async / sync (an async run that never reaches it
+  counts as infinitely many samples in the median; a seed whose sync run does not is left out).
 
 Prints a table and one JSON line; `--out FILE` also writes the JSON (machine, load averages,
 every run's rows). Example (2 cores, engine on core 0, trainer on core 1):
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -41,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-WINDOW = 5
+from rltool.demo_common import TARGET, WINDOW
 
 
 def prepare(root: Path, seed: int) -> Path:
@@ -92,7 +97,8 @@ def one_seed(root: Path, seed: int, args: argparse.Namespace) -> dict[str, Any]:
 
     load = os.getloadavg()
     weights = prepare(root, seed)
-    base = loop_tables(root, model=weights, steps=args.steps, seed=seed)
+    base = loop_tables(root, model=weights, steps=max(args.steps, args.learning_steps),
+                       seed=seed)
     base.pop("eval")
     base["sync"]["sync"] = "tensor"
     # A served engine in both runs: the demo's in-process engine (a thread of the loop process)
@@ -105,7 +111,7 @@ def one_seed(root: Path, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     tables = json.loads(json.dumps(base))
     tables["loop"].update(mode="async", placement="disaggregated",
                           max_staleness=args.max_staleness, update_mode=args.update_mode,
-                          num_steps=int(args.steps * args.async_steps_factor))
+                          num_steps=int(base["loop"]["num_steps"] * args.async_steps_factor))
     tables["train"]["tis_mode"] = args.tis_mode  # decoupled PPO on the stale tokens
     async_rows = run_loop(root, "async", tables)
     t_r = statistics.median(r["perf/loop/rollout_time"] for r in sync_rows)
@@ -115,7 +121,7 @@ def one_seed(root: Path, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     bound = async_speedup(t_R_s=t_r, t_T_s=t_t, t_W_s=t_w)["speedup_bound"]
     sync_s, async_s = (seconds_per_step(sync_rows, args.steps),
                        seconds_per_step(async_rows, args.steps))
-    target = sum(r["rollout/raw_reward"] for r in sync_rows[-WINDOW:]) / WINDOW
+    target = args.target_reward
     sync_reach, async_reach = first_reaching(sync_rows, target), first_reaching(async_rows, target)
     samples = sync_rows[0]["rollout/num_samples"]
     control: dict[str, Any] = {}
@@ -135,6 +141,7 @@ def one_seed(root: Path, seed: int, args: argparse.Namespace) -> dict[str, Any]:
             "sync_samples_to_target": sync_reach * samples if sync_reach else None,
             "async_samples_to_target": async_reach * samples if async_reach else None,
             "samples_ratio": (async_reach / sync_reach) if sync_reach and async_reach else None,
+            "async_reached": async_reach is not None, "sync_reached": sync_reach is not None,
             "staleness_mean": statistics.mean(r.get("staleness/mean", 0.0) for r in async_rows),
             "staleness_dropped": sum(r.get("staleness/dropped", 0) for r in async_rows),
             "sync_rows": sync_rows, "async_rows": async_rows, **control}
@@ -144,8 +151,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=20, help="Sync steps (the speed window).")
+    parser.add_argument("--learning-steps", type=int, default=60,
+                        help="Sync steps in all (the demo reaches its target in ~30).")
     parser.add_argument("--async-steps-factor", type=float, default=1.5,
-                        help="Async runs this many times --steps (to reach the sync reward).")
+                        help="Async runs this many times the sync run's steps.")
+    parser.add_argument("--target-reward", type=float, default=TARGET,
+                        help="The 5-step mean reward both runs race to (the demo's target).")
     parser.add_argument("--max-staleness", type=int, default=2)
     parser.add_argument("--update-mode", default="in-place",
                         choices=["in-place", "retract", "abort"])
@@ -171,7 +182,9 @@ def main() -> None:
         print(f"{r['seed']:>4d} {r['t_R']:6.3f} {r['t_T']:6.3f} {r['t_W']:6.3f} "
               f"{r['bound']:6.2f} {r['sync_s_per_step']:7.3f} {r['async_s_per_step']:7.3f} "
               f"{r['speedup']:7.2f} {100 * r['of_bound']:5.0f}% {ratio:>9s}")
-    ratios = [r["samples_ratio"] for r in runs if r["samples_ratio"] is not None]
+    ratios = [r["samples_ratio"] if r["async_reached"] else math.inf
+              for r in runs if r["sync_reached"]]
+    median_ratio = statistics.median(ratios) if ratios else math.inf
     summary = {"benchmark": "async_loop", "date": time.strftime("%Y-%m-%d"),
                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                            "python": sys.version.split()[0]},
@@ -180,8 +193,9 @@ def main() -> None:
                "median_speedup": statistics.median(r["speedup"] for r in runs),
                "median_bound": statistics.median(r["bound"] for r in runs),
                "median_of_bound": statistics.median(r["of_bound"] for r in runs),
-               "median_samples_ratio": statistics.median(ratios) if ratios else None,
-               "seeds_reaching_target": len(ratios)}
+               "median_samples_ratio": median_ratio if math.isfinite(median_ratio) else None,
+               "seeds_sync_reaching_target": len(ratios),
+               "seeds_async_reaching_target": sum(math.isfinite(x) for x in ratios)}
     print(json.dumps(summary))
     if args.out:
         Path(args.out).write_text(json.dumps({**summary, "runs": runs}, indent=1) + "\n")
