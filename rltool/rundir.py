@@ -267,15 +267,13 @@ def _cut_torn_tail(fd: int, path: Path, *, chunk_bytes: int = 1 << 16) -> None:
     os.fsync(fd)
 
 
-def drop_metric_rows_after(path: str | os.PathLike, step: int) -> int:
+def drop_metric_rows_after(path: str | os.PathLike, step: int) -> None:
     """Rewrite the metrics file at `path` (atomically, torn lines left out) without its rows of
-    steps after `step`, if it has any. Only while no writer has the file open. Returns how many
-    rows went."""
+    steps after `step`, if it has any. Only while no writer has the file open."""
     rows = read_metrics(path)
     kept = [r for r in rows if not isinstance(r.get("step"), int) or r["step"] <= step]
     if len(kept) < len(rows):
         atomic.write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
-    return len(rows) - len(kept)
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:

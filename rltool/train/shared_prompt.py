@@ -81,3 +81,11 @@ def build(tokens: list[list[int]], response_starts: list[int], *, pad: int,
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         mask=mask[:, None].to(device), rows=torch.tensor(rows, dtype=torch.long, device=device),
         targets=torch.tensor(targets, dtype=torch.long, device=device), sizes=sizes)
+
+
+def nbytes(batch: SharedPromptBatch | None) -> int:
+    """The memory a built layout holds (0 for None)."""
+    if batch is None:
+        return 0
+    return sum(t.numel() * t.element_size() for t in (batch.ids, batch.positions, batch.mask,
+                                                       batch.rows, batch.targets))

@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 
 
 VALUE_HEAD = "value_head"  # attribute on the HF model, and the prefix of its state-dict keys
+# Shared-prompt layouts kept for reuse (their attention masks are most of it: the demo's
+# 64-sample micro-batch takes 30 KB, a long-context one hundreds of MB, which is then not kept).
+SHARED_LAYOUT_BYTES = 64 << 20
 
 
 def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
@@ -82,14 +85,10 @@ class TorchBackend:
         self.optimizer_steps = 0
         if self.trainable:  # a frozen reference must not reset the policy's RNG stream
             torch.manual_seed(options.seed + self.dp_rank)
-        self.packed = self._packed_layout(options)
-        # auto on the CPU: each repeated prompt once per micro-batch (rltool.train.shared_prompt)
-        # for policy losses, whose groups repeat every prompt; SFT prompts repeat only by chance
-        # and stay padded (the bits they had).
-        sft = isinstance(options, TrainConfig) and options.loss == "sft"
-        self.shared_prompts = options.micro_batch_layout == "shared_prompt" or (
-            options.micro_batch_layout == "auto" and self.device.type == "cpu"
-            and not options.deterministic and not sft)
+        self.layout = self._layout(options)
+        # The shared-prompt layouts of the latest micro-batches, by their tokens: the old-logprob
+        # pass and the optimizer step of one rollout run the same micro-batches.
+        self._shared: dict[tuple[Any, ...], shared_prompt.SharedPromptBatch | None] = {}
         load_kwargs = {"attn_implementation": packed.register()} if self.packed else {}
         self.invariant = options.deterministic and self.device.type == "cuda"
         self.pure_bf16 = self.invariant and not trainable and options.dtype == "bf16"
@@ -133,7 +132,11 @@ class TorchBackend:
             self.inner.requires_grad_(False)
 
     # -- setup -------------------------------------------------------------------------------
-    def _packed_layout(self, options: BackendConfig) -> bool:
+    def _layout(self, options: BackendConfig) -> str:
+        """The micro-batch layout: padded, packed or shared_prompt. auto: packed on one GPU;
+        on the CPU each repeated prompt once per micro-batch (rltool.train.shared_prompt) for
+        policy losses, whose groups repeat every prompt, while SFT prompts repeat only by chance
+        and stay padded (the bits they had); padded when deterministic."""
         layout = options.micro_batch_layout
         if layout == "packed" and options.deterministic:
             raise ConfigError("--micro-batch-layout packed and --deterministic exclude each "
@@ -144,8 +147,35 @@ class TorchBackend:
         if layout == "shared_prompt" and options.deterministic:
             raise ConfigError("--micro-batch-layout shared_prompt and --deterministic exclude "
                               "each other (deterministic runs every sample alone); drop one")
-        return layout == "packed" or (layout == "auto" and self.device.type == "cuda"
-                                      and self.dp_size == 1 and not options.deterministic)
+        if layout != "auto":
+            return layout
+        if options.deterministic:
+            return "padded"
+        if self.device.type == "cuda":
+            return "packed" if self.dp_size == 1 else "padded"
+        sft = isinstance(options, TrainConfig) and options.loss == "sft"
+        return "shared_prompt" if self.device.type == "cpu" and not sft else "padded"
+
+    @property
+    def packed(self) -> bool:
+        return self.layout == "packed"
+
+    @property
+    def shared_prompts(self) -> bool:
+        return self.layout == "shared_prompt"
+
+    def _shared_layout(self, mb: MicroBatch) -> shared_prompt.SharedPromptBatch | None:
+        """The micro-batch's shared-prompt layout (None: no two samples share a prompt), built
+        once for the old-logprob pass and the optimizer step that run the same micro-batch."""
+        key = (tuple(map(tuple, mb.tokens)), tuple(mb.response_starts))
+        if key in self._shared:
+            return self._shared[key]
+        built = shared_prompt.build(mb.tokens, mb.response_starts, pad=self._pad_id(),
+                                    device=self.device)
+        self._shared[key] = built
+        while sum(map(shared_prompt.nbytes, self._shared.values())) > SHARED_LAYOUT_BYTES:
+            del self._shared[next(iter(self._shared))]  # the oldest first
+        return built
 
     def _shard(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -225,8 +255,7 @@ class TorchBackend:
             return self._packed_forward(mb, temperature=temperature, with_entropy=with_entropy,
                                         top_k=top_k)
         if self.shared_prompts and mb.routed_experts is None:  # replay: the padded layout
-            shared = shared_prompt.build(mb.tokens, mb.response_starts, pad=self._pad_id(),
-                                         device=self.device)
+            shared = self._shared_layout(mb)
             if shared is not None:
                 logits, values = self._model_call(module, shared.ids,
                                                   position_ids=shared.positions,

@@ -83,3 +83,32 @@ def test_auto_is_shared_prompt_on_cpu_and_deterministic_refused(tiny_model_dir):
         update={"micro_batch_layout": "shared_prompt"})).shared_prompts
     with pytest.raises(ConfigError, match="shared_prompt and --deterministic"):
         _backend(tiny_model_dir, "shared_prompt", deterministic=True)
+
+
+def test_layout_built_once_per_micro_batch_and_bounded(tiny_model_dir, monkeypatch):
+    """The old-logprob pass and the optimizer step of one micro-batch build its layout once
+    (the same outputs as a fresh build); the kept layouts stay within their byte budget."""
+    import rltool.train.torch_backend as tb
+
+    backend = _backend(tiny_model_dir, "shared_prompt")
+    batch = _groups(int(backend.config.vocab_size))
+    fresh = backend.forward_logprobs(batch, temperature=1.0)
+    built = []
+    real = shared_prompt.build
+    monkeypatch.setattr(shared_prompt, "build", lambda *a, **k: built.append(1) or real(*a, **k))
+    again = backend.forward_logprobs(batch, temperature=1.0)
+    backend.train_step([batch], lambda out, mb: (sum(lp.sum() for lp in out.logprobs), {}),
+                       temperature=1.0)
+    assert built == []  # both passes reused the layout of the first
+    for a, b in zip(fresh.logprobs, again.logprobs):
+        assert torch.equal(a, b)
+    vocab = int(backend.config.vocab_size)
+    batches = [batch, _groups(vocab, seed=1), _groups(vocab, seed=2)]
+    sizes = [shared_prompt.nbytes(real(b.tokens, b.response_starts, pad=0,
+                                       device=torch.device("cpu"))) for b in batches]
+    monkeypatch.setattr(tb, "SHARED_LAYOUT_BYTES", max(sizes[0] + sizes[1], sizes[1] + sizes[2]))
+    for b in batches[1:]:
+        backend.forward_logprobs(b, temperature=1.0)
+    assert len(backend._shared) == 2 and len(built) == 2  # the oldest went
+    backend._shared_layout(batch)
+    assert len(built) == 3
