@@ -54,9 +54,13 @@ def pack_data(data: SampleTensors) -> dict[str, torch.Tensor]:
 
 
 def base_tensors(samples: list[Any]) -> SampleTensors:
-    return SampleTensors(
-        masks=[torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples],
-        rollout_logprobs=[torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples])
+    """Masks and rollout logprobs, each built as one tensor and split per sample (views)."""
+    def ragged(key: str) -> list[torch.Tensor]:
+        rows = [getattr(s, key) for s in samples]
+        flat = torch.tensor([x for row in rows for x in row], dtype=torch.float32)
+        return list(flat.split([len(row) for row in rows]))
+
+    return SampleTensors(masks=ragged("loss_mask"), rollout_logprobs=ragged("rollout_logprobs"))
 
 
 def unpack_data(tensors: dict[str, torch.Tensor], samples: list[Any]) -> SampleTensors:

@@ -60,7 +60,7 @@ class ResidentTrainer:
         from rltool.rundir import MetricsWriter
 
         torch.set_rng_state(self._rng)
-        sample_set = _load_samples(cfg, self.model_dir)
+        sample_set = _load_samples(cfg, self.model_dir, vocab_size=self.backend.vocab_size)
         plan = _Plan(cfg, len(sample_set.samples))
         resolve_teachers(cfg, self.model_dir, sample_set.samples)  # every route names a teacher
         if self.snapshots is not None:

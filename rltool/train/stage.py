@@ -136,8 +136,10 @@ def optimizer_steps(cfg: TrainConfig, num_samples: int) -> int:
     return _Plan(cfg, num_samples).num_steps
 
 
-def _load_samples(cfg: TrainConfig, model_dir: Path) -> SampleSet:
-    """Read and verify the samples before any model is built (bad input fails fast)."""
+def _load_samples(cfg: TrainConfig, model_dir: Path, *, vocab_size: int | None = None
+                  ) -> SampleSet:
+    """Read and verify the samples before any model is built (bad input fails fast);
+    `vocab_size`: the model's, when a built one gives it (else read from model_dir)."""
     from transformers import AutoConfig
 
     from rltool.data.tokenizer import tokenizer_hash
@@ -146,10 +148,11 @@ def _load_samples(cfg: TrainConfig, model_dir: Path) -> SampleSet:
         from transformers import AutoTokenizer
 
         return load_sft_prompts(cfg.prompts, tokenizer=AutoTokenizer.from_pretrained(str(model_dir)))
-    try:
-        vocab_size = int(AutoConfig.from_pretrained(str(model_dir)).vocab_size)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{model_dir}: unreadable config.json ({e})") from e
+    if vocab_size is None:
+        try:
+            vocab_size = int(AutoConfig.from_pretrained(str(model_dir)).vocab_size)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{model_dir}: unreadable config.json ({e})") from e
     return load_rollouts(cfg.rollouts, tokenizer_hash=tokenizer_hash(model_dir),
                          vocab_size=vocab_size, routed_experts=cfg.use_rollout_routing_replay)
 

@@ -47,7 +47,9 @@ def group_baseline(rewards: torch.Tensor, groups: torch.Tensor, *, std_normaliza
 
 
 def broadcast_to_tokens(values: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
-    return [values[i].expand(n).clone() for i, n in enumerate(lengths)]
+    """values[i] repeated over sample i's lengths[i] tokens (views of one tensor)."""
+    return list(values.repeat_interleave(torch.tensor(lengths), output_size=sum(lengths))
+                .split(lengths))
 
 
 def masked_whiten(values: list[torch.Tensor], masks: list[torch.Tensor], *,
