@@ -46,9 +46,7 @@ log = logging.getLogger(__name__)
 
 
 VALUE_HEAD = "value_head"  # attribute on the HF model, and the prefix of its state-dict keys
-# Shared-prompt layouts kept for reuse (their attention masks are most of it: the demo's
-# 64-sample micro-batch takes 30 KB, a long-context one hundreds of MB, which is then not kept).
-SHARED_LAYOUT_BYTES = 64 << 20
+SHARED_LAYOUT_BYTES = 64 << 20  # shared-prompt layouts kept for reuse (the demo's: 30 KB each)
 
 
 def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
@@ -86,8 +84,7 @@ class TorchBackend:
         if self.trainable:  # a frozen reference must not reset the policy's RNG stream
             torch.manual_seed(options.seed + self.dp_rank)
         self.layout = self._layout(options)
-        # The shared-prompt layouts of the latest micro-batches, by their tokens: the old-logprob
-        # pass and the optimizer step of one rollout run the same micro-batches.
+        # the latest micro-batches' shared-prompt layouts, by their tokens (see _shared_layout)
         self._shared: dict[tuple[Any, ...], shared_prompt.SharedPromptBatch | None] = {}
         load_kwargs = {"attn_implementation": packed.register()} if self.packed else {}
         self.invariant = options.deterministic and self.device.type == "cuda"
@@ -118,6 +115,8 @@ class TorchBackend:
             self.model = DistributedDataParallel(
                 self.inner, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self.optimizer = None
+        # CPU: AdamW and the clip as one op per kind over all tensors (the per-tensor loops' bits)
+        self.foreach = True if self.device.type == "cpu" and not self.fsdp else None
         if self.trainable:
             if options.recompute_activations:
                 enable = getattr(self.inner, "activation_checkpointing_enable", None) or \
@@ -156,13 +155,8 @@ class TorchBackend:
         sft = isinstance(options, TrainConfig) and options.loss == "sft"
         return "shared_prompt" if self.device.type == "cpu" and not sft else "padded"
 
-    @property
-    def packed(self) -> bool:
-        return self.layout == "packed"
-
-    @property
-    def shared_prompts(self) -> bool:
-        return self.layout == "shared_prompt"
+    packed = property(lambda self: self.layout == "packed")
+    shared_prompts = property(lambda self: self.layout == "shared_prompt")
 
     def _shared_layout(self, mb: MicroBatch) -> shared_prompt.SharedPromptBatch | None:
         """The micro-batch's shared-prompt layout (None: no two samples share a prompt), built
@@ -337,7 +331,8 @@ class TorchBackend:
     def forward_logprobs(self, batch: MicroBatch, *, temperature: float,
                          with_entropy: bool = False, top_k: int = 0,
                          with_logits: bool = False) -> ForwardOutput:
-        self.inner.eval()
+        if self.inner.training:
+            self.inner.eval()
         # DDP needs no collective without grad; FSDP all-gathers in every pass.
         module = self.model if self.fsdp else self.inner
         merged = ForwardOutput(logprobs=[], entropy=[] if with_entropy else None,
@@ -369,10 +364,11 @@ class TorchBackend:
     def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn, *, temperature: float,
                    with_entropy: bool = False, with_logits: bool = False) -> dict[str, float]:
         assert self.optimizer is not None, "train_step on a frozen (reference) backend"
-        self.inner.train()
+        if not self.inner.training:
+            self.inner.train()
         lr = lr_of(self.options, self.optimizer_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for group in self.optimizer.param_groups:  # foreach also after a checkpoint's load
+            group["lr"], group["foreach"] = lr, self.foreach
         units = self._units(micro_batches, lockstep=self.dp_size > 1)
         sums: dict[str, float] = {}
         for k, unit in enumerate(units):
@@ -399,7 +395,8 @@ class TorchBackend:
 
     def _clip_grad_norm(self) -> float:
         max_norm = self.options.clip_grad if self.options.clip_grad > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=max_norm,
+                                              foreach=self.foreach)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         return float(norm)

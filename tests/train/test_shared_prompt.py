@@ -112,3 +112,23 @@ def test_layout_built_once_per_micro_batch_and_bounded(tiny_model_dir, monkeypat
     assert len(backend._shared) == 2 and len(built) == 2  # the oldest went
     backend._shared_layout(batch)
     assert len(built) == 3
+
+
+def test_cpu_foreach_optimizer_and_clip_equal_the_per_tensor_loops(tiny_model_dir):
+    """On the CPU AdamW and the gradient clip run as foreach ops: the bits of the per-tensor
+    loops (weights and optimizer state after three clipped steps)."""
+    states = []
+    for foreach in (True, None):
+        torch.manual_seed(0)
+        backend = _backend(tiny_model_dir, "shared_prompt", clip_grad=0.05, weight_decay=0.1)
+        assert backend.foreach is True
+        backend.foreach = foreach
+        batch = _groups(int(backend.config.vocab_size))
+        for _ in range(3):
+            backend.train_step([batch], lambda out, mb: (sum((lp * (i % 3 - 1)).sum() for i, lp
+                                                             in enumerate(out.logprobs)), {}),
+                               temperature=1.0)
+        opt = backend.optimizer.state_dict()["state"]
+        states.append([p.detach().clone() for p in backend.inner.parameters()]
+                      + [opt[i][key] for i in opt for key in ("exp_avg", "exp_avg_sq")])
+    assert all(torch.equal(a, b) for a, b in zip(*states))
