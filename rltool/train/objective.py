@@ -112,24 +112,29 @@ def batch_terms(cfg: TrainConfig, data: SampleTensors, batch: list[int],
     Both depend on old and rollout logprobs only, never on the policy being trained, so they are
     fixed for the whole optimizer step; rejection sampling shrinks the masks the weights use.
     """
-    from torch.nn.utils.rnn import pad_sequence
-
     from rltool.train.algo.mismatch import rollout_correction
 
     masks = [data.masks[i] for i in batch]
     scales = masks
     metrics: dict[str, float] = {}
     if cfg.loss == "policy" and not cfg.bypass and data.old_logprobs is not None and batch:
-        pad = lambda xs: pad_sequence(list(xs), batch_first=True)  # noqa: E731
+        lengths = [m.numel() for m in masks]
+        # [B, longest]: row k holds sample k's tokens, then zeros (pad_sequence's layout)
+        real = torch.arange(max(lengths)) < torch.tensor(lengths).unsqueeze(1)
+
+        def pad(parts: list[torch.Tensor]) -> torch.Tensor:
+            out = torch.zeros(real.shape, dtype=parts[0].dtype)
+            out[real] = torch.cat(parts)
+            return out
+
         corr = rollout_correction(
-            pad(data.rollout_logprobs[i] for i in batch), loss_mask=pad(masks),
-            old_logprobs=pad(data.old_logprobs[i] for i in batch), tis_mode=cfg.tis_mode,
+            pad([data.rollout_logprobs[i] for i in batch]), loss_mask=pad(masks),
+            old_logprobs=pad([data.old_logprobs[i] for i in batch]), tis_mode=cfg.tis_mode,
             tis_level=cfg.tis_level, tis_clip_low=cfg.tis_clip_low,
             tis_clip_high=cfg.tis_clip_high, rs_level=cfg.rs_level, rs_low=cfg.rs_low,
             rs_high=cfg.rs_high, rs_veto_threshold=cfg.rs_veto_threshold)
-        lengths = [m.numel() for m in masks]
-        masks = [corr.loss_mask[k, :n].float() for k, n in enumerate(lengths)]
-        scales = [corr.weights[k, :n].float() for k, n in enumerate(lengths)]
+        masks = list(corr.loss_mask.float()[real].split(lengths))
+        scales = list(corr.weights.float()[real].split(lengths))
         metrics = {name: float(value) for name, value in corr.metrics.items()}
     weights = aggregation_weights(masks, groups, mode=cfg.loss_aggregation)
     return BatchTerms(weights=dict(zip(batch, weights)), scales=dict(zip(batch, scales)),

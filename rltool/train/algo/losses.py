@@ -88,10 +88,11 @@ def entropy_from_logits(logits: torch.Tensor, *, temperature: float) -> torch.Te
 def aggregation_weights(masks: list[torch.Tensor], groups: torch.Tensor | None, *,
                         mode: str) -> list[torch.Tensor]:
     """Per-token weights (float32, zero where the mask is 0) for `mode` (module docstring)."""
+    if mode == "token":  # one division over the batch's tokens (the same bits per token)
+        flat = torch.cat(masks).to(torch.float32) if masks else torch.zeros(0)
+        return list((flat / max(float(flat.sum(dtype=torch.float64)), 1.0))
+                    .split([m.numel() for m in masks]))
     fmasks = [m.to(torch.float32) for m in masks]
-    if mode == "token":
-        total = sum(float(m.sum()) for m in fmasks)
-        return [m / max(total, 1.0) for m in fmasks]
     if mode == "sequence":
         n = len(fmasks)
         return [m / max(float(m.sum()), 1.0) / max(n, 1) for m in fmasks]
