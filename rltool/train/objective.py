@@ -141,6 +141,59 @@ def batch_terms(cfg: TrainConfig, data: SampleTensors, batch: list[int],
                       metrics=metrics)
 
 
+def old_from_forward(cfg: TrainConfig, backend: Any, tags: list[str], *,
+                     micro_batches: int) -> bool:
+    """Whether the first optimizer step's forward can give its batch's old logprobs instead of
+    a no-grad pass before it (BatchLoss). Its weights are the ones that pass would use, and the
+    torch backend's forward with grad on the CPU computes the same bits; the batch must run as
+    one forward in one process, the old logprobs must not be needed before the step (no
+    snapshots, value head, distillation or routing replay), nor may train mode change the
+    model's output (dropout)."""
+    if (micro_batches != 1 or cfg.loss != "policy" or cfg.bypass or cfg.backend != "torch"
+            or tags or cfg.value_head or cfg.opd_type not in (None, "off") or cfg.deterministic
+            or cfg.use_rollout_routing_replay or backend.dp_size != 1
+            or backend.device.type != "cpu"):
+        return False
+    inner = backend.inner
+    return not float(getattr(inner.config, "attention_dropout", 0.0) or 0.0) and not any(
+        isinstance(m, torch.nn.Dropout) and m.p > 0 for m in inner.modules())
+
+
+class BatchLoss:
+    """The loss of one global batch: make_loss_fn with the batch's terms (kept in `terms`).
+    Where its old logprobs are None (old_from_forward), the forward of its one micro-batch
+    gives them: recorded in `data` first, then the terms and the loss as with them known."""
+
+    def __init__(self, cfg: TrainConfig, data: SampleTensors, batch: list[int],
+                 groups: torch.Tensor, *, temperature: float):
+        self.cfg, self.data, self.batch, self.groups = cfg, data, batch, groups
+        self.temperature = temperature
+        self.terms: BatchTerms | None = None
+        self._loss: LossFn | None = None
+        if data.old_logprobs is None or all(data.old_logprobs[i] is not None for i in batch):
+            self._set_terms()
+
+    def _set_terms(self) -> None:
+        self.terms = batch_terms(self.cfg, self.data, self.batch, self.groups)
+        self._loss = make_loss_fn(self.cfg, self.data, self.terms, temperature=self.temperature)
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The batch-level metrics of its terms (known once its old logprobs are)."""
+        assert self.terms is not None
+        return self.terms.metrics
+
+    def __call__(self, out: ForwardOutput, mb: MicroBatch
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if self._loss is None:
+            assert self.data.old_logprobs is not None and sorted(mb.indices) == sorted(self.batch)
+            for i, lp in zip(mb.indices, out.logprobs):
+                self.data.old_logprobs[i] = lp.detach().cpu().clone()
+            self._set_terms()
+        assert self._loss is not None
+        return self._loss(out, mb)
+
+
 def make_loss_fn(cfg: TrainConfig, data: SampleTensors, terms: BatchTerms, *,
                  temperature: float = 1.0) -> LossFn:
     """The loss of `cfg.loss` for one global batch (see BatchTerms); `temperature`: the

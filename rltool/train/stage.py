@@ -38,7 +38,7 @@ from rltool.train.backuper import (WeightBackuper, dtensor_sharder, fsdp_reshard
                                    module_tensors)
 from rltool.train.checkpoint import LoadTarget, read_trainer_state, resolve_load
 from rltool.train.config import TrainConfig
-from rltool.train.objective import (SampleTensors, base_tensors, batch_terms, make_loss_fn,
+from rltool.train.objective import (BatchLoss, SampleTensors, base_tensors, old_from_forward,
                                     pack_data, unpack_data)
 from rltool.train.dp_schedule import schedule
 from rltool.train.launch import is_rank_zero, process_group_scope
@@ -214,10 +214,15 @@ def _prepare_set(cfg: TrainConfig, backend: TrainerBackend, snapshots: WeightBac
         t0 = time.perf_counter()
         if "old_actor" in tags:
             switch("old_actor")
+        # The first batch's may come from the first step's forward (objective.BatchLoss).
+        first = set(batches[0]) if old_from_forward(cfg, backend, tags, micro_batches=len(
+            rank_micro_batches(backend, samples, batches[0], max_tokens_per_microbatch=cfg.
+                               max_tokens_per_microbatch))) else set()
         # Values always come from the current weights (its value head trains with them).
-        old = compute_logprobs(backend, samples, batches, replay=cfg.use_rollout_routing_replay,
+        old = compute_logprobs(backend, samples, batches[1:] if first else batches,
+                               replay=cfg.use_rollout_routing_replay,
                                with_values=cfg.value_head and "old_actor" not in tags, **kwargs)
-        data.old_logprobs = old["logprobs"]
+        data.old_logprobs = [None if i in first else t for i, t in enumerate(old["logprobs"])]
         data.old_values = old.get("values")
         timings["perf/log_probs_time"] = time.perf_counter() - t0
     kl = None
@@ -407,19 +412,18 @@ def train_set(cfg: TrainConfig, backend: TrainerBackend, data: SampleTensors,
     for step in progress.track(range(start_step, plan.num_steps)):
         t0 = time.perf_counter()
         batch = plan.batch(step)
-        terms = batch_terms(cfg, data, batch, torch.tensor([samples[i].group for i in batch]))
+        loss_fn = BatchLoss(cfg, data, batch, torch.tensor([samples[i].group for i in batch]),
+                            temperature=temperature)
         micro = rank_micro_batches(backend, samples, batch,
                                    max_tokens_per_microbatch=cfg.max_tokens_per_microbatch,
                                    replay=cfg.use_rollout_routing_replay)
         with trace.span("train_step", cat="train", micro_batches=len(micro)), \
                 trace.torch_profile(step=sample_set.rollout_step, name="train"):
-            metrics = backend.train_step(
-                micro, make_loss_fn(cfg, data, terms, temperature=temperature),
-                temperature=temperature, with_entropy=True,
-                **({"with_logits": True} if cfg.opd_type != "off" and cfg.opd_mode != "sampled"
-                   else {}))
+            metrics = backend.train_step(micro, loss_fn, temperature=temperature, with_entropy=True,
+                                         **({"with_logits": True} if cfg.opd_type != "off"
+                                            and cfg.opd_mode != "sampled" else {}))
         version += 1
-        metrics.update(terms.metrics)
+        metrics.update(loss_fn.metrics)
         metrics["perf/train_time"] = time.perf_counter() - t0
         metrics["train/num_samples"] = len(batch)
         metrics["train/failed_groups_left_out"] = sample_set.failed_groups

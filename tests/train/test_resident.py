@@ -95,3 +95,40 @@ def test_offload_and_reload_between_sets_change_nothing(tiny_model_dir, tmp_path
         assert all(p.data.data_ptr() not in ptrs.values() for p in params.values())
         assert_bit_equal(before, state_of(moves))
     assert_bit_equal(state_of(stays), state_of(moves))
+
+
+def test_first_step_forward_gives_its_batch_old_logprobs_bit_for_bit(tiny_model_dir, tmp_path,
+                                                                     monkeypatch):
+    """On the CPU the first optimizer step's forward gives its batch's old logprobs (one no-grad
+    pass fewer per set): weights, optimizer state, old logprobs and metrics equal a trainer that
+    runs the separate pass, over two sets of two epochs."""
+    import rltool.train.stage as stage
+    from rltool.train.torch_backend import TorchBackend
+
+    shards = [make_shard(tmp_path / "rollouts" / f"step-{s:06d}", tiny_model_dir,
+                         shard_rows(REWARDS, seed=s), step=s) for s in range(2)]
+    common = dict(COMMON, deterministic=False, device="cpu")
+
+    def cfg(step: int) -> TrainConfig:
+        return TrainConfig(rollouts=[str(shards[step])], load=str(tiny_model_dir), **common)
+
+    passes = []
+    real = TorchBackend.forward_logprobs
+    monkeypatch.setattr(TorchBackend, "forward_logprobs",
+                        lambda self, mb, **kw: passes.append(len(mb.indices)) or real(self, mb, **kw))
+    runs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(stage, "old_from_forward", lambda *a, **k: False)
+        trainer, rows = ResidentTrainer(cfg(0)), []
+        passes.clear()
+        for step in range(2):
+            rows += trainer.train(cfg(step), loop_step=step, log_metrics=False)
+        runs.append((trainer, rows, list(passes), trainer._last[0].old_logprobs))
+    (a, rows_a, passes_a, old_a), (b, rows_b, passes_b, old_b) = runs
+    assert sum(passes_a) == sum(passes_b) - 2 * 4  # one batch of 4 per set from the step
+    assert_bit_equal(state_of(a), state_of(b))
+    assert all(torch.equal(x, y) for x, y in zip(old_a, old_b))
+    drop = ("time", "perf/train_time", "perf/log_probs_time")
+    assert [{k: v for k, v in r.items() if k not in drop} for r in rows_a] == \
+        [{k: v for k, v in r.items() if k not in drop} for r in rows_b]
