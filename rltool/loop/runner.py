@@ -9,6 +9,7 @@ the loop returns, fails or is interrupted (Ctrl-C / SIGTERM reach `finally`); af
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 StepCallback = Callable[[dict[str, Any]], None]
 # Called with the metrics rows so far after each step; True ends the run early (status "stopped").
 StopRule = Callable[[list[dict[str, Any]]], bool]
+GC_YOUNG_ALLOCATIONS = 20_000  # the step loop's first garbage-collector threshold (see below)
 
 
 def start(settings: LoopSettings, run_dir: str | Path, *,
@@ -93,6 +95,7 @@ def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None,
     mirror = tracking.open_mirror(settings.loop, run, from_step=state.step,
                                   config=settings.to_tables())
     t_start = time.perf_counter()
+    gc_thresholds: tuple[int, ...] | None = None  # set once _freeze_long_lived ran
     if settings.loop.trainer_cores:
         pin(os.getpid(), settings.loop.trainer_cores)
     try:
@@ -127,6 +130,8 @@ def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None,
                 if mirror is not None:
                     mirror.poll()
                 stopped = stop_when is not None and stop_when(read_metrics(writer.path))
+                if gc_thresholds is None:
+                    gc_thresholds = _freeze_long_lived()
         if phases.is_resident(settings):
             phases.save_resident(ctx)  # the end is always a checkpoint, also when stopped early
         state.status = "stopped" if stopped else "done"
@@ -136,6 +141,9 @@ def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None,
         state.save(run)
         raise
     finally:
+        if gc_thresholds is not None:
+            gc.unfreeze()
+            gc.set_threshold(*gc_thresholds)
         engines.stop()
         if mirror is not None:
             mirror.tracker.close()
@@ -143,6 +151,21 @@ def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None,
     return {"run_dir": str(run.root), "steps": state.step, "policy_version": state.policy_version,
             "elapsed_s": time.perf_counter() - t_start,
             "metrics": str(run.metrics_file("loop"))}
+
+
+def _freeze_long_lived() -> tuple[int, ...]:
+    """After the first step (which builds the resident trainer): collect once, then keep what is
+    left (models, engine, imported modules: most of the process's objects, alive for the whole
+    run) out of later collections, and collect the young generation every 20,000 allocations
+    instead of 700. A full collection walked all of it again every ~10 steps (0.15-0.3 s each
+    on the demo; 2-5 ms frozen), the young ones 7-9 ms per step (3 ms). Returns the thresholds
+    to restore: the loop unfreezes and restores them when it returns (a library caller goes on).
+    """
+    before = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_YOUNG_ALLOCATIONS, *before[1:])
+    return before
 
 
 def _engines(run: RunDir, registry: ChildRegistry, settings: LoopSettings) -> EngineSet:

@@ -37,3 +37,24 @@ def test_missing_and_corrupt_state(tmp_path):
     run.state.write_text("{not json")
     with pytest.raises(BadInputError, match="not valid JSON"):
         LoopState.load(run)
+
+
+def test_step_loop_freezes_long_lived_objects_and_restores_the_collector():
+    """The step loop's garbage-collector settings (rltool.loop.runner._freeze_long_lived):
+    what exists after the first step is frozen out of collections and the young generation is
+    collected less often; the loop gives both back when it returns."""
+    import gc
+
+    from rltool.loop import runner
+
+    before = gc.get_threshold()
+    assert gc.get_freeze_count() == 0
+    restore = runner._freeze_long_lived()
+    try:
+        assert restore == before
+        assert gc.get_freeze_count() > 0
+        assert gc.get_threshold() == (runner.GC_YOUNG_ALLOCATIONS, *before[1:])
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*restore)
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == before
