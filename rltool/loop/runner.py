@@ -130,7 +130,7 @@ def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None,
                 if mirror is not None:
                     mirror.poll()
                 stopped = stop_when is not None and stop_when(read_metrics(writer.path))
-                if gc_thresholds is None:
+                if gc_thresholds is None and not gc.get_freeze_count():  # else the caller's
                     gc_thresholds = _freeze_long_lived()
         if phases.is_resident(settings):
             phases.save_resident(ctx)  # the end is always a checkpoint, also when stopped early
