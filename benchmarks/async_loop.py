@@ -4,7 +4,7 @@ Per seed: the demo's model init and supervised warm start (rltool.demo), then
 - sync: the demo's loop (resident trainer in the loop process, tensor sync), the engine pinned to
   `--engine-cores`, the loop process (trainer, rollout client) to `--trainer-cores`;
 - async: the same tables with `--mode async --placement disaggregated --max-staleness K
-  --update-mode MODE` and `[train] tis_mode` (decoupled PPO by default), the same pinning (the
+  --update-mode MODE` and `[train] tis_mode` (ICEPOP by default), the same pinning (the
   rollout worker beside the engine), more steps (to see when it reaches the sync run's reward).
 Both run past the speed window: the sync run `--learning-steps` steps (the demo's run length),
 the async run `--async-steps-factor` times that.
@@ -160,9 +160,10 @@ def main() -> None:
     parser.add_argument("--max-staleness", type=int, default=2)
     parser.add_argument("--update-mode", default="in-place",
                         choices=["in-place", "retract", "abort"])
-    parser.add_argument("--tis-mode", default="truncate",
+    parser.add_argument("--tis-mode", default="icepop",
                         choices=["none", "truncate", "clip", "icepop"],
-                        help="Off-policy correction of the async run (docs/loop.md).")
+                        help="Off-policy correction of the async run (docs/loop.md: ICEPOP for "
+                        "the demo's large learning rate; truncate learned less stably).")
     parser.add_argument("--engine-cores", type=int, nargs="+", default=[0])
     parser.add_argument("--trainer-cores", type=int, nargs="+", default=[1])
     parser.add_argument("--on-policy-control", action="store_true",

@@ -169,8 +169,8 @@ class RolloutStream:
                         if self._stopping:
                             break
                         starts = self._admit()
-                    for position in starts:
-                        task = asyncio.create_task(self._run_group(collector, position))
+                    if starts:  # the groups admitted together go to the engine together
+                        task = asyncio.create_task(self._run_groups(collector, starts))
                         tasks.add(task)
                         task.add_done_callback(tasks.discard)
                     await self._kick.wait()
@@ -197,28 +197,31 @@ class RolloutStream:
             starts.append(position)
         return starts
 
-    async def _run_group(self, collector: Any, position: int) -> None:
+    async def _run_groups(self, collector: Any, positions: list[int]) -> None:
+        """The groups at `positions`, generated together; each joins `ready` when it and its
+        restarts (samples an abort sent back) are finished, in position order."""
         try:
-            samples = self.in_flight[position]
-            while True:
+            todo = {p: self.in_flight[p] for p in positions}
+            while todo:
                 before = collector.output_tokens
-                samples = await collector.run_group(samples)
-                aborted = [s for s in samples if s.status == "aborted"]
+                done = dict(zip(todo, await collector.run_groups(list(todo.values()))))
+                aborted = {p: [s for s in samples if s.status == "aborted"]
+                           for p, samples in done.items()}
                 with self.cond:
                     self.output_tokens += collector.output_tokens - before
-                    self.requeued += len(aborted)
-                if not aborted:
-                    break
-                for s in aborted:
+                    self.requeued += sum(map(len, aborted.values()))
+                    for p, samples in done.items():
+                        if not aborted[p]:
+                            self.in_flight.pop(p, None)
+                            self.ready.append(samples)
+                    self.cond.notify_all()
+                todo = {p: done[p] for p in done if aborted[p]}
+                for s in (s for p in todo for s in aborted[p]):
                     restart(s)
-            with self.cond:
-                self.in_flight.pop(position, None)
-                self.ready.append(samples)
-                self.cond.notify_all()
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001 - the coordinator re-raises it
-            log.exception("group at position %d failed", position)
+            log.exception("groups at positions %s failed", positions)
             with self.cond:
                 self._error = e
                 self.cond.notify_all()

@@ -105,12 +105,27 @@ class Collector:
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
-    async def run_group(self, samples: list[Sample]) -> list[Sample]:
-        """Generate and reward one group inside `streaming()`; its samples, each finished.
+    async def run_groups(self, groups: list[list[Sample]]) -> list[list[Sample]]:
+        """Generate and reward groups that start together inside `streaming()`; each group's
+        samples, each finished. The fresh groups of the default single-turn function go to the
+        engine as one batch request (one HTTP round trip for all of them; the samples those
+        requests give, each with its own sampling seed), the others one group at a time.
         Members already finished (completed, truncated, failed) are kept as they are."""
-        group = _Group(samples=samples)
-        await self._run_group(group)
-        return group.samples
+        todo = [_Group(samples=samples) for samples in groups]
+        batch = [g for g in todo if self._batchable(g)]
+        batch = batch if len(batch) > 1 else []
+
+        async def together() -> None:
+            done = iter(await self._run_group_batched(batch))
+            for g in batch:
+                g.samples = [next(done) for _ in g.samples]
+                for i, s in enumerate(g.samples):
+                    s.sample_index = i
+
+        alone = [g for g in todo if all(g is not b for b in batch)]
+        await asyncio.gather(*([together()] if batch else []),
+                             *(self._run_group(g) for g in alone))
+        return [g.samples for g in todo]
 
     async def _run(self, source: Iterator[list[Sample]], *, target_groups: int,
                    carried: list[list[Sample]], dynamic_filter: bool, partial: bool,
@@ -219,7 +234,7 @@ class Collector:
 
     async def _run_group(self, group: _Group) -> None:
         if self._batchable(group):
-            results = [await self._run_group_batched(group)]
+            results = [await self._run_group_batched([group])]
         else:
             results = await asyncio.gather(*(self._run_sample(s, group) for s in group.samples))
         group.samples = [s for batch in results for s in batch]
@@ -239,13 +254,17 @@ class Collector:
         return GenerateContext(client=session, sampling=self.sampling, tokenizer=self.tokenizer,
                                options=self.options)
 
-    async def _run_group_batched(self, group: _Group) -> list[Sample]:
-        samples = group.samples
+    async def _run_group_batched(self, groups: list[_Group]) -> list[Sample]:
+        """The groups' samples in one batch request; they come back in order."""
+        samples = [s for g in groups for s in g.samples]
         sessions = [SessionClient(self.router, session_id=s.uid,
                                   request_fields=self.request_fields) for s in samples]
-        group.sessions.extend(sessions)
+        at = 0
+        for g in groups:
+            g.sessions.extend(sessions[at:at + len(g.samples)])
+            at += len(g.samples)
         budget = self.sampling["max_response_len"]
-        group_rid = uuid.uuid4().hex  # one per group; its samples' request ids add their index
+        group_rid = uuid.uuid4().hex  # one per request; its samples' request ids add their index
         payload = {**self.request_fields,
                    "input_ids": [s.tokens for s in samples], "return_logprob": True,
                    "sampling_params": [self._context(c).sampling_params(
