@@ -291,3 +291,39 @@ def test_remote_reward_failures_follow_the_same_rule():
     assert all(s.finish_reason.startswith(("reward_timeout", "reward_error: EngineTimeoutError"))
                for s in by_group[2])
     assert result.counts["reward_calls"] == 6 and result.counts["failed_rewards"] == 4
+
+
+def test_groups_started_together_go_to_the_engine_as_one_batch():
+    """`run_groups` (the async rollout stream's wave of admitted groups): the fresh groups in one
+    batched /generate, each group back whole, in order and numbered; a group that is not fresh
+    (a member already finished) still runs on its own."""
+
+    class Counting(FakeEngine):
+        def __init__(self, url: str):
+            super().__init__(url)
+            self.calls: list[int] = []
+
+        async def generate(self, payload: dict, *, routing_key: str | None = None):
+            self.calls.append(len(payload["input_ids"]) if isinstance(payload["input_ids"][0],
+                                                                      list) else 1)
+            return await super().generate(payload, routing_key=routing_key)
+
+    engine = Counting("http://a")
+    groups = list(groups_source(4, 3))
+    done = groups[3][0]
+    done.status, done.finish_reason = "completed", "stop"
+
+    async def main():
+        router = Router({engine.url: engine}, concurrency=4)
+        collector = Collector(router=router, tokenizer=FakeTokenizer(),
+                              generate_fn=generate_single_turn, sampling=SAMPLING,
+                              reward_fn=length_reward, reward_timeout_s=5.0, reward_workers=1)
+        async with collector.streaming():
+            return await collector.run_groups(groups)
+
+    out = asyncio.run(main())
+    assert engine.calls[0] == 9 and sorted(engine.calls[1:]) == [1, 1]  # 3 fresh groups at once
+    assert [[s.uid for s in g] for g in out] == [[f"g{k}-{i}" for i in range(3)] for k in range(4)]
+    assert all([s.sample_index for s in g] == [0, 1, 2] for g in out)
+    assert all(s.status in ("completed", "truncated") for g in out for s in g)
+    assert out[3][0] is done and done.response_token_ids == []
