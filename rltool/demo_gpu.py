@@ -19,6 +19,7 @@ runs the recipe on CPU. docs/loop.md, "The GPU demo".
 from __future__ import annotations
 
 import os
+import random
 import string
 import time
 from dataclasses import dataclass
@@ -74,6 +75,11 @@ class GpuRecipe:
     teacher_exact: float = 0.25  # the demonstrator's chance of a whole right answer
     rollout_precision: str = "bf16"  # or fp8 (see `add_loop_tables`)
 
+    def __post_init__(self) -> None:  # before the demo writes anything
+        if not self.rl_lr > 0:
+            raise BadInputError(f"--rl-lr must be > 0, got {self.rl_lr:g}")
+        check_teacher_exact(self.teacher_exact)
+
 
 def gpu_loop_tables(root: Path, *, model: Path, steps: int, seed: int, device: str,
                     recipe: GpuRecipe) -> dict[str, Any]:
@@ -114,7 +120,8 @@ def gpu_loop_tables(root: Path, *, model: Path, steps: int, seed: int, device: s
     }
 
 
-def make_task_data(root: Path, clock: Clock, recipe: GpuRecipe) -> None:
+def make_task_data(root: Path, clock: Clock, recipe: GpuRecipe) -> int:
+    """Write the RL, eval and (noisy) SFT prompt files; returns the SFT prompts' count."""
     from rltool.data.tasks import make_rows, write_prompts
 
     spec = TASKS[recipe.task]
@@ -132,6 +139,12 @@ def make_task_data(root: Path, clock: Clock, recipe: GpuRecipe) -> None:
               f"{spec.max_len}: {len(rl)} RL prompts (seed 1), {len(held_out)} eval prompts "
               f"(seed 3), {len(sft)} SFT prompts (seed 2) none of which is an RL or eval prompt, "
               f"their answers from a demonstrator right {recipe.teacher_exact:g} of the time")
+    return len(sft)
+
+
+def check_teacher_exact(teacher_exact: float) -> None:
+    if not 0.0 < teacher_exact <= 1.0:
+        raise BadInputError(f"--teacher-exact must be in (0, 1], got {teacher_exact:g}")
 
 
 def noisy_demonstrations(rows: list[dict[str, Any]], *, teacher_exact: float,
@@ -139,10 +152,7 @@ def noisy_demonstrations(rows: list[dict[str, Any]], *, teacher_exact: float,
     """The rows with each label's digits replaced, independently, by another digit with
     probability 1 - teacher_exact^(1/digits): a label stays whole with probability teacher_exact
     whatever its length."""
-    import random
-
-    if not 0.0 < teacher_exact <= 1.0:
-        raise BadInputError(f"--teacher-exact must be in (0, 1], got {teacher_exact:g}")
+    check_teacher_exact(teacher_exact)
     rng = random.Random(seed)
     out = []
     for row in rows:
@@ -154,13 +164,14 @@ def noisy_demonstrations(rows: list[dict[str, Any]], *, teacher_exact: float,
     return out
 
 
-def gpu_warm_start(root: Path, model: Path, *, steps: int, seed: int, device: str,
-                   recipe: GpuRecipe, clock: Clock) -> Path:
-    """`steps` supervised steps on the (noisy) SFT prompts; returns the published weights."""
+def gpu_warm_start(root: Path, model: Path, *, steps: int, sft_prompts: int, seed: int,
+                   device: str, recipe: GpuRecipe, clock: Clock) -> Path:
+    """`steps` supervised steps on the `sft_prompts` (noisy) SFT prompts; returns the published
+    weights."""
     from rltool.train import run as run_train
     from rltool.train.config import TrainConfig
 
-    batch = min(recipe.sft_batch, sum(1 for _ in (root / "sft.jsonl").open()))
+    batch = min(recipe.sft_batch, sft_prompts)
     result = run_train(TrainConfig(
         loss="sft", prompts=str(root / "sft.jsonl"), load=str(model),
         save=str(root / "sft" / "ckpt"), publish=str(root / "sft" / "weights"),
@@ -175,7 +186,8 @@ def gpu_warm_start(root: Path, model: Path, *, steps: int, seed: int, device: st
     return Path(result.published)
 
 
-def run_gpu_recipe(root: Path, *, steps: int, sft_steps: int | None, seed: int, device: str, preset: str, recipe: GpuRecipe) -> dict[str, Any]:
+def run_gpu_recipe(root: Path, *, steps: int, sft_steps: int | None, seed: int, device: str,
+                   preset: str, recipe: GpuRecipe) -> dict[str, Any]:
     """The GPU recipe (`--task add|reverse`; `--device cuda` runs reverse by default): see the
     module docstring."""
     import tomli_w
@@ -185,19 +197,16 @@ def run_gpu_recipe(root: Path, *, steps: int, sft_steps: int | None, seed: int, 
     from rltool.loop import runner
     from rltool.loop.config import LoopSettings
 
-    if not recipe.rl_lr > 0:
-        raise BadInputError(f"--rl-lr must be > 0, got {recipe.rl_lr:g}")
-    noisy_demonstrations([], teacher_exact=recipe.teacher_exact, seed=0)  # checks it, early
     fresh(root)
     clock = Clock()
     model = init_model(root / "model", arch="qwen2", preset=preset, task=recipe.task, seed=seed,
                        fit_vocab=True)
     clock.say(f"rltool init-model --preset {preset} --task {recipe.task} --seed {seed} "
               f"(vocabulary of the task tokenizer): random-init model {model}")
-    make_task_data(root, clock, recipe)
+    sft_prompts = make_task_data(root, clock, recipe)
     sft_steps = TASKS[recipe.task].sft_steps if sft_steps is None else sft_steps
-    policy = gpu_warm_start(root, model, steps=sft_steps, seed=seed, device=device,
-                            recipe=recipe, clock=clock)
+    policy = gpu_warm_start(root, model, steps=sft_steps, sft_prompts=sft_prompts, seed=seed,
+                            device=device, recipe=recipe, clock=clock)
     tables = gpu_loop_tables(root, model=policy, steps=steps, seed=seed, device=device,
                              recipe=recipe)
     atomic.write_text(root / "run.toml", tomli_w.dumps(tables))

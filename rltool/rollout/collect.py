@@ -57,6 +57,13 @@ class _Group:
         return self.samples[0].group_id
 
 
+def _settle(group: _Group, samples: list[Sample]) -> None:
+    """The group's finished samples, numbered in their order."""
+    group.samples = samples
+    for i, s in enumerate(samples):
+        s.sample_index = i
+
+
 class Collector:
     """Runs groups through a generate function, rewards and the dynamic filter."""
 
@@ -112,19 +119,10 @@ class Collector:
         requests give, each with its own sampling seed), the others one group at a time.
         Members already finished (completed, truncated, failed) are kept as they are."""
         todo = [_Group(samples=samples) for samples in groups]
-        batch = [g for g in todo if self._batchable(g)]
-        batch = batch if len(batch) > 1 else []
-
-        async def together() -> None:
-            done = iter(await self._run_group_batched(batch))
-            for g in batch:
-                g.samples = [next(done) for _ in g.samples]
-                for i, s in enumerate(g.samples):
-                    s.sample_index = i
-
-        alone = [g for g in todo if all(g is not b for b in batch)]
-        await asyncio.gather(*([together()] if batch else []),
-                             *(self._run_group(g) for g in alone))
+        fresh = [self._batchable(g) for g in todo]
+        batch = [g for g, f in zip(todo, fresh) if f]
+        await asyncio.gather(*([self._run_groups_batched(batch)] if batch else []),
+                             *(self._run_group(g) for g, f in zip(todo, fresh) if not f))
         return [g.samples for g in todo]
 
     async def _run(self, source: Iterator[list[Sample]], *, target_groups: int,
@@ -234,12 +232,16 @@ class Collector:
 
     async def _run_group(self, group: _Group) -> None:
         if self._batchable(group):
-            results = [await self._run_group_batched([group])]
-        else:
-            results = await asyncio.gather(*(self._run_sample(s, group) for s in group.samples))
-        group.samples = [s for batch in results for s in batch]
-        for i, s in enumerate(group.samples):
-            s.sample_index = i
+            await self._run_groups_batched([group])
+            return
+        results = await asyncio.gather(*(self._run_sample(s, group) for s in group.samples))
+        _settle(group, [s for batch in results for s in batch])
+
+    async def _run_groups_batched(self, groups: list[_Group]) -> None:
+        """Fresh groups in one batch request; each gets its samples back in order."""
+        done = iter(await self._run_group_batched(groups))
+        for g in groups:
+            _settle(g, [next(done) for _ in g.samples])
 
     def _batchable(self, group: _Group) -> bool:
         """A fresh group of the default single-turn function goes to the engine as one batch
@@ -255,7 +257,7 @@ class Collector:
                                options=self.options)
 
     async def _run_group_batched(self, groups: list[_Group]) -> list[Sample]:
-        """The groups' samples in one batch request; they come back in order."""
+        """The groups' samples in one batch request, finished, in order."""
         samples = [s for g in groups for s in g.samples]
         sessions = [SessionClient(self.router, session_id=s.uid,
                                   request_fields=self.request_fields) for s in samples]

@@ -141,15 +141,14 @@ def batch_terms(cfg: TrainConfig, data: SampleTensors, batch: list[int],
                       metrics=metrics)
 
 
-def old_from_forward(cfg: TrainConfig, backend: Any, tags: list[str], *,
-                     micro_batches: int) -> bool:
+def old_from_forward(cfg: TrainConfig, backend: Any, tags: list[str]) -> bool:
     """Whether the first optimizer step's forward can give its batch's old logprobs instead of
-    a no-grad pass before it (BatchLoss). Its weights are the ones that pass would use, and the
-    torch backend's forward with grad on the CPU computes the same bits; the batch must run as
-    one forward in one process, the old logprobs must not be needed before the step (no
-    snapshots, value head, distillation or routing replay), nor may train mode change the
-    model's output (dropout)."""
-    if (micro_batches != 1 or cfg.loss != "policy" or cfg.bypass or cfg.backend != "torch"
+    a no-grad pass before it (BatchLoss), provided the batch runs as one micro-batch (the
+    caller checks that last, it schedules the batch). Its weights are the ones that pass would
+    use, and the torch backend's forward with grad on the CPU computes the same bits; it needs
+    one process, the old logprobs must not be needed before the step (no snapshots, value head,
+    distillation or routing replay), nor may train mode change the model's output (dropout)."""
+    if (cfg.loss != "policy" or cfg.bypass or cfg.backend != "torch"
             or tags or cfg.value_head or cfg.opd_type not in (None, "off") or cfg.deterministic
             or cfg.use_rollout_routing_replay or backend.dp_size != 1
             or backend.device.type != "cpu"):

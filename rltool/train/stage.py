@@ -215,9 +215,9 @@ def _prepare_set(cfg: TrainConfig, backend: TrainerBackend, snapshots: WeightBac
         if "old_actor" in tags:
             switch("old_actor")
         # The first batch's may come from the first step's forward (objective.BatchLoss).
-        first = set(batches[0]) if old_from_forward(cfg, backend, tags, micro_batches=len(
+        first = set(batches[0]) if old_from_forward(cfg, backend, tags) and len(
             rank_micro_batches(backend, samples, batches[0], max_tokens_per_microbatch=cfg.
-                               max_tokens_per_microbatch))) else set()
+                               max_tokens_per_microbatch)) == 1 else set()
         # Values always come from the current weights (its value head trains with them).
         old = compute_logprobs(backend, samples, batches[1:] if first else batches,
                                replay=cfg.use_rollout_routing_replay,
