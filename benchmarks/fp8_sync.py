@@ -9,12 +9,15 @@ step and per sync mode it takes the new weights the way the loop hands them over
           (`load_named_tensors`, what /update_weights_from_tensor runs)
   full    publish_version --sync full (write the version, fp8: block-quantized) + load_weights
   delta   publish_version --sync delta (encode on the cached base) + pull_weights + load_weights
-Each figure is the median over --steps steps (step 0, which warms caches, not counted). The
-engine's logprobs after the last step are checked bit-identical across the three modes of one
-precision (they all hand over the same weights).
+On cuda the tensor mode starts from the trainer's tensors on the GPU (a colocated trainer's),
+so FP8 quantizes there, and the engine loads the buckets in-process: what a CUDA IPC receiver
+loads, without the bucket copy. `quantize_s` is the quantization's share of a tensor step. Each
+figure is the median over --steps steps (step 0, which warms caches, not counted). The engine's
+logprobs after the last step are checked bit-identical across the modes run for one precision
+(they all hand over the same weights). Each row is printed as it is measured.
 
 Usage: .venv/bin/python benchmarks/fp8_sync.py [--preset tiny|qwen2.5-0.5b|qwen2.5-3b ...]
-       [--device cpu|cuda] [--steps 3] [--out FILE.json]
+       [--device cpu|cuda] [--modes tensor full delta] [--steps 3] [--out FILE.json]
 Prints a table and, last, one JSON line on stdout.
 """
 
@@ -58,11 +61,21 @@ def trajectory(base: dict[str, torch.Tensor], steps: int) -> list[dict[str, torc
     return states
 
 
-def tensor_sync_into(runner: PagedRunner, state: dict[str, torch.Tensor], *, fp8: bool) -> None:
+def tensor_sync_into(runner: PagedRunner, state: dict[str, torch.Tensor], *, fp8: bool,
+                     device: str) -> float:
+    """Hand `state` to `runner` as /update_weights_from_tensor would; returns the seconds spent
+    quantizing (0 for bf16)."""
     named = list(state.items())
     block = FP8_BLOCK if fp8 else None
+    t0 = time.perf_counter()
     if fp8:
         named = tensor_sync.quantize_named(named, dtype=torch.bfloat16, block=FP8_BLOCK)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    quantize_s = time.perf_counter() - t0 if fp8 else 0.0
+    if device == "cuda":
+        runner.load_named_tensors(named, block=block)
+        return quantize_s
     bucket_bytes = 512 << 20
     with tensor_sync.ShmSegment(tensor_sync.segment_bytes(named, bucket_bytes=bucket_bytes)) as seg:
         for bucket in tensor_sync.buckets(named, bucket_bytes=bucket_bytes):
@@ -71,21 +84,28 @@ def tensor_sync_into(runner: PagedRunner, state: dict[str, torch.Tensor], *, fp8
                 message["weight_block_size"] = list(FP8_BLOCK)
             with tensor_sync.open_message(TensorMessage.model_validate(message)) as got:
                 runner.load_named_tensors(got, block=block)
+    return quantize_s
 
 
 def run_precision(model: Path, states: list[dict[str, torch.Tensor]], precision: str | None,
-                  mode: str, *, device: str, root: Path) -> tuple[list[float], torch.Tensor]:
+                  mode: str, *, device: str, root: Path
+                  ) -> tuple[list[float], list[float], torch.Tensor]:
     pub = root / f"{precision}-{mode}"
     sync = SyncConfig(sync="delta" if mode == "delta" else "full", precision=precision)
     publish_version(states[0], sync, publish_dir=pub, version=0, source_model_dir=model,
                     dtype="bf16")
     runner = PagedRunner(pub / "weight_v000000", device=device, dtype="bf16", max_running=1,
                          page_size=16, max_total_tokens=256)
-    times = []
+    times, quantize = [], []
     for v, state in enumerate(states[1:], start=1):
+        if mode == "tensor":
+            state = {k: t.to(device) for k, t in state.items()}
+            if device == "cuda":
+                torch.cuda.synchronize()
         t0 = time.perf_counter()
         if mode == "tensor":
-            tensor_sync_into(runner, state, fp8=precision == "fp8")
+            quantize.append(tensor_sync_into(runner, state, fp8=precision == "fp8",
+                                             device=device))
         else:
             publish_version(state, sync, publish_dir=pub, version=v, source_model_dir=model,
                             dtype="bf16")
@@ -97,10 +117,11 @@ def run_precision(model: Path, states: list[dict[str, torch.Tensor]], precision:
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return times, runner.full_pass_logits(SEQ, start=1).cpu()
+        del state
+    return times, quantize, runner.full_pass_logits(SEQ, start=1).cpu()
 
 
-def bench(preset: str, *, device: str, steps: int) -> list[dict]:
+def bench(preset: str, *, device: str, steps: int, modes: list[str]) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -111,14 +132,16 @@ def bench(preset: str, *, device: str, steps: int) -> list[dict]:
         nbytes = sum(t.numel() * t.element_size() for t in base.values())
         for precision in (None, "fp8"):
             logits = {}
-            for mode in MODES:
-                times, logits[mode] = run_precision(model, states, precision, mode, device=device,
-                                                    root=root)
+            for mode in modes:
+                times, quantize, logits[mode] = run_precision(model, states, precision, mode,
+                                                              device=device, root=root)
                 rows.append({"preset": preset, "precision": precision or "bf16", "mode": mode,
                              "bf16_bytes": nbytes, "step_s": statistics.median(times[1:]),
+                             "quantize_s": statistics.median(quantize[1:]) if quantize else None,
                              "steps": len(times) - 1})
-            same = all(torch.equal(logits["tensor"], logits[m]) for m in MODES)
-            for row in rows[-len(MODES):]:
+                print(json.dumps(rows[-1]), flush=True)
+            same = all(torch.equal(logits[modes[0]], logits[m]) for m in modes)
+            for row in rows[-len(modes):]:
                 row["modes_agree"] = same
     return rows
 
@@ -127,15 +150,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", nargs="+", default=["tiny"])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     rows = [r for preset in args.preset for r in bench(preset, device=args.device,
-                                                        steps=args.steps)]
-    print(f"{'preset':14} {'precision':9} {'mode':6} {'MB bf16':>8} {'s/step':>8} agree")
+                                                        steps=args.steps, modes=args.modes)]
+    print(f"{'preset':14} {'precision':9} {'mode':6} {'MB bf16':>8} {'s/step':>8} "
+          f"{'quantize':>8} agree")
     for r in rows:
+        q = "" if r["quantize_s"] is None else f"{r['quantize_s']:.3f}"
         print(f"{r['preset']:14} {r['precision']:9} {r['mode']:6} {r['bf16_bytes'] / 1e6:8.1f} "
-              f"{r['step_s']:8.3f} {r['modes_agree']}")
+              f"{r['step_s']:8.3f} {q:>8} {r['modes_agree']}")
     result = {"benchmark": "fp8_sync", "date": datetime.now(timezone.utc).isoformat(),
               "machine": platform.node(), "device": args.device,
               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,

@@ -186,7 +186,10 @@ def quantize_blocks_whole(w: torch.Tensor, block: tuple[int, int], *,
 
     n, k = w.shape
     blocks = _pad_to_blocks(w.to(torch.float32, copy=True), block)  # never modify the input
-    scale = blocks.abs().amax(dim=(1, 3)).clamp_(min=SCALE_FLOOR).div_(E4M3_MAX)
+    # divided by a tensor: CUDA turns a division by a Python number into a multiplication by its
+    # rounded reciprocal, which puts some scales one ulp off the host's
+    e4m3_max = torch.full((), E4M3_MAX, device=w.device)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_(min=SCALE_FLOOR).div_(e4m3_max)
     blocks.div_(scale[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX)
     q = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=w.device) if out is None else out
     q.copy_(blocks.view(blocks.shape[0] * block[0], -1)[:n, :k])  # rounds to nearest even
