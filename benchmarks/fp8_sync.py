@@ -48,12 +48,15 @@ MODES = ("tensor", "full", "delta")
 SEQ = list(range(3, 35))
 
 
-def trajectory(base: dict[str, torch.Tensor], steps: int) -> list[dict[str, torch.Tensor]]:
-    """Version 0 and `steps + 1` simulated optimizer steps: each adds one update (a third of the
-    entries, std 1e-3; drawn once per tensor, rotated by one element per step)."""
-    g = torch.Generator().manual_seed(1)
-    update = {k: ((torch.rand(v.shape, generator=g) < 0.3) * torch.randn(v.shape, generator=g)
-                  * 1e-3).flatten() for k, v in base.items()}
+def trajectory(base: dict[str, torch.Tensor], steps: int,
+               device: str = "cpu") -> list[dict[str, torch.Tensor]]:
+    """Version 0 and `steps + 1` simulated optimizer steps on `device`: each adds one update (a
+    third of the entries, std 1e-3; drawn once per tensor, rotated by one element per step)."""
+    base = {k: v.to(device) for k, v in base.items()}
+    g = torch.Generator(device=device).manual_seed(1)
+    update = {k: ((torch.rand(v.shape, generator=g, device=device) < 0.3)
+                  * torch.randn(v.shape, generator=g, device=device) * 1e-3).flatten()
+              for k, v in base.items()}
     states = [base]
     for s in range(steps + 1):
         states.append({k: (v.float() + update[k].roll(s).view(v.shape)).to(v.dtype)
@@ -92,8 +95,8 @@ def run_precision(model: Path, states: list[dict[str, torch.Tensor]], precision:
                   ) -> tuple[list[float], list[float], torch.Tensor]:
     pub = root / f"{precision}-{mode}"
     sync = SyncConfig(sync="delta" if mode == "delta" else "full", precision=precision)
-    publish_version(states[0], sync, publish_dir=pub, version=0, source_model_dir=model,
-                    dtype="bf16")
+    publish_version({k: v.cpu() for k, v in states[0].items()}, sync, publish_dir=pub,
+                    version=0, source_model_dir=model, dtype="bf16")
     runner = PagedRunner(pub / "weight_v000000", device=device, dtype="bf16", max_running=1,
                          page_size=16, max_total_tokens=256)
     times, quantize = [], []
@@ -128,7 +131,9 @@ def bench(preset: str, *, device: str, steps: int, modes: list[str]) -> list[dic
         model = init_model(root / "model", preset=preset, dtype="bf16", seed=0)
         base = {k: v.to(torch.bfloat16)
                 for k, v in load_file(str(model / "model.safetensors")).items()}
-        states = trajectory(base, steps)
+        # on the GPU for the tensor mode alone (the trainer's weights live there); the file
+        # modes publish from the host
+        states = trajectory(base, steps, device if modes == ["tensor"] else "cpu")
         nbytes = sum(t.numel() * t.element_size() for t in base.values())
         for precision in (None, "fp8"):
             logits = {}

@@ -12,7 +12,8 @@ tokens, 1 warmup and 3 timed steps, both presets) are sized for about three minu
             optimizer and --recompute-granularity as in `rltool train`). Qwen2.5-3B shapes need
             about 56 GiB of weights, fp32 gradient buffer, master weights and moments, plus
             ~15 GiB of bf16 activations per 4,096-token row without recompute: one 141 GiB GPU
-            holds them.
+            holds them. The row's `gradient_accumulation_fusion` says whether weight gradients
+            were added to the fp32 main grads inside their GEMM (on CUDA, when torch can).
   torch     its packed layout on CUDA (padded on the CPU) with micro-batches of <= --torch-seq-len
             tokens (fp32 parameters under bf16 autocast); when a preset runs out of memory
             without activation checkpointing it is retried with it (the row says
@@ -203,6 +204,8 @@ def bench_backend(name: str, model_dir: Path, samples: list[list[int]], args: ar
                   "phase_s": phases}
         if name == "torch":
             result["recompute_activations"] = recompute
+        else:  # weight gradients added to the fp32 main grads inside their GEMM
+            result["gradient_accumulation_fusion"] = backend.config.gradient_accumulation_fusion
         if cuda:
             result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
             result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30

@@ -16,7 +16,8 @@ memory-efficient kernel runs and no S x S tensor is kept for backward.
   layer copies them to the device or waits for it.
 - Rotary embedding of a packed row from tables built once per row: when `RowParams.rotary` holds
   the row's cos and sin (`rotary_tables`), the model's own RoPE is off for the pass and this
-  module rotates q and k with megatron's formula. Megatron's THD RoPE instead slices and
+  module rotates q and k with megatron's formula (bf16 on CUDA: one Triton kernel each way,
+  rltool.train.rope_kernel, instead of about ten). Megatron's THD RoPE instead slices and
   concatenates the frequencies per sample and recomputes cos and sin for q and for k in every
   layer (about 13 kernels each); the values are the same, bit for bit.
 - Grouped-query attention: key/value heads are shared by `heads / groups` query heads
@@ -61,7 +62,12 @@ def rotary_tables(emb: torch.Tensor, position_ids: torch.Tensor,
 
 def apply_rotary(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """megatron's non-interleaved RoPE on t [T, heads, d] with precomputed tables: the same
-    operations in the same order (the first rot_dim channels rotated, the rest passed)."""
+    operations in the same order (the first rot_dim channels rotated, the rest passed); bf16 on
+    CUDA as one kernel with the same roundings (rltool.train.rope_kernel)."""
+    if t.is_cuda and t.dtype == torch.bfloat16:
+        from rltool.train.rope_kernel import rotary
+
+        return rotary(t, cos, sin)
     x = t.unsqueeze(1)
     rot = cos.shape[-1]
     x, rest = x[..., :rot], x[..., rot:]

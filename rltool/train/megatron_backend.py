@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rltool import megatron_compat
 from rltool.errors import CheckpointError, ConfigError
 from rltool.train import megatron_state, packed
 from rltool.train.backend import ForwardOutput, LossFn, MicroBatch
@@ -71,6 +72,10 @@ def _config_overrides(options: BackendConfig, *, cuda: bool) -> dict[str, Any]:
         sequence_parallel=options.sequence_parallel, calculate_per_token_loss=True,
         finalize_model_grads_func=finalize,
         use_cpu_initialization=not cuda,
+        # weight gradients accumulate straight into the fp32 main_grad buffers (one GEMM each)
+        gradient_accumulation_fusion=cuda and megatron_compat.enable_cuda_fusions(),
+        # SwiGLU as one torch.compile'd kernel each way (megatron's own fusion)
+        bias_activation_fusion=cuda,
         # HF's forward (the torch backend, the engines) adds no load-balancing loss
         moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
     if options.recompute_granularity != "none":
@@ -103,7 +108,6 @@ class MegatronBackend:
 
     def __init__(self, model_dir: str | os.PathLike, *, options: BackendConfig,
                  trainable: bool = True, value_head: bool = False):
-        from rltool import megatron_compat
         from rltool.convert.gpt_model import build_gpt_model, padded_vocab_size
 
         if value_head:

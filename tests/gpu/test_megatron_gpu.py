@@ -69,6 +69,25 @@ def test_megatron_bf16_distributed_optimizer_trains_and_resumes(tiny_model_dir, 
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_weight_gradients_accumulate_into_fp32_main_grads_in_the_gemm(tiny_model_dir):
+    """Without apex, the CUDA stand-in of its fused weight-gradient GEMM is switched on for the
+    bf16 trainer and adds grad_output^T @ input to the fp32 buffer with fp32 accumulation."""
+    from megatron.core.tensor_parallel import layers
+
+    from rltool.train.config import BackendConfig
+    from rltool.train.megatron_backend import MegatronBackend
+
+    backend = MegatronBackend(tiny_model_dir, options=BackendConfig(
+        backend="megatron", dtype="bf16", device="cuda", lr=1e-3))
+    assert backend.config.gradient_accumulation_fusion
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, dy = (torch.randn(512, n, device="cuda", generator=g).bfloat16() for n in (64, 96))
+    acc = torch.randn(96, 64, device="cuda", generator=g)
+    want = acc.double() + dy.t().double() @ x.double()
+    layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(x, dy, acc)
+    assert (acc.double() - want).abs().max().item() < 1e-4
+
+
 def test_megatron_bf16_micro_batch_never_waits_for_the_gpu(tiny_model_dir):
     """Packing, the forward (RoPE reads host offsets, one varlen flash call), the chunked logprobs
     and the backward of a packed bf16 micro-batch make no host-device synchronisation."""

@@ -249,3 +249,19 @@ def test_logprob_outputs_reach_the_host_with_their_values_and_own_storage():
                     assert torch.equal(a, b) and a.dtype == b.dtype and b.device.type == "cpu"
                     assert b.untyped_storage().nbytes() == b.numel() * b.element_size()
     assert _to_host([]) == []
+
+
+def test_grad_norm_without_host_reads_equals_megatron_s():
+    """The CUDA stand-in for megatron's plain-torch multi-tensor 2-norm (no read of each norm
+    back to the host) gives its norm, as a float32 tensor [1]."""
+    from megatron.core import utils
+
+    from rltool import megatron_compat
+
+    megatron_compat.enable_cpu()
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(n, generator=g) * s for n, s in [(7, 1.0), (300, 1e-3), (1, 5.0)]]
+    want, _ = utils.local_multi_tensor_l2_norm(2048 * 32, None, [tensors], False)
+    got, _ = megatron_compat._l2_norm(2048 * 32, None, [tensors], False)
+    assert got.dtype == torch.float32 and got.shape == (1,)
+    assert torch.allclose(got, want.to(got.device), rtol=1e-6)

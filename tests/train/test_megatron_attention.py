@@ -4,6 +4,10 @@ padded (sbhd) and packed (thd) layouts, grouped KV heads, no attention across pa
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -102,3 +106,44 @@ def test_row_rotary_tables_match_megatron_s_thd_rope_bit_for_bit(rot_dim):
     for t in _qkv(9, seed=3)[:2]:
         want = _apply_rotary_pos_emb_thd(t, cu, emb, cp_group=cp)
         assert torch.equal(apply_rotary(t, cos, sin), want)
+
+
+def rope_kernel_matches_torch() -> None:
+    """rltool.train.rope_kernel against apply_rotary's torch operations on the CPU, forward and
+    backward, bf16: strided heads (a view of a fused projection), a partial rotary width, token
+    counts that end mid-block. Runs on the GPU when there is one, else in Triton's interpreter."""
+    from rltool.train.rope_kernel import rotary
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    for tokens, heads, dim, rot in [(37, 3, 16, 16), (20, 2, 24, 16), (5, 4, 128, 128)]:
+        fused = torch.randn(tokens, 2 * heads, dim, generator=g).bfloat16()
+        positions = torch.randint(0, 4096, (tokens,), generator=g)
+        inv_freq = 1.0 / (1e6 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
+        freqs = torch.outer(torch.arange(4096, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+        cos, sin = rotary_tables(emb, positions, torch.bfloat16)
+        grad = torch.randn(tokens, heads, dim, generator=g).bfloat16()
+        ref_in = fused[:, ::2].clone().requires_grad_(True)
+        ref = apply_rotary(ref_in, cos, sin)
+        ref.backward(grad)
+        x = fused.to(dev).requires_grad_(True)
+        out = rotary(x[:, ::2], cos.to(dev), sin.to(dev))
+        out.backward(grad.to(dev))
+        assert torch.equal(out.cpu(), ref), (tokens, heads, dim, rot)
+        assert torch.equal(x.grad[:, ::2].cpu(), ref_in.grad), (tokens, heads, dim, rot)
+        assert not x.grad[:, 1::2].any()
+
+
+def test_rope_kernel_matches_megatron_s_rope_bit_for_bit():
+    if torch.cuda.is_available():
+        rope_kernel_matches_torch()
+        return
+    # Triton picks interpreted or compiled once per process: a child started interpreted
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-c", "from tests.train.test_megatron_attention import "
+         "rope_kernel_matches_torch as check; check()"],
+        cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+        timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
