@@ -3,7 +3,13 @@
 Stage 1: one program per (request, KV head, split). It handles the query heads sharing that KV
 head together (GQA: the group is padded to 16 rows so both products run on tensor cores), walks its
 split of the request's tokens through the page table, and writes the split's normalised output and
-log-sum-exp. Stage 2 merges the splits with softmax weights of their log-sum-exps.
+log-sum-exp. Stage 2 merges the splits with softmax weights of their log-sum-exps, one program
+per (request, head), and rounds the result to the query's dtype. Before an FP8 o_proj it writes
+that result only quantized for the block-FP8 GEMM (rltool.engine.fp8_gemm: per token and K-block
+of o_proj's input [H * head_dim]) when each head holds whole K-blocks (head_dim 128 and 128-wide
+K-blocks: one head, one K-block), each program its own K-blocks' amax and scale: the bytes and
+scales fp8_gemm's quantization kernel would write, one kernel fewer per layer. Otherwise (a
+K-block spanning heads) the output stays unquantized and the GEMM quantizes it.
 
 The number of splits is fixed per call, so a CUDA graph captured for a batch size replays with any
 sequence lengths: a split longer than the sequence simply has no tokens (lse = -inf, weight 0).
@@ -20,7 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
+from rltool.batch_invariant import INTERPRETED
+from rltool.engine.fp8_gemm import Fp8Activations, empty_activations, store_quantized
+
 BLOCK_N = 32
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
@@ -84,11 +94,16 @@ def _stage1(Q, K, V, KScale, VScale, ReqToPage, Rows, SeqLens, MidO, MidLse,
 
 
 @triton.jit
-def _stage2(MidO, MidLse, Out, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-            stride_xb, stride_xh, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    b = tl.program_id(0)
+def _stage2(MidO, MidLse, Out, Q, S, B, ROWS, stride_ob, stride_oh, stride_os, stride_lb,
+            stride_lh, stride_xb, stride_xh, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr,
+            QUANT: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+    """Row r's head h: the splits merged, rounded to DTYPE, stored into Out, or with QUANT
+    quantized (its HEAD_DIM / BLOCK_K whole K-blocks of the row [H * HEAD_DIM]) into Q, S; rows
+    B..ROWS (the GEMM's padding) zeros with the floor scale."""
+    r = tl.program_id(0)
     h = tl.program_id(1)
+    b = tl.minimum(r, B - 1)  # a padding row merges the last request's splits, then stores zeros
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     mask_s = offs_s < NUM_SPLITS
@@ -98,9 +113,15 @@ def _stage2(MidO, MidLse, Out, stride_ob, stride_oh, stride_os, stride_lb, strid
     o = tl.load(MidO + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os
                 + offs_d[None, :], mask=mask_s[:, None] & (offs_d[None, :] < HEAD_DIM),
                 other=0.0)
-    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
-    tl.store(Out + b * stride_xb + h * stride_xh + offs_d, out.to(Out.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
+    out = (tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)).to(DTYPE)
+    if QUANT:  # the bytes and scales fp8_gemm's quantization kernel writes from `out`
+        row = tl.where(r < B, out.to(tl.float32), 0.0)
+        k_total = tl.num_programs(1) * HEAD_DIM
+        store_quantized(row, Q + r.to(tl.int64) * k_total + h * HEAD_DIM,
+                        S + (h * HEAD_DIM // BLOCK_K) * ROWS + r, ROWS, HEAD_DIM, BLOCK_D,
+                        BLOCK_K, EMULATE)
+    else:
+        tl.store(Out + b * stride_xb + h * stride_xh + offs_d, out, mask=offs_d < HEAD_DIM)
 
 
 def num_splits_for(batch: int, num_kv_heads: int, *, max_len: int = 1 << 30,
@@ -110,14 +131,23 @@ def num_splits_for(batch: int, num_kv_heads: int, *, max_len: int = 1 << 30,
     return int(max(1, min(want, 32, -(-max_len // BLOCK_N))))
 
 
+def quantizes(head_dim: int, block_k: int) -> bool:
+    """Whether stage 2 can write the output quantized for a block-FP8 o_proj of K-block
+    `block_k`: each head (one program) holds whole K-blocks, so no K-block spans two programs."""
+    return head_dim % block_k == 0
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
                      req_to_page: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
                      page_size: int, scale: float, num_splits: int,
                      k_scale: torch.Tensor | None = None,
-                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     v_scale: torch.Tensor | None = None,
+                     block_k: int | None = None) -> torch.Tensor | Fp8Activations:
     """q [B, H, D]; k/v_cache [slots, KVH, D] (in q's dtype, or float8_e4m3fn with k/v_scale
     [slots, KVH]: one scale per token and head); rows, seq_lens [B]. Returns [B, H, D], q's
-    dtype."""
+    dtype; with `block_k` (the K-block of an FP8 o_proj) where `quantizes(D, block_k)`, the
+    output as o_proj's input [B, H * D] quantized for it (fp8_gemm.Fp8Activations: the bytes and
+    scales fp8_gemm's quantization kernel writes from the q-dtype output)."""
     B, H, D = q.shape
     kvh = k_cache.shape[1]
     group = H // kvh
@@ -135,9 +165,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, PAGE=page_size, HEAD_DIM=D, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(D)), NUM_SPLITS=num_splits,
         PRECISION=precision, FP8=fp8, num_warps=4, num_stages=2)
-    out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
-    _stage2[(B, H)](mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-                    mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-                    NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-                    HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), num_warps=2)
+    quant = block_k is not None and quantizes(D, block_k)
+    if quant:
+        out = empty_activations(B, H * D, block_k, q.dtype, q.device)
+        dest, fp8_q, fp8_s = out.q, out.q, out.s
+    else:
+        out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
+        dest, fp8_q, fp8_s = out, out, out
+    _stage2[(dest.shape[0], H)](
+        mid_o, mid_lse, dest, fp8_q, fp8_s, B, dest.shape[0], mid_o.stride(0), mid_o.stride(1),
+        mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), dest.stride(0), dest.stride(1),
+        NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=D,
+        BLOCK_D=triton.next_power_of_2(D), DTYPE=TL_DTYPES[q.dtype], QUANT=quant,
+        BLOCK_K=block_k if quant else D, EMULATE=INTERPRETED, num_warps=2)
     return out

@@ -445,6 +445,56 @@ def test_fp8_kv_kernels_match_reference(on_dev, request):
             assert torch.allclose(out, ref, atol=1e-5, rtol=0), splits
 
 
+def test_decode_attention_writes_o_proj_input_quantized(on_dev, request):
+    """Stage 2 writing its output quantized for an FP8 o_proj (heads holding one or two whole
+    K-blocks, bf16 and fp32, model-dtype and FP8 caches): the e4m3 bytes and scales of the
+    unquantized output followed by fp8_gemm's quantization kernel, padding rows included (zeros,
+    floor scale), an all-zero head at the floor scale; a K-block spanning heads falls back to
+    the unquantized output, bit-equal to a call without `block_k`."""
+    if ran_in_child(request):
+        return
+    from rltool.engine import fp8_gemm
+    from rltool.engine.decode_attention import decode_attention
+
+    torch.manual_seed(5)
+    lens = [1, 37, 50]
+    for dtype, heads, kv_heads, head_dim, block_k, cache in [
+            (torch.bfloat16, 4, 2, 64, 32, "auto"), (torch.float32, 2, 1, 128, 128, "fp8"),
+            (torch.bfloat16, 4, 2, 32, 32, "fp8"), (torch.bfloat16, 4, 2, 16, 32, "auto")]:
+        table = PageTable(num_pages=40, page_size=4, max_requests=4, max_pages_per_request=20,
+                          device=DEV)
+        table.allocator._free.reverse()
+        for i, n in enumerate(lens):
+            table.add(f"r{i}")
+            table.extend(f"r{i}", n)
+        table.flush()
+        k, v = (torch.randn(160, kv_heads, head_dim) * 3 for _ in range(2))
+        v[:, 0] = 0.0  # the first KV head's query heads output zeros: the floor scale
+        kw = dict(req_to_page=table.req_to_page,
+                  rows=torch.tensor([table.entries[f"r{i}"].row for i in range(len(lens))]),
+                  seq_lens=torch.tensor(lens), page_size=4, scale=head_dim ** -0.5,
+                  num_splits=3)
+        if cache == "fp8":
+            k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+            kw.update(k_scale=torch.rand(160, kv_heads) + 0.01,
+                      v_scale=torch.rand(160, kv_heads) + 0.01)
+        else:
+            k, v = k.to(dtype), v.to(dtype)
+        q = torch.randn(len(lens), heads, head_dim).to(dtype)
+        plain = decode_attention(q, k, v, **kw)
+        got = decode_attention(q, k, v, block_k=block_k, **kw)
+        if head_dim % block_k:
+            assert torch.equal(got, plain)
+            continue
+        want = fp8_gemm.activations(plain.reshape(len(lens), -1), block_k)
+        assert (got.m, got.dtype, got.q.shape, got.s.shape) == (
+            want.m, want.dtype, want.q.shape, want.s.shape)
+        assert torch.equal(got.q.view(torch.uint8), want.q.view(torch.uint8))
+        assert torch.equal(got.s, want.s)
+        assert not got.q[len(lens):].float().any()
+        assert torch.equal(got.s[0], torch.full_like(got.s[0], 1e-12) / 448)
+
+
 # ----- multi-step decode (--num-continuous-decode-steps) on the Triton sampler ------------------
 
 class Engine:
