@@ -7,7 +7,8 @@ slices, so weight updates by name (from disk today, from tensors later) need no 
 
 The forward pass is packed: one flat [T] stream of tokens from any number of sequences. Attention
 is delegated to an `attend(layer, q, k, v)` callback that owns the KV cache and the positions
-(rltool.engine.paged_runner), so this module knows nothing about pages or batches. On CUDA the
+(rltool.engine.paged_runner), so this module knows nothing about pages or batches; it may hand
+back o_proj's input already quantized for an FP8 o_proj. On CUDA the
 elementwise work runs in fused Triton kernels (rltool.engine.fused), on CPU as torch ops.
 """
 
@@ -18,6 +19,7 @@ import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +36,9 @@ MODEL_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama", "qwen3_moe"
 # The layers' linear weights: FP8-resident on CUDA when the checkpoint stores them in block FP8.
 LINEAR_KEYS = ("qkv", "o", "gate_up", "down", "experts_gate_up", "experts_down")
 
-# attend(layer index, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# attend(layer index, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D], or o_proj's input
+# [T, H * D] already quantized for its FP8 weight (rltool.engine.fp8_gemm.Fp8Activations)
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], Any]
 
 
 @dataclass(frozen=True)
@@ -331,7 +334,9 @@ class DenseLM:
             if s.qk_norm:
                 q = rms_norm(q, L["q_norm"], s.rms_norm_eps)
                 k = rms_norm(k, L["k_norm"], s.rms_norm_eps)
-            a = attend(i, q, k, v).reshape(T, q_size)
+            a = attend(i, q, k, v)
+            if isinstance(a, torch.Tensor):  # else quantized for an FP8 o_proj already
+                a = a.reshape(T, q_size)
             sparse = self._sparse(i)
             h, residual = add_norm(linear(a, L["o"]), residual, L["ln2"], s.rms_norm_eps,
                                    None if sparse else fp8_input(L["gate_up"]))

@@ -3,8 +3,9 @@
 Prefill is packed: a step's chunks form one token stream (no padding) through the projections and
 MLPs; attention runs per group of equal-length fresh chunks (one causal SDPA call), continuations
 of a cached prefix as decode rows (DECODE_QUERIES). Decode runs the running batch as one step over
-the paged pool: on CUDA with the Triton split-KV kernel, in a CUDA graph per batch-size bucket; on
-CPU with the torch reference attention.
+the paged pool: on CUDA with the Triton split-KV kernel, in a CUDA graph per batch-size bucket (its
+output written already quantized for an FP8 o_proj); on CPU with the torch reference attention
+(rltool.engine.decode_rows).
 
 Memory on CUDA: weights, then the KV pool sized once from what `--mem-fraction-static` leaves
 (fraction x total memory, minus what is in use), then the graphs. `release` frees all three;
@@ -27,11 +28,11 @@ import torch.nn.functional as F
 
 from rltool import batch_invariant
 from rltool.engine import quant
-from rltool.engine.dense_model import DenseLM, load_checkpoint, load_model, read_spec
+from rltool.engine.decode_rows import paged_attention, per_request_attention
+from rltool.engine.dense_model import DenseLM, fp8_input, load_checkpoint, load_model, read_spec
 from rltool.engine.loading import check_servable, eos_token_ids, load_tokenizer, loading
 from rltool.engine.moe import RoutedExperts
-from rltool.engine.paged import (KV_CACHE_DTYPES, KVPool, PageTable, decode_attention_ref,
-                                 host_tensor, sdpa)
+from rltool.engine.paged import KV_CACHE_DTYPES, KVPool, PageTable, host_tensor, sdpa
 from rltool.errors import BadInputError, EngineError
 from rltool.faults import kill_point
 
@@ -291,9 +292,9 @@ class PagedRunner:
                                          scale=self.scale).reshape(c * n, *q.shape[1:])
             if single_t is not None:  # one batched paged-attention call for every such token
                 at, rows_s, lens_s = single_t
-                out[at] = self._paged_attention(
-                    q[at], kc, vc, rows_s, lens_s, k_scale=ks, v_scale=vs,
-                    max_len=max(length for *_, length in singles))
+                out[at] = paged_attention(q[at], kc, vc, rows_s, lens_s, k_scale=ks, v_scale=vs,
+                                          max_len=max(length for *_, length in singles),
+                                          **self._paging())
             for o, n, s, slots in cont_t:
                 mask = (torch.arange(s + n, device=dev).unsqueeze(0)
                         <= torch.arange(s, s + n, device=dev).unsqueeze(1))
@@ -398,48 +399,31 @@ class PagedRunner:
 
     def _decode_forward(self, meta: torch.Tensor) -> torch.Tensor:
         ids, pos, rows, seq_lens, loc, _ = meta
-        pool, table, model = self.pool, self.table, self.model
-        if self.deterministic and self.device.type != "cuda":  # CPU: each request alone
-            def attn(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, **sc: Any
-                     ) -> torch.Tensor:
-                return torch.cat([
-                    decode_attention_ref(q[i:i + 1], kc, vc, req_to_page=table.req_to_page,
-                                         rows=rows[i:i + 1], seq_lens=seq_lens[i:i + 1],
-                                         page_size=self.page_size, max_len=int(seq_lens[i]),
-                                         scale=self.scale, **sc) for i in range(q.shape[0])])
-        else:
-            splits = DETERMINISTIC_SPLITS if self.deterministic else None
+        pool, model, paging = self.pool, self.model, self._paging()
+        alone = self.deterministic and self.device.type != "cuda"  # CPU: each request alone
+        splits = DETERMINISTIC_SPLITS if self.deterministic else None
 
-            def attn(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, **sc: Any
-                     ) -> torch.Tensor:
-                return self._paged_attention(q, kc, vc, rows, seq_lens, max_len=self._max_len,
-                                             splits=splits, **sc)
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
             kc, vc, ks, vs = pool.layer(layer)
             model.rope_store(q, k, v, pos, k_cache=kc, v_cache=vc, loc=loc, k_scale=ks,
                              v_scale=vs)
-            return attn(q, kc, vc, k_scale=ks, v_scale=vs)
+            if alone:
+                return per_request_attention(q, kc, vc, rows, seq_lens, k_scale=ks, v_scale=vs,
+                                             **paging)
+            # an FP8 o_proj's input: written quantized for it by the attention kernel (CUDA)
+            return paged_attention(q, kc, vc, rows, seq_lens, max_len=self._max_len,
+                                   splits=splits, block_k=fp8_input(model.layers[layer]["o"]),
+                                   k_scale=ks, v_scale=vs, **paging)
 
         # Logits stay in the model dtype here (the sampling kernel reads them as they are): the
         # float32 copy of a [256, 152k] batch would cost as much as a layer.
         hidden = RoutedExperts.hidden(model, ids, attend, pool.routed, loc)  # MoE: no graph
         return model.logits(hidden, upcast=self.device.type != "cuda")
 
-    def _paged_attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-                         rows: torch.Tensor, seq_lens: torch.Tensor, *, max_len: int,
-                         splits: int | None = None, **sc: Any) -> torch.Tensor:
-        """q [B, H, D] over rows' first seq_lens cached tokens: Triton on CUDA, torch on CPU."""
-        if self.device.type == "cuda":
-            from rltool.engine.decode_attention import decode_attention, num_splits_for
-
-            splits = splits or num_splits_for(q.shape[0], self.spec.num_kv_heads)
-            return decode_attention(q, kc, vc, req_to_page=self.table.req_to_page, rows=rows,
-                                    seq_lens=seq_lens, page_size=self.page_size, scale=self.scale,
-                                    num_splits=splits, **sc)
-        return decode_attention_ref(q, kc, vc, req_to_page=self.table.req_to_page, rows=rows,
-                                    seq_lens=seq_lens, page_size=self.page_size, max_len=max_len,
-                                    scale=self.scale, **sc)
+    def _paging(self) -> dict[str, Any]:
+        """The page table and attention scale, as `decode_rows`' functions take them."""
+        return {"req_to_page": self.table.req_to_page, "page_size": self.page_size,
+                "scale": self.scale}
 
     def _capture(self) -> None:
         """Capture the decode step for each batch-size bucket, largest first, in one memory pool."""
