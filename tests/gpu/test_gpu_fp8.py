@@ -1,8 +1,9 @@
 """FP8 rollout on a CUDA GPU: the block-FP8 GEMMs (Triton and torch._scaled_mm) at Qwen2.5-0.5B's
 shapes within the analytic bound of the float32 product; the quantization fused into RMSNorm and
-SiLU-and-multiply bit-equal to the separate kernel at Qwen2.5-7B's sizes; a block-FP8 checkpoint
-served with its linears kept in FP8 against the bf16 model it came from; the FP8 KV cache
-through CUDA-graph decode against the bf16 cache.
+SiLU-and-multiply bit-equal to the separate kernel at Qwen2.5-7B's sizes, and o_proj's into the
+decode attention kernel (also through a served FP8 model's CUDA-graph decode: the same logits as
+with the separate kernel); a block-FP8 checkpoint served with its linears kept in FP8 against the
+bf16 model it came from; the FP8 KV cache through CUDA-graph decode against the bf16 cache.
 
 Every test skips when `torch.cuda.is_available()` is false; the native GEMM's also where torch has
 no 1x128 block scaling."""
@@ -126,3 +127,97 @@ def test_quantization_fused_into_norm_and_silu_on_cuda(m):
         scale = block_scale.to("cuda").repeat_interleave(128, dim=0).t().contiguous().t()
         assert torch.equal(fp8_gemm.fp8_linear(got, q, scale, block_k=128),
                            fp8_gemm.fp8_linear(plain, q, scale, block_k=128))
+
+
+@pytest.mark.parametrize("m", [1, 5, 64, 256])
+def test_o_proj_quantization_fused_into_decode_attention_on_cuda(m):
+    """At Qwen2.5-7B's attention shapes (28 heads of 128 over 4 KV heads), compiled, bf16 and FP8
+    caches: decode attention writing o_proj's input quantized gives the bytes and scales of the
+    bf16 output followed by the quantization kernel, and the FP8 GEMM (as served) the same
+    result; head_dim 64 (a K-block spanning two heads) falls back to the bf16 output."""
+    from rltool.engine import fp8_gemm
+    from rltool.engine.decode_attention import decode_attention, num_splits_for
+    from rltool.engine.paged import PageTable
+
+    torch.manual_seed(m)
+    page = 16
+    table = PageTable(num_pages=64 * m + 8, page_size=page, max_requests=m,
+                      max_pages_per_request=64, device="cuda")
+    lens = torch.randint(1, 1000, (m,)).tolist()
+    for i, n in enumerate(lens):
+        table.add(f"r{i}")
+        table.extend(f"r{i}", n)
+    table.flush()
+    slots = (64 * m + 8) * page
+    kw = dict(req_to_page=table.req_to_page, page_size=page,
+              rows=torch.tensor([table.entries[f"r{i}"].row for i in range(m)], device="cuda"),
+              seq_lens=torch.tensor(lens, device="cuda"), num_splits=num_splits_for(m, 4))
+    for head_dim, cache in [(128, "bf16"), (128, "fp8"), (64, "bf16")]:
+        k, v = (torch.randn(slots, 4, head_dim, device="cuda") * 2 for _ in range(2))
+        scales = {}
+        if cache == "fp8":
+            k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+            scales = {"k_scale": torch.rand(slots, 4, device="cuda") + 0.01,
+                      "v_scale": torch.rand(slots, 4, device="cuda") + 0.01}
+        else:
+            k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+        q = torch.randn(m, 28, head_dim, device="cuda", dtype=torch.bfloat16)
+        args = dict(kw, scale=head_dim ** -0.5, **scales)
+        plain = decode_attention(q, k, v, **args)
+        got = decode_attention(q, k, v, block_k=128, **args)
+        if head_dim != 128:
+            assert torch.equal(got, plain)
+            continue
+        want = fp8_gemm.activations(plain.reshape(m, -1), 128)
+        assert torch.equal(got.q.view(torch.uint8), want.q.view(torch.uint8))
+        assert torch.equal(got.s, want.s)
+        qw, block_scale = quantize_blocks_torch(
+            torch.randn(3584, 28 * head_dim, device="cuda") * 0.02, (128, 128))
+        scale = block_scale.to("cuda").repeat_interleave(128, dim=0).t().contiguous().t()
+        assert torch.equal(fp8_gemm.fp8_linear(got, qw, scale, block_k=128),
+                           fp8_gemm.fp8_linear(plain.reshape(m, -1), qw, scale, block_k=128))
+
+
+def test_fp8_engine_decode_unchanged_by_fused_o_proj_quantization(tmp_path, monkeypatch):
+    """A block-FP8 checkpoint (head_dim 32, 32x32 blocks: one K-block per head) served on CUDA:
+    greedy CUDA-graph decode of a batch gives the same tokens and bit-equal logits whether
+    decode attention writes o_proj's input quantized or, forced to its fallback, the separate
+    kernel quantizes it."""
+    from rltool.data.models import init_model
+    from rltool.engine import decode_attention as attention
+    from rltool.engine.quant import Fp8Weight
+
+    model_dir = init_model(tmp_path / "small", arch="qwen2", preset="small", task="reverse")
+    quantize_checkpoint(Fp8Config(hf=model_dir, out=tmp_path / "fp8", block=(32, 32),
+                                  workers=1))
+    kinds = []
+    plain_call = attention.decode_attention
+
+    def spy(*args, **kw):
+        out = plain_call(*args, **kw)
+        kinds.append(type(out).__name__)
+        return out
+
+    monkeypatch.setattr(attention, "decode_attention", spy)
+    prompts = [SEQ[:12], SEQ[3:10], SEQ[5:20]]
+    runs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(attention, "quantizes", lambda head_dim, block_k: False)
+        kinds.clear()
+        r = PagedRunner(tmp_path / "fp8", device="cuda", dtype="bf16", max_running=4,
+                        page_size=4, max_total_tokens=4096, cuda_graph_max_bs=4)
+        assert r.graphs and isinstance(r.model.layers[0]["o"], Fp8Weight)
+        rids = [f"r{i}" for i in range(len(prompts))]
+        logits = r.prefill([(rid, p, 0) for rid, p in zip(rids, prompts)],
+                           want=[True] * len(prompts))
+        tokens, rows = [logits.argmax(-1)], []
+        for _ in range(16):
+            out = r.decode(rids, tokens[-1].tolist()).float().clone()
+            rows.append(out)
+            tokens.append(out.argmax(-1))
+        assert set(kinds) == {"Fp8Activations" if fused else "Tensor"}, kinds
+        runs.append((torch.stack(tokens), torch.stack(rows)))
+        del r
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert torch.equal(runs[0][1], runs[1][1])
