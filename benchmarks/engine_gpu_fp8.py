@@ -9,30 +9,33 @@ weights with `--kv-cache-dtype fp8_e4m3`; then the GEMM rates below.
 
 Quick (`python benchmarks/engine_gpu_fp8.py`, a few minutes for the 7B shapes, most of it writing
 and converting the checkpoint): the GEMM rates, then workload (a) on bf16 weights and on FP8
-weights twice, the GEMM chosen as in serving (`auto`: torch._scaled_mm where its probe passes)
-and forced to the Triton kernel. `--gemm-only`: the GEMM rates alone (under a minute, no
-checkpoint written).
+weights twice: as served (`fp8`: the GEMM `auto`, torch._scaled_mm where its probe passes) and
+with o_proj's input quantized by its own kernel instead of by the decode attention kernel
+(`fp8-separate-o`: the engine before that fusion). `--gemm-only`: the GEMM rates alone (under a
+minute, no checkpoint written); `--engines-only`: without the GEMM rates.
 
 GEMM rates: at the model's four linear shapes (qkv, o, gate_up, down) for 1, 64, 256 and 8192
 tokens, bf16 F.linear, the Triton FP8 GEMM, the native one (null where torch has no 1x128 block
-scaling), both also on activations already quantized (`_prequantized`: as the engine runs the
-qkv, gate_up and down projections, whose inputs the RMSNorm / SiLU-and-multiply kernel writes
+scaling), both also on activations already quantized (`_prequantized`: as the engine runs its
+FP8 projections, whose inputs the RMSNorm, SiLU-and-multiply or decode attention kernel writes
 quantized) and torch._scaled_mm with the weight's 128x128 block scales (not used by the engine),
 each call but the prequantized ones including its activation quantization; then the kernels
-before an FP8 linear with the quantization separate and fused into them. GPU time of 20 calls replayed from a
+before an FP8 linear with the quantization separate and fused into them (decode attention before
+o_proj at the model's heads, 1000-token sequences). GPU time of 20 calls replayed from a
 CUDA graph (as the engine's decode runs them, without host launch cost). Reported: TFLOP/s, and
 GB/s of the bytes each moves (weight, its scales, activations, output) beside the measured
 device copy bandwidth (bytes read + written per second). Engines report tokens/s, the ratio to
 bf16, and weight GB/s (weight bytes x decode steps / seconds: a lower bound of what decode reads).
 
-Usage: python benchmarks/engine_gpu_fp8.py [--preset qwen2.5-7b] [--batches 64,256] [--gemm-only]
-       [--out FILE.json]
+Usage: python benchmarks/engine_gpu_fp8.py [--preset qwen2.5-7b] [--batches 64,256]
+       [--gemm-only | --engines-only] [--out FILE.json]
 Prints a table and, last, one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 from datetime import datetime, timezone
@@ -152,7 +155,8 @@ def quantize_fusion(spec, tokens: tuple[int, ...] = (64, 256)) -> list[dict]:
     """GPU microseconds per call of the kernels before an FP8 linear, unfused (the bf16 kernel,
     then the activation quantization) against fused (one kernel writing the e4m3 bytes and
     scales): residual-add + RMSNorm at the hidden size (before qkv and gate_up) and
-    SiLU-and-multiply at the intermediate size (before down)."""
+    SiLU-and-multiply at the intermediate size (before down), decode attention at the model's
+    heads over 1000 cached tokens per request (before o)."""
     from rltool.engine import fp8_gemm, fused
 
     rows = []
@@ -167,13 +171,33 @@ def quantize_fusion(spec, tokens: tuple[int, ...] = (64, 256)) -> list[dict]:
                 lambda: fp8_gemm.activations(fused.add_rms_norm(h, res, w, eps)[0], 128),
                 lambda: fused.add_rms_norm(h, res, w, eps, 128)),
             "silu_mul": (lambda: fp8_gemm.activations(fused.silu_mul(gu), 128),
-                         lambda: fused.silu_mul(gu, 128))}
+                         lambda: fused.silu_mul(gu, 128)),
+            "decode_attention": decode_attention_pair(spec, m)}
         for name, (unfused, fused_fn) in kernels.items():
             rows.append({"kernel": name, "m": m, "unfused_us": graph_seconds(unfused) * 1e6,
                          "fused_us": graph_seconds(fused_fn) * 1e6})
-            print(f"quantize fusion {name:12} m={m:>4}: unfused {rows[-1]['unfused_us']:6.1f} us,"
+            print(f"quantize fusion {name:16} m={m:>4}: unfused {rows[-1]['unfused_us']:6.1f} us,"
                   f" fused {rows[-1]['fused_us']:6.1f} us", flush=True)
     return rows
+
+
+def decode_attention_pair(spec, m: int, length: int = 1000):
+    """(decode attention then the quantization kernel, decode attention writing o_proj's input
+    quantized) for m requests of `length` cached tokens in a bf16 cache."""
+    from rltool.engine import fp8_gemm
+    from rltool.engine.decode_attention import decode_attention, num_splits_for
+
+    d, kvh, page = spec.head_dim, spec.num_kv_heads, 16
+    pages = -(-length // page)
+    kv = [torch.randn(m * pages * page, kvh, d, device="cuda", dtype=torch.bfloat16)
+          for _ in range(2)]
+    q = torch.randn(m, spec.num_heads, d, device="cuda", dtype=torch.bfloat16)
+    kw = dict(req_to_page=torch.arange(m * pages, device="cuda").view(m, pages),
+              rows=torch.arange(m, device="cuda"),
+              seq_lens=torch.full((m,), length, device="cuda"), page_size=page, scale=d ** -0.5,
+              num_splits=num_splits_for(m, kvh))
+    return (lambda: fp8_gemm.activations(decode_attention(q, *kv, **kw).view(m, -1), 128),
+            lambda: decode_attention(q, *kv, block_k=128, **kw))
 
 
 def print_gemms(preset: str, rows: list[dict], bw: float) -> None:
@@ -187,16 +211,33 @@ def print_gemms(preset: str, rows: list[dict], bw: float) -> None:
               f"{cells}", flush=True)
 
 
+@contextlib.contextmanager
+def separate_o_quantization(separate: bool):
+    """With `separate`, engines built inside quantize o_proj's input by its own kernel (decode
+    attention's fallback) instead of in the decode attention kernel."""
+    from rltool.engine import decode_attention
+
+    fused = decode_attention.quantizes
+    if separate:
+        decode_attention.quantizes = lambda head_dim, block_k: False
+    try:
+        yield
+    finally:
+        decode_attention.quantizes = fused
+
+
 def engines(preset: str, batches: list[int], modes: dict) -> dict:
-    """Workload (a) on each mode's engine: {mode: in_process result}, each batch with its
-    tokens/s ratio to the first mode and the engine's weight GB/s."""
+    """Workload (a) on each mode's engine (checkpoint, KV cache dtype, GEMM backend, o_proj's
+    input quantized separately): {mode: in_process result}, each batch with its tokens/s ratio
+    to the first mode and the engine's weight GB/s."""
     from rltool.engine import fp8_gemm
 
     out: dict = {}
-    for mode, (model_dir, kv, backend) in modes.items():
+    for mode, (model_dir, kv, backend, separate_o) in modes.items():
         fp8_gemm.set_backend(backend)
         try:
-            out[mode] = in_process(model_dir, batches, kv_cache_dtype=kv)
+            with separate_o_quantization(separate_o):
+                out[mode] = in_process(model_dir, batches, kv_cache_dtype=kv)
         finally:
             fp8_gemm.set_backend("auto")
         for b in batches:
@@ -243,21 +284,24 @@ def precision_cost(preset: str, batches: list[int]) -> dict:
     from rltool.engine.dense_model import read_spec
 
     model_dir, fp8_dir = checkpoints(preset)
-    out = engines(preset, batches, {"bf16": (model_dir, "auto", "auto"),
-                                    "fp8": (fp8_dir, "auto", "auto"),
-                                    "fp8+fp8kv": (fp8_dir, "fp8_e4m3", "auto")})
+    out = engines(preset, batches, {"bf16": (model_dir, "auto", "auto", False),
+                                    "fp8": (fp8_dir, "auto", "auto", False),
+                                    "fp8+fp8kv": (fp8_dir, "fp8_e4m3", "auto", False)})
     out["copy_bandwidth_Bps"] = copy_bandwidth()
     out["gemm"] = gemm_rates(read_spec(model_dir))
     print_gemms(preset, out["gemm"], out["copy_bandwidth_Bps"])
     return out
 
 
-def quick(preset: str, batches: list[int], gemm_only: bool) -> dict:
-    """The GEMM rates, then (unless gemm_only) bf16, FP8 (auto) and FP8 (Triton) engines."""
+def quick(preset: str, batches: list[int], gemm_only: bool, engines_only: bool) -> dict:
+    """The GEMM rates (unless engines_only), the quantization fusions, then (unless gemm_only)
+    the bf16, fp8 and fp8-separate-o engines."""
     bw = copy_bandwidth()
     spec = preset_spec(preset)
-    out: dict = {"copy_bandwidth_Bps": bw, "gemm": gemm_rates(spec)}
-    print_gemms(preset, out["gemm"], bw)
+    out: dict = {"copy_bandwidth_Bps": bw}
+    if not engines_only:
+        out["gemm"] = gemm_rates(spec)
+        print_gemms(preset, out["gemm"], bw)
     out["quantize_fusion"] = quantize_fusion(spec)
     from rltool.engine.fp8_gemm import probe_native
 
@@ -266,9 +310,9 @@ def quick(preset: str, batches: list[int], gemm_only: bool) -> dict:
           flush=True)
     if not gemm_only:
         model_dir, fp8_dir = checkpoints(preset)
-        out["engines"] = engines(preset, batches, {"bf16": (model_dir, "auto", "auto"),
-                                                   "fp8": (fp8_dir, "auto", "auto"),
-                                                   "fp8-triton": (fp8_dir, "auto", "triton")})
+        out["engines"] = engines(preset, batches, {
+            "bf16": (model_dir, "auto", "auto", False), "fp8": (fp8_dir, "auto", "auto", False),
+            "fp8-separate-o": (fp8_dir, "auto", "auto", True)})
     return out
 
 
@@ -276,13 +320,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="qwen2.5-7b")
     ap.add_argument("--batches", default="64,256")
-    ap.add_argument("--gemm-only", action="store_true", help="the GEMM rates alone")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--gemm-only", action="store_true", help="the GEMM rates alone")
+    mode.add_argument("--engines-only", action="store_true", help="without the GEMM rates")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     results = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "preset": args.preset,
-               **quick(args.preset, [int(b) for b in args.batches.split(",")], args.gemm_only)}
+               **quick(args.preset, [int(b) for b in args.batches.split(",")], args.gemm_only,
+                        args.engines_only)}
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1, default=str))
     print(json.dumps(results, default=str))
