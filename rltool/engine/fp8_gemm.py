@@ -9,7 +9,8 @@ are quantized first, per token and K-block exactly as weights are: `s = max(max|
 q [R, K] and s [ceil(K / block_k), R], R = M rounded up to a multiple of 4 (cuBLASLt's block
 scales want 16-byte aligned columns; the padding rows are zeros with the floor scale). Either one
 Triton kernel quantizes x, or the kernel that computes x writes it quantized
-(`quantize_groups`: rltool.engine.fused's RMSNorm and SiLU-and-multiply), with the same bits.
+(`quantize_groups`: rltool.engine.fused's RMSNorm and SiLU-and-multiply, the decode attention
+kernel's output before o_proj), with the same bits.
 
 Two GEMMs take the quantized operands:
 - native: `torch._scaled_mm` with 1x128 block scales on both operands (cuBLASLt >= 12.9 on
