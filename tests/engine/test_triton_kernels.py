@@ -1,7 +1,8 @@
 """The Triton kernels against their torch references: compiled on a CUDA machine, elsewhere run by
 Triton's interpreter on CPU, each test in a child process started with TRITON_INTERPRET=1.
 Split-KV decode attention (pages scattered out of order, lengths ending mid-page and mid-block, a one-token sequence, GQA groups, several
-split counts), the fused norm / RoPE + KV write / SiLU kernels, and the whole model with them."""
+split counts; its output quantized for an FP8 o_proj), the fused norm / RoPE + KV write / SiLU
+kernels, and the whole model with them."""
 
 from __future__ import annotations
 
@@ -493,6 +494,64 @@ def test_decode_attention_writes_o_proj_input_quantized(on_dev, request):
         assert torch.equal(got.s, want.s)
         assert not got.q[len(lens):].float().any()
         assert torch.equal(got.s[0], torch.full_like(got.s[0], 1e-12) / 448)
+
+
+def test_fp8_model_decodes_with_o_proj_input_from_attention(on_dev, request, tmp_path,
+                                                         tiny_model_factory):
+    """An FP8-resident model (the tiny qwen2's weights read as 2 heads of 32 over 1 KV head:
+    the same tensor shapes; 32x32 blocks, one K-block per head) decoding a batch over a paged
+    cache, its attention handing o_proj's input back quantized: the logits of the same step with
+    the input quantized by the GEMM's own kernel, bit for bit."""
+    if ran_in_child(request):
+        return
+    import json
+    import shutil
+
+    from rltool.convert.fp8 import Fp8Config, quantize_checkpoint
+    from rltool.engine.decode_attention import decode_attention
+    from rltool.engine.dense_model import fp8_input, load_model
+
+    src = shutil.copytree(tiny_model_factory("qwen2", 0), tmp_path / "bf16")
+    config = json.loads((src / "config.json").read_text())
+    config.update(num_attention_heads=2, num_key_value_heads=1)
+    (src / "config.json").write_text(json.dumps(config))
+    quantize_checkpoint(Fp8Config(hf=src, out=tmp_path / "fp8", block=(32, 32), workers=1))
+    model = load_model(tmp_path / "fp8", device=DEV, dtype=torch.float32, fp8_resident=True)
+    model.fused = True
+    s = model.spec
+    assert s.head_dim == 32 and model.fp8_keys
+    torch.manual_seed(3)
+    table = PageTable(num_pages=16, page_size=4, max_requests=4, max_pages_per_request=4,
+                      device=DEV)
+    lens = [5, 9, 2]
+    for i, n in enumerate(lens):
+        table.add(f"r{i}")
+        table.extend(f"r{i}", n)
+    table.flush()
+    caches = [[torch.randn(64, s.num_kv_heads, s.head_dim) for _ in range(2)]
+              for _ in range(s.num_layers)]
+    rows = torch.tensor([table.entries[f"r{i}"].row for i in range(len(lens))])
+    loc = torch.tensor([table.slots(f"r{i}", n - 1, n)[0] for i, n in enumerate(lens)])
+    kinds = []
+
+    def attend_quantizing(quantize: bool):
+        def attend(layer, q, k, v):
+            kc, vc = caches[layer]
+            model.rope_store(q, k, v, torch.tensor(lens) - 1, k_cache=kc, v_cache=vc, loc=loc)
+            out = decode_attention(q, kc, vc, req_to_page=table.req_to_page, rows=rows,
+                                   seq_lens=torch.tensor(lens), page_size=4,
+                                   scale=s.head_dim ** -0.5, num_splits=2,
+                                   block_k=fp8_input(model.layers[layer]["o"]) if quantize
+                                   else None)
+            kinds.append(type(out).__name__)
+            return out
+        return attend
+
+    ids = torch.tensor([3, 9, 4])
+    logits = [model.logits(model.hidden(ids, attend_quantizing(quantize)))
+              for quantize in (True, False)]
+    assert kinds == ["Fp8Activations"] * s.num_layers + ["Tensor"] * s.num_layers
+    assert torch.equal(logits[0], logits[1])
 
 
 # ----- multi-step decode (--num-continuous-decode-steps) on the Triton sampler ------------------
