@@ -25,7 +25,8 @@ tokens, 1 warmup and 3 timed steps, both presets) are sized for about three minu
                padding not counted (CUDA only)
   peak memory  torch.cuda.max_memory_allocated over the timed steps (CUDA only; the row also
                records what was allocated before the backend was built, which should be ~0)
-  profile      with --profile (default on CUDA) one more step of each backend under
+  profile      with --profile (default on CUDA) one more step of each backend (of
+               --profile-backends) under
                torch.profiler: the operator table in OUT/profile-<preset>-<backend>.txt, and in
                the row the device's busy fraction of the median step, the host gaps (device idle
                between kernels in the profiled step, whose host work the profiler slows; the
@@ -212,7 +213,7 @@ def bench_backend(name: str, model_dir: Path, samples: list[list[int]], args: ar
             result["allocated_before_gib"] = before
             result["allocator_events"] = {k: v - counters[k]
                                           for k, v in allocator_counters().items()}
-        if args.profile:
+        if args.profile and name in args.profile_backends.split(","):
             start = time.perf_counter()
             try:
                 result["profile"] = profile_step(backend, mbs,
@@ -383,6 +384,8 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="dense bf16 peak of one device (H100/H200 SXM: 989)")
     parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--profile-backends", default="megatron,torch",
+                        help="the backends that get the profiled step (with --profile)")
     parser.add_argument("--out", required=True, help="directory for the results JSON")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():

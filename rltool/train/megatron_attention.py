@@ -62,17 +62,23 @@ def rotary_tables(emb: torch.Tensor, position_ids: torch.Tensor,
 
 def apply_rotary(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """megatron's non-interleaved RoPE on t [T, heads, d] with precomputed tables: the same
-    operations in the same order (the first rot_dim channels rotated, the rest passed); bf16 on
-    CUDA as one kernel with the same roundings (rltool.train.rope_kernel)."""
-    if t.is_cuda and t.dtype == torch.bfloat16:
-        from rltool.train.rope_kernel import rotary
-
-        return rotary(t, cos, sin)
+    operations in the same order (the first rot_dim channels rotated, the rest passed)."""
     x = t.unsqueeze(1)
     rot = cos.shape[-1]
     x, rest = x[..., :rot], x[..., rot:]
     x = (x * cos) + (_rotate_half(x, False) * sin)
     return (torch.cat((x, rest), dim=-1) if rest.shape[-1] else x).squeeze(1)
+
+
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rotary` of q and of k; bf16 on CUDA as one kernel for both, with the same roundings
+    (rltool.train.rope_kernel)."""
+    if q.is_cuda and q.dtype == torch.bfloat16:
+        from rltool.train.rope_kernel import rotary
+
+        return rotary(q, k, cos, sin)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 class SdpaCoreAttention(torch.nn.Module):
@@ -114,7 +120,7 @@ class SdpaCoreAttention(torch.nn.Module):
             cu = getattr(packed_seq_params, "cu_seqlens_device", None)
             rotary = getattr(packed_seq_params, "rotary", None)
             if rotary is not None:
-                query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
+                query, key = rotate_qk(query, key, *rotary)
             out = causal_varlen(query, key, value,
                                 packed_seq_params.cu_seqlens_q if cu is None else cu,
                                 packed_seq_params.max_seqlen_q, scale=self.softmax_scale)

@@ -49,7 +49,14 @@ def register() -> str:
 
 
 def _repeat_kv(x: torch.Tensor, groups: int, dim: int) -> torch.Tensor:
-    return x if groups == 1 else x.repeat_interleave(groups, dim=dim)
+    """x with each head along `dim` repeated `groups` times in place (head h -> h*groups ...
+    h*groups + groups - 1): `repeat_interleave`'s values, as one copy (an expanded view made
+    contiguous; repeat_interleave costs several launches and index tensors per call)."""
+    if groups == 1:
+        return x
+    shape = list(x.shape)
+    expanded = x.unsqueeze(dim + 1).expand(*shape[:dim + 1], groups, *shape[dim + 1:])
+    return expanded.reshape(*shape[:dim], shape[dim] * groups, *shape[dim + 1:])
 
 
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,

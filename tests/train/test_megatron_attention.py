@@ -109,30 +109,33 @@ def test_row_rotary_tables_match_megatron_s_thd_rope_bit_for_bit(rot_dim):
 
 
 def rope_kernel_matches_torch() -> None:
-    """rltool.train.rope_kernel against apply_rotary's torch operations on the CPU, forward and
-    backward, bf16: strided heads (a view of a fused projection), a partial rotary width, token
-    counts that end mid-block. Runs on the GPU when there is one, else in Triton's interpreter."""
+    """rltool.train.rope_kernel (q and k in one launch) against apply_rotary's torch operations
+    on the CPU, forward and backward, bf16: q and k as strided views of one fused projection, a
+    partial rotary width, token counts that end mid-block. Runs on the GPU when there is one, else in Triton's interpreter."""
     from rltool.train.rope_kernel import rotary
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
     for tokens, heads, dim, rot in [(37, 3, 16, 16), (20, 2, 24, 16), (5, 4, 128, 128)]:
-        fused = torch.randn(tokens, 2 * heads, dim, generator=g).bfloat16()
+        fused = torch.randn(tokens, 2 * heads + 1, dim, generator=g).bfloat16()  # q, k, v views
         positions = torch.randint(0, 4096, (tokens,), generator=g)
         inv_freq = 1.0 / (1e6 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
         freqs = torch.outer(torch.arange(4096, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
         cos, sin = rotary_tables(emb, positions, torch.bfloat16)
-        grad = torch.randn(tokens, heads, dim, generator=g).bfloat16()
-        ref_in = fused[:, ::2].clone().requires_grad_(True)
-        ref = apply_rotary(ref_in, cos, sin)
-        ref.backward(grad)
+        grads = [torch.randn(tokens, n, dim, generator=g).bfloat16() for n in (heads, 1)]
+        ref_in = [fused[:, :heads].clone().requires_grad_(True),
+                  fused[:, heads:heads + 1].clone().requires_grad_(True)]
+        refs = [apply_rotary(x, cos, sin) for x in ref_in]
+        torch.autograd.backward(refs, grads)
         x = fused.to(dev).requires_grad_(True)
-        out = rotary(x[:, ::2], cos.to(dev), sin.to(dev))
-        out.backward(grad.to(dev))
-        assert torch.equal(out.cpu(), ref), (tokens, heads, dim, rot)
-        assert torch.equal(x.grad[:, ::2].cpu(), ref_in.grad), (tokens, heads, dim, rot)
-        assert not x.grad[:, 1::2].any()
+        outs = rotary(x[:, :heads], x[:, heads:heads + 1], cos.to(dev), sin.to(dev))
+        torch.autograd.backward(outs, [t.to(dev) for t in grads])
+        case = (tokens, heads, dim, rot)
+        assert all(torch.equal(o.cpu(), r) for o, r in zip(outs, refs)), case
+        assert torch.equal(x.grad[:, :heads].cpu(), ref_in[0].grad), case
+        assert torch.equal(x.grad[:, heads:heads + 1].cpu(), ref_in[1].grad), case
+        assert not x.grad[:, heads + 1:].any()
 
 
 def test_rope_kernel_matches_megatron_s_rope_bit_for_bit():
