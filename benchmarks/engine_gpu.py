@@ -6,6 +6,7 @@ Workloads (random-init models with real shapes, bf16; random prompt ids; samplin
       process (the scheduler driven directly) and over HTTP (`rltool serve --device cuda`, B
       concurrent /generate calls);
   (c) time to first token at batch 1 (prefill + first sample), in process.
+Each in-process engine first runs every batch size once, untimed (`warm_up`).
 `--deterministic-cost` measures instead workload (a) in process with `--deterministic`
 (batch-invariant kernels, logprobs recomputed per finished request) against the default mode on
 the same engine settings: tokens/s of each and their ratio.
@@ -263,10 +264,19 @@ def http_runs(model_dir: Path, batches, vocab: int, steps: int) -> dict:
         proc.stop()
 
 
+def warm_up(sched: PagedScheduler, batches: list[int], vocab: int) -> None:
+    """Each batch size's prefill once, untimed, with 2 output tokens and other prompts than the
+    timed ones (the prefix cache holds none of those): no timed run compiles kernels for its
+    prefill shapes, whichever engine of a process meets them first."""
+    for b in batches:
+        run_batch(sched, prompts_for(b, vocab, 1_000 + b), max_new=2)
+
+
 def in_process(model_dir: Path, batches: list[int], *, deterministic: bool = False,
                kv_cache_dtype: str = "auto") -> dict:
-    """Workload (a) in process on a fresh engine: {batch: run_batch result}, plus what the engine
-    holds under "engine" (weight bytes and precision, KV bytes per token, pool tokens)."""
+    """Workload (a) in process on a fresh engine, after an untimed warm-up of each batch size:
+    {batch: run_batch result}, plus what the engine holds under "engine" (weight bytes and
+    precision, KV bytes per token, pool tokens)."""
     runner = PagedRunner(model_dir, device="cuda", dtype="bf16", max_running=max(batches),
                          cuda_graph_max_bs=max(batches), deterministic=deterministic,
                          kv_cache_dtype=kv_cache_dtype)
@@ -274,7 +284,7 @@ def in_process(model_dir: Path, batches: list[int], *, deterministic: bool = Fal
                            chunked_prefill_size=8192, deterministic=deterministic)
     sched.start()
     try:
-        run_batch(sched, prompts_for(8, runner.vocab_size, 1), max_new=16)  # warm-up
+        warm_up(sched, batches, runner.vocab_size)
         out: dict = {b: run_batch(sched, prompts_for(b, runner.vocab_size, 3 + b))
                      for b in batches}
         out["engine"] = {"weight_bytes": runner.model.nbytes(), **runner.weight_info,
@@ -396,7 +406,7 @@ def main() -> None:
             sched = PagedScheduler(runner, max_running=max(batches), max_prefill_tokens=16384,
                                    chunked_prefill_size=8192, num_continuous_decode_steps=n)
             sched.start()
-            run_batch(sched, prompts_for(8, vocab, 1), max_new=16)  # warm-up
+            warm_up(sched, batches, vocab)
             r["by_decode_steps"][n] = {b: run_batch(sched, prompts_for(b, vocab, 3 + b))
                                        for b in batches}
             if n == multi[0]:
