@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 _ENABLED = False
 _ENABLE_LOCK = threading.Lock()
 _CUDA_NAMES = threading.local()  # .on: CPU tensors report CUDA type names
+_FUSED_WGRAD: bool | None = None  # enable_cuda_fusions' probe, once per process
 
 
 class MegatronUnavailableError(RltoolError):
@@ -170,9 +171,6 @@ def enable_cuda_fusions() -> bool:
     return _FUSED_WGRAD and torch.cuda.is_available()
 
 
-_FUSED_WGRAD: bool | None = None
-
-
 class _FusedWgrad:
     """apex's `fused_weight_gradient_mlp_cuda` interface: main_grad += grad_output^T @ input."""
 
@@ -211,9 +209,10 @@ def _l2_norm(chunk_size: int, noop_flag: Any, tensor_lists: list[list[Any]],
     """`local_multi_tensor_l2_norm` without reading each norm back to the host: the 2-norm of
     the tensors of `tensor_lists` as a float32 tensor [1] on their device."""
     import torch
+    from torch.nn.utils import get_total_norm
 
-    norms = [n.float() for tensors in tensor_lists for n in torch._foreach_norm(tensors)]
-    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+    tensors = [t for group in tensor_lists for t in group]
+    return get_total_norm(tensors).to(torch.float32).reshape(1), None
 
 
 def _patch_missing_te_gemm() -> None:
