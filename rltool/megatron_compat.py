@@ -38,7 +38,7 @@ would (the CPU never uses it: its results stay those of megatron's own code path
   torch can.
 - the gradient norm: megatron's plain-torch `local_multi_tensor_l2_norm` reads each parameter's
   norm back to the host (a wait for the device per parameter); the stand-in computes the same
-  2-norm with torch's foreach norm and no host read.
+  2-norm with torch's `get_total_norm` and no host read.
 
 Also required on CPU, but not patchable here: `psutil` must be installed (torch_dist saving
 otherwise waits forever for a worker), and scripts that save torch_dist checkpoints need an
