@@ -67,8 +67,10 @@ def test_stop_ends_what_the_child_forked_and_escalates_to_sigkill(tmp_path):
         open({str(pid_file)!r}, "w").write(str(g.pid))
         time.sleep(60)
         """), log_path=tmp_path / "child.log", term_group=True)
-    grandchild = child.wait_until(lambda: pid_file.exists() and pid_file.read_text().strip(),
-                                  timeout_s=30, what="forking")
+    # (None until the pid is written: the file exists, empty, between its open and its write)
+    grandchild = child.wait_until(
+        lambda: (pid_file.read_text().strip() or None) if pid_file.exists() else None,
+        timeout_s=30, what="forking")
     grandchild = psutil.Process(int(grandchild))
     t0 = time.monotonic()
     code = child.stop(timeout_s=0.5)
