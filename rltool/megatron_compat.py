@@ -155,8 +155,6 @@ def enable_cuda_fusions() -> bool:
     """Install the CUDA stand-ins for apex's fused kernels (idempotent; CUDA only). Returns whether
     gradient-accumulation fusion can be switched on (`gradient_accumulation_fusion=True`)."""
     global _FUSED_WGRAD
-    import torch
-
     with _ENABLE_LOCK:
         if _FUSED_WGRAD is None:
             from megatron.core.optimizer import clip_grads
@@ -168,7 +166,7 @@ def enable_cuda_fusions() -> bool:
             if _FUSED_WGRAD and not layers._grad_accum_fusion_available:
                 layers.fused_weight_gradient_mlp_cuda = _FusedWgrad
                 layers._grad_accum_fusion_available = True
-    return _FUSED_WGRAD and torch.cuda.is_available()
+    return _FUSED_WGRAD
 
 
 class _FusedWgrad:

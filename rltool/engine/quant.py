@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from rltool.convert.fp8 import (SCALE_SUFFIX, dequantize_blocks, quantize_blocks,
-                                quantize_blocks_torch, scale_shape)
+from rltool.convert.fp8 import SCALE_SUFFIX, dequantize_blocks, quantize_blocks, scale_shape
 from rltool.errors import CheckpointError
 
 if TYPE_CHECKING:  # the GEMM module imports triton: only on the FP8 path
@@ -201,8 +200,7 @@ def copy_into(dest: torch.Tensor | Fp8Weight, start: int, rows: int,
         if isinstance(value, BlockFp8):
             value = dequantize_blocks(value.q, value.scale_inv, value.block, dtype=torch.float32)
         block = (dest.block_k, dest.block_k)
-        quantize = quantize_blocks if value.device.type == "cpu" else quantize_blocks_torch
-        q, scale_inv = quantize(value, block)
+        q, scale_inv = quantize_blocks(value, block)  # the native kernel on CPU, else torch
         value = BlockFp8(q, scale_inv.to(value.device), block)
     dest.q[start:start + rows].copy_(value.q, non_blocking=True)
     per_row = value.scale_inv.repeat_interleave(value.block[0], dim=0)[:rows]

@@ -88,8 +88,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     contiguous -> the rotated q and k, contiguous."""
     q, k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k))
     T, hq, d = q.shape
-    qy, ky = torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
-        k, memory_format=torch.contiguous_format)
+    qy, ky = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k))
     rot = cos.shape[-1]
     half, rest = rot // 2, d - rot
     _rope[(triton.cdiv(T, BLOCK_T), hq + k.shape[1])](
