@@ -6,7 +6,9 @@ Workloads (random-init models with real shapes, bf16; random prompt ids; samplin
       process (the scheduler driven directly) and over HTTP (`rltool serve --device cuda`, B
       concurrent /generate calls);
   (c) time to first token at batch 1 (prefill + first sample), in process.
-Each in-process engine first runs every batch size once, untimed (`warm_up`).
+Each in-process engine first runs every batch size once, untimed (`warm_up`). Each in-process
+run also reports its decode and prefill forwards, retractions, the CUDA caching allocator's
+retries and the kernel variants Triton compiled during it (`kernels_compiled`: 0 once warm).
 `--deterministic-cost` measures instead workload (a) in process with `--deterministic`
 (batch-invariant kernels, logprobs recomputed per finished request) against the default mode on
 the same engine settings: tokens/s of each and their ratio.
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
@@ -132,16 +135,39 @@ def run_batch(sched: PagedScheduler, prompts, *, max_new: int = OUTPUT_LEN) -> d
                     params=SamplingParams(max_new_tokens=max_new, temperature=1.0,
                                           ignore_eos=True))
             for i, p in enumerate(prompts)]
-    steps0 = sched.num_decode_forwards
+    counters0 = _counters(sched)
     t0 = time.perf_counter()
     sched.submit(reqs)
     assert done.wait(600), "engine run did not finish"
     elapsed = time.perf_counter() - t0
     out = sum(len(r.output_ids) for r in reqs)
     assert all(len(r.output_ids) == max_new for r in reqs)
-    ttft = statistics.mean(r.t_first_token - r.t_arrival for r in reqs)
+    ttfts = [r.t_first_token - r.t_arrival for r in reqs]
+    counts = {k: v - counters0[k] for k, v in _counters(sched).items()}
     return {"seconds": elapsed, "output_tokens": out, "tokens_per_s": out / elapsed,
-            "decode_steps": sched.num_decode_forwards - steps0, "mean_ttft_s": ttft}
+            "mean_ttft_s": statistics.mean(ttfts), "max_ttft_s": max(ttfts), **counts}
+
+
+def _counters(sched: PagedScheduler) -> dict:
+    """What a run adds to: the scheduler's decode and prefill forwards and retractions, the CUDA
+    caching allocator's retries (a cudaMalloc that failed, so the cache was freed and the
+    allocation tried again: a stall of the whole device), and the kernel variants in Triton's
+    cache directory (each compile writes one; a compile stalls the engine for ~1 s)."""
+    retries = (torch.cuda.memory_stats().get("num_alloc_retries", 0)
+               if torch.cuda.is_available() else 0)
+    return {"decode_steps": sched.num_decode_forwards,
+            "prefill_forwards": sched.num_prefill_forwards,
+            "retractions": sched.num_retractions, "alloc_retries": retries,
+            "kernels_compiled": len(compiled_kernels())}
+
+
+def compiled_kernels() -> set[str]:
+    """The kernel variants in Triton's cache directory: "name@hash" of each."""
+    import triton
+
+    root = Path(triton.knobs.cache.dir)
+    return {f"{meta.stem}@{meta.parent.name[:6]}" for meta in root.glob("*/*.json")
+            if not meta.name.startswith("__grp__")}
 
 
 def step_breakdown(runner: PagedRunner, batch: int) -> dict:
@@ -272,11 +298,11 @@ def warm_up(sched: PagedScheduler, batches: list[int], vocab: int) -> None:
         run_batch(sched, prompts_for(b, vocab, 1_000 + b), max_new=2)
 
 
-def in_process(model_dir: Path, batches: list[int], *, deterministic: bool = False,
-               kv_cache_dtype: str = "auto") -> dict:
-    """Workload (a) in process on a fresh engine, after an untimed warm-up of each batch size:
-    {batch: run_batch result}, plus what the engine holds under "engine" (weight bytes and
-    precision, KV bytes per token, pool tokens)."""
+@contextlib.contextmanager
+def fresh_engine(model_dir: Path, batches: list[int], *, deterministic: bool = False,
+                 kv_cache_dtype: str = "auto"):
+    """A fresh in-process engine with workload (a)'s settings, (runner, started scheduler);
+    stopped and its memory released on exit."""
     runner = PagedRunner(model_dir, device="cuda", dtype="bf16", max_running=max(batches),
                          cuda_graph_max_bs=max(batches), deterministic=deterministic,
                          kv_cache_dtype=kv_cache_dtype)
@@ -284,17 +310,27 @@ def in_process(model_dir: Path, batches: list[int], *, deterministic: bool = Fal
                            chunked_prefill_size=8192, deterministic=deterministic)
     sched.start()
     try:
+        yield runner, sched
+    finally:
+        sched.stop()
+        runner.release()
+        del runner, sched
+        torch.cuda.empty_cache()
+
+
+def in_process(model_dir: Path, batches: list[int], *, deterministic: bool = False,
+               kv_cache_dtype: str = "auto") -> dict:
+    """Workload (a) in process on a fresh engine, after an untimed warm-up of each batch size:
+    {batch: run_batch result}, plus what the engine holds under "engine" (weight bytes and
+    precision, KV bytes per token, pool tokens)."""
+    with fresh_engine(model_dir, batches, deterministic=deterministic,
+                      kv_cache_dtype=kv_cache_dtype) as (runner, sched):
         warm_up(sched, batches, runner.vocab_size)
         out: dict = {b: run_batch(sched, prompts_for(b, runner.vocab_size, 3 + b))
                      for b in batches}
         out["engine"] = {"weight_bytes": runner.model.nbytes(), **runner.weight_info,
                          "kv_bytes_per_token": runner.kv_bytes_per_token,
                          "kv_pool_tokens": runner.max_total_num_tokens}
-    finally:
-        sched.stop()
-        runner.release()
-    del runner, sched
-    torch.cuda.empty_cache()
     return out
 
 

@@ -33,7 +33,8 @@ BLOCK_N = 32
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-@triton.jit
+# Not specialized on per-batch values (see rltool.engine.fused): index rows, placeholder scales.
+@triton.jit(do_not_specialize_on_alignment=["KScale", "VScale", "Rows", "SeqLens"])
 def _stage1(Q, K, V, KScale, VScale, ReqToPage, Rows, SeqLens, MidO, MidLse,
             stride_qb, stride_qh, stride_kt, stride_kh, stride_st, stride_rp,
             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
@@ -93,7 +94,7 @@ def _stage1(Q, K, V, KScale, VScale, ReqToPage, Rows, SeqLens, MidO, MidLse,
     tl.store(MidLse + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "ROWS"])
 def _stage2(MidO, MidLse, Out, Q, S, B, ROWS, stride_ob, stride_oh, stride_os, stride_lb,
             stride_lh, stride_xb, stride_xh, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr,

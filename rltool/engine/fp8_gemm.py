@@ -79,7 +79,7 @@ def store_quantized(v, Q, S, ROWS, K, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr
     tl.store(S + kb * ROWS, s, mask=kb * BLOCK_K < K)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "ROWS"])  # token counts: see rltool.engine.fused
 def _quantize_rows(X, Q, S, M, ROWS, K, stride_xm, BLOCK_M: tl.constexpr,
                    BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
     """Q[m, k-block] = e4m3(x / s), S[k-block, m] = s for ROWS >= M rows (those past M zero):

@@ -10,6 +10,16 @@ scales the separate quantization kernel would write from the rounded result, one
 
 `*_ref` are the torch versions (used on CPU and as the tests' reference, run by Triton's
 interpreter there).
+
+One compiled variant per kernel and shape class: Triton compiles a new variant of a kernel for
+each combination of its integer arguments' divisibility by 16 (and equality to 1) and its pointer
+arguments' 16-byte alignment. Token counts change with every batch, and the per-token index rows
+(positions, sequence lengths) are rows of one packed int64 tensor, so an odd count misaligns
+them. The engine's kernels therefore do not specialize on those arguments (`do_not_specialize`,
+`do_not_specialize_on_alignment`; each is a bound or a one-element load per program, where the
+hint buys nothing): without it, a warmed-up engine still stalled ~1 s compiling whenever a batch
+first met a new combination (an H200, the FP8 7B engine's first 256-prompt batch: 1.4 s to first
+token against 0.43-0.51 s for the next ones; 0.54 s with it; benchmarks/engine_first_batches.py).
 """
 
 from __future__ import annotations
@@ -81,7 +91,7 @@ if triton is not None:
     from rltool.engine.fp8_gemm import (E4M3_MAX, SCALE_FLOOR, Fp8Activations, empty_activations,
                                         store_quantized, to_e4m3)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T", "ROWS"])
     def _add_rms_norm(X, R, W, Out, Q, S, stride_x, stride_r, stride_o, T, ROWS, N, eps,
                       HAS_RES: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
                       BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
@@ -151,7 +161,7 @@ if triton is not None:
             _store_kv(KC, KS, slot, stride_ct, stride_ch, stride_st, offs_h, offs_d, mask, o1, o2,
                       HALF, FP8, EMULATE)
 
-    @triton.jit
+    @triton.jit(do_not_specialize_on_alignment=["Pos", "KS", "VS", "Loc"])
     def _rope_store(Q, K, V, Cos, Sin, Pos, KC, VC, KS, VS, Loc,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_ct, stride_ch, stride_st, stride_cos,
@@ -178,7 +188,7 @@ if triton is not None:
                       tl.load(src, mask=mask, other=0.0), tl.load(src + HALF, mask=mask, other=0.0),
                       HALF, FP8, EMULATE)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T", "ROWS"])
     def _silu_mul(GU, Out, Q, S, stride_g, stride_o, T, ROWS, N, QUANT: tl.constexpr,
                   BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
         """One row's BLOCK columns: Out (or, with QUANT, their FP8 quantization into Q, S; rows

@@ -42,7 +42,7 @@ def _uniform(seed, offs):
     return ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NCHUNK"])  # varies with the batch: see rltool.engine.fused
 def _partial(Logits, stride_l, Temps, Seeds, Greedy, PartM, PartS, PartKey, PartIdx, V, CHUNK,
              NCHUNK, BLOCK: tl.constexpr):
     """One pass over a chunk of a row: running max and sum of exp of x = logit / T (for the
@@ -86,7 +86,7 @@ def _partial(Logits, stride_l, Temps, Seeds, Greedy, PartM, PartS, PartKey, Part
     tl.store(PartIdx + out, idx)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NCHUNK"])
 def _combine(Logits, stride_l, Temps, PartM, PartS, PartKey, PartIdx, OutTok, OutLp, V,
              NCHUNK, BLOCK_C: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

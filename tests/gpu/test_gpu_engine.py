@@ -2,7 +2,7 @@
 the same GPU (teacher-forced, fp32 within 1e-5, bf16 within 2e-2), CUDA-graph replay against
 eager decode (identical), multi-step decode against one step per iteration (identical), memory
 release and resume (free memory returns, generation repeats), pause modes, prefix reuse with a
-copied page.
+copied page, the engine's Triton kernels compiled once for batches of any size.
 
 Every test skips only when `torch.cuda.is_available()` is false (the CI machines have none)."""
 
@@ -219,3 +219,64 @@ def six_requests(runner, prefix: str, seed: int, temperature: float, **options) 
     finally:
         sched.stop()
     return reqs
+
+
+def compiled_variants(kernel) -> int:
+    """How many variants of a Triton kernel have been compiled in this process."""
+    return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+
+def test_engine_kernels_compile_once_for_any_batch():
+    """Each engine kernel called with fixed shapes but token counts of every parity (1, 5, 16,
+    33, 64) and its per-token index rows taken, as the engine takes them, from one packed int64
+    tensor (misaligned for odd counts) compiles once: no batch of a running engine waits for
+    Triton's compiler because its size is new."""
+    from rltool.engine import decode_attention as attention
+    from rltool.engine import fp8_gemm, fused, sampling_kernel
+    from rltool.engine.paged import PageTable, host_tensor
+
+    # 49,152 ids: the sampler splits a row into 48, 24 or 16 chunks across these batches
+    hidden, inter, heads, kvh, d, page, vocab = 256, 512, 4, 2, 64, 16, 49_152
+    dev, bf16 = "cuda", torch.bfloat16
+    table = PageTable(num_pages=512, page_size=page, max_requests=64, max_pages_per_request=8,
+                      device=dev)
+    for i in range(64):
+        table.add(f"r{i}")
+        table.extend(f"r{i}", 100)
+    table.flush()
+    slots = 512 * page
+    k_cache, v_cache = (torch.zeros(slots, kvh, d, device=dev, dtype=bf16) for _ in range(2))
+    angles = torch.arange(128, device=dev).float()[:, None] / 100 * torch.ones(d, device=dev)
+    cos, sin = angles.cos().to(bf16), angles.sin().to(bf16)
+    kernels = {"add_rms_norm": fused._add_rms_norm, "silu_mul": fused._silu_mul,
+               "rope_store": fused._rope_store, "quantize_rows": fp8_gemm._quantize_rows,
+               "stage1": attention._stage1, "stage2": attention._stage2,
+               "sample_partial": sampling_kernel._partial,
+               "sample_combine": sampling_kernel._combine}
+    counts = []
+    for t in (16, 5, 1, 33, 64):
+        x = torch.randn(t, hidden, device=dev, dtype=bf16)
+        w = torch.ones(hidden, device=dev, dtype=bf16)
+        for block_k in (None, 128):
+            fused.add_rms_norm(x, x.clone(), w, 1e-6, block_k)
+            fused.silu_mul(torch.randn(t, 2 * inter, device=dev, dtype=bf16), block_k)
+        fp8_gemm.quantize_activations(x, 128, rows=fp8_gemm.padded_rows(t))
+        meta = host_tensor([list(range(t)), [i % 100 for i in range(t)],
+                            [table.entries[f"r{i}"].row for i in range(t)],
+                            [100] * t]).to(dev)
+        positions, rows, seq_lens = meta[1], meta[2], meta[3]
+        q = torch.randn(t, heads, d, device=dev, dtype=bf16)
+        k, v = (torch.randn(t, kvh, d, device=dev, dtype=bf16) for _ in range(2))
+        fused.rope_store(q, k, v, cos, sin, positions, k_cache=k_cache, v_cache=v_cache,
+                         loc=meta[0])
+        for block_k in (None, 64):
+            attention.decode_attention(q, k_cache, v_cache, req_to_page=table.req_to_page,
+                                       rows=rows, seq_lens=seq_lens, page_size=page,
+                                       scale=d ** -0.5, num_splits=4, block_k=block_k)
+        sampling_kernel.sample_rows(torch.randn(t, vocab, device=dev),
+                                    torch.ones(t, device=dev),
+                                    torch.arange(t, device=dev, dtype=torch.int32),
+                                    torch.zeros(t, device=dev, dtype=torch.int32))
+        torch.cuda.synchronize()
+        counts.append({name: compiled_variants(kern) for name, kern in kernels.items()})
+    assert all(c == counts[0] for c in counts[1:]), counts
