@@ -67,7 +67,8 @@ def _rotate(X, Y, offs_t, T, h, stride_xt, stride_xh, stride_yt, stride_yh, Cos,
         tl.store(y_row + 2 * HALF + offs_r[None, :], rest, mask=rmask)
 
 
-@triton.jit
+# T changes with every packed row: not specialized on (see rltool.engine.fused)
+@triton.jit(do_not_specialize=["T"])
 def _rope(Q, K, QY, KY, Cos, Sin, T, HQ, sq_t, sq_h, sk_t, sk_h, sqy_t, sqy_h, sky_t, sky_h,
           stride_c, HALF: tl.constexpr, REST: tl.constexpr, BLOCK_T: tl.constexpr,
           BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BACKWARD: tl.constexpr):
