@@ -133,6 +133,10 @@ class RolloutConfig(EngineStageConfig):
     opd_teacher_route: str | None = Field(None, description="Prompt metadata field whose value "
                                           "names each sample's teacher (default: teachers mixed "
                                           "by their weights).")
+    opd_teacher_api_key: str | None = Field(None, description="Bearer key of the teacher "
+                                            "engines (--api-key goes to the engines only).",
+                                            json_schema_extra=cli(
+                                                envvar="RLTOOL_OPD_TEACHER_API_KEY"))
     use_rollout_routing_replay: bool = Field(
         False, description="MoE models: ask the engines for the experts they routed every "
         "token to (return_routed_experts) and store them in the shard "
@@ -275,11 +279,13 @@ class StageInputs:
 
     def write(self, cfg: EngineStageConfig, groups: list[list[Sample]], *, meta: Any,
               config_name: str) -> dict[str, Any]:
-        """Publish the shard, then the resolved config (without api_key) inside it; the manifest."""
+        """Publish the shard, then the resolved config (without its keys) inside it; the
+        manifest."""
         from rltool.data.shards import write_shard
 
         manifest = write_shard(cfg.out, [to_row(s) for g in groups for s in g], meta)
-        write_resolved(cfg.model_copy(update={"api_key": None}), Path(cfg.out) / config_name)
+        keys = {name: None for name in type(cfg).model_fields if name.endswith("api_key")}
+        write_resolved(cfg.model_copy(update=keys), Path(cfg.out) / config_name)
         return manifest
 
 
@@ -389,7 +395,8 @@ def _run(cfg: RolloutConfig, *, clients: dict[str, Any] | None) -> dict[str, Any
         from rltool.rollout.teachers import check_teachers
 
         check_teachers(cfg.opd_teacher, route=cfg.opd_teacher_route, prompts=inputs.prompts,
-                       student_tokenizer_hash=inputs.tokenizer_hash, api_key=cfg.api_key)
+                       student_tokenizer_hash=inputs.tokenizer_hash,
+                       api_key=cfg.opd_teacher_api_key)
     n, batch = cfg.n_samples_per_prompt, cfg.rollout_batch_size
     budget = (cfg.max_prompts or 4 * batch) if cfg.filter != "none" else batch
     carry_dir = partial_store.partial_dir(cfg.out)
@@ -411,7 +418,8 @@ def _run(cfg: RolloutConfig, *, clients: dict[str, Any] | None) -> dict[str, Any
 
         opd_metrics = score_samples(
             [s for g in result.kept for s in g], specs=cfg.opd_teacher,
-            route=cfg.opd_teacher_route, temperature=cfg.temperature, api_key=cfg.api_key,
+            route=cfg.opd_teacher_route, temperature=cfg.temperature,
+            api_key=cfg.opd_teacher_api_key,
             timeout_s=cfg.request_timeout_s, concurrency=cfg.concurrency)
     meta = inputs.shard_meta(cfg, producer=PRODUCER,
                              extra={"filter": cfg.filter, "partial": cfg.partial})
