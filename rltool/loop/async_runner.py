@@ -136,7 +136,8 @@ def _start_evaluator(ctx: phases.StepContext, mode: str) -> EvalWorker | None:
         return None
     engine = EngineSet(ctx.run, ctx.registry, num_engines=1,
                        engine_args=ctx.settings.engine_args(), deterministic=loop.deterministic,
-                       ready_timeout_s=loop.engine_ready_timeout_s, log_prefix="eval-engine")
+                       ready_timeout_s=loop.engine_ready_timeout_s, log_prefix="eval-engine",
+                       api_key=loop.api_key, admin_api_key=loop.admin_api_key)
     worker = EvalWorker(ctx.run, ctx.settings, engine, mode=mode)
     worker.start()
     return worker

@@ -25,6 +25,7 @@ from rltool.delta.config import SyncConfig
 from rltool.engine.config import ServeConfig, resolve_device
 from rltool.errors import ConfigError
 from rltool.loop.affinity import check_cores
+from rltool.loop.keys import is_key_name, take_engine_keys, without_keys
 from rltool.rollout.eval import EvalConfig
 from rltool.rollout.stage import RolloutConfig, split_urls
 from rltool.rundir import RunDir
@@ -153,9 +154,21 @@ class LoopConfig(TrackingConfig):
                                 json_schema_extra=cli(envvar="RLTOOL_API_KEY"))
     admin_api_key: str | None = Field(None, description="Admin key of the engines: the "
                                       "external ones' weight, pause and memory routes (default: "
-                                      "api_key); on a Ray cluster the engines serve with it. "
-                                      "Not written to the run's config.toml.",
+                                      "api_key); the engines the loop starts serve with it (and "
+                                      "api_key). Sent to no gateway or teacher. Not written to "
+                                      "the run's config.toml.",
                                       json_schema_extra=cli(envvar="RLTOOL_ADMIN_API_KEY"))
+    admin_key_hosts: list[str] = Field(default_factory=list, description="router_url: the "
+                                       "hosts (HOST, any port, or HOST:PORT) of the gateway's "
+                                       "workers that may receive the admin key; a worker the "
+                                       "gateway lists elsewhere is refused.",
+                                       json_schema_extra=cli(metavar="HOST[,HOST:PORT...]"))
+    opd_teacher_api_key: str | None = Field(None, description="Bearer key of the [rollout] "
+                                            "opd_teacher engines (never api_key or "
+                                            "admin_api_key). Not written to the run's "
+                                            "config.toml.",
+                                            json_schema_extra=cli(
+                                                envvar="RLTOOL_OPD_TEACHER_API_KEY"))
     engine_local_dir: str | None = Field(None, description="Delta sync with external engines "
                                          "or Ray actors: the directory on the engines' hosts "
                                          "where /pull_weights rebuilds versions (their "
@@ -169,6 +182,11 @@ class LoopConfig(TrackingConfig):
     sync_master_address: str = Field("127.0.0.1", description="--sync distributed: the "
                                      "address of this host the engines reach to join the weight "
                                      "broadcast (on several nodes, the loop node's address).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_keys(cls, data: Any) -> Any:
+        return take_engine_keys(data)
 
     @field_validator("engine_urls", mode="before")
     @classmethod
@@ -188,6 +206,10 @@ class LoopConfig(TrackingConfig):
         if self.mode == "async" and (self.external or self.launcher == "ray"):
             raise ValueError("the asynchronous loop starts its own engines: use --mode sync with "
                              "engine_urls/router_url or --launcher ray")
+        if self.admin_key_hosts and not self.router_url:
+            raise ValueError("admin_key_hosts names the gateway workers that may receive the "
+                             "admin key; it needs router_url (engine_urls name their engines "
+                             "themselves)")
         if self.external and self.launcher == "ray":
             raise ValueError("--launcher ray starts the engines in Ray actors; external engines "
                              "(engine_urls/router_url) take --launcher local")
@@ -300,12 +322,12 @@ class LoopSettings(BaseModel):
 
     def to_tables(self) -> dict[str, Any]:
         out: dict[str, Any] = {"model": self.model.model_dump(mode="json", exclude_none=True),
-                               "rollout": dict(self.rollout), "train": dict(self.train),
+                               "rollout": without_keys(self.rollout), "train": dict(self.train),
                                "sync": self.sync.model_dump(mode="json", exclude_none=True),
                                "loop": self.loop.model_dump(mode="json", exclude_none=True,
                                                             exclude=_unsaved(self.loop))}
         if self.eval is not None:
-            out["eval"] = dict(self.eval)
+            out["eval"] = without_keys(self.eval)
         return out
 
     # ----- per-step stage configs ----------------------------------------------------------
@@ -315,17 +337,21 @@ class LoopSettings(BaseModel):
         values.setdefault("seed", self.loop.seed if self.loop.deterministic else None)
         if self.loop.use_rollout_routing_replay:
             values["use_rollout_routing_replay"] = True
+        if values.get("opd_teacher_api_key") is None and self.loop.opd_teacher_api_key:
+            values["opd_teacher_api_key"] = self.loop.opd_teacher_api_key
         values.update(self._target(values, urls), out=str(run.rollout_step(step)), step=step,
                       quiet=True, metrics=str(run.metrics_file("rollout")))
         return _validate(RolloutConfig, values, "rollout")
 
     def _target(self, values: dict[str, Any], urls: list[str]) -> dict[str, Any]:
         """Where a rollout or eval sends its requests (the gateway of router_url, else the
-        engines themselves) and the loop's key (api_key, else admin_api_key) unless `values`
-        set one."""
+        engines themselves) and the loop's key unless `values` set one: api_key, else, for
+        engines (never a gateway), admin_api_key, which opens every route of theirs."""
         target: dict[str, Any] = ({"router": self.loop.router_url} if self.loop.router_url
                                   else {"engines": urls})
-        key = self.loop.api_key or self.loop.admin_api_key  # the admin key opens every route
+        key = self.loop.api_key
+        if key is None and not self.loop.router_url:
+            key = self.loop.admin_api_key
         if key is not None and values.get("api_key") is None:
             target["api_key"] = key
         return target
@@ -406,7 +432,7 @@ class LoopSettings(BaseModel):
 def _unsaved(loop: LoopConfig) -> set[str]:
     """[loop] keys the run's config.toml leaves out: the keys (secrets), and the engine-start
     keys of a run with external engines (their defaults would clash with engine_urls)."""
-    keys = {"api_key", "admin_api_key"}
+    keys = {name for name in LoopConfig.model_fields if is_key_name(name)}
     return keys | {"num_engines", "engine_args"} if loop.external else keys
 
 

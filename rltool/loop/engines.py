@@ -17,6 +17,7 @@ from typing import Any
 
 from rltool import trace
 from rltool.errors import EngineError
+from rltool.loop.keys import engine_env
 from rltool.rollout.launch import EngineProcess, start_engine
 from rltool.rundir import RunDir
 from rltool.supervisor import start
@@ -74,7 +75,8 @@ class EngineSet:
 
     def __init__(self, run: RunDir, registry: ChildRegistry, *, num_engines: int,
                  engine_args: list[str], deterministic: bool, ready_timeout_s: float,
-                 log_prefix: str = "engine"):
+                 log_prefix: str = "engine", api_key: str | None = None,
+                 admin_api_key: str | None = None):
         self.run = run
         self.log_prefix = log_prefix
         self.registry = registry
@@ -84,7 +86,10 @@ class EngineSet:
         self.ready_timeout_s = ready_timeout_s
         self.procs: list[EngineProcess] = []
         self._group: Any = None  # the weight-update process group (distributed sync)
-        self.api_key: str | None = None  # the key of the engines' control routes
+        # The keys the engines serve with (rltool.loop.keys: by environment, never argv), and
+        # the one of their control routes.
+        self.serve_keys = {"api_key": api_key, "admin_api_key": admin_api_key}
+        self.api_key: str | None = admin_api_key or api_key
         self.local_weights = run.local_weights  # where /pull_weights rebuilds a delta version
         self.master_address = "127.0.0.1"  # the broadcast's rank 0 (this process)
 
@@ -107,7 +112,8 @@ class EngineSet:
         for i in range(self.num_engines):
             with trace.span("engine_start", cat="wait", engine=i):
                 proc = start_engine(args, log_path=self.run.log_file(f"{self.log_prefix}-{i}"),
-                                    ready_timeout_s=self.ready_timeout_s)
+                                    ready_timeout_s=self.ready_timeout_s,
+                                    env=engine_env(**self.serve_keys))
             self.procs.append(proc)
             self.registry.add(role="engine", pid=proc.pid, cmdline=proc.cmdline, url=proc.url)
 

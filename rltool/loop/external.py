@@ -7,7 +7,10 @@ engine's `/health`, asks each whether it serves the routes the run needs (an OPT
 405 on a route that exists, 404 on one that does not, no side effect) and refuses to start,
 naming the engine, the route and the fix, when one is missing. It then loads version 0 from the
 shared run directory, so every engine serves the run's initial weights whatever it was started
-with. Weight updates run between `/pause_generation` (retract: other clients' requests wait
+with. The admin key goes only to the listed `engine_urls`, and to gateway workers on the hosts
+`[loop] admin_key_hosts` names (a worker elsewhere is refused before any request reaches it:
+the gateway is trusted with the ordinary key, not with choosing who gets the admin key).
+Weight updates run between `/pause_generation` (retract: other clients' requests wait
 and continue on the new weights) and `/continue_generation`. The engines are never recorded in
 engines.json, so neither cleanup nor `--resume` ends them.
 """
@@ -26,6 +29,7 @@ from rltool.engine import api
 from rltool.errors import BadInputError, EngineError
 from rltool.loop.config import LoopSettings
 from rltool.loop.engines import ChildRegistry, EngineSet
+from rltool.loop.keys import check_admin_key_hosts
 from rltool.rollout.client import EngineClient
 from rltool.rundir import RunDir
 
@@ -76,7 +80,9 @@ class ExternalEngines(EngineSet):
         self.engine_urls = list(loop.engine_urls or [])
         self.router_url = loop.router_url
         self.api_key = loop.admin_api_key or loop.api_key
-        self.gateway_key = loop.api_key
+        self.gateway_key = loop.api_key  # never the admin key: see rltool.loop.keys
+        self.admin_key_hosts = list(loop.admin_key_hosts)
+        self.sends_admin_key = loop.admin_api_key is not None
         self.master_address = loop.sync_master_address
         if loop.engine_local_dir:
             self.local_weights = Path(loop.engine_local_dir)
@@ -110,6 +116,9 @@ class ExternalEngines(EngineSet):
             if not self.control_urls:
                 raise EngineError(f"the gateway {self.router_url} lists no workers; add engines "
                                   "to it (smg --worker-urls) before starting the loop")
+            if self.sends_admin_key:  # before any request reaches a worker
+                check_admin_key_hosts(self.control_urls, allowed=self.admin_key_hosts,
+                                      gateway=self.router_url)
         else:
             self.control_urls = list(self.engine_urls)
         clients = [self.client(url) for url in self.control_urls]

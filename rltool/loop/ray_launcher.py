@@ -20,7 +20,6 @@ the loop started shut down.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -37,19 +36,19 @@ class EngineActor:
     """One builtin engine in a Ray actor: `rltool serve` as the actor's child."""
 
     def __init__(self, args: list[str], log_path: str, ready_timeout_s: float,
-                 admin_api_key: str | None):
-        """With `admin_api_key` (a Ray cluster) the engine serves on this node's address, which
-        the engine refuses without an admin key; the key goes by environment, not argv."""
+                 keys: dict[str, str | None], on_cluster: bool):
+        """`keys`: the engine's api_key and admin_api_key, given by environment, not argv. On a
+        Ray cluster the engine serves on this node's address, which it refuses without an
+        admin key."""
+        from rltool.loop.keys import engine_env
         from rltool.rollout.launch import start_engine
 
-        env = None
-        if admin_api_key is not None:
+        if on_cluster:
             import ray
 
             args = [*args, "--host", ray.util.get_node_ip_address()]
-            env = dict(os.environ, RLTOOL_ADMIN_API_KEY=admin_api_key)
         self.proc = start_engine(args, log_path=Path(log_path), ready_timeout_s=ready_timeout_s,
-                                 env=env, die_with_parent=True)
+                                 env=engine_env(**keys), die_with_parent=True)
 
     def url(self) -> str:
         return str(self.proc.url)
@@ -99,7 +98,8 @@ class RayPlacement(EngineSet):
                          engine_args=loop.engine_args, deterministic=loop.deterministic,
                          ready_timeout_s=loop.engine_ready_timeout_s)
         self.loop = loop
-        self.api_key = loop.admin_api_key  # the engines' admin key on a cluster
+        self.serve_keys = {"api_key": loop.api_key, "admin_api_key": loop.admin_api_key}
+        self.api_key = loop.admin_api_key or loop.api_key
         self.colocated = loop.placement == "colocated"
         self.actors: list[Any] = []
         self.known: list[str] = []  # each engine's URL when it was last brought up to date
@@ -134,7 +134,7 @@ class RayPlacement(EngineSet):
         from ray.util.placement_group import placement_group
 
         loop = self.loop
-        if loop.ray_address is not None and not self.api_key:
+        if loop.ray_address is not None and not loop.admin_api_key:
             raise BadInputError("--launcher ray on a cluster serves the engines on their nodes' "
                                 "addresses, which needs an admin key: set RLTOOL_ADMIN_API_KEY "
                                 "(or [loop] admin_api_key)")
@@ -164,7 +164,7 @@ class RayPlacement(EngineSet):
             max_task_retries=-1,
             **self._options(i, cpus=1.0, gpus=loop.ray_engine_gpus * (share if i == 0 else 1)))
             .remote(args, str(self.run.log_file(f"engine-{i}")), self.ready_timeout_s,
-                    self.api_key if loop.ray_address is not None else None)
+                    self.serve_keys, loop.ray_address is not None)
             for i in range(self.num_engines)]
         self.known = self._actor_urls()
         bundle, gpus = ((0, loop.ray_engine_gpus * share) if self.colocated

@@ -188,7 +188,8 @@ def _engines(run: RunDir, registry: ChildRegistry, settings: LoopSettings) -> En
     return EngineSet(run, registry, num_engines=settings.loop.num_engines,
                      engine_args=settings.engine_args(),
                      deterministic=settings.loop.deterministic,
-                     ready_timeout_s=settings.loop.engine_ready_timeout_s)
+                     ready_timeout_s=settings.loop.engine_ready_timeout_s,
+                     api_key=settings.loop.api_key, admin_api_key=settings.loop.admin_api_key)
 
 
 def run_step(ctx: phases.StepContext, *, writer: MetricsWriter,
