@@ -60,8 +60,9 @@ def test_every_option_the_launcher_passes_exists_in_sglang(tiny_model_dir):
                       served_model_name="m", api_key="k", admin_api_key="a",
                       num_continuous_decode_steps=4,
                       sglang_args=["--sglang-tp-size", "2", "--sglang-enable-mixed-chunk"])
-    flags = [a for a in sglang_command(cfg, port=30000) if a.startswith("--")]
-    assert "--admin-api-key" in flags and "--enable-deterministic-inference" in flags
+    flags = [a for a in sglang_command(cfg, port=30000, key_file=Path("keys.yaml"))
+             if a.startswith("--")]
+    assert "--config" in flags and "--enable-deterministic-inference" in flags
     assert "--num-continuous-decode-steps" in flags
     assert [f for f in flags if f not in known] == []
 
