@@ -1,10 +1,11 @@
 """The builtin engine's FastAPI app: routers grouped by concern (rltool.engine.routes), the
-`Guard` middleware (API key, body size) and the error shapes.
+`Guard` middleware (Host, Origin, API key, Content-Type, body size) and the error shapes.
 
 Route names and shapes are SGLang's (rltool.engine.api, docs/engine-api.md). Errors: a body that
 fails validation gets 400 in SGLang's OpenAI-style error object; a runtime refusal gets
-`{"error": {"message": ...}}` with 400 (bad input), 401 (missing key), 413 (body too large),
-429 (queue full) or 503 (engine unavailable).
+`{"error": {"message": ...}}` with 400 (bad input), 401 (missing key), 403 (a web page of another
+origin), 413 (body too large), 415 (a body that is not JSON), 421 (a Host that is not the
+engine's), 429 (queue full) or 503 (engine unavailable).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from rltool.engine.routes import control, debug, generate, info, openai, transfe
 from rltool.engine.routes.base import (EngineState, describe_errors, runtime_error,
                                        validation_error)
 from rltool.engine.scheduler import QueueFullError
-from rltool.engine.security import Guard, PayloadTooLargeError, UnauthorizedError
+from rltool.engine.security import (Guard, HostCheck, PayloadTooLargeError, UnauthorizedError,
+                                    admin_paths)
 from rltool.errors import BadInputError, EngineError
 
 log = logging.getLogger(__name__)
@@ -33,8 +35,6 @@ def build_app(state: EngineState) -> FastAPI:
     app = FastAPI(title="rltool builtin engine", docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.engine = state
-    app.add_middleware(Guard, api_key=cfg.api_key, admin_api_key=cfg.admin_api_key,
-                       max_request_bytes=cfg.max_request_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(request: HttpRequest, exc: RequestValidationError) -> JSONResponse:
@@ -59,6 +59,12 @@ def build_app(state: EngineState) -> FastAPI:
         # every request through a lazily built wrapper per router, which cost 20-40% more per
         # request than a flat table in a routing micro-benchmark.
         app.router.routes.extend(group.router(state).routes)
+    # Added once the routes are in: the guard refuses cross-origin requests to the admin paths
+    # whatever the method, so it needs their list.
+    app.add_middleware(Guard, api_key=cfg.api_key, admin_api_key=cfg.admin_api_key,
+                       max_request_bytes=cfg.max_request_bytes,
+                       hosts=HostCheck(bind_host=cfg.host, allowed_hosts=cfg.allowed_hosts),
+                       admin_paths=admin_paths(app.routes))
     return app
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from rltool.config import ComputeDtype, StageConfig, cli
@@ -17,6 +18,17 @@ INSECURE_HOST = ("--host {host} accepts connections from other machines, and wit
                  "--admin-api-key anyone who reaches the port can replace the weights or stop "
                  "generation; set --admin-api-key KEY, or pass --allow-unauthenticated-admin to "
                  "accept that deliberately")
+
+
+HOST_NAME = re.compile(r"(?i)[a-z0-9_-]+(\.[a-z0-9_-]+)*\.?")  # no scheme, port or path
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def is_loopback(host: str) -> bool:
@@ -105,10 +117,24 @@ class ServeConfig(StageConfig):
     allowed_weight_root: list[Path] = Field(
         default_factory=list, description="Directories weight paths must lie under (default: "
                                           "the model's parent and --local-checkpoint-dir).")
+    allowed_hosts: list[str] = Field(
+        default_factory=list, description="Builtin engine: host names (or addresses) requests "
+        "may name in their Host header besides the bound address and loopback; `*` turns the "
+        "check off. Any other Host gets 421 (keeps DNS-rebinding web pages out).")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Server log level.")
     enable_debug_endpoints: bool = Field(False, description="Mount POST /debug/hidden_states "
                                          "(align-gate --layerwise); off: 404.")
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_names(cls, hosts: list[str]) -> list[str]:
+        for host in hosts:
+            if host != "*" and not (HOST_NAME.fullmatch(host) or _is_ip(host.strip("[]"))):
+                raise ValueError(f"--allowed-hosts {host!r} is not a host name or an IP address; "
+                                 "give the name alone, without scheme or port "
+                                 "(--allowed-hosts engine.internal)")
+        return hosts
 
     @model_validator(mode="before")
     @classmethod
@@ -141,6 +167,9 @@ class ServeConfig(StageConfig):
 
     @model_validator(mode="after")
     def _model_exists(self) -> "ServeConfig":
+        if self.allowed_hosts and self.engine != "builtin":
+            raise ValueError("--allowed-hosts applies to --engine builtin only; SGLang and an "
+                             "external engine keep their own Host rules")
         if self.engine == "external":
             if not self.url:
                 raise ValueError("--engine external needs --url URL of the running engine")

@@ -6,6 +6,10 @@
   the `ADMIN` dependency, which then asks for this key (without it they fall back to `--api-key`).
   The admin key also opens the ordinary routes, so one client holding it can drive the engine.
 - Bodies larger than `--max-request-bytes` get 413 before they are read.
+- Web pages are kept out (`Guard`): a `Host` that is not an address of the engine gets 421 (DNS
+  rebinding needs a name the attacker controls), a cross-origin browser request to a route that
+  changes state gets 403, and a body that is not `application/json` gets 415 (a page can send
+  `text/plain`, a form or a typeless blob without asking the engine first; JSON it cannot).
 - Weight paths (`/update_weights_from_disk`'s model_path, `/pull_weights`'s source_dir) must lie
   under an allowed root (`ServeConfig.weight_roots`); `/pull_weights` writes only into
   `--local-checkpoint-dir` or a directory under it (`confine_local`). Symlinks are resolved first.
@@ -14,12 +18,16 @@
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, Request as HttpRequest
 from fastapi.responses import JSONResponse
+
+from fastapi.routing import APIRoute
 
 from rltool.engine.api import OPEN_PATHS
 from rltool.errors import BadInputError
@@ -59,51 +67,148 @@ async def require_admin(request: HttpRequest) -> None:
 ADMIN = Depends(require_admin)
 
 
-def check_size(content_length: str | None, *, limit_bytes: int) -> JSONResponse | None:
-    if content_length is None:
-        return None
-    try:
-        size = int(content_length)
-    except ValueError:
-        return JSONResponse({"error": {"message": "invalid Content-Length"}}, status_code=400)
-    if size > limit_bytes:
-        return JSONResponse({"error": {"message": f"request body of {size} bytes exceeds the "
-                                                  f"limit of {limit_bytes} bytes"}},
-                            status_code=413)
+def check_size(length: int | None, *, limit_bytes: int) -> str | None:
+    """Why a body of `length` bytes (None: not declared) is refused, or None."""
+    if length is not None and length > limit_bytes:
+        return f"request body of {length} bytes exceeds the limit of {limit_bytes} bytes"
     return None
 
 
+def admin_paths(routes: Iterable[Any]) -> frozenset[str]:
+    """Paths of the routes that carry the `ADMIN` guard: the ones that change state, whatever the
+    method (/flush_cache and the memory routes also answer GET, as in SGLang)."""
+    return frozenset(r.path for r in routes if isinstance(r, APIRoute)
+                     and any(d.call is require_admin for d in r.dependant.dependencies))
+
+
+# A browser sends these without asking the server first (a CORS "simple request"); anything else
+# is preflighted, and this engine answers no preflight, so the browser never sends it.
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+WILDCARD_BINDS = frozenset({"0.0.0.0", "::", ""})
+CROSS_SITE = frozenset({"cross-site", "same-site"})  # Sec-Fetch-Site of another origin's page
+JSON_TYPE = "application/json"
+_HEADERS = frozenset({b"authorization", b"content-length", b"content-type", b"host", b"origin",
+                      b"sec-fetch-site", b"transfer-encoding"})
+
+
+def host_name(authority: str) -> str:
+    """The name in a `Host` value or an `--allowed-hosts` entry: lower case, without the port, the
+    IPv6 brackets or a trailing dot."""
+    name = authority.strip().lower()
+    if name.startswith("["):
+        name = name[1:name.find("]")] if "]" in name else name[1:]
+    elif name.count(":") == 1:
+        name = name.partition(":")[0]
+    return name.rstrip(".")
+
+
+class HostCheck:
+    """Which `Host` values reach the engine: its bound address, a loopback name or address (any
+    port), the address the connection arrived at, the names of `--allowed-hosts` (`*`: any), and
+    with a wildcard bind (0.0.0.0, ::) any IP address. A DNS name is accepted only when named,
+    because DNS rebinding (a page's own name re-pointed at this machine) needs a name."""
+
+    def __init__(self, *, bind_host: str, allowed_hosts: Iterable[str]):
+        allowed = list(allowed_hosts)
+        self.any = "*" in allowed
+        self.wildcard = host_name(bind_host) in WILDCARD_BINDS
+        self.names = frozenset({host_name(h) for h in allowed} | {host_name(bind_host),
+                                                                   "localhost"})
+
+    def allows(self, host: str | None, server: Any) -> bool:
+        # No Host at all is HTTP/1.0 from a program; every browser sends one.
+        if self.any or host is None:
+            return True
+        name = host_name(host)
+        if name in self.names or (server and name == str(server[0]).lower()):
+            return True
+        try:
+            ip = ipaddress.ip_address(name)
+        except ValueError:
+            return False
+        return self.wildcard or ip.is_loopback
+
+
+def cross_origin(origin: str | None, fetch_site: str | None, host: str | None) -> str | None:
+    """What marks a request as made by a page of another origin, or None. `Origin` must name the
+    engine's own `Host` (browsers add it to every POST and every cross-origin fetch);
+    `Sec-Fetch-Site` also covers what carries no Origin (an <img> or a link's GET)."""
+    if origin is not None:
+        scheme, sep, authority = origin.partition("://")
+        if not sep or host is None or authority.lower() != host.lower():
+            return f"Origin {origin}"
+    if fetch_site is not None and fetch_site.lower() in CROSS_SITE:
+        return f"Sec-Fetch-Site {fetch_site}"
+    return None
+
+
+def body_type_error(content_type: str | None, *, has_body: bool) -> str | None:
+    """Why a request's Content-Type is refused, or None: bodies are JSON and say so."""
+    if content_type is None:
+        return f"a request body needs Content-Type: {JSON_TYPE}" if has_body else None
+    if content_type.partition(";")[0].strip().lower() == JSON_TYPE:
+        return None
+    return (f"Content-Type {content_type!r} is not accepted: request bodies are JSON; send "
+            f"Content-Type: {JSON_TYPE}")
+
+
+def _refusal(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
 class Guard:
-    """Pure ASGI middleware applying the `--api-key` check and `check_size` before a route runs.
+    """Pure ASGI middleware run before every route: the `Host` check (421), the cross-origin check
+    on routes that change state (403), the `--api-key` check (401), the Content-Type check (415)
+    and `check_size` (413).
 
     Starlette's `@app.middleware("http")` (BaseHTTPMiddleware) re-wraps every request and response
     body in extra tasks and streams; on this engine's hot path that cost more per request than the
-    route itself, so the guard is a plain ASGI callable instead.
+    route itself, so the guard is a plain ASGI callable, and reads the headers in one pass.
     """
 
     def __init__(self, app: Any, *, api_key: str | None, admin_api_key: str | None,
-                 max_request_bytes: int):
+                 max_request_bytes: int, hosts: HostCheck, admin_paths: frozenset[str]):
         self.app = app
         self.api_key, self.admin_api_key = api_key, admin_api_key
         self.max_request_bytes = max_request_bytes
+        self.hosts, self.admin_paths = hosts, admin_paths
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":
-            headers = {k.lower(): v for k, v in scope["headers"] if k.lower() in
-                       (b"authorization", b"content-length")}
-            refused = None
-            keys = accepted_keys(scope["path"], api_key=self.api_key,
-                                 admin_api_key=self.admin_api_key)
-            authorization = headers.get(b"authorization")
-            if keys and not key_matches(authorization and authorization.decode("latin-1"), keys):
-                refused = JSONResponse(UNAUTHORIZED, status_code=401)
-            length = headers.get(b"content-length")
-            refused = refused or check_size(length and length.decode("latin-1"),
-                                            limit_bytes=self.max_request_bytes)
+            refused = self.refusal(scope)
             if refused is not None:
                 await refused(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    def refusal(self, scope: dict[str, Any]) -> JSONResponse | None:
+        headers = {k.lower(): v.decode("latin-1") for k, v in scope["headers"]
+                   if k.lower() in _HEADERS}
+        host = headers.get(b"host")
+        if not self.hosts.allows(host, scope.get("server")):
+            return _refusal(421, f"Host {host!r} is not an address of this engine; reach it by "
+                                 "its address or localhost, or start it with --allowed-hosts "
+                                 f"{host_name(host or '')}")
+        path = scope["path"]
+        if scope["method"] not in SAFE_METHODS or path in self.admin_paths:
+            why = cross_origin(headers.get(b"origin"), headers.get(b"sec-fetch-site"), host)
+            if why is not None:
+                return _refusal(403, f"cross-origin request refused ({why}): the engine answers "
+                                     "no web page of another origin; call it from a program")
+        keys = accepted_keys(path, api_key=self.api_key, admin_api_key=self.admin_api_key)
+        if keys and not key_matches(headers.get(b"authorization"), keys):
+            return JSONResponse(UNAUTHORIZED, status_code=401)
+        declared = headers.get(b"content-length")
+        try:
+            length = None if declared is None else int(declared)
+        except ValueError:
+            return _refusal(400, "invalid Content-Length")
+        has_body = bool(length) or b"transfer-encoding" in headers
+        why = body_type_error(headers.get(b"content-type"), has_body=has_body)
+        if why is not None:
+            return _refusal(415, why)
+        why = check_size(length, limit_bytes=self.max_request_bytes)
+        return None if why is None else _refusal(413, why)
 
 
 def _resolve_under(path: str, roots: list[Path]) -> Path | None:

@@ -134,7 +134,8 @@ def test_oversized_bodies_get_413_and_serving_continues(secured):
             yield b"5, "
         yield b"5]}"
 
-    r = secured.post("/generate", content=chunks(), headers=auth("user-key"))
+    r = secured.post("/generate", content=chunks(),
+                     headers={**auth("user-key"), "Content-Type": "application/json"})
     assert r.status_code == 413
     r = secured.post("/v1/completions", content=chunks(),
                      headers={**auth("user-key"), "Content-Type": "application/json"})
@@ -255,3 +256,181 @@ def test_pull_weights_seeds_version_0_from_the_engines_model_and_refuses_a_missi
         (tiny_model_dir / "model.safetensors").read_bytes()
     r = pull(run_engine, local, source, version=3)
     assert r.status_code == 400 and r.json()["success"] is False and r.json()["message"]
+
+
+# ----- web pages: Content-Type, Origin and Host ------------------------------------------------
+
+ATTACKER = "http://evil.example"
+LOOPBACK = {"Host": "127.0.0.1:30000"}
+PAUSE = '{"mode": "abort"}'
+
+
+@pytest.fixture
+def open_engine(make_client, tiny_model_dir):
+    """The default setup: loopback, no key. Whatever a test's request does to the shared
+    scheduler is undone afterwards (continue, resume), so a failing test leaves it serving."""
+    client = make_client(model=tiny_model_dir)
+    yield client
+    client.post("/continue_generation", json={}, headers=LOOPBACK)
+    client.post("/resume_memory_occupation", json={}, headers=LOOPBACK)
+
+
+def serving(client) -> bool:
+    return client.get("/ready", headers=LOOPBACK).status_code == 200
+
+
+def refusal(r, status: int) -> str:
+    assert r.status_code == status, (r.status_code, r.text)
+    message = r.json()["error"]["message"]
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("path,content_type,body", [
+    ("/pause_generation", "text/plain", PAUSE),
+    ("/pause_generation", "text/plain;charset=UTF-8", PAUSE),
+    ("/pause_generation", "application/x-www-form-urlencoded", PAUSE),
+    ("/pause_generation", "multipart/form-data; boundary=x", PAUSE),
+    ("/pause_generation", None, PAUSE),
+    ("/release_memory_occupation", "text/plain", "{}"),
+    ("/continue_generation", "text/plain", "{}"),
+    ("/abort_request", "text/plain", '{"abort_all": true}'),
+    ("/update_weight_version", "text/plain", '{"new_version": "evil"}'),
+    ("/generate", "text/plain", '{"input_ids": [5, 6]}'),
+    ("/v1/completions", "text/plain", '{"prompt": "ab", "max_tokens": 1}'),
+    ("/v1/chat/completions", "text/plain", '{"messages": [{"role": "user", "content": "a"}]}'),
+])
+def test_a_body_that_is_not_json_gets_415_and_changes_nothing(open_engine, path, content_type,
+                                                               body):
+    """Regression: parse_body parsed any body whatever its Content-Type, so a web page's
+    `text/plain` POST (which a browser sends without asking the server first) paused the engine
+    and drove every other route."""
+    headers = {**LOOPBACK, **({"Content-Type": content_type} if content_type else {})}
+    r = open_engine.post(path, content=body, headers=headers)
+    assert "Content-Type: application/json" in refusal(r, 415)
+    assert serving(open_engine)
+    assert open_engine.get("/get_weight_version", headers=LOOPBACK).json()["weight_version"] \
+        != "evil"
+
+
+def test_the_measured_attack_is_refused(open_engine):
+    """Regression: a `text/plain` POST with `Origin: http://evil.example` and `Host:
+    evil.example:30000` (a DNS-rebound page) answered 200 and paused the engine; so did
+    /continue_generation. Nothing checked Host or Origin."""
+    for path in ("/pause_generation", "/continue_generation"):
+        r = open_engine.post(path, content=PAUSE, headers={
+            "Host": "evil.example:30000", "Origin": f"{ATTACKER}:30000",
+            "Content-Type": "text/plain"})
+        assert "--allowed-hosts" in refusal(r, 421)
+        assert serving(open_engine)
+
+
+def test_a_host_that_is_not_the_engines_gets_421(open_engine):
+    """Regression: the Host header was not checked, so a page whose own name was re-pointed at
+    127.0.0.1 (DNS rebinding) could call the engine as its own origin and read the answers."""
+    for host in ("evil.example", "evil.example:30000", "localhost.evil.example", "10.1.2.3"):
+        r = open_engine.get("/get_model_info", headers={"Host": host})
+        assert "--allowed-hosts" in refusal(r, 421), host
+        r = open_engine.post("/pause_generation", json={"mode": "abort"}, headers={"Host": host})
+        assert r.status_code == 421 and serving(open_engine), host
+    for host in ("127.0.0.1:30000", "localhost", "LOCALHOST:1234", "[::1]:30000", "127.0.0.2"):
+        assert open_engine.get("/get_model_info", headers={"Host": host}).status_code == 200, host
+
+
+def test_allowed_hosts_names_are_accepted(make_client, tiny_model_dir):
+    client = make_client(model=tiny_model_dir, allowed_hosts=["engine.internal", "10.1.2.3"])
+    for host in ("engine.internal", "Engine.Internal:30000", "10.1.2.3:8000", "localhost"):
+        assert client.post("/generate", json=GEN, headers={"Host": host}).status_code == 200, host
+    assert client.get("/get_model_info", headers={"Host": "evil.example"}).status_code == 421
+    anything = make_client(model=tiny_model_dir, allowed_hosts=["*"])
+    assert anything.get("/get_model_info", headers={"Host": "evil.example"}).status_code == 200
+
+
+def test_a_wildcard_bind_accepts_ip_hosts_and_only_listed_names(make_client, tiny_model_dir):
+    """Bound to 0.0.0.0 the engine cannot know all its own addresses: any IP address is a valid
+    Host (rebinding needs a name), a name only when listed."""
+    client = make_client(model=tiny_model_dir, host="0.0.0.0", admin_api_key="admin-key",
+                         allowed_hosts=["node1"])
+    for host in ("10.1.2.3:30000", "[fd00::5]:30000", "node1:30000", "localhost"):
+        assert client.get("/get_model_info", headers={"Host": host}).status_code == 200, host
+    assert client.get("/get_model_info", headers={"Host": "node2:30000"}).status_code == 421
+
+
+@pytest.mark.parametrize("headers", [
+    {"Origin": ATTACKER},
+    {"Origin": "http://localhost:8080"},  # another local web app's page
+    {"Origin": "null"},  # a sandboxed frame or a file:// page
+    {"Sec-Fetch-Site": "cross-site"},  # what an <img> or a form sends without an Origin
+    {"Sec-Fetch-Site": "same-site"},
+])
+def test_a_cross_origin_request_that_changes_state_gets_403(open_engine, headers):
+    """Regression: nothing checked `Origin`, so any web page could pause, abort, flush or release
+    the default (loopback, keyless) engine."""
+    headers = {**LOOPBACK, **headers}
+    assert "from a program" in refusal(
+        open_engine.post("/pause_generation", json={"mode": "abort"}, headers=headers), 403)
+    assert serving(open_engine)
+    # /release_memory_occupation answers GET too (as in SGLang): a cross-site <img> is refused.
+    refusal(open_engine.get("/release_memory_occupation", headers=headers), 403)
+    assert serving(open_engine)
+    for path in ("/flush_cache", "/generate", "/v1/completions"):
+        assert open_engine.post(path, headers=headers).status_code == 403, path
+    # A read is no use to such a page (no CORS headers: the browser keeps the answer from it).
+    assert open_engine.get("/get_model_info", headers=headers).status_code == 200
+
+
+def test_same_origin_and_plain_program_requests_are_served(open_engine):
+    same = {**LOOPBACK, "Origin": "http://127.0.0.1:30000", "Sec-Fetch-Site": "same-origin"}
+    assert open_engine.post("/generate", json=GEN, headers=same).status_code == 200
+    typed = {**LOOPBACK, "Content-Type": "application/json; charset=utf-8"}
+    assert open_engine.post("/generate", content=b'{"input_ids": [5, 6]}',
+                            headers=typed).status_code == 200
+    # A typed-in URL (Sec-Fetch-Site: none), a bodiless POST without a Content-Type (what
+    # rltool's client sends for /flush_cache) and an empty JSON-less one are served.
+    assert open_engine.get("/flush_cache", headers={**LOOPBACK, "Sec-Fetch-Site": "none"}
+                           ).status_code == 200
+    assert open_engine.post("/flush_cache", headers=LOOPBACK).status_code == 200
+    assert open_engine.post("/release_memory_occupation", headers=LOOPBACK).status_code == 200
+    assert not serving(open_engine)
+    assert open_engine.post("/resume_memory_occupation", headers=LOOPBACK).status_code == 200
+    assert serving(open_engine)
+
+
+def test_rltool_client_drives_a_live_engine(builtin_engine):
+    """rltool's own client (JSON bodies, bodiless control POSTs, Host from the URL) passes the
+    checks of a real server, which refuses a foreign Host and a text/plain body."""
+    import httpx
+
+    from tests.helpers.engines import engine_call
+
+    url = builtin_engine.url
+    assert engine_call(url, "get_model_info")["weight_version"]
+    out = engine_call(url, "generate", {"input_ids": [5, 6], "sampling_params": GEN[
+        "sampling_params"]})
+    assert len(out["output_ids"]) == 2
+    engine_call(url, "flush_cache")
+    engine_call(url, "abort_request", rid="no-such-request")
+    assert engine_call(url, "has_route", "/pull_weights")
+    r = httpx.get(url + "/get_model_info", headers={"Host": "evil.example"}, timeout=30)
+    assert r.status_code == 421
+    r = httpx.post(url + "/abort_request", content=b'{"abort_all": true}',
+                   headers={"Content-Type": "text/plain"}, timeout=30)
+    assert r.status_code == 415
+    assert httpx.get(url + "/ready", timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("value", ["http://engine.internal", "engine.internal:30000",
+                                   "engine internal", "a/b"])
+def test_allowed_hosts_takes_plain_names(tiny_model_dir, value):
+    with pytest.raises(ValueError, match="--allowed-hosts"):
+        ServeConfig(model=tiny_model_dir, allowed_hosts=[value])
+
+
+def test_allowed_hosts_is_a_serve_flag_of_the_builtin_engine_only(tiny_model_dir):
+    from click.testing import CliRunner
+
+    from rltool.commands.serve import command
+
+    assert "--allowed-hosts" in CliRunner().invoke(command, ["--help"]).output
+    with pytest.raises(ValueError, match="--engine builtin"):
+        ServeConfig(engine="sglang", model=tiny_model_dir, allowed_hosts=["node1"])
