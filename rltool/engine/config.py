@@ -121,6 +121,10 @@ class ServeConfig(StageConfig):
         default_factory=list, description="Builtin engine: host names (or addresses) requests "
         "may name in their Host header besides the bound address and loopback; `*` turns the "
         "check off. Any other Host gets 421 (keeps DNS-rebinding web pages out).")
+    allowed_sync_hosts: list[str] = Field(
+        default_factory=list, description="Hosts /init_weights_update_group may join a group "
+        "at: master_address as written, or an address or CIDR network holding the address it "
+        "resolves to (default: any; the request answers 403 otherwise).")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Server log level.")
     enable_debug_endpoints: bool = Field(False, description="Mount POST /debug/hidden_states "
