@@ -14,6 +14,9 @@ Tiers, fastest first:
 - ssd: a checksummed safetensors file per tag under `ssd_dir` (rltool.train.snapshot_file),
   memory-mapped on read. Host copies are bounded by `host_budget_bytes`: the least recently used
   tags spill to SSD (written once; a tag whose file is current spills by dropping its host copy).
+  The backuper keeps the checksum it wrote each file with and its layout: a read refuses a file
+  that is not that one, also a self-consistent snapshot put in its place (`ssd_dir` may be a
+  directory others can write to).
 
 Single-tag mode (`single_tag="actor"`): the live weights are the only copy, nothing is copied;
 `backup` records a fingerprint and `restore` verifies it, so a run that switches nothing pays no
@@ -64,6 +67,7 @@ class _Tag:
     lock: threading.RLock = field(default_factory=threading.RLock)
     host: torch.Tensor | None = None           # flat uint8 buffer (pinned on CUDA)
     ssd: Path | None = None                     # current snapshot file
+    ssd_checksum: str | None = None             # what the backuper wrote it with
     staged: dict[str, torch.Tensor] | None = None  # device copy made by prefetch
     fingerprint: str | None = None              # single-tag mode
     last_use: int = 0
@@ -144,7 +148,7 @@ class WeightBackuper:
                     views[name].copy_(src, non_blocking=True)
                 self._sync()
             else:  # bigger than the whole budget: stream it to disk a tensor at a time
-                t.ssd = self._write(t.name, ((n, s.cpu()) for n, s in self.live.items()))
+                self._write(t, ((n, s.cpu()) for n, s in self.live.items()))
             self.active = tag
 
     def restore(self, tag: str) -> None:
@@ -176,8 +180,7 @@ class WeightBackuper:
                         dst.copy_(views[name], non_blocking=True)
                 self._sync()
             elif t.ssd is not None:
-                with MappedSnapshot(t.ssd) as snap, torch.no_grad():
-                    self._check_names(snap.tensors, t.ssd)
+                with self._mapped(t) as snap, torch.no_grad():
                     for name, dst in self.live.items():
                         dst.copy_(snap.tensors[name])
             else:
@@ -199,10 +202,11 @@ class WeightBackuper:
                 d.host = self._host_buffer()
                 d.host.copy_(s.host)
             elif s.host is not None:
-                d.ssd = self._write(d.name, self._views(s.host).items())
+                self._write(d, self._views(s.host).items())
             elif s.ssd is not None:
                 d.ssd = self._ssd_path(d.name)
                 self._copy_file(s.ssd, d.ssd)
+                d.ssd_checksum = s.ssd_checksum
             else:
                 raise BackuperError(f"copy({src!r}, {dst!r}): {src!r} holds no snapshot")
             if self.active == dst:
@@ -241,7 +245,7 @@ class WeightBackuper:
                 for name, src in self._converted(tensors):
                     views[name].copy_(src)
             else:
-                t.ssd = self._write(t.name, self._converted(tensors))
+                self._write(t, self._converted(tensors))
 
     def load_dir(self, tag: str, model_dir: str | Path) -> None:
         """`add` from a HF safetensors checkpoint directory (memory-mapped, one tensor at a time)."""
@@ -302,8 +306,7 @@ class WeightBackuper:
                                                                         keep=t):
                 host = self._host_buffer()
                 views = self._views(host)
-                with MappedSnapshot(t.ssd) as snap:
-                    self._check_names(snap.tensors, t.ssd)
+                with self._mapped(t) as snap:
                     for name, view in views.items():
                         view.copy_(snap.tensors[name])
                 t.host = host
@@ -316,7 +319,7 @@ class WeightBackuper:
                     for name, view in self._views(t.host).items():
                         staged[name].copy_(view, non_blocking=True)
                 elif t.ssd is not None:
-                    with MappedSnapshot(t.ssd) as snap:
+                    with self._mapped(t) as snap:
                         for name in staged:
                             staged[name].copy_(snap.tensors[name])
                 else:
@@ -364,14 +367,29 @@ class WeightBackuper:
         if t.host is None:
             return
         if t.ssd is None:
-            t.ssd = self._write(t.name, self._views(t.host).items())
+            self._write(t, self._views(t.host).items())
         log.debug("backuper: spilled %s to %s", t.name, t.ssd)
         t.host = None
 
-    def _write(self, name: str, tensors: Any) -> Path:
-        path = self._ssd_path(name)
-        write_snapshot(path, tensors, layout=self.layout)
-        return path
+    def _write(self, t: _Tag, tensors: Any) -> None:
+        path = self._ssd_path(t.name)
+        t.ssd_checksum = write_snapshot(path, tensors, layout=self.layout)
+        t.ssd = path
+
+    def _mapped(self, t: _Tag) -> MappedSnapshot:
+        """`t`'s file, verified to be the one the backuper wrote: its checksum (data) and the
+        live layout in order (names, dtypes, shapes: the rest of what the header says)."""
+        assert t.ssd is not None and t.ssd_checksum is not None
+        snap = MappedSnapshot(t.ssd, checksum=t.ssd_checksum)
+        layout = [(n, x.dtype, tuple(x.shape)) for n, x in snap.tensors.items()]
+        if layout != self.layout:
+            names = dict.fromkeys(snap.tensors)
+            snap.close()
+            self._check_names(names, t.ssd)  # the clearer message when names differ
+            raise CheckpointError(f"{t.ssd}: its tensors' order, dtypes or shapes differ from "
+                                  "the snapshot the backuper wrote; refusing it: drop the tag "
+                                  "and back it up again")
+        return snap
 
     def _ssd_path(self, name: str) -> Path:
         if self.ssd_dir is None:
@@ -394,7 +412,7 @@ class WeightBackuper:
             t.host = None
         if t.ssd is not None:
             t.ssd.unlink(missing_ok=True)
-            t.ssd = None
+            t.ssd = t.ssd_checksum = None
 
     # -- helpers -----------------------------------------------------------------------------
     def _host_buffer(self) -> torch.Tensor:

@@ -9,7 +9,9 @@ once through `rltool.atomic.atomic_path` (temporary name, fsync, rename) in one 
 O_DIRECT where the filesystem allows (rltool.io.writer.DirectWriter): the header
 goes out with a placeholder checksum of the same width, which is overwritten in place once the
 data is written, before the rename. A reader maps the file read-only, hashes the data section and
-refuses the file (CheckpointError) when the hash differs, before any byte reaches its caller.
+refuses the file (CheckpointError) when the hash differs, before any byte reaches its caller. A
+reader that kept the checksum `write_snapshot` returned passes it too: a file whose own checksum
+is another (a different snapshot, however self-consistent) is refused before it is mapped.
 """
 
 from __future__ import annotations
@@ -84,9 +86,10 @@ class MappedSnapshot:
     """A verified snapshot file mapped read-only; `tensors` are zero-copy views into the mapping.
 
     The views are READ-ONLY (writing faults): callers copy them into their own buffers. Keep the
-    object alive while the views are in use; `close()` unmaps."""
+    object alive while the views are in use; `close()` unmaps. `checksum`: the one the file was
+    written with (`write_snapshot`'s result); a file with another is refused."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, checksum: str | None = None):
         import torch
 
         self.path = Path(path)
@@ -98,6 +101,10 @@ class MappedSnapshot:
             raise CheckpointError(f"{self.path} is not an rltool weight snapshot (format "
                                   f"{meta.get('format')!r} {meta.get('format_version')!r})")
         self.checksum = meta.get("checksum", "")
+        if checksum is not None and self.checksum != checksum:
+            raise CheckpointError(f"{self.path} is not the weight snapshot written there (its "
+                                  f"checksum {self.checksum!r}, written {checksum!r}): the file "
+                                  "was replaced; refusing it: drop the tag and back it up again")
         base = infos[0].start if infos else 0
         end = infos[-1].end if infos else 0
         size = self.path.stat().st_size
