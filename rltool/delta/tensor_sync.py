@@ -4,30 +4,28 @@ checkpoint on disk, and the process group a trainer rank broadcasts over.
 Shared memory (CPU). The sender owns one segment, a file `/dev/shm/rltool-<id>` created with
 O_EXCL, sized to one bucket (at least the largest tensor). For each bucket it copies the tensors in
 at 64-byte aligned offsets and sends their description (name, dtype, shape, offset: a JSON
-`rltool.engine.api.TensorMessage`, never a pickle) in `/update_weights_from_tensor`; the engine maps
-the segment copy-on-write, checks every entry, copies into its parameters and answers; only then
-is the segment reused for the next bucket. Extra memory on either side is one bucket. Block-FP8
-weights (`quantize_named`) travel as e4m3 tensors, each with its float32 scales in the same bucket,
-the message naming their `weight_block_size`.
+`rltool.engine.api.TensorMessage`, never a pickle) in `/update_weights_from_tensor`; the engine
+checks the segment (a regular file of its own user, not a link or a FIFO) and copies it into a
+private buffer off the scheduler thread (rltool.delta.shm_read), checks every entry, copies into
+its parameters and answers; only then is the segment reused for the next bucket. Extra memory on
+either side is one bucket. Block-FP8 weights (`quantize_named`) travel as e4m3 tensors, each with
+its float32 scales in the same bucket, the message naming their `weight_block_size`.
 
 CUDA IPC (a sender and a CUDA engine on the same GPU). The same message with transport
 "cuda_ipc": the sender owns one device buffer of a bucket, copies each bucket in, waits for the
 copies, and exports the buffer as a CUDA IPC handle (torch's `_share_cuda_` fields, bytes in
 base64, in place of `segment`; what torch.multiprocessing would pickle, written out as JSON). The
-engine opens the handle on the GPU with that UUID, copies into its parameters, waits, releases the
-mapping and answers; the offsets index the buffer. Extra device memory: one bucket on the sender.
+engine checks the fields torch trusts, opens the handle on the GPU with that UUID, checks the
+range against the real allocation (rltool.delta.cuda_ipc), copies into its parameters, waits,
+releases the mapping and answers; the offsets index the buffer. Extra device memory: one bucket
+on the sender.
 
-Process group (`/init_weights_update_group`): a TCPStore at the trainer's address and a process
-group of its own (not the default group, which the trainer may use for data parallelism), trainer
-rank 0, engine rank `rank_offset`: gloo (tensors through host memory) or, between processes on
-different GPUs, NCCL (tensors on each process's current CUDA device; two ranks on one GPU are
-refused by NCCL, so a trainer sharing the engine's GPU uses gloo).
+Process group (`/init_weights_update_group`): rltool.delta.sync_group.
 """
 
 from __future__ import annotations
 
 import base64
-import datetime
 import mmap
 import os
 import secrets
@@ -39,9 +37,12 @@ from typing import Any
 import torch
 
 from rltool.convert.fp8 import SCALE_SUFFIX, quantize_state
+from rltool.delta.cuda_ipc import open_cuda_ipc
+from rltool.delta.shm_read import SHM_DIR, read_segment
+from rltool.delta.sync_group import (SyncHostRefusedError, SyncTimeoutError,  # noqa: F401
+                                    join_group)
 from rltool.errors import BadInputError
 
-SHM_DIR = Path("/dev/shm")
 ALIGN = 64
 DEFAULT_BUCKET_BYTES = 512 << 20
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -155,13 +156,6 @@ def _b64(raw: bytes) -> str:
     return base64.b64encode(raw).decode("ascii")
 
 
-def _unb64(text: str, what: str) -> bytes:
-    try:
-        return base64.b64decode(text, validate=True)
-    except ValueError as e:
-        raise BadInputError(f"cuda_ipc.{what} is not base64: {e}") from e
-
-
 def _pack(dst: torch.Tensor, bucket: list[tuple[str, torch.Tensor]],
           dtype: torch.dtype | None) -> list[dict[str, Any]]:
     """Copy the bucket's tensors into the uint8 buffer `dst` at aligned offsets; their entries."""
@@ -183,7 +177,7 @@ def _pack(dst: torch.Tensor, bucket: list[tuple[str, torch.Tensor]],
     return entries
 
 
-def _unpack(src: torch.Tensor, message: Any) -> list[tuple[str, torch.Tensor]]:
+def unpack(src: torch.Tensor, message: Any) -> list[tuple[str, torch.Tensor]]:
     """Views of the uint8 buffer `src` for the message's entries, each checked to fit."""
     size = src.numel()
     named: list[tuple[str, torch.Tensor]] = []
@@ -222,72 +216,31 @@ def segment_bytes(named: list[tuple[str, torch.Tensor]], *, bucket_bytes: int) -
 @contextmanager
 def open_message(message: Any, *, device: torch.device | str = "cpu", shm_dir: Path = SHM_DIR
                  ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The receiver's side: the named tensors of a `TensorMessage`, as views of the segment mapped
-    copy-on-write (the sender's bytes are never changed), or of the sender's device buffer
-    (transport cuda_ipc, a CUDA receiver `device` only). Views are valid inside the block only.
-    Raises BadInputError for a message that does not fit its buffer or cannot be opened."""
+    """The receiver's side: the named tensors of a `TensorMessage`, as views of a private copy of
+    the segment (`read_segment`: callers that must not block run it first, off their
+    thread, and `unpack` its result), or of the sender's device buffer (transport cuda_ipc, a CUDA
+    receiver `device` only). Views are valid inside the block only. Raises BadInputError for a
+    message that does not fit its buffer or cannot be opened."""
     device = torch.device(device)
     if message.transport == "cuda_ipc":
         if device.type != "cuda":
             raise BadInputError("transport \"cuda_ipc\" needs an engine serving on CUDA; send "
                                 "transport \"shm\" (load_format \"rltool_shm\") to this one")
-        with _open_cuda_ipc(message.cuda_ipc) as buf:
+        with open_cuda_ipc(message.cuda_ipc, shm_dir=shm_dir) as buf:
             if buf.numel() < message.nbytes:
                 raise BadInputError(f"the CUDA IPC buffer holds {buf.numel()} bytes, the "
                                     f"message says {message.nbytes}")
-            named = _unpack(buf, message)
+            named = unpack(buf, message)
             try:
                 yield named
             finally:
                 named.clear()
         return
-    path = shm_dir / message.segment
+    named = unpack(read_segment(message.segment, message.nbytes, shm_dir=shm_dir), message)
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as e:
-        raise BadInputError(f"shared-memory segment {message.segment!r}: {e.strerror}; the "
-                            "sender must keep it until the answer arrives") from e
-    try:
-        size = os.fstat(fd).st_size
-        if size < message.nbytes or size == 0:
-            raise BadInputError(f"segment {message.segment!r} holds {size} bytes, the message "
-                                f"says {message.nbytes}")
-        mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
-    finally:
-        os.close(fd)
-    named: list[tuple[str, torch.Tensor]] = []
-    try:
-        named = _unpack(torch.frombuffer(mm, dtype=torch.uint8), message)
         yield named
     finally:
         named.clear()
-        _close(mm)
-
-
-@contextmanager
-def _open_cuda_ipc(h: Any) -> Iterator[torch.Tensor]:
-    """The sender's buffer as a uint8 tensor on the GPU whose UUID the handle names; the mapping
-    is released when the block ends (the sender may then reuse or free its buffer)."""
-    index = next((i for i in range(torch.cuda.device_count())
-                  if str(torch.cuda.get_device_properties(i).uuid) == h.device_uuid), None)
-    if index is None:
-        raise BadInputError(f"the sender's GPU {h.device_uuid} is not visible to this engine; "
-                            "CUDA IPC needs both on the same GPU")
-    try:
-        storage = torch.UntypedStorage._new_shared_cuda(
-            index, _unb64(h.handle, "handle"), h.storage_bytes, h.storage_offset,
-            _unb64(h.ref_counter_handle, "ref_counter_handle"), h.ref_counter_offset,
-            _unb64(h.event_handle, "event_handle") if h.event_handle else None,
-            h.event_sync_required)
-    except RuntimeError as e:
-        raise BadInputError(f"cannot open the CUDA IPC handle: {e}") from e
-    buf = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}")
-    buf.set_(storage, 0, (h.storage_bytes,), (1,))
-    try:
-        yield buf
-    finally:
-        torch.cuda.synchronize(index)  # every copy out of the buffer has run
-        del buf, storage
 
 
 def _close(mm: mmap.mmap) -> None:
@@ -295,33 +248,6 @@ def _close(mm: mmap.mmap) -> None:
         mm.close()
     except BufferError:  # a view outlived its block; the mapping goes with the last view
         pass
-
-
-def join_group(*, master_address: str, master_port: int, rank: int, world_size: int,
-               backend: str = "gloo", timeout_s: float = 120.0) -> Any:
-    """A process group of its own for weight broadcasts (rank 0 hosts the store): gloo, or nccl
-    when CUDA is available."""
-    import torch.distributed as dist
-
-    if backend not in ("gloo", "nccl"):
-        raise BadInputError(f"backend {backend!r} is not served; use \"gloo\" or \"nccl\"")
-    if backend == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
-        raise BadInputError("backend \"nccl\" needs CUDA in both processes; this one has none, "
-                            "use backend \"gloo\"")
-    if not 0 <= rank < world_size:
-        raise BadInputError(f"rank {rank} is outside world_size {world_size}")
-    timeout = datetime.timedelta(seconds=timeout_s)
-    try:
-        store = dist.TCPStore(master_address, master_port, world_size, rank == 0,
-                              timeout=timeout)
-        if backend == "gloo":
-            return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, options)
-    except (RuntimeError, ValueError) as e:
-        raise BadInputError(f"cannot join the weight update group at {master_address}:"
-                            f"{master_port} as rank {rank}: {e}") from e
 
 
 def broadcast(group: Any, tensors: Iterable[torch.Tensor]) -> None:

@@ -12,6 +12,8 @@ Request bodies ignore unknown top-level keys (gateways add their own, e.g. smg's
 
 from __future__ import annotations
 
+import base64
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -164,20 +166,73 @@ class TensorEntry(BaseModel):
     offset: int = Field(ge=0)
 
 
+# torch's names for the CUDA IPC reference-counter file (a POSIX shared-memory object,
+# at::NewProcessWideShmHandle: "/torch_<pid>_<random uint32>_<counter>"), its number of int64
+# slots (torch::CUDA_IPC_REF_COUNTER_FILE_SIZE) and the size of a cudaIpc*Handle_t. On release
+# torch opens that object read-write and decrements the slot at `ref_counter_offset`, so both
+# are checked before a handle is opened.
+TORCH_REF_COUNTER_NAME = re.compile(r"/torch_[0-9]{1,10}_[0-9]{1,10}_[0-9]{1,20}")
+CUDA_IPC_REF_COUNTER_SLOTS = 10000
+CUDA_IPC_HANDLE_BYTES = 64
+MAX_CUDA_IPC_HANDLE_BYTES = 1 << 20  # an expandable segment lists one handle per page
+
+
+def _b64_field(value: str, what: str) -> bytes:
+    try:
+        return base64.b64decode(value, validate=True)
+    except ValueError as e:
+        raise ValueError(f"{what} is not base64: {e}") from None
+
+
 class CudaIpcHandle(BaseModel):
     """The fields of a CUDA IPC export of one device buffer (torch's `_share_cuda_`), bytes in
-    base64: what torch.multiprocessing pickles, written out so that no pickle is loaded."""
+    base64: what torch.multiprocessing pickles, written out so that no pickle is loaded. The
+    fields torch trusts are checked here: the reference-counter name and slot, the event
+    handle's size; the storage range is checked against the real allocation once opened
+    (rltool.delta.cuda_ipc)."""
 
     model_config = ConfigDict(extra="forbid")
-    device_uuid: str = Field(min_length=1, description="the GPU's UUID (device indices differ "
-                                                       "between processes)")
+    device_uuid: str = Field(min_length=1, max_length=100,
+                             description="the GPU's UUID (device indices differ between "
+                                         "processes)")
     handle: str = Field(min_length=1)
-    storage_bytes: int = Field(ge=0)
-    storage_offset: int = Field(ge=0)
-    ref_counter_handle: str
-    ref_counter_offset: int = Field(ge=0)
+    storage_bytes: int = Field(ge=0, lt=1 << 62)
+    storage_offset: int = Field(ge=0, lt=1 << 62)
+    ref_counter_handle: str = Field(description="base64 of torch's /torch_<pid>_<n>_<n> name")
+    ref_counter_offset: int = Field(ge=0, lt=CUDA_IPC_REF_COUNTER_SLOTS)
     event_handle: str | None = None
     event_sync_required: bool = False
+
+    @field_validator("handle")
+    @classmethod
+    def _handle_size(cls, value: str) -> str:
+        if len(_b64_field(value, "handle")) > MAX_CUDA_IPC_HANDLE_BYTES:
+            raise ValueError(f"handle exceeds {MAX_CUDA_IPC_HANDLE_BYTES} bytes; send the "
+                             "fields of one _share_cuda_ export")
+        return value
+
+    @field_validator("ref_counter_handle")
+    @classmethod
+    def _torch_ref_counter(cls, value: str) -> str:
+        raw = _b64_field(value, "ref_counter_handle")
+        if not TORCH_REF_COUNTER_NAME.fullmatch(raw.decode("ascii", "replace")):
+            raise ValueError("ref_counter_handle must name torch's reference-counter file "
+                             "(/torch_<pid>_<n>_<n>, as _share_cuda_ returns it)")
+        return value
+
+    @field_validator("event_handle")
+    @classmethod
+    def _event_size(cls, value: str | None) -> str | None:
+        if value is not None and len(_b64_field(value, "event_handle")) != CUDA_IPC_HANDLE_BYTES:
+            raise ValueError(f"event_handle must hold {CUDA_IPC_HANDLE_BYTES} bytes (a "
+                             "cudaIpcEventHandle_t)")
+        return value
+
+    @model_validator(mode="after")
+    def _event_when_required(self) -> "CudaIpcHandle":
+        if self.event_sync_required and self.event_handle is None:
+            raise ValueError("event_sync_required needs event_handle")
+        return self
 
 
 class TensorMessage(BaseModel):
@@ -216,16 +271,24 @@ class UpdateWeightsFromTensorInput(_Body):
     weight_version: str | None = None
 
 
+# The largest weight-sync group an engine joins (each rank costs the engine memory and
+# connections), and how long joining may take unless the request says otherwise.
+MAX_SYNC_WORLD_SIZE = 1024
+DEFAULT_SYNC_TIMEOUT_S = 120.0
+
+
 class InitWeightsUpdateGroupInput(_Body):
     """SGLang's body: the engine joins a torch process group as rank `rank_offset` (the trainer
-    is rank 0) at `master_address:master_port`."""
+    is rank 0) at `master_address:master_port`. `timeout_s` (rltool's, sent only when set)
+    bounds the join: past it the engine answers 504."""
 
-    master_address: str
+    master_address: str = Field(min_length=1, max_length=253)
     master_port: int = Field(ge=1, le=65535)
     rank_offset: int = Field(ge=1)
     world_size: int = Field(ge=2)
     group_name: str = "weight_update_group"
     backend: str = "nccl"
+    timeout_s: float = Field(DEFAULT_SYNC_TIMEOUT_S, gt=0, le=3600)
 
 
 class UpdateWeightsFromDistributedInput(_Body):

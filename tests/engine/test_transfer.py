@@ -5,6 +5,7 @@ wrong name, shape or dtype with 400 while the old weights keep serving."""
 
 from __future__ import annotations
 
+import base64
 import json
 import socket
 import threading
@@ -116,7 +117,8 @@ def test_cuda_ipc_messages_are_checked_and_refused_on_a_cpu_engine(engine):
     client, runner = engine
     before = served(runner)
     ipc = {"device_uuid": "GPU-0", "handle": "AAAA", "storage_bytes": 64, "storage_offset": 0,
-           "ref_counter_handle": "AAAA", "ref_counter_offset": 0}
+           "ref_counter_handle": base64.b64encode(b"/torch_123_456_0").decode(),
+           "ref_counter_offset": 0}
     message = {"transport": "cuda_ipc", "cuda_ipc": ipc, "nbytes": 64,
                "tensors": [{"name": "model.norm.weight", "dtype": "float32", "shape": [16],
                             "offset": 0}]}

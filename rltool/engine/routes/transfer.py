@@ -3,10 +3,13 @@
 - /update_weights_from_tensor: named tensors in a shared-memory segment on this host
   (load_format "rltool_shm") or in a sender's device buffer on the same GPU, as a CUDA IPC handle
   (load_format "rltool_cuda_ipc", CUDA engines), described by a JSON `TensorMessage`
-  (rltool.delta.tensor_sync).
+  (rltool.delta.tensor_sync). A segment is checked (a regular file of the engine's user, no
+  link, no FIFO) and copied off the scheduler thread; a CUDA IPC handle's reference counter and
+  storage range are checked before a byte is read (rltool.delta.cuda_ipc).
 - /init_weights_update_group, /update_weights_from_distributed: the engine joins a process group
   (gloo, or nccl on a CUDA engine: received straight into device buffers) and receives tensors
-  that the trainer's rank 0 broadcasts.
+  that the trainer's rank 0 broadcasts. A join is refused past MAX_SYNC_WORLD_SIZE ranks (400)
+  or at a host outside --allowed-sync-hosts (403), and answered 504 past its timeout_s.
 
 Each update is applied by the scheduler like /update_weights_from_disk (after earlier requests
 finish, or at once while paused, aborting first on abort_all_requests) and all-or-nothing: a wrong
@@ -32,13 +35,21 @@ from rltool.engine.routes.base import (EngineState, apply_weight_update, describ
 from rltool.engine.security import ADMIN
 from rltool.errors import BadInputError
 
+# Beyond a request's timeout_s, how long the engine waits for torch to give up on its own.
+JOIN_GRACE_S = 10.0
+
 
 def router(state: EngineState) -> APIRouter:
     r = APIRouter()
     runner = state.runner
     groups: dict[str, Any] = {}
+    joining: set[str] = set()
+    shm_reads = asyncio.Lock()
 
-    refused = refused_update
+    def refused(message: str, status_code: int = 400) -> JSONResponse:
+        response = refused_update(message)
+        response.status_code = status_code
+        return response
 
     async def apply(load: Any, *, abort_all: bool, weight_version: str | None) -> JSONResponse:
         return await apply_weight_update(state, load, abort_all=abort_all,
@@ -62,28 +73,57 @@ def router(state: EngineState) -> APIRouter:
             return refused(f"load_format {body.load_format!r} does not match the message's "
                            f"transport {message.transport!r}")
         device = runner.device
+        if message.transport == "cuda_ipc":
+            def load() -> None:
+                with tensor_sync.open_message(message, device=device) as named:
+                    runner.load_named_tensors(named, block=message.weight_block_size)
 
-        def load() -> None:
-            with tensor_sync.open_message(message, device=device) as named:
-                runner.load_named_tensors(named, block=message.weight_block_size)
+            return await apply(load, abort_all=body.abort_all_requests,
+                               weight_version=body.weight_version)
+        # The segment is checked and copied off the scheduler thread, one update at a time (one
+        # bucket of extra memory); the scheduler only copies the private buffer in.
+        async with shm_reads:
+            try:
+                buf = await asyncio.to_thread(tensor_sync.read_segment, message.segment,
+                                              message.nbytes)
+            except BadInputError as e:
+                return refused(str(e))
 
-        return await apply(load, abort_all=body.abort_all_requests,
-                           weight_version=body.weight_version)
+            def load_copy() -> None:
+                runner.load_named_tensors(tensor_sync.unpack(buf, message),
+                                          block=message.weight_block_size)
+
+            return await apply(load_copy, abort_all=body.abort_all_requests,
+                               weight_version=body.weight_version)
 
     @r.post(api.INIT_WEIGHTS_UPDATE_GROUP, dependencies=[ADMIN])
     async def init_weights_update_group(request: HttpRequest) -> JSONResponse:
         body = await parse_body(request, api.InitWeightsUpdateGroupInput)
-        if body.group_name in groups:
+        if body.group_name in groups or body.group_name in joining:
             return refused(f"group {body.group_name!r} exists; choose another group_name")
+        joining.add(body.group_name)
         try:
-            group = await asyncio.to_thread(
+            # torch bounds the join by timeout_s; the wait is bounded too, should a step of it
+            # not honour that (the thread then ends on its own, its group unused).
+            group = await asyncio.wait_for(asyncio.to_thread(
                 tensor_sync.join_group, master_address=body.master_address,
                 master_port=body.master_port, rank=body.rank_offset,
-                world_size=body.world_size, backend=body.backend)
+                world_size=body.world_size, backend=body.backend, timeout_s=body.timeout_s,
+                allowed_hosts=state.cfg.allowed_sync_hosts), body.timeout_s + JOIN_GRACE_S)
             # nccl receives on the engine's device, gloo through host memory
             groups[body.group_name] = (group, runner.device if body.backend == "nccl" else "cpu")
+        except tensor_sync.SyncHostRefusedError as e:
+            return refused(str(e), status_code=403)
+        except tensor_sync.SyncTimeoutError as e:
+            return refused(str(e), status_code=504)
+        except TimeoutError:
+            return refused(f"joining the weight update group at {body.master_address}:"
+                           f"{body.master_port} took longer than timeout_s {body.timeout_s:g}; "
+                           "check that the master and every rank are up", status_code=504)
         except BadInputError as e:
             return refused(str(e))
+        finally:
+            joining.discard(body.group_name)
         return JSONResponse(api.UpdateWeightsResult(
             success=True, message="Succeeded to initialize custom process group.").model_dump())
 
