@@ -434,3 +434,18 @@ def test_allowed_hosts_is_a_serve_flag_of_the_builtin_engine_only(tiny_model_dir
     assert "--allowed-hosts" in CliRunner().invoke(command, ["--help"]).output
     with pytest.raises(ValueError, match="--engine builtin"):
         ServeConfig(engine="sglang", model=tiny_model_dir, allowed_hosts=["node1"])
+
+
+def test_the_key_table_lists_every_admin_route(secured):
+    """Regression: docs/reliability.md's key table left out the three in-memory weight routes
+    (/update_weights_from_tensor, /init_weights_update_group, /update_weights_from_distributed)."""
+    import re
+    from pathlib import Path
+
+    from rltool.engine.security import admin_paths
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "reliability.md").read_text()
+    row = next(line for line in doc.splitlines() if line.startswith("| `--admin-api-key` |"))
+    listed = set(re.findall(r"`(/[\w/]+)`", row.split("|")[2]))
+    served = admin_paths(secured.app.routes)
+    assert len(served) >= 13 and listed == served, (served - listed, listed - served)
