@@ -87,6 +87,7 @@ SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 WILDCARD_BINDS = frozenset({"0.0.0.0", "::", ""})
 CROSS_SITE = frozenset({"cross-site", "same-site"})  # Sec-Fetch-Site of another origin's page
 JSON_TYPE = "application/json"
+MAX_ACCEPTED_HOSTS = 64
 _HEADERS = frozenset({b"authorization", b"content-length", b"content-type", b"host", b"origin",
                       b"sec-fetch-site", b"transfer-encoding"})
 
@@ -146,7 +147,7 @@ def body_type_error(content_type: str | None, *, has_body: bool) -> str | None:
     """Why a request's Content-Type is refused, or None: bodies are JSON and say so."""
     if content_type is None:
         return f"a request body needs Content-Type: {JSON_TYPE}" if has_body else None
-    if content_type.partition(";")[0].strip().lower() == JSON_TYPE:
+    if content_type == JSON_TYPE or content_type.partition(";")[0].strip().lower() == JSON_TYPE:
         return None
     return (f"Content-Type {content_type!r} is not accepted: request bodies are JSON; send "
             f"Content-Type: {JSON_TYPE}")
@@ -172,6 +173,10 @@ class Guard:
         self.api_key, self.admin_api_key = api_key, admin_api_key
         self.max_request_bytes = max_request_bytes
         self.hosts, self.admin_paths = hosts, admin_paths
+        # (Host, local address) pairs already accepted: a client sends the same Host on every
+        # request, so after the first one the check is one set lookup. Bounded, since the values
+        # come from clients.
+        self.accepted_hosts: set[tuple[str | None, Any]] = set()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":
@@ -185,10 +190,15 @@ class Guard:
         headers = {k.lower(): v.decode("latin-1") for k, v in scope["headers"]
                    if k.lower() in _HEADERS}
         host = headers.get(b"host")
-        if not self.hosts.allows(host, scope.get("server")):
-            return _refusal(421, f"Host {host!r} is not an address of this engine; reach it by "
-                                 "its address or localhost, or start it with --allowed-hosts "
-                                 f"{host_name(host or '')}")
+        server = scope.get("server")
+        seen = (host, server and server[0])
+        if seen not in self.accepted_hosts:
+            if not self.hosts.allows(host, server):
+                return _refusal(421, f"Host {host!r} is not an address of this engine; reach it "
+                                     "by its address or localhost, or start it with "
+                                     f"--allowed-hosts {host_name(host or '')}")
+            if len(self.accepted_hosts) < MAX_ACCEPTED_HOSTS:
+                self.accepted_hosts.add(seen)
         path = scope["path"]
         if scope["method"] not in SAFE_METHODS or path in self.admin_paths:
             why = cross_origin(headers.get(b"origin"), headers.get(b"sec-fetch-site"), host)
