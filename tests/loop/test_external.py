@@ -208,7 +208,7 @@ def test_loop_drives_engines_behind_the_smg_gateway(outside_engines, tiny_model_
                            what="listing its workers", poll_s=0.5)
         run = root / "gateway"
         data = tables(tiny_model_dir, root, router_url=url, api_key=API_KEY,
-                      admin_api_key=ADMIN_KEY)
+                      admin_api_key=ADMIN_KEY, admin_key_hosts=["127.0.0.1"])
         data["sync"]["sync"] = "distributed"  # the workers join the loop's gloo broadcast
         result = runner.start(LoopSettings.from_tables(data), run)
     finally:
