@@ -26,7 +26,6 @@ from typing import Any
 
 from fastapi import Depends, Request as HttpRequest
 from fastapi.responses import JSONResponse
-
 from fastapi.routing import APIRoute
 
 from rltool.engine.api import OPEN_PATHS
@@ -81,8 +80,8 @@ def admin_paths(routes: Iterable[Any]) -> frozenset[str]:
                      and any(d.call is require_admin for d in r.dependant.dependencies))
 
 
-# A browser sends these without asking the server first (a CORS "simple request"); anything else
-# is preflighted, and this engine answers no preflight, so the browser never sends it.
+# Methods that change nothing on a route without the ADMIN guard: a cross-origin page may send
+# them (a read is no use to it: the browser keeps the answer from it without CORS headers).
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 WILDCARD_BINDS = frozenset({"0.0.0.0", "::", ""})
 CROSS_SITE = frozenset({"cross-site", "same-site"})  # Sec-Fetch-Site of another origin's page
@@ -135,7 +134,7 @@ def cross_origin(origin: str | None, fetch_site: str | None, host: str | None) -
     engine's own `Host` (browsers add it to every POST and every cross-origin fetch);
     `Sec-Fetch-Site` also covers what carries no Origin (an <img> or a link's GET)."""
     if origin is not None:
-        scheme, sep, authority = origin.partition("://")
+        _, sep, authority = origin.partition("://")
         if not sep or host is None or authority.lower() != host.lower():
             return f"Origin {origin}"
     if fetch_site is not None and fetch_site.lower() in CROSS_SITE:
