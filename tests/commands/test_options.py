@@ -89,6 +89,7 @@ COMPANIONS = {
     "mode": ["--placement", "disaggregated"],  # async refuses colocated placement
     "opd_teacher_route": ["--opd-teacher", "a=x"],
     "opd_mode": ["--opd-teacher", "x"],
+    "admin_key_hosts": ["--router-url", "http://g:1"],  # the gateway's workers
     ("loop", "engine"): ["--sync", "auto"],  # the in-process engine takes in-memory sync only
 }
 # Fields whose test replaces part of the base (exclusive with it).
