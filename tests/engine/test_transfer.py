@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import socket
 import threading
 import time
@@ -27,10 +28,11 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
-def engine(tiny_model_dir):
+def engine(tiny_model_dir, request):
+    """A CPU engine; indirect parameters are ServeConfig fields."""
     runner = PagedRunner(tiny_model_dir, device="cpu", dtype="fp32")
     sched = PagedScheduler(runner, max_running=2)
-    cfg = ServeConfig(model=tiny_model_dir)
+    cfg = ServeConfig(model=tiny_model_dir, **getattr(request, "param", {}))
     sched.start()
     app = build_app(EngineState(cfg=cfg, runner=runner, scheduler=sched, started=time.monotonic()))
     with TestClient(app) as client:
@@ -239,3 +241,117 @@ def test_block_fp8_update_over_the_route(engine):
             t = dequantize_blocks(t, state[name + SCALE_SUFFIX], (16, 16), dtype=torch.float32)
         if not name.endswith(SCALE_SUFFIX):
             assert now[name].equal(t), name
+
+
+def generates(client) -> bool:
+    r = client.post(api.GENERATE, json={"input_ids": [3, 4, 5],
+                                        "sampling_params": {"max_new_tokens": 2}})
+    return r.status_code == 200
+
+
+@pytest.fixture
+def planted():
+    """Paths planted in /dev/shm under segment names, removed afterwards."""
+    paths = []
+
+    def plant(kind: str):
+        path = tensor_sync.SHM_DIR / f"rltool-test-{kind}-{os.getpid()}-{len(paths)}"
+        paths.append(path)
+        return path
+
+    yield plant
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
+def test_a_fifo_segment_is_refused_and_generation_goes_on(engine, planted):
+    """A FIFO named like a segment blocked the scheduler thread in open() until something opened
+    it for writing (generation stalled while /health answered 200); now it is a 400 and the
+    engine keeps generating. Nothing here ever opens the FIFO for writing."""
+    client, runner = engine
+    fifo = planted("fifo")
+    os.mkfifo(fifo)
+    r = post_tensor(client, {"segment": fifo.name, "nbytes": 64, "tensors": []})
+    assert r.status_code == 400 and "not a regular file" in r.json()["message"]
+    assert generates(client)
+
+
+def test_a_symlinked_or_short_segment_is_refused(engine, planted, tmp_path):
+    """A segment name was followed through a symlink, and a file shorter than the message was
+    mapped; both are 400s naming the segment."""
+    client, runner = engine
+    target = tmp_path / "weights"
+    target.write_bytes(b"\0" * 4096)
+    link = planted("link")
+    os.symlink(target, link)
+    r = post_tensor(client, {"segment": link.name, "nbytes": 64, "tensors": []})
+    assert r.status_code == 400 and "symbolic link" in r.json()["message"]
+    short = planted("short")
+    short.write_bytes(b"\0" * 100)
+    r = post_tensor(client, {"segment": short.name, "nbytes": 4096, "tensors": []})
+    assert r.status_code == 400 and "holds 100 bytes" in r.json()["message"]
+    assert generates(client)
+
+
+def test_a_segment_truncated_during_the_copy_is_a_400_and_the_engine_lives(engine, monkeypatch):
+    """A sender truncating its segment while the engine copied from a mapping of it killed the
+    engine with SIGBUS (exit 135, no log line). The truncation is placed right after the engine's
+    size check; the copy comes back short, the update is refused and the old weights serve."""
+    client, runner = engine
+    named = new_state(runner, seed=6)
+    before = served(runner)
+    with tensor_sync.ShmSegment(tensor_sync.segment_bytes(named, bucket_bytes=1 << 30)) as seg:
+        message = seg.write(named)
+        real_fstat = os.fstat
+
+        def fstat(fd):
+            st = real_fstat(fd)
+            if isinstance(fd, int) and os.path.realpath(f"/proc/self/fd/{fd}") == str(seg.path):
+                os.truncate(seg.path, 4096)
+            return st
+
+        monkeypatch.setattr(os, "fstat", fstat)
+        r = post_tensor(client, message, weight_version="9")
+        monkeypatch.undo()
+    assert r.status_code == 400 and "ended after 4096" in r.json()["message"], r.text
+    after = served(runner)
+    assert all(after[n].equal(before[n]) for n in before)
+    assert generates(client)
+
+
+def init_group(client, **fields):
+    body = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1,
+            "world_size": 2, "backend": "gloo", **fields}
+    return client.post(api.INIT_WEIGHTS_UPDATE_GROUP, json=body)
+
+
+def test_a_huge_world_size_is_refused_naming_the_limit(engine):
+    """world_size 10**7 made the engine allocate gloo state per rank (MemoryError, a 500, after
+    minutes of retries); it is refused before connecting, naming the limit."""
+    client, _ = engine
+    r = init_group(client, world_size=10**7)
+    assert r.status_code == 400
+    assert f"limit of {api.MAX_SYNC_WORLD_SIZE} ranks" in r.json()["message"]
+    r = init_group(client, rank_offset=2, world_size=2)
+    assert r.status_code == 400 and "outside world_size" in r.json()["message"]
+
+
+def test_an_unreachable_master_is_a_504_within_the_requests_timeout(engine):
+    """Joining a master that never answers retried for minutes past any stated bound; it is a 504
+    once the request's timeout_s has passed. Nothing listens on the port."""
+    client, _ = engine
+    r = init_group(client, timeout_s=1)
+    assert r.status_code == 504, r.text
+    assert "within 1 s" in r.json()["message"] and r.json()["success"] is False
+    assert generates(client)
+
+
+@pytest.mark.parametrize("engine", [{"allowed_sync_hosts": ["10.0.0.0/8", "trainer-0"]}],
+                         indirect=True)
+def test_a_master_outside_allowed_sync_hosts_is_refused(engine):
+    """The engine connected to any master_address it was sent; with --allowed-sync-hosts it joins
+    only those (403 for others, before connecting)."""
+    client, _ = engine
+    r = init_group(client)
+    assert r.status_code == 403, r.text
+    assert "--allowed-sync-hosts" in r.json()["message"]
