@@ -7,7 +7,7 @@ import json
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -20,11 +20,12 @@ from rltool.loop.external import check_engines
 from rltool.rollout import stage
 from rltool.rundir import RunDir
 from tests.loop.test_config import tables
+from tests.loop.test_external import _NoPullEngine
 
 USER, ADMIN, TEACHER = "user-key-5e1f", "admin-key-9c2d", "teacher-key-77ab"
 
 
-class _Recorder(BaseHTTPRequestHandler):
+class _Recorder(_NoPullEngine):
     """Records every request's Authorization header; forwards it, without the header, to
     `self.server.upstream` when set (a teacher in front of a real engine), else answers like a
     healthy engine or gateway from `self.server.answers` (path -> JSON)."""
@@ -36,23 +37,13 @@ class _Recorder(BaseHTTPRequestHandler):
         if server.upstream is not None:
             r = httpx.request(self.command, server.upstream + self.path, content=body,
                               headers={"content-type": "application/json"}, timeout=120)
-            self._answer(r.status_code, r.content)
+            self._answer(r.status_code, r.json())
         elif self.command == "OPTIONS":
-            self._answer(405, b"{}")  # every route exists
+            self._answer(405, {})  # every route exists
         else:
-            self._answer(200, json.dumps(server.answers.get(self.path, {})).encode())
+            self._answer(200, server.answers.get(self.path, {}))
 
     do_GET = do_POST = do_OPTIONS = _handle
-
-    def _answer(self, status: int, raw: bytes) -> None:
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(raw)))
-        self.end_headers()
-        self.wfile.write(raw)
-
-    def log_message(self, *args):
-        pass
 
 
 @contextmanager
