@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -14,6 +13,8 @@ from rltool.data.tasks import TASKS
 from rltool.errors import BadInputError, EngineTimeoutError, RewardError
 from rltool.rollout.rewards import (RewardResult, extract_math_answer, normalize_math_answer,
                                     resolve_reward)
+
+SLOW_CAP_S = 60.0  # bounds a hang of the "slow" answer only; the tests never wait for it
 
 
 def test_task_rewards_exact_and_partial():
@@ -136,7 +137,8 @@ def test_custom_reward_from_a_module(tmp_path, monkeypatch):
 
 
 class _RewardHandler(BaseHTTPRequestHandler):
-    """Scores len(response) / 10; `response == "slow"` sleeps; `"bad"` answers 500;
+    """Scores len(response) / 10; `response == "slow"` does not answer until the server's
+    `release` event is set (at teardown; a generous cap only bounds a hang); `"bad"` answers 500;
     `"garbage"` answers non-JSON; `"nokey"` answers JSON without a reward."""
 
     def do_POST(self):  # noqa: N802 (http.server's naming)
@@ -144,7 +146,7 @@ class _RewardHandler(BaseHTTPRequestHandler):
         self.server.seen.append(body)
         response = body["response"]
         if response == "slow":
-            time.sleep(1.0)
+            self.server.release.wait(SLOW_CAP_S)
         status, payload = 200, {"reward": len(response) / 10, "components": {"len": len(response)}}
         if response == "bad":
             status, payload = 500, {"error": "model crashed"}
@@ -168,10 +170,12 @@ class _RewardHandler(BaseHTTPRequestHandler):
 def reward_server():
     server = ThreadingHTTPServer(("127.0.0.1", 0), _RewardHandler)
     server.seen = []
+    server.release = threading.Event()
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server, f"http://127.0.0.1:{server.server_address[1]}/score"
+    server.release.set()
     server.shutdown()
     server.server_close()
     thread.join(timeout=5)
@@ -193,12 +197,16 @@ def test_remote_reward(reward_server):
 
 
 def test_remote_reward_timeout(reward_server):
-    _, url = reward_server
+    """A reward model that does not answer makes the call fail with EngineTimeoutError after the
+    reward timeout. Checked without timing the call: the server holds the answer until the test
+    ends (an answer only comes after SLOW_CAP_S, far beyond the timeout), so the call can only
+    return by timing out; one that waited for the server would get a reward and fail the test."""
+    server, url = reward_server
     fn = resolve_reward(url, timeout_s=0.2)
-    t0 = time.monotonic()
     with pytest.raises(EngineTimeoutError, match="within 0.2 s"):
         fn("p", "slow", None, {})
-    assert time.monotonic() - t0 < 0.9
+    assert server.seen[-1]["response"] == "slow"  # it reached the server, which never answered
+    assert not server.release.is_set()
     fn.close()
 
 

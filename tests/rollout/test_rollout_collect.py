@@ -4,9 +4,8 @@ timeouts, DAPO dynamic filtering with over-sampling counts, and partial-rollout 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
-import time
-import zlib
 
 import pytest
 
@@ -39,6 +38,13 @@ def collect(engines, source, *, reward_fn, generate_fn=generate_single_turn, rew
     return asyncio.run(main())
 
 
+# A reward that never answers is held on an event until its collection has returned; this only
+# bounds a hang. REWARD_TIMEOUT_S is the collector's timeout in the timeout tests: what a prompt
+# reward call (microseconds of work) must stay within, generous for a loaded machine.
+HANG_BOUND_S = 60.0
+REWARD_TIMEOUT_S = 2.0
+
+
 def length_reward(prompt, response, label, metadata):
     return RewardResult(reward=float(len(response)), components={"len": float(len(response))})
 
@@ -61,20 +67,40 @@ def test_groups_statuses_and_per_token_fields():
 
 
 def test_rewards_run_in_worker_threads_and_timeouts_fail_clearly():
+    """Reward calls run in the collector's worker threads, concurrently (a slow reward does not
+    serialise the others), and a call that does not return fails its sample with a
+    reward_timeout while the other samples keep their reward. Checked without timing anything:
+    every call of the first collection waits at a barrier that opens only once all four calls
+    are in flight at once (serialised calls break it: reward_error, and the test fails); in the
+    second, label "1"'s calls block until the collection has returned, so they can only end by
+    the reward timeout."""
     threads = set()
+    barrier = threading.Barrier(4, timeout=HANG_BOUND_S)
 
-    def slow_reward(prompt, response, label, metadata):
+    def meeting_reward(prompt, response, label, metadata):
         threads.add(threading.current_thread().name)
-        if label == "1":
-            time.sleep(1.0)
+        barrier.wait()  # all 4 samples' calls in flight together, or BrokenBarrierError
         return RewardResult(reward=1.0)
 
-    engine = FakeEngine("http://a")
-    start = time.monotonic()
-    result = collect([engine], groups_source(2, 2), reward_fn=slow_reward, reward_timeout_s=0.2,
-                     reward_workers=4, target_groups=2)
-    assert time.monotonic() - start < 0.9  # the slow rewards did not serialize
+    result = collect([FakeEngine("http://a")], groups_source(2, 2), reward_fn=meeting_reward,
+                     reward_timeout_s=HANG_BOUND_S, reward_workers=4, target_groups=2)
     assert threads and all(name.startswith("rltool-reward") for name in threads)
+    assert [(s.status != "failed", s.reward) for g in result.kept for s in g] == [(True, 1.0)] * 4
+    assert result.counts["failed_rewards"] == 0
+
+    release = threading.Event()
+
+    def stuck_reward(prompt, response, label, metadata):
+        if label == "1":
+            release.wait(HANG_BOUND_S)  # set only once the collection returned
+        return RewardResult(reward=1.0)
+
+    try:
+        result = collect([FakeEngine("http://a")], groups_source(2, 2), reward_fn=stuck_reward,
+                         reward_timeout_s=REWARD_TIMEOUT_S, reward_workers=4, target_groups=2)
+        assert not release.is_set()
+    finally:
+        release.set()
     by_group = {g[0].group_id: g for g in result.kept}
     assert all(s.status != "failed" and s.reward == 1.0 for s in by_group[0])
     for s in by_group[1]:
@@ -147,29 +173,72 @@ def test_filter_budget_exhausted_returns_fewer_groups():
     assert result.kept == [] and result.counts["dropped_equal_reward"] == 6
 
 
+def distinct_rewards():
+    """A reward that never repeats a value: no group is ever all-equal (a hash of the random
+    response could collide, drop a group the held ones would then wait for, and hang)."""
+    counter = itertools.count()
+
+    def reward(prompt, response, label, metadata):
+        return RewardResult(reward=float(next(counter)))
+
+    return reward
+
+
+class HoldingEngine(FakeEngine):
+    """Groups 0 and 1 generate at once; the requests of later groups generate HELD_TOKENS tokens
+    and then hold until they are aborted (or cancelled by the client): extra groups are
+    mid-generation when the batch fills, by construction rather than by staggered sleeps."""
+
+    HELD_TOKENS = 3
+
+    def __init__(self, url: str):
+        super().__init__(url)
+        self.eos_prob = 0.0
+        self.holding = 0  # requests holding now
+        self._aborts: asyncio.Event | None = None
+
+    async def _one(self, payload: dict, routing_key: str | None) -> dict:
+        group = payload["input_ids"][2] - 5  # groups_source's prompts: [1, 3, g % 20 + 5]
+        if group < 2:
+            return await super()._one(payload, routing_key)
+        self.requests.append(payload)
+        self._aborts = self._aborts or asyncio.Event()
+        ids = [10 + group + i for i in range(self.HELD_TOKENS)]
+        self.holding += 1
+        try:
+            while payload.get("rid") not in self.aborted:
+                await self._aborts.wait()
+        finally:
+            self.holding -= 1
+        meta = {"id": payload.get("rid"), "weight_version": self.version,
+                "finish_reason": {"type": "abort", "message": "aborted", "status_code": None,
+                                  "err_type": None},
+                "prompt_tokens": len(payload["input_ids"]), "completion_tokens": len(ids),
+                "output_token_logprobs": [[-0.5, t, None] for t in ids]}
+        return {"text": "".join(chr(97 + t % 26) for t in ids), "output_ids": ids,
+                "meta_info": meta}
+
+    async def abort_request(self, *, rid: str = "", abort_all: bool = False) -> None:
+        await super().abort_request(rid=rid, abort_all=abort_all)
+        if self._aborts is not None:
+            self._aborts.set()
+
+
 def test_over_sampled_groups_are_aborted_and_carried_with_their_tokens():
-    engine = FakeEngine("http://a", delay_s=0.02)  # 8 tokens: 0.16 s per sample
-    engine.eos_prob = 0.0
+    engine = HoldingEngine("http://a")
     sampling_len = SAMPLING["max_response_len"]
 
-    async def staggered(sample, ctx):
-        # Later groups start later, so the batch fills while they are mid-generation.
-        await asyncio.sleep(0.03 * sample.group_id)
-        return await generate_single_turn(sample, ctx)
+    varying = distinct_rewards()
 
-    def varying(prompt, response, label, metadata):  # distinct random responses: never all equal
-        return RewardResult(reward=float(zlib.crc32(response.encode()) % 1000))
-
-    result = collect([engine], groups_source(6, 2), reward_fn=varying, generate_fn=staggered,
-                     target_groups=2, dynamic_filter=True, over_sample_factor=3.0, partial=True)
-    assert len(result.kept) == 2
-    carried = [s for g in result.carry for s in g]
-    assert carried, "in-flight extra groups must be carried over, not lost"
-    aborted = [s for s in carried if s.status == "aborted"]
-    assert aborted and engine.aborted
-    assert any(s.response_token_ids for s in aborted)
+    result = collect([engine], groups_source(6, 2), reward_fn=varying, target_groups=2,
+                     dynamic_filter=True, over_sample_factor=3.0, partial=True)
+    assert [g[0].group_id for g in result.kept] == [0, 1] and engine.holding == 0
+    # every in-flight extra group is carried over, not lost, with the tokens it had
+    assert sorted(g[0].group_id for g in result.carry) == [2, 3, 4, 5]
+    aborted = [s for g in result.carry for s in g]
+    assert all(s.status == "aborted" for s in aborted) and len(engine.aborted) == len(aborted)
     for s in aborted:
-        assert len(s.response_token_ids) < sampling_len
+        assert len(s.response_token_ids) == HoldingEngine.HELD_TOKENS < sampling_len
         assert len(s.rollout_logprobs) == len(s.response_token_ids)
     assert result.counts["carried_out_groups"] == len(result.carry)
 
@@ -205,19 +274,14 @@ def test_version_spans_become_per_token_versions():
 
 
 def test_without_partial_extra_groups_are_cancelled_not_aborted_on_the_engine():
-    engine = FakeEngine("http://a", delay_s=0.02)
-    engine.eos_prob = 0.0
+    engine = HoldingEngine("http://a")
 
-    async def staggered(sample, ctx):
-        await asyncio.sleep(0.03 * sample.group_id)
-        return await generate_single_turn(sample, ctx)
+    varying = distinct_rewards()
 
-    def varying(prompt, response, label, metadata):
-        return RewardResult(reward=float(zlib.crc32(response.encode()) % 1000))
-
-    result = collect([engine], groups_source(6, 2), reward_fn=varying, generate_fn=staggered,
-                     target_groups=2, dynamic_filter=True, over_sample_factor=3.0)
-    assert len(result.kept) == 2 and result.carry == []
+    result = collect([engine], groups_source(6, 2), reward_fn=varying, target_groups=2,
+                     dynamic_filter=True, over_sample_factor=3.0)
+    assert [g[0].group_id for g in result.kept] == [0, 1] and result.carry == []
+    assert engine.holding == 0  # the held requests were cancelled, none left behind
     assert not engine.aborted  # no /abort_request: the extras were dropped client-side
     c = result.counts
     assert c["aborted_extra_groups"] >= 1
@@ -227,16 +291,22 @@ def test_without_partial_extra_groups_are_cancelled_not_aborted_on_the_engine():
 def test_raising_reward_marks_failed_and_is_counted():
     """Bug (reward rule): reward failures were marked on the samples but not counted, so the
     stage could not tell a broken reward function from bad answers. The collector now counts
-    every reward call and every failed one (raised or timed out) and keeps the first reason."""
+    every reward call and every failed one (raised or timed out) and keeps the first reason.
+    Label "2"'s calls never answer (held until the collection returned): they time out."""
+    release = threading.Event()
+
     def flaky(prompt, response, label, metadata):
         if label == "1":
             raise RuntimeError("reward crashed")
         if label == "2":
-            time.sleep(1.5)
+            release.wait(HANG_BOUND_S)
         return RewardResult(reward=1.0)
 
-    result = collect([FakeEngine("http://a")], groups_source(3, 2), reward_fn=flaky,
-                     reward_timeout_s=0.5, reward_workers=6, target_groups=3)
+    try:
+        result = collect([FakeEngine("http://a")], groups_source(3, 2), reward_fn=flaky,
+                         reward_timeout_s=REWARD_TIMEOUT_S, reward_workers=6, target_groups=3)
+    finally:
+        release.set()
     by_group = {g[0].group_id: g for g in result.kept}
     assert all(s.status != "failed" and s.reward == 1.0 for s in by_group[0])
     assert all(s.status == "failed" and s.reward == 0.0 for s in by_group[1] + by_group[2])
@@ -249,7 +319,8 @@ def test_raising_reward_marks_failed_and_is_counted():
 
 def test_remote_reward_failures_follow_the_same_rule():
     """A remote reward model that answers an error or does not answer within the timeout marks
-    the sample failed (reward 0.0) and is counted, exactly like a raising function."""
+    the sample failed (reward 0.0) and is counted, exactly like a raising function. The server
+    holds label "2"'s answers until the collection returned: they can only time out."""
     import json
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -259,7 +330,7 @@ def test_remote_reward_failures_follow_the_same_rule():
         def do_POST(self):  # noqa: N802 (http.server's naming)
             label = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["label"]
             if label == "2":
-                time.sleep(1.5)
+                release.wait(HANG_BOUND_S)
             status, body = (500, b'{"error": "down"}') if label == "1" else (200, b'{"reward": 1}')
             try:
                 self.send_response(status)
@@ -272,16 +343,19 @@ def test_remote_reward_failures_follow_the_same_rule():
         def log_message(self, *args):
             pass
 
+    release = threading.Event()
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        reward_fn = resolve_reward(f"http://127.0.0.1:{server.server_address[1]}/", timeout_s=0.5)
+        reward_fn = resolve_reward(f"http://127.0.0.1:{server.server_address[1]}/",
+                                   timeout_s=REWARD_TIMEOUT_S)
         result = collect([FakeEngine("http://a")], groups_source(3, 2), reward_fn=reward_fn,
-                         reward_timeout_s=0.5, reward_workers=6, target_groups=3)
+                         reward_timeout_s=REWARD_TIMEOUT_S, reward_workers=6, target_groups=3)
         reward_fn.close()
     finally:
+        release.set()
         server.shutdown()
         server.server_close()
     by_group = {g[0].group_id: g for g in result.kept}
