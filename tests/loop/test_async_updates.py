@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import pytest
 
 from rltool.data.tasks import make_rows, write_prompts
@@ -16,6 +17,7 @@ from rltool.loop.async_staleness import StalenessGate
 
 pytestmark = pytest.mark.slow
 MAX_UPDATES = 6  # an update may land when nothing is mid-generation; then try the next version
+HANG_BOUND_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +29,27 @@ def engine(tiny_model_dir, tmp_path_factory):
                          "1"], log_path=log, ready_timeout_s=120.0)
     yield proc
     proc.stop()
+
+
+def engine_state(url: str) -> dict:
+    return httpx.get(url + "/get_server_info", timeout=30).json()["internal_states"][0]
+
+
+def wait_until_generating(stream: RolloutStream, url: str) -> None:
+    """Until the stream has samples in flight and the engine has decoded tokens for requests it
+    is still running: the state an update should land in (rather than a sleep that hopes some
+    tokens are in). The deadline only bounds a hang."""
+    deadline = time.monotonic() + HANG_BOUND_S
+    while stream.in_flight_samples() == 0:
+        assert time.monotonic() < deadline, "the stream never started a sample"
+        time.sleep(0.005)
+    before = engine_state(url)["total_output_tokens"]
+    while True:
+        state = engine_state(url)
+        if state["num_running_reqs"] > 0 and state["total_output_tokens"] > before:
+            return
+        assert time.monotonic() < deadline, f"the engine never decoded for the stream: {state}"
+        time.sleep(0.005)
 
 
 async def update(url: str, model_dir: str, *, mode: str, version: int) -> None:
@@ -66,10 +89,7 @@ def test_update_modes_keep_or_regenerate_tokens(mode, engine, tiny_model_dir, tm
     mixed, single_new, requeued = 0, 0, 0
     try:
         for version in range(1, MAX_UPDATES + 1):
-            deadline = time.monotonic() + 30
-            while stream.in_flight_samples() == 0 and time.monotonic() < deadline:
-                time.sleep(0.005)
-            time.sleep(0.02)  # some tokens in
+            wait_until_generating(stream, engine.url)
             asyncio.run(update(engine.url, str(tiny_model_dir), mode=mode, version=version))
             stream.set_versions(trainer_version=version, engine_version=version)
             groups, dropped, _ = stream.take(4, train_version=version)
