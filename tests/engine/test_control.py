@@ -34,6 +34,18 @@ async def wait_decoding(c: EngineClient, request_id: str, *, tokens: int = 3) ->
     raise AssertionError(f"{request_id} never started decoding")
 
 
+async def wait_queued(c: EngineClient, *, requests: int = 1) -> dict:
+    """Wait until the engine holds `requests` requests queued (not running): a request sent while
+    generation is paused or the weights are released has reached the engine and is held there.
+    The bound on polls only ends a hang."""
+    for _ in range(3000):
+        st = (await c.get_server_info())["internal_states"][0]
+        if st["num_waiting_reqs"] >= requests:
+            return st
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no request was ever queued: {st}")
+
+
 def run(coro):
     return asyncio.run(coro)
 
@@ -99,8 +111,8 @@ def test_pause_abort_blocks_new_requests_until_continue(det_engine):
             aborted = await task
             late = asyncio.create_task(c.generate({"text": "x", "sampling_params":
                                                    {"max_new_tokens": 2}}))
-            await asyncio.sleep(0.5)
-            blocked = not late.done()
+            queued = await wait_queued(c)  # it reached the engine, which holds it
+            blocked = not late.done() and queued["num_running_reqs"] == 0
             ready = httpx.get(det_engine.url + "/ready").status_code
             health = await c.health()
             await c.continue_generation()
@@ -218,8 +230,8 @@ def test_release_and_resume_memory(det_engine):
             healthy = await c.health()
             pending = asyncio.create_task(c.generate({"text": "a", "sampling_params":
                                                       {"max_new_tokens": 3}}))
-            await asyncio.sleep(0.3)
-            waited = not pending.done()
+            queued = await wait_queued(c)  # it reached the engine, which holds it
+            waited = not pending.done() and queued["num_running_reqs"] == 0
             await c.resume_memory_occupation()
             return st, healthy, waited, await pending
 

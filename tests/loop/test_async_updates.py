@@ -17,7 +17,7 @@ from rltool.loop.async_staleness import StalenessGate
 
 pytestmark = pytest.mark.slow
 MAX_UPDATES = 6  # an update may land when nothing is mid-generation; then try the next version
-HANG_BOUND_S = 60.0
+IDLE_WAIT_S = 30.0  # the longest wait for the stream to be generating before an update
 
 
 @pytest.fixture(scope="module")
@@ -38,17 +38,17 @@ def engine_state(url: str) -> dict:
 def wait_until_generating(stream: RolloutStream, url: str) -> None:
     """Until the stream has samples in flight and the engine has decoded tokens for requests it
     is still running: the state an update should land in (rather than a sleep that hopes some
-    tokens are in). The deadline only bounds a hang."""
-    deadline = time.monotonic() + HANG_BOUND_S
-    while stream.in_flight_samples() == 0:
-        assert time.monotonic() < deadline, "the stream never started a sample"
+    tokens are in). Nothing is asserted here: the stream's gate may hold it idle until the next
+    take, and samples may finish first; the update then lands with nothing mid-generation and the
+    loop tries the next version. The deadline only bounds that wait."""
+    deadline = time.monotonic() + IDLE_WAIT_S
+    while stream.in_flight_samples() == 0 and time.monotonic() < deadline:
         time.sleep(0.005)
     before = engine_state(url)["total_output_tokens"]
-    while True:
+    while stream.in_flight_samples() > 0 and time.monotonic() < deadline:
         state = engine_state(url)
         if state["num_running_reqs"] > 0 and state["total_output_tokens"] > before:
             return
-        assert time.monotonic() < deadline, f"the engine never decoded for the stream: {state}"
         time.sleep(0.005)
 
 
