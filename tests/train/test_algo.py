@@ -54,6 +54,24 @@ def test_grpo_advantages(estimator, std_norm):
     assert got[-1].abs().max() == 0  # a group of one has no baseline signal
 
 
+
+@pytest.mark.parametrize("std_norm", [True, False])
+@pytest.mark.parametrize("reward", [1 / 3, 2 / 3, 0.1, 0.7])
+def test_a_group_of_equal_rewards_has_no_advantage(reward, std_norm):
+    """Bug: the float32 mean of eight equal rewards such as 1/3 is off by an ulp and the std is
+    then of that size, so a group whose samples all scored the same got an advantage of
+    0.03-0.06, of one sign for the whole group: a push towards whatever it sampled that collapsed
+    the CPU demo's entropy and, for one seed, its reward to zero. Equal rewards give exactly 0
+    (and a group with spread keeps its advantages)."""
+    rewards = torch.tensor([reward] * 8 + [0.0, 1.0], dtype=torch.float32)
+    groups = torch.tensor([0] * 8 + [1, 1])
+    got = compute_advantages("grpo", rewards=rewards, groups=groups,
+                             masks=[torch.ones(2)] * 10, std_normalization=std_norm)
+    assert all(g.abs().max() == 0 for g in got[:8])
+    spread = 1 / (math.sqrt(0.5) + 1e-6) * 0.5 if std_norm else 0.5
+    assert got[9].tolist() == pytest.approx([spread] * 2) and got[8].tolist() == pytest.approx(
+        [-spread] * 2)
+
 def _whiten(values, masks):
     flat = [v for vs, ms in zip(values, masks) for v, m in zip(vs, ms) if m]
     mean = sum(flat) / len(flat)

@@ -5,7 +5,8 @@ Per-sample values are 1-D tensors [N]; per-token values are ragged: one 1-D tens
 one). Every estimator returns per-token advantages (one tensor per sample).
 
 - grpo:  A_i = (r_i - mean_g r) / (std_g r + eps), std unbiased (torch.std, as slime); a group of
-         one sample has std 0. Without std normalisation (Dr.GRPO): A_i = r_i - mean_g r.
+         one sample has std 0; a group whose rewards are all equal has A = 0 exactly. Without
+         std normalisation (Dr.GRPO): A_i = r_i - mean_g r.
 - gspo:  GRPO's advantages; the difference is the sequence-level ratio in the policy loss.
 - reinforce_plus_plus: token rewards -kl_coef * kl_t, plus r_i on the last response token,
          discounted returns G_t = r_t + gamma * G_{t+1}, then whitened over all loss-masked tokens
@@ -37,7 +38,13 @@ def group_baseline(rewards: torch.Tensor, groups: torch.Tensor, *, std_normaliza
                                                                    torch.ones_like(rewards))
     sums = torch.zeros(num_groups, dtype=rewards.dtype).index_add_(0, groups, rewards)
     mean = (sums / counts.clamp_min(1))[groups]
-    centered = rewards - mean
+    # A group whose rewards are all equal has no spread: its centered rewards are exactly 0. The
+    # float mean of equal values such as 1/3 is off by an ulp, and the std below is then of the
+    # same size, so without this such a group got an advantage of 0.03-0.06 of one sign: a push
+    # towards whatever it sampled that sharpened the policy until its entropy collapsed.
+    lo, hi = (torch.zeros(num_groups, dtype=rewards.dtype).scatter_reduce_(
+        0, groups, rewards, reduce, include_self=False) for reduce in ("amin", "amax"))
+    centered = torch.where((lo == hi)[groups], torch.zeros_like(rewards), rewards - mean)
     if not std_normalization:
         return centered
     sq = torch.zeros(num_groups, dtype=rewards.dtype).index_add_(0, groups, centered.square())
