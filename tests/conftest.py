@@ -10,13 +10,49 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import gc  # noqa: E402
+
 import pytest  # noqa: E402
+
+GPU_LEAK_BYTES = 256 << 20  # a gpu test may leave at most this much more CUDA memory allocated
 
 
 def pytest_configure(config):
     import torch
 
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def gpu_test_releases_what_it_holds(request):
+    """After every gpu test: no process group is left and the CUDA memory allocated is back within
+    GPU_LEAK_BYTES of its level before the test (module and session fixtures are set up before
+    that level is read). The whole gpu suite runs in one process, so what one test leaves
+    (a group whose store is gone, a model still referenced) breaks the tests after it; a leak is
+    cleaned up before it is reported, so only the test that leaked fails."""
+    import torch
+    import torch.distributed as dist
+
+    if request.node.get_closest_marker("gpu") is None or not torch.cuda.is_available():
+        yield
+        return
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    yield
+    problems = []
+    if dist.is_available() and dist.is_initialized():
+        from rltool.train.launch import destroy_process_groups
+
+        problems.append("a process group is still initialized")
+        destroy_process_groups()
+    gc.collect()
+    torch.cuda.synchronize()
+    grown = torch.cuda.memory_allocated() - before
+    if grown > GPU_LEAK_BYTES:
+        problems.append(f"{grown / 2**20:.0f} MiB more CUDA memory allocated than before the test")
+    torch.cuda.empty_cache()
+    assert not problems, "the test did not release what it held: " + "; ".join(problems)
 
 
 @pytest.fixture(scope="session")
