@@ -48,7 +48,8 @@ PLACEHOLDER_URL = "http://127.0.0.1:1"
 # `rltool serve` flags an in-process engine has no use for (it is no server, and shares the loop
 # process's torch threads).
 INPROCESS_REFUSED = frozenset({"engine", "model", "url", "host", "port", "ready_file",
-                               "num_threads", "api_key", "admin_api_key", "log_level"})
+                               "num_threads", "api_key", "admin_api_key", "log_level",
+                               "allowed_hosts", "allowed_sync_hosts"})
 
 
 class ModelConfig(StageConfig):

@@ -198,12 +198,16 @@ class EngineClient:
     async def init_weights_update_group(self, *, master_address: str, master_port: int,
                                         rank_offset: int, world_size: int,
                                         group_name: str = "weight_update_group",
-                                        backend: str = "gloo") -> dict[str, Any]:
+                                        backend: str = "gloo",
+                                        timeout_s: float = api.DEFAULT_SYNC_TIMEOUT_S
+                                        ) -> dict[str, Any]:
         """Make the engine join a process group as rank `rank_offset`; the trainer (rank 0) must
-        join at the same time (the call returns once everyone has)."""
+        join at the same time (the call returns once everyone has). The builtin engine answers
+        504 once `timeout_s` has passed; it is sent only when it is not the default, so the
+        body stays SGLang's."""
         body = api.InitWeightsUpdateGroupInput(
             master_address=master_address, master_port=master_port, rank_offset=rank_offset,
-            world_size=world_size, group_name=group_name, backend=backend)
+            world_size=world_size, group_name=group_name, backend=backend, timeout_s=timeout_s)
         answer = await self._json("POST", api.INIT_WEIGHTS_UPDATE_GROUP, json=body.body())
         return api.UpdateWeightsResult.model_validate(answer).model_dump()
 
