@@ -12,24 +12,26 @@ from rltool.errors import BadInputError
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 4])
 def test_shortened_demo_learns_for_every_seed(tmp_path, capsys, seed):
-    """SFT warm start (60 steps) + at most 18 RL steps, seeds 0-2 (model init, trainers and the
-    engine's sampling): each seed's reward, as the mean of its last 3 steps, rises by at least 0.3
-    from its first step (the full demo reaches a 5-step mean of 0.8 at steps 14-29 for seeds 0-2;
-    at step 18 the rise is 0.39-0.48)."""
+    """The warm start, then at most 20 RL steps, seeds 0-4 (model init, trainers and the engine's
+    sampling): the first RL step's reward is still low (<= 0.45) and each seed either reaches the
+    demo's target or raises its reward, as the mean of its last 3 steps, by at least 0.2 (the
+    full demo reaches a 5-step mean of 0.8 at steps 18-42 for seeds 0-4; at step 20 the rise
+    is 0.30-0.46 where the target is not reached yet)."""
     root = tmp_path / "demo-run"
-    demo.main([str(root), "--steps", "18", "--seed", str(seed), "--json"])
+    demo.main([str(root), "--steps", "20", "--seed", str(seed), "--json"])
     out = capsys.readouterr().out
     assert "rltool loop" in out and "reward vs step" in out
     summary = json.loads((root / "summary.json").read_text())
     rewards = summary["rewards"]
-    assert summary["sft_steps"] == 60 and summary["seed"] == seed
-    assert sum(rewards[-3:]) / 3 >= rewards[0] + 0.3, rewards
+    assert summary["sft_steps"] >= 60 and summary["seed"] == seed
+    assert rewards[0] <= 0.45, "the warm start must leave the RL prompts at a low reward"
+    assert (summary["first_step_mean5_reaching_target"] is not None
+            or sum(rewards[-3:]) / 3 >= rewards[0] + 0.2), rewards
     png = (root / "run" / "report" / "reward.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     if seed == demo.SEED:
-        assert rewards[0] <= 0.3, "the warm start must leave the first RL step at reward <= 0.3"
         # Prompts are disjoint: no SFT string appears among the RL or eval prompts.
         labels = {f: {json.loads(l)["label"] for l in (root / f).read_text().splitlines()}
                   for f in ("rl.jsonl", "eval.jsonl", "sft.jsonl")}
