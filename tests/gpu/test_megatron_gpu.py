@@ -33,6 +33,16 @@ def shard(tiny_model_dir, tmp_path_factory):
                       tiny_model_dir, shard_rows(REWARDS), temperature=0.8)
 
 
+
+@pytest.fixture
+def backend_group():
+    """A test that builds a MegatronBackend itself starts the process group with it; the group
+    (and megatron's model-parallel state) ends with the test, as `rltool train` ends it."""
+    from rltool.train.launch import process_group_scope
+
+    with process_group_scope():
+        yield
+
 def test_megatron_fp32_on_cuda_matches_torch(tiny_model_dir, shard, tmp_path):
     out = {}
     for backend in ("torch", "megatron"):
@@ -69,7 +79,7 @@ def test_megatron_bf16_distributed_optimizer_trains_and_resumes(tiny_model_dir, 
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_weight_gradients_accumulate_into_fp32_main_grads_in_the_gemm(tiny_model_dir):
+def test_weight_gradients_accumulate_into_fp32_main_grads_in_the_gemm(tiny_model_dir, backend_group):
     """Without apex, the CUDA stand-in of its fused weight-gradient GEMM is switched on for the
     bf16 trainer and adds grad_output^T @ input to the fp32 buffer with fp32 accumulation."""
     from megatron.core.tensor_parallel import layers
@@ -88,7 +98,7 @@ def test_weight_gradients_accumulate_into_fp32_main_grads_in_the_gemm(tiny_model
     assert (acc.double() - want).abs().max().item() < 1e-4
 
 
-def test_megatron_bf16_micro_batch_never_waits_for_the_gpu(tiny_model_dir):
+def test_megatron_bf16_micro_batch_never_waits_for_the_gpu(tiny_model_dir, backend_group):
     """Packing, the forward (RoPE reads host offsets, one varlen flash call), the chunked logprobs
     and the backward of a packed bf16 micro-batch make no host-device synchronisation."""
     from rltool.train.backend import ForwardOutput, MicroBatch
@@ -118,7 +128,7 @@ def test_megatron_bf16_micro_batch_never_waits_for_the_gpu(tiny_model_dir):
     assert [t.shape[0] for t in out.logprobs] == [3, 2]
 
 
-def test_megatron_bf16_train_step_waits_for_the_gpu_per_step_not_per_micro_batch(tiny_model_dir):
+def test_megatron_bf16_train_step_waits_for_the_gpu_per_step_not_per_micro_batch(tiny_model_dir, backend_group):
     """A whole bf16 train_step through megatron's schedule, loss, gradient reduction and optimizer
     makes as many host-device synchronisations with 4 micro-batches as with 1 (the per-step
     reads: the grad norm, the summed metrics), so none happens per micro-batch."""
@@ -156,8 +166,8 @@ def test_megatron_bf16_train_step_waits_for_the_gpu_per_step_not_per_micro_batch
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_megatron_bf16_logprob_pass_waits_for_the_gpu_per_call_not_per_sample(tiny_model_dir,
-                                                                               deterministic):
+def test_megatron_bf16_logprob_pass_waits_for_the_gpu_per_call_not_per_sample(
+        tiny_model_dir, deterministic, backend_group):
     """forward_logprobs (entropy and top-k too) makes as many host-device synchronisations for 4
     samples as for 1: its outputs reach the host in one copy per field after the schedule (with
     --deterministic every sample is its own micro-batch)."""
