@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from rltool.delta import shm_read
-from rltool.engine.api import CUDA_IPC_HANDLE_BYTES, CUDA_IPC_REF_COUNTER_SLOTS
+from rltool.delta.sync_limits import CUDA_IPC_HANDLE_BYTES, CUDA_IPC_REF_COUNTER_SLOTS
 from rltool.errors import BadInputError
 
 # torch's RefcountedMapAllocator puts a 64-byte header (map_alloc_alignment) before the slots.

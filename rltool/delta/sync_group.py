@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from rltool.engine.api import DEFAULT_SYNC_TIMEOUT_S, MAX_SYNC_WORLD_SIZE
+from rltool.delta.sync_limits import DEFAULT_SYNC_TIMEOUT_S, MAX_SYNC_WORLD_SIZE
 from rltool.errors import BadInputError, RltoolError
 
 

@@ -3,8 +3,8 @@
 request and response bodies.
 
 Names and shapes are SGLang's (docs/engine-api.md), so the same client drives the builtin engine,
-SGLang and an smg gateway. This module imports only pydantic: a client importing it loads neither
-the server (fastapi) nor the model code (torch).
+SGLang and an smg gateway. This module imports only pydantic and the sync limits (which import
+nothing): a client importing it loads neither the server (fastapi) nor the model code (torch).
 
 Request bodies ignore unknown top-level keys (gateways add their own, e.g. smg's `model`,
 `log_metrics`); `sampling_params` keys are strict (rltool.engine.sampling).
@@ -13,10 +13,13 @@ Request bodies ignore unknown top-level keys (gateways add their own, e.g. smg's
 from __future__ import annotations
 
 import base64
-import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from rltool.delta.sync_limits import (CUDA_IPC_HANDLE_BYTES, CUDA_IPC_REF_COUNTER_SLOTS,
+                                     DEFAULT_SYNC_TIMEOUT_S, MAX_CUDA_IPC_HANDLE_BYTES,
+                                     TORCH_REF_COUNTER_NAME)
 
 # ----- route paths ---------------------------------------------------------------------------
 
@@ -166,15 +169,6 @@ class TensorEntry(BaseModel):
     offset: int = Field(ge=0)
 
 
-# torch's names for the CUDA IPC reference-counter file (a POSIX shared-memory object,
-# at::NewProcessWideShmHandle: "/torch_<pid>_<random uint32>_<counter>"), its number of int64
-# slots (torch::CUDA_IPC_REF_COUNTER_FILE_SIZE) and the size of a cudaIpc*Handle_t. On release
-# torch opens that object read-write and decrements the slot at `ref_counter_offset`, so both
-# are checked before a handle is opened.
-TORCH_REF_COUNTER_NAME = re.compile(r"/torch_[0-9]{1,10}_[0-9]{1,10}_[0-9]{1,20}")
-CUDA_IPC_REF_COUNTER_SLOTS = 10000
-CUDA_IPC_HANDLE_BYTES = 64
-MAX_CUDA_IPC_HANDLE_BYTES = 1 << 20  # an expandable segment lists one handle per page
 
 
 def _b64_field(value: str, what: str) -> bytes:
@@ -271,10 +265,6 @@ class UpdateWeightsFromTensorInput(_Body):
     weight_version: str | None = None
 
 
-# The largest weight-sync group an engine joins (each rank costs the engine memory and
-# connections), and how long joining may take unless the request says otherwise.
-MAX_SYNC_WORLD_SIZE = 1024
-DEFAULT_SYNC_TIMEOUT_S = 120.0
 
 
 class InitWeightsUpdateGroupInput(_Body):

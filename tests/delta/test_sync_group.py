@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rltool.delta import sync_group, tensor_sync
-from rltool.engine import api
+from rltool.delta.sync_limits import MAX_SYNC_WORLD_SIZE
 from rltool.errors import BadInputError
 
 pytestmark = pytest.mark.timeout(120)
@@ -96,7 +96,7 @@ def test_the_rendezvous_listens_only_on_the_master_address():
 def test_group_arguments_are_refused_before_connecting():
     """A world_size of 10**7 made the engine allocate per-rank state until MemoryError; sizes
     past the limit, ranks outside the group and unresolvable hosts are refused up front."""
-    with pytest.raises(BadInputError, match=f"limit of {api.MAX_SYNC_WORLD_SIZE} ranks"):
+    with pytest.raises(BadInputError, match=f"limit of {MAX_SYNC_WORLD_SIZE} ranks"):
         sync_group.join_group(master_address="127.0.0.1", master_port=1, rank=1,
                               world_size=10**7)
     with pytest.raises(BadInputError, match="outside world_size"):

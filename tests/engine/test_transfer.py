@@ -17,6 +17,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from rltool.delta import tensor_sync
+from rltool.delta.sync_limits import MAX_SYNC_WORLD_SIZE
 from rltool.engine import api
 from rltool.engine.app import EngineState, build_app
 from rltool.engine.config import ServeConfig
@@ -331,7 +332,7 @@ def test_a_huge_world_size_is_refused_naming_the_limit(engine):
     client, _ = engine
     r = init_group(client, world_size=10**7)
     assert r.status_code == 400
-    assert f"limit of {api.MAX_SYNC_WORLD_SIZE} ranks" in r.json()["message"]
+    assert f"limit of {MAX_SYNC_WORLD_SIZE} ranks" in r.json()["message"]
     r = init_group(client, rank_offset=2, world_size=2)
     assert r.status_code == 400 and "outside world_size" in r.json()["message"]
 
