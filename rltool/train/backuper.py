@@ -14,9 +14,8 @@ Tiers, fastest first:
 - ssd: a checksummed safetensors file per tag under `ssd_dir` (rltool.train.snapshot_file),
   memory-mapped on read. Host copies are bounded by `host_budget_bytes`: the least recently used
   tags spill to SSD (written once; a tag whose file is current spills by dropping its host copy).
-  The backuper keeps the checksum it wrote each file with and its layout: a read refuses a file
-  that is not that one, also a self-consistent snapshot put in its place (`ssd_dir` may be a
-  directory others can write to).
+  A read refuses any file but the one the backuper wrote (its checksum and layout), so `ssd_dir`
+  may be a directory others can write to.
 
 Single-tag mode (`single_tag="actor"`): the live weights are the only copy, nothing is copied;
 `backup` records a fingerprint and `restore` verifies it, so a run that switches nothing pays no
@@ -44,8 +43,7 @@ from typing import Any
 import torch
 
 from rltool.errors import BadInputError, CheckpointError, RltoolError
-from rltool.train.live_weights import (dtensor_sharder, fingerprint, fsdp_resharder,
-                                       module_tensors)
+from rltool.train.live_weights import dtensor_sharder, fingerprint, fsdp_resharder, module_tensors
 from rltool.train.snapshot_file import SUFFIX, MappedSnapshot, write_snapshot
 
 __all__ = ["BackuperError", "WeightBackuper", "dtensor_sharder", "fingerprint", "fsdp_resharder",
@@ -172,6 +170,8 @@ class WeightBackuper:
                 with torch.no_grad():
                     for name, dst in self.live.items():
                         dst.copy_(t.staged[name])
+                        if self._stream is not None:  # read on this stream: freed after it
+                            t.staged[name].record_stream(torch.cuda.current_stream(self.device))
                 t.staged = None  # its device memory goes back to the allocator
             elif t.host is not None:
                 with torch.no_grad():
@@ -313,8 +313,9 @@ class WeightBackuper:
             if not self.stage_on_device:
                 return
             self._unstage_others(keep=t)
-            staged = {n: torch.empty_like(x, device=self.device) for n, x in self.live.items()}
             with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
+                # On the filling stream: memory the main stream freed may still be in use there.
+                staged = {n: torch.empty_like(x, device=self.device) for n, x in self.live.items()}
                 if t.host is not None:
                     for name, view in self._views(t.host).items():
                         staged[name].copy_(view, non_blocking=True)
@@ -419,12 +420,9 @@ class WeightBackuper:
         return torch.empty(self.snapshot_bytes, dtype=torch.uint8, pin_memory=self.pin_memory)
 
     def _views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, dtype, shape in self.layout:
-            start = self._offsets[name]
-            n = torch.Size(shape).numel() * dtype.itemsize
-            out[name] = flat[start:start + n].view(dtype).view(shape)
-        return out
+        return {name: flat[self._offsets[name]:self._offsets[name] + torch.Size(shape).numel()
+                           * dtype.itemsize].view(dtype).view(shape)
+                for name, dtype, shape in self.layout}
 
     def _converted(self, tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, dtype, shape in self.layout:

@@ -54,11 +54,13 @@ def test_bad_device_changes_nothing(tmp_path, monkeypatch, device, match):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_init_is_seeded_sharded_released_and_distributed_as_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(models, "DEVICE_SHARD_SIZE", "2MB")  # the small preset in several shards
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
     a = init_model(tmp_path / "a", preset="small", dtype="bf16", seed=1, device="cuda")
-    assert torch.cuda.memory_allocated() == before  # the model is freed
+    torch.cuda.synchronize()
+    # Measured after the first call: the first CUDA work of a process leaves a 512-byte block
+    # (the generator's state) behind, whatever it was.
+    before = torch.cuda.memory_allocated()
     b = init_model(tmp_path / "b", preset="small", dtype="bf16", seed=1, device="cuda")
+    assert torch.cuda.memory_allocated() == before  # the model is freed
     shards = sorted(p.name for p in a.glob("*.safetensors"))
     assert len(shards) > 1 and (a / "model.safetensors.index.json").is_file()
     assert shards == sorted(p.name for p in b.glob("*.safetensors"))
