@@ -9,7 +9,7 @@ tokens, 1 warmup and 3 timed steps, both presets) are sized for about three minu
 
   megatron  micro-batches of <= --seq-len tokens, each packed into one THD row (bf16 parameters,
             fp32 master weights and Adam moments in megatron's optimizer, --use-distributed-
-            optimizer and --recompute-granularity as in `rltool train`). Qwen2.5-3B shapes need
+            optimizer and --recompute as in `rltool train`). Qwen2.5-3B shapes need
             about 56 GiB of weights, fp32 gradient buffer, master weights and moments, plus
             ~15 GiB of bf16 activations per 4,096-token row without recompute: one 141 GiB GPU
             holds them. The row's `gradient_accumulation_fusion` says whether weight gradients
@@ -17,7 +17,7 @@ tokens, 1 warmup and 3 timed steps, both presets) are sized for about three minu
   torch     its packed layout on CUDA (padded on the CPU) with micro-batches of <= --torch-seq-len
             tokens (fp32 parameters under bf16 autocast); when a preset runs out of memory
             without activation checkpointing it is retried with it (the row says
-            `recompute_activations`), unless --torch-recompute-activations forces it from the start
+            `recompute`: full), unless --torch-recompute-full forces it from the start
 
   tokens/s     real (unpadded) tokens per second of train_step, median step
   MFU          model FLOPs / step time / --peak-tflops: 6 x (linear-layer parameters, lm_head
@@ -80,14 +80,14 @@ from pathlib import Path
 # read when torch first allocates CUDA memory, so set before anything does
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
-import torch  # noqa: E402
+import torch
 
-from rltool import atomic  # noqa: E402
-from rltool.data.models import init_model  # noqa: E402
-from rltool.train.backend import MicroBatch  # noqa: E402
-from rltool.train.backends import build_backend  # noqa: E402
-from rltool.train.config import BackendConfig  # noqa: E402
-from rltool.train.dp_schedule import schedule  # noqa: E402
+from rltool import atomic
+from rltool.data.models import init_model
+from rltool.train.backend import MicroBatch
+from rltool.train.backends import build_backend
+from rltool.train.config import BackendConfig
+from rltool.train.dp_schedule import schedule
 
 T0 = time.perf_counter()
 
@@ -166,13 +166,13 @@ def bench_backend(name: str, model_dir: Path, samples: list[list[int]], args: ar
                   out_dir: Path, preset: str, *, recompute: bool = False) -> dict:
     if name == "megatron":
         options = BackendConfig(backend=name, dtype=args.dtype, device=args.device, lr=1e-5,
-                                recompute_granularity=args.recompute_granularity,
+                                recompute=args.recompute,
                                 use_distributed_optimizer=args.use_distributed_optimizer)
         cap = args.seq_len
     else:
         options = BackendConfig(backend=name, dtype=args.dtype, device=args.device, lr=1e-5,
                                 micro_batch_layout="packed" if args.device == "cuda" else "padded",
-                                recompute_activations=recompute)
+                                recompute="full" if recompute else "none")
         cap = args.torch_seq_len
     cuda = torch.cuda.is_available()
     # what an earlier backend of the run left allocated (its memory should be gone)
@@ -204,7 +204,7 @@ def bench_backend(name: str, model_dir: Path, samples: list[list[int]], args: ar
                   "micro_batches": len(mbs), "max_tokens_per_microbatch": cap,
                   "phase_s": phases}
         if name == "torch":
-            result["recompute_activations"] = recompute
+            result["recompute"] = "full" if recompute else "none"
         else:  # weight gradients added to the fp32 main grads inside their GEMM
             result["gradient_accumulation_fusion"] = backend.config.gradient_accumulation_fusion
         if cuda:
@@ -237,9 +237,9 @@ def best_run(name: str, model_dir: Path, samples: list[list[int]], args: argpars
     memory without (retried after the failed run's memory is released)."""
     try:
         return bench_backend(name, model_dir, samples, args, out_dir, preset,
-                             recompute=args.torch_recompute_activations)
+                             recompute=args.torch_recompute_full)
     except torch.OutOfMemoryError:
-        if name != "torch" or args.torch_recompute_activations:
+        if name != "torch" or args.torch_recompute_full:
             raise
     gc.collect()  # the failed run's frames are gone with the handled exception
     torch.cuda.empty_cache()
@@ -375,10 +375,10 @@ def main() -> None:
     parser.add_argument("--samples-per-step", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--recompute-granularity", choices=("none", "full", "selective"),
-                        default="none")
+    parser.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
+                        help="megatron: activation recomputation, as `rltool train --recompute`")
     parser.add_argument("--use-distributed-optimizer", action="store_true")
-    parser.add_argument("--torch-recompute-activations", action="store_true",
+    parser.add_argument("--torch-recompute-full", action="store_true",
                         help="torch: activation checkpointing from the start (default: only "
                         "after running out of memory without it)")
     parser.add_argument("--peak-tflops", type=float, default=989.0,

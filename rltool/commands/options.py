@@ -10,6 +10,8 @@ a flag list nor a default is restated here. The mechanisms, one each:
 - a fixed tuple takes that many values: `--block 128 128`;
 - an environment-variable fallback is declared on the field, `cli(envvar="RLTOOL_API_KEY")`;
 - `cli(argument=True)` makes a field positional, `cli(option=False)` leaves it to the file;
+- a key an earlier version had (the model's `retired_keys`: name -> one-line refusal) stays a
+  hidden option that fails with that refusal (exit 2), so an old command line names the fix;
 - every option carries the config table it feeds (`table`): a command may take options of
   several tables (the loop's `--sync` feeds `[sync]`, `--num-steps` feeds `[loop]`), and
   `given(ctx, table)` collects the ones the user gave for one table.
@@ -157,6 +159,8 @@ def stage_options(model: type[BaseModel], *, table: str) -> Callable[[F], F]:
     `--help` lists the model's own fields first, then those of its bases."""
     params = [p for name in _own_fields_first(model)
               for p in [field_param(name, model.model_fields[name], table=table)] if p is not None]
+    params += [_retired_param(name, message)
+               for name, message in getattr(model, "retired_keys", {}).items()]
 
     def decorate(fn: F) -> F:
         # What @click.option does: click.command collects __click_params__ (in reverse).
@@ -169,6 +173,20 @@ def stage_options(model: type[BaseModel], *, table: str) -> Callable[[F], F]:
         return fn
 
     return decorate
+
+
+def _retired_param(name: str, message: str) -> click.Option:
+    """A hidden option for retired key `name`: given at all (as a flag, its --no- form or with a
+    value), it is a usage error with `message`."""
+    def refuse(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+        if value is not None:
+            raise click.UsageError(message, ctx)
+
+    flag = "--" + name.replace("_", "-")
+    # flag_value: the value is optional, so both `--old` and `--old VALUE` reach the refusal
+    return click.Option([flag, f"--no-{flag[2:]}", f"retired_{name}"], is_flag=False,
+                        flag_value="", default=None, hidden=True, expose_value=False,
+                        callback=refuse)
 
 
 def _own_fields_first(model: type[BaseModel]) -> list[str]:

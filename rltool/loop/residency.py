@@ -96,7 +96,7 @@ class Residency:
                                host_bytes=host_available(), compute_dtype=opts.dtype,
                                engine_dtype="fp32" if dtype == torch.float32 else "bf16",
                                micro_batch_tokens=opts.max_tokens_per_microbatch,
-                               recompute=opts.recompute_activations,
+                               recompute=opts.recompute == "full",
                                logprob_chunk_tokens=opts.logprob_chunk_tokens,
                                kv_tokens=self.min_kv_tokens)
             log.info("memory plan (predicted peaks): %s", self.plan.summary())

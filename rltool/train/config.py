@@ -3,7 +3,7 @@ and `BackendConfig`, the part of it a trainer backend reads."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -48,8 +48,10 @@ class BackendConfig(MegatronOptions):
     logprob_chunk_tokens: int = Field(4096, ge=1, description="Packed layout: rows of logits "
                                       "computed at a time for logprobs and entropy (bounds the "
                                       "[tokens, vocab] float32 buffer).")
-    recompute_activations: bool = Field(False, description="Activation checkpointing of every "
-                                        "decoder layer (less memory, ~1/3 more compute).")
+    recompute: Literal["none", "selective", "full"] = Field(
+        "none", description="Activation recomputation (less memory, more compute). full: every "
+        "decoder layer is checkpointed (~1/3 more compute); selective (megatron only): the core "
+        "attention; none: off.")
     deterministic: bool = Field(False, description="One unpadded forward per sample "
                                 "(rltool.logprobs.sequence_logprobs layout): exact alignment "
                                 "with the engine's deterministic mode, slower.")
@@ -59,6 +61,31 @@ class BackendConfig(MegatronOptions):
         "token to the experts the engine routed it to (the shards' rollout_routed_experts, "
         "rltool rollout --use-rollout-routing-replay) instead of the router's own top-k; the "
         "routing weights still come from the trainer's router over those experts.")
+
+    # Keys of earlier versions, each with its one-line refusal naming what replaced it: refused
+    # by name in a file, --set and on the command line (rltool.commands.options adds the flags),
+    # so an old config fails with the fix instead of "unknown key".
+    retired_keys: ClassVar[dict[str, str]] = {
+        "recompute_activations": "--recompute-activations (recompute_activations) was replaced "
+                                 "by --recompute full|none ([train] recompute = \"full\")",
+        "recompute_granularity": "--recompute-granularity (recompute_granularity) was replaced "
+                                 "by --recompute none|selective|full ([train] recompute)"}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_retired(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old, message in cls.retired_keys.items():
+                if old in data:
+                    raise ConfigError(message)
+        return data
+
+    @model_validator(mode="after")
+    def _check_recompute(self) -> "BackendConfig":
+        if self.backend == "torch" and self.recompute == "selective":
+            raise ConfigError("--recompute selective: the torch backend recomputes whole layers; "
+                              "use --recompute full or none (or --backend megatron)")
+        return self
 
 
 class TrainConfig(BackendConfig, SyncConfig):

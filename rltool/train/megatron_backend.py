@@ -78,9 +78,9 @@ def _config_overrides(options: BackendConfig, *, cuda: bool) -> dict[str, Any]:
         bias_activation_fusion=cuda,
         # HF's forward (the torch backend, the engines) adds no load-balancing loss
         moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
-    if options.recompute_granularity != "none":
-        overrides["recompute_granularity"] = options.recompute_granularity
-        if options.recompute_granularity == "full":
+    if options.recompute != "none":
+        overrides["recompute_granularity"] = options.recompute
+        if options.recompute == "full":
             overrides.update(recompute_method="uniform", recompute_num_layers=1)
     return overrides
 

@@ -1,6 +1,7 @@
 """The megatron trainer's options, with Megatron-LM's flag names (`--tensor-model-parallel-size`,
 ...). `BackendConfig` extends this class, so every trainer config carries them; the torch backend
-ignores them and the train config refuses them with `backend = "torch"`."""
+ignores them and the train config refuses them with `backend = "torch"`. (Activation
+recomputation, which both backends take, is `BackendConfig.recompute`.)"""
 
 from __future__ import annotations
 
@@ -33,9 +34,6 @@ class MegatronOptions(StageConfig):
     use_distributed_optimizer: bool = Field(False, description="megatron: shard optimizer state "
                                             "and fp32 master weights over data-parallel "
                                             "ranks.")
-    recompute_granularity: Literal["none", "full", "selective"] = Field(
-        "none", description="megatron: activation recomputation (full: every layer; selective: "
-        "the core attention).")
     transformer_impl: Literal["local", "transformer_engine"] = Field(
         "local", description="megatron: layer spec; local uses rltool's SDPA core attention, "
         "transformer_engine needs TE installed (untested here).")

@@ -56,8 +56,8 @@ class MegatronRouterReplay:
     def __init__(self, model: Any, options: Any, *, tp_rank: int):
         from megatron.core.transformer.moe.router import TopKRouter
 
-        if options.recompute_granularity == "full" and options.pipeline_model_parallel_size > 1:
-            raise ConfigError("--use-rollout-routing-replay with --recompute-granularity full "
+        if options.recompute == "full" and options.pipeline_model_parallel_size > 1:
+            raise ConfigError("--use-rollout-routing-replay with --recompute full "
                               "and --pipeline-model-parallel-size > 1 would recompute routers "
                               "after later micro-batches' forwards; drop one of them")
         config = model.config

@@ -188,7 +188,7 @@ def choose(shape: Shape, *, offload: str = "auto", device_bytes: int, host_bytes
     if p.peak("train") > device_room:
         raise ConfigError(f"the train phase needs {gib(p.peak('train'))} of device memory, the "
                           f"device has {gib(device_room)}; lower [train] "
-                          "max_tokens_per_microbatch or set recompute_activations")
+                          "max_tokens_per_microbatch or set [train] recompute = \"full\"")
     if p.peak("host") > host_room:
         raise ConfigError(f"offload {p.offload} needs {gib(p.peak('host'))} of pinned host "
                           f"memory, {HOST_SHARE:.0%} of the available is {gib(host_room)}; set "

@@ -118,7 +118,7 @@ class TorchBackend:
         # CPU: AdamW and the clip as one op per kind over all tensors (the per-tensor loops' bits)
         self.foreach = True if self.device.type == "cpu" and not self.fsdp else None
         if self.trainable:
-            if options.recompute_activations:
+            if options.recompute == "full":  # "selective" is refused by BackendConfig
                 enable = getattr(self.inner, "activation_checkpointing_enable", None) or \
                     self.inner.gradient_checkpointing_enable  # the older transformers name
                 enable({"use_reentrant": False})

@@ -85,7 +85,7 @@ COMPANIONS = {
     **{field: ["--backend", "megatron"] for field in (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
         "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
-        "use_distributed_optimizer", "recompute_granularity", "transformer_impl")},
+        "use_distributed_optimizer", "transformer_impl")},
     "mode": ["--placement", "disaggregated"],  # async refuses colocated placement
     "opd_teacher_route": ["--opd-teacher", "a=x"],
     "opd_mode": ["--opd-teacher", "x"],

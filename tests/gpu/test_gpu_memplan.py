@@ -81,7 +81,7 @@ def test_the_7b_phases_fit_with_the_offload_auto_chooses(tmp_path):
                                                loop__device="cuda",
                                                loop__min_kv_tokens=KV_TOKENS))
     cfg = TrainConfig(load=str(model_dir), rollouts=["unused"], device="cuda", dtype="bf16",
-                      lr=1e-6, recompute_activations=True, max_tokens_per_microbatch=TOKENS,
+                      lr=1e-6, recompute="full", max_tokens_per_microbatch=TOKENS,
                       logprob_chunk_tokens=1024)
     trainer = ResidentTrainer(cfg)
     vocab = trainer.backend.vocab_size

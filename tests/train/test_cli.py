@@ -100,6 +100,35 @@ def test_bad_flags_are_refused(tiny_model_dir, train_shard, args, fragment):
     assert result.exit_code == 2 and fragment in result.stderr, result.output
 
 
+@pytest.mark.parametrize("args", [["--recompute-activations"], ["--no-recompute-activations"],
+                                  ["--recompute-granularity", "full"],
+                                  ["--backend", "megatron", "--recompute-granularity=selective"]])
+def test_retired_recompute_flags_name_recompute(tiny_model_dir, train_shard, args):
+    result = _invoke(["--rollouts", train_shard, "--load", tiny_model_dir, *args])
+    assert result.exit_code == 2, result.output
+    assert "was replaced by --recompute " in result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("key", ["recompute_activations = true",
+                                 'recompute_granularity = "full"'])
+def test_retired_recompute_keys_name_recompute(tiny_model_dir, train_shard, tmp_path, key):
+    config = tmp_path / "run.toml"
+    config.write_text(f"[train]\n{key}\n")
+    result = _invoke(["--rollouts", train_shard, "--load", tiny_model_dir, "--config", config])
+    assert result.exit_code == 2, result.output
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: --recompute-") and "was replaced by --recompute " in last
+
+
+def test_recompute_selective_is_refused_by_the_torch_backend(tiny_model_dir, train_shard):
+    result = _invoke(["--rollouts", train_shard, "--load", tiny_model_dir, "--recompute",
+                      "selective"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == ("Error: --recompute selective: the torch backend recomputes "
+                                     "whole layers; use --recompute full or none (or --backend "
+                                     "megatron)")
+
+
 def test_missing_inputs_are_refused(tiny_model_dir, tmp_path):
     assert "--load" in _invoke(["--rollouts", tmp_path]).stderr
     result = _invoke(["--rollouts", tmp_path / "nope", "--load", tiny_model_dir])

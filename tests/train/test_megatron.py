@@ -173,6 +173,21 @@ def test_megatron_flags_need_the_megatron_backend(shards):
                     advantage_estimator="ppo")
 
 
+@pytest.mark.parametrize("recompute,want", [
+    ("none", {}),
+    ("selective", {"recompute_granularity": "selective"}),
+    ("full", {"recompute_granularity": "full", "recompute_method": "uniform",
+              "recompute_num_layers": 1}),
+])
+def test_recompute_maps_to_megatron_s_recompute_granularity(recompute, want):
+    from rltool.train.megatron_backend import _config_overrides
+
+    overrides = _config_overrides(BackendConfig(backend="megatron", recompute=recompute),
+                                  cuda=False)
+    keys = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+    assert {k: overrides[k] for k in keys if k in overrides} == want
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 def test_cpu_refuses_megatron_mixed_precision_training(shards):
     from rltool.train.megatron_backend import MegatronBackend

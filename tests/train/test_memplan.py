@@ -81,7 +81,7 @@ def test_auto_on_one_h200_keeps_the_7b_parameters_and_moves_everything_of_the_3b
     (dict(host_bytes=int(40 * GIB)), r"offload optimizer needs .* pinned host memory"),
     (dict(offload="all"), r"offload all needs .* set \[loop\] offload = optimizer"),
     (dict(recompute=False), r"train phase needs .* lower \[train\] max_tokens_per_microbatch "
-                            "or set recompute_activations"),
+                            r'or set \[train\] recompute = "full"'),
     (dict(offload="optimizer", kv_tokens=2_000_000),
      r"rollout phase needs .* set \[loop\] offload = all or lower \[loop\] min_kv_tokens"),
     (dict(offload="auto-ish"), r"unknown offload 'auto-ish'; choose auto, all, optimizer, none"),

@@ -89,7 +89,7 @@ def test_packed_train_step_matches_padded(tiny_model_dir):
 
     results = {}
     for layout in ("padded", "packed"):
-        backend = _backend(tiny_model_dir, layout, recompute_activations=layout == "packed")
+        backend = _backend(tiny_model_dir, layout, recompute="full" if layout == "packed" else "none")
         batch = _batch(int(backend.config.vocab_size), seed=4, n=8)
         halves = [MicroBatch(batch.indices[:4], batch.tokens[:4], batch.response_starts[:4]),
                   MicroBatch(batch.indices[4:], batch.tokens[4:], batch.response_starts[4:])]
@@ -99,6 +99,18 @@ def test_packed_train_step_matches_padded(tiny_model_dir):
                                                             abs=1e-6)
     assert results["packed"]["train/grad_norm"] == pytest.approx(
         results["padded"]["train/grad_norm"], rel=1e-4)
+
+
+def test_recompute_full_checkpoints_every_decoder_layer_and_none_none(tiny_model_dir):
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    for recompute, want in (("none", False), ("full", True)):
+        inner = _backend(tiny_model_dir, "padded", recompute=recompute).inner
+        layers = [m for m in inner.modules() if isinstance(m, GradientCheckpointingLayer)]
+        assert len(layers) == inner.config.num_hidden_layers
+        assert [layer.gradient_checkpointing for layer in layers] == [want] * len(layers)
+    with pytest.raises(ConfigError, match="torch backend recomputes whole layers"):
+        _backend(tiny_model_dir, "padded", recompute="selective")
 
 
 def test_layout_choice_and_refusals(tiny_model_dir):
