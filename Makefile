@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -c constraints.txt
 STAMP_DEV := $(VENV)/.installed-dev
 
-.PHONY: demo test test-fast install clean
+.PHONY: demo test test-fast lint install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ test: $(STAMP_DEV)
 
 test-fast: $(STAMP_DEV)
 	$(PY) -m pytest -q -m "not slow" -p no:cacheprovider
+
+# ruff, pinned in constraints.txt; its rules (bugs, not style) and why are in pyproject.toml.
+lint: $(STAMP_DEV)
+	$(VENV)/bin/ruff check rltool tests benchmarks
 
 clean:
 	rm -rf $(VENV) build *.egg-info rltool/_native*.so

@@ -160,8 +160,7 @@ def bench_tiers(model_dir: Path, device: torch.device, ssd: Path, repeats: int) 
     for key in [k for k in r if k.endswith("_s") and not k.startswith("reload_from")]:
         r[key.removesuffix("_s") + "_gbps"] = gb / r[key]
     r["reload_from_pretrained_cold_gbps"] = gb / r["reload_from_pretrained_cold_s"]
-    del model, live
-    return r
+    return r  # the model and its snapshots are freed with this frame
 
 
 def bench_overlap(model_dir: Path, device: torch.device, ssd: Path, *, tokens: int,

@@ -48,7 +48,6 @@ import contextlib
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -96,7 +95,7 @@ def roofline(spec, batch: int, *, bw: float, weight_bytes: int) -> dict:
     params = weight_bytes / 2
     body = params - head - (0 if spec.tie_word_embeddings else head)  # matmul weights, no head
     read = weight_bytes - (0 if spec.tie_word_embeddings else 2 * head)
-    attn = lambda q, ctx: 4 * q * ctx * layers * spec.num_heads * hd  # noqa: E731
+    attn = lambda q, ctx: 4 * q * ctx * layers * spec.num_heads * hd
     T = batch * PROMPT_LEN
     pre_flops = 2 * body * T + attn(T, PROMPT_LEN / 2) + 2 * head * batch
     pre_bytes = read + T * kv_tok + batch * spec.vocab_size * 2
@@ -471,7 +470,7 @@ def main() -> None:
                     try:
                         r["hf"][mode][b] = hf_generate(model_dir, b, vocab, mode=mode,
                                                        compile_=args.hf_compile)
-                    except Exception as e:  # recorded, so the engine's figures still come out
+                    except Exception as e:  # noqa: BLE001 - recorded, the engine's figures still come out
                         r["hf"][mode][b] = {"error": f"{type(e).__name__}: {e}"[:300]}
                     print("generate", mode, b, r["hf"][mode][b], flush=True)
         results["models"][preset] = r
@@ -493,7 +492,7 @@ def main() -> None:
     print(f"{'model':14} {'N':>3} {'B':>4} {'engine tok/s':>13} {'http tok/s':>11} {'hf dyn':>9} "
           f"{'hf static':>10} {'roofline':>10} {'of roof':>8} {'gpu ms/step':>12} "
           f"{'wall ms/step':>13}")
-    fmt = lambda x, w, p=0: f"{x:>{w}.{p}f}" if x is not None else f"{'-':>{w}}"  # noqa: E731
+    fmt = lambda x, w, p=0: f"{x:>{w}.{p}f}" if x is not None else f"{'-':>{w}}"
     for p, n, b, e, h, hd, hs, roof, frac, gpu, wall in rows:
         print(f"{p:14} {n:>3} {b:>4} {fmt(e, 13)} {fmt(h, 11)} {fmt(hd, 9)} {fmt(hs, 10)} "
               f"{fmt(roof, 10)} {frac:>8.1%} {gpu:>12.2f} {wall:>13.2f}")

@@ -98,56 +98,65 @@ KINDS = ("bf16", "triton", "triton_prequantized", "native", "native_prequantized
 def gemm_rates(spec, tokens: tuple[int, ...] = TOKENS) -> list[dict]:
     """TFLOP/s and GB/s of bf16 F.linear and of the FP8 GEMMs at the model's linear shapes
     (null where torch refuses one, or where native_128x128 disagrees with the Triton kernel)."""
-    from rltool.convert.fp8 import quantize_blocks_torch
     from rltool.engine import fp8_gemm
 
     native = fp8_gemm.probe_native(torch.device("cuda"))
     rows = []
     for name, (n, k) in linear_shapes(spec).items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-        q, block_scale = quantize_blocks_torch(w, (128, 128))
-        block_scale = block_scale.to("cuda")
-        # the engine's layout: per-row scales, K-block-major
-        scale = block_scale.repeat_interleave(128, dim=0)[:n].t().contiguous().t()
-        for m in tokens:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            row = {"gemm": name, "m": m, "n": n, "k": k}
-            fp8_bytes = n * k + scale.numel() * 4 + m * k * 2 + m * n * 2
-            act = fp8_gemm.activations(x, 128)  # as the fused norm / SiLU kernels leave them
-            prequantized_bytes = fp8_bytes - m * k * 2 + act.q.numel() + act.s.numel() * 4
-            kinds = {"bf16": (lambda: torch.nn.functional.linear(x, w),
-                              2 * (n * k + m * k + m * n)),
-                     "triton": (lambda: fp8_gemm.triton_linear(x, q, scale, block_k=128),
-                                fp8_bytes),
-                     "triton_prequantized": (
-                         lambda: fp8_gemm.triton_linear(act, q, scale, block_k=128),
-                         prequantized_bytes)}
-            if native:
-                kinds["native"] = (lambda: fp8_gemm.native_linear(x, q, scale, block_k=128),
-                                   fp8_bytes)
-                kinds["native_prequantized"] = (
-                    lambda: fp8_gemm.native_linear(act, q, scale, block_k=128),
-                    prequantized_bytes)
-            want = fp8_gemm.triton_linear(x, q, scale, block_k=128).float()
-            try:
-                got = native_block_weight(x, q, block_scale).float()
-                if ((got - want).abs() <= 2 ** -6 * want.abs().amax()).all():
-                    kinds["native_128x128"] = (lambda: native_block_weight(x, q, block_scale),
-                                               fp8_bytes - (scale.numel() - block_scale.numel())
-                                               * 4)
-            except (RuntimeError, NotImplementedError, ValueError):  # refused, by torch version
-                pass
-            for kind in KINDS:
-                if kind not in kinds:
-                    row[f"{kind}_tflops"] = row[f"{kind}_GBps"] = None
-                    continue
-                fn, nbytes = kinds[kind]
-                seconds = graph_seconds(fn)
-                row[f"{kind}_tflops"] = 2 * m * n * k / seconds / 1e12
-                row[f"{kind}_GBps"] = nbytes / seconds / 1e9
-            rows.append(row)
-        del w, q, scale, block_scale
+        rows += shape_rates(name, n=n, k=k, tokens=tokens, native=native)
     torch.cuda.empty_cache()
+    return rows
+
+
+def shape_rates(name: str, *, n: int, k: int, tokens: tuple[int, ...], native: bool) -> list[dict]:
+    """gemm_rates' rows for one [n, k] weight; its tensors are freed when this returns, before
+    the next shape's are made."""
+    from rltool.convert.fp8 import quantize_blocks_torch
+    from rltool.engine import fp8_gemm
+
+    rows = []
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    q, block_scale = quantize_blocks_torch(w, (128, 128))
+    block_scale = block_scale.to("cuda")
+    # the engine's layout: per-row scales, K-block-major
+    scale = block_scale.repeat_interleave(128, dim=0)[:n].t().contiguous().t()
+    for m in tokens:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        row = {"gemm": name, "m": m, "n": n, "k": k}
+        fp8_bytes = n * k + scale.numel() * 4 + m * k * 2 + m * n * 2
+        act = fp8_gemm.activations(x, 128)  # as the fused norm / SiLU kernels leave them
+        prequantized_bytes = fp8_bytes - m * k * 2 + act.q.numel() + act.s.numel() * 4
+        kinds = {"bf16": (lambda: torch.nn.functional.linear(x, w),
+                          2 * (n * k + m * k + m * n)),
+                 "triton": (lambda: fp8_gemm.triton_linear(x, q, scale, block_k=128),
+                            fp8_bytes),
+                 "triton_prequantized": (
+                     lambda: fp8_gemm.triton_linear(act, q, scale, block_k=128),
+                     prequantized_bytes)}
+        if native:
+            kinds["native"] = (lambda: fp8_gemm.native_linear(x, q, scale, block_k=128),
+                               fp8_bytes)
+            kinds["native_prequantized"] = (
+                lambda: fp8_gemm.native_linear(act, q, scale, block_k=128),
+                prequantized_bytes)
+        want = fp8_gemm.triton_linear(x, q, scale, block_k=128).float()
+        try:
+            got = native_block_weight(x, q, block_scale).float()
+            if ((got - want).abs() <= 2 ** -6 * want.abs().amax()).all():
+                kinds["native_128x128"] = (lambda: native_block_weight(x, q, block_scale),
+                                           fp8_bytes - (scale.numel() - block_scale.numel())
+                                           * 4)
+        except (RuntimeError, NotImplementedError, ValueError):  # refused, by torch version
+            pass
+        for kind in KINDS:
+            if kind not in kinds:
+                row[f"{kind}_tflops"] = row[f"{kind}_GBps"] = None
+                continue
+            fn, nbytes = kinds[kind]
+            seconds = graph_seconds(fn)
+            row[f"{kind}_tflops"] = 2 * m * n * k / seconds / 1e12
+            row[f"{kind}_GBps"] = nbytes / seconds / 1e9
+        rows.append(row)
     return rows
 
 

@@ -282,7 +282,7 @@ def run_all(args) -> list[dict]:
 _RUN_IDS = itertools.count(1)
 
 
-def _shift(convs: list[list[dict]], rep: int, name: str) -> list[list[dict]]:  # noqa: ARG001
+def _shift(convs: list[list[dict]], rep: int, name: str) -> list[list[dict]]:
     """Same turns; a fresh conversation-head offset per run so no run reuses another's cache
     entries (the heads are what the simulated cache keys on)."""
     offset = next(_RUN_IDS) * 1000

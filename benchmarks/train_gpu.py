@@ -69,7 +69,20 @@ def bench_layout(model_dir: Path, device: torch.device, layout: str, *, repeats:
     dtype = "bf16" if device.type == "cuda" else "fp32"
     backend = TorchBackend(model_dir, options=BackendConfig(
         dtype=dtype, lr=1e-6, device=device.type, micro_batch_layout=name,
-        recompute_activations=extra == "recompute"))
+        recompute="full" if extra == "recompute" else "none"))
+    try:
+        return measure_layout(backend, device, layout, repeats=repeats, lengths=lengths,
+                              profile=profile, cap=cap)
+    finally:
+        # Free this layout's model and optimizer state (and, on CUDA, the allocator's cached
+        # blocks) before the next layout builds its own.
+        del backend
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def measure_layout(backend: TorchBackend, device: torch.device, layout: str, *, repeats: int,
+                   lengths: tuple[int, int], profile: bool, cap: int) -> dict:
     batches = make_batches(int(backend.config.vocab_size), seed=0, lengths=lengths, cap=cap)
     tokens = sum(len(t) for mb in batches for t in mb.tokens)
     responses = sum(len(t) - s for mb in batches for t, s in zip(mb.tokens, mb.response_starts))
@@ -110,9 +123,6 @@ def bench_layout(model_dir: Path, device: torch.device, layout: str, *, repeats:
         r["recompute_s"] = time.perf_counter() - t0
     except torch.OutOfMemoryError as e:
         r["error"] = f"out of memory: {str(e).splitlines()[0]}"
-        del backend
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
         return r
     r["tokens_per_s"] = tokens / r["step_s"]
     r["mfu"] = 6 * params * tokens / r["step_s"] / PEAK_BF16
@@ -120,9 +130,6 @@ def bench_layout(model_dir: Path, device: torch.device, layout: str, *, repeats:
     r["recompute_mfu"] = 2 * params * tokens / r["recompute_s"] / PEAK_BF16
     if profile and device.type == "cuda":
         r["profile"] = profile_step(step, device)
-    del backend
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return r
 
 

@@ -46,11 +46,11 @@ class StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
         super().__init__(sys.stderr)
 
     @property  # type: ignore[override]
-    def stream(self):  # noqa: ANN201
+    def stream(self):
         return sys.stderr
 
     @stream.setter
-    def stream(self, value) -> None:  # noqa: ANN001
+    def stream(self, value) -> None:
         pass
 
 

@@ -10,9 +10,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import gc  # noqa: E402
+import gc
 
-import pytest  # noqa: E402
+import pytest
 
 GPU_LEAK_BYTES = 256 << 20  # a gpu test may leave at most this much more CUDA memory allocated
 

@@ -7,7 +7,7 @@ import tomllib
 import click
 import pytest
 from click.testing import CliRunner
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from rltool.commands.options import build_config, command_options, stage_options
 from rltool.config import StageConfig, resolve, write_resolved
@@ -73,7 +73,7 @@ def test_bad_files(tmp_path):
 
 def test_models_are_strict_on_assignment():
     cfg = RolloutLike()
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="temperature"):
         cfg.temperature = -1.0
 
 

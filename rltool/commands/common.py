@@ -35,7 +35,7 @@ def handle_errors(fn: F) -> F:
             sys.exit(EXIT_BAD_INPUT)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise  # click's own control flow: usage errors (exit 2), ctx.exit(), Ctrl-C
-        except Exception:
+        except Exception:  # noqa: BLE001 - printed with its traceback, then exit 3
             # A bug or an unexpected failure: keep the traceback, but exit 3 (runtime failure), not
             # Python's 1, which scripts would read as "a check failed".
             click.echo(traceback.format_exc().rstrip(), err=True)

@@ -248,7 +248,7 @@ def check_storage_files(iteration: Path) -> None:
 
     try:
         metadata = FileSystemReader(str(iteration)).read_metadata()
-    except Exception as e:  # noqa: BLE001 - torch raises anything for a corrupt .metadata
+    except Exception as e:  # torch raises anything for a corrupt .metadata
         raise CheckpointError(f"{iteration}/.metadata is unreadable ({e}); pass the directory "
                               "hf-to-dist wrote") from e
     names = {getattr(info, "relative_path", None)

@@ -46,9 +46,10 @@ def host_lock(path: Path, *, timeout_s: float) -> Iterator[None]:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
-            except BlockingIOError:
+            except BlockingIOError:  # held: poll again until the deadline
                 if time.monotonic() > deadline:
-                    raise DeltaChainError(f"{path} is held by another pull for over {timeout_s:.0f}s")
+                    raise DeltaChainError(f"{path} is held by another pull for over "
+                                          f"{timeout_s:.0f}s") from None
                 time.sleep(0.05)
         yield
     finally:

@@ -135,7 +135,7 @@ class DenseLM:
         self.fp8_keys = fp8_keys
         s = spec
         q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        empty = lambda *shape: torch.empty(*shape, device=self.device, dtype=dtype)  # noqa: E731
+        empty = lambda *shape: torch.empty(*shape, device=self.device, dtype=dtype)
         self.embed = empty(s.vocab_size, s.hidden_size)
         self.lm_head = self.embed if s.tie_word_embeddings else empty(s.vocab_size, s.hidden_size)
         self.norm = empty(s.hidden_size)

@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from rltool import batch_invariant
 from rltool.engine import quant

@@ -112,9 +112,9 @@ def sample_rows(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor,
     seeds [B] int32; greedy [B] int32. Returns (tokens [B] int64, logprobs [B] float32)."""
     B, V = logits.shape
     # Enough programs to keep every SM streaming: a row is split into chunks when B is small.
-    nchunk = max(1, min(MAX_CHUNKS, -(-TARGET_PROGRAMS // B), -(-V // block)))
-    chunk = -(-(-(-V // nchunk)) // block) * block
-    nchunk = -(-V // chunk)
+    nchunk = max(1, min(MAX_CHUNKS, triton.cdiv(TARGET_PROGRAMS, B), triton.cdiv(V, block)))
+    chunk = triton.cdiv(triton.cdiv(V, nchunk), block) * block  # whole blocks per program
+    nchunk = triton.cdiv(V, chunk)
     dev = logits.device
     part_m = torch.empty(B, nchunk, dtype=torch.float32, device=dev)
     part_s = torch.empty_like(part_m)

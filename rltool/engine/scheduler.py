@@ -130,7 +130,7 @@ class Scheduler(abc.ABC):
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn())
-                except Exception as e:  # handed to the caller through the future
+                except Exception as e:  # noqa: BLE001 - handed to the caller through the future
                     future.set_exception(e)
 
         self._enqueue_op(op)
@@ -182,7 +182,7 @@ class Scheduler(abc.ABC):
         def run() -> None:
             try:
                 future.set_result(apply())
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - handed to the caller through the future
                 future.set_exception(e)
 
         def op() -> None:

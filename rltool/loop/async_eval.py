@@ -65,7 +65,7 @@ class EvalWorker:
                 continue
             try:
                 self._evaluate(*job)
-            except BaseException as e:  # noqa: BLE001 - raised in the coordinator by check()
+            except BaseException as e:  # raised in the coordinator by check()
                 log.exception("evaluation of version %d failed", job[0])
                 self.error = e
 

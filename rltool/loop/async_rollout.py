@@ -142,7 +142,7 @@ class RolloutStream:
     def _thread_main(self) -> None:
         try:
             asyncio.run(self._main())
-        except BaseException as e:  # noqa: BLE001 - handed to the coordinator by take()
+        except BaseException as e:  # handed to the coordinator by take()
             log.exception("rollout stream failed")
             with self.cond:
                 self._error = e
@@ -220,7 +220,7 @@ class RolloutStream:
                     restart(s)
         except asyncio.CancelledError:
             raise
-        except BaseException as e:  # noqa: BLE001 - the coordinator re-raises it
+        except BaseException as e:  # the coordinator re-raises it
             log.exception("groups at positions %s failed", positions)
             with self.cond:
                 self._error = e

@@ -305,7 +305,7 @@ class Collector:
             out = await self.generate_fn(sample, ctx)
         except EngineError as e:
             out = sample.fail(f"engine_error: {e}")
-        except Exception as e:  # noqa: BLE001 - a custom generate fn's bug must not lose the sample
+        except Exception as e:  # a custom generate fn's bug must not lose the sample
             log.exception("generate function failed on sample %s", sample.uid)
             out = sample.fail(f"generate_error: {type(e).__name__}: {e}")
         return await self._finish_sample(sample, out if isinstance(out, list) else [out], session,

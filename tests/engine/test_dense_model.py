@@ -94,7 +94,7 @@ def test_qwen3_moe_logprobs_match_transformers(tiny_model_factory):
     runner = PagedRunner(model_dir, device="cpu", dtype="fp32", max_running=4, page_size=4,
                          max_total_tokens=256)
     assert runner.spec.moe is not None and runner.spec.moe.sparse_layers == {0, 1}
-    lp = lambda logits: torch.log_softmax(logits, dim=-1)  # noqa: E731
+    lp = lambda logits: torch.log_softmax(logits, dim=-1)
     assert torch.allclose(lp(runner.full_pass_logits(SEQ, start=1)), ref[:-1], atol=1e-5, rtol=0)
     runner.prefill([("a", SEQ[:7], 0)], want=[False])
     got = runner.prefill([("b", [4, 4, 9, 1, 2], 0), ("a", SEQ[7:12], 7)], want=[False, True])

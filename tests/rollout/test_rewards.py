@@ -141,7 +141,7 @@ class _RewardHandler(BaseHTTPRequestHandler):
     `release` event is set (at teardown; a generous cap only bounds a hang); `"bad"` answers 500;
     `"garbage"` answers non-JSON; `"nokey"` answers JSON without a reward."""
 
-    def do_POST(self):  # noqa: N802 (http.server's naming)
+    def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.seen.append(body)
         response = body["response"]

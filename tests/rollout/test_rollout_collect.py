@@ -327,7 +327,7 @@ def test_remote_reward_failures_follow_the_same_rule():
     from rltool.rollout.rewards import resolve_reward
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 (http.server's naming)
+        def do_POST(self):
             label = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["label"]
             if label == "2":
                 release.wait(HANG_BOUND_S)

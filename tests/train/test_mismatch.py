@@ -189,7 +189,7 @@ def test_decoupled_ppo_three_policies():
 
     cfg = TrainConfig(rollouts=["unused"], load="unused", tis_mode="truncate", tis_clip_high=2.0,
                       eps_clip=eps, loss_aggregation="token")
-    rows = lambda x: [torch.tensor(r, dtype=torch.float64) for r in x]  # noqa: E731
+    rows = lambda x: [torch.tensor(r, dtype=torch.float64) for r in x]
     data = SampleTensors(masks=[torch.tensor(m) for m in mask], rollout_logprobs=rows(rollout),
                          old_logprobs=rows(old), advantages=rows(adv))
     batch = list(range(B))

@@ -35,7 +35,7 @@ class HostToDevice(TorchDispatchMode):
 
 def sample_tensors(*, opd: bool = False, ppo: bool = False) -> SampleTensors:
     g = torch.Generator().manual_seed(0)
-    rows = lambda: [-torch.rand(n, generator=g) for n in LENGTHS]  # noqa: E731
+    rows = lambda: [-torch.rand(n, generator=g) for n in LENGTHS]
     data = SampleTensors(masks=[(torch.rand(n, generator=g) > 0.2).float() for n in LENGTHS],
                          rollout_logprobs=rows(), old_logprobs=rows(), ref_logprobs=rows(),
                          advantages=[torch.randn(n, generator=g) for n in LENGTHS])

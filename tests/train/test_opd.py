@@ -189,13 +189,13 @@ def test_routed_and_mixed_teachers(tmp_path, tiny_model_dir, teacher_dir, tiny_m
     specs = [f"a={teacher_dir}", f"b={other}@3"]
     routed = _train(tmp_path, shard, tiny_model_dir, "routed", opd_type="inprocess",
                     opd_teacher=specs, opd_teacher_route="task", deterministic=True)
-    in_a = lambda r: json.loads(r["metadata"])["task"] == "a"  # noqa: E731
+    in_a = lambda r: json.loads(r["metadata"])["task"] == "a"
     assert routed["opd/reverse_kl/a"] == pytest.approx(mean_over("a", in_a), abs=1e-5)
     assert routed["opd/reverse_kl/b"] == pytest.approx(
         mean_over("b", lambda r: not in_a(r)), abs=1e-5)
     mixed = _train(tmp_path, shard, tiny_model_dir, "mixed", opd_type="inprocess",
                    opd_teacher=specs, deterministic=True)
-    every = lambda r: True  # noqa: E731
+    every = lambda r: True
     assert mixed["opd/reverse_kl/a"] == pytest.approx(mean_over("a", every), abs=1e-5)
     assert mixed["opd/reverse_kl"] == pytest.approx(
         0.25 * mean_over("a", every) + 0.75 * mean_over("b", every), abs=1e-5)

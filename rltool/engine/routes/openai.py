@@ -112,7 +112,7 @@ def _finish(out: dict[str, Any]) -> tuple[str | None, Any]:
 
 def router(state: EngineState) -> APIRouter:
     r = APIRouter()
-    runner, cfg = state.runner, state.cfg
+    runner = state.runner
     tokenizer = runner.tokenizer
     served = state.served_model_name
     expand, run, updates = state.expand, state.run, state.updates
