@@ -202,14 +202,14 @@ async def sync_distributed(urls: list[str], named: list[tuple[str, torch.Tensor]
                            device: str, bucket_bytes: int, version: str, group: list) -> float:
     """pause -> flush -> broadcast per bucket -> continue on every engine; returns seconds."""
     from rltool.delta import tensor_sync
-    from rltool.loop.engines import _free_port
     from rltool.rollout.client import EngineClient
+    from rltool.supervisor import free_port
 
     backend = "nccl" if device == "cuda" else "gloo"
     clients = [EngineClient(u, timeout_s=900) for u in urls]
     try:
         if not group:  # joined once, reused by every sync (as the loop does)
-            port = _free_port("127.0.0.1")
+            port = free_port("127.0.0.1")
             joins = asyncio.gather(*(c.init_weights_update_group(
                 master_address="127.0.0.1", master_port=port, rank_offset=i + 1,
                 world_size=len(urls) + 1, backend=backend) for i, c in enumerate(clients)))

@@ -35,7 +35,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import sys
 import time
@@ -46,7 +45,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from rltool.supervisor import Child, start
+from rltool.supervisor import Child, free_port, start
 
 SLOTS = 8
 SPEEDS = (1.0, 1.0, 1.0, 0.5)
@@ -192,12 +191,6 @@ async def drive(router, convs: list[list[dict]], *, keyed: bool) -> dict:
     await asyncio.gather(*(conversation(c, turns) for c, turns in enumerate(convs)))
     return {"makespan_s": time.perf_counter() - t0, "mean_latency_s": statistics.mean(latencies),
             "p90_latency_s": float(np.percentile(latencies, 90)), "cache_hit_rate": hit / prompt}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_smg(engine_urls: list[str], policy: str, log_path: Path) -> tuple[Child, str]:

@@ -10,6 +10,7 @@ handle that started it, never by name.
 
 Ready files are written atomically as {url, pid} (`announce_ready`) and removed on the way out
 (`withdraw_ready`), so a reader never sees a partial file or, after a clean exit, a stale URL.
+`free_port` picks a port for a child (or a rendezvous) to listen on.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -193,3 +195,12 @@ def withdraw_ready(ready_file: str | os.PathLike | None) -> None:
     if ready_file is not None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(ready_file)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` (IPv4 or IPv6) now. The socket is closed before the port is
+    used, so another process may take it in between: callers whose child binds it must handle
+    that (the kernel rarely hands the same ephemeral port out again at once)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

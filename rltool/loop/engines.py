@@ -20,7 +20,7 @@ from rltool.errors import EngineError
 from rltool.loop.keys import engine_env
 from rltool.rollout.launch import EngineProcess, start_engine
 from rltool.rundir import RunDir
-from rltool.supervisor import start
+from rltool.supervisor import free_port, start
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ class EngineSet:
             clients = [self.client(url) for url in self.urls]
             try:
                 if self._group is None:
-                    port = _free_port(address)
+                    port = free_port(address)
                     joins = asyncio.gather(*(c.init_weights_update_group(
                         master_address=address, master_port=port, rank_offset=i + 1,
                         world_size=len(clients) + 1, backend="gloo")
@@ -269,14 +269,6 @@ class EngineSet:
 
         asyncio.run(run_all())
         return time.perf_counter() - t0
-
-
-def _free_port(address: str) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return int(s.getsockname()[1])
 
 
 class TrainerProcess:

@@ -23,7 +23,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -34,7 +33,7 @@ from rltool.config import torch_dtype_name
 from rltool.engine import api
 from rltool.engine.config import ServeConfig
 from rltool.errors import BadInputError, EngineError
-from rltool.supervisor import announce_ready, start, wait_healthy, withdraw_ready
+from rltool.supervisor import announce_ready, free_port, start, wait_healthy, withdraw_ready
 
 log = logging.getLogger(__name__)
 POLL_S = 0.25
@@ -97,12 +96,6 @@ def passthrough(args: list[str]) -> list[str]:
         else:
             out.append(arg)
     return out
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def attach_external(cfg: ServeConfig) -> str:

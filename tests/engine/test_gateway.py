@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
 import sys
 import time
 import uuid
@@ -16,15 +15,9 @@ import httpx
 import pytest
 
 from rltool.rollout.launch import start_engine
-from rltool.supervisor import start
+from rltool.supervisor import free_port, start
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def served_by(engines: dict[str, str], rid: str) -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import socket
 import threading
 import time
 
@@ -24,6 +23,7 @@ from rltool.engine.config import ServeConfig
 from rltool.engine.paged_runner import PagedRunner
 from rltool.engine.paged_scheduler import PagedScheduler
 from rltool.errors import BadInputError
+from rltool.supervisor import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -135,12 +135,6 @@ def test_cuda_ipc_messages_are_checked_and_refused_on_a_cpu_engine(engine):
         assert r.status_code == 400 and "tensor message" in r.json()["message"], broken
     after = served(runner)
     assert all(after[n].equal(before[n]) for n in before)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_distributed_update_over_gloo_is_bit_equal(engine):

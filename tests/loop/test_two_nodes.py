@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import tomli_w
 
 from rltool.data.tasks import make_rows, write_prompts
 from rltool.rundir import RunDir, read_metrics
+from rltool.supervisor import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -29,12 +29,6 @@ pytestmark = pytest.mark.slow
 def node_env(node: Path) -> dict[str, str]:
     (node / "tmp").mkdir(parents=True, exist_ok=True)
     return dict(os.environ, TMPDIR=str(node / "tmp"), OMP_NUM_THREADS="1")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout_s: float) -> dict:

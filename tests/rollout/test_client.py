@@ -15,17 +15,12 @@ from rltool.errors import EngineError, EngineTimeoutError
 from rltool.rollout import client as client_mod
 from rltool.rollout.client import EngineClient
 from rltool.rollout.launch import start_engine
+from rltool.supervisor import free_port
 
 
 @pytest.fixture
 def fast_backoff(monkeypatch):
     monkeypatch.setattr(client_mod, "BACKOFF_BASE_S", 0.01)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def counting_requests(client: EngineClient) -> list[str]:

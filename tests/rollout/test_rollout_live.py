@@ -380,15 +380,9 @@ def check_multi_turn_shard(out, tok):
 @pytest.fixture(scope="module")
 def gateway(builtin_engine, engine_b, tmp_path_factory):
     """The real smg gateway over both engines with consistent hashing, ended by PID."""
-    import socket
     import sys
 
-    from rltool.supervisor import start
-
-    def free_port():
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            return sock.getsockname()[1]
+    from rltool.supervisor import free_port, start
 
     port, metrics_port = free_port(), free_port()
     smg = Path(sys.executable).parent / "smg"
