@@ -1,6 +1,6 @@
 """Batched sampling on the logits' device with one device-to-host transfer per step.
 
-Same semantics as `sampling.sample` (the reference): logprobs of the temperature-scaled
+Same semantics as the reference sampler (`sample` in tests/helpers/sampling.py): logprobs of the temperature-scaled
 distribution before top-k / top-p / min-p; logit_bias and suppressed ids only change what is drawn;
 the draw is the exponential race argmax(p / E). What differs is where it runs: every op stays on
 the device over the whole batch, and the chosen tokens, their logprobs and any requested top-k come
@@ -84,7 +84,8 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], *,
 def _torch_sample(logits: torch.Tensor, params: list[SamplingParams], temps: list[float], *,
                   generators: list[torch.Generator | None], suppressed: list[list[int]],
                   shared_generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sampling.sample` with every op on the logits' device: (tokens [B], chosen logprobs [B])."""
+    """The reference sampler with every op on the logits' device: (tokens [B], chosen
+    logprobs [B])."""
     B = logits.shape[0]
     dev = logits.device
     temp_t = torch.tensor(temps, dtype=torch.float32).to(dev, non_blocking=True).unsqueeze(1)

@@ -1,4 +1,4 @@
-"""Per-request sampling parameters and batched token sampling.
+"""Per-request sampling parameters and the pieces every sampler shares (bias, filters, logprobs).
 
 Logprob convention (rltool.logprobs): the reported logprob of a token is taken from the
 temperature-scaled distribution *before* top-k / top-p / min-p filtering; greedy requests report
@@ -6,7 +6,9 @@ logprobs at temperature 1.0. Filtering only changes which token is drawn.
 
 Sampling draws with the exponential race (argmax of p / E, E ~ Exp(1)), which is exactly a draw
 from p and needs one noise vector per row, so a request with its own `torch.Generator`
-(deterministic mode) gets the same token whatever else is in the batch.
+(deterministic mode) gets the same token whatever else is in the batch. The engine samples with
+`batch_sampling.sample_batch` (or the Triton kernel); the per-row reference they are tested
+against is `tests/helpers/sampling.py`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rltool.logprobs import GREEDY_TEMPERATURE, effective_temperature
+from rltool.logprobs import GREEDY_TEMPERATURE
 
 MAX_STOP_STRINGS = 32
 DEFAULT_SEED = 42  # SGLang's fallback seed in deterministic inference
@@ -124,13 +126,6 @@ def bias_logits(logits: torch.Tensor, params: list[SamplingParams], *,
     return out
 
 
-def scaled_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """logits [B, V] -> float32 logprobs of the temperature-scaled distribution, per row."""
-    temps = torch.tensor([effective_temperature(p.temperature) for p in params],
-                         dtype=torch.float32).unsqueeze(1)
-    return torch.log_softmax(logits.float() / temps, dim=-1)
-
-
 def _filter(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Zero the tokens top-k / top-p / min-p remove (rows without filters are untouched)."""
     sorted_p, order = probs.sort(dim=-1, descending=True)
@@ -146,35 +141,3 @@ def _filter(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     sorted_p = sorted_p.masked_fill(remove, 0.0)
     return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
 
-
-def sample(logits: torch.Tensor, params: list[SamplingParams], *,
-           generators: list[torch.Generator | None], suppressed: list[list[int]],
-           shared_generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row. Returns (tokens [B], logprobs [B, V] by the convention).
-
-    Rows with a generator draw their noise from it (deterministic mode); the others share
-    `shared_generator` (or torch's default one).
-    """
-    logits = logits.float()
-    logprobs = scaled_logprobs(logits, params)
-    biased = bias_logits(logits, params, suppressed=suppressed)
-    draw_logprobs = logprobs if biased is logits else scaled_logprobs(biased, params)
-    tokens = draw_logprobs.argmax(dim=-1)
-    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not sampled_rows:
-        return tokens, logprobs
-    rows = torch.tensor(sampled_rows)
-    sub_params = [params[i] for i in sampled_rows]
-    probs = draw_logprobs[rows].exp()
-    if any(p.needs_filter for p in sub_params):
-        probs = _filter(probs, sub_params)
-    noise = torch.empty_like(probs)
-    shared_rows = [j for j, i in enumerate(sampled_rows) if generators[i] is None]
-    if shared_rows:
-        noise[shared_rows] = torch.empty(len(shared_rows), probs.shape[-1]).exponential_(
-            generator=shared_generator)
-    for j, i in enumerate(sampled_rows):
-        if generators[i] is not None:
-            noise[j].exponential_(generator=generators[i])
-    tokens[rows] = (probs / noise).argmax(dim=-1)
-    return tokens, logprobs

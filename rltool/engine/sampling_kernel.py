@@ -2,7 +2,7 @@
 
 For rows without top-k / top-p / min-p, logit_bias or suppressed ids, which is what RL rollouts
 send. Per row, in one pass: the log-sum-exp of logits / T (online max and sum) and a draw by the
-Gumbel-max trick (the exponential race of `sampling.sample` in log space: argmax of
+Gumbel-max trick (the exponential race of rltool.engine.sampling in log space: argmax of
 log p - log E with E = -log U ~ Exp(1)), U from a counter-based hash of the row's seed and the
 token id, so a request's draw depends only on its seed and step, not on its batch. Greedy rows
 take the plain argmax (first index on ties, as torch does). The logprob is that of the

@@ -94,10 +94,10 @@ def test_greedy_requests_match_transformers_alone(tiny_model_dir, max_total_toke
 
 
 def test_batched_sampling_matches_the_reference_sampler():
-    """Same noise source, same draw: tokens and logprobs equal `sampling.sample`'s, and the
+    """Same noise source, same draw: tokens and logprobs equal the reference sampler's, and the
     top-k / token-id logprobs are read off the same distribution."""
     from rltool.engine.batch_sampling import sample_batch
-    from rltool.engine.sampling import sample
+    from tests.helpers.sampling import sample
 
     torch.manual_seed(0)
     logits = torch.randn(5, 50) * 3

@@ -8,7 +8,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from rltool.engine.sampling import SamplingParams, _filter, make_generator, sample
+from rltool.engine.sampling import SamplingParams, _filter, make_generator
+from tests.helpers.sampling import sample
 
 
 def ref_logprobs(row: list[float], temperature: float) -> list[float]:
