@@ -8,7 +8,7 @@ engines in flight (pause in the update mode, load with the run's sync mode, cont
 runs on its own engine and thread (async_eval.EvalWorker).
 
 A step records the same phases as the synchronous loop, so state.json, resume and the kill points
-(`RLTOOL_LOOP_KILL_AFTER=STEP:PHASE`) work the same way:
+(`RLTOOL_KILL_AT=loop.PHASE:N`, `loop.start:N`) work the same way:
 rollout  -> RUN/rollouts/step-K/: the batch, taken and written by the rollout worker while the
             trainer trained step K-1 (the first step waits for it); its metadata
             (`extra.async`) records the positions started but not taken (`held`), the next fresh
@@ -32,12 +32,12 @@ from typing import Any
 
 from rltool import trace
 from rltool.data.shards import MANIFEST
+from rltool.faults import kill_point
 from rltool.loop import phases
 from rltool.loop.async_eval import EvalWorker
 from rltool.loop.async_staleness import StalenessGate
 from rltool.loop.async_worker import RolloutWorker
 from rltool.loop.engines import EngineSet
-from rltool.loop.state import maybe_kill
 from rltool.rundir import (MetricsWriter, RunDir, drop_metric_rows_after, list_versions,
                            read_metrics)
 
@@ -158,7 +158,7 @@ def _step(ctx: phases.StepContext, stream: RolloutWorker, evaluator: EvalWorker 
           mode: str, writer: MetricsWriter, step_metrics: Callable[..., dict[str, Any]],
           versions_per_step: int, extra: dict[str, Any]) -> dict[str, Any]:
     state, run, settings = ctx.state, ctx.run, ctx.settings
-    maybe_kill(f"{state.step}:start")
+    kill_point("loop.start")
     t_step = time.perf_counter()
     if not state.completed("rollout"):
         seconds = 0.0

@@ -19,11 +19,12 @@ from typing import Any
 
 from rltool import atomic, trace, tracking
 from rltool.errors import BadInputError
+from rltool.faults import kill_point
 from rltool.loop import phases
 from rltool.loop.affinity import pin
 from rltool.loop.config import LoopSettings
 from rltool.loop.engines import ChildRegistry, EngineSet, end_orphans
-from rltool.loop.state import LoopState, maybe_kill
+from rltool.loop.state import LoopState
 from rltool.rundir import MetricsWriter, RunDir, list_versions, read_metrics
 
 log = logging.getLogger(__name__)
@@ -196,7 +197,7 @@ def run_step(ctx: phases.StepContext, *, writer: MetricsWriter,
              on_step: StepCallback | None = None) -> dict[str, Any]:
     """Run the phases of ctx.state.step that are not recorded yet, then log and advance."""
     state, run = ctx.state, ctx.run
-    maybe_kill(f"{state.step}:start")
+    kill_point("loop.start")  # before the step's first phase (state.done kills after each)
     t_step = time.perf_counter()
     ctx.residency.seconds, ctx.memory.row, ctx.cpu_seconds = {}, {}, {}
     for name, fn in (("rollout", phases.rollout), ("train", phases.train),

@@ -14,19 +14,13 @@ a kill between an artifact's rename and the state write.
 
 from __future__ import annotations
 
-import os
-import signal
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rltool import trace
 from rltool.errors import BadInputError
+from rltool.faults import kill_point
 from rltool.rundir import PHASES, RunDir
-
-# Test hook: RLTOOL_LOOP_KILL_AFTER="STEP:PHASE" makes the loop SIGKILL itself right after it has
-# recorded PHASE of STEP (and RLTOOL_LOOP_KILL_AFTER="STEP:start" before the step's first phase),
-# which is how the resume tests interrupt a run at every phase boundary.
-KILL_ENV = "RLTOOL_LOOP_KILL_AFTER"
 
 
 @dataclass
@@ -67,7 +61,9 @@ class LoopState:
         if seconds is not None:
             self.phase_times[phase] = seconds
         self.save(run, fsync=False)
-        maybe_kill(f"{self.step}:{phase}")
+        # the resume tests' phase boundaries: RLTOOL_KILL_AT=loop.PHASE:N kills the loop right
+        # after the N-th record of PHASE (rltool.faults; docs/reliability.md, "Fault matrix")
+        kill_point(f"loop.{phase}")
 
     def next_step(self, run: RunDir) -> None:
         self.step += 1
@@ -79,8 +75,3 @@ class LoopState:
     def completed(self, phase: str) -> bool:
         """Whether `phase` of the current step is already recorded (phases run in PHASES order)."""
         return self.phase is not None and PHASES.index(self.phase) >= PHASES.index(phase)
-
-
-def maybe_kill(point: str) -> None:
-    if os.environ.get(KILL_ENV) == point:
-        os.kill(os.getpid(), signal.SIGKILL)

@@ -21,13 +21,17 @@ from click.testing import CliRunner
 
 from rltool.cli import main as cli
 from rltool.data.tasks import make_rows, write_prompts
-from rltool.loop.state import KILL_ENV
 from rltool.rundir import RunDir, read_metrics
 
 pytestmark = pytest.mark.slow
 NUM_STEPS = 2
-# Every phase boundary the loop records, in order; the chained run is killed at each one.
-KILL_POINTS = ("0:rollout", "0:train", "0:publish", "0:sync", "1:start", "1:rollout", "1:eval")
+# Every phase boundary the loop records, in order; the chained run is killed at each one:
+# (RLTOOL_KILL_AT, then the step and the last recorded phase in state.json). A kill point counts
+# its calls per process, and each run after the first resumes where the previous was killed.
+KILL_POINTS = (("loop.rollout:1", 0, "rollout"), ("loop.train:1", 0, "train"),
+               ("loop.publish:1", 0, "publish"), ("loop.sync:1", 0, "sync"),
+               ("loop.start:2", 1, None),  # step 0 (resumed after its sync), then step 1
+               ("loop.rollout:1", 1, "rollout"), ("loop.eval:1", 1, "eval"))
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +54,9 @@ def loop_config(tiny_model_dir, tmp_path_factory) -> Path:
     return path
 
 
-def loop_cli(*args: str, kill_after: str | None = None,
-             kill_at: str | None = None) -> subprocess.CompletedProcess:
+def loop_cli(*args: str, kill_at: str | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ)
-    env.pop(KILL_ENV, None)
     env.pop("RLTOOL_KILL_AT", None)
-    if kill_after:
-        env[KILL_ENV] = kill_after
     if kill_at:
         env["RLTOOL_KILL_AT"] = kill_at
     return subprocess.run([sys.executable, "-m", "rltool", "loop", "-q", *args], env=env,
@@ -156,13 +156,11 @@ def test_resume_after_kill_at_every_phase_matches_uninterrupted(baseline, loop_c
     orphans: list[int] = []
     # Checkpoints only at the end: every kill before it resumes by replaying from version 0.
     args = ["--config", str(loop_config), "--run-dir", str(run), "--sync", "tensor"]
-    for point in KILL_POINTS:
-        proc = loop_cli(*args, kill_after=point)
+    for point, step, phase in KILL_POINTS:
+        proc = loop_cli(*args, kill_at=point)
         assert proc.returncode == -signal.SIGKILL, (point, proc.stderr[-2000:])
         state = json.loads((run / "state.json").read_text())
-        step, phase = point.split(":")
-        assert state["step"] == int(step) and state["phase"] == (None if phase == "start"
-                                                                    else phase), point
+        assert (state["step"], state["phase"]) == (step, phase), point
         engines = RunDir(run).read_engines()
         assert engines and all(psutil.pid_exists(e["pid"]) for e in engines), point
         orphans += [e["pid"] for e in engines]
@@ -239,7 +237,7 @@ def test_inprocess_engine_matches_the_served_one_across_a_kill(baseline, loop_co
     nothing is recorded in engines.json, so nothing is left behind."""
     run = tmp_path / "run"
     proc = loop_cli("--config", str(loop_config), "--run-dir", str(run), "--engine", "inprocess",
-                    "--sync", "auto", kill_after="0:train")
+                    "--sync", "auto", kill_at="loop.train:1")
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert RunDir(run).read_engines() == []
     result = CliRunner().invoke(cli, ["loop", "--resume", str(run), "-q"])
@@ -264,7 +262,7 @@ def uids(shard: Path) -> list[str]:
 def test_ctrl_c_ends_the_engines(loop_config, tmp_path, signum):
     run = tmp_path / "run"
     env = dict(os.environ)
-    env.pop(KILL_ENV, None)
+    env.pop("RLTOOL_KILL_AT", None)
     proc = subprocess.Popen([sys.executable, "-m", "rltool", "loop", "-q", "--config",
                              str(loop_config), "--run-dir", str(run), "--num-steps", "50"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+
 import pytest
 
 from rltool.errors import BadInputError
@@ -59,3 +65,24 @@ def test_step_loop_freezes_long_lived_objects_and_restores_the_collector(monkeyp
         assert gc.get_threshold() == (runner.GC_YOUNG_ALLOCATIONS, *before[1:])
     finally:
         gc.set_threshold(*before)
+
+
+def test_recording_a_phase_reaches_its_kill_point_after_state_json_is_written(tmp_path):
+    """RLTOOL_KILL_AT=loop.PHASE:N kills the loop right after the N-th record of PHASE: the
+    state.json a resume reads already holds it."""
+    code = ("import sys\n"
+            "from rltool.loop.state import LoopState\n"
+            "from rltool.rundir import RunDir\n"
+            "run, state = RunDir(sys.argv[1]).create(), LoopState(num_steps=3)\n"
+            "for step in range(3):\n"
+            "    for phase in ('rollout', 'train', 'publish'):\n"
+            "        state.done(run, phase)\n"
+            "        print(step, phase, flush=True)\n"
+            "    state.next_step(run)\n")
+    env = dict(os.environ, RLTOOL_KILL_AT="loop.train:2")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert proc.stdout.splitlines() == ["0 rollout", "0 train", "0 publish", "1 rollout"]
+    state = json.loads((tmp_path / "run" / "state.json").read_text())
+    assert (state["step"], state["phase"]) == (1, "train")
