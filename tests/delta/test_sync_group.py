@@ -14,6 +14,7 @@ import torch
 from rltool.delta import sync_group, tensor_sync
 from rltool.delta.sync_limits import MAX_SYNC_WORLD_SIZE
 from rltool.errors import BadInputError
+from rltool.supervisor import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,12 +57,6 @@ def other_addresses() -> list[str]:
     return found
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_the_rendezvous_listens_only_on_the_master_address():
     """Rank 0's TCPStore listened on every interface (a client over ::1 could fill it with keys)
     and gloo's device bound what the host name resolved to; now every socket the group listens
@@ -89,7 +84,8 @@ def test_the_rendezvous_listens_only_on_the_master_address():
     tensor_sync.broadcast(g0, [sent])
     receiver.join(60)
     assert got.equal(sent)
-    del g0, joined
+    del g0
+    joined.clear()  # the engine side's group goes too (the thread's lambda holds the dict)
     gc.collect()
 
 

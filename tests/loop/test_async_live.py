@@ -24,12 +24,14 @@ pytestmark = pytest.mark.slow
 NUM_STEPS = 4
 # Seeded points: after a batch was written while others were in flight (they are regenerated),
 # and after a train past the checkpoint of step 1 (the resident trainer replays steps 2 and 3).
-# Eval runs after the last step only, so only the final run starts the eval engine.
-KILL_POINTS = ("1:rollout", "3:train")
+# Eval runs after the last step only, so only the final run starts the eval engine. Kill points
+# count per process: the second run resumes after step 1's rollout. Each point with the step and
+# phase state.json holds when it fires.
+KILL_POINTS = (("loop.rollout:2", 1, "rollout"), ("loop.train:3", 3, "train"))
 
 
 @pytest.fixture(scope="module")
-def async_config(loop_config, tmp_path_factory) -> Path:
+def async_config(loop_config, tmp_path_factory) -> Path:  # noqa: F811
     """The synchronous live test's config, run asynchronously for more steps."""
     import tomllib
 
@@ -71,12 +73,11 @@ def test_kill_and_resume_trains_each_sample_once(async_config, tmp_path):
     run = RunDir(run_dir)
     args = ["--config", str(async_config), "--run-dir", str(run_dir)]
     orphans: list[int] = []
-    for point in KILL_POINTS:
-        proc = loop_cli(*args, kill_after=point)
+    for point, step, phase in KILL_POINTS:
+        proc = loop_cli(*args, kill_at=point)
         assert proc.returncode == -signal.SIGKILL, (point, proc.stderr[-2000:])
-        step, phase = point.split(":")
         state = json.loads(run.state.read_text())
-        assert (state["step"], state["phase"]) == (int(step), phase), point
+        assert (state["step"], state["phase"]) == (step, phase), point
         orphans += [e["pid"] for e in run.read_engines()]
         args = ["--resume", str(run_dir)]
     proc = loop_cli(*args)

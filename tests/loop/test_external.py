@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,7 +13,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import tomli_w
 
 from rltool.data.tasks import make_rows, write_prompts
 from rltool.errors import BadInputError, ConfigError, EngineError
@@ -23,7 +21,7 @@ from rltool.loop.config import LoopSettings
 from rltool.loop.external import check_engines
 from rltool.rollout.launch import start_engine
 from rltool.rundir import RunDir, read_metrics
-from rltool.supervisor import start
+from rltool.supervisor import free_port, start
 
 API_KEY, ADMIN_KEY = "user-key", "admin-key"
 
@@ -135,12 +133,6 @@ def test_a_gateway_that_lists_no_workers_names_enable_rl(tiny_model_dir, tmp_pat
     finally:
         server.shutdown()
     assert not (tmp_path / "run").exists()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
