@@ -32,7 +32,7 @@ from router_policies import LeastOutstanding
 ENGINES = 4
 CONCURRENCY = 32
 BACKLOGS = (1000, 4000, 16000)
-TARGET_SPEEDUP_16K = 5.0  # predicted in benchmarks/NOTES.md before measuring
+TARGET_SPEEDUP_16K = 5.0  # predicted before measuring
 
 
 class InstantEngine:
