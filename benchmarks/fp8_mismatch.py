@@ -9,7 +9,7 @@ samples the same seeded prompts:
   bf16/bf16  bf16 weights, bf16 KV          fp8/bf16  FP8 weights, bf16 KV
   bf16/fp8   bf16 weights, --kv-cache-dtype fp8_e4m3     fp8/fp8  FP8 weights, FP8 KV
 and the trainer recomputes the logprobs of the sampled tokens the way the loop does before a
-train step (`rltool.train.stage.compute_logprobs`: the DP micro-batch schedule, temperature 1).
+train step (`rltool.train.step.compute_logprobs`: the DP micro-batch schedule, temperature 1).
 Per config: the loop's metrics (rltool.train.algo.mismatch) of engine vs trainer over all
 response tokens: train_rollout_logprob_abs_diff (per-sample mean |diff|, then the mean over
 samples), the max |diff|, and the mismatch KL(pi_rollout || pi_trainer) estimated with k1 and
@@ -59,7 +59,7 @@ from rltool.rollout.prompts import load_prompts, load_tokenizer, prompt_at, rend
 from rltool.train.algo.mismatch import mismatch_kl, train_rollout_logprob_abs_diff
 from rltool.train.config import BackendConfig, TrainConfig
 from rltool.train.samples import Sample
-from rltool.train.stage import compute_logprobs
+from rltool.train.step import compute_logprobs
 from rltool.train.torch_backend import TorchBackend
 
 # The CPU defaults keep a tiny check under a minute; the GPU ones are the documented table's.

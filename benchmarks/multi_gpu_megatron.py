@@ -46,7 +46,7 @@ def megatron_rank(args: argparse.Namespace) -> None:
     from safetensors.torch import load_file, save_file
 
     from rltool.train.backend import MicroBatch
-    from rltool.train.backends import build_backend
+    from rltool.train.backend import build_backend
     from rltool.train.config import BackendConfig
     from rltool.train.dp_schedule import schedule
     from train_megatron import loss_fn, make_samples, model_flops

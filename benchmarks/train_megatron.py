@@ -85,7 +85,7 @@ import torch
 from rltool import atomic
 from rltool.data.models import init_model
 from rltool.train.backend import MicroBatch
-from rltool.train.backends import build_backend
+from rltool.train.backend import build_backend
 from rltool.train.config import BackendConfig
 from rltool.train.dp_schedule import schedule
 

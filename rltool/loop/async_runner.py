@@ -85,7 +85,7 @@ def run_steps(ctx: phases.StepContext, *, writer: MetricsWriter,
               stop_when: Callable[[list[dict[str, Any]]], bool] | None) -> bool:
     """Run the remaining steps asynchronously; True when `stop_when` ended the run early."""
     run, settings, state = ctx.run, ctx.settings, ctx.state
-    from rltool.train.stage import optimizer_steps
+    from rltool.train.step import optimizer_steps
 
     phases.resident_trainer(ctx)  # rebuilt and replayed before anything generates
     discard_prepared(run, state.step)

@@ -15,7 +15,7 @@ not yet recorded in state.json) is not redone, and nothing is duplicated.
 Colocated placement keeps one `ResidentTrainer` in the loop's process for the whole run. After a
 kill it is rebuilt from the newest checkpoint and replays the steps trained after it from their
 rollout shards (deterministic mode: bit-identical), so a checkpoint per step is not needed. On
-CUDA it takes turns on the device with the engines (rltool.loop.residency).
+CUDA it takes turns on the device with the engines (rltool.loop.colocation).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from rltool import atomic, trace
 from rltool.errors import EngineError, GateFailedError
 from rltool.loop.config import LoopSettings
 from rltool.loop.engines import ChildRegistry, EngineSet, TrainerProcess
-from rltool.loop.residency import PhaseMemory, Residency
+from rltool.loop.colocation import PhaseMemory, Residency
 from rltool.loop.state import LoopState
 from rltool.rundir import RunDir, read_metrics
 

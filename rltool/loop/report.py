@@ -27,7 +27,7 @@ from rltool.rundir import RunDir, read_metrics
 
 REPORT_DIR = "report"
 PHASE_KEYS = ("rollout", "train", "publish", "sync", "eval")
-# Device hand-overs of the colocated loop on CUDA, timed inside the phases (rltool.loop.residency).
+# Device hand-overs of the colocated loop on CUDA, timed inside the phases (rltool.loop.colocation).
 HANDOVER_KEYS = ("trainer_offload", "trainer_reload", "engine_release", "engine_resume",
                  "stage_weights")
 

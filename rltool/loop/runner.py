@@ -238,7 +238,7 @@ def step_metrics(ctx: phases.StepContext, *, eval_row: dict[str, Any],
     for name, seconds in ctx.cpu_seconds.items():  # the phases this process ran this step
         row[f"perf/loop/{name}_cpu_time"] = seconds
     row["perf/loop/wall_time"] = wall_s
-    # Device hand-overs inside the phases above (CUDA colocated: rltool.loop.residency).
+    # Device hand-overs inside the phases above (CUDA colocated: rltool.loop.colocation).
     for name, seconds in ctx.residency.seconds.items():
         row[f"perf/loop/{name}_time"] = seconds
     row.update(ctx.memory.row)

@@ -1,22 +1,27 @@
 """The trainer backend protocol: what the train stage needs from a training engine.
 
 A backend owns the model (and its optimizer, LR schedule position and RNG); the stage owns the
-data, the algorithm and the loss. Both `torch` (here) and `megatron` (later) implement it. The
+data, the algorithm and the loss. `torch` (rltool.train.torch_backend) and `megatron`
+(rltool.train.megatron_backend) implement it; `build_backend` builds the one a config names. The
 stage drives every rank in lockstep: the same number of `forward_logprobs` calls and one
 `train_step` per optimizer step on every rank.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from rltool.logprobs import logits_to_logprobs, scaled_logits
 from rltool.train.algo.losses import entropy_from_logits
+
+if TYPE_CHECKING:
+    from rltool.train.config import BackendConfig
 
 
 @dataclass
@@ -132,3 +137,17 @@ class TrainerBackend(Protocol):
         """Every rank's `obj`, in rank order (a one-element list on a single process)."""
         ...
 
+
+def build_backend(model_dir: str | os.PathLike, *, options: BackendConfig, trainable: bool = True,
+                  value_head: bool = False) -> Any:
+    """A TorchBackend or a MegatronBackend (a TrainerBackend) for `model_dir`, as
+    `options.backend` (`torch`, `megatron`) names. The implementations are imported here, not at
+    the top: each imports this module for its types, and megatron's loads megatron-core."""
+    if options.backend == "megatron":
+        from rltool.train.megatron_backend import MegatronBackend
+
+        return MegatronBackend(model_dir, options=options, trainable=trainable,
+                               value_head=value_head)
+    from rltool.train.torch_backend import TorchBackend
+
+    return TorchBackend(model_dir, options=options, trainable=trainable, value_head=value_head)

@@ -22,7 +22,7 @@ Each phase, predicted by `plan` (bytes; N parameters, T the micro-batch token ca
   without it every layer's; plus one chunk of logits (`logprob_chunk_tokens` rows, the packed
   layout, recomputed in the backward pass) and the final hidden states.
 - host: the pinned buffers of what moves, plus the engines' staged weights (N x engine dtype,
-  rltool.loop.residency) -- pinned, so the kernel cannot swap them.
+  rltool.loop.colocation) -- pinned, so the kernel cannot swap them.
 
 With `none` nothing alternates: every phase holds the trainer's 16 N, the engines' weights and a
 KV pool of `kv_tokens` together, the train phase its activations besides; the host holds nothing.

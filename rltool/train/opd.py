@@ -78,7 +78,7 @@ def prepare(cfg: TrainConfig, data: Any, samples: list[Any], *, forward: Callabl
     sample set whose old logprobs are known, with the actor's weights live; returns the metrics
     `opd/reverse_kl` (sampled estimate against the mixed or routed teacher) and, in-process,
     `opd/reverse_kl/NAME` per teacher. `forward(batches, **kwargs)` is the trainer's logprob
-    pass (rltool.train.stage.compute_logprobs) over `batches` (the set's training batches, or
+    pass (rltool.train.step.compute_logprobs) over `batches` (the set's training batches, or
     the part of them a teacher scores); `switch(tag)` restores a tag."""
     if cfg.opd_type == "off":
         return {}

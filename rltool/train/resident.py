@@ -1,6 +1,6 @@
 """A trainer that stays in memory across the loop's steps: the model, optimizer, schedule and RNG
 are built once (from HF weights or a checkpoint) and each loop step trains on that step's sample
-set with the same code as `rltool train` (stage.train_set). Checkpoints are written when the
+set with the same code as `rltool train` (rltool.train.step). Checkpoints are written when the
 caller asks (the loop: every `save_interval` steps and at the end), and restoring one gives the
 same state bit for bit: `ResidentTrainer.from_checkpoint` then `train` on the sets after it
 replays a run deterministically.
@@ -16,13 +16,13 @@ import torch
 
 from rltool.errors import ConfigError
 from rltool.rundir import step_dir_name
-from rltool.train.backends import build_backend
+from rltool.train.backend import build_backend
 from rltool.train.checkpoint import read_trainer_state, resolve_load
 from rltool.train.config import TrainConfig
 from rltool.train.opd import resolve_teachers
-from rltool.train.residency import Move, Offloader
-from rltool.train.stage import (_load_samples, _Plan, _prepare_set, _save, default_metrics_path,
-                                role_snapshots, train_set)
+from rltool.train.offload import Move, Offloader
+from rltool.train.step import (StepPlan, default_metrics_path, load_samples, prepare_set,
+                               role_snapshots, save_checkpoint, train_set)
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class ResidentTrainer:
         if target.ckpt_dir is not None:
             self.backend.load(target.ckpt_dir)
             self.loop_step = int(read_trainer_state(target.ckpt_dir).get("loop_step", -1))
-        self._last: tuple[Any, Any, _Plan, TrainConfig] | None = None
+        self._last: tuple[Any, Any, StepPlan, TrainConfig] | None = None
         # the megatron backend's buffers are megatron's (device offload does not cover them)
         self._offloader = (Offloader(self.backend.inner, self.backend.optimizer)
                            if cfg.backend == "torch" else None)
@@ -60,12 +60,12 @@ class ResidentTrainer:
         from rltool.rundir import MetricsWriter
 
         torch.set_rng_state(self._rng)
-        sample_set = _load_samples(cfg, self.model_dir, vocab_size=self.backend.vocab_size)
-        plan = _Plan(cfg, len(sample_set.samples))
+        sample_set = load_samples(cfg, self.model_dir, vocab_size=self.backend.vocab_size)
+        plan = StepPlan(cfg, len(sample_set.samples))
         resolve_teachers(cfg, self.model_dir, sample_set.samples)  # every route names a teacher
         if self.snapshots is not None:
             self.snapshots.backup("actor")
-        data, timings = _prepare_set(cfg, self.backend, self.snapshots, sample_set, plan)
+        data, timings = prepare_set(cfg, self.backend, self.snapshots, sample_set, plan)
         path = default_metrics_path(cfg) if log_metrics else None
         writer = MetricsWriter(path) if path is not None else None
         try:
@@ -89,9 +89,9 @@ class ResidentTrainer:
         assert self._last is not None, "save follows a train call"
         data, sample_set, plan, cfg = self._last
         torch.set_rng_state(self._rng)
-        _save(cfg.model_copy(update={"save": str(save)}), self.backend, data, sample_set, plan,
-              version=self.version, next_step=plan.num_steps,
-              extra_state={"loop_step": self.loop_step})
+        save_checkpoint(cfg.model_copy(update={"save": str(save)}), self.backend, data,
+                        sample_set, plan, version=self.version, next_step=plan.num_steps,
+                        extra_state={"loop_step": self.loop_step})
         return self.checkpoint_dir(save)
 
     @property
@@ -108,7 +108,7 @@ class ResidentTrainer:
 
     def offload(self) -> Move:
         """Optimizer state and (unless `keep_params`) parameters to host memory, gradients freed,
-        releasing the device for the engine (rltool.train.residency); the reference model and
+        releasing the device for the engine (rltool.train.offload); the reference model and
         distillation teachers are weight snapshots, held in host memory already."""
         return self.check_offloadable().offload()
 

@@ -24,7 +24,7 @@ from rltool.data.models import PRESETS, init_model
 from rltool.engine.config import ServeConfig
 from rltool.engine.inprocess import InProcessEngine
 from rltool.loop.config import LoopSettings
-from rltool.loop.residency import Residency
+from rltool.loop.colocation import Residency
 from rltool.train.backend import MicroBatch
 from rltool.train import memplan
 from rltool.train.config import TrainConfig

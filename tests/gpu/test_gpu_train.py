@@ -39,7 +39,7 @@ def test_packed_bf16_on_cuda_matches_padded(tiny_model_factory, arch, monkeypatc
 
 
 def test_offload_releases_device_memory_and_reload_restores_bits(tiny_model_dir):
-    from rltool.train.residency import Offloader
+    from rltool.train.offload import Offloader
 
     backend = TorchBackend(tiny_model_dir, options=BackendConfig(device="cuda", lr=1e-3))
     batch = MicroBatch([0, 1], [[5, 6, 7, 8, 9], [4, 3, 2]], [2, 1])

@@ -255,7 +255,8 @@ def test_prefetch_overlaps_compute_on_cuda(tmp_path):
 
 # -- wired into the train stage --------------------------------------------------------------
 def _frozen_logprobs(model_dir, cfg, sample_set, plan):
-    from rltool.train.stage import TorchBackend, compute_logprobs
+    from rltool.train.step import compute_logprobs
+    from rltool.train.torch_backend import TorchBackend
 
     frozen = TorchBackend(model_dir, options=cfg, trainable=False)
     return compute_logprobs(frozen, sample_set.samples,
@@ -271,7 +272,9 @@ def test_stage_ref_and_old_actor_come_from_snapshots(tiny_model_factory, train_s
     those of separate frozen models bit for bit, and the policy's weights (and value head) come
     back exactly, also when every snapshot spills to SSD (budget 0)."""
     from rltool.train.config import TrainConfig
-    from rltool.train.stage import TorchBackend, _prepare_set, preflight, role_snapshots
+    from rltool.train.stage import preflight
+    from rltool.train.step import prepare_set, role_snapshots
+    from rltool.train.torch_backend import TorchBackend
 
     policy, ref, old = (tiny_model_factory("qwen2", seed=s) for s in (0, 1, 2))
     cfg = TrainConfig(rollouts=[str(train_shard)], load=str(policy), ref=str(ref),
@@ -282,7 +285,7 @@ def test_stage_ref_and_old_actor_come_from_snapshots(tiny_model_factory, train_s
     backend = TorchBackend(policy, options=cfg, value_head=cfg.value_head)
     expected_values = None
     if estimator == "ppo":  # a non-zero head, so values tell which trunk computed them
-        from rltool.train.stage import compute_logprobs
+        from rltool.train.step import compute_logprobs
 
         _scramble(backend.inner.value_head, 7)
         expected_values = compute_logprobs(
@@ -295,7 +298,7 @@ def test_stage_ref_and_old_actor_come_from_snapshots(tiny_model_factory, train_s
                                old_actor_dir=checked.old_actor_target.model_dir)
     try:
         assert snapshots.tiers("ref") == {"ssd"}
-        data, timings = _prepare_set(cfg, backend, snapshots, checked.sample_set, checked.plan)
+        data, timings = prepare_set(cfg, backend, snapshots, checked.sample_set, checked.plan)
     finally:
         snapshots.close()
     assert not (tmp_path / "snap").exists() or not any((tmp_path / "snap").iterdir())

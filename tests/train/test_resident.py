@@ -102,7 +102,7 @@ def test_first_step_forward_gives_its_batch_old_logprobs_bit_for_bit(tiny_model_
     """On the CPU the first optimizer step's forward gives its batch's old logprobs (one no-grad
     pass fewer per set): weights, optimizer state, old logprobs and metrics equal a trainer that
     runs the separate pass, over two sets of two epochs."""
-    import rltool.train.stage as stage
+    import rltool.train.step as train_step
     from rltool.train.torch_backend import TorchBackend
 
     shards = [make_shard(tmp_path / "rollouts" / f"step-{s:06d}", tiny_model_dir,
@@ -119,7 +119,7 @@ def test_first_step_forward_gives_its_batch_old_logprobs_bit_for_bit(tiny_model_
     runs = []
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(stage, "old_from_forward", lambda *a, **k: False)
+            monkeypatch.setattr(train_step, "old_from_forward", lambda *a, **k: False)
         trainer, rows = ResidentTrainer(cfg(0)), []
         passes.clear()
         for step in range(2):

@@ -1,4 +1,4 @@
-"""Who holds the device in the colocated loop (rltool.loop.residency), and `[loop] device`.
+"""Who holds the device in the colocated loop (rltool.loop.colocation), and `[loop] device`.
 
 The alternation itself runs on CUDA (tests/gpu/test_gpu_loop.py); here its bookkeeping runs with
 the CPU Offloader: the order of engine calls and trainer moves, bit-exact round trips, and the
@@ -11,8 +11,8 @@ import torch
 
 from rltool.errors import ConfigError
 from rltool.loop.config import LoopSettings
-from rltool.loop import residency
-from rltool.loop.residency import Residency
+from rltool.loop import colocation
+from rltool.loop.colocation import Residency
 from rltool.rundir import RunDir
 from rltool.train.config import TrainConfig
 from rltool.train.resident import ResidentTrainer
@@ -56,7 +56,7 @@ def on_a_device(monkeypatch, *, device_gib: float, host_gib: float) -> None:
     """The device's and the host's memory as the offload plan sees them."""
     monkeypatch.setattr(torch.cuda, "mem_get_info",
                         lambda *a: (0, int(device_gib * 2**30)))
-    monkeypatch.setattr(residency, "host_available", lambda: int(host_gib * 2**30))
+    monkeypatch.setattr(colocation, "host_available", lambda: int(host_gib * 2**30))
 
 
 def test_alternation_order_and_bit_exact_round_trips(tiny_model_dir, monkeypatch):
@@ -138,7 +138,7 @@ def test_optimizer_offload_keeps_the_parameters_and_auto_picks_it_when_the_host_
     before = state_of(trainer)
     grads = sum(p.grad.numel() * p.grad.element_size() for p in inner.parameters())
     params = {name: p.data_ptr() for name, p in inner.named_parameters()}
-    with caplog.at_level("INFO", logger="rltool.loop.residency"):
+    with caplog.at_level("INFO", logger="rltool.loop.colocation"):
         res.offload_trainer(trainer)
     assert res.plan.offload == "optimizer" and res.plan.host["optimizer"] == 8 * n
     assert "trainer offloaded (optimizer): optimizer" in caplog.text and "params" not in \
