@@ -85,7 +85,7 @@ def pread_into(fd: int, buf: np.ndarray, offset: int) -> None:
 
 
 @functools.cache
-def _ignore_readonly_buffer_warning() -> None:
+def ignore_readonly_buffer_warning() -> None:
     """torch warns (once per process) that a read-only buffer makes a non-writable tensor; that is
     read_tensor's contract. One targeted filter, installed once: `warnings.catch_warnings` around
     each call would race between the conversion's worker threads."""
@@ -106,7 +106,7 @@ def read_tensor(info: TensorInfo) -> torch.Tensor:
     """
     import torch
 
-    _ignore_readonly_buffer_warning()
+    ignore_readonly_buffer_warning()
     dtype = torch_dtype(info.dtype)
     if info.nbytes == 0:
         return torch.empty(info.shape, dtype=dtype)

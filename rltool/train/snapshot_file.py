@@ -27,7 +27,7 @@ import xxhash
 from rltool import atomic
 from rltool.errors import CheckpointError
 from rltool.io.header import dtype_code, header_bytes, parse_header, torch_dtype
-from rltool.io.reader import _ignore_readonly_buffer_warning
+from rltool.io.reader import ignore_readonly_buffer_warning
 from rltool.io.writer import DirectWriter, pwrite_all
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ class MappedSnapshot:
             self.close()
             raise CheckpointError(f"{self.path}: checksum mismatch (the weight snapshot is "
                                   "corrupt); refusing it: drop the tag and back it up again")
-        _ignore_readonly_buffer_warning()
+        ignore_readonly_buffer_warning()
         self.tensors: dict[str, torch.Tensor] = {}
         for info in infos:
             dtype = torch_dtype(info.dtype)
