@@ -9,8 +9,9 @@
                                            # temperature... default to [rollout]'s
 [loop]    LoopConfig keys                  # steps, placement, engines, eval interval, gate
 ```
-`LoopSettings.from_tables` validates every table up front (bad input changes nothing on disk);
-per step the loop fills the owned keys with `rollout_config(step, ...)` etc.
+`LoopSettings.from_tables` reads every table into its stage's typed config up front, once (bad
+input changes nothing on disk; rltool.loop.settings builds them and checks the combinations);
+per step the loop fills the keys it owns with `rollout_config(run, step=..., urls=...)` etc.
 """
 
 from __future__ import annotations
@@ -18,33 +19,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
-from rltool.config import StageConfig, cli, format_validation_error, read_toml
+from rltool.config import StageConfig, cli, read_toml
 from rltool.delta.config import SyncConfig
 from rltool.engine.config import ServeConfig, resolve_device
 from rltool.errors import ConfigError
-from rltool.loop.affinity import check_cores
 from rltool.loop.keys import is_key_name, take_engine_keys, without_keys
 from rltool.rollout.eval import EvalConfig
+from rltool.loop.settings import (check_settings, eval_table, read_tables, rollout_table,
+                                  train_table, validate)
 from rltool.rollout.stage import RolloutConfig, split_urls
 from rltool.rundir import RunDir
 from rltool.tracking import TrackingConfig
 from rltool.train.config import TrainConfig
 
-# Keys each stage table may not set: the loop decides them per step.
-OWNED = {
-    "rollout": ("engines", "router", "out", "step", "metrics", "policy_version", "tokenizer",
-                "quiet"),
-    "eval": ("engines", "router", "out", "step", "metrics", "policy_version", "tokenizer", "quiet"),
-    "train": ("rollouts", "prompts", "load", "save", "publish", "metrics"),
-}
-# [eval] keys that default to [rollout]'s value when the [eval] table leaves them out.
-EVAL_INHERITS = ("reward", "max_response_len", "temperature", "top_p", "top_k", "seed",
-                 "generate_fn", "api_key", "request_timeout_s", "reward_timeout_s",
-                 "reward_workers", "concurrency", "input_key", "label_key", "metadata_key",
-                 "apply_chat_template")
-PLACEHOLDER_URL = "http://127.0.0.1:1"
 # `rltool serve` flags an in-process engine has no use for (it is no server, and shares the loop
 # process's torch threads).
 INPROCESS_REFUSED = frozenset({"engine", "model", "url", "host", "port", "ready_file",
@@ -223,14 +212,21 @@ class LoopConfig(TrackingConfig):
 
 
 class LoopSettings(BaseModel):
-    """The validated tables of one loop config."""
+    """The validated tables of one loop config, typed: [rollout], [train] and [eval] are their
+    stages' configs as every step gets them, but for the keys the loop decides per step, which
+    hold placeholders until `rollout_config`, `train_config` and `eval_config` fill them
+    (rltool.loop.settings)."""
 
     model: ModelConfig
-    rollout: dict[str, Any]
-    train: dict[str, Any]
+    rollout: RolloutConfig
+    train: TrainConfig
     sync: SyncConfig
-    eval: dict[str, Any] | None
+    eval: EvalConfig | None
     loop: LoopConfig
+    # The stage tables as written (with --set applied), which the run's config.toml keeps: a
+    # resumed run's overrides then meet the same defaults and validator choices (the typed
+    # configs also hold the loop's values, what [eval] inherits and what validators filled in).
+    _tables: dict[str, dict[str, Any]] = PrivateAttr(default_factory=dict)
 
     @classmethod
     def from_file(cls, path: str | Path, *, overrides: dict[str, dict[str, Any]] | None = None
@@ -240,132 +236,65 @@ class LoopSettings(BaseModel):
     @classmethod
     def from_tables(cls, data: dict[str, Any], *,
                     overrides: dict[str, dict[str, Any]] | None = None) -> "LoopSettings":
-        tables: dict[str, dict[str, Any]] = {}
-        for name in ("model", "rollout", "train", "sync", "eval", "loop"):
-            value = data.get(name, {})
-            if not isinstance(value, dict):
-                raise ConfigError(f"[{name}] must be a table, got {type(value).__name__}")
-            tables[name] = dict(value)
-        unknown = sorted(set(data) - set(tables))
-        if unknown:
-            raise ConfigError(f"unknown table(s) {unknown}; a loop config has [model], "
-                              "[rollout], [train], [sync], [eval] and [loop]")
-        for name, values in (overrides or {}).items():
-            if name not in tables:
-                raise ConfigError(f"--set {name}.*: unknown table; use one of {sorted(tables)}")
-            tables[name].update(values)
-        for name, owned in OWNED.items():
-            clash = sorted(set(tables[name]) & set(owned))
-            if clash:
-                raise ConfigError(f"[{name}] sets {clash}, which the loop decides per step; "
-                                  "remove them from the table")
-        misplaced = sorted(set(tables["train"]) & set(SyncConfig.model_fields))
-        if misplaced:
-            # TrainConfig accepts them (for `rltool train --publish`), but the loop publishes
-            # with [sync]: under [train] they would be silently ignored.
-            raise ConfigError(f"[train] sets {misplaced}: weight-sync keys belong in the [sync] "
-                              "table of a loop config; move them there")
-        model = _validate(ModelConfig, tables["model"], "model")
+        tables = read_tables(data, overrides=overrides)
+        model = validate(ModelConfig, tables["model"], "model")
         if not (Path(model.path) / "config.json").is_file():
             raise ConfigError(f"[model] path {model.path!r} is not a HF weights directory "
                               "(no config.json)")
-        loop = _validate(LoopConfig, tables["loop"], "loop")
+        loop = validate(LoopConfig, tables["loop"], "loop")
         try:
-            resolve_device(loop.device)
+            device = resolve_device(loop.device)
         except ValueError as e:
             raise ConfigError(f"[loop] device: {e}") from e
-        settings = cls(model=model, rollout=tables["rollout"], train=tables["train"],
-                       sync=_validate(SyncConfig, tables["sync"], "sync"),
-                       eval=tables["eval"] or None, loop=loop)
-        if loop.mode == "async" and loop.placement == "colocated":
-            raise ConfigError("--mode async generates while the trainer trains, so engines and "
-                              "trainer need resources of their own: use --placement "
-                              "disaggregated (and --engine-cores/--trainer-cores on one host)")
-        if loop.mode == "async" and (settings.rollout.get("filter", "none") != "none"
-                                     or settings.rollout.get("partial")):
-            raise ConfigError("--mode async trains every finished group in completion order: "
-                              "remove [rollout] filter and partial")
-        for option, cores in (("engine-cores", loop.engine_cores),
-                              ("trainer-cores", loop.trainer_cores)):
-            if cores is not None:
-                check_cores(cores, option=option)
-        if settings.sync.sync in ("tensor", "distributed") and loop.placement != "colocated" \
-                and loop.mode != "async":
-            raise ConfigError(f"--sync {settings.sync.sync} hands weights to engines on the "
-                              "trainer's host: use --placement colocated, or --sync full, delta "
-                              "or auto")
-        if loop.engine == "inprocess" and (loop.external or loop.launcher == "ray"):
-            raise ConfigError("[loop] engine = \"inprocess\" runs the engine in the loop's own "
-                              "process; it excludes engine_urls, router_url and --launcher ray")
-        if loop.engine == "inprocess":
-            settings.serve_config(model.path)
-        if settings.sync.sync in ("tensor", "distributed") and loop.launcher == "ray":
-            raise ConfigError(f"--sync {settings.sync.sync} is not available with --launcher ray"
-                              " (a restarted engine actor is brought up to date from disk): use "
-                              "--sync full, delta or auto")
-        if settings.sync.sync == "tensor" and loop.external:
-            raise ConfigError("--sync tensor hands weights over shared memory to engines the "
-                              "loop starts on its host; external engines take --sync full, "
-                              "delta, auto or distributed")
-        if settings.sync.precision == "fp8" and loop.external and settings.sync.sync == "auto":
-            raise ConfigError("--precision fp8 reaches external engines on disk only (auto may "
-                              "pick a broadcast, which carries no scales): use --sync full or "
-                              "delta")
-        if loop.eval_interval is not None and settings.eval is None:
-            raise ConfigError("[loop] eval_interval needs an [eval] table with prompts = FILE")
-        # Validate every stage with placeholder values for the keys the loop owns.
-        placeholder = RunDir("/nonexistent-run")
-        settings.rollout_config(placeholder, step=0, urls=[PLACEHOLDER_URL])
-        settings.train_config(placeholder, step=0, load=model.path)
-        if settings.eval is not None:
-            settings.eval_config(placeholder, step=0, urls=[PLACEHOLDER_URL], policy_version=0)
+        sync = validate(SyncConfig, tables["sync"], "sync")
+        rollout = rollout_table(tables["rollout"], loop=loop)
+        settings = cls(model=model, rollout=rollout, sync=sync, loop=loop,
+                       train=train_table(tables["train"], loop=loop, device=device,
+                                         load=model.path),
+                       eval=eval_table(tables["eval"], rollout=rollout,
+                                       rollout_keys=tuple(tables["rollout"]), loop=loop)
+                       if tables["eval"] else None)
+        settings._tables = {name: tables[name] for name in ("rollout", "train", "eval")}
+        check_settings(settings)
         return settings
 
     def to_tables(self) -> dict[str, Any]:
         out: dict[str, Any] = {"model": self.model.model_dump(mode="json", exclude_none=True),
-                               "rollout": without_keys(self.rollout), "train": dict(self.train),
+                               "rollout": without_keys(self._tables["rollout"]),
+                               "train": dict(self._tables["train"]),
                                "sync": self.sync.model_dump(mode="json", exclude_none=True),
                                "loop": self.loop.model_dump(mode="json", exclude_none=True,
                                                             exclude=_unsaved(self.loop))}
         if self.eval is not None:
-            out["eval"] = without_keys(self.eval)
+            out["eval"] = without_keys(self._tables["eval"])
         return out
 
     # ----- per-step stage configs ----------------------------------------------------------
 
     def rollout_config(self, run: RunDir, *, step: int, urls: list[str]) -> RolloutConfig:
-        values = dict(self.rollout)
-        values.setdefault("seed", self.loop.seed if self.loop.deterministic else None)
-        if self.loop.use_rollout_routing_replay:
-            values["use_rollout_routing_replay"] = True
-        if values.get("opd_teacher_api_key") is None and self.loop.opd_teacher_api_key:
-            values["opd_teacher_api_key"] = self.loop.opd_teacher_api_key
-        values.update(self._target(values, urls), out=str(run.rollout_step(step)), step=step,
-                      quiet=True, metrics=str(run.metrics_file("rollout")))
-        return _validate(RolloutConfig, values, "rollout")
-
-    def _target(self, values: dict[str, Any], urls: list[str]) -> dict[str, Any]:
-        """Where a rollout or eval sends its requests (the gateway of router_url, else the
-        engines themselves) and the loop's key unless `values` set one: api_key, else, for
-        engines (never a gateway), admin_api_key, which opens every route of theirs."""
-        target: dict[str, Any] = ({"router": self.loop.router_url} if self.loop.router_url
-                                  else {"engines": urls})
-        key = self.loop.api_key
-        if key is None and not self.loop.router_url:
-            key = self.loop.admin_api_key
-        if key is not None and values.get("api_key") is None:
-            target["api_key"] = key
-        return target
+        return self.rollout.model_copy(deep=True, update={
+            **self._engines(urls), "out": str(run.rollout_step(step)), "step": step,
+            "metrics": str(run.metrics_file("rollout"))})
 
     def eval_config(self, run: RunDir, *, step: int, urls: list[str],
                     policy_version: int) -> EvalConfig:
         assert self.eval is not None
-        values = {k: self.rollout[k] for k in EVAL_INHERITS if k in self.rollout}
-        values.update(self.eval)
-        values.update(self._target(values, urls), out=str(run.eval_step(step)), step=step,
-                      quiet=True, metrics=str(run.metrics_file("eval")),
-                      policy_version=policy_version)
-        return _validate(EvalConfig, values, "eval")
+        return self.eval.model_copy(deep=True, update={
+            **self._engines(urls), "out": str(run.eval_step(step)), "step": step,
+            "metrics": str(run.metrics_file("eval")), "policy_version": policy_version})
+
+    def _engines(self, urls: list[str]) -> dict[str, Any]:
+        """The engines a step's requests go to (none to set behind a gateway: router_url)."""
+        if self.loop.router_url:
+            return {}
+        engines = split_urls(urls)
+        assert engines, "the loop hands every step its engines' URLs"
+        return {"engines": engines}
+
+    def train_config(self, run: RunDir, *, step: int, load: str) -> TrainConfig:
+        return self.train.model_copy(deep=True, update={
+            "rollouts": [str(run.rollout_step(step))], "load": load, "save": str(run.ckpt),
+            "metrics": str(run.metrics_file("train"))})
 
     @property
     def device(self) -> str:
@@ -385,20 +314,6 @@ class LoopSettings(BaseModel):
     def engine_device(self) -> str:
         """Where the loop's own engines run (their --device, else the loop's)."""
         return resolve_device(_arg(self.engine_args(), "--device") or "auto")
-
-    def train_config(self, run: RunDir, *, step: int, load: str) -> TrainConfig:
-        values = dict(self.train)
-        values.setdefault("seed", self.loop.seed)
-        values.setdefault("device", self.device)
-        if values["device"] == "cuda" or (values["device"] == "auto" and self.device == "cuda"):
-            values.setdefault("dtype", "bf16")
-        if self.loop.deterministic:
-            values["deterministic"] = True
-        if self.loop.use_rollout_routing_replay:
-            values["use_rollout_routing_replay"] = True
-        values.update(rollouts=[str(run.rollout_step(step))], load=load, save=str(run.ckpt),
-                      metrics=str(run.metrics_file("train")))
-        return _validate(TrainConfig, values, "train")
 
     def serve_config(self, model_dir: str | Path) -> ServeConfig:
         """The in-process engine's settings: `engine_args` read as `rltool serve` flags
@@ -421,7 +336,7 @@ class LoopSettings(BaseModel):
             values[key] = args.pop(0) if args and not args[0].startswith("--") else True
         values.update(engine="builtin", model=str(model_dir))
         values["deterministic"] = loop.deterministic or bool(values.get("deterministic", False))
-        return _validate(ServeConfig, values, "loop.engine_args")
+        return validate(ServeConfig, values, "loop.engine_args")
 
     def is_eval_step(self, step: int) -> bool:
         k = self.loop.eval_interval
@@ -444,13 +359,6 @@ def _arg(args: list[str], flag: str) -> str | None:
         if item == flag:
             found = args[i + 1]
     return found
-
-
-def _validate(model: type[Any], values: dict[str, Any], section: str) -> Any:
-    try:
-        return model(**values)
-    except ValidationError as e:
-        raise ConfigError(format_validation_error(e, section=section)) from e
 
 
 def parse_set_options(items: list[str] | tuple[str, ...]) -> dict[str, dict[str, Any]]:

@@ -120,7 +120,7 @@ def test_set_options_override_tables(tiny_model_dir):
     assert overrides == {"train": {"lr": 0.5}, "rollout": {"reward": "copy:exact"},
                          "loop": {"engine_args": ["--dtype", "fp32"]}}
     s = LoopSettings.from_tables(tables(tiny_model_dir), overrides=overrides)
-    assert s.train["lr"] == 0.5 and s.loop.engine_args == ["--dtype", "fp32"]
+    assert s.train.lr == 0.5 and s.loop.engine_args == ["--dtype", "fp32"]
     with pytest.raises(ConfigError, match="TABLE.KEY=VALUE"):
         parse_set_options(["lr=1"])
     with pytest.raises(ConfigError, match="unknown table"):
