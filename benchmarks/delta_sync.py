@@ -44,7 +44,7 @@ from rltool.delta.apply import apply_chain
 from rltool.io.checkpoint import open_checkpoint
 from rltool.delta.deltadir import open_delta
 from rltool.delta.diff import default_workers, write_delta
-from rltool.delta.publish import breakeven_bandwidth
+from rltool.delta.cost import breakeven_bandwidth
 
 LRS = (1e-6, 1e-5, 1e-4)
 FORMATS = (("rltool", "xor"), ("slime", "xor"), ("slime", "overwrite"))

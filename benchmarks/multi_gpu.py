@@ -201,7 +201,7 @@ def next_weights(named: list[tuple[str, torch.Tensor]], *, lr: float, seed: int
 async def sync_distributed(urls: list[str], named: list[tuple[str, torch.Tensor]], *,
                            device: str, bucket_bytes: int, version: str, group: list) -> float:
     """pause -> flush -> broadcast per bucket -> continue on every engine; returns seconds."""
-    from rltool.delta import tensor_sync
+    from rltool.delta import sync_group, tensor_sync
     from rltool.rollout.client import EngineClient
     from rltool.supervisor import free_port
 
@@ -214,7 +214,7 @@ async def sync_distributed(urls: list[str], named: list[tuple[str, torch.Tensor]
                 master_address="127.0.0.1", master_port=port, rank_offset=i + 1,
                 world_size=len(urls) + 1, backend=backend) for i, c in enumerate(clients)))
             group.append(await asyncio.to_thread(
-                tensor_sync.join_group, master_address="127.0.0.1", master_port=port, rank=0,
+                sync_group.join_group, master_address="127.0.0.1", master_port=port, rank=0,
                 world_size=len(urls) + 1, backend=backend))
             for answer in await joins:
                 assert answer["success"], answer

@@ -35,8 +35,8 @@ from typing import Any, Literal
 from rltool import atomic, trace
 from rltool.convert.fp8 import quantize_state
 from rltool.delta.config import SyncConfig
-from rltool.delta.cost import (Decision, breakeven_bandwidth, decide, link_bandwidth_Bps,
-                               load_stats, predict_times, save_stats, update_average)
+from rltool.delta.cost import (Decision, decide, link_bandwidth_Bps, load_stats, save_stats,
+                               update_average)
 from rltool.delta.deltadir import open_delta
 from rltool.delta.diff import write_delta
 from rltool.delta.pull import (SYNC_DIR, host_lock, open_cached, pull_weights, read_local_version,
@@ -46,13 +46,6 @@ from rltool.io.checkpoint import Checkpoint, is_delta_dir, open_checkpoint
 from rltool.io.header import INDEX_NAME
 from rltool.io.hf_dir import CONFIG_NAME, DTYPES, write_hf_dir
 from rltool.rundir import VERSION_FILE, list_versions, weight_dir_name
-
-# The cost model is importable from here too: callers of the entry point use it to explain or
-# predict its choices.
-__all__ = ["FP8_BLOCK", "Decision", "PublishRequest", "Route", "breakeven_bandwidth", "decide",
-           "decide_route", "decide_transport", "link_bandwidth_Bps", "precision_of",
-           "predict_times", "publish_delta", "publish_full", "publish_in_memory",
-           "publish_version"]
 
 CACHE_DIR = ".publish_cache"
 SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}

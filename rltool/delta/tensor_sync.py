@@ -39,8 +39,6 @@ import torch
 from rltool.convert.fp8 import SCALE_SUFFIX, quantize_state
 from rltool.delta.cuda_ipc import open_cuda_ipc
 from rltool.delta.shm_read import SHM_DIR, read_segment
-from rltool.delta.sync_group import (SyncHostRefusedError, SyncTimeoutError,  # noqa: F401
-                                    join_group)
 from rltool.errors import BadInputError
 
 ALIGN = 64

@@ -169,8 +169,6 @@ class TensorEntry(BaseModel):
     offset: int = Field(ge=0)
 
 
-
-
 def _b64_field(value: str, what: str) -> bytes:
     try:
         return base64.b64decode(value, validate=True)
@@ -263,8 +261,6 @@ class UpdateWeightsFromTensorInput(_Body):
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None
-
-
 
 
 class InitWeightsUpdateGroupInput(_Body):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rltool.engine.sampling import SamplingParams, _filter, bias_logits
+from rltool.engine.sampling import SamplingParams, bias_logits, filter_probs
 from rltool.logprobs import effective_temperature
 
 
@@ -99,7 +99,7 @@ def _torch_sample(logits: torch.Tensor, params: list[SamplingParams], temps: lis
         sub = [params[i] for i in sampled]
         probs = draw[rows].exp() if len(sampled) < B else draw.exp()
         if any(p.needs_filter for p in sub):
-            probs = _filter(probs, sub)
+            probs = filter_probs(probs, sub)
         noise = torch.empty_like(probs).exponential_(generator=shared_generator)
         for j, i in enumerate(sampled):
             if generators[i] is not None:

@@ -126,7 +126,7 @@ def bias_logits(logits: torch.Tensor, params: list[SamplingParams], *,
     return out
 
 
-def _filter(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def filter_probs(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Zero the tokens top-k / top-p / min-p remove (rows without filters are untouched)."""
     sorted_p, order = probs.sort(dim=-1, descending=True)
     vocab = probs.shape[-1]

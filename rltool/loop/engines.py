@@ -234,7 +234,7 @@ class EngineSet:
                          bucket_bytes: int) -> float:
         """Broadcast the weights to every engine over a gloo process group (rank 0 is this
         process, joined on first use), a bucket per /update_weights_from_distributed call."""
-        from rltool.delta import tensor_sync
+        from rltool.delta import sync_group, tensor_sync
 
         t0 = time.perf_counter()
         self.check_alive()
@@ -251,7 +251,7 @@ class EngineSet:
                         world_size=len(clients) + 1, backend="gloo")
                         for i, c in enumerate(clients)))
                     self._group = await asyncio.to_thread(
-                        tensor_sync.join_group, master_address=address, master_port=port,
+                        sync_group.join_group, master_address=address, master_port=port,
                         rank=0, world_size=len(clients) + 1)
                     await joins
                 groups = tensor_sync.buckets(named, bucket_bytes=bucket_bytes)

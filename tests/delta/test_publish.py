@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 
 from rltool.io.checkpoint import is_delta_dir
 from rltool.delta.config import SyncConfig
-from rltool.delta.publish import (breakeven_bandwidth, decide, decide_transport, link_bandwidth_Bps,
-                                  predict_times, publish_version)
+from rltool.delta.cost import breakeven_bandwidth, decide, link_bandwidth_Bps, predict_times
+from rltool.delta.publish import decide_transport, publish_version
 from rltool.delta.pull import pull_weights
 from rltool.errors import BadInputError
 from tests.helpers.checkpoints import load_all, same_bits, write_checkpoint

@@ -8,7 +8,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from rltool.engine.sampling import SamplingParams, _filter, make_generator
+from rltool.engine.sampling import SamplingParams, filter_probs, make_generator
 from tests.helpers.sampling import sample
 
 
@@ -55,7 +55,7 @@ def test_filter_matches_reference(top_k, top_p, min_p):
     torch.manual_seed(1)
     probs = torch.softmax(torch.randn(2, 17, dtype=torch.float64) * 2, dim=-1)
     p = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)
-    got = _filter(probs, [p, p])
+    got = filter_probs(probs, [p, p])
     for row in range(2):
         ref = ref_filter(probs[row].tolist(), top_k=top_k, top_p=top_p, min_p=min_p)
         assert got[row].tolist() == pytest.approx(ref, abs=1e-12)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from rltool.delta import tensor_sync
+from rltool.delta import sync_group, tensor_sync
 from rltool.delta.sync_limits import MAX_SYNC_WORLD_SIZE
 from rltool.engine import api
 from rltool.engine.app import EngineState, build_app
@@ -150,7 +150,7 @@ def test_distributed_update_over_gloo_is_bit_equal(engine):
         "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
         "backend": "gloo"}))
     t.start()
-    group = tensor_sync.join_group(master_address="127.0.0.1", master_port=port, rank=0,
+    group = sync_group.join_group(master_address="127.0.0.1", master_port=port, rank=0,
                                    world_size=2, timeout_s=60)
     t.join(60)
     assert answers["init"].status_code == 200, answers["init"].text
@@ -208,7 +208,7 @@ def test_join_group_refuses_nccl_without_cuda_and_unknown_backends(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for backend, words in (("nccl", "needs CUDA"), ("mpi", "not served")):
         with pytest.raises(BadInputError, match=words):
-            tensor_sync.join_group(master_address="127.0.0.1", master_port=1, rank=0,
+            sync_group.join_group(master_address="127.0.0.1", master_port=1, rank=0,
                                    world_size=2, backend=backend)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from rltool.engine.sampling import SamplingParams, _filter, bias_logits
+from rltool.engine.sampling import SamplingParams, bias_logits, filter_probs
 from rltool.logprobs import effective_temperature
 
 
@@ -38,7 +38,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], *,
     sub_params = [params[i] for i in sampled_rows]
     probs = draw_logprobs[rows].exp()
     if any(p.needs_filter for p in sub_params):
-        probs = _filter(probs, sub_params)
+        probs = filter_probs(probs, sub_params)
     noise = torch.empty_like(probs)
     shared_rows = [j for j, i in enumerate(sampled_rows) if generators[i] is None]
     if shared_rows:

@@ -134,10 +134,11 @@ class EngineState:
             raise
 
 
-def refused_update(message: str) -> JSONResponse:
-    """A weight update refused: SGLang's `{"success": false, "message"}` with 400."""
+def refused_update(message: str, status_code: int = 400) -> JSONResponse:
+    """A weight update refused: SGLang's `{"success": false, "message"}`, with 400 unless told
+    otherwise (403 for a host it may not join, 504 past a join's timeout)."""
     return JSONResponse(UpdateWeightsResult(success=False, message=message)
-                        .model_dump(exclude_none=True), status_code=400)
+                        .model_dump(exclude_none=True), status_code=status_code)
 
 
 async def apply_weight_update(state: EngineState, load: Callable[[], Any], *, abort_all: bool,

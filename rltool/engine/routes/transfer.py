@@ -28,7 +28,7 @@ from fastapi import APIRouter, Request as HttpRequest
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from rltool.delta import tensor_sync
+from rltool.delta import shm_read, sync_group, tensor_sync
 from rltool.engine import api
 from rltool.engine.routes.base import (EngineState, apply_weight_update, describe_errors,
                                        parse_body, refused_update)
@@ -46,10 +46,7 @@ def router(state: EngineState) -> APIRouter:
     joining: set[str] = set()
     shm_reads = asyncio.Lock()
 
-    def refused(message: str, status_code: int = 400) -> JSONResponse:
-        response = refused_update(message)
-        response.status_code = status_code
-        return response
+    refused = refused_update
 
     async def apply(load: Any, *, abort_all: bool, weight_version: str | None) -> JSONResponse:
         return await apply_weight_update(state, load, abort_all=abort_all,
@@ -84,7 +81,7 @@ def router(state: EngineState) -> APIRouter:
         # bucket of extra memory); the scheduler only copies the private buffer in.
         async with shm_reads:
             try:
-                buf = await asyncio.to_thread(tensor_sync.read_segment, message.segment,
+                buf = await asyncio.to_thread(shm_read.read_segment, message.segment,
                                               message.nbytes)
             except BadInputError as e:
                 return refused(str(e))
@@ -106,15 +103,15 @@ def router(state: EngineState) -> APIRouter:
             # torch bounds the join by timeout_s; the wait is bounded too, should a step of it
             # not honour that (the thread then ends on its own, its group unused).
             group = await asyncio.wait_for(asyncio.to_thread(
-                tensor_sync.join_group, master_address=body.master_address,
+                sync_group.join_group, master_address=body.master_address,
                 master_port=body.master_port, rank=body.rank_offset,
                 world_size=body.world_size, backend=body.backend, timeout_s=body.timeout_s,
                 allowed_hosts=state.cfg.allowed_sync_hosts), body.timeout_s + JOIN_GRACE_S)
             # nccl receives on the engine's device, gloo through host memory
             groups[body.group_name] = (group, runner.device if body.backend == "nccl" else "cpu")
-        except tensor_sync.SyncHostRefusedError as e:
+        except sync_group.SyncHostRefusedError as e:
             return refused(str(e), status_code=403)
-        except tensor_sync.SyncTimeoutError as e:
+        except sync_group.SyncTimeoutError as e:
             return refused(str(e), status_code=504)
         except TimeoutError:
             return refused(f"joining the weight update group at {body.master_address}:"
