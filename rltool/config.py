@@ -124,9 +124,25 @@ def resolve(model: type[M], *, config_file: str | os.PathLike | None, section: s
         raise ConfigError(format_validation_error(e, section=section)) from e
 
 
+def is_secret_key(name: str) -> bool:
+    """A config key that holds a secret (`api_key`, `admin_api_key`, `opd_teacher_api_key`)."""
+    return name.endswith("api_key")
+
+
+def without_secrets(value: Any) -> Any:
+    """A config with its API keys left out (`*api_key` keys, `--*api-key=V` and the value after
+    `--*api-key` in argument lists)."""
+    if isinstance(value, dict):
+        return {k: without_secrets(v) for k, v in value.items() if not is_secret_key(k)}
+    if isinstance(value, list):
+        return [v for i, v in enumerate(value) if "api-key=" not in str(v)
+                and not (i > 0 and str(value[i - 1]).endswith("api-key"))]
+    return value
+
+
 def write_resolved(cfg: BaseModel, path: str | os.PathLike) -> None:
-    """Write a stage's resolved config as TOML next to its outputs."""
+    """Write a stage's resolved config as TOML next to its outputs, without its keys."""
     import tomli_w
 
-    data = cfg.model_dump(mode="json", exclude_none=True)
+    data = without_secrets(cfg.model_dump(mode="json", exclude_none=True))
     atomic.write_text(path, tomli_w.dumps(data))

@@ -24,7 +24,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from rltool import atomic
-from rltool.config import StageConfig
+from rltool.config import StageConfig, without_secrets
 from rltool.rundir import RunDir, read_json_file, read_metrics
 
 log = logging.getLogger(__name__)
@@ -164,17 +164,6 @@ class Tracker:
                 getattr(backend, method)()
             except Exception as e:  # noqa: BLE001
                 self._failed(name, e, when=when)
-
-
-def without_secrets(value: Any) -> Any:
-    """A config with its API keys left out (`*api_key` keys, `--*api-key=V` and the value after
-    `--*api-key` in argument lists)."""
-    if isinstance(value, dict):
-        return {k: without_secrets(v) for k, v in value.items() if not k.endswith("api_key")}
-    if isinstance(value, list):
-        return [v for i, v in enumerate(value) if "api-key=" not in str(v)
-                and not (i > 0 and str(value[i - 1]).endswith("api-key"))]
-    return value
 
 
 def wandb_run_id(run: RunDir) -> str:

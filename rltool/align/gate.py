@@ -303,5 +303,4 @@ def write_report(result: GateResult, cfg: AlignGateConfig) -> None:
     assert cfg.report is not None
     path = Path(cfg.report)
     atomic.write_json(path, result.to_dict())
-    write_resolved(cfg.model_copy(update={"api_key": None}),
-                   path.with_name(path.stem + ".config.toml"))
+    write_resolved(cfg, path.with_name(path.stem + ".config.toml"))

@@ -21,14 +21,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
-from rltool.config import StageConfig, cli, read_toml
+from rltool.config import StageConfig, cli, is_secret_key, read_toml, without_secrets
 from rltool.delta.config import SyncConfig
 from rltool.engine.config import ServeConfig, resolve_device
 from rltool.errors import ConfigError
-from rltool.loop.keys import is_key_name, take_engine_keys, without_keys
-from rltool.rollout.eval import EvalConfig
+from rltool.loop.keys import take_engine_keys
 from rltool.loop.settings import (check_settings, eval_table, read_tables, rollout_table,
                                   train_table, validate)
+from rltool.rollout.eval import EvalConfig
 from rltool.rollout.stage import RolloutConfig, split_urls
 from rltool.rundir import RunDir
 from rltool.tracking import TrackingConfig
@@ -260,13 +260,13 @@ class LoopSettings(BaseModel):
 
     def to_tables(self) -> dict[str, Any]:
         out: dict[str, Any] = {"model": self.model.model_dump(mode="json", exclude_none=True),
-                               "rollout": without_keys(self._tables["rollout"]),
+                               "rollout": without_secrets(self._tables["rollout"]),
                                "train": dict(self._tables["train"]),
                                "sync": self.sync.model_dump(mode="json", exclude_none=True),
                                "loop": self.loop.model_dump(mode="json", exclude_none=True,
                                                             exclude=_unsaved(self.loop))}
         if self.eval is not None:
-            out["eval"] = without_keys(self._tables["eval"])
+            out["eval"] = without_secrets(self._tables["eval"])
         return out
 
     # ----- per-step stage configs ----------------------------------------------------------
@@ -348,7 +348,7 @@ class LoopSettings(BaseModel):
 def _unsaved(loop: LoopConfig) -> set[str]:
     """[loop] keys the run's config.toml leaves out: the keys (secrets), and the engine-start
     keys of a run with external engines (their defaults would clash with engine_urls)."""
-    keys = {name for name in LoopConfig.model_fields if is_key_name(name)}
+    keys = {name for name in LoopConfig.model_fields if is_secret_key(name)}
     return keys | {"num_engines", "engine_args"} if loop.external else keys
 
 

@@ -27,11 +27,6 @@ ENGINE_KEY_FLAGS = {"--api-key": "api_key", "--admin-api-key": "admin_api_key"}
 ENGINE_KEY_ENV = {"api_key": "RLTOOL_API_KEY", "admin_api_key": "RLTOOL_ADMIN_API_KEY"}
 
 
-def is_key_name(name: str) -> bool:
-    """A config key that holds a secret (`api_key`, `admin_api_key`, `opd_teacher_api_key`)."""
-    return name.endswith("api_key")
-
-
 def take_engine_keys(data: Any) -> Any:
     """LoopConfig input with `--api-key K`/`--admin-api-key K` (or `--api-key=K`) moved out of
     `engine_args` into `api_key`/`admin_api_key`. A key given in both places with two values, or
@@ -62,11 +57,6 @@ def take_engine_keys(data: Any) -> Any:
             kept.append(arg)
     data["engine_args"] = kept
     return data
-
-
-def without_keys(table: dict[str, Any]) -> dict[str, Any]:
-    """A stage table as the run's config.toml keeps it: its keys left out."""
-    return {k: v for k, v in table.items() if not is_key_name(k)}
 
 
 def engine_env(*, api_key: str | None, admin_api_key: str | None) -> dict[str, str]:

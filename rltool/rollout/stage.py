@@ -284,8 +284,7 @@ class StageInputs:
         from rltool.data.shards import write_shard
 
         manifest = write_shard(cfg.out, [to_row(s) for g in groups for s in g], meta)
-        keys = {name: None for name in type(cfg).model_fields if name.endswith("api_key")}
-        write_resolved(cfg.model_copy(update=keys), Path(cfg.out) / config_name)
+        write_resolved(cfg, Path(cfg.out) / config_name)
         return manifest
 
 
