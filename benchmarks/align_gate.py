@@ -11,21 +11,18 @@ building the trainer model, as a gate run does).
 Baselines in the same run: the non-deterministic engine (tokens/s ratio det / non-det) and the
 padded trainer recompute (time ratio det / padded).
 
-Usage: .venv/bin/python benchmarks/align_gate.py [--presets tiny,small] [--prompts 16] [--n 4]
-       [--max-response-len 32] [--repeats 3] [--out FILE.json]
+Usage: python -m benchmarks.align_gate [--presets tiny,small] [--prompts 16] [--n 4]
+       [--max-response-len 32] [--repeats 3] [--out DIR_OR_FILE.json]
 Prints a table and, last, one JSON line on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -36,6 +33,8 @@ from rltool.data.shards import open_shard
 from rltool.data.tasks import make_rows, write_prompts
 from rltool.rollout.launch import start_engine
 from rltool.rollout.stage import RolloutConfig, run
+
+from benchmarks import harness
 
 ENGINE_MODES = [("fp32", False), ("fp32", True), ("bf16", False), ("bf16", True)]
 TRAINER_MODES = [("fp32", True), ("fp32", False), ("bf16", True), ("bf16", False)]
@@ -70,6 +69,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    bench = harness.Run("align_gate")
     root = Path(tempfile.mkdtemp(prefix="align-bench-"))
     prompts = write_prompts(make_rows("reverse", num=args.prompts, seed=5), root / "prompts.jsonl")
     results = []
@@ -97,14 +97,8 @@ def main() -> None:
                     "num_samples": gate.num_samples})
     _print_table(results)
     summary = _summary(results)
-    record = {"benchmark": "align_gate", "date": datetime.now(timezone.utc).isoformat(),
-              "machine": f"{platform.machine()} {os.cpu_count()} cores",
-              "load_avg": os.getloadavg(),
-              "torch": torch.__version__, "threads": 1, "args": vars(args),
-              "results": results, "summary": summary}
-    if args.out:
-        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    print(json.dumps({"benchmark": "align_gate", **summary}))
+    bench.finish({"threads": 1, "args": vars(args), "summary": summary, "results": results},
+                 out=args.out)
 
 
 def _summary(results: list[dict]) -> dict:

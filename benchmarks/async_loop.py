@@ -25,10 +25,10 @@ Figures, from each run's metrics/loop.jsonl:
   first reached the target, and their ratio async / sync (an async run that never reaches it
   counts as infinitely many samples in the median; a seed whose sync run does not is left out).
 
-Prints a table and one JSON line; `--out FILE` also writes the JSON (machine, load averages,
-every run's rows). Example (2 cores, engine on core 0, trainer on core 1):
-  python benchmarks/async_loop.py --seeds 0 1 2 --steps 20 \
-      --out benchmarks/results/async_loop-DATE-cpu2.json
+Prints a table and one JSON line; `--out DIR` also writes the JSON (machine, load averages,
+every run's rows) as DIR/async_loop-DATE-DEVICE.json. Example (2 cores, engine on core 0,
+trainer on core 1):
+  python -m benchmarks.async_loop --seeds 0 1 2 --steps 20 --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from rltool.demo_common import TARGET, WINDOW
+
+from benchmarks import harness
 
 
 def prepare(root: Path, seed: int) -> Path:
@@ -95,7 +96,7 @@ def one_seed(root: Path, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     from rltool.demo import loop_tables
     from rltool.profile.analyze import async_speedup
 
-    load = os.getloadavg()
+    load = harness.load_average()
     weights = prepare(root, seed)
     base = loop_tables(root, model=weights, steps=max(args.steps, args.learning_steps),
                        seed=seed)
@@ -170,7 +171,7 @@ def main() -> None:
                         help="Also run async with --max-staleness 0 per seed (see above).")
     parser.add_argument("--out", default=None, help="Write the JSON result here too.")
     args = parser.parse_args()
-    load_before = os.getloadavg()
+    run = harness.Run("async_loop")
     runs = []
     with tempfile.TemporaryDirectory(prefix="rltool-async-bench-") as tmp:
         for seed in args.seeds:
@@ -186,20 +187,14 @@ def main() -> None:
     ratios = [r["samples_ratio"] if r["async_reached"] else math.inf
               for r in runs if r["sync_reached"]]
     median_ratio = statistics.median(ratios) if ratios else math.inf
-    summary = {"benchmark": "async_loop", "date": time.strftime("%Y-%m-%d"),
-               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                           "python": sys.version.split()[0]},
-               "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
-               "settings": vars(args),
+    summary = {"settings": vars(args),
                "median_speedup": statistics.median(r["speedup"] for r in runs),
                "median_bound": statistics.median(r["bound"] for r in runs),
                "median_of_bound": statistics.median(r["of_bound"] for r in runs),
                "median_samples_ratio": median_ratio if math.isfinite(median_ratio) else None,
                "seeds_sync_reaching_target": len(ratios),
                "seeds_async_reaching_target": sum(math.isfinite(x) for x in ratios)}
-    print(json.dumps(summary))
-    if args.out:
-        Path(args.out).write_text(json.dumps({**summary, "runs": runs}, indent=1) + "\n")
+    run.finish(summary, out=args.out, detail={"runs": runs})
 
 
 if __name__ == "__main__":

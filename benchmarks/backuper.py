@@ -21,10 +21,10 @@ after the step / the same switch without prefetch, and "incl. slowdown" = (step 
 restore after it - step alone) / that switch, steps alone interleaved with prefetched ones. On CPU the step is cut to --cpu-train-tokens (default
 256, fp32) tokens; on CUDA it has 16k tokens (bf16 autocast, fp32 masters).
 
-Usage: python benchmarks/backuper.py [--device cpu|cuda] [--presets qwen2.5-0.5b,qwen2.5-3b]
+Usage: python -m benchmarks.backuper [--device cpu|cuda] [--presets qwen2.5-0.5b,qwen2.5-3b]
            [--repeats 3] [--out DIR]
 Defaults: cpu -> the 0.5B shapes; cuda -> 0.5B and 3B. Prints a table and, last, one JSON line;
-with --out, also writes DIR/backuper-<date>-<cpuN|gpu name>.json (runs of other presets on the
+with --out, also writes DIR/backuper-DATE-DEVICE.json (runs of other presets on the
 same day merge into it, so `--presets qwen2.5-0.5b` then `--presets qwen2.5-3b --repeats 1`
 splits the work under a time limit). Disk: one checkpoint and two snapshots at a time (41 GB
 for the 3B shapes in fp32).
@@ -35,12 +35,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -51,24 +49,12 @@ from rltool.train.backuper import WeightBackuper, module_tensors
 from rltool.train.config import BackendConfig
 from rltool.train.torch_backend import TorchBackend
 
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from benchmarks import harness
 
 
 def timed(fn, device: torch.device, repeats: int, *, before=None) -> float:
     """Median seconds of `fn()` (each run ends with a device sync); `before()` runs untimed."""
-    times = []
-    for _ in range(repeats):
-        if before is not None:
-            before()
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return harness.median_s(fn, repeats=repeats, device=device, before=before)
 
 
 def evict(path: Path) -> None:
@@ -207,14 +193,14 @@ def bench_overlap(model_dir: Path, device: torch.device, ssd: Path, *, tokens: i
             # Steps alone interleaved with prefetched ones: the box drifts between minutes.
             alone.append(timed(step, device, 1))
             place()
-            sync(device)
+            harness.sync(device)
             start = time.perf_counter()
             b.prefetch("teacher")
             step()
-            sync(device)
+            harness.sync(device)
             mid = time.perf_counter()
             b.restore("teacher")
-            sync(device)
+            harness.sync(device)
             end = time.perf_counter()
             with_prefetch.append(mid - start)
             exposed.append(end - mid)
@@ -251,6 +237,7 @@ def main() -> None:
     if device.type == "cpu":
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     tokens = 16384 if device.type == "cuda" else args.cpu_train_tokens
+    run = harness.Run("backuper", device=device.type)
     rows = []
     with tempfile.TemporaryDirectory(dir=args.work_dir) as tmp:
         for preset in presets:
@@ -285,24 +272,14 @@ def main() -> None:
                   f"({r['host_exposed_fraction_incl_slowdown']:.2f}) of {r['host_switch_s']:.3f} s"
                   f", ssd {r['ssd_exposed_fraction']:.2f} "
                   f"({r['ssd_exposed_fraction_incl_slowdown']:.2f}) of {r['ssd_switch_s']:.3f} s")
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "no GPU"
-    record = {"benchmark": "backuper", "date": datetime.now(timezone.utc).isoformat(),
-              "machine": f"{platform.machine()} {os.cpu_count()} cpus, {name}, torch "
-                         f"{torch.__version__}", "device": device.type,
-              "load_avg": os.getloadavg(), "repeats": args.repeats,
-              "timing": "median of repeats, each ending with a device sync; SSD reads cold "
-                        "(posix_fadvise DONTNEED) unless named warm", "results": rows}
-    if args.out:
-        tag = ("cpu%d" % os.cpu_count() if device.type == "cpu"
-               else name.split()[-1].lower())
-        out = Path(args.out) / f"backuper-{datetime.now(timezone.utc):%Y-%m-%d}-{tag}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if out.exists():  # one preset per invocation also adds up to one file
-            earlier = json.loads(out.read_text())
-            mine = {r["preset"] for r in rows}
-            record["results"] = [r for r in earlier["results"] if r["preset"] not in mine] + rows
-        out.write_text(json.dumps(record, indent=2) + "\n")
-    print(json.dumps(record))
+    if args.out and run.path(args.out).exists():  # one preset per invocation adds up to one file
+        mine = {r["preset"] for r in rows}
+        rows = [r for r in json.loads(run.path(args.out).read_text())["results"]
+                if r["preset"] not in mine] + rows
+    run.finish({"repeats": args.repeats,
+                "timing": "median of repeats, each ending with a device sync; SSD reads cold "
+                          "(posix_fadvise DONTNEED) unless named warm", "results": rows},
+               out=args.out)
 
 
 if __name__ == "__main__":

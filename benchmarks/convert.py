@@ -24,9 +24,9 @@ fp8 target < 1.5x); "added" subtracts the RSS before the operation (interpreter,
 Target: fp8 within 2x the reference's wall time (against reference-direct; the buffered
 reference is reported beside it).
 
-Usage: .venv/bin/python benchmarks/convert.py [--workers 2] [--repeat 3] [--dist-repeat 1]
+Usage: python -m benchmarks.convert [--workers 2] [--repeat 3] [--dist-repeat 1]
        [--ops reference fp8 ...]
-       [--out FILE.json]
+       [--out DIR_OR_FILE.json]
 Prints a table and, last, one JSON line on stdout.
 """
 
@@ -35,17 +35,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 from rltool import native
+
+from benchmarks import harness
 
 OPERATIONS = ("reference", "reference-direct", "fp8", "fp8-torch", "hf-to-dist")
 
@@ -135,7 +135,7 @@ def _child(op: str, src: Path, out: Path, workers: int) -> dict:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     if op == "fp8-torch":
         env[native.DISABLE_ENV] = "0"
-    proc = subprocess.run([sys.executable, __file__, "--workers", str(workers), "--_child", op,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.convert", "--workers", str(workers), "--_child", op,
                            str(src), str(out)], capture_output=True, text=True, check=False,
                           env=env)
     if proc.returncode != 0:
@@ -173,8 +173,7 @@ def main() -> None:
         op, src, out = args._child
         print(json.dumps(run_one(op, Path(src), Path(out), args.workers)))
         return
-    load_before = os.getloadavg()[0]
-
+    run = harness.Run("convert")
     with tempfile.TemporaryDirectory(prefix="rltool-bench-convert-") as tmp:
         src = Path(tmp) / "src"
         model = make_checkpoint(src)
@@ -189,14 +188,10 @@ def main() -> None:
                 shutil.rmtree(out)
     rows = {op: _summary(r, model["bytes"]) for op, r in runs.items()}
     result = {
-        "benchmark": "convert", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {os.cpu_count()} CPUs, no GPU",
-        "load_note": "2-core machine shared with other jobs (tests, benchmarks)",
-        "load_average_1m_before": load_before, "load_average_1m_after": os.getloadavg()[0],
         "model": {"preset": "qwen2.5-0.5b", "dtype": "bfloat16", **model, "files": 1},
         "workers": args.workers, "repeat": args.repeat, "dist_repeat": args.dist_repeat,
         "omp_num_threads":
-        os.environ.get("OMP_NUM_THREADS"), "results": rows, "runs": runs,
+        os.environ.get("OMP_NUM_THREADS"), "results": rows,
     }
     for ref_op in ("reference", "reference-direct"):
         ref = rows.get(ref_op)
@@ -206,7 +201,7 @@ def main() -> None:
                 result[f"{key}_time_vs_reference"] = rows[op]["seconds"] / ref["seconds"]
                 result[f"{key}_cpu_vs_reference"] = rows[op]["cpu_seconds"] / ref["cpu_seconds"]
     print(f"median of {args.repeat} runs ({args.dist_repeat} of hf-to-dist); load average "
-          f"{load_before:.2f} before, {result['load_average_1m_after']:.2f} after")
+          f"{run.load_before[0]:.2f} before, {harness.load_average()[0]:.2f} after")
     print(f"{'operation':<16}{'wall s':>9}{'(min-max)':>13}{'CPU s':>8}{'sys s':>7}{'GB/s':>7}"
           f"{'peak RSS GB':>13}{'x model':>9}{'added x model':>15}")
     for op, r in rows.items():
@@ -218,9 +213,7 @@ def main() -> None:
         if f"{key}_time_vs_reference" in result:
             print(f"fp8 / {name}: wall {result[f'{key}_time_vs_reference']:.2f}x, "
                   f"CPU {result[f'{key}_cpu_vs_reference']:.2f}x")
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    run.finish(result, out=args.out, detail={"runs": runs})
 
 
 if __name__ == "__main__":

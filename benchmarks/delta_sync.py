@@ -19,7 +19,7 @@ depending on what ran before it (after an idle pause, pwrite's page-cache copy a
 cost ~1 s more of kernel time; most likely memory handed back to the host by the balloon's free
 page reporting, which this VM's virtio-balloon advertises).
 
-Usage: .venv/bin/python benchmarks/delta_sync.py [--out FILE.json] [--scale 1.0] [--workers N]
+Usage: python -m benchmarks.delta_sync [--out DIR_OR_FILE.json] [--scale 1.0] [--workers N]
        [--repeats 3] [--formats rltool slime-xor slime-overwrite] [--lrs 1e-6 ...]
 Prints a table and, last, one JSON line on stdout (progress on stderr).
 """
@@ -27,14 +27,11 @@ Prints a table and, last, one JSON line on stdout (progress on stderr).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -45,6 +42,8 @@ from rltool.io.checkpoint import open_checkpoint
 from rltool.delta.deltadir import open_delta
 from rltool.delta.diff import default_workers, write_delta
 from rltool.delta.cost import breakeven_bandwidth
+
+from benchmarks import harness
 
 LRS = (1e-6, 1e-5, 1e-4)
 FORMATS = (("rltool", "xor"), ("slime", "xor"), ("slime", "overwrite"))
@@ -134,7 +133,7 @@ def main() -> None:
     workers = args.workers or default_workers()
     torch.set_num_threads(workers)
     scratch = Path(tempfile.mkdtemp(prefix="delta_sync.", dir=args.dir))
-    load_before = os.getloadavg()
+    run = harness.Run("delta_sync")
     rows: list[dict] = []
     try:
         w0 = make_w0(qwen25_05b_shapes(args.scale), seed=0)
@@ -212,7 +211,7 @@ def main() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
 
     print(f"checkpoint: {full_bytes / 1e9:.3f} GB bf16, workers {workers}, "
-          f"load average before {load_before[0]:.2f}")
+          f"load average before {run.load_before[0]:.2f}")
     print(f"{'lr':>7} {'format':<16} {'density':>9} {'wire MB':>9} {'wire %':>8} {'enc s':>7} "
           f"{'dec s':>7} {'enc/save':>9} {'dec/save':>9} {'B* Gb/s':>8} exact")
     saves = {r["lr"]: r["encode_s"] for r in rows if r["format"] == "full"}
@@ -239,15 +238,8 @@ def main() -> None:
     }
     print(f"targets at lr {lr_t:g} (rltool format): " + ", ".join(f"{k}={v}" for k, v in checks.items())
           + (f"; slime-xor wire {slime['wire_fraction']:.3%}" if slime else ""))
-    result = {"benchmark": "delta_sync", "date": datetime.now(timezone.utc).isoformat(),
-              "machine": f"{platform.machine()} {os.cpu_count()} CPUs (shared with other jobs)",
-              "load_average_before": load_before, "load_average_after": os.getloadavg(),
-              "full_bytes": full_bytes, "workers": workers, "scale": args.scale,
-              "repeats": args.repeats, "rows": rows,
-              "targets": checks}
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    run.finish({"full_bytes": full_bytes, "workers": workers, "scale": args.scale,
+                "repeats": args.repeats, "rows": rows, "targets": checks}, out=args.out)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,10 @@ reward reaches 0.8) beside a same-run baseline without the warm start (pure RL f
 
 Each run is `python -m rltool.demo DIR --json` in a fresh process (imports included, installs
 excluded). Prints a table and one JSON line; `--out FILE` also writes the JSON (the machine, its
-load average and every run's reward curve).
+load average and every run's reward curve); a directory gets demo-DATE-DEVICE.json.
 
 Example:
-  python benchmarks/demo.py --runs 2 --out benchmarks/results/demo-2026-11-29-cpu2.json
+  python -m benchmarks.demo --runs 2 --out benchmarks/results
 
 `--compare-with CHECKOUT --seeds 0 1 2` instead measures the loop step of this checkout against
 another one (e.g. the previous release) on the same machine: for each seed it runs the other
@@ -21,13 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks import harness
 
 TARGET_S = 600.0
 
@@ -46,7 +47,7 @@ def one_run(root: Path, args: list[str]) -> dict[str, Any]:
         raise RuntimeError(f"demo failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     summary = json.loads((root / "summary.json").read_text())
     summary["wall_s"] = wall
-    summary["load_avg_after"] = os.getloadavg()
+    summary["load_avg_after"] = harness.load_average()
     return summary
 
 
@@ -61,7 +62,7 @@ def seeded_run(root: Path, *, checkout: Path, seed: int, steps: int) -> dict[str
     code = (f"import rltool, rltool.demo as d; d.SEED = {seed}; "
             f"open({str(root) + '.rltool'!r}, 'w').write(rltool.__file__); "
             f"d.main([{str(root)!r}, '--json', '--steps', '{steps}'])")
-    load_before = os.getloadavg()
+    load_before = harness.load_average()
     t0 = time.perf_counter()
     # cwd: `python -c` puts the working directory first on sys.path, ahead of PYTHONPATH.
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
@@ -89,7 +90,7 @@ def seeded_run(root: Path, *, checkout: Path, seed: int, steps: int) -> dict[str
     commit = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True, check=False).stdout.strip()
     return {"checkout": f"rltool {commit or 'unknown commit'}", "seed": seed, "wall_s": time.perf_counter() - t0,
-            "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
+            "load_avg_before": load_before, "load_avg_after": harness.load_average(),
             "rl_steps": len(rows), "median_step_s": median("perf/loop/step_time"),
             "median_phase_s": {p: median(f"perf/loop/{p}_time") for p in PHASES},
             # CPU seconds of the loop process (builds that record perf/loop/*_cpu_time)
@@ -105,6 +106,7 @@ def compare(args: argparse.Namespace) -> None:
 
     here = Path(__file__).resolve().parents[1]
     other = Path(args.compare_with).resolve()
+    run = harness.Run("demo-compare")
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="rltool-demo-compare-") as tmp:
         for seed in args.seeds:
@@ -131,14 +133,8 @@ def compare(args: argparse.Namespace) -> None:
                 "median_steps_to_target": statistics.median(reached) if reached else None,
                 "runs_reaching_target": len(reached), "runs": len(mine)}
 
-    result = {"benchmark": "demo-compare", "date": time.strftime("%Y-%m-%d"),
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                          "python": platform.python_version()},
-              "before": summary("before"), "after": summary("after"), "runs": runs}
-    print(json.dumps({k: result[k] for k in ("before", "after")}))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    run.finish({"before": summary("before"), "after": summary("after"), "runs": runs},
+               out=args.out)
 
 
 def main() -> None:
@@ -157,7 +153,7 @@ def main() -> None:
     if args.compare_with:
         compare(args)
         return
-    load_before = os.getloadavg()
+    run = harness.Run("demo")
     with tempfile.TemporaryDirectory(prefix="rltool-demo-bench-") as tmp:
         runs = [one_run(Path(tmp) / f"demo{i}", []) for i in range(args.runs)]
         baseline = one_run(Path(tmp) / "pure-rl", ["--sft-steps", "0", "--steps",
@@ -170,19 +166,10 @@ def main() -> None:
         print(f"{name:>8s} {r['sft_steps']:>4d} {r['rl_steps']:>5d} {r['first_rl_reward']:6.3f} "
               f"{r['final_mean5_reward']:6.3f} {r['best_rl_reward']:6.3f} "
               f"{str(r[key]):>8s} {r['wall_s']:7.1f} {'met' if ok else 'missed':>6s}")
-    result = {"benchmark": "demo", "date": time.strftime("%Y-%m-%d"),
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                          "python": platform.python_version(),
-                          "load_avg_before": load_before},
-              "target": {"first_rl_reward_max": 0.3, "reward": 0.8, "wall_s": TARGET_S},
+    run.finish({"target": {"first_rl_reward_max": 0.3, "reward": 0.8, "wall_s": TARGET_S},
               "runs": runs, "baseline_pure_rl": baseline,
               "met": [r["first_rl_reward"] <= 0.3 and r[key] is not None
-                      and r["wall_s"] < TARGET_S for r in runs]}
-    line = json.dumps(result)
-    print(line)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+                      and r["wall_s"] < TARGET_S for r in runs]}, out=args.out)
 
 
 if __name__ == "__main__":

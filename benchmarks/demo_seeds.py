@@ -5,21 +5,18 @@ Prints a table and one JSON line; `--out FILE` also writes the JSON (machine, lo
 every seed's steps, wall clock and reward curve). Exit 1 when a seed misses the target.
 
 Example:
-  python benchmarks/demo_seeds.py --seeds 5 --out benchmarks/results/demo_seeds-DATE-cpu2.json
+  python -m benchmarks.demo_seeds --seeds 5 --out benchmarks/results
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from demo import one_run  # benchmarks/demo.py: one `python -m rltool.demo` in a fresh process
+from benchmarks import harness
+from benchmarks.demo import one_run  # one `python -m rltool.demo` in a fresh process
 
 
 def main() -> None:
@@ -27,7 +24,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5, help="Seeds 0..N-1.")
     parser.add_argument("--out", default=None, help="Write the JSON result here too.")
     args = parser.parse_args()
-    load_before = os.getloadavg()
+    run = harness.Run("demo_seeds")
     key = "first_step_mean5_reaching_target"
     runs = []
     print(f"{'seed':>4s} {'first':>6s} {'reached@':>8s} {'steps':>5s} {'last5':>6s} "
@@ -39,14 +36,7 @@ def main() -> None:
             print(f"{seed:>4d} {r['first_rl_reward']:6.3f} {str(r[key]):>8s} {r['rl_steps']:>5d} "
                   f"{r['final_mean5_reward']:6.3f} {r['wall_s']:7.1f}", flush=True)
     reached = sum(r[key] is not None for r in runs)
-    result = {"benchmark": "demo_seeds", "date": time.strftime("%Y-%m-%d"),
-              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                          "python": sys.version.split()[0]},
-              "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
-              "seeds": args.seeds, "reached": reached, "runs": runs}
-    print(json.dumps({k: v for k, v in result.items() if k != "runs"}))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    run.finish({"seeds": args.seeds, "reached": reached}, out=args.out, detail={"runs": runs})
     sys.exit(0 if reached == args.seeds else 1)
 
 

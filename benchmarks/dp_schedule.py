@@ -12,26 +12,22 @@ Targets: imbalance <= 1.05 x floor, packing >= 0.95 x ceiling, 4096 samples in <
 A third case, "heavy" (lognormal(ln 300, sigma 2) clipped to 1..100000, 4096
 samples), shows where the targets stop holding; it is reported but not counted in the targets.
 
-Usage: .venv/bin/python benchmarks/dp_schedule.py [--out FILE.json]
-(run from the repository root; benchmarks/ is the script's own directory, so slime_schedule imports)
-Prints a table and, last, one JSON line on stdout; --out saves the raw results.
+Usage (repository root): python -m benchmarks.dp_schedule [--out DIR_OR_FILE.json]
+Prints a table and, last, one JSON line on stdout; --out saves the record.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import time
-from datetime import datetime, timezone
 
 import numpy as np
 
 from rltool.train.dp_schedule import (DEFAULT_FLOPS_A, DEFAULT_FLOPS_B, round_robin, schedule,
                                       schedule_stats)
-from slime_schedule import overfull_microbatches, slime_schedule
+from benchmarks import harness
+from benchmarks.slime_schedule import overfull_microbatches, slime_schedule
 
 CAP = 16384
 TARGET_IMBALANCE = 1.05
@@ -80,8 +76,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write raw results as JSON here")
     args = parser.parse_args()
 
+    run = harness.Run("dp_schedule")
     rows = []
-    load_before = os.getloadavg()
     for case in ("lognormal", "uniform", "heavy"):
         for seed in range(args.seeds):
             lengths = make_lengths(case, seed=seed)
@@ -114,7 +110,6 @@ def main() -> None:
     counted = [r for r in rows if r["in_targets"]]
 
     summary = {
-        "bench": "dp_schedule",
         "max_imbalance_vs_floor": max(r["imbalance_vs_floor"] for r in counted),
         "min_packing_vs_ceiling": min(r["packing_vs_ceiling"] for r in counted),
         "max_wall_ms_4096_median": max(r["schedule"]["time_ms_median"] for r in counted
@@ -139,24 +134,12 @@ def main() -> None:
             for r in counted),
         "heavy_max_imbalance_vs_floor": max(r["imbalance_vs_floor"] for r in rows
                                             if not r["in_targets"]),
-        "loadavg_1min_before_after": [load_before[0], os.getloadavg()[0]],
     }
     summary["targets_met"] = (summary["max_imbalance_vs_floor"] <= TARGET_IMBALANCE
                               and summary["min_packing_vs_ceiling"] >= TARGET_PACKING
                               and summary["max_cpu_ms_4096_median"] < TARGET_TIME_MS)
-    if args.out:
-        raw = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-               "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                           "cpu_count": os.cpu_count(), "loadavg_1_5_15_before": load_before,
-                           "loadavg_1_5_15_after": os.getloadavg(),
-                           "note": "2-core machine shared with other jobs"},
-               "cap_tokens": CAP, "flops_a": DEFAULT_FLOPS_A, "flops_b": DEFAULT_FLOPS_B,
-               "repeats": args.repeats, "rows": rows, "summary": summary}
-        with open(args.out + ".tmp", "w") as f:
-            json.dump(raw, f, indent=1)
-        os.replace(args.out + ".tmp", args.out)
-    print(json.dumps(summary))
-
+    run.finish({"cap_tokens": CAP, "flops_a": DEFAULT_FLOPS_A, "flops_b": DEFAULT_FLOPS_B,
+                "repeats": args.repeats, "summary": summary, "rows": rows}, out=args.out)
 
 if __name__ == "__main__":
     main()

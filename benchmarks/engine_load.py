@@ -10,17 +10,13 @@ quarter of the run) stays within 10% of its value at the end of warm-up. Reports
 of the well-formed requests, status counts (429s included) and the memory samples.
 
 Example (about a minute on 2 cores):
-  python benchmarks/engine_load.py --clients 32 --seconds 40 \
-      --out benchmarks/results/engine_load-DATE-cpu2.json
+  python -m benchmarks.engine_load --clients 32 --seconds 40 --out benchmarks/results
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import platform
 import random
 import sys
 import tempfile
@@ -30,6 +26,8 @@ from pathlib import Path
 
 import httpx
 import psutil
+
+from benchmarks import harness
 
 MAX_REQUEST_BYTES = 64 * 1024
 MIX = (("ok", 0.7), ("stream_drop", 0.1), ("oversize", 0.1), ("malformed", 0.1))
@@ -134,6 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
     from rltool.data.models import init_model
     from rltool.rollout.launch import start_engine
 
+    run = harness.Run("engine_load")
     with tempfile.TemporaryDirectory(prefix="rltool-engine-load-") as tmp:
         model = init_model(Path(tmp) / "tiny", arch="qwen2", preset="tiny", task="copy", seed=0)
         engine = start_engine(["--engine", "builtin", "--model", str(model), "--num-threads", "1",
@@ -158,10 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
               "slots_returned": load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0,
               "rss_within_10pct_after_warmup": drift is not None and drift <= 0.10,
               "serving_after": alive.status_code == 200}
-    result = {"benchmark": "engine_load", "date": time.strftime("%Y-%m-%d"),
-              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                          "load_avg": os.getloadavg()},
-              "settings": vars(args) | {"max_request_bytes": MAX_REQUEST_BYTES,
+    result = {"settings": vars(args) | {"max_request_bytes": MAX_REQUEST_BYTES,
                                         "mix": dict(MIX)},
               **{k: v for k, v in r.items() if k != "rss"},
               "count_429": refused, "count_5xx": r5xx,
@@ -169,16 +165,13 @@ def main(argv: list[str] | None = None) -> dict:
                                        "min": round(min(warm) / 2**20, 1),
                                        "max": round(max(warm) / 2**20, 1)} if warm else None,
               "rss_max_drift_frac": round(drift, 4) if drift is not None else None,
-              "loads_after": load, "checks": checks, "rss_samples": r["rss"]}
+              "loads_after": load, "checks": checks}
     print(f"{'clients':>7s} {'requests':>8s} {'ok/s':>6s} {'p50_ms':>7s} {'p99_ms':>7s} "
           f"{'429':>5s} {'5xx':>4s} {'rss_drift':>9s}")
     print(f"{args.clients:>7d} {r['requests']:>8d} {r['ok_per_s']:>6.1f} {r['p50_ms']!s:>7s} "
           f"{r['p99_ms']!s:>7s} {result['count_429']:>5d} {r5xx:>4d} "
           f"{result['rss_max_drift_frac']!s:>9s}")
-    print(json.dumps({k: result[k] for k in ("statuses", "checks")}))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    return result
+    return run.finish(result, out=args.out, detail={"rss_samples": r["rss"]})
 
 
 if __name__ == "__main__":

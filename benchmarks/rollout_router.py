@@ -11,7 +11,7 @@ naive design), against the shipped one-wake-up-per-freed-slot queues. Routing qu
 smg's policies is benchmarks/router_policies.py. Reported: requests/s (wall) and CPU µs per
 request, median of --repeats; the machine's load average is recorded (the box is shared).
 
-Usage: .venv/bin/python benchmarks/rollout_router.py [--repeats 3] [--out FILE.json]
+Usage: python -m benchmarks.rollout_router [--repeats 3] [--out DIR_OR_FILE.json]
 Prints a table and, last, one JSON line on stdout.
 """
 
@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import platform
 import statistics
 import time
-from datetime import datetime, timezone
 
 from rltool.rollout.router import Engine, Router
-from router_policies import LeastOutstanding
+from benchmarks import harness
+from benchmarks.router_policies import LeastOutstanding
 
 ENGINES = 4
 CONCURRENCY = 32
@@ -89,7 +86,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    load_before = os.getloadavg()
+    run = harness.Run("rollout_router")
     rows = []
     for keyed in (False, True):
         for backlog in BACKLOGS:
@@ -116,16 +113,9 @@ def main() -> None:
               f"{r['router_req_per_s']:13,.0f} {r['router_cpu_us_per_req']:13.1f} "
               f"{r['speedup']:11.1f}x {vs_lor:>7s}")
     worst_16k = min(r["speedup"] for r in rows if r["backlog"] == 16000)
-    result = {"benchmark": "rollout_router", "date": datetime.now(timezone.utc).isoformat(),
-              "machine": f"{platform.machine()} {os.cpu_count()} cpus",
-              "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
-              "engines": ENGINES, "concurrency": CONCURRENCY, "repeats": args.repeats,
+    run.finish({"engines": ENGINES, "concurrency": CONCURRENCY, "repeats": args.repeats,
               "rows": rows, "target_speedup_16k": TARGET_SPEEDUP_16K,
-              "min_speedup_16k": worst_16k, "target_met": worst_16k >= TARGET_SPEEDUP_16K}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-    print(json.dumps(result))
+              "min_speedup_16k": worst_16k, "target_met": worst_16k >= TARGET_SPEEDUP_16K}, out=args.out)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ Workloads: "single" (independent requests, long-tail output lengths: balancing) 
 Reported per router: makespan, mean latency, prefix-cache hit rate; median of --repeats, routers
 interleaved within each repeat.
 
-Usage: .venv/bin/python benchmarks/router_policies.py [--repeats 3] [--out FILE.json]
+Usage: python -m benchmarks.router_policies [--repeats 3] [--out DIR_OR_FILE.json]
+Prints a table and, last, one JSON line on stdout.
 """
 
 from __future__ import annotations
@@ -31,21 +32,19 @@ import argparse
 import asyncio
 import contextlib
 import itertools
-import json
-import os
-import platform
 import shutil
 import statistics
 import sys
 import time
 from collections import OrderedDict
-from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
 import numpy as np
 
 from rltool.supervisor import Child, free_port, start
+
+from benchmarks import harness
 
 SLOTS = 8
 SPEEDS = (1.0, 1.0, 1.0, 0.5)
@@ -223,7 +222,8 @@ def run_all(args) -> list[dict]:
     engines, urls = [], []
     for speed in SPEEDS:
         port = free_port()
-        engines.append(start([sys.executable, __file__, "--serve-engine", str(port), str(speed)],
+        engines.append(start([sys.executable, "-m", "benchmarks.router_policies", "--serve-engine",
+                              str(port), str(speed)],
                              log_path=log_path, name="simulated engine"))
         urls.append(f"http://127.0.0.1:{port}")
     rows = []
@@ -292,7 +292,7 @@ def main() -> None:
     if args.serve_engine:
         serve_engine(int(args.serve_engine[0]), float(args.serve_engine[1]))
         return
-    load_before = os.getloadavg()
+    run = harness.Run("router_policies")
     rows = run_all(args)
     summary = []
     for wname in ("single", "multi-turn"):
@@ -306,18 +306,10 @@ def main() -> None:
     for s in summary:
         print(f"{s['workload']:10s} {s['router']:24s} {s['makespan_s']:10.2f} "
               f"{s['mean_latency_s']:7.3f} {s['p90_latency_s']:6.3f} {s['cache_hit_rate']:6.3f}")
-    result = {"benchmark": "router_policies", "date": datetime.now(timezone.utc).isoformat(),
-              "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                          "loadavg_1_5_15_before": load_before,
-                          "loadavg_1_5_15_after": os.getloadavg()},
-              "engines": {"speeds": SPEEDS, "slots": SLOTS, "cache_tokens": CACHE_TOKENS,
+    run.finish({"engines": {"speeds": SPEEDS, "slots": SLOTS, "cache_tokens": CACHE_TOKENS,
                           "prefill_ms_per_token": PREFILL_MS_PER_TOKEN,
                           "decode_ms_per_token": DECODE_MS_PER_TOKEN},
-              "repeats": args.repeats, "summary": summary, "rows": rows}
-    if args.out:
-        with open(args.out + ".tmp", "w") as f:
-            json.dump(result, f, indent=1)
-        os.replace(args.out + ".tmp", args.out)
+                "repeats": args.repeats, "summary": summary, "rows": rows}, out=args.out)
 
 
 if __name__ == "__main__":
