@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from rltool.batch_invariant import INTERPRETED
-from rltool.engine.fp8_gemm import Fp8Activations, empty_activations, store_quantized
+from rltool.engine.fp8_gemm import Fp8Activations, empty_activations
+from rltool.engine.fp8_kernels import store_quantized
 
 BLOCK_N = 32
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}

@@ -88,8 +88,8 @@ def quantized(x: torch.Tensor, block_k: int | None) -> torch.Tensor | Fp8Activat
 
 if triton is not None:
     from rltool.batch_invariant import INTERPRETED
-    from rltool.engine.fp8_gemm import (E4M3_MAX, SCALE_FLOOR, Fp8Activations, empty_activations,
-                                        store_quantized, to_e4m3)
+    from rltool.engine.fp8_gemm import Fp8Activations, empty_activations
+    from rltool.engine.fp8_kernels import E4M3_MAX, SCALE_FLOOR, store_quantized, to_e4m3
 
     @triton.jit(do_not_specialize=["T", "ROWS"])
     def _add_rms_norm(X, R, W, Out, Q, S, stride_x, stride_r, stride_o, T, ROWS, N, eps,

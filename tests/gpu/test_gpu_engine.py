@@ -234,7 +234,7 @@ def test_engine_kernels_compile_once_for_any_batch():
     tensor (misaligned for odd counts) compiles once: no batch of a running engine waits for
     Triton's compiler because its size is new."""
     from rltool.engine import decode_attention as attention
-    from rltool.engine import fp8_gemm, fused, sampling_kernel
+    from rltool.engine import fp8_gemm, fp8_kernels, fused, sampling_kernel
     from rltool.engine.paged import PageTable, host_tensor
 
     # 49,152 ids: the sampler splits a row into 48, 24 or 16 chunks across these batches
@@ -251,7 +251,7 @@ def test_engine_kernels_compile_once_for_any_batch():
     angles = torch.arange(128, device=dev).float()[:, None] / 100 * torch.ones(d, device=dev)
     cos, sin = angles.cos().to(bf16), angles.sin().to(bf16)
     kernels = {"add_rms_norm": fused._add_rms_norm, "silu_mul": fused._silu_mul,
-               "rope_store": fused._rope_store, "quantize_rows": fp8_gemm._quantize_rows,
+               "rope_store": fused._rope_store, "quantize_rows": fp8_kernels.quantize_rows,
                "stage1": attention._stage1, "stage2": attention._stage2,
                "sample_partial": sampling_kernel._partial,
                "sample_combine": sampling_kernel._combine}
