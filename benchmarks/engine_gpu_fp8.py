@@ -269,7 +269,7 @@ def engines(preset: str, batches: list[int], modes: dict) -> dict:
 def preset_spec(preset: str):
     """The engine's spec of a preset's shapes (its config.json alone, no weights)."""
     from rltool.data.models import build_config
-    from rltool.engine.dense_model import read_spec
+    from rltool.engine.model_spec import read_spec
 
     config = build_config("qwen2", preset, vocab_size=1024, eos_token_id=0, pad_token_id=0)
     config.architectures = ["Qwen2ForCausalLM"]
@@ -290,7 +290,7 @@ def checkpoints(preset: str) -> tuple[Path, Path]:
 
 def precision_cost(preset: str, batches: list[int]) -> dict:
     """engine_gpu.py --precision fp8: the three engines' workload (a), and the GEMM rates."""
-    from rltool.engine.dense_model import read_spec
+    from rltool.engine.model_spec import read_spec
 
     model_dir, fp8_dir = checkpoints(preset)
     out = engines(preset, batches, {"bf16": (model_dir, "auto", "auto", False),

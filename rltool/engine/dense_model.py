@@ -1,9 +1,10 @@
 """The engine's own model definition for decoder-only LMs: the dense qwen2, qwen3 and llama families
 and the qwen3_moe family (its sparse MLP block in rltool.engine.moe).
 
-Loaded straight from a HF checkpoint (config.json + *.safetensors). Projections are fused for speed
-(q/k/v into one matrix, gate/up into one); `load_tensors` maps HF tensor names onto the fused
-slices, so weight updates by name (from disk today, from tensors later) need no HF model.
+Loaded straight from a HF checkpoint (config.json + *.safetensors: rltool.engine.model_spec,
+rltool.engine.model_checkpoint). Projections are fused for speed (q/k/v into one matrix, gate/up
+into one); `load_tensors` maps HF tensor names onto the fused slices, so weight updates by name
+(from disk or from tensors) need no HF model.
 
 The forward pass is packed: one flat [T] stream of tokens from any number of sequences. Attention
 is delegated to an `attend(layer, q, k, v)` callback that owns the KV cache and the positions
@@ -14,10 +15,7 @@ elementwise work runs in fused Triton kernels (rltool.engine.fused), on CPU as t
 
 from __future__ import annotations
 
-import contextlib
-import json
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from rltool.engine import moe, quant
+from rltool.engine.model_checkpoint import load_checkpoint, read_index
+from rltool.engine.model_spec import ModelSpec, read_spec
 from rltool.engine.quant import linear
 from rltool.errors import BadInputError, CheckpointError
-
-ARCHS = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
-         "Qwen3MoeForCausalLM": "qwen3_moe"}
-# For a config.json without "architectures":
-MODEL_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3_moe"}
 
 # The layers' linear weights: FP8-resident on CUDA when the checkpoint stores them in block FP8.
 LINEAR_KEYS = ("qkv", "o", "gate_up", "down", "experts_gate_up", "experts_down")
@@ -39,73 +34,6 @@ LINEAR_KEYS = ("qkv", "o", "gate_up", "down", "experts_gate_up", "experts_down")
 # attend(layer index, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D], or o_proj's input
 # [T, H * D] already quantized for its FP8 weight (rltool.engine.fp8_gemm.Fp8Activations)
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], Any]
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    arch: str
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    qkv_bias: bool
-    qk_norm: bool
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    moe: moe.MoeSpec | None = None  # qwen3_moe: the sparse layers' MLP
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """KV cache bytes per token per element byte (times 2 for bf16)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
-
-
-def read_spec(model_dir: str | Path) -> ModelSpec:
-    """The spec of a HF checkpoint; a one-line CheckpointError for anything not supported."""
-    path = Path(model_dir) / "config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"cannot read {path}: {e}") from e
-    archs = cfg.get("architectures") or []
-    arch = ARCHS.get(archs[0]) if archs else MODEL_TYPES.get(cfg.get("model_type"))
-    if arch is None:
-        raise CheckpointError(f"{path}: architecture {archs or cfg.get('model_type')!r} is not "
-                              f"supported by the engine's model; supported: {', '.join(ARCHS)} "
-                              "(serve others with --engine sglang)")
-    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
-    if rope_type != "default":
-        raise CheckpointError(f"{path}: rope scaling {rope_type!r} is not supported by the "
-                              "engine's model; serve it with --engine sglang")
-    theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0) if rope else 10000.0)
-    if arch == "llama" and cfg.get("mlp_bias"):
-        raise CheckpointError(f"{path}: llama with mlp_bias is not supported by the engine's model")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{path}: hidden_act {cfg['hidden_act']!r} is not supported "
-                              "(silu only)")
-    heads = int(cfg["num_attention_heads"])
-    head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // heads
-    if arch == "qwen2":
-        qkv_bias = True
-    else:
-        qkv_bias = bool(cfg.get("attention_bias", False))
-    return ModelSpec(
-        arch=arch, hidden_size=int(cfg["hidden_size"]),
-        intermediate_size=int(cfg["intermediate_size"]), num_layers=int(cfg["num_hidden_layers"]),
-        num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(head_dim), vocab_size=int(cfg["vocab_size"]),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
-        qkv_bias=qkv_bias, qk_norm=arch in ("qwen3", "qwen3_moe"),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        moe=(moe.read_moe_spec(cfg, int(cfg["num_hidden_layers"]), where=str(path))
-             if arch == "qwen3_moe" else None))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -386,67 +314,3 @@ def load_model(model_dir: str | Path, *, device: torch.device | str, dtype: torc
     return model
 
 
-@dataclass(frozen=True)
-class CheckpointIndex:
-    files: list[Path]
-    infos: dict[str, tuple[tuple[int, ...], str, Path]]  # name -> (shape, dtype, file)
-    fmt: quant.Fp8Format | None
-    shapes: dict[str, tuple[int, ...]]  # every tensor but the FP8 scales
-    fp8: set[str]  # the FP8 weights (each with its checked scale)
-
-
-def read_index(model_dir: Path) -> CheckpointIndex:
-    """The tensors of a HF checkpoint directory (headers only), its quantization checked."""
-    from safetensors import safe_open
-
-    files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
-    if not files:
-        raise CheckpointError(f"{model_dir} holds no *.safetensors files; pass a HF checkpoint "
-                              "directory")
-    infos: dict[str, tuple[tuple[int, ...], str, Path]] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():
-                sl = sf.get_slice(name)
-                infos[name] = (tuple(sl.get_shape()), sl.get_dtype(), f)
-    config_file = model_dir / "config.json"
-    fmt = None
-    if config_file.is_file():
-        try:
-            config = json.loads(config_file.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{config_file} is not valid JSON ({e}); restore it") from e
-        fmt = quant.read_format(config, where=str(model_dir)) if isinstance(config, dict) else None
-    shapes, fp8 = quant.split_scales({n: (s, d) for n, (s, d, _) in infos.items()}, fmt,
-                                     where=str(model_dir))
-    return CheckpointIndex(files=files, infos=infos, fmt=fmt, shapes=shapes, fp8=fp8)
-
-
-def load_checkpoint(model: DenseLM, model_dir: Path,
-                    before_copy: Callable[[], None] | None = None, *,
-                    index: CheckpointIndex | None = None) -> int:
-    """Copy a HF checkpoint directory's tensors into `model` after checking every name and shape
-    (and every FP8 weight's scales): nothing changes unless the whole checkpoint matches.
-    `before_copy` runs before each tensor's copy. Returns the number of tensors copied."""
-    from safetensors import safe_open
-
-    index = index or read_index(model_dir)
-    model.check_tensors(index.shapes, where=str(model_dir))
-    with contextlib.ExitStack() as stack:
-        handles = {f: stack.enter_context(safe_open(str(f), framework="pt"))
-                   for f in index.files}
-
-        def tensors(f: Path) -> Iterable[tuple[str, torch.Tensor | quant.BlockFp8]]:
-            for name in handles[f].keys():
-                if name not in index.shapes:
-                    continue  # a scale, read with its weight
-                if before_copy is not None:
-                    before_copy()
-                t = handles[f].get_tensor(name)
-                if name in index.fp8:
-                    scale = name + quant.SCALE_SUFFIX
-                    t = quant.BlockFp8(t, handles[index.infos[scale][2]].get_tensor(scale),
-                                       index.fmt.block)
-                yield name, t
-
-        return sum(model.load_tensors(tensors(f)) for f in index.files)

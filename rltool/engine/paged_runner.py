@@ -28,7 +28,9 @@ import torch
 from rltool import batch_invariant
 from rltool.engine import quant
 from rltool.engine.decode_rows import paged_attention, per_request_attention
-from rltool.engine.dense_model import DenseLM, fp8_input, load_checkpoint, load_model, read_spec
+from rltool.engine.dense_model import DenseLM, fp8_input, load_model
+from rltool.engine.model_checkpoint import load_checkpoint
+from rltool.engine.model_spec import read_spec
 from rltool.engine.loading import check_servable, eos_token_ids, load_tokenizer, loading
 from rltool.engine.moe import RoutedExperts
 from rltool.engine.paged import KV_CACHE_DTYPES, KVPool, PageTable, host_tensor, sdpa

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rltool.engine.dense_model import read_spec
+from rltool.engine.model_spec import read_spec
 from rltool.engine.paged_runner import PagedRunner
 from rltool.errors import CheckpointError
 

@@ -1,0 +1,86 @@
+"""Reading a HF checkpoint directory (config.json + *.safetensors) into the engine's model: the
+index of its tensors from their headers, its block-FP8 quantization checked, then every tensor
+checked against the model before any is copied."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from rltool.engine import quant
+from rltool.errors import CheckpointError
+
+if TYPE_CHECKING:  # the model module builds its models through this one
+    from rltool.engine.dense_model import DenseLM
+
+
+@dataclass(frozen=True)
+class CheckpointIndex:
+    files: list[Path]
+    infos: dict[str, tuple[tuple[int, ...], str, Path]]  # name -> (shape, dtype, file)
+    fmt: quant.Fp8Format | None
+    shapes: dict[str, tuple[int, ...]]  # every tensor but the FP8 scales
+    fp8: set[str]  # the FP8 weights (each with its checked scale)
+
+
+def read_index(model_dir: Path) -> CheckpointIndex:
+    """The tensors of a HF checkpoint directory (headers only), its quantization checked."""
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
+    if not files:
+        raise CheckpointError(f"{model_dir} holds no *.safetensors files; pass a HF checkpoint "
+                              "directory")
+    infos: dict[str, tuple[tuple[int, ...], str, Path]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                sl = sf.get_slice(name)
+                infos[name] = (tuple(sl.get_shape()), sl.get_dtype(), f)
+    config_file = model_dir / "config.json"
+    fmt = None
+    if config_file.is_file():
+        try:
+            config = json.loads(config_file.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{config_file} is not valid JSON ({e}); restore it") from e
+        fmt = quant.read_format(config, where=str(model_dir)) if isinstance(config, dict) else None
+    shapes, fp8 = quant.split_scales({n: (s, d) for n, (s, d, _) in infos.items()}, fmt,
+                                     where=str(model_dir))
+    return CheckpointIndex(files=files, infos=infos, fmt=fmt, shapes=shapes, fp8=fp8)
+
+
+def load_checkpoint(model: DenseLM, model_dir: Path,
+                    before_copy: Callable[[], None] | None = None, *,
+                    index: CheckpointIndex | None = None) -> int:
+    """Copy a HF checkpoint directory's tensors into `model` after checking every name and shape
+    (and every FP8 weight's scales): nothing changes unless the whole checkpoint matches.
+    `before_copy` runs before each tensor's copy. Returns the number of tensors copied."""
+    from safetensors import safe_open
+
+    index = index or read_index(model_dir)
+    model.check_tensors(index.shapes, where=str(model_dir))
+    with contextlib.ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(str(f), framework="pt"))
+                   for f in index.files}
+
+        def tensors(f: Path) -> Iterable[tuple[str, torch.Tensor | quant.BlockFp8]]:
+            for name in handles[f].keys():
+                if name not in index.shapes:
+                    continue  # a scale, read with its weight
+                if before_copy is not None:
+                    before_copy()
+                t = handles[f].get_tensor(name)
+                if name in index.fp8:
+                    scale = name + quant.SCALE_SUFFIX
+                    t = quant.BlockFp8(t, handles[index.infos[scale][2]].get_tensor(scale),
+                                       index.fmt.block)
+                yield name, t
+
+        return sum(model.load_tensors(tensors(f)) for f in index.files)
