@@ -23,8 +23,8 @@ The server is `rltool serve --engine builtin` in a subprocess (--max-running-req
 times include HTTP and JSON. Both sides use the same torch thread count (--threads, default 1:
 on this shared, oversubscribed 2-core box two OpenMP threads per process run ~15x slower).
 
-Usage: .venv/bin/python benchmarks/engine_throughput.py [--presets tiny,qwen2.5-0.5b]
-       [--batches 1,16,64] [--quick] [--out FILE.json]
+Usage: python -m benchmarks.engine_throughput [--presets tiny,qwen2.5-0.5b]
+       [--batches 1,16,64] [--quick] [--out DIR_OR_FILE.json]
 Prints a table and, last, one JSON line on stdout.
 """
 
@@ -34,12 +34,10 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import statistics
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
@@ -49,6 +47,9 @@ import transformers
 
 from rltool.data.models import init_model
 from rltool.rollout.launch import start_engine
+
+from benchmarks import harness
+from benchmarks.workloads import hf_generate
 
 # Per preset: requests per batch size, cap on max_new_tokens, prompt length range (tokens).
 PLANS = {
@@ -87,21 +88,14 @@ def useful_tokens(row: list[int], *, cap: int, eos: set[int]) -> int:
 
 # ----- transformers generate baseline -------------------------------------------------------
 
-def hf_generate(model, prompts: list[list[int]], caps: list[int], *, pad: int,
-                eos: set[int], max_new_tokens: int | None = None,
-                cache_implementation: str | None = None) -> tuple[int, float]:
-    """One left-padded generate() over the chunk; returns (useful tokens, seconds)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+def hf_chunk(model, prompts: list[list[int]], caps: list[int], *, pad: int, eos: set[int],
+             max_new_tokens: int | None = None,
+             cache_implementation: str | None = None) -> tuple[int, float]:
+    """One greedy left-padded generate() over the chunk; returns (useful tokens, seconds)."""
     new = max_new_tokens if max_new_tokens is not None else max(caps)
-    t = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                             do_sample=False, eos_token_id=sorted(eos), pad_token_id=pad,
-                             cache_implementation=cache_implementation)
-    elapsed = time.perf_counter() - t
-    gen = out[:, width:].tolist()
+    gen, elapsed = hf_generate(model, prompts, max_new_tokens=new, pad_token_id=pad,
+                               do_sample=False, eos_token_id=sorted(eos),
+                               cache_implementation=cache_implementation)
     return sum(useful_tokens(row, cap=c, eos=eos) for row, c in zip(gen, caps)), elapsed
 
 
@@ -116,7 +110,7 @@ def hf_throughput(model, prompts, caps, batch: int, *, pad: int, eos: set[int],
     prompts, caps = [prompts[i] for i in order], [caps[i] for i in order]
     tokens, t0, cpu0 = 0, time.perf_counter(), time.process_time()
     for i in range(0, len(prompts), batch):
-        n, _ = hf_generate(model, prompts[i:i + batch], caps[i:i + batch], pad=pad, eos=eos,
+        n, _ = hf_chunk(model, prompts[i:i + batch], caps[i:i + batch], pad=pad, eos=eos,
                            cache_implementation=cache_implementation)
         tokens += n
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
@@ -130,8 +124,8 @@ def ttft_starts(batch: int, n: int) -> range:
 
 
 def hf_ttft(model, prompts, *, pad: int, eos: set[int]) -> float:
-    _, elapsed = hf_generate(model, prompts, [1] * len(prompts), pad=pad, eos=eos,
-                             max_new_tokens=1)
+    _, elapsed = hf_chunk(model, prompts, [1] * len(prompts), pad=pad, eos=eos,
+                          max_new_tokens=1)
     return elapsed
 
 
@@ -327,7 +321,7 @@ def run_case(model_dir: Path, preset: str, batch: int, *, quick: bool, workdir: 
     eos = {tok.eos_token_id}
     pad = tok.pad_token_id
     for impl in (None, "static"):  # warm-up
-        hf_generate(model, prompts[:1], [2], pad=pad, eos=eos, cache_implementation=impl)
+        hf_chunk(model, prompts[:1], [2], pad=pad, eos=eos, cache_implementation=impl)
     waves = [prompts[s:s + batch] for s in ttft_starts(batch, n)]
     hf_runs: dict[str, list[dict]] = {name: [] for name in HF_BASELINES}
     core_runs, http_runs = [], []
@@ -433,11 +427,10 @@ def main() -> None:
             cost = deterministic_cost(init_model(Path(tmp) / "tiny", preset="tiny", seed=0))
         print(f"deterministic / batched, B={cost['batch']}: throughput x{cost['throughput_ratio']:.2f}"
               f", TTFT x{cost['ttft_ratio']:.2f}")
-        print(json.dumps({"benchmark": "engine_deterministic_cost", "load_avg_1m":
-                          os.getloadavg()[0], **cost}))
+        harness.Run("engine_throughput").finish(cost, out=args.out, variant="deterministic")
         return
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    load_before = os.getloadavg()
+    run = harness.Run("engine_throughput")
     rows = []
     print(TABLE_HEAD, flush=True)
     with tempfile.TemporaryDirectory(prefix="rltool-bench-") as tmp:
@@ -449,19 +442,10 @@ def main() -> None:
                                requests=args.requests, repeats=args.repeats)
                 rows.append(row)
                 print(TABLE_ROW.format(**flat(row)), flush=True)
-    result = {
-        "benchmark": "engine_throughput",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "threads": args.threads,
-                    "torch": torch.__version__, "transformers": transformers.__version__,
-                    "loadavg_1_5_15_before": load_before,
-                    "loadavg_1_5_15_after": os.getloadavg()},
-        "rows": rows,
-        "targets": {"throughput_ratio_b64": TARGET_RATIO_B64, "ttft_ratio_b1": 1.0},
-    }
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    run.finish({"threads": args.threads, "transformers": transformers.__version__,
+                "rows": rows,
+                "targets": {"throughput_ratio_b64": TARGET_RATIO_B64, "ttft_ratio_b1": 1.0}},
+               out=args.out)
 
 
 if __name__ == "__main__":

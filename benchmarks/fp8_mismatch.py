@@ -23,12 +23,12 @@ template; responses end at EOS or `--new-tokens`). A random-init model's next-to
 is near uniform, so its logprob differences say little about a trained model's: pass `--model
 DIR` (any HF checkpoint, e.g. the GPU demo's warm-started policy) for representative figures.
 
-Usage: .venv/bin/python benchmarks/fp8_mismatch.py [--presets tiny,qwen2.5-0.5b,...]
+Usage: python -m benchmarks.fp8_mismatch [--presets tiny,qwen2.5-0.5b,...]
        [--model DIR [--model-name NAME]] [--device cpu|cuda] [--prompts N] [--samples N]
        [--prompt-len N] [--new-tokens N] [--prompt-file FILE.jsonl] [--seed 0]
        [--out-dir benchmarks/results]
 Prints a table and, last, one JSON line on stdout; with --out-dir also writes
-fp8_mismatch-DATE-MACHINE.json there (a later run the same day adds its models' rows to it).
+fp8_mismatch-DATE-DEVICE.json there (a later run the same day adds its models' rows to it).
 """
 
 from __future__ import annotations
@@ -36,19 +36,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import shutil
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rltool import atomic
 from rltool.data.models import PRESETS, init_model
 from rltool.delta.config import SyncConfig
 from rltool.delta.publish import publish_version
@@ -61,6 +57,8 @@ from rltool.train.config import BackendConfig, TrainConfig
 from rltool.train.samples import Sample
 from rltool.train.step import compute_logprobs
 from rltool.train.torch_backend import TorchBackend
+
+from benchmarks import harness
 
 # The CPU defaults keep a tiny check under a minute; the GPU ones are the documented table's.
 DEFAULTS = {"cuda": {"prompts": 64, "samples": 4, "prompt_len": 128, "new_tokens": 128},
@@ -181,12 +179,6 @@ def bench(name: str, model: Path, *, device: str, args: argparse.Namespace,
     return rows
 
 
-def machine_tag(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name().split()[-1].lower()
-    return f"cpu{os.cpu_count()}"
-
-
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", default="tiny", help="Comma-separated random-init presets "
@@ -203,7 +195,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    "the rollout stage's format; chat-templated) instead of random token ids; "
                    "responses then end at EOS.")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", type=Path, help="Write fp8_mismatch-DATE-MACHINE.json here.")
+    p.add_argument("--out-dir", type=Path, help="Write fp8_mismatch-DATE-DEVICE.json here.")
     args = p.parse_args(argv)
     for key, value in DEFAULTS[args.device].items():
         if getattr(args, key) is None:
@@ -233,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     except BadInputError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 2
+    run = harness.Run("fp8_mismatch", device=args.device)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -248,24 +241,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['model'][-24:]:24} {r['weights']:7} {r['kv']:8} {r['trainer']:7} "
               f"{r['abs_diff']:12.3e} {r['max_abs_diff']:9.2e} {r['kl_k1']:10.2e} "
               f"{r['kl_k3']:10.2e} {r['mean_rollout_logprob']:9.3f} {r['engine_s']:8.1f}")
-    now = datetime.now(timezone.utc)
     settings = {"prompts": args.prompts, "samples": args.samples, "seed": args.seed,
                 "prompt_len": None if args.prompt_file else args.prompt_len,
                 "new_tokens": args.new_tokens, "temperature": 1.0,
                 "prompt_file": str(args.prompt_file) if args.prompt_file else None}
     rows = [{**r, **settings} for r in rows]
-    result = {"benchmark": "fp8_mismatch", "date": now.isoformat(),
-              "machine": f"{platform.machine()} {os.cpu_count()} cpus, "
-                         + (torch.cuda.get_device_name() if args.device == "cuda" else "no GPU"),
-              "device": args.device, "rows": rows}
-    if args.out_dir is not None:
-        out = args.out_dir / f"fp8_mismatch-{now:%Y-%m-%d}-{machine_tag(args.device)}.json"
-        if out.exists():  # a later run of the same day adds its models' rows (or replaces them)
-            mine = {r["model"] for r in rows}
-            earlier = json.loads(out.read_text())["rows"]
-            result["rows"] = [r for r in earlier if r["model"] not in mine] + rows
-        atomic.write_json(out, result)
-    print(json.dumps(result))
+    if args.out_dir is not None and run.path(args.out_dir).exists():
+        # a later run of the same day adds its models' rows (or replaces them)
+        mine = {r["model"] for r in rows}
+        earlier = json.loads(run.path(args.out_dir).read_text())["rows"]
+        rows = [r for r in earlier if r["model"] not in mine] + rows
+    run.finish({"rows": rows}, out=args.out_dir)
     return 0
 
 

@@ -16,8 +16,8 @@ figure is the median over --steps steps (step 0, which warms caches, not counted
 logprobs after the last step are checked bit-identical across the modes run for one precision
 (they all hand over the same weights). Each row is printed as it is measured.
 
-Usage: .venv/bin/python benchmarks/fp8_sync.py [--preset tiny|qwen2.5-0.5b|qwen2.5-3b ...]
-       [--device cpu|cuda] [--modes tensor full delta] [--steps 3] [--out FILE.json]
+Usage: python -m benchmarks.fp8_sync [--preset tiny|qwen2.5-0.5b|qwen2.5-3b ...]
+       [--device cpu|cuda] [--modes tensor full delta] [--steps 3] [--out DIR_OR_FILE.json]
 Prints a table and, last, one JSON line on stdout.
 """
 
@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -43,6 +41,8 @@ from rltool.delta.publish import FP8_BLOCK, publish_version
 from rltool.delta.pull import pull_weights
 from rltool.engine.api import TensorMessage
 from rltool.engine.paged_runner import PagedRunner
+
+from benchmarks import harness
 
 MODES = ("tensor", "full", "delta")
 SEQ = list(range(3, 35))
@@ -159,6 +159,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
+    run = harness.Run("fp8_sync", device=args.device)
     rows = [r for preset in args.preset for r in bench(preset, device=args.device,
                                                         steps=args.steps, modes=args.modes)]
     print(f"{'preset':14} {'precision':9} {'mode':6} {'MB bf16':>8} {'s/step':>8} "
@@ -167,13 +168,7 @@ def main() -> None:
         q = "" if r["quantize_s"] is None else f"{r['quantize_s']:.3f}"
         print(f"{r['preset']:14} {r['precision']:9} {r['mode']:6} {r['bf16_bytes'] / 1e6:8.1f} "
               f"{r['step_s']:8.3f} {q:>8} {r['modes_agree']}")
-    result = {"benchmark": "fp8_sync", "date": datetime.now(timezone.utc).isoformat(),
-              "machine": platform.node(), "device": args.device,
-              "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-              "rows": rows}
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result))
+    run.finish({"rows": rows}, out=args.out)
     sys.exit(0 if all(r["modes_agree"] for r in rows) else 1)
 
 

@@ -131,9 +131,10 @@ def print_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
 class Run:
     """One run of a benchmark: its name, device, start time and the load average at its start."""
 
-    def __init__(self, name: str, *, device: str = "cpu"):
+    def __init__(self, name: str, *, device: str = "cpu", tag: str | None = None):
         self.name = name
         self.device = device
+        self.tag = tag or device_tag(device)  # DEVICE in the result file's name
         self.started = datetime.now(timezone.utc)
         self.load_before = load_average()
 
@@ -144,7 +145,7 @@ class Run:
         if out.suffix == ".json":
             return out
         name = f"{self.name}-{variant}" if variant else self.name
-        return out / f"{name}-{self.started:%Y-%m-%d}-{device_tag(self.device)}.json"
+        return out / f"{name}-{self.started:%Y-%m-%d}-{self.tag}.json"
 
     def record(self, fields: dict[str, Any]) -> dict[str, Any]:
         """`fields` under the run's name, date, machine and load averages."""

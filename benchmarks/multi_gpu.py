@@ -1,6 +1,6 @@
 """Multi-GPU runs on one host: megatron layouts, distributed weight sync, engine scaling.
 
-One subcommand per run; each writes OUT/multi_gpu-<item>-<date>-<machine>.json (atomic: date,
+One subcommand per run; each writes OUT/multi_gpu-ITEM-DATE-DEVICE.json (atomic: date,
 machine, GPU count, arguments, rows) and prints a table and, last, one JSON line. Every run also
 works on the CPU (`--device cpu`: gloo process groups, the tiny models, small sizes), which checks
 the code paths, not the performance.
@@ -41,9 +41,9 @@ engines   GRPO-shaped generation (--prompts x --group random --prompt-len-token 
 all       megatron, sync, engines in sequence, one JSON file each.
 
 GPU host with N GPUs (from the repository root):
-  python benchmarks/multi_gpu.py all --gpus N --out benchmarks/results
+  python -m benchmarks.multi_gpu all --gpus N --out benchmarks/results
 CPU check of the same code paths (minutes):
-  python benchmarks/multi_gpu.py all --device cpu --gpus 2 --engines 2 --out /tmp/mg
+  python -m benchmarks.multi_gpu all --device cpu --gpus 2 --engines 2 --out /tmp/mg
 """
 
 from __future__ import annotations
@@ -52,49 +52,34 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shutil
 import statistics
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from multi_gpu_megatron import FP32_BOUND, LAYOUTS, add_step_options, launch_layout, \
+from benchmarks import harness
+from benchmarks.multi_gpu_megatron import FP32_BOUND, LAYOUTS, add_step_options, launch_layout, \
     planned_memory_gib
-from rltool import atomic
 
 # -- common ------------------------------------------------------------------------------------
-def machine(args: argparse.Namespace) -> tuple[str, str]:
-    """(description, file tag) of this host."""
-    if args.device == "cuda":
-        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}", \
-            f"gpu{torch.cuda.device_count()}"
-    return f"{platform.machine()} {os.cpu_count()} cpus", f"cpu{os.cpu_count()}"
+def write_record(run: harness.Run, args: argparse.Namespace, rows: list[dict],
+                 **extra: Any) -> Path:
+    record = run.record({"gpus": args.gpus,
+                         "args": {k: v for k, v in vars(args).items() if k != "func"}, **extra,
+                         "results": rows})
+    return run.write(record, args.out)
 
 
-def write_record(args: argparse.Namespace, item: str, rows: list[dict], **extra: Any) -> Path:
-    name, tag = machine(args)
-    stamp = datetime.now(timezone.utc)
-    path = Path(args.out) / f"multi_gpu-{item}-{stamp:%Y-%m-%d}-{tag}.json"
-    record = {"benchmark": f"multi_gpu {item}", "date": stamp.isoformat(), "machine": name,
-              "device": args.device, "gpus": args.gpus, "torch": torch.__version__,
-              "args": {k: v for k, v in vars(args).items() if k != "func"}, **extra,
-              "results": rows}
-    atomic.write_json(path, record)
-    return path
-
-
-def print_table(header: list[str], rows: list[list[Any]]) -> None:
-    cells = [[h for h in header]] + [["-" if c is None else
-                                      (f"{c:.3g}" if isinstance(c, float) else str(c))
-                                      for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    for r in cells:
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+def new_run(args: argparse.Namespace, item: str) -> harness.Run:
+    """One run's record: `multi_gpu-ITEM`, its file tagged with the card and the GPU count
+    (`h100x4`), or `cpuN`."""
+    tag = (f"{harness.device_tag('cuda')}x{args.gpus}" if args.device == "cuda"
+           else harness.device_tag("cpu"))
+    return harness.Run(f"multi_gpu-{item}", device=args.device, tag=tag)
 
 
 def model_dir(root: Path, *, arch: str, preset: str, dtype: str, device: str) -> Path:
@@ -121,7 +106,7 @@ def planned_t_w(model: Path, *, density: float) -> dict[str, float]:
 
 
 # -- megatron layouts --------------------------------------------------------------------------
-def run_megatron(args: argparse.Namespace, root: Path) -> Path:
+def run_megatron(args: argparse.Namespace, root: Path, run: harness.Run) -> Path:
     dtype = "fp32"
     families = [("qwen2", args.dense_preset, [x for x in args.layouts if not x.startswith("ep")]),
                 ("qwen3_moe", "tiny", [x for x in args.layouts if x.startswith("ep")])]
@@ -150,8 +135,8 @@ def run_megatron(args: argparse.Namespace, root: Path) -> Path:
             rows.append({"model": f"{arch} {preset}", **row})
             print(json.dumps(rows[-1]), flush=True)
         shutil.rmtree(model)  # disk for the next runs (the 3B fp32 model is 12 GB)
-    path = write_record(args, "megatron", rows, fp32_bound=FP32_BOUND)
-    print_table(["model", "layout", "ranks", "fp32 diff", "bf16 max", "bf16 mean", "tokens/s",
+    path = write_record(run, args, rows, fp32_bound=FP32_BOUND)
+    harness.print_table(["model", "layout", "ranks", "fp32 diff", "bf16 max", "bf16 mean", "tokens/s",
                  "MFU", "peak GiB", "plan GiB", "note"],
                 [[r["model"], r["layout"], r["ranks"], r.get("fp32_max_abs_diff"),
                   r.get("bf16_max_abs_diff"), r.get("bf16_mean_abs_diff"), r.get("tokens_per_s"),
@@ -278,7 +263,7 @@ async def probe(urls: list[str], version: str | None) -> list[Any]:
     return out
 
 
-def run_sync(args: argparse.Namespace, root: Path) -> Path:
+def run_sync(args: argparse.Namespace, root: Path, run: harness.Run) -> Path:
     """Per repeat v: the next weights reach the engines by each method in turn; every method must
     leave them serving the same weights (probe answers equal)."""
     from safetensors.torch import load_file
@@ -344,10 +329,10 @@ def run_sync(args: argparse.Namespace, root: Path) -> Path:
     plan = planned_t_w(model, density=min(1.0, statistics.median(wire["delta"]) / nbytes))
     for row in rows:
         row["plan_t_W_s"] = plan[row["method"]]
-    path = write_record(args, "sync", rows, preset=args.sync_preset,
+    path = write_record(run, args, rows, preset=args.sync_preset,
                         bucket_bytes=int(args.bucket_mb * 2**20), lr=args.lr,
                         transport="nccl" if args.device == "cuda" else "gloo")
-    print_table(["method", "engines", "GB", "wire GB", "t_W s", "plan t_W s", "GB/s/engine",
+    harness.print_table(["method", "engines", "GB", "wire GB", "t_W s", "plan t_W s", "GB/s/engine",
                  "publish s", "same"],
                 [[r["method"], r["engines"], r["bytes"] / 1e9, r["wire_bytes"] / 1e9, r["t_W_s"],
                   r["plan_t_W_s"], r["GBps_per_engine"], r["publish_s"],
@@ -386,7 +371,7 @@ async def grpo_round(urls: list[str], args: argparse.Namespace, vocab: int, *, k
                                     for e in router.stats()["engines"].values()]}
 
 
-def run_engines(args: argparse.Namespace, root: Path) -> Path:
+def run_engines(args: argparse.Namespace, root: Path, run: harness.Run) -> Path:
     """All engines start once; the first k of them serve each round (idle ones cost nothing on
     their own GPUs)."""
     model = model_dir(root, arch="qwen2", preset=args.engine_preset, dtype="bf16",
@@ -413,8 +398,8 @@ def run_engines(args: argparse.Namespace, root: Path) -> Path:
     finally:
         for p in procs:
             p.stop()
-    path = write_record(args, "engines", rows, preset=args.engine_preset, target_efficiency=0.9)
-    print_table(["routing", "engines", "seconds", "output tokens", "tokens/s", "efficiency",
+    path = write_record(run, args, rows, preset=args.engine_preset, target_efficiency=0.9)
+    harness.print_table(["routing", "engines", "seconds", "output tokens", "tokens/s", "efficiency",
                  "requests per engine"],
                 [[r["routing"], r["engines"], r["seconds"], r["output_tokens"], r["tokens_per_s"],
                   r["efficiency"], r["requests_per_engine"]] for r in rows])
@@ -487,7 +472,7 @@ def main() -> None:
                 engines = args.engines
             run_args = argparse.Namespace(**{**vars(args), "engines": engines})
             start = time.perf_counter()
-            paths[item] = str(RUNS[item](run_args, Path(tmp)))
+            paths[item] = str(RUNS[item](run_args, Path(tmp), new_run(run_args, item)))
             elapsed[item] = time.perf_counter() - start
             print(f"results: {paths[item]} ({elapsed[item]:.0f} s)", flush=True)
     print(json.dumps({"benchmark": "multi_gpu", "results": paths, "elapsed_s": elapsed}))

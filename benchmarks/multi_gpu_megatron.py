@@ -49,11 +49,13 @@ def megatron_rank(args: argparse.Namespace) -> None:
     from rltool.train.backend import build_backend
     from rltool.train.config import BackendConfig
     from rltool.train.dp_schedule import schedule
-    from train_megatron import loss_fn, make_samples, model_flops
+    from benchmarks.train_megatron import loss_fn, model_flops
+    from benchmarks.workloads import make_samples
 
     tp, pp, ep = LAYOUTS[args.layout]
     config = json.loads((Path(args.model) / "config.json").read_text())
-    samples = make_samples(config["vocab_size"], args, seed=0)
+    samples = make_samples(config["vocab_size"], num=args.samples_per_step,
+                           lengths=(args.min_len, args.max_len), seed=0)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     result: dict[str, Any] = {"layout": args.layout, "ranks": tp * pp * ep,
                               "tokens_per_step": sum(map(len, samples))}
@@ -122,7 +124,7 @@ def launch_layout(args: argparse.Namespace, model: Path, layout: str, work: Path
     tp, pp, ep = LAYOUTS[layout]
     result = work / f"{model.name}-{layout}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={tp * pp * ep}", str(Path(__file__).resolve()),
+           f"--nproc-per-node={tp * pp * ep}", "-m", "benchmarks.multi_gpu_megatron",
            "--model", str(model), "--layout", layout, "--result", str(result),
            "--device", args.device, "--samples", str(args.samples_per_step), "--min-len",
            str(args.min_len), "--max-len", str(args.max_len), "--seq-len", str(args.seq_len),

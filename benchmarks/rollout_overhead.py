@@ -10,23 +10,24 @@ Per round, alternating (so a change in the machine's load hits every variant):
   stage-inprocess  the same stage with the engine on a thread of this process
                (rltool.engine.inprocess, the loop's `[loop] engine = "inprocess"`)
 
-Prints the median seconds of each and the ratio to `engine`; `--out FILE` writes the JSON.
+Prints the median seconds of each and the ratio to `engine`, then one JSON line; `--out DIR`
+also writes it as DIR/rollout_overhead-DATE-DEVICE.json.
 
 Example:
-  OMP_NUM_THREADS=1 python benchmarks/rollout_overhead.py --rounds 5
+  OMP_NUM_THREADS=1 python -m benchmarks.rollout_overhead --rounds 5
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks import harness
 
 PROMPTS, SAMPLES, MAX_NEW = 16, 8, 8
 
@@ -104,7 +105,8 @@ def main() -> None:
 
     times: dict[str, list[float]] = {k: [] for k in ("engine", "per-sample", "per-group", "stage",
                                                      "stage-inprocess")}
-    load = [os.getloadavg()]
+    bench = harness.Run("rollout_overhead")
+    load = [harness.load_average()]
     with tempfile.TemporaryDirectory(prefix="rltool-rollout-overhead-") as tmp:
         root = Path(tmp)
         model = init_model(root / "model", arch="qwen2", preset="tiny", task="copy", seed=0)
@@ -134,21 +136,17 @@ def main() -> None:
                                                                 grouped=True)))
                 times["stage"].append(stage(f"r{k}", engine.url, None))
                 times["stage-inprocess"].append(stage(f"l{k}", local.url, {local.url: local}))
-                load.append(os.getloadavg())
+                load.append(harness.load_average())
         finally:
             engine.stop()
             local.stop()
     med = {k: statistics.median(v) for k, v in times.items()}
     for k, v in med.items():
         print(f"{k:>10s}: {v:.3f}s median ({v / med['engine']:.2f}x engine)")
-    result = {"benchmark": "rollout_overhead", "date": time.strftime("%Y-%m-%d"),
-              "cpus": os.cpu_count(), "workload": {"prompts": PROMPTS, "samples": SAMPLES,
-                                                   "max_new_tokens": MAX_NEW},
-              "median_s": med, "ratio_to_engine": {k: v / med["engine"] for k, v in med.items()},
-              "times_s": times, "load_avg": load}
-    print(json.dumps({"median_s": med}))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    bench.finish({"workload": {"prompts": PROMPTS, "samples": SAMPLES, "max_new_tokens": MAX_NEW},
+                  "median_s": med,
+                  "ratio_to_engine": {k: v / med["engine"] for k, v in med.items()},
+                  "times_s": times, "load_avg_rounds": load}, out=args.out)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,20 @@
 """Cost of trace spans: microseconds per span with tracing off and on, and the share of a
 profiled run's step time the spans of that run cost (target < 2%).
 
-    python benchmarks/trace_overhead.py [RUN]    # RUN: a traced loop run directory
+    python -m benchmarks.trace_overhead [RUN] [--out DIR]    # RUN: a traced loop run directory
+
+Prints one JSON line.
 """
 
 from __future__ import annotations
 
-import json
-import sys
+import argparse
 import tempfile
 import time
 
 from rltool import trace
+
+from benchmarks import harness
 
 N = 20000
 
@@ -29,18 +32,23 @@ def per_span_s(*, on: bool) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("run", nargs="?", help="a traced loop run directory")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    bench = harness.Run("trace_overhead")
     result = {"off_us": per_span_s(on=False) * 1e6, "on_us": per_span_s(on=True) * 1e6}
-    if len(sys.argv) > 1:
+    if args.run:
         from rltool.profile.events import read_events, spans
 
-        events = read_events(sys.argv[1])
+        events = read_events(args.run)
         steps = spans(events, name="step", cat="step")
         wall_s = sum(s["dur"] for s in steps) * 1e-6
         inside = [e for e in spans(events) if any(s["ts"] <= e["ts"] <= s["ts"] + s["dur"]
                                                   for s in steps)]
         result.update(spans_per_step=len(inside) / max(len(steps), 1), step_s=wall_s / len(steps),
                       overhead_fraction=len(inside) * result["on_us"] * 1e-6 / wall_s)
-    print(json.dumps(result, indent=2))
+    bench.finish(result, out=args.out)
 
 
 if __name__ == "__main__":

@@ -1,66 +1,35 @@
 """Cost of the trainer's deterministic layout (one unpadded forward per sample, the layout of
 rltool.logprobs.sequence_logprobs) against padded micro-batches, in the same run.
 
-For each model preset (tiny, small) and 64 samples (prompt 20-60 tokens, response 10-200 tokens,
+For each model preset (tiny, small) and 64 samples (30-260 tokens, the last quarter the response,
 seeded) it times, on one CPU process in fp32:
   recompute  - forward_logprobs over the DP schedule's micro-batches (cap 4096 tokens), no grad
   train_step - one optimizer step over the same micro-batches (forward + backward + AdamW)
 for `padded` and `deterministic`, median of --repeats, and reports the ratio and the largest
 |padded - deterministic| logprob difference.
 
-Usage: .venv/bin/python benchmarks/train_forward.py [--repeats 3] [--out FILE.json]
+Usage: python -m benchmarks.train_forward [--repeats 3] [--out DIR_OR_FILE.json]
 Prints a table and, last, one JSON line on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import random
 import statistics
 import tempfile
-import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 from rltool.data.models import init_model
-from rltool.train.backend import MicroBatch
-from rltool.train.dp_schedule import schedule
 from rltool.train.config import BackendConfig
 from rltool.train.torch_backend import TorchBackend
 
+from benchmarks import harness
+from benchmarks.workloads import make_samples, micro_batches
+
 CAP = 4096
 NUM_SAMPLES = 64
-
-
-def make_samples(vocab: int, *, seed: int) -> list[tuple[list[int], int]]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(NUM_SAMPLES):
-        prompt, response = rng.randint(20, 60), rng.randint(10, 200)
-        out.append(([rng.randrange(4, vocab) for _ in range(prompt + response)], prompt))
-    return out
-
-
-def micro_batches(samples) -> list[MicroBatch]:
-    plan = schedule([len(t) for t, _ in samples], dp_size=1, max_tokens_per_microbatch=CAP)[0]
-    return [MicroBatch(indices=mb, tokens=[samples[i][0] for i in mb],
-                       response_starts=[samples[i][1] for i in mb]) for mb in plan]
-
-
-def timed(fn, repeats: int) -> tuple[float, object]:
-    times, result = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        if torch.cuda.is_available():  # CUDA calls return at launch: time the work, not the queue
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times), result
 
 
 def bench_preset(preset: str, root: Path, *, repeats: int) -> dict:
@@ -70,8 +39,10 @@ def bench_preset(preset: str, root: Path, *, repeats: int) -> dict:
     for mode in ("padded", "deterministic"):
         options = BackendConfig(deterministic=mode == "deterministic", lr=1e-4)
         backend = TorchBackend(model_dir, options=options)
-        samples = make_samples(int(backend.config.vocab_size), seed=0)
-        mbs = micro_batches(samples)
+        samples = make_samples(int(backend.config.vocab_size), num=NUM_SAMPLES,
+                               lengths=(30, 260), seed=0)
+        mbs = micro_batches(samples, cap=CAP,
+                            response_starts=[len(s) - len(s) // 4 for s in samples])
 
         def recompute():
             out = {}
@@ -83,12 +54,12 @@ def bench_preset(preset: str, root: Path, *, repeats: int) -> dict:
             loss = -sum(lp.sum() for lp in out.logprobs) / 1e4
             return loss, {"train/loss": loss}
 
-        ms, logprobs[mode] = timed(recompute, repeats)
-        results[f"recompute_ms_{mode}"] = ms
-        results[f"train_step_ms_{mode}"], _ = timed(
-            lambda: backend.train_step(mbs, loss_fn, temperature=1.0), repeats)
+        times, logprobs[mode] = harness.timed(recompute, repeats=repeats)
+        results[f"recompute_ms_{mode}"] = statistics.median(times) * 1e3
+        results[f"train_step_ms_{mode}"] = harness.median_s(
+            lambda: backend.train_step(mbs, loss_fn, temperature=1.0), repeats=repeats) * 1e3
         results["micro_batches"] = len(mbs)
-        results["tokens"] = sum(len(t) for t, _ in samples)
+        results["tokens"] = sum(len(t) for t in samples)
     results["recompute_ratio"] = results["recompute_ms_deterministic"] / results["recompute_ms_padded"]
     results["train_step_ratio"] = (results["train_step_ms_deterministic"]
                                    / results["train_step_ms_padded"])
@@ -105,6 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    run = harness.Run("train_forward")
     with tempfile.TemporaryDirectory() as tmp:
         rows = [bench_preset(p, Path(tmp), repeats=args.repeats) for p in ("tiny", "small")]
     print(f"{'preset':8s} {'mbs':>4s} {'tokens':>7s} {'recompute pad ms':>17s} "
@@ -116,13 +88,7 @@ def main() -> None:
               f"{r['recompute_ratio']:6.2f} {r['train_step_ms_padded']:12.1f} "
               f"{r['train_step_ms_deterministic']:12.1f} {r['train_step_ratio']:6.2f} "
               f"{r['max_abs_logprob_diff']:10.2e}")
-    record = {"benchmark": "train_forward", "date": datetime.now(timezone.utc).isoformat(),
-              "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch "
-                         f"{torch.__version__}, 1 thread", "load_avg": os.getloadavg(),
-              "repeats": args.repeats, "results": rows}
-    if args.out:
-        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    print(json.dumps(record))
+    run.finish({"threads": 1, "repeats": args.repeats, "results": rows}, out=args.out)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,9 @@ and `packed` (one row per micro-batch, variable-length attention, logits in 4,09
 `+recompute` adds activation checkpointing. A short torch profiler trace of one packed step
 gives GPU kernel time against wall time and the top kernels.
 
-Usage: python benchmarks/train_gpu.py [--presets qwen2.5-0.5b,qwen2.5-3b] [--repeats 3]
+Usage: python -m benchmarks.train_gpu [--presets qwen2.5-0.5b,qwen2.5-3b] [--repeats 3]
        [--layouts padded,packed,packed+recompute] [--cap-tokens 16384,8192]
-       [--device cuda|cpu] [--out FILE.json]
+       [--device cuda|cpu] [--out DIR_OR_FILE.json]
 On CPU (`--device cpu --presets tiny`) it checks the script, not the speed.
 Prints a table and, last, one JSON line.
 """
@@ -25,42 +25,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import random
-import statistics
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 from rltool.data.models import init_model
-from rltool.train.backend import MicroBatch
 from rltool.train.config import BackendConfig
-from rltool.train.dp_schedule import schedule
 from rltool.train.torch_backend import TorchBackend
+
+from benchmarks import harness
+from benchmarks.workloads import make_samples, micro_batches
 
 PEAK_BF16 = 989e12
 NUM_SAMPLES = 128
 CAP = 16384
-
-
-def make_batches(vocab: int, *, seed: int, lengths: tuple[int, int],
-                 cap: int = CAP) -> list[MicroBatch]:
-    rng = random.Random(seed)
-    samples = []
-    for _ in range(NUM_SAMPLES):
-        n = rng.randint(*lengths)
-        samples.append([rng.randrange(4, vocab) for _ in range(n)])
-    plan = schedule([len(s) for s in samples], dp_size=1, max_tokens_per_microbatch=cap)[0]
-    return [MicroBatch(list(mb), [samples[i] for i in mb],
-                       [len(samples[i]) - len(samples[i]) // 4 for i in mb]) for mb in plan]
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def bench_layout(model_dir: Path, device: torch.device, layout: str, *, repeats: int,
@@ -83,7 +63,10 @@ def bench_layout(model_dir: Path, device: torch.device, layout: str, *, repeats:
 
 def measure_layout(backend: TorchBackend, device: torch.device, layout: str, *, repeats: int,
                    lengths: tuple[int, int], profile: bool, cap: int) -> dict:
-    batches = make_batches(int(backend.config.vocab_size), seed=0, lengths=lengths, cap=cap)
+    samples = make_samples(int(backend.config.vocab_size), num=NUM_SAMPLES, lengths=lengths,
+                           seed=0)
+    batches = micro_batches(samples, cap=cap,
+                            response_starts=[len(s) - len(s) // 4 for s in samples])
     tokens = sum(len(t) for mb in batches for t in mb.tokens)
     responses = sum(len(t) - s for mb in batches for t, s in zip(mb.tokens, mb.response_starts))
     params = sum(p.numel() for p in backend.inner.parameters())
@@ -106,21 +89,10 @@ def measure_layout(backend: TorchBackend, device: torch.device, layout: str, *, 
         step()  # warm-up: optimizer state, allocator, kernels
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        times = []
-        for _ in range(repeats):
-            sync(device)
-            t0 = time.perf_counter()
-            step()
-            sync(device)
-            times.append(time.perf_counter() - t0)
-        r["step_s"] = statistics.median(times)
+        r["step_s"] = harness.median_s(step, repeats=repeats, device=device)
         r["peak_gib"] = (torch.cuda.max_memory_allocated(device) / 2**30
                          if device.type == "cuda" else None)
-        sync(device)
-        t0 = time.perf_counter()
-        recompute()
-        sync(device)
-        r["recompute_s"] = time.perf_counter() - t0
+        r["recompute_s"] = harness.median_s(recompute, repeats=1, device=device)
     except torch.OutOfMemoryError as e:
         r["error"] = f"out of memory: {str(e).splitlines()[0]}"
         return r
@@ -136,11 +108,11 @@ def measure_layout(backend: TorchBackend, device: torch.device, layout: str, *, 
 def profile_step(step, device: torch.device) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    sync(device)
+    harness.sync(device)
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
-        sync(device)
+        harness.sync(device)
     wall = time.perf_counter() - t0
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     kernel_us = sum(e.self_device_time_total for e in events)
@@ -165,6 +137,7 @@ def main() -> None:
                ).split(",")
     lengths = (128, 1280) if device.type == "cuda" else (8, 40)
     results = []
+    run = harness.Run("train_gpu", device=args.device)
     with tempfile.TemporaryDirectory() as tmp:
         for preset in presets:
             model_dir = init_model(Path(tmp) / preset, arch="qwen2", preset=preset,
@@ -180,7 +153,6 @@ def main() -> None:
                     r["preset"] = preset
                     results.append(r)
                     print(json.dumps(r), flush=True)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
     print(f"\n{'preset':14} {'layout':18} {'cap':>6} {'tok/s':>9} {'MFU':>6} {'peak GiB':>9} "
           f"{'recompute tok/s':>16}")
     for r in results:
@@ -191,13 +163,8 @@ def main() -> None:
         print(f"{r['preset']:14} {r['layout']:18} {r['cap_tokens']:6} {r['tokens_per_s']:9.0f} "
               f"{r['mfu']:6.1%} "
               f"{peak:>9} {r['recompute_tokens_per_s']:16.0f}")
-    line = {"benchmark": "train_gpu", "date": datetime.now(timezone.utc).isoformat(),
-            "machine": f"{platform.machine()}, {name}, torch {torch.__version__}",
-            "device": args.device, "samples": NUM_SAMPLES,
-            "sample_lengths": list(lengths), "results": results}
-    if args.out:
-        Path(args.out).write_text(json.dumps(line, indent=1))
-    print(json.dumps(line))
+    run.finish({"samples": NUM_SAMPLES, "sample_lengths": list(lengths), "results": results},
+               out=args.out)
 
 
 if __name__ == "__main__":

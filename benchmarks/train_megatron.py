@@ -45,15 +45,15 @@ tokens, 1 warmup and 3 timed steps, both presets) are sized for about three minu
   phases       `phase_s`: seconds to build the backend, run the warm-up, the timed steps and the
                profiled step (with its trace summary), printed as they finish
 
-Results are written after every (preset, backend) to OUT/train_megatron-<date>-<machine>.json
+Results are written after every (preset, backend) to OUT/train_megatron-DATE-DEVICE.json
 (atomic), so a run cut short keeps what it measured; a backend that fails (e.g. out of memory)
 records its error and the run goes on. Prints a table and, last, one JSON line.
 
-GPU:  python benchmarks/train_megatron.py --device cuda --out benchmarks/results
+GPU:  python -m benchmarks.train_megatron --device cuda --out benchmarks/results
       (Qwen2.5-3B shapes alone, both backends, about three minutes on one H200:
       --presets qwen2.5-3b)
 CPU (a check of the script itself, minutes):
-      python benchmarks/train_megatron.py --device cpu --presets tiny --dtype fp32 --seq-len 64 \\
+      python -m benchmarks.train_megatron --device cpu --presets tiny --dtype fp32 --seq-len 64 \\
           --torch-seq-len 64 --min-len 8 --max-len 48 --samples-per-step 8 --steps 2 --warmup 1 \\
           --out /tmp/bench
 """
@@ -61,20 +61,15 @@ CPU (a check of the script itself, minutes):
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
-import platform
-import random
-import re
 import statistics
-import sys
 import tempfile
 import time
 import traceback
 import warnings
-from collections import Counter
-from datetime import datetime, timezone
 from pathlib import Path
 
 # read when torch first allocates CUDA memory, so set before anything does
@@ -87,28 +82,11 @@ from rltool.data.models import init_model
 from rltool.train.backend import MicroBatch
 from rltool.train.backend import build_backend
 from rltool.train.config import BackendConfig
-from rltool.train.dp_schedule import schedule
+from rltool.profile.torch_trace import sync_sites, trace_summary
 
-T0 = time.perf_counter()
-
-
-def progress(message: str) -> None:
-    """A timestamped line on stderr, so a run cut short shows how far it got."""
-    print(f"[{time.perf_counter() - T0:7.1f} s] {message}", file=sys.stderr, flush=True)
-
-
-def make_samples(vocab: int, args: argparse.Namespace, *, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(4, vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
-            for _ in range(args.samples_per_step)]
-
-
-def micro_batches(samples: list[list[int]], cap: int) -> list[MicroBatch]:
-    plan = schedule([len(s) for s in samples], dp_size=1, max_tokens_per_microbatch=cap)[0]
-    # response = everything after the first token: every position is trained
-    return [MicroBatch(indices=mb, tokens=[samples[i] for i in mb], response_starts=[1] * len(mb))
-            for mb in plan]
-
+from benchmarks import harness
+from benchmarks.harness import progress
+from benchmarks.workloads import make_samples, micro_batches
 
 def model_flops(config: dict, samples: list[list[int]]) -> float:
     """Training FLOPs of one step over `samples` (3 x forward; forward = 2 x MACs; a MoE layer
@@ -135,11 +113,6 @@ def loss_fn(out, mb):
     return loss, {"train/loss": loss.detach()}
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 ALLOC_COUNTERS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc",
                   "num_device_free")
 
@@ -151,15 +124,6 @@ def allocator_counters() -> dict[str, int]:
     if hasattr(torch.cuda, "host_memory_stats"):  # the pinned host allocator, newer torch only
         out["num_host_alloc"] = int(torch.cuda.host_memory_stats().get("num_host_alloc", 0))
     return out
-
-
-def sync_sites(caught: list[warnings.WarningMessage], *, top: int = 8) -> dict:
-    """The sync debug mode's warnings -> their count and the Python lines that made them (the
-    file's last two path parts), most frequent first."""
-    sites = Counter(f"{Path(w.filename).parent.name}/{Path(w.filename).name}:{w.lineno}"
-                    for w in caught if "synchroniz" in str(w.message))
-    return {"count": sum(sites.values()),
-            "sites": [{"at": at, "calls": n} for at, n in sites.most_common(top)]}
 
 
 def bench_backend(name: str, model_dir: Path, samples: list[list[int]], args: argparse.Namespace,
@@ -182,22 +146,18 @@ def bench_backend(name: str, model_dir: Path, samples: list[list[int]], args: ar
     backend = build_backend(model_dir, options=options)
     phases["build"] = time.perf_counter() - start
     progress(f"{preset} {name}: built in {phases['build']:.1f} s")
-    mbs = micro_batches(samples, cap)
+    mbs = micro_batches(samples, cap=cap, response_starts=[1] * len(samples))  # all trained
     try:
         start = time.perf_counter()
         for _ in range(args.warmup):
             backend.train_step(mbs, loss_fn, temperature=1.0)
-        sync()
+        harness.sync()
         phases["warmup"] = time.perf_counter() - start
         if cuda:
             torch.cuda.reset_peak_memory_stats()
             counters = allocator_counters()
-        times = []
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            backend.train_step(mbs, loss_fn, temperature=1.0)
-            sync()
-            times.append(time.perf_counter() - start)
+        step = functools.partial(backend.train_step, mbs, loss_fn, temperature=1.0)
+        times, _ = harness.timed(step, repeats=args.steps)
         phases["steps"] = sum(times)
         progress(f"{preset} {name}: warm-up {phases['warmup']:.1f} s, steps {times}")
         result = {"backend": name, "step_s": statistics.median(times), "step_s_all": times,
@@ -246,81 +206,6 @@ def best_run(name: str, model_dir: Path, samples: list[list[int]], args: argpars
     return bench_backend(name, model_dir, samples, args, out_dir, preset, recompute=True)
 
 
-# Device kernels by what they compute, for the profile summary (first match wins).
-KERNEL_KINDS = (
-    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|gmma|wgmma", re.I)),
-    ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn", re.I)),
-    ("softmax", re.compile(r"softmax|logsumexp|cross_entropy", re.I)),
-    ("reduction", re.compile(r"reduce|norm", re.I)),
-    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|pointwise|index|cat|fill", re.I)),
-)
-DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
-
-
-def kernel_kind(name: str, cat: str) -> str:
-    """The kind of a device event: by the kernel's name before its template arguments (which
-    name unrelated functors), else by the whole name."""
-    if cat != "kernel":
-        return cat.removeprefix("gpu_")
-    for text in (name.split("<")[0], name):
-        for kind, pattern in KERNEL_KINDS:
-            if pattern.search(text):
-                return kind
-    return "other"
-
-
-def trace_summary(events: list[dict], step_s: float, *, top: int = 10,
-                  gap_us: float = 50.0) -> dict:
-    """What limits a profiled step, from its chrome-trace events (device kernels, copies and
-    memsets: `cat` in DEVICE_EVENTS, `ts`/`dur` in microseconds) and the step's unprofiled time:
-    the device's busy time (the union of its events over all streams) as a fraction of the step,
-    the idle gaps between device work (where the device waits for the host), device time per
-    kernel kind and the top kernels, and `limit`: the largest of the step's shares (device idle,
-    or a kernel kind)."""
-    device = sorted((e["ts"], e["ts"] + e["dur"], e.get("name", ""), e["cat"])
-                    for e in events if e.get("cat") in DEVICE_EVENTS and e.get("ph") == "X")
-    busy_us, gaps, end = 0.0, [], None
-    for start, stop, name, _ in device:
-        if end is None or start > end:
-            if end is not None:
-                gaps.append((start - end, name))
-            busy_us += stop - start
-            end = stop
-        elif stop > end:
-            busy_us += stop - end
-            end = stop
-    by_kind: dict[str, float] = {}
-    by_name: dict[str, list[float]] = {}
-    for start, stop, name, cat in device:
-        kind = kernel_kind(name, cat)
-        by_kind[kind] = by_kind.get(kind, 0.0) + (stop - start)
-        entry = by_name.setdefault(name, [0.0, 0])
-        entry[0] += stop - start
-        entry[1] += 1
-    step_us = step_s * 1e6
-    long_gaps = sorted((g for g in gaps if g[0] >= gap_us), reverse=True)
-    shares = {"device idle": max(0.0, 1.0 - busy_us / step_us),
-              **{kind: t / step_us for kind, t in by_kind.items()}}
-    limit = max(shares, key=shares.get)
-    return {
-        "device_busy_s": busy_us / 1e6,
-        "gpu_busy_fraction": busy_us / step_us,
-        "device_events": len(device),
-        "device_span_s": (device[-1][1] - device[0][0]) / 1e6 if device else 0.0,
-        "host_gaps": {"count": len(gaps), "idle_s": sum(g for g, _ in gaps) / 1e6,
-                      f"count_over_{gap_us:g}us": len(long_gaps),
-                      f"idle_over_{gap_us:g}us_s": sum(g for g, _ in long_gaps) / 1e6,
-                      "largest": [{"ms": g / 1e3, "before": name[:80]}
-                                  for g, name in long_gaps[:5]]},
-        "device_s_by_kind": {k: t / 1e6 for k, t in sorted(by_kind.items(),
-                                                            key=lambda kv: -kv[1])},
-        "top_kernels": [{"name": name[:100], "ms": t / 1e3, "calls": n}
-                        for name, (t, n) in sorted(by_name.items(),
-                                                   key=lambda kv: -kv[1][0])[:top]],
-        "limit": f"{limit} ({shares[limit]:.0%} of the step)",
-    }
-
-
 def profile_step(backend, mbs: list[MicroBatch], path: Path, step_s: float) -> dict:
     """One more step under torch.profiler: its operator table to `path`, and a summary: the top
     host operators by self CPU time and, on CUDA, `trace_summary` against the unprofiled median
@@ -341,7 +226,7 @@ def profile_step(backend, mbs: list[MicroBatch], path: Path, step_s: float) -> d
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
-        sync()
+        harness.sync()
         profiled_s = time.perf_counter() - start
     averages = prof.key_averages()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
@@ -398,17 +283,11 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     cuda = args.device == "cuda"
-    machine = (torch.cuda.get_device_name() if cuda else f"{platform.machine()} "
-               f"{os.cpu_count()} cpus")
-    stamp = datetime.now(timezone.utc)
-    tag = "gpu" if cuda else f"cpu{os.cpu_count()}"
-    path = out_dir / f"train_megatron-{stamp:%Y-%m-%d}-{tag}.json"
     import megatron.core
 
-    record = {"benchmark": "train_megatron", "date": stamp.isoformat(), "machine": machine,
-              "torch": torch.__version__, "megatron_core": megatron.core.__version__,
-              "args": vars(args), "alloc_conf": os.environ["PYTORCH_CUDA_ALLOC_CONF"],
-              "results": []}
+    run = harness.Run("train_megatron", device=args.device)
+    record = {"megatron_core": megatron.core.__version__, "args": vars(args),
+              "alloc_conf": os.environ["PYTORCH_CUDA_ALLOC_CONF"], "results": []}
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         for preset in args.presets.split(","):
@@ -417,7 +296,8 @@ def main() -> None:
                                    device=args.device)
             progress(f"{preset}: random weights written")
             config = json.loads((model_dir / "config.json").read_text())
-            samples = make_samples(config["vocab_size"], args, seed=0)
+            samples = make_samples(config["vocab_size"], num=args.samples_per_step,
+                                   lengths=(args.min_len, args.max_len), seed=0)
             flops = model_flops(config, samples)
             tokens = sum(len(s) for s in samples)
             for name in args.backends.split(","):
@@ -431,8 +311,8 @@ def main() -> None:
                     row.update(backend=name, error=f"{type(e).__name__}: {e}",
                                traceback=traceback.format_exc()[-2000:])
                 record["results"].append(row)
-                atomic.write_json(path, record)
-                print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+                run.write(run.record(record), out_dir)  # a run cut short keeps what it measured
+                progress(json.dumps({k: v for k, v in row.items() if k != "traceback"}))
     print(f"{'preset':14s} {'backend':9s} {'tokens':>7s} {'step s':>8s} {'tokens/s':>10s} "
           f"{'MFU':>6s} {'peak GiB':>9s} {'busy':>5s}  limit")
     for r in record["results"]:
@@ -452,8 +332,7 @@ def main() -> None:
             print(f"{r['preset']} {r['backend']}: limit {prof['limit']}; host syncs in the "
                   f"profiled step {prof['host_syncs']['count']} over {r['micro_batches']} "
                   f"micro-batches ({sites or 'none'}); allocator {r.get('allocator_events')}")
-    print(f"results: {path}")
-    print(json.dumps(record))
+    run.finish(record, out=out_dir)
 
 
 if __name__ == "__main__":

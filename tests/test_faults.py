@@ -1,8 +1,8 @@
 """Kill points (rltool/faults.py) and the fault matrix: a stage SIGKILLed inside a phase shows no
 partial artifact, and its re-run is bit-identical to an uninterrupted run.
 
-The matrix runs a seeded sample of benchmarks/fault_sweep.py (the full sweep tries every kill
-point; its counts are in docs/reliability.md)."""
+The matrix runs a seeded sample of rltool.fault_sweep (the full sweep, `python -m
+benchmarks.fault_sweep`, tries every kill point; its counts are in docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,10 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import fault_sweep  # noqa: E402  (benchmarks/fault_sweep.py)
+from rltool.fault_sweep import run_sweep
 
 # The kill schedule; a failure names its point (NAME:N), which RLTOOL_KILL_AT=NAME:N reproduces.
 SCHEDULE_SEED = 0
@@ -54,8 +50,6 @@ def test_killed_inside_a_stage_rerun_is_bit_identical(scenario):
     """SIGKILL at a seeded sample of points inside `rltool train` (mid-checkpoint-save) and
     `rltool delta diff/apply/pull` (mid-tensor, mid-file, mid-swap): nothing partial is visible
     under a final name, and the re-run's output equals the uninterrupted run's byte for byte."""
-    result = fault_sweep.main(["--only", scenario, "--schedule-seed", str(SCHEDULE_SEED),
-                               "--max-per-point", "1"])
-    r = result["scenarios"][scenario]
+    r = run_sweep(only=[scenario], schedule_seed=SCHEDULE_SEED, max_per_point=1)[scenario]
     assert r["failures"] == [], r["failures"]
     assert r["kills"] == len(r["points"]), r  # every sampled point was reached

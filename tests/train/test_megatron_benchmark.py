@@ -1,6 +1,6 @@
-"""benchmarks/train_megatron.py's profile summary: device busy time, host gaps, kernel kinds and
-the limit named from a chrome trace (synthetic events with known intervals), and the host syncs
-by call site."""
+"""The profiled step's summary (rltool.profile.torch_trace, what benchmarks/train_megatron.py
+records): device busy time, host gaps, kernel kinds and the limit named from a chrome trace
+(synthetic events with known intervals), and the host syncs by call site."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from benchmarks.train_megatron import kernel_kind, sync_sites, trace_summary
+from rltool.profile.torch_trace import kernel_kind, sync_sites, trace_summary
 
 
 def kernel(name: str, ts: float, dur: float, cat: str = "kernel") -> dict:
