@@ -18,8 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from rltool.engine.routes import control, debug, generate, info, openai, transfer, weights
-from rltool.engine.routes.base import (EngineState, describe_errors, runtime_error,
-                                       validation_error)
+from rltool.engine.routes.base import EngineState, describe_errors, openai_error, runtime_error
 from rltool.engine.scheduler import QueueFullError
 from rltool.engine.security import (Guard, HostCheck, PayloadTooLargeError, UnauthorizedError,
                                     admin_paths)
@@ -38,7 +37,7 @@ def build_app(state: EngineState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(request: HttpRequest, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(describe_errors(exc.errors()))
+        return openai_error(describe_errors(exc.errors()))
 
     # Starlette picks the handler of the nearest class in the exception's MRO.
     for exc_type, status in ((QueueFullError, 429), (PayloadTooLargeError, 413),

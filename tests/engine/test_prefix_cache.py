@@ -13,7 +13,7 @@ from rltool.engine.paged import KVPool, PageTable
 from rltool.engine.paged_runner import PagedRunner
 from rltool.engine.paged_scheduler import PagedScheduler
 from rltool.engine.request import Request
-from rltool.engine.routes.openai import _usage
+from rltool.engine.routes.openai_shapes import usage
 from rltool.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
@@ -77,7 +77,7 @@ def test_group_shares_prompt_pages_and_matches_no_cache(tiny_model_dir):
     assert plain_runner.table.cache is None
     outs = [{"meta_info": {"prompt_tokens": len(r.prompt_ids), "completion_tokens": NEW,
                            "cached_tokens": r.cached_tokens}} for r in cached[:4]]
-    assert _usage(outs, 4)["prompt_tokens_details"] == {"cached_tokens": 24}
+    assert usage(outs, 4)["prompt_tokens_details"] == {"cached_tokens": 24}
 
 
 def test_groups_of_prompts_behind_a_shared_first_page_prefill_in_three_steps(tiny_model_dir):

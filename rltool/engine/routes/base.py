@@ -166,10 +166,12 @@ async def apply_weight_update(state: EngineState, load: Callable[[], Any], *, ab
                                             num_paused_requests=paused).model_dump())
 
 
-def validation_error(message: str) -> JSONResponse:
-    """A body that fails validation: SGLang's OpenAI-style error object."""
-    return JSONResponse({"object": "error", "message": message, "type": "Bad Request",
-                         "param": None, "code": 400}, status_code=400)
+def openai_error(message: str, status_code: int = 400) -> JSONResponse:
+    """SGLang's OpenAI-style error object: a body that fails validation (400), and every error
+    of the OpenAI routes."""
+    kind = {400: "Bad Request", 429: "Too Many Requests"}.get(status_code, "Error")
+    return JSONResponse({"object": "error", "message": message, "type": kind, "param": None,
+                         "code": status_code}, status_code=status_code)
 
 
 def runtime_error(message: str, status_code: int = 400) -> JSONResponse:
@@ -219,8 +221,22 @@ async def parse_body(request: HttpRequest, model: type[M], *, required: bool = T
         raise RequestValidationError(e.errors()) from e
 
 
-def sse(obj: Any) -> bytes:
+def _sse(obj: Any) -> bytes:
     return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+async def sse_stream(events: AsyncIterator[dict[str, Any]], *,
+                     error_event: Callable[[Exception], dict[str, Any]]
+                     ) -> AsyncIterator[bytes]:
+    """A generation's server-sent events (/generate's and the OpenAI routes' streams): each
+    event, then `data: [DONE]`. A refusal raised on the way (a full queue, a duplicate request
+    id) ends the events with `error_event(e)`: the status line has been sent already."""
+    try:
+        async for event in events:
+            yield _sse(event)
+    except (BadInputError, EngineError) as e:
+        yield _sse(error_event(e))
+    yield b"data: [DONE]\n\n"
 
 
 def _resolve(future: asyncio.Future, value: Any) -> None:

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rltool.engine import api
 from rltool.engine.request import Request
-from rltool.engine.routes.base import EngineState, parse_body, runtime_error, sse
+from rltool.engine.routes.base import EngineState, parse_body, runtime_error, sse_stream
 from rltool.engine.scheduler import QueueFullError
-from rltool.errors import BadInputError, EngineError
 
 
 def router(state: EngineState) -> APIRouter:
@@ -22,7 +22,8 @@ def router(state: EngineState) -> APIRouter:
         body = await parse_body(request, api.GenerateInput)
         reqs, as_list = state.expand(body)
         if body.stream:
-            return StreamingResponse(stream_events(state, reqs, indexed=as_list),
+            events = _events(state, reqs, indexed=as_list)
+            return StreamingResponse(sse_stream(events, error_event=_stream_error),
                                      media_type="text/event-stream")
         outs = await state.run(reqs)
         for out in outs:
@@ -34,20 +35,21 @@ def router(state: EngineState) -> APIRouter:
     return r
 
 
-async def stream_events(state: EngineState, reqs: list[Request], *,
-                        indexed: bool) -> AsyncIterator[bytes]:
-    """SGLang's SSE: cumulative events, `data: [DONE]` last, errors as events."""
-    try:
-        async for i, final, event in state.updates(reqs):
-            if indexed:
-                event["index"] = i
-            reason = event["meta_info"]["finish_reason"] or {}
-            if final and reason.get("type") == "abort" and reason.get("status_code"):
-                event = {"error": {"message": reason["message"], "type": "server_error",
-                                   "code": reason["status_code"], "retryable": True}}
-            yield sse(event)
-    except (BadInputError, EngineError) as e:
-        code = 429 if isinstance(e, QueueFullError) else 400
-        yield sse({"error": {"message": str(e), "type": "invalid_request_error",
-                             "code": code, "retryable": code == 429}})
-    yield b"data: [DONE]\n\n"
+async def _events(state: EngineState, reqs: list[Request], *,
+                  indexed: bool) -> AsyncIterator[dict[str, Any]]:
+    """SGLang's stream: a cumulative response per update (with its `index` in a batch or with
+    `n > 1`); a request aborted with a status ends as an error event."""
+    async for i, final, event in state.updates(reqs):
+        if indexed:
+            event["index"] = i
+        reason = event["meta_info"]["finish_reason"] or {}
+        if final and reason.get("type") == "abort" and reason.get("status_code"):
+            event = {"error": {"message": reason["message"], "type": "server_error",
+                               "code": reason["status_code"], "retryable": True}}
+        yield event
+
+
+def _stream_error(e: Exception) -> dict[str, Any]:
+    code = 429 if isinstance(e, QueueFullError) else 400
+    return {"error": {"message": str(e), "type": "invalid_request_error", "code": code,
+                      "retryable": code == 429}}
