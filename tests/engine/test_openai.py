@@ -84,3 +84,23 @@ def test_openai_errors_use_the_error_object(builtin_engine):
                    headers={"content-type": "application/x-www-form-urlencoded"})
     # Refused by the engine's guard before the route (a form is what a web page can send).
     assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+
+
+def test_openai_bodies_become_generate_bodies():
+    """The OpenAI routes take /generate's expansion: their bodies translate into its body."""
+    from rltool.engine.routes.openai_bodies import ChatRequest, CompletionRequest
+
+    completion = CompletionRequest(prompt=[[5, 6], [7]], max_tokens=3, n=2, seed=4, logprobs=1,
+                                   echo=True, stop="x", model="m", log_metrics=True)
+    defaults = {"ignore_eos": False, "skip_special_tokens": True, "no_stop_trim": False}
+    assert completion.to_generate().model_dump(exclude_defaults=True) == {
+        "input_ids": [[5, 6], [7]], "return_logprob": True, "logprob_start_len": 0,
+        "top_logprobs_num": 1, "sampling_params": {"max_new_tokens": 3, "n": 2, "stop": "x",
+                                                   "sampling_seed": 4, **defaults}}
+    assert CompletionRequest(prompt="ab").to_generate().text == ["ab"]
+    chat = ChatRequest(messages=[{"role": "user", "content": "a"}], top_logprobs=2,
+                       temperature=0)
+    # No token limit: the rest of the context; top_logprobs only count with logprobs.
+    assert chat.to_generate([1, 2, 3], context_length=10).model_dump(exclude_defaults=True) == {
+        "input_ids": [1, 2, 3],
+        "sampling_params": {"max_new_tokens": 7, "temperature": 0.0, "n": 1, **defaults}}
