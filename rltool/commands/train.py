@@ -30,7 +30,9 @@ def command(nproc_per_node, as_json, **_):
         from rltool.errors import EXIT_RUNTIME
         from rltool.train.stage import preflight
 
-        preflight(cfg)  # bad input exits 2 here, not as a failed rank under torchrun
+        # bad input exits 2 here, not as a failed rank under torchrun; the ranks take the
+        # recompute and micro-batch cap planned here
+        cfg = preflight(cfg, world_size=nproc_per_node).cfg
         extra = (["--json"] if as_json else []) + {-1: ["--quiet"], 0: [], 1: ["--verbose"]}[
             verbosity()]
         code = launch(cfg, nproc_per_node=nproc_per_node, extra_args=extra)

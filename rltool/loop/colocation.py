@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from rltool.loop.config import LoopSettings
+from rltool.train.memfit import read_hf_config, trainer_bytes
 from rltool.train.memplan import DENSE, Plan, Shape, choose, host_available
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,11 @@ class Residency:
         `plan` holds the memory plan (none for a model it does not cover, offloaded as set)."""
         if self.offload != "none":
             trainer.check_offloadable()
+        opts = trainer.backend.options
         config = trainer.backend.config
+        if opts.backend == "megatron" or opts.master_weights:
+            # its own plan (rltool.train.memfit), beside the engines: nothing alternates
+            return self._plan_together(trainer)
         if self.offload != "auto" and getattr(config, "model_type", None) not in DENSE:
             log.info("no memory plan for a %s model; offload %s as set", config.model_type,
                      self.offload)
@@ -103,6 +108,28 @@ class Residency:
             policy = self.plan.offload
         trainer.keep_params(policy == "optimizer")
         return policy
+
+    def _plan_together(self, trainer: Any) -> str:
+        """`none` for a trainer the device offload does not cover (the megatron backend, torch
+        with master weights): its train step and resident state from its own memory plan
+        (rltool.train.memfit.trainer_bytes), checked against the device with the engines'."""
+        hf_config = read_hf_config(trainer.model_dir)
+        if hf_config.get("model_type") not in DENSE:
+            log.info("no memory plan for a %s model; offload none", hf_config.get("model_type"))
+            return "none"
+        opts = trainer.backend.options
+        dtype = getattr(self.engines, "dtype", torch.bfloat16)
+        self.plan = choose(Shape.of(hf_config), offload="none",
+                           device_bytes=torch.cuda.mem_get_info()[1],
+                           host_bytes=host_available(), compute_dtype=opts.dtype,
+                           engine_dtype="fp32" if dtype == torch.float32 else "bf16",
+                           micro_batch_tokens=opts.max_tokens_per_microbatch,
+                           recompute=opts.recompute == "full",
+                           logprob_chunk_tokens=opts.logprob_chunk_tokens,
+                           kv_tokens=self.min_kv_tokens,
+                           trainer=trainer_bytes(opts, hf_config))
+        log.info("memory plan (predicted peaks): %s", self.plan.summary())
+        return "none"
 
     def offload_trainer(self, trainer: Any) -> None:
         if trainer is not None and self.alternate and not trainer.offloaded:

@@ -143,6 +143,10 @@ def build_backend(model_dir: str | os.PathLike, *, options: BackendConfig, train
     """A TorchBackend or a MegatronBackend (a TrainerBackend) for `model_dir`, as
     `options.backend` (`torch`, `megatron`) names. The implementations are imported here, not at
     the top: each imports this module for its types, and megatron's loads megatron-core."""
+    if options.recompute == "auto":  # a caller that did not plan (rltool.train.memfit)
+        from rltool.train.memfit import fit
+
+        options = options.model_copy(update={"recompute": fit(options, model_dir)["recompute"]})
     if options.backend == "megatron":
         from rltool.train.megatron_backend import MegatronBackend
 

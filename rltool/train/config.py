@@ -48,10 +48,25 @@ class BackendConfig(MegatronOptions):
     logprob_chunk_tokens: int = Field(4096, ge=1, description="Packed layout: rows of logits "
                                       "computed at a time for logprobs and entropy (bounds the "
                                       "[tokens, vocab] float32 buffer).")
-    recompute: Literal["none", "selective", "full"] = Field(
+    recompute: Literal["none", "selective", "full", "auto"] = Field(
         "none", description="Activation recomputation (less memory, more compute). full: every "
         "decoder layer is checkpointed (~1/3 more compute); selective (megatron only): the core "
-        "attention; none: off.")
+        "attention; none: off; auto: the least that the memory plan fits on the device "
+        "(rltool.train.memfit; none where no device is known).")
+    param_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="torch backend: dtype of the module's parameters. bf16 (with --dtype "
+        "bf16): bf16 parameters and compute without autocast; their gradients accumulate in "
+        "fp32 main gradients and the optimizer steps fp32 master weights it holds (one "
+        "process).")
+    optimizer_cpu_offload: bool = Field(
+        False, description="Optimizer state and step in host memory. megatron: megatron-core's "
+        "HybridDeviceOptimizer (needs --use-distributed-optimizer; Adam, as always here; "
+        "--optimizer-offload-fraction of the state); torch: AdamW's moments and the fp32 "
+        "parameters it steps on the host, gradients copied there, parameters copied back "
+        "(one process).")
+    device_memory_gb: float | None = Field(
+        None, gt=0.0, description="Device memory the plan fits into, in GB (default: the CUDA "
+        "device's; on the CPU nothing is checked unless given).")
     deterministic: bool = Field(False, description="One unpadded forward per sample "
                                 "(rltool.logprobs.sequence_logprobs layout): exact alignment "
                                 "with the engine's deterministic mode, slower.")
@@ -84,8 +99,24 @@ class BackendConfig(MegatronOptions):
     def _check_recompute(self) -> "BackendConfig":
         if self.backend == "torch" and self.recompute == "selective":
             raise ConfigError("--recompute selective: the torch backend recomputes whole layers; "
-                              "use --recompute full or none (or --backend megatron)")
+                              "use --recompute full, none or auto (or --backend megatron)")
+        if self.param_dtype == "bf16" and self.backend == "megatron":
+            raise ConfigError("--param-dtype is the torch backend's: megatron holds bf16 "
+                              "parameters and fp32 masters under --dtype bf16; drop --param-dtype")
+        if self.param_dtype == "bf16" and self.dtype != "bf16":
+            raise ConfigError("--param-dtype bf16 computes in bf16: add --dtype bf16")
+        if (self.optimizer_cpu_offload and self.backend == "megatron"
+                and not self.use_distributed_optimizer):
+            raise ConfigError("--optimizer-cpu-offload needs megatron's distributed optimizer: "
+                              "add --use-distributed-optimizer")
         return self
+
+    @property
+    def master_weights(self) -> bool:
+        """The torch backend's optimizer holds fp32 master weights apart from the parameters
+        (rltool.train.master_weights): bf16 parameters or a host optimizer."""
+        return self.backend == "torch" and (self.param_dtype == "bf16"
+                                            or self.optimizer_cpu_offload)
 
 
 class TrainConfig(BackendConfig, SyncConfig):
@@ -181,8 +212,10 @@ class TrainConfig(BackendConfig, SyncConfig):
     num_steps: int | None = Field(None, ge=1, description="Optimizer steps on these rollouts "
                                   "(overrides --num-epochs).")
     shuffle: bool = Field(False, description="Shuffle samples each epoch (seeded).")
-    max_tokens_per_microbatch: int = Field(4096, ge=1, description="Token cap of one micro-batch "
-                                           "(a longer sample is a micro-batch of its own).")
+    max_tokens_per_microbatch: int = Field(4096, ge=0, description="Token cap of one micro-batch "
+                                           "(a longer sample is a micro-batch of its own); 0: "
+                                           "the largest the memory plan fits on the device "
+                                           "(rltool.train.memfit; 4096 where none is known).")
     backuper_host_budget_gb: float | None = Field(
         None, ge=0.0, description="Host memory for weight snapshots (actor, --ref, --old-actor) "
         "in GB; the least recently used spill to --backuper-dir (default: no limit).")

@@ -12,7 +12,6 @@ from pydantic import Field
 from rltool.config import StageConfig
 
 
-
 class MegatronOptions(StageConfig):
     """Parallel layout and memory knobs of `backend = "megatron"` (docs/train.md)."""
 
@@ -34,6 +33,9 @@ class MegatronOptions(StageConfig):
     use_distributed_optimizer: bool = Field(False, description="megatron: shard optimizer state "
                                             "and fp32 master weights over data-parallel "
                                             "ranks.")
+    optimizer_offload_fraction: float = Field(
+        1.0, ge=0.0, le=1.0, description="megatron, with --optimizer-cpu-offload: the share of "
+        "the optimizer state (masters, moments) held and stepped on the host.")
     transformer_impl: Literal["local", "transformer_engine"] = Field(
         "local", description="megatron: layer spec; local uses rltool's SDPA core attention, "
         "transformer_engine needs TE installed (untested here).")

@@ -137,8 +137,10 @@ def activation_bytes(shape: Shape, *, tokens: int, compute_dtype: str, recompute
 
 def plan(shape: Shape, *, offload: str, compute_dtype: str = "bf16", engine_dtype: str = "bf16",
          micro_batch_tokens: int, recompute: bool, logprob_chunk_tokens: int = 4096,
-         kv_tokens: int) -> Plan:
-    """Each phase's bytes under `offload` ("all", "optimizer" or "none")."""
+         kv_tokens: int, trainer: tuple[dict[str, int], dict[str, int]] | None = None) -> Plan:
+    """Each phase's bytes under `offload` ("all", "optimizer" or "none"). `trainer`: the
+    trainer's own (train step, resident state) bytes from another plan (the megatron backend's,
+    or torch with master weights: rltool.train.memfit.trainer_bytes), for `none` only."""
     if offload not in POLICIES:
         raise ConfigError(f"unknown offload {offload!r}; choose auto, {', '.join(POLICIES)}")
     n = shape.params
@@ -146,6 +148,10 @@ def plan(shape: Shape, *, offload: str, compute_dtype: str = "bf16", engine_dtyp
     state = {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}
     engines = {"engine_weights": weights,
                "kv_pool": kv_tokens * shape.kv_bytes_per_token(engine_dtype)}
+    if trainer is not None:
+        assert offload == "none", "another backend's plan is planned without device offload"
+        return Plan(offload=offload, shape=shape, rollout=dict(trainer[1]) | engines,
+                    train=dict(trainer[0]) | engines, host={})
     rollout = {"none": dict(state), "optimizer": {"trainer_params": 4 * n}}.get(offload, {})
     rollout.update(engines)
     train = dict(state)
@@ -184,7 +190,11 @@ def choose(shape: Shape, *, offload: str = "auto", device_bytes: int, host_bytes
     if p.offload == "none":
         raise ConfigError(f"offload none keeps the trainer and the engines on the device "
                           f"together: {gib(max(p.peak('train'), p.peak('rollout')))} needed, the "
-                          f"device has {gib(device_room)}; set [loop] offload = auto")
+                          f"device has {gib(device_room)}; set [loop] offload = auto"
+                          + ("" if knobs.get("trainer") is None else " (torch backend, fp32 "
+                             "parameters) or lower [loop] min_kv_tokens, [train] "
+                             "max_tokens_per_microbatch or set [train] recompute = \"full\" / "
+                             "optimizer_cpu_offload = true"))
     if p.peak("train") > device_room:
         raise ConfigError(f"the train phase needs {gib(p.peak('train'))} of device memory, the "
                           f"device has {gib(device_room)}; lower [train] "

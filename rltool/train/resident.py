@@ -19,6 +19,7 @@ from rltool.rundir import step_dir_name
 from rltool.train.backend import build_backend
 from rltool.train.checkpoint import read_trainer_state, resolve_load
 from rltool.train.config import TrainConfig
+from rltool.train.memfit import fit
 from rltool.train.opd import resolve_teachers
 from rltool.train.offload import Move, Offloader
 from rltool.train.step import (StepPlan, default_metrics_path, load_samples, prepare_set,
@@ -32,6 +33,9 @@ class ResidentTrainer:
 
     def __init__(self, cfg: TrainConfig):
         target = resolve_load(cfg.load)
+        # the memory plan's recompute and micro-batch cap, kept for every set (rltool.train.memfit)
+        self.fitted = fit(cfg, target.model_dir)
+        cfg = cfg.model_copy(update=self.fitted)
         self.model_dir = target.model_dir
         self.version = target.version
         self.loop_step = -1  # the last loop step trained (-1: none)
@@ -46,9 +50,10 @@ class ResidentTrainer:
             self.backend.load(target.ckpt_dir)
             self.loop_step = int(read_trainer_state(target.ckpt_dir).get("loop_step", -1))
         self._last: tuple[Any, Any, StepPlan, TrainConfig] | None = None
-        # the megatron backend's buffers are megatron's (device offload does not cover them)
+        # the megatron backend's buffers are megatron's, and master weights are the optimizer's
+        # (device offload covers neither)
         self._offloader = (Offloader(self.backend.inner, self.backend.optimizer)
-                           if cfg.backend == "torch" else None)
+                           if cfg.backend == "torch" and not cfg.master_weights else None)
         # The trainer's own RNG stream: whatever else the loop's process draws between steps
         # leaves it alone, so it continues exactly as a reload from its checkpoint would.
         self._rng = torch.get_rng_state()
@@ -60,6 +65,7 @@ class ResidentTrainer:
         from rltool.rundir import MetricsWriter
 
         torch.set_rng_state(self._rng)
+        cfg = cfg.model_copy(update=self.fitted)
         sample_set = load_samples(cfg, self.model_dir, vocab_size=self.backend.vocab_size)
         plan = StepPlan(cfg, len(sample_set.samples))
         resolve_teachers(cfg, self.model_dir, sample_set.samples)  # every route names a teacher
@@ -118,7 +124,9 @@ class ResidentTrainer:
     def check_offloadable(self) -> Offloader:
         if self._offloader is None:
             raise ConfigError("device offload of the resident trainer covers the torch backend "
-                              "only; run the megatron backend without offload")
+                              "with fp32 parameters and its optimizer on the device only; set "
+                              "[loop] offload = \"none\", or drop --param-dtype bf16 / "
+                              "--optimizer-cpu-offload")
         return self._offloader
 
     def named_tensors(self, *, on_device: bool = False) -> list[tuple[str, torch.Tensor]]:

@@ -22,7 +22,7 @@ from typing import Any
 from rltool import trace
 from rltool.errors import CheckpointError, ConfigError
 from rltool.rundir import MetricsWriter, step_dir_name, weight_dir_name
-from rltool.train import opd
+from rltool.train import memfit, opd
 from rltool.train.backend import build_backend
 from rltool.train.checkpoint import LoadTarget, read_trainer_state, resolve_load
 from rltool.train.config import TrainConfig
@@ -100,11 +100,14 @@ class Preflight:
     sample_set: SampleSet
     plan: StepPlan
     start_step: int
+    cfg: TrainConfig  # with the memory plan's recompute and micro-batch cap (rltool.train.memfit)
 
 
-def preflight(cfg: TrainConfig) -> Preflight:
-    """Resolve and verify every input and refuse output collisions (BadInputError, exit 2), so a
-    bad call fails fast, changes nothing on disk, and fails before torchrun starts any rank."""
+def preflight(cfg: TrainConfig, *, world_size: int | None = None) -> Preflight:
+    """Resolve and verify every input, refuse output collisions (BadInputError, exit 2) and a
+    setting the device's memory cannot hold (ConfigError, exit 2), so a bad call fails fast,
+    changes nothing on disk, and fails before torchrun starts any rank. `world_size`: the ranks
+    that will train (default: torchrun's WORLD_SIZE)."""
     target = resolve_load(cfg.load)
     ref_target = resolve_load(cfg.ref) if cfg.needs_ref and cfg.ref else None
     old_actor_target = resolve_load(cfg.old_actor) if cfg.old_actor else None
@@ -112,17 +115,22 @@ def preflight(cfg: TrainConfig) -> Preflight:
         raise ConfigError(f"--backuper-dir {cfg.backuper_dir} is not a directory; pass a "
                           "directory on local SSD (created if missing)")
     sample_set = load_samples(cfg, target.model_dir)
+    longest = max((len(s.tokens) for s in sample_set.samples), default=1)
+    cfg = cfg.model_copy(update=memfit.fit(cfg, target.model_dir, longest=longest,
+                                           world_size=world_size))
     teachers = opd.resolve_teachers(cfg, target.model_dir, sample_set.samples)
     plan = StepPlan(cfg, len(sample_set.samples))
     start_step = _resume_step(cfg, target.ckpt_dir, sample_set, plan)
     _check_outputs_free(cfg, first_version=target.version,
                         final_version=target.version + plan.num_steps - start_step)
     return Preflight(target=target, ref_target=ref_target, old_actor_target=old_actor_target,
-                     teachers=teachers, sample_set=sample_set, plan=plan, start_step=start_step)
+                     teachers=teachers, sample_set=sample_set, plan=plan, start_step=start_step,
+                     cfg=cfg)
 
 
 def _run(cfg: TrainConfig) -> TrainResult:
     checked = preflight(cfg)
+    cfg = checked.cfg
     target, sample_set, plan, start_step = (checked.target, checked.sample_set, checked.plan,
                                             checked.start_step)
     samples = sample_set.samples

@@ -1,0 +1,288 @@
+"""The device memory of one megatron training rank: what `--recompute auto`, the automatic
+micro-batch token cap and the refusal before the model is built (rltool.train.memfit) weigh.
+
+Bytes of one rank (N: the parameters this rank holds, from the model's shapes and the TP/PP/EP
+layout exactly as rltool.convert.gpt_model builds them; B: N rounded as megatron's
+DistributedDataParallel lays out its contiguous buffers):
+
+| part | bytes | source |
+|---|---|---|
+| weights | N x 2 (bf16) or 4 (fp32); with the distributed optimizer B x that | the parameters, or the param buffer they become views of |
+| grads | B x 4 | `main_grad` buffer: `grad_reduce_in_fp32`, one per (dense, expert) group |
+| master weights | bf16 only: 4 per optimizer element | fp32 copies the optimizer steps (fp32 training steps the parameters themselves) |
+| optimizer | 8 per optimizer element | Adam's exp_avg and exp_avg_sq, fp32 |
+
+Optimizer elements: N; with `--use-distributed-optimizer` this rank's shard, B / DP (the dense
+buffer over DP, the expert buffer over the expert-data-parallel size; exact at DP 1, where the
+padding holds no state, and an upper bound of the busiest rank above). B: each parameter starts
+at a multiple of 64 elements and each buffer ends at a multiple of lcm(DP, 128) with the
+distributed optimizer (megatron-core 0.16 `_ParamAndGradBuffer`), B = N without it. With
+`--optimizer-cpu-offload` (megatron's HybridDeviceOptimizer) the first `--optimizer-offload-
+fraction` of the optimizer elements keep their fp32 master (fp32 runs too: a host copy of the
+parameter), moments and a pinned fp32 gradient copy in host memory instead: 16 bytes an element
+on the host, nothing on the device. Torch's Adam `step` counters (one scalar per tensor, host
+memory) are not counted.
+
+Activations of one micro-batch of T packed tokens, in the compute dtype (a bytes an element),
+per token and layer, as the local layer spec's autograd graph keeps them (rltool's flash or SDPA
+core attention, no dropout, no sequence parallelism; h hidden, q = heads x head dim, kv = KV
+heads x head dim, I the MLP width, t = TP). This is the count of Korthikanti et al. 2022,
+"Reducing Activation Recomputation in Large Transformer Models" (section 4.1, 34 s b h bytes a
+layer plus 5 a s^2 b for the attention scores), redone for this layer: RMSNorm instead of
+LayerNorm, grouped KV heads, a SwiGLU MLP of width I, RoPE, flash attention (no s^2 scores, a
+float32 log-sum-exp per head) and no dropout masks:
+
+    layer(T) = T x [a x (4 h + (3 q + 3 kv + 3 I) / t) + 4 x heads / t + 8]
+
+4 h: the two norms' inputs and outputs (the outputs are the QKV and FC1 GEMM inputs); 3 q + 3 kv:
+the QKV output (v lives in it), RoPE'd q and k, the attention output (the projection's input);
+3 I: the FC1 output (the SwiGLU input) and the SwiGLU output (the FC2 input); the float32
+attention log-sum-exp and the two norms' reciprocal RMS. qwen3's q/k norms add a (q + kv) / t.
+An MoE layer replaces 3 I / t by top-k x (h + 3 I_moe / t_e) (each routed copy, its FC1 and SwiGLU
+outputs). The recompute choices keep:
+
+- none: every layer, L_stage x layer(T);
+- selective (megatron's core-attention checkpoint): the same less the log-sum-exp, since the
+  flash core attention keeps no s^2 scores; so selective saves almost nothing here;
+- full (uniform, one layer a chunk): each layer's input, L_stage x T x h x a, and one layer
+  recomputed in the backward pass, layer(T).
+
+Every choice adds the backward pass's gradients at one layer, T x a x (3 h + 3 I / t), the final
+hidden states (the last norm's input and output, the response rows gathered for the LM head),
+3 T h a, and one chunk of logits (`--logprob-chunk-tokens` rows c = min(T, chunk), recomputed in
+the backward pass): c x V x (2 a + 12), the bf16 logits and their gradient and three float32
+[c, V] temporaries (log-softmax, its exponent, the gradient). With pipeline parallelism the
+first stage holds the activations of PP micro-batches in flight (1F1B), the last stage one, and
+the plan is the larger of the two. The activation bytes are an estimate; tests/gpu/
+test_gpu_megatron_memplan.py compares the whole plan with the measured peak.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rltool.errors import ConfigError
+
+GIB = float(1 << 30)
+ELEM = {"fp32": 4, "bf16": 2}
+VOCAB_MULTIPLE = 128  # rltool.convert.gpt_model.VOCAB_MULTIPLE (not imported: no torch here)
+RECOMPUTES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shapes of a HF config.json that size a megatron rank's memory."""
+
+    arch: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    experts: int = 0
+    topk: int = 0
+    moe_intermediate: int = 0
+
+    @classmethod
+    def of(cls, config: Mapping[str, Any]) -> ModelShape:
+        arch = str(config.get("model_type", "qwen2"))
+        if arch not in ("qwen2", "qwen3", "llama", "qwen3_moe"):
+            raise ConfigError(f"the megatron memory plan covers qwen2, qwen3, llama and qwen3_moe, "
+                              f"not {arch!r}; set --recompute and --max-tokens-per-microbatch "
+                              "explicitly")
+        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+        return cls(arch=arch, hidden=hidden, intermediate=int(config["intermediate_size"]),
+                   layers=int(config["num_hidden_layers"]), heads=heads,
+                   kv_heads=int(config.get("num_key_value_heads") or heads),
+                   head_dim=int(config.get("head_dim") or hidden // heads),
+                   vocab=int(config["vocab_size"]),
+                   tied=bool(config.get("tie_word_embeddings", False)), experts=experts,
+                   topk=int(config.get("num_experts_per_tok") or 0) if experts else 0,
+                   moe_intermediate=int(config.get("moe_intermediate_size") or 0)
+                   if experts else 0)
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.arch == "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.arch in ("qwen3", "qwen3_moe")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A rank's parallel layout; `etp` defaults to TP, as megatron's."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    dp: int = 1
+    distributed_optimizer: bool = False
+
+    @classmethod
+    def of(cls, options: Any, *, world_size: int) -> Layout:
+        """From a BackendConfig's megatron options and the number of ranks."""
+        tp, pp = options.tensor_model_parallel_size, options.pipeline_model_parallel_size
+        cp = options.context_parallel_size
+        return cls(tp=tp, pp=pp, ep=options.expert_model_parallel_size,
+                   etp=options.expert_tensor_parallel_size,
+                   dp=max(world_size // (tp * pp * cp), 1),
+                   distributed_optimizer=options.use_distributed_optimizer)
+
+    @property
+    def expert_dp(self) -> int:
+        """The data-parallel size of expert parameters: DP x TP / (EP x ETP)."""
+        return max(self.dp * self.tp // (self.ep * (self.etp or self.tp)), 1)
+
+
+def local_params(shape: ModelShape, layout: Layout, *, stage: str) -> tuple[list[int], list[int]]:
+    """The element counts of one rank's (dense, expert) parameters on the pipeline `stage`
+    ("first" or "last"; the same rank when PP is 1), in GPTModel's order."""
+    tp, h, d = layout.tp, shape.hidden, shape.head_dim
+    vocab = math.ceil(shape.vocab / (VOCAB_MULTIPLE * tp)) * VOCAB_MULTIPLE * tp // tp
+    q, kv = shape.heads * d // tp, shape.kv_heads * d // tp
+    first, last = stage == "first" or layout.pp == 1, stage == "last" or layout.pp == 1
+    dense: list[int] = [vocab * h] if first else []
+    expert: list[int] = []
+    for _ in range(math.ceil(shape.layers / layout.pp)):
+        dense += [h, h * q, (q + 2 * kv) * h] + ([q + 2 * kv] if shape.qkv_bias else [])
+        dense += [d, d] if shape.qk_norm else []
+        dense.append(h)
+        if shape.experts:
+            etp = layout.etp or tp
+            dense.append(shape.experts * h)  # the router, replicated
+            for _ in range(shape.experts // layout.ep):
+                expert += [2 * shape.moe_intermediate // etp * h, h * shape.moe_intermediate // etp]
+        else:
+            dense += [2 * shape.intermediate // tp * h, h * shape.intermediate // tp]
+    if last:
+        dense.append(h)
+        if not shape.tied or layout.pp > 1:  # a tied head's copy on the last stage
+            dense.append(vocab * h)
+    return dense, expert
+
+
+def buffer_numel(numels: list[int], *, dp: int, distributed_optimizer: bool) -> int:
+    """Elements of megatron's contiguous param/grad buffer for these parameters (one bucket:
+    `overlap_grad_reduce` is off): without the distributed optimizer their sum; with it each
+    parameter (built in reverse order) starts at a multiple of 64 and the end is padded to a
+    multiple of lcm(DP, 128)."""
+    if not numels:
+        return 0
+    if not distributed_optimizer:
+        return sum(numels)
+    end = 0
+    for n in reversed(numels):
+        end = math.ceil(end / 64) * 64 + n
+    divisor = math.lcm(dp, 128)
+    return math.ceil(end / divisor) * divisor
+
+
+def state_bytes(shape: ModelShape, layout: Layout, *, dtype: str, stage: str = "last",
+                offload_fraction: float = 0.0) -> tuple[dict[str, int], dict[str, int]]:
+    """(device, host) bytes of weights, grads, master weights and optimizer state of one rank;
+    `offload_fraction`: the share of the optimizer elements stepped on the host
+    (`--optimizer-cpu-offload`)."""
+    dense, expert = local_params(shape, layout, stage=stage)
+    opt = layout.distributed_optimizer
+    weights = grads = elements = 0
+    for numels, group_dp in ((dense, layout.dp), (expert, layout.expert_dp)):
+        n = sum(numels)
+        buffer = buffer_numel(numels, dp=group_dp, distributed_optimizer=opt)
+        weights += (buffer if opt else n) * ELEM[dtype]
+        grads += buffer * 4
+        elements += (n if group_dp == 1 else math.ceil(buffer / group_dp)) if opt else n
+    host_elements = math.ceil(elements * offload_fraction)
+    device_elements = elements - host_elements
+    device = {"weights": weights, "grads": grads}
+    if dtype != "fp32" and device_elements:
+        device["master_weights"] = 4 * device_elements
+    if device_elements:
+        device["optimizer"] = 8 * device_elements
+    host = {"optimizer": 16 * host_elements} if host_elements else {}
+    return device, host
+
+
+def layer_bytes(shape: ModelShape, layout: Layout, *, tokens: int, dtype: str,
+                recompute: str) -> int:
+    """One layer's saved activations for `tokens` tokens (the module docstring's layer(T))."""
+    a, t, h = ELEM[dtype], layout.tp, shape.hidden
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    if shape.experts:
+        mlp = shape.topk * (h + 3 * shape.moe_intermediate // (layout.etp or t))
+    else:
+        mlp = 3 * shape.intermediate // t
+    elems = 4 * h + (3 * q + 3 * kv) // t + mlp + ((q + kv) // t if shape.qk_norm else 0)
+    lse = 0 if recompute == "selective" else 4 * shape.heads // t
+    return tokens * (a * elems + lse + 8)
+
+
+def activation_bytes(shape: ModelShape, layout: Layout, *, tokens: int, dtype: str,
+                     recompute: str, logprob_chunk_tokens: int, stage: str = "last"
+                     ) -> dict[str, int]:
+    """The activations of one micro-batch of `tokens` tokens on `stage` (module docstring)."""
+    if recompute not in RECOMPUTES:
+        raise ConfigError(f"unknown recompute {recompute!r}; choose {', '.join(RECOMPUTES)}")
+    a, h, t = ELEM[dtype], shape.hidden, layout.tp
+    layers = math.ceil(shape.layers / layout.pp)
+    in_flight = layout.pp if stage == "first" and layout.pp > 1 else 1
+    layer = layer_bytes(shape, layout, tokens=tokens, dtype=dtype, recompute=recompute)
+    if recompute == "full":
+        out = {"layer_inputs": in_flight * layers * tokens * h * a, "layers": layer}
+    else:
+        out = {"layers": in_flight * layers * layer}
+    inter = shape.topk * shape.moe_intermediate if shape.experts else shape.intermediate
+    out["backward"] = tokens * a * (3 * h + 3 * inter // t)
+    if stage == "last" or layout.pp == 1:
+        chunk = min(tokens, logprob_chunk_tokens)
+        out["final_hidden"] = 3 * tokens * h * a
+        out["logits"] = chunk * shape.vocab * (2 * a + 12)
+    return out
+
+
+@dataclass(frozen=True)
+class MegatronPlan:
+    """One rank's predicted device bytes by part, and the host bytes of an optimizer offload."""
+
+    recompute: str
+    micro_batch_tokens: int
+    device: dict[str, int] = field(default_factory=dict)
+    host: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(self.device.values())
+
+    def summary(self) -> str:
+        parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in self.device.items())
+        host = f"; host {sum(self.host.values()) / GIB:.1f} GiB" if self.host else ""
+        return (f"recompute {self.recompute}, {self.micro_batch_tokens} tokens a micro-batch: "
+                f"device {self.device_bytes / GIB:.1f} GiB ({parts}){host}")
+
+
+def plan(shape: ModelShape, layout: Layout, *, dtype: str, recompute: str,
+         micro_batch_tokens: int, logprob_chunk_tokens: int = 4096,
+         offload_fraction: float = 0.0) -> MegatronPlan:
+    """The busiest rank's bytes: the larger of the first and last pipeline stage."""
+    best: MegatronPlan | None = None
+    for stage in (("first", "last") if layout.pp > 1 else ("last",)):
+        device, host = state_bytes(shape, layout, dtype=dtype, stage=stage,
+                                   offload_fraction=offload_fraction)
+        device.update(activation_bytes(shape, layout, tokens=micro_batch_tokens, dtype=dtype,
+                                       recompute=recompute, stage=stage,
+                                       logprob_chunk_tokens=logprob_chunk_tokens))
+        p = MegatronPlan(recompute=recompute, micro_batch_tokens=micro_batch_tokens,
+                         device=device, host=host)
+        if best is None or p.device_bytes > best.device_bytes:
+            best = p
+    assert best is not None
+    return best

@@ -1,0 +1,213 @@
+"""`--recompute auto`, the automatic micro-batch token cap (`--max-tokens-per-microbatch 0`) and the
+refusal of a training setting that cannot fit the device, all before any model is built.
+
+The predicted peak of a rank comes from rltool.train.megatron_memplan (megatron backend) or
+rltool.train.memplan's train phase (torch backend: the trainer's state, `torch_state`, plus its
+activation estimate). It must fit the device's memory less a reserve: 2 GiB (CUDA context,
+library workspaces; rltool.train.memplan.DEVICE_RESERVE) and 5% of the device (the caching
+allocator's blocks left free between micro-batches of different lengths).
+
+The choice, fastest first (every candidate is checked against the plan):
+
+- recompute: none, then selective (megatron), then full -- each step recomputes more of the
+  forward pass (full: about a third more compute), so the least recompute that fits wins;
+- the cap (0 = automatic): the largest multiple of 1,024 tokens up to 65,536 that fits, and at
+  least the longest sample (a micro-batch holds one sample whole);
+- both automatic: the least recompute whose largest fitting cap reaches AUTO_MIN_TOKENS (4,096,
+  or the longest sample when longer), with that cap; when none does, the one that fits the
+  largest cap. Less recompute is preferred over a larger cap because at 4k+ tokens the GEMMs of
+  the presets' shapes are already large (an assumption, not yet measured on a GPU).
+
+Without a known device (no CUDA and no `--device-memory-gb`) nothing is checked: `auto` is
+`none` and the automatic cap 4,096 tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rltool.errors import CheckpointError, ConfigError
+from rltool.train import megatron_memplan as mplan
+from rltool.train import memplan
+
+log = logging.getLogger(__name__)
+
+GIB = float(1 << 30)
+FRAGMENTATION = 0.05  # of the device, besides memplan.DEVICE_RESERVE
+AUTO_MIN_TOKENS = 4096
+AUTO_MAX_TOKENS = 65536
+DEFAULT_TOKENS = 4096  # the automatic cap where no device is known
+TOKEN_STEP = 1024
+
+Predict = Callable[[str, int], int]  # (recompute, micro-batch tokens) -> device bytes
+
+
+def room(device_bytes: int) -> int:
+    """What a plan may use of a device of `device_bytes` (the module docstring's reserve)."""
+    return int(device_bytes - memplan.DEVICE_RESERVE - FRAGMENTATION * device_bytes)
+
+
+def device_bytes(options: Any) -> int | None:
+    """The device budget: `--device-memory-gb`, else the CUDA device's total memory (read from
+    its properties, without creating a context), else None (the CPU: nothing to fit)."""
+    if options.device_memory_gb is not None:
+        return int(options.device_memory_gb * 1e9)
+    if options.device == "cpu":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    return int(torch.cuda.get_device_properties(local).total_memory)
+
+
+def torch_state(n: int, options: Any) -> tuple[dict[str, int], dict[str, int]]:
+    """(device, host) bytes of the torch backend's state for `n` parameters: parameters (fp32, or
+    bf16 with `--param-dtype bf16`), fp32 gradients (the main gradients with bf16 parameters),
+    fp32 master weights (bf16 parameters only) and AdamW's two moments; the optimizer's part on
+    the host with `--optimizer-cpu-offload` (with a host copy of the gradients)."""
+    bf16 = options.param_dtype == "bf16"
+    device = {"params": (2 if bf16 else 4) * n, "grads": 4 * n}
+    optimizer = {"master_weights": 4 * n} if bf16 else {}
+    optimizer["optimizer"] = 8 * n
+    if not options.optimizer_cpu_offload:
+        return device | optimizer, {}
+    host = dict(optimizer, grads=4 * n)
+    if not bf16:
+        host["params"] = 4 * n  # the fp32 parameters the host optimizer steps
+    return device, host
+
+
+def predictor(options: Any, hf_config: dict[str, Any], *, world_size: int) -> Predict:
+    """The device bytes of one rank as a function of (recompute, tokens)."""
+    if options.backend == "megatron":
+        shape = mplan.ModelShape.of(hf_config)
+        layout = mplan.Layout.of(options, world_size=world_size)
+        fraction = options.optimizer_offload_fraction if options.optimizer_cpu_offload else 0.0
+
+        def megatron(recompute: str, tokens: int) -> int:
+            return mplan.plan(shape, layout, dtype=options.dtype, recompute=recompute,
+                              micro_batch_tokens=tokens,
+                              logprob_chunk_tokens=options.logprob_chunk_tokens,
+                              offload_fraction=fraction).device_bytes
+        return megatron
+    shape = memplan.Shape.of(hf_config)
+    state = sum(torch_state(shape.params, options)[0].values())
+
+    def torch_backend(recompute: str, tokens: int) -> int:
+        return state + sum(memplan.activation_bytes(
+            shape, tokens=tokens, compute_dtype=options.dtype, recompute=recompute == "full",
+            logprob_chunk_tokens=options.logprob_chunk_tokens).values())
+    return torch_backend
+
+
+def trainer_bytes(options: Any, hf_config: dict[str, Any], *, world_size: int = 1
+                  ) -> tuple[dict[str, int], dict[str, int]]:
+    """(train step, resident state) device bytes of a trainer with concrete `recompute` and
+    `max_tokens_per_microbatch`, by part: the colocated loop's plan of the megatron backend and
+    of the torch backend with master weights (rltool.loop.colocation)."""
+    tokens = getattr(options, "max_tokens_per_microbatch", 0) or DEFAULT_TOKENS
+    if options.backend == "megatron":
+        fraction = options.optimizer_offload_fraction if options.optimizer_cpu_offload else 0.0
+        p = mplan.plan(mplan.ModelShape.of(hf_config),
+                       mplan.Layout.of(options, world_size=world_size), dtype=options.dtype,
+                       recompute=options.recompute, micro_batch_tokens=tokens,
+                       logprob_chunk_tokens=options.logprob_chunk_tokens, offload_fraction=fraction)
+        resident = {k: v for k, v in p.device.items()
+                    if k in ("weights", "grads", "master_weights", "optimizer")}
+        return p.device, resident
+    shape = memplan.Shape.of(hf_config)
+    state = torch_state(shape.params, options)[0]
+    return state | memplan.activation_bytes(
+        shape, tokens=tokens, compute_dtype=options.dtype, recompute=options.recompute == "full",
+        logprob_chunk_tokens=options.logprob_chunk_tokens), state
+
+
+def largest_cap(predict: Predict, recompute: str, *, budget: int, floor: int) -> int | None:
+    """The largest cap (a multiple of TOKEN_STEP up to AUTO_MAX_TOKENS, or `floor` itself) whose
+    plan fits `budget`; None when even `floor` does not."""
+    if predict(recompute, floor) > budget:
+        return None
+    caps = range(AUTO_MAX_TOKENS // TOKEN_STEP, math.ceil(floor / TOKEN_STEP) - 1, -1)
+    return next((k * TOKEN_STEP for k in caps if k * TOKEN_STEP >= floor
+                 and predict(recompute, k * TOKEN_STEP) <= budget), floor)
+
+
+def choose(predict: Predict, *, recompute: str, max_tokens: int, longest: int, budget: int,
+           backend: str) -> tuple[str, int]:
+    """(recompute, cap) by the module docstring's rule; ConfigError (one line, naming the knobs)
+    when no candidate fits `budget`."""
+    order = [r for r in mplan.RECOMPUTES if backend == "megatron" or r != "selective"]
+    candidates = order if recompute == "auto" else [recompute]
+    floor = max(longest, 1)
+    if max_tokens:  # an explicit cap (a longer sample is a micro-batch of its own)
+        tokens = max(max_tokens, longest)
+        for r in candidates:
+            if predict(r, tokens) <= budget:
+                return r, max_tokens
+        raise ConfigError(refusal(predict(candidates[-1], tokens), budget, backend=backend,
+                                  recompute=candidates[-1], tokens=tokens))
+    fits = [(r, largest_cap(predict, r, budget=budget, floor=floor)) for r in candidates]
+    for r, cap in fits:
+        if cap is not None and cap >= max(AUTO_MIN_TOKENS, floor):
+            return r, cap
+    best = max(((r, cap) for r, cap in fits if cap is not None), key=lambda rc: rc[1],
+               default=None)
+    if best is None:
+        raise ConfigError(refusal(predict(candidates[-1], floor), budget, backend=backend,
+                                  recompute=candidates[-1], tokens=floor))
+    return best
+
+
+def refusal(need: int, budget: int, *, backend: str, recompute: str, tokens: int) -> str:
+    knobs = ("--recompute full" if recompute != "full" else None,
+             "a smaller --max-tokens-per-microbatch (0: the largest that fits)",
+             "--optimizer-cpu-offload",
+             "--param-dtype bf16" if backend == "torch" else None,
+             "more GPUs (--nproc-per-node with --use-distributed-optimizer, tensor or pipeline "
+             "parallelism)" if backend == "megatron" else "more GPUs (--parallel fsdp)")
+    return (f"the {backend} train step needs {need / GIB:.1f} GiB of {budget / GIB:.1f} GiB "
+            f"(recompute {recompute}, micro-batches of {tokens} tokens; the device less its "
+            f"reserve, see --device-memory-gb): use " + ", ".join(k for k in knobs if k))
+
+
+def read_hf_config(model_dir: str | os.PathLike) -> dict[str, Any]:
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{model_dir}: unreadable config.json ({e})") from e
+
+
+def fit(options: Any, model_dir: str | os.PathLike, *, longest: int = 1,
+        world_size: int | None = None) -> dict[str, Any]:
+    """The concrete `recompute` and `max_tokens_per_microbatch` for `options` (a BackendConfig or
+    TrainConfig) as an update for `model_copy`; checks an explicit setting too. `longest`: the
+    longest sample's tokens; `world_size`: the ranks (default: torchrun's WORLD_SIZE)."""
+    max_tokens = getattr(options, "max_tokens_per_microbatch", DEFAULT_TOKENS)
+    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    total = device_bytes(options)
+    if total is None:
+        return {"recompute": "none" if options.recompute == "auto" else options.recompute,
+                "max_tokens_per_microbatch": max_tokens or DEFAULT_TOKENS}
+    try:
+        predict = predictor(options, read_hf_config(model_dir), world_size=world)
+    except ConfigError as e:  # a model the plans do not cover
+        if options.recompute == "auto" or not max_tokens:
+            raise ConfigError(f"--recompute auto and --max-tokens-per-microbatch 0 need the memory "
+                              f"plan: {e}") from e
+        log.info("no memory plan (%s); recompute %s and %d tokens a micro-batch as set", e,
+                 options.recompute, max_tokens)
+        return {"recompute": options.recompute, "max_tokens_per_microbatch": max_tokens}
+    recompute, cap = choose(predict, recompute=options.recompute, max_tokens=max_tokens,
+                            longest=longest, budget=room(total), backend=options.backend)
+    log.info("memory plan: recompute %s, %d tokens a micro-batch: %.1f GiB of %.1f GiB "
+             "(device %.1f GiB less its reserve)", recompute, cap,
+             predict(recompute, max(cap, longest)) / GIB, room(total) / GIB, total / GIB)
+    return {"recompute": recompute, "max_tokens_per_microbatch": cap}
