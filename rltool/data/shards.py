@@ -27,7 +27,7 @@ from rltool.errors import BadInputError, ShardSchemaError, TokenizerMismatchErro
 
 # "major.minor": a reader takes its own major version and any minor up to its own (a minor
 # version only adds optional columns; a part file without one reads it as nulls).
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 MANIFEST = "_SUCCESS"
 STATUSES = ("completed", "truncated", "aborted", "failed")
 PER_TOKEN_COLUMNS = ("rollout_logprobs", "loss_mask", "weight_versions")
@@ -53,9 +53,14 @@ SCHEMA = pa.schema([
     pa.field("teacher_logprobs", pa.list_(pa.float32()), nullable=True),
     pa.field("metadata", pa.string(), nullable=False),
     pa.field("rollout_routed_experts", pa.binary(), nullable=True),  # since 1.1
+    # Agentic episodes (rltool.rollout.episode), since 1.2: each model turn's reward, and the
+    # response-token offset where each model turn starts; null for single-turn samples.
+    pa.field("turn_rewards", pa.list_(pa.float32()), nullable=True),
+    pa.field("turn_starts", pa.list_(pa.int32()), nullable=True),
 ])
 COLUMNS = tuple(SCHEMA.names)
-OPTIONAL_COLUMNS = ("rollout_routed_experts",)  # absent from files of an older minor version
+OPTIONAL_COLUMNS = ("rollout_routed_experts", "turn_rewards", "turn_starts")  # absent from files
+# of an older minor version
 NO_EXPERT = 0xFFFF  # rollout_routed_experts: a dense layer, or a token the engine did not route
 
 
@@ -146,7 +151,7 @@ def file_xxh3_128(path: str | os.PathLike) -> str:
 def make_row(**values: Any) -> dict[str, Any]:
     """A row with the optional columns defaulted; `metadata` may be a dict (stored as JSON)."""
     row = {"rewards": None, "label": None, "teacher_logprobs": None, "metadata": "{}",
-           "rollout_routed_experts": None, **values}
+           "rollout_routed_experts": None, "turn_rewards": None, "turn_starts": None, **values}
     if not isinstance(row["metadata"], str):
         row["metadata"] = json.dumps(row["metadata"], sort_keys=True)
     return row
@@ -212,11 +217,14 @@ def _check_schema(schema: pa.Schema, *, where: str) -> None:
 
 def _with_optional_columns(table: pa.Table) -> pa.Table:
     """A table of an older minor version with the columns it predates, all null."""
-    for name in OPTIONAL_COLUMNS:
-        if name not in table.schema.names:
-            table = table.append_column(SCHEMA.field(name),
-                                        pa.nulls(table.num_rows, SCHEMA.field(name).type))
-    return table
+    missing = [name for name in OPTIONAL_COLUMNS if name not in table.schema.names]
+    if not missing:
+        return table
+    for name in missing:
+        table = table.append_column(SCHEMA.field(name),
+                                    pa.nulls(table.num_rows, SCHEMA.field(name).type))
+    # In the schema's order, so batches of old and new files concatenate.
+    return table.select([n for n in SCHEMA.names if n in table.schema.names])
 
 
 def _validate_table(table: pa.Table, *, where: str) -> None:
@@ -257,6 +265,7 @@ def _validate_table(table: pa.Table, *, where: str) -> None:
                 raise ShardSchemaError(f"{where}: row {i}: rollout_routed_experts holds {n} "
                                        f"bytes, not 2 x {max(t - 1, 0)} (tokens - 1) x the "
                                        "experts per token")
+    _validate_turns(table, resp_len, where=where)
     bad_status = pc.invert(pc.is_in(table["status"], value_set=pa.array(STATUSES)))
     if pc.any(bad_status).as_py():
         i = pc.index(bad_status, True).as_py()
@@ -269,6 +278,26 @@ def _validate_table(table: pa.Table, *, where: str) -> None:
     rewards = table["reward"]
     if len(rewards) and not pc.all(pc.is_finite(rewards)).as_py():
         raise ShardSchemaError(f"{where}: reward contains non-finite values (NaN or inf)")
+
+
+def _validate_turns(table: pa.Table, resp_len: pa.Array, *, where: str) -> None:
+    """turn_rewards and turn_starts: both null or both set, one entry per turn, starts rising
+    from 0 within the response, rewards finite."""
+    rewards, starts = table["turn_rewards"], table["turn_starts"]
+    if rewards.null_count == len(rewards) and starts.null_count == len(starts):
+        return
+    for i, (r, s, n) in enumerate(zip(rewards.to_pylist(), starts.to_pylist(),
+                                      resp_len.to_pylist())):
+        if r is None and s is None:
+            continue
+        if r is None or s is None or len(r) != len(s):
+            raise ShardSchemaError(f"{where}: row {i}: turn_rewards and turn_starts must both "
+                                   "be set with one entry per turn")
+        if any(b <= a for a, b in zip(s, s[1:])) or (s and (s[0] < 0 or s[-1] > n)):
+            raise ShardSchemaError(f"{where}: row {i}: turn_starts {s[:8]} must rise within "
+                                   f"the response's {n} tokens")
+        if not all(math.isfinite(x) for x in r):
+            raise ShardSchemaError(f"{where}: row {i}: turn_rewards holds a non-finite value")
 
 
 @dataclass

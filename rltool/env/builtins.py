@@ -1,7 +1,7 @@
 """The built-in environments (`rltool env list`).
 
 - calculator: the model writes `<calc>EXPR</calc>`; the tool answers with the value
-  (rltool.rollout.calculator.evaluate: bounded arithmetic, no names or calls) as a tool message;
+  (rltool.env.arith.evaluate: bounded arithmetic, no names or calls) as a tool message;
   an answer without a call ends the episode, reward 1 when its last number equals the label.
 - python: the model writes `<python>CODE</python>`; the code runs in the sandbox
   (rltool.env.sandbox) and its output, or the limit it hit, comes back as a tool message; the
@@ -84,7 +84,7 @@ class CalculatorEnv(_ToolEnv):
     stop = ["</calc>"]
 
     def run_tool(self, body: str) -> tuple[str, dict[str, Any]]:
-        from rltool.rollout.calculator import evaluate
+        from rltool.env.arith import evaluate
 
         return evaluate(body), {}
 

@@ -12,13 +12,14 @@ import asyncio
 import functools
 import logging
 import ssl
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from rltool import trace
 from rltool.engine import api
-from rltool.errors import EngineError, EngineTimeoutError
+from rltool.errors import BadInputError, EngineError, EngineTimeoutError
 
 log = logging.getLogger(__name__)
 
@@ -266,3 +267,35 @@ def _error_message(response: httpx.Response) -> str:
         if err is not None:
             return str(err)
     return str(body)[:500]
+
+
+def engine_model_infos(urls: list[str], *, api_key: str | None, clients: dict[str, Any] | None
+                       ) -> dict[str, dict[str, Any] | Exception]:
+    """Each engine's /get_model_info (or the exception asking raised), by URL; `clients`: the
+    caller's open clients by URL instead of new HTTP clients."""
+    async def ask(url: str) -> dict[str, Any]:
+        if clients is not None:
+            return await clients[url].get_model_info()
+        client = EngineClient(url, api_key=api_key, timeout_s=30.0)
+        try:
+            return await client.get_model_info()
+        finally:
+            await client.aclose()
+
+    async def ask_all() -> list[dict[str, Any] | Exception]:
+        return await asyncio.gather(*(ask(url) for url in urls), return_exceptions=True)
+
+    return dict(zip(urls, asyncio.run(ask_all())))
+
+
+def tokenizer_path_of(infos: dict[str, dict[str, Any] | Exception]) -> str:
+    """The tokenizer directory the first engine that answered reports."""
+    answered = [(url, info) for url, info in infos.items() if not isinstance(info, Exception)]
+    if not answered:
+        raise next(iter(infos.values()))
+    url, info = answered[0]
+    path = info.get("tokenizer_path") or info.get("model_path")
+    if not path or not Path(path).is_dir():
+        raise BadInputError(f"engine {url} reports tokenizer_path {path!r}, which is not a local "
+                            "directory; pass --tokenizer DIR")
+    return str(path)

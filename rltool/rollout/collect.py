@@ -68,10 +68,12 @@ class Collector:
     """Runs groups through a generate function, rewards and the dynamic filter."""
 
     def __init__(self, *, router: Any, tokenizer: Any, generate_fn: GenerateFn,
-                 sampling: dict[str, Any], reward_fn: Callable[..., Any], reward_timeout_s: float,
+                 sampling: dict[str, Any], reward_fn: Callable[..., Any] | None,
+                 reward_timeout_s: float,
                  reward_workers: int = 4, options: dict[str, Any] | None = None,
                  progress: Any = None, request_fields: dict[str, Any] | None = None):
-        """request_fields: added to every /generate body (e.g. return_routed_experts)."""
+        """request_fields: added to every /generate body (e.g. return_routed_experts);
+        reward_fn None: the generate function sets each sample's reward (--env episodes)."""
         self.router = router
         self.tokenizer = tokenizer
         self.generate_fn = generate_fn
@@ -336,6 +338,8 @@ class Collector:
         counted; the stage decides whether the call as a whole is still usable."""
         if s.status not in ("completed", "truncated"):
             s.reward = 0.0
+            return
+        if self.reward_fn is None:  # --env: the environment rewarded the episode
             return
         self.reward_calls += 1
         args = (s.prompt, s.response, s.label, s.metadata)

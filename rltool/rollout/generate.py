@@ -58,6 +58,10 @@ class Sample:
     # Rollout routing replay: int32 [tokens - 1 (or fewer), MoE layers x k], the experts the
     # engine routed each token to in its last turn (-1: none); the shard's rollout_routed_experts.
     routed_experts: Any = None
+    # Agentic episodes (rltool.rollout.episode): each model turn's reward and the response
+    # offset where it starts; None for single-turn samples (the shard's turn_* columns).
+    turn_rewards: list[float] | None = None
+    turn_starts: list[int] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -273,7 +277,8 @@ def to_row(sample: Sample) -> dict[str, Any]:
         loss_mask=sample.loss_mask, weight_versions=sample.weight_versions,
         reward=float(sample.reward), rewards=sample.rewards, status=sample.status,
         finish_reason=sample.finish_reason, label=sample.label, metadata=metadata,
-        teacher_logprobs=sample.teacher_logprobs, rollout_routed_experts=routed)
+        teacher_logprobs=sample.teacher_logprobs, rollout_routed_experts=routed,
+        turn_rewards=sample.turn_rewards, turn_starts=sample.turn_starts)
 
 
 def from_row(row: dict[str, Any]) -> Sample:
@@ -298,4 +303,10 @@ def from_row(row: dict[str, Any]) -> Sample:
         weight_versions=list(row["weight_versions"]), status=row["status"],
         finish_reason=row["finish_reason"], reward=float(row["reward"]), rewards=rewards,
         engine_urls=list(engine_urls),
-        routed_experts=None if routed is None else decode_routed_experts(routed, tokens))
+        routed_experts=None if routed is None else decode_routed_experts(routed, tokens),
+        turn_rewards=_optional_list(row.get("turn_rewards"), float),
+        turn_starts=_optional_list(row.get("turn_starts"), int))
+
+
+def _optional_list(value: Any, kind: type) -> list[Any] | None:
+    return None if value is None else [kind(v) for v in value]

@@ -43,6 +43,13 @@ def rollout_metrics(groups: list[list[Sample]], *, counts: dict[str, int], outpu
         "perf/output_tokens": output_tokens,
         "perf/tokens_per_sec": output_tokens / elapsed_s if elapsed_s > 0 else 0.0,
     }
+    episodes = [s for s in samples if s.turn_starts is not None]
+    if episodes or any(s.finish_reason.startswith("env_") for s in samples):
+        out["rollout/env/episodes"] = len(episodes)
+        out["rollout/env/turns/mean"] = _mean([len(s.turn_starts) for s in episodes])
+        out["rollout/env/failed"] = sum(s.finish_reason.startswith("env_") for s in samples)
+        out["rollout/env/timeouts"] = sum(s.finish_reason.startswith("env_timeout")
+                                          for s in samples)
     for status in ("truncated", "aborted", "failed"):
         out[f"rollout/{status}_ratio"] = (sum(s.status == status for s in samples) / n) if n else 0.0
     return out

@@ -20,6 +20,7 @@ from pydantic import Field, field_validator, model_validator
 from rltool import trace
 from rltool.config import StageConfig, cli, write_resolved
 from rltool.errors import BadInputError, EngineError, RewardError
+from rltool.rollout.client import engine_model_infos, tokenizer_path_of
 from rltool.rollout.generate import Sample, load_generate_fn, to_row
 from rltool.rollout.prompts import (Prompt, PromptKeys, check_chat_template, load_prompts,
                                     load_tokenizer, prompt_at, render_prompt)
@@ -63,7 +64,18 @@ class EngineStageConfig(StageConfig):
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (<1e-6: greedy).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(-1, description="Top-k (-1: whole vocabulary).")
-    reward: str = Field(description="Reward: a task name, module:function or an http(s) URL.")
+    reward: str | None = Field(None, description="Reward: a task name, module:function or an "
+                               "http(s) URL (not with --env: the environment rewards).")
+    env: str | None = Field(None, description="Agentic episodes against an environment: a "
+                            "built-in name (rltool env list), module:Class, or the URL of "
+                            "`rltool env serve`; replaces --reward and --generate-fn.")
+    max_turns: int = Field(8, ge=1, description="With --env: most model turns per episode.")
+    env_step_timeout_s: float = Field(60.0, gt=0, description="With --env: timeout of one "
+                                      "environment call (reset, step, verify); a timeout "
+                                      "fails the episode (env_timeout), not the step.")
+    env_api_key: str | None = Field(None, description="With --env URL: the key of `rltool env "
+                                    "serve --api-key`.",
+                                    json_schema_extra=cli(envvar="RLTOOL_ENV_API_KEY"))
     tokenizer: str | None = Field(None, description="Tokenizer directory (default: the engine's "
                                   "tokenizer_path from /get_model_info).")
     concurrency: int = Field(32, ge=1, description="Most in-flight requests per engine.")
@@ -100,6 +112,19 @@ class EngineStageConfig(StageConfig):
     def _one_target(self) -> "EngineStageConfig":
         if bool(self.engines) == bool(self.router):
             raise ValueError("give exactly one of --engines URL[,URL...] or --router URL")
+        return self
+
+    @model_validator(mode="after")
+    def _reward_or_env(self) -> "EngineStageConfig":
+        if self.env is None and not self.reward:
+            raise ValueError("give --reward SPEC (or --env NAME|module:Class|URL, whose "
+                             "environment rewards the episodes)")
+        if self.env is not None and self.reward:
+            raise ValueError("--reward and --env exclude each other: the environment rewards "
+                             "the episodes; drop --reward")
+        if self.env is not None and self.generate_fn:
+            raise ValueError("--generate-fn and --env exclude each other: --env runs its own "
+                             "episode loop; drop --generate-fn")
         return self
 
     def request_fields(self) -> dict[str, Any]:
@@ -166,6 +191,13 @@ class RolloutConfig(EngineStageConfig):
         return {"return_routed_experts": True} if self.use_rollout_routing_replay else {}
 
     @model_validator(mode="after")
+    def _env_not_partial(self) -> "RolloutConfig":
+        if self.env is not None and self.partial:
+            raise ValueError("--partial cannot carry --env episodes over (an environment's "
+                             "state is not saved); drop --partial")
+        return self
+
+    @model_validator(mode="after")
     def _filter_needs_groups(self) -> "RolloutConfig":
         if self.filter == "all-equal-reward" and self.n_samples_per_prompt < 2:
             raise ValueError("--filter all-equal-reward needs --n-samples-per-prompt >= 2 "
@@ -186,9 +218,18 @@ class StageInputs:
         self.prompts, rendered = cached_prompts(cfg.prompts, PromptKeys(
             input=cfg.input_key, label=cfg.label_key, metadata=cfg.metadata_key))
         self.apply_chat_template = cfg.apply_chat_template
-        self.generate_fn = load_generate_fn(cfg.generate_fn)
-        self.reward_fn = resolve_reward(cfg.reward, timeout_s=cfg.reward_timeout_s)
-        check_labels(self.reward_fn, self.prompts, spec=cfg.reward)
+        self.env_source = None
+        if cfg.env is not None:
+            from rltool.rollout.episode import EnvSource
+
+            # Episodes are rewarded by their environment: no reward function.
+            self.env_source = EnvSource(cfg.env, api_key=cfg.env_api_key,
+                                        timeout_s=cfg.env_step_timeout_s)
+            self.reward_fn = None
+        else:
+            self.generate_fn = load_generate_fn(cfg.generate_fn)
+            self.reward_fn = resolve_reward(cfg.reward, timeout_s=cfg.reward_timeout_s)
+            check_labels(self.reward_fn, self.prompts, spec=cfg.reward)
         self.urls = cfg.engines or [cfg.router]
         self.via_gateway = cfg.router is not None
         # Engine clients the caller owns (an in-process engine, rltool.engine.inprocess), by URL;
@@ -196,17 +237,23 @@ class StageInputs:
         self.clients = clients
         if clients is not None and set(clients) != set(self.urls):
             raise ValueError(f"clients for {sorted(clients)} but --engines {self.urls}")
-        infos = _engine_model_infos(cfg, self.urls, clients=clients)
+        infos = engine_model_infos(self.urls, api_key=cfg.api_key, clients=clients)
         # What each engine computed with, for the trainer and the align gate to match (null for
         # an engine whose /get_model_info does not say, such as SGLang, or that did not answer:
         # the router routes around engines that are down).
         self.engine_precision = {
             url: {key: None if isinstance(info, Exception) else info.get(key)
                   for key in ("device", "dtype")} for url, info in infos.items()}
-        self.tokenizer_dir = cfg.tokenizer or _tokenizer_path(infos)
+        self.tokenizer_dir = cfg.tokenizer or tokenizer_path_of(infos)
         self.tokenizer, self.tokenizer_hash = cached_tokenizer(self.tokenizer_dir)
-        if cfg.apply_chat_template:
+        if cfg.apply_chat_template or self.env_source is not None:
             check_chat_template(self.tokenizer, where=str(self.tokenizer_dir))
+        if self.env_source is not None:
+            from rltool.rollout.episode import make_env_generate
+
+            self.generate_fn = make_env_generate(self.env_source, max_turns=cfg.max_turns,
+                                                 step_timeout_s=cfg.env_step_timeout_s,
+                                                 tokenizer=self.tokenizer)
         self._rendered: dict[int, list[int]] = rendered.setdefault(
             (self.tokenizer_hash, self.apply_chat_template), {})
 
@@ -272,8 +319,11 @@ class StageInputs:
 
         return ShardMeta(tokenizer_hash=self.tokenizer_hash, step=cfg.step, producer=producer,
                          sampling=cfg.sampling(),
-                         extra={"prompts": str(cfg.prompts), "reward": cfg.reward,
-                                "generate_fn": cfg.generate_fn or "single-turn",
+                         extra={"prompts": str(cfg.prompts), "reward": cfg.reward or "env",
+                                "generate_fn": ("env" if cfg.env else
+                                                cfg.generate_fn or "single-turn"),
+                                **({"env": cfg.env, "max_turns": cfg.max_turns}
+                                   if cfg.env else {}),
                                 "engines": self.urls, "engine_precision": self.engine_precision,
                                 **extra})
 
@@ -330,38 +380,6 @@ def cached_tokenizer(path: str | Path) -> tuple[Any, str]:
         _TOKENIZER_CACHE.clear()  # one entry: the loop's tokenizer
         _TOKENIZER_CACHE[key] = value
     return value
-
-
-def _engine_model_infos(cfg: EngineStageConfig, urls: list[str], *,
-                        clients: dict[str, Any] | None) -> dict[str, dict[str, Any] | Exception]:
-    from rltool.rollout.client import EngineClient
-
-    async def ask(url: str) -> dict[str, Any]:
-        if clients is not None:
-            return await clients[url].get_model_info()
-        client = EngineClient(url, api_key=cfg.api_key, timeout_s=30.0)
-        try:
-            return await client.get_model_info()
-        finally:
-            await client.aclose()
-
-    async def ask_all() -> list[dict[str, Any] | Exception]:
-        return await asyncio.gather(*(ask(url) for url in urls), return_exceptions=True)
-
-    return dict(zip(urls, asyncio.run(ask_all())))
-
-
-def _tokenizer_path(infos: dict[str, dict[str, Any] | Exception]) -> str:
-    """The tokenizer directory the first engine that answered reports."""
-    answered = [(url, info) for url, info in infos.items() if not isinstance(info, Exception)]
-    if not answered:
-        raise next(iter(infos.values()))
-    url, info = answered[0]
-    path = info.get("tokenizer_path") or info.get("model_path")
-    if not path or not Path(path).is_dir():
-        raise BadInputError(f"engine {url} reports tokenizer_path {path!r}, which is not a local "
-                            "directory; pass --tokenizer DIR")
-    return str(path)
 
 
 def with_seed(cfg: EngineStageConfig) -> EngineStageConfig:

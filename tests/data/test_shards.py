@@ -18,7 +18,8 @@ from tests.helpers.shards import random_rewards, shard_meta, shard_rows, write_r
 DOCUMENTED_COLUMNS = ["uid", "prompt_id", "group_id", "sample_index", "prompt", "prompt_token_ids",
                       "response", "response_token_ids", "rollout_logprobs", "loss_mask",
                       "weight_versions", "reward", "rewards", "status", "finish_reason", "label",
-                      "teacher_logprobs", "metadata", "rollout_routed_experts"]
+                      "teacher_logprobs", "metadata", "rollout_routed_experts", "turn_rewards",
+                      "turn_starts"]
 
 
 def _rows():
@@ -72,7 +73,7 @@ def test_file_metadata_keys(tmp_path):
     write_shard(tmp_path / "s", shard_rows(random_rewards()), meta)
     md = pq.read_metadata(tmp_path / "s" / "part-00000.parquet").metadata
     kv = {k.decode(): v.decode() for k, v in md.items() if k.startswith(b"rltool.")}
-    assert kv == {"rltool.schema_version": "1.1", "rltool.tokenizer_hash": "abcdef0123456789",
+    assert kv == {"rltool.schema_version": "1.2", "rltool.tokenizer_hash": "abcdef0123456789",
                   "rltool.step": "3", "rltool.producer": "rltool rollout",
                   "rltool.sampling": '{"temperature": 0.7, "top_k": 20, "top_p": 0.9}',
                   "rltool.extra": '{"engine": "builtin"}'}
@@ -264,14 +265,15 @@ def test_a_shard_of_schema_1_0_still_reads(tmp_path):
     """A shard written before rollout_routed_experts existed (schema version "1", no column)
     reads with the column null; a newer major version or minor is refused."""
     table = pa.Table.from_pylist(shard_rows(random_rewards(1, 2)), schema=SCHEMA)
-    old = table.drop_columns(["rollout_routed_experts"])
+    old = table.drop_columns(["rollout_routed_experts", "turn_rewards", "turn_starts"])
     meta = shard_meta()
     meta.schema_version = "1"
     write_raw_shard(tmp_path / "old", [old], meta=meta)
     shard = open_shard(tmp_path / "old")
     assert [r["rollout_routed_experts"] for r in shard.rows()] == [None, None]
+    assert [(r["turn_rewards"], r["turn_starts"]) for r in shard.rows()] == [(None, None)] * 2
     assert shard.read(columns=["uid", "rollout_routed_experts"]).num_rows == 2
-    for version in ("2", "1.2", "x"):
+    for version in ("2", "1.3", "x"):
         meta.schema_version = version
         write_raw_shard(tmp_path / version, [old], meta=meta)
         with pytest.raises(ShardSchemaError, match=f"schema version {version} is not"):

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from rltool.rollout import calculator
+from rltool.env import arith
 from rltool.rollout.calculator import evaluate, generate
 from rltool.rollout.generate import GenerateContext, Sample, SessionClient
 from rltool.rollout.router import Router
@@ -129,14 +129,12 @@ def test_evaluate_is_bounded_and_never_raises(expr, monkeypatch):
             return result
         return op
 
-    monkeypatch.setattr(calculator, "_BINARY",
-                        {k: counted(f) for k, f in calculator._BINARY.items()})
-    monkeypatch.setattr(calculator, "_UNARY",
-                        {k: counted(f) for k, f in calculator._UNARY.items()})
+    monkeypatch.setattr(arith, "_BINARY", {k: counted(f) for k, f in arith._BINARY.items()})
+    monkeypatch.setattr(arith, "_UNARY", {k: counted(f) for k, f in arith._UNARY.items()})
     assert evaluate(expr) == "error"
-    assert len(ops) <= calculator.MAX_OPERATIONS
-    assert max(operand_bits) <= calculator.MAX_INT_BITS, ops
-    assert max(result_bits) <= 2 * calculator.MAX_INT_BITS, ops
+    assert len(ops) <= arith.MAX_OPERATIONS
+    assert max(operand_bits) <= arith.MAX_INT_BITS, ops
+    assert max(result_bits) <= 2 * arith.MAX_INT_BITS, ops
 
 
 def test_evaluate_keeps_results_just_inside_the_caps():

@@ -1,0 +1,176 @@
+"""Agentic episodes (rltool.rollout.episode) with a scripted engine and scripted environments:
+the trained tokens are exactly the engine's output ids plus the environment's templated
+observations, loss masks cover model tokens only, rewards per turn and per episode, and an
+environment that raises, hangs or answers garbage fails its episode without failing the call."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from rltool.env.base import Environment, StepResult
+from rltool.rollout.episode import ChatRenderer, make_env_generate, EnvSource
+from rltool.rollout.generate import GenerateContext, Sample, SessionClient
+from rltool.rollout.router import Router
+
+
+class ScriptedEngine:
+    """Answers each /generate with the next scripted text, tokenized by the real tokenizer; a
+    turn ending on a stop string is reported the way SGLang does ({type: stop, matched})."""
+
+    url = "http://scripted"
+
+    def __init__(self, tok, script):
+        self.tok, self.script, self.payloads = tok, list(script), []
+
+    async def generate(self, payload, *, routing_key=None):
+        self.payloads.append(payload)
+        text, finish = self.script.pop(0)
+        ids = self.tok.encode(text, add_special_tokens=False)
+        ids = ids[:payload["sampling_params"]["max_new_tokens"]]
+        version = str(len(self.payloads))  # a new weight version every turn
+        return {"text": text, "output_ids": ids, "meta_info": {
+            "finish_reason": finish, "weight_version": version,
+            "output_token_logprobs": [[-0.5 - 0.01 * i, t, None] for i, t in enumerate(ids)]}}
+
+    async def health(self):
+        return True
+
+    async def abort_request(self, *, rid="", abort_all=False):
+        pass
+
+    async def aclose(self):
+        pass
+
+
+class Countdown(Environment):
+    """Three steps; rewards 0.25, 0.5, then done with 1.0; verify adds 2.0."""
+
+    name = "countdown"
+    stop = ["</go>"]
+
+    def reset(self, *, seed, task):
+        self.n = 0
+        return [{"role": "system", "content": "count."}, {"role": "user", "content": task["prompt"]}]
+
+    def step(self, action):
+        self.n += 1
+        if self.n == 3:
+            return StepResult(reward=1.0, done=True)
+        return StepResult(observation=[{"role": "tool", "content": f"left {3 - self.n}"}],
+                          reward=0.25 * self.n)
+
+    def verify(self):
+        return 2.0
+
+
+class Raising(Countdown):
+    def step(self, action):
+        raise RuntimeError("tool crashed")
+
+
+class Hanging(Countdown):
+    def step(self, action):
+        time.sleep(2.0)
+        return StepResult(done=True)
+
+
+class Garbage(Countdown):
+    def step(self, action):
+        return StepResult(observation=[{"role": "robot", "content": 3}])
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+def run(tok, env_cls, script, *, max_turns=8, max_response_len=200, timeout_s=5.0):
+    engine = ScriptedEngine(tok, script)
+    source = EnvSource.__new__(EnvSource)
+    source.spec, source.remote, source.cls, source.stop = "test", False, env_cls, env_cls.stop
+    fn = make_env_generate(source, max_turns=max_turns, step_timeout_s=timeout_s, tokenizer=tok)
+    sample = Sample(uid="u0", prompt_id="p0", group_id=0, sample_index=0, prompt="go",
+                    prompt_token_ids=[])
+
+    async def main():
+        router = Router({engine.url: engine}, concurrency=1)
+        ctx = GenerateContext(client=SessionClient(router, session_id="u0"),
+                              sampling={"temperature": 1.0, "top_p": 1.0, "top_k": -1,
+                                        "max_response_len": max_response_len, "seed": 7},
+                              tokenizer=tok)
+        return await fn(sample, ctx)
+
+    return asyncio.run(main()), engine
+
+
+def test_tokens_are_the_engines_plus_templated_observations(tok):
+    eos = tok.eos_token
+    script = [("a <go>", {"type": "stop", "matched": "</go>"}),  # stop string: no closing token
+              ("b" + eos, {"type": "stop", "matched": tok.eos_token_id}),  # ended on EOS
+              ("c" + eos, {"type": "stop", "matched": tok.eos_token_id})]
+    sample, engine = run(tok, Countdown, script)
+    enc = lambda text: tok.encode(text, add_special_tokens=False)
+    turns = [enc(t) for t, _ in script]
+    # Written out by hand from the tiny Qwen-style template: the model's turn is closed with
+    # what it lacks of "<|im_end|>\n", the tool message follows, then the generation prompt.
+    obs1 = enc("<|im_end|>\n<|im_start|>tool\nleft 2<|im_end|>\n<|im_start|>assistant\n")
+    obs2 = enc("\n<|im_start|>tool\nleft 1<|im_end|>\n<|im_start|>assistant\n")
+    prompt = enc("<|im_start|>system\ncount.<|im_end|>\n<|im_start|>user\ngo<|im_end|>\n"
+                 "<|im_start|>assistant\n")
+    assert sample.prompt_token_ids == prompt
+    assert sample.response_token_ids == turns[0] + obs1 + turns[1] + obs2 + turns[2]
+    assert sample.loss_mask == ([1] * len(turns[0]) + [0] * len(obs1) + [1] * len(turns[1])
+                                + [0] * len(obs2) + [1] * len(turns[2]))
+    # Every request was the previous one's input plus what came back, never re-tokenized.
+    inputs = [p["input_ids"] for p in engine.payloads]
+    assert inputs[0] == prompt
+    assert inputs[1] == prompt + turns[0] + obs1
+    assert inputs[2] == inputs[1] + turns[1] + obs2
+    assert all(p["sampling_params"]["stop"] == ["</go>"] for p in engine.payloads)
+    # Logprobs and versions: the engine's for model tokens, 0.0 / -1 for observation tokens.
+    lp = [-0.5 - 0.01 * i for i in range(len(turns[0]))]
+    assert sample.rollout_logprobs[:len(turns[0]) + len(obs1)] == pytest.approx(
+        lp + [0.0] * len(obs1))
+    assert sample.weight_versions == ([1] * len(turns[0]) + [-1] * len(obs1) + [2] * len(turns[1])
+                                      + [-1] * len(obs2) + [3] * len(turns[2]))
+    start2 = len(turns[0]) + len(obs1)
+    assert sample.turn_starts == [0, start2, start2 + len(turns[1]) + len(obs2)]
+    assert sample.turn_rewards == [0.25, 0.5, 3.0]  # verify's 2.0 joins the last turn
+    assert sample.reward == pytest.approx(3.75)
+    assert sample.status == "completed"
+
+
+def test_max_turns_and_budget_end_the_episode(tok):
+    go = ("x <go>", {"type": "stop", "matched": "</go>"})
+    sample, _ = run(tok, Countdown, [go, go], max_turns=2)
+    assert (sample.status, sample.finish_reason) == ("completed", "max_turns")
+    assert len(sample.turn_starts) == len(sample.turn_rewards) == 2
+    sample, _ = run(tok, Countdown, [go, go], max_response_len=12)
+    assert sample.status == "truncated" and len(sample.response_token_ids) == 12
+    assert len(sample.loss_mask) == 12
+
+
+@pytest.mark.parametrize("env_cls, reason", [(Raising, "env_error: RuntimeError: tool crashed"),
+                                             (Hanging, "env_timeout: step 0 took more than 0.5s"),
+                                             (Garbage, "env_error: env step 0: message 0")])
+def test_env_failure_fails_the_episode(tok, env_cls, reason):
+    sample, _ = run(tok, env_cls, [("y <go>", {"type": "stop", "matched": "</go>"})],
+                    timeout_s=0.5)
+    assert sample.status == "failed" and sample.finish_reason.startswith(reason)
+    assert len(sample.turn_rewards) == len(sample.turn_starts) == 1
+
+
+def test_renderer_refuses_template_that_drops_content(tok):
+    from rltool.errors import BadInputError
+
+    class Dropping:
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return "".join(m["role"] for m in messages)
+
+    with pytest.raises(BadInputError, match="verbatim"):
+        ChatRenderer(Dropping())
