@@ -1,21 +1,40 @@
 """Benchmark the paged CUDA engine on one GPU against transformers `generate` and the roofline.
 
+One script, one mode per run (`--mode`, default throughput):
+  throughput          workload (a) below, in process and over HTTP, beside `generate` and the
+                      roofline
+  deterministic-cost  workload (a) in process with `--deterministic` (batch-invariant kernels,
+                      logprobs recomputed per finished request) against the default mode on the
+                      same engine settings: tokens/s of each and their ratio (also
+                      `--deterministic-cost`)
+  fp8                 workload (a) in process with the checkpoint's bf16 weights, its block-FP8
+                      version and FP8 weights plus an FP8 KV cache, and the GEMM rates (also
+                      `--precision fp8`; benchmarks/engine_fp8.py says how)
+  fp8-quick           the GEMM rates and the fused quantization kernels of `--preset`, then the
+                      bf16, fp8 and fp8-separate-o engines (`--gemm-only`, `--engines-only`)
+  rl                  workload (b), GRPO-shaped, with and without the prefix cache, and the
+                      in-memory weight sync through /update_weights_from_tensor (`--grpo
+                      PRESETS`, `--tensor-sync PRESETS`; benchmarks/engine_rl.py says how); with
+                      `--device cpu` (the tiny preset, shared memory in place of CUDA IPC) on a
+                      machine without a GPU
+  first-batches       a fresh engine's first batches, bf16 and block-FP8 weights of `--preset`:
+                      the warm-up, then each batch size `--repeats` times with new prompts; per
+                      run its seconds, tokens/s, time to first token and the kernel variants
+                      Triton compiled during it (a compile stalls the engine for about a second;
+                      once warm a run should compile nothing)
+
 Workloads (random-init models with real shapes, bf16; random prompt ids; sampling at temperature
 1.0; every request exactly 256 output tokens with ignore_eos):
   (a) B = 64 and 256 concurrent requests of 128-token prompts: output tokens per second, in
       process (the scheduler driven directly) and over HTTP (`rltool serve --device cuda`, B
-      concurrent /generate calls);
+      concurrent /generate calls, then the same number of prompts as one batched call);
   (c) time to first token at batch 1 (prefill + first sample), in process.
-Each in-process engine first runs every batch size once, untimed (`warm_up`). Each in-process
-run also reports its decode and prefill forwards, retractions, the CUDA caching allocator's
-retries and the kernel variants Triton compiled during it (`kernels_compiled`: 0 once warm).
-`--deterministic-cost` measures instead workload (a) in process with `--deterministic`
-(batch-invariant kernels, logprobs recomputed per finished request) against the default mode on
-the same engine settings: tokens/s of each and their ratio.
-`--grpo PRESETS` and `--tensor-sync PRESETS` measure instead workload (b), GRPO-shaped, with and
-without the prefix cache, and the in-memory weight sync through /update_weights_from_tensor
-(benchmarks/engine_gpu_rl.py says how); with `--device cpu` (the tiny preset, shared memory in
-place of CUDA IPC) they run on a machine without a GPU.
+Warm-ups never use the timed prompts: each in-process engine first runs every batch size once,
+untimed, on other prompts (`warm_up`); over HTTP the warm-up is B short calls on prompts of the
+timed shapes with other token ids, and the concurrent and batched runs have prompts of their
+own, so the prefix cache serves no timed prompt. Each in-process run also reports its decode and
+prefill forwards, retractions, the CUDA caching allocator's retries and the kernel variants
+Triton compiled during it (`kernels_compiled`: 0 once warm).
 `--num-continuous-decode-steps 1,8` runs workload (a) in process once per value (decode steps
 run back to back per scheduler iteration; the first value is the one the table's main columns
 show, every value gets a row of its own); the HTTP run serves with the last one.
@@ -27,62 +46,44 @@ What limits each figure: per decode step at B, the GPU time of one graph replay 
 the sampling time, and the scheduler's wall time per step (the rest is host work); a short torch
 profiler trace of the steady state lists the top kernels.
 
-`--precision fp8` measures instead workload (a) in process with the checkpoint's bf16 weights,
-with its block-FP8 version and with FP8 weights plus an FP8 KV cache (benchmarks/engine_gpu_fp8.py
-says how).
-
-Usage: python benchmarks/engine_gpu.py [--presets qwen2.5-0.5b,qwen2.5-7b] [--batches 64,256]
-       [--quick] [--skip-http] [--hf-compile] [--deterministic-cost] [--precision fp8]
-       [--num-continuous-decode-steps 1,8] [--out FILE.json]
-       python benchmarks/engine_gpu.py [--grpo qwen2.5-0.5b] [--tensor-sync qwen2.5-0.5b,qwen2.5-7b]
-       [--bucket-mib 512] [--device cuda|cpu] [--grpo-prompts 64 --grpo-samples 8
-       --grpo-prompt-len 512 --grpo-max-output 2048] [--out FILE.json]
-Prints a table and, last, one JSON line.
+Usage: python -m benchmarks.engine_gpu [--presets qwen2.5-0.5b,qwen2.5-7b] [--batches 64,256]
+       [--quick] [--skip-http] [--hf-compile] [--num-continuous-decode-steps 1,8] [--out DIR]
+       python -m benchmarks.engine_gpu --mode deterministic-cost|fp8 [--presets ...] [--out DIR]
+       python -m benchmarks.engine_gpu --mode fp8-quick [--preset qwen2.5-7b]
+       [--gemm-only | --engines-only] [--out DIR]
+       python -m benchmarks.engine_gpu --mode rl [--grpo qwen2.5-0.5b]
+       [--tensor-sync qwen2.5-0.5b,qwen2.5-7b] [--bucket-mib 512] [--device cuda|cpu]
+       [--grpo-prompts 64 --grpo-samples 8 --grpo-prompt-len 512 --grpo-max-output 2048]
+       python -m benchmarks.engine_gpu --mode first-batches [--preset qwen2.5-7b]
+       [--batches 64,256] [--repeats 3] [--out DIR]
+`--out DIR` writes DIR/engine_gpu[-MODE]-DATE-DEVICE.json. Prints a table and, last, one JSON
+line.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
-import random
 import statistics
-import sys
 import tempfile
-import threading
 import time
-from datetime import datetime, timezone
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from rltool.engine.paged_runner import PagedRunner
 from rltool.engine.paged_scheduler import PagedScheduler
-from rltool.engine.request import Request
 from rltool.engine.sampling import SamplingParams
 
-PROMPT_LEN = 128
-OUTPUT_LEN = 256
+from benchmarks import harness
+from benchmarks.engine_common import (OUTPUT_LEN, PROMPT_LEN, checkpoints, copy_bandwidth,
+                                      first_batches, in_process, prompts_for, random_checkpoint,
+                                      run_batch, warm_up)
+from benchmarks.engine_fp8 import precision_cost, quick
+from benchmarks.engine_rl import grpo_workload, tensor_sync_timing
+from benchmarks.workloads import hf_generate
 PEAK_BF16 = 989e12
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy, bytes read + written per second (4 GiB buffers)."""
-    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    torch.cuda.synchronize()
-    bw = 2 * a.numel() * 10 / (start.elapsed_time(end) / 1e3)
-    del a, b
-    torch.cuda.empty_cache()
-    return bw
 
 
 def roofline(spec, batch: int, *, bw: float, weight_bytes: int) -> dict:
@@ -106,67 +107,6 @@ def roofline(spec, batch: int, *, bw: float, weight_bytes: int) -> dict:
         bytes_ = read + batch * ctx * kv_tok + batch * spec.vocab_size * 2
         total += max(bytes_ / bw, flops / PEAK_BF16)
     return {"seconds": total, "tokens_per_s": batch * OUTPUT_LEN / total}
-
-
-def random_checkpoint(out: Path, preset: str, device: str = "cuda") -> Path:
-    """A random-init bf16 checkpoint of the preset's shapes (`rltool init-model`), drawn on
-    `device`: on the GPU a 7B model takes seconds, not the minutes of the CPU init."""
-    from rltool.data.models import init_model
-
-    return init_model(out, preset=preset, dtype="bf16", device=device)
-
-
-def prompts_for(n: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab - 100) for _ in range(PROMPT_LEN)] for _ in range(n)]
-
-
-def run_batch(sched: PagedScheduler, prompts, *, max_new: int = OUTPUT_LEN) -> dict:
-    done, finished = threading.Event(), []
-
-    def on_finish(req):
-        finished.append(req)
-        if len(finished) == len(prompts):
-            done.set()
-
-    tag = sched.next_seq()
-    reqs = [Request(rid=f"b{tag}-{i}", prompt_ids=p, on_finish=on_finish, return_logprob=True,
-                    params=SamplingParams(max_new_tokens=max_new, temperature=1.0,
-                                          ignore_eos=True))
-            for i, p in enumerate(prompts)]
-    counters0 = _counters(sched)
-    t0 = time.perf_counter()
-    sched.submit(reqs)
-    assert done.wait(600), "engine run did not finish"
-    elapsed = time.perf_counter() - t0
-    out = sum(len(r.output_ids) for r in reqs)
-    assert all(len(r.output_ids) == max_new for r in reqs)
-    ttfts = [r.t_first_token - r.t_arrival for r in reqs]
-    counts = {k: v - counters0[k] for k, v in _counters(sched).items()}
-    return {"seconds": elapsed, "output_tokens": out, "tokens_per_s": out / elapsed,
-            "mean_ttft_s": statistics.mean(ttfts), "max_ttft_s": max(ttfts), **counts}
-
-
-def _counters(sched: PagedScheduler) -> dict:
-    """What a run adds to: the scheduler's decode and prefill forwards and retractions, the CUDA
-    caching allocator's retries (a cudaMalloc that failed, so the cache was freed and the
-    allocation tried again: a stall of the whole device), and the kernel variants in Triton's
-    cache directory (each compile writes one; a compile stalls the engine for ~1 s)."""
-    retries = (torch.cuda.memory_stats().get("num_alloc_retries", 0)
-               if torch.cuda.is_available() else 0)
-    return {"decode_steps": sched.num_decode_forwards,
-            "prefill_forwards": sched.num_prefill_forwards,
-            "retractions": sched.num_retractions, "alloc_retries": retries,
-            "kernels_compiled": len(compiled_kernels())}
-
-
-def compiled_kernels() -> set[str]:
-    """The kernel variants in Triton's cache directory: "name@hash" of each."""
-    import triton
-
-    root = Path(triton.knobs.cache.dir)
-    return {f"{meta.stem}@{meta.parent.name[:6]}" for meta in root.glob("*/*.json")
-            if not meta.name.startswith("__grp__")}
 
 
 def step_breakdown(runner: PagedRunner, batch: int) -> dict:
@@ -208,39 +148,35 @@ def step_breakdown(runner: PagedRunner, batch: int) -> dict:
             "sampling_wall_s": sample_wall, "profile_top": table}
 
 
-def hf_generate(model_dir: Path, batch: int, vocab: int, *, mode: str, compile_: bool) -> dict:
+def hf_baseline(model_dir: Path, batch: int, vocab: int, *, mode: str, compile_: bool) -> dict:
+    """transformers `generate` on workload (a) at `batch` (sampled, exactly OUTPUT_LEN tokens),
+    after a short untimed call, and its time to first token at batch 1."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).cuda()
     model.eval()
-    ids = torch.tensor(prompts_for(batch, vocab, 7), device="cuda")
-    kw = dict(max_new_tokens=OUTPUT_LEN, min_new_tokens=OUTPUT_LEN, do_sample=True,
-              temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0)
+    prompts = prompts_for(batch, vocab, 7)
+    kw = dict(min_new_tokens=OUTPUT_LEN, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
     if mode == "static":
         kw["cache_implementation"] = "static"
         if not compile_:
             kw["disable_compile"] = True
-    with torch.no_grad():
-        model.generate(ids[:, :16], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = model.generate(ids, **kw)
-        torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0
-        n = (out.shape[1] - PROMPT_LEN) * batch
-        one = ids[:1]
-        t1 = time.perf_counter()
-        model.generate(one, **{**kw, "max_new_tokens": 1, "min_new_tokens": 1})
-        torch.cuda.synchronize()
-        ttft = time.perf_counter() - t1
+    hf_generate(model, [p[:16] for p in prompts], max_new_tokens=4, pad_token_id=0,
+                **{**kw, "min_new_tokens": 4})
+    out, elapsed = hf_generate(model, prompts, max_new_tokens=OUTPUT_LEN, pad_token_id=0, **kw)
+    _, ttft = hf_generate(model, prompts[:1], max_new_tokens=1, pad_token_id=0,
+                          **{**kw, "min_new_tokens": 1})
     del model
     torch.cuda.empty_cache()
-    return {"seconds": elapsed, "tokens_per_s": n / elapsed, "ttft_b1_s": ttft}
+    return {"seconds": elapsed, "tokens_per_s": sum(map(len, out)) / elapsed, "ttft_b1_s": ttft}
 
 
-async def _http_batch(url: str, prompts) -> dict:
-    """B concurrent /generate calls (aiohttp: httpx's pool is slow at this concurrency), then the
-    same prompts as one batched /generate call; server-side decode steps from /get_server_info."""
+async def _http_batch(url: str, warm: list[list[int]], runs: dict[str, list[list[int]]]) -> dict:
+    """`warm` as B concurrent short /generate calls, untimed; then `runs["concurrent"]` as B
+    concurrent /generate calls (aiohttp: httpx's pool is slow at this concurrency) and
+    `runs["batched"]` as one batched /generate call; server-side decode steps from
+    /get_server_info. The three prompt sets have the same shapes and different token ids, so
+    the prefix cache serves no timed prompt from an earlier call."""
     import aiohttp
 
     sp = {"max_new_tokens": OUTPUT_LEN, "temperature": 1.0, "ignore_eos": True}
@@ -256,11 +192,12 @@ async def _http_batch(url: str, prompts) -> dict:
             async with s.get(url + "/get_server_info") as r:
                 return (await r.json())["internal_states"][0]["num_decode_forwards"]
 
-        # Warm-up at full concurrency opens the connections (a rollout client keeps them).
+        # Warm-up at full concurrency opens the connections (a rollout client keeps them) and
+        # compiles the prefill and decode shapes at B.
         await asyncio.gather(*[post({"input_ids": p, "sampling_params": {**sp,
                                                                          "max_new_tokens": 4}})
-                               for p in prompts])
-        for mode in ("concurrent", "batched"):
+                               for p in warm])
+        for mode, prompts in runs.items():
             s0 = await steps()
             t0 = time.perf_counter()
             if mode == "concurrent":
@@ -284,53 +221,12 @@ def http_runs(model_dir: Path, batches, vocab: int, steps: int) -> dict:
                          "--num-continuous-decode-steps", str(steps)],
                         log_path=Path(tempfile.mkdtemp()) / "serve.log", ready_timeout_s=300)
     try:
-        return {b: asyncio.run(_http_batch(proc.url, prompts_for(b, vocab, 11))) for b in batches}
+        return {b: asyncio.run(_http_batch(
+            proc.url, prompts_for(b, vocab, 2_000 + b),
+            {"concurrent": prompts_for(b, vocab, 11), "batched": prompts_for(b, vocab, 12)}))
+            for b in batches}
     finally:
         proc.stop()
-
-
-def warm_up(sched: PagedScheduler, batches: list[int], vocab: int) -> None:
-    """Each batch size's prefill once, untimed, with 2 output tokens and other prompts than the
-    timed ones (the prefix cache holds none of those): no timed run compiles kernels for its
-    prefill shapes, whichever engine of a process meets them first."""
-    for b in batches:
-        run_batch(sched, prompts_for(b, vocab, 1_000 + b), max_new=2)
-
-
-@contextlib.contextmanager
-def fresh_engine(model_dir: Path, batches: list[int], *, deterministic: bool = False,
-                 kv_cache_dtype: str = "auto"):
-    """A fresh in-process engine with workload (a)'s settings, (runner, started scheduler);
-    stopped and its memory released on exit."""
-    runner = PagedRunner(model_dir, device="cuda", dtype="bf16", max_running=max(batches),
-                         cuda_graph_max_bs=max(batches), deterministic=deterministic,
-                         kv_cache_dtype=kv_cache_dtype)
-    sched = PagedScheduler(runner, max_running=max(batches), max_prefill_tokens=16384,
-                           chunked_prefill_size=8192, deterministic=deterministic)
-    sched.start()
-    try:
-        yield runner, sched
-    finally:
-        sched.stop()
-        runner.release()
-        del runner, sched
-        torch.cuda.empty_cache()
-
-
-def in_process(model_dir: Path, batches: list[int], *, deterministic: bool = False,
-               kv_cache_dtype: str = "auto") -> dict:
-    """Workload (a) in process on a fresh engine, after an untimed warm-up of each batch size:
-    {batch: run_batch result}, plus what the engine holds under "engine" (weight bytes and
-    precision, KV bytes per token, pool tokens)."""
-    with fresh_engine(model_dir, batches, deterministic=deterministic,
-                      kv_cache_dtype=kv_cache_dtype) as (runner, sched):
-        warm_up(sched, batches, runner.vocab_size)
-        out: dict = {b: run_batch(sched, prompts_for(b, runner.vocab_size, 3 + b))
-                     for b in batches}
-        out["engine"] = {"weight_bytes": runner.model.nbytes(), **runner.weight_info,
-                         "kv_bytes_per_token": runner.kv_bytes_per_token,
-                         "kv_pool_tokens": runner.max_total_num_tokens}
-    return out
 
 
 def deterministic_cost(preset: str, batches: list[int]) -> dict:
@@ -348,85 +244,17 @@ def deterministic_cost(preset: str, batches: list[int]) -> dict:
     return out
 
 
-def rl_runs(args: argparse.Namespace) -> None:
-    """Workload (b) for the --grpo presets, then the tensor sync for the --tensor-sync ones."""
-    from engine_gpu_rl import grpo_workload, tensor_sync_timing
-
-    cuda = args.device == "cuda"
-    results: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                     "device": torch.cuda.get_device_name() if cuda else "cpu",
-                     "torch": torch.__version__, "grpo": {}, "tensor_sync": {}}
-    dirs: dict[str, Path] = {}
-
-    def model(preset: str) -> Path:
-        if preset not in dirs:
-            dirs[preset] = random_checkpoint(Path(tempfile.mkdtemp()) / preset, preset,
-                                             args.device)
-        return dirs[preset]
-
-    for preset in filter(None, args.grpo.split(",")):
-        results["grpo"][preset] = grpo_workload(
-            model(preset), device=args.device, prompts=args.grpo_prompts,
-            samples=args.grpo_samples, prompt_len=args.grpo_prompt_len,
-            max_output=args.grpo_max_output)
-    for preset in filter(None, args.tensor_sync.split(",")):
-        results["tensor_sync"][preset] = tensor_sync_timing(
-            model(preset), device=args.device, bucket_bytes=int(args.bucket_mib * 2**20))
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1, default=str))
-    print(json.dumps(results, default=str))
+def parse_batches(args: argparse.Namespace) -> list[int]:
+    return [int(b) for b in args.batches.split(",")]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--presets", default="qwen2.5-0.5b")
-    ap.add_argument("--batches", default="64,256")
-    ap.add_argument("--quick", action="store_true", help="skip transformers generate")
-    ap.add_argument("--skip-http", action="store_true")
-    ap.add_argument("--hf-compile", action="store_true")
-    ap.add_argument("--engine-only", default="", help="presets measured without HTTP and "
-                                                      "transformers (e.g. qwen2.5-7b)")
-    ap.add_argument("--deterministic-cost", action="store_true",
-                    help="only workload (a) in process, --deterministic against the default")
-    ap.add_argument("--grpo", default="", help="presets: only workload (b), GRPO-shaped")
-    ap.add_argument("--tensor-sync", default="", help="presets: only the weight sync timing")
-    ap.add_argument("--bucket-mib", type=float, default=512)
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                    help="--grpo and --tensor-sync only")
-    ap.add_argument("--grpo-prompts", type=int, default=64)
-    ap.add_argument("--grpo-samples", type=int, default=8)
-    ap.add_argument("--grpo-prompt-len", type=int, default=512)
-    ap.add_argument("--grpo-max-output", type=int, default=2048)
-    ap.add_argument("--precision", choices=["fp8"], default=None,
-                    help="only workload (a) in process: bf16 weights against block-FP8 weights "
-                         "(and FP8 weights + FP8 KV), plus the GEMMs' TFLOP/s")
-    ap.add_argument("--num-continuous-decode-steps", default="1",
-                    help="comma-separated: one in-process run of workload (a) per value")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    batches = [int(b) for b in args.batches.split(",")]
+def throughput(args: argparse.Namespace) -> dict:
+    """Workload (a): in process per --num-continuous-decode-steps value, the step breakdown,
+    over HTTP and transformers `generate` beside the roofline."""
+    batches = parse_batches(args)
     multi = [int(n) for n in args.num_continuous_decode_steps.split(",")]
-    if args.grpo or args.tensor_sync:
-        rl_runs(args)
-        return
-    if args.deterministic_cost or args.precision:
-        key, fn = "deterministic_cost", deterministic_cost
-        if args.precision:
-            from engine_gpu_fp8 import precision_cost as fn
-
-            key = "precision_cost"
-        results = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                   "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN,
-                   key: {p: fn(p, batches) for p in args.presets.split(",")}}
-        if args.out:
-            Path(args.out).write_text(json.dumps(results, indent=1, default=str))
-        print(json.dumps(results, default=str))
-        return
     bw = copy_bandwidth()
-    results: dict = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                     "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                     "copy_bandwidth_Bps": bw, "prompt_len": PROMPT_LEN,
+    results: dict = {"copy_bandwidth_Bps": bw, "prompt_len": PROMPT_LEN,
                      "output_len": OUTPUT_LEN, "models": {}}
     rows = []
     for preset in args.presets.split(","):
@@ -468,7 +296,7 @@ def main() -> None:
                 r["hf"][mode] = {}
                 for b in batches:
                     try:
-                        r["hf"][mode][b] = hf_generate(model_dir, b, vocab, mode=mode,
+                        r["hf"][mode][b] = hf_baseline(model_dir, b, vocab, mode=mode,
                                                        compile_=args.hf_compile)
                     except Exception as e:  # noqa: BLE001 - recorded, the engine's figures still come out
                         r["hf"][mode][b] = {"error": f"{type(e).__name__}: {e}"[:300]}
@@ -507,10 +335,114 @@ def main() -> None:
                   f"({h['batched']['server_decode_steps']} steps)")
         print(f"{p}: TTFT at batch 1: engine {r['engine_ttft_b1_s'] * 1e3:.1f} ms, generate "
               f"best {hf_ttft * 1e3 if hf_ttft else float('nan'):.1f} ms")
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1, default=str))
-    print(json.dumps(results, default=str))
+    return results
+
+
+def rl(args: argparse.Namespace) -> dict:
+    """Workload (b) for the --grpo presets, then the tensor sync for the --tensor-sync ones."""
+    results: dict = {"grpo": {}, "tensor_sync": {}}
+    dirs: dict[str, Path] = {}
+
+    def model(preset: str) -> Path:
+        if preset not in dirs:
+            dirs[preset] = random_checkpoint(Path(tempfile.mkdtemp()) / preset, preset,
+                                             args.device)
+        return dirs[preset]
+
+    for preset in filter(None, args.grpo.split(",")):
+        results["grpo"][preset] = grpo_workload(
+            model(preset), device=args.device, prompts=args.grpo_prompts,
+            samples=args.grpo_samples, prompt_len=args.grpo_prompt_len,
+            max_output=args.grpo_max_output)
+    for preset in filter(None, args.tensor_sync.split(",")):
+        results["tensor_sync"][preset] = tensor_sync_timing(
+            model(preset), device=args.device, bucket_bytes=int(args.bucket_mib * 2**20))
+    return results
+
+
+def first_batches_mode(args: argparse.Namespace) -> dict:
+    """A fresh engine's first batches, bf16 then block-FP8 weights of --preset."""
+    batches = parse_batches(args)
+    model_dir, fp8_dir = checkpoints(args.preset)
+    return {"preset": args.preset,
+            "rows": [row for label, d in (("bf16", model_dir), ("fp8", fp8_dir))
+                     for row in first_batches(d, batches, args.repeats, label)]}
+
+
+def per_preset(fn) -> Callable[[argparse.Namespace], dict]:
+    """A mode that runs `fn(preset, batches)` for each of --presets."""
+    def mode(args: argparse.Namespace) -> dict:
+        return {"prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN,
+                fn.__name__: {p: fn(p, parse_batches(args)) for p in args.presets.split(",")}}
+    return mode
+
+
+MODES: dict[str, Callable[[argparse.Namespace], dict]] = {
+    "throughput": throughput,
+    "deterministic-cost": per_preset(deterministic_cost),
+    "fp8": per_preset(precision_cost),
+    "fp8-quick": lambda args: {"preset": args.preset, **quick(
+        args.preset, parse_batches(args), args.gemm_only, args.engines_only)},
+    "rl": rl,
+    "first-batches": first_batches_mode,
+}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mode", choices=sorted(MODES), default=None,
+                    help="what to measure (default throughput; the older flags below pick "
+                         "their mode too)")
+    ap.add_argument("--presets", default="qwen2.5-0.5b")
+    ap.add_argument("--preset", default="qwen2.5-7b", help="fp8-quick and first-batches")
+    ap.add_argument("--batches", default="64,256")
+    ap.add_argument("--quick", action="store_true", help="skip transformers generate")
+    ap.add_argument("--skip-http", action="store_true")
+    ap.add_argument("--hf-compile", action="store_true")
+    ap.add_argument("--engine-only", default="", help="presets measured without HTTP and "
+                                                      "transformers (e.g. qwen2.5-7b)")
+    ap.add_argument("--deterministic-cost", action="store_true",
+                    help="= --mode deterministic-cost")
+    ap.add_argument("--precision", choices=["fp8"], default=None, help="= --mode fp8")
+    ap.add_argument("--grpo", default="", help="presets: workload (b), GRPO-shaped (mode rl)")
+    ap.add_argument("--tensor-sync", default="", help="presets: the weight sync timing (mode rl)")
+    ap.add_argument("--bucket-mib", type=float, default=512)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: mode rl only")
+    ap.add_argument("--grpo-prompts", type=int, default=64)
+    ap.add_argument("--grpo-samples", type=int, default=8)
+    ap.add_argument("--grpo-prompt-len", type=int, default=512)
+    ap.add_argument("--grpo-max-output", type=int, default=2048)
+    ap.add_argument("--num-continuous-decode-steps", default="1",
+                    help="comma-separated: one in-process run of workload (a) per value")
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument("--gemm-only", action="store_true", help="fp8-quick: the GEMM rates alone")
+    only.add_argument("--engines-only", action="store_true",
+                      help="fp8-quick: without the GEMM rates")
+    ap.add_argument("--repeats", type=int, default=3, help="first-batches: runs per batch size")
+    ap.add_argument("--out", default=None, help="directory (or .json file) for the record")
+    args = ap.parse_args(argv)
+    implied = ("rl" if args.grpo or args.tensor_sync else "fp8" if args.precision
+               else "deterministic-cost" if args.deterministic_cost else None)
+    if args.mode is not None and implied is not None and implied != args.mode:
+        ap.error(f"--mode {args.mode} contradicts the flags of mode {implied}")
+    args.mode = args.mode or implied or "throughput"
+    if args.mode == "rl" and not (args.grpo or args.tensor_sync):
+        ap.error("--mode rl needs --grpo PRESETS and/or --tensor-sync PRESETS")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("no CUDA device is visible; mode rl runs on the CPU with --device cpu")
+    if args.device == "cpu" and args.mode != "rl":
+        ap.error(f"--device cpu runs mode rl only; mode {args.mode} needs a GPU")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    run = harness.Run("engine_gpu", device=args.device)
+    fields = MODES[args.mode](args)
+    run.finish({"mode": args.mode, **fields}, out=args.out,
+               variant="" if args.mode == "throughput" else args.mode)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

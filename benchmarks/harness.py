@@ -159,7 +159,8 @@ class Run:
         """Write a finished record atomically (a run cut short keeps what it wrote)."""
         path = self.path(out, variant=variant)
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic.write_json(path, record)
+        # not atomic.write_json: its sorted keys fail on a record keyed by batch size and name
+        atomic.write_text(path, json.dumps(record, indent=1, default=str) + "\n")
         return path
 
     def finish(self, fields: dict[str, Any], *, out: str | os.PathLike | None = None,

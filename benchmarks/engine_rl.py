@@ -1,4 +1,4 @@
-"""The RL-shaped parts of benchmarks/engine_gpu.py (run through it: `--grpo`, `--tensor-sync`).
+"""Mode rl of benchmarks/engine_gpu.py (`--grpo PRESETS`, `--tensor-sync PRESETS`).
 
 (b) GRPO-shaped generation: P prompts x S samples (64 x 8 by default), random L-token prompts
 (512), each request's output length drawn from a seeded lognormal (mu = ln 512, sigma = 0.8:
@@ -36,6 +36,8 @@ from rltool.engine.paged_scheduler import PagedScheduler
 from rltool.engine.request import Request
 from rltool.engine.sampling import SamplingParams
 
+from benchmarks.engine_common import prompts_for
+
 LOGNORMAL_MU = math.log(512)
 LOGNORMAL_SIGMA = 0.8
 REPEATS = 3
@@ -45,12 +47,6 @@ def output_lengths(n: int, *, cap: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [min(cap, max(1, round(rng.lognormvariate(LOGNORMAL_MU, LOGNORMAL_SIGMA))))
             for _ in range(n)]
-
-
-def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    lo = min(100, vocab // 4)
-    return [[rng.randrange(lo, vocab - lo) for _ in range(length)] for _ in range(n)]
 
 
 def submit_and_wait(sched: PagedScheduler, prompts: list[list[int]], lengths: list[int],
@@ -99,10 +95,10 @@ def grpo_workload(model_dir: Path, *, device: str, prompts: int, samples: int, p
             # the kernels specialised for its shapes (the cached groups' one-token continuations,
             # the sampler at every batch size the run shrinks through) compile here, not in
             # whichever arm runs first.
-            warm = [p for p in random_prompts(prompts, prompt_len, vocab, seed + 1)
+            warm = [p for p in prompts_for(prompts, vocab, seed + 1, length=prompt_len)
                     for _ in range(samples)]
             submit_and_wait(sched, warm, [max(1, n // 8) for n in lengths], "warm")
-            group = random_prompts(prompts, prompt_len, vocab, seed + 2)
+            group = prompts_for(prompts, vocab, seed + 2, length=prompt_len)
             batch = [p for p in group for _ in range(samples)]
             pre0, fw0 = sched.num_prefill_tokens, sched.num_prefill_forwards
             steps0 = sched.num_decode_forwards

@@ -1,14 +1,14 @@
-"""FP8 weights against bf16 on one GPU: `benchmarks/engine_gpu.py --precision fp8`, or this file
-alone for the quick run.
+"""FP8 weights against bf16 on one GPU: the modes `fp8` and `fp8-quick` of benchmarks/engine_gpu.py.
 
-Full (`engine_gpu.py --precision fp8`): workload (a) of engine_gpu.py (B concurrent requests of
-128-token prompts, 256 output tokens each, in process) on three fresh engines over the same
+Full (`python -m benchmarks.engine_gpu --mode fp8`, or `--precision fp8`): workload (a) of
+engine_gpu.py (B concurrent requests of 128-token prompts, 256 output tokens each, in process)
+on three fresh engines over the same
 random-init checkpoint: its bf16 weights, its block-FP8 version (`rltool convert fp8`, 128x128
 blocks; the engine keeps the linears in FP8 and runs them through rltool.engine.fp8_gemm), and FP8
 weights with `--kv-cache-dtype fp8_e4m3`; then the GEMM rates below.
 
-Quick (`python benchmarks/engine_gpu_fp8.py`, a few minutes for the 7B shapes, most of it writing
-and converting the checkpoint): the GEMM rates, then workload (a) on bf16 weights and on FP8
+Quick (`python -m benchmarks.engine_gpu --mode fp8-quick [--preset qwen2.5-7b]`, a few minutes
+for the 7B shapes, most of it writing and converting the checkpoint): the GEMM rates, then workload (a) on bf16 weights and on FP8
 weights twice: as served (`fp8`: the GEMM `auto`, torch._scaled_mm where its probe passes) and
 with o_proj's input quantized by its own kernel instead of by the decode attention kernel
 (`fp8-separate-o`: the engine before that fusion). `--gemm-only`: the GEMM rates alone (under a
@@ -26,24 +26,17 @@ CUDA graph (as the engine's decode runs them, without host launch cost). Reporte
 GB/s of the bytes each moves (weight, its scales, activations, output) beside the measured
 device copy bandwidth (bytes read + written per second). Engines report tokens/s, the ratio to
 bf16, and weight GB/s (weight bytes x decode steps / seconds: a lower bound of what decode reads).
-
-Usage: python benchmarks/engine_gpu_fp8.py [--preset qwen2.5-7b] [--batches 64,256]
-       [--gemm-only | --engines-only] [--out FILE.json]
-Prints a table and, last, one JSON line.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import tempfile
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-from engine_gpu import copy_bandwidth, in_process, random_checkpoint
+from benchmarks.engine_common import checkpoints, copy_bandwidth, in_process
 
 TOKENS = (1, 64, 256, 8192)
 
@@ -278,18 +271,8 @@ def preset_spec(preset: str):
     return read_spec(out)
 
 
-def checkpoints(preset: str) -> tuple[Path, Path]:
-    """A random-init bf16 checkpoint of the preset and its `rltool convert fp8` version."""
-    from rltool.convert.fp8 import Fp8Config, quantize_checkpoint
-
-    model_dir = random_checkpoint(Path(tempfile.mkdtemp()) / preset, preset)
-    fp8_dir = model_dir.parent / f"{preset}-fp8"
-    quantize_checkpoint(Fp8Config(hf=model_dir, out=fp8_dir, workers=8))
-    return model_dir, fp8_dir
-
-
 def precision_cost(preset: str, batches: list[int]) -> dict:
-    """engine_gpu.py --precision fp8: the three engines' workload (a), and the GEMM rates."""
+    """Mode fp8: the three engines' workload (a), and the GEMM rates."""
     from rltool.engine.model_spec import read_spec
 
     model_dir, fp8_dir = checkpoints(preset)
@@ -323,26 +306,3 @@ def quick(preset: str, batches: list[int], gemm_only: bool, engines_only: bool) 
             "bf16": (model_dir, "auto", "auto", False), "fp8": (fp8_dir, "auto", "auto", False),
             "fp8-separate-o": (fp8_dir, "auto", "auto", True)})
     return out
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="qwen2.5-7b")
-    ap.add_argument("--batches", default="64,256")
-    mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--gemm-only", action="store_true", help="the GEMM rates alone")
-    mode.add_argument("--engines-only", action="store_true", help="without the GEMM rates")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    results = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "preset": args.preset,
-               **quick(args.preset, [int(b) for b in args.batches.split(",")], args.gemm_only,
-                        args.engines_only)}
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1, default=str))
-    print(json.dumps(results, default=str))
-
-
-if __name__ == "__main__":
-    main()
