@@ -146,10 +146,12 @@ class TrainConfig(BackendConfig, SyncConfig):
     loss: Literal["policy", "sft"] = Field("policy", description="policy: clipped policy "
                                            "gradient; sft: cross-entropy on loss-masked tokens.")
     advantage_estimator: Literal["grpo", "gspo", "reinforce_plus_plus",
-                                 "reinforce_plus_plus_baseline", "ppo", "none"] = Field(
+                                 "reinforce_plus_plus_baseline", "ppo", "none",
+                                 "turn_grpo"] = Field(
         "grpo", description="Advantage estimator; gspo also switches to the sequence-level "
         "ratio; ppo is GAE with a value head trained alongside the policy; none: A = 0 (pure "
-        "on-policy distillation).")
+        "on-policy distillation); turn_grpo: agentic episodes, each turn's return against the "
+        "group's same turn (docs/agentic.md).")
     grpo_std_normalization: bool = Field(True, description="Divide GRPO advantages by the group "
                                          "std (off = Dr.GRPO).")
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount of reinforce_plus_plus and "
@@ -237,7 +239,7 @@ class TrainConfig(BackendConfig, SyncConfig):
             raise ConfigError("--prompts is only for --loss sft")
         if (self.kl_coef or self.kl_loss_coef) and self.ref is None and self.loss == "policy":
             raise ConfigError("--kl-coef/--kl-loss-coef need a reference model; pass --ref WEIGHTS")
-        if self.kl_coef and self.advantage_estimator in ("grpo", "gspo"):
+        if self.kl_coef and self.advantage_estimator in ("grpo", "gspo", "turn_grpo"):
             raise ConfigError("--kl-coef (KL reward shaping) applies to reinforce_plus_plus* and "
                               "ppo; use --kl-loss-coef with grpo/gspo")
         if self.bypass and (self.tis_mode != "none" or self.rs_level != "none"):

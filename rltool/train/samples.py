@@ -21,7 +21,7 @@ from rltool.errors import BadInputError, ShardSchemaError
 log = logging.getLogger(__name__)
 SHARD_COLUMNS = ["uid", "group_id", "prompt_token_ids", "response_token_ids", "rollout_logprobs",
                  "loss_mask", "reward", "status", "teacher_logprobs", "metadata",
-                 "rollout_routed_experts"]
+                 "rollout_routed_experts", "turn_rewards", "turn_starts"]
 
 
 @dataclass
@@ -37,6 +37,8 @@ class Sample:
     teacher_logprobs: list[float] | None = None  # engine-mode on-policy distillation
     # int32 [tokens - 1, MoE layers x k] (-1: none), the shard's rollout_routed_experts
     routed_experts: Any = None
+    turn_rewards: list[float] | None = None  # agentic episodes (rltool.train.algo.multiturn)
+    turn_starts: list[int] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -101,7 +103,8 @@ def load_rollouts(shard_dirs: list[str | os.PathLike], *, tokenizer_hash: str,
                             rollout_logprobs=row["rollout_logprobs"],
                             reward=float(row["reward"]), group=g,
                             metadata=json.loads(row["metadata"] or "{}"),
-                            teacher_logprobs=row["teacher_logprobs"])
+                            teacher_logprobs=row["teacher_logprobs"],
+                            turn_rewards=row["turn_rewards"], turn_starts=row["turn_starts"])
             if row["rollout_routed_experts"] is not None:
                 sample.routed_experts = decode_routed_experts(row["rollout_routed_experts"],
                                                               sample.num_tokens)

@@ -29,6 +29,7 @@ from rltool.progress import Progress
 from rltool.rundir import MetricsWriter, RunDir, step_dir_name
 from rltool.train import opd
 from rltool.train.algo.advantages import compute_advantages, gae, masked_whiten
+from rltool.train.algo.multiturn import has_turns, turn_gae, turn_grpo, turns_of
 from rltool.train.algo.kl import approx_kl
 from rltool.train.algo.opd import shape_advantages
 from rltool.train.backend import MicroBatch, TrainerBackend
@@ -232,9 +233,19 @@ def prepare_set(cfg: TrainConfig, backend: TrainerBackend, snapshots: WeightBack
             data.old_values = compute_logprobs(backend, samples, batches, with_values=True,
                                                replay=cfg.use_rollout_routing_replay,
                                                **kwargs)["values"]
-        advantages, data.returns = gae(rewards, data.old_values, masks, gamma=cfg.gamma,
-                                       lambd=cfg.lambd, kl=kl, kl_coef=cfg.kl_coef)
+        if has_turns(samples):  # agentic episodes: each turn's reward on its last token
+            advantages, data.returns = turn_gae(
+                rewards=rewards, values=data.old_values, masks=masks, **turns_of(samples),
+                gamma=cfg.gamma, lambd=cfg.lambd, kl=kl, kl_coef=cfg.kl_coef)
+        else:
+            advantages, data.returns = gae(rewards, data.old_values, masks, gamma=cfg.gamma,
+                                           lambd=cfg.lambd, kl=kl, kl_coef=cfg.kl_coef)
         data.advantages = masked_whiten(advantages, masks)
+    elif cfg.advantage_estimator == "turn_grpo":
+        data.advantages = turn_grpo(
+            rewards=rewards, groups=torch.tensor([s.group for s in samples], dtype=torch.long),
+            masks=masks, **turns_of(samples), gamma=cfg.gamma,
+            std_normalization=cfg.grpo_std_normalization)
     else:
         data.advantages = compute_advantages(
             cfg.advantage_estimator, rewards=rewards,
