@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("convert", "Convert checkpoints: HF <-> Megatron torch_dist, block-FP8 quantization."),
     "rollout": ("rollout", "Sample groups for one step through the engines and write a shard."),
     "eval": ("eval", "Evaluate held-out prompts: eval shard and pass@k metrics."),
+    "env": ("env", "Environments for agentic RL: list the built-ins, serve one over HTTP."),
     "serve": ("serve", "Serve a model with the builtin engine over SGLang's HTTP API."),
     "delta": ("delta", "Delta weight versions: diff, apply, verify, pull (rltool and slime formats)."),
     "align-gate": ("align_gate", "Gate: trainer-recomputed vs rollout logprobs (and per layer)."),
