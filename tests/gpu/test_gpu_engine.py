@@ -163,7 +163,7 @@ def test_overlapped_decoding_equals_step_by_step(temperature, tiny_model_dir):
         runner = runner_for(tiny_model_dir, "bf16")
         # One bucket: overlapped batches keep a stopped row one step longer, and a different
         # padded shape could pick other GEMM kernels (bf16 noise), which is not what is tested.
-        runner._buckets = [8]
+        runner.decoder.buckets = [8]
         reqs = six_requests(runner, "o", 100, temperature, overlap=overlap)
         outs.append([(r.output_ids, r.output_logprobs) for r in reqs])
         assert all(len(r.output_ids) == 5 + 7 * i for i, r in enumerate(reqs))
@@ -192,7 +192,8 @@ def test_multistep_decode_equals_single_steps(temperature, tiny_model_dir):
     outs = []
     for steps, graphs in ((1, True), (4, True), (7, True), (4, False)):
         runner = runner_for(tiny_model_dir, "bf16", disable_cuda_graph=not graphs)
-        runner._buckets = [8]  # one padded shape: see test_overlapped_decoding_equals_step_by_step
+        # one padded shape: see test_overlapped_decoding_equals_step_by_step
+        runner.decoder.buckets = [8]
         full = runner.free_pages()
         reqs = six_requests(runner, "m", 200, temperature, num_continuous_decode_steps=steps)
         assert runner.free_pages() == full

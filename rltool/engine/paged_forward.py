@@ -1,0 +1,158 @@
+"""The engine's model forwards over the paged KV pool: the attention callbacks that the model's
+packed forward (rltool.engine.dense_model) calls, for a prefill step, a decode step and a full
+pass beside the pool.
+
+Prefill is packed: a step's chunks form one token stream (no padding) through the projections and
+MLPs; attention runs per group of equal-length fresh chunks (one causal SDPA call), continuations
+of a cached prefix as decode rows (DECODE_QUERIES). Decode attends each row of the batch over the
+pool: on CUDA with the Triton split-KV kernel (its output written already quantized for an FP8
+o_proj), on CPU with the torch reference attention (rltool.engine.decode_rows).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rltool.engine.decode_rows import paged_attention, per_request_attention
+from rltool.engine.dense_model import DenseLM, fp8_input
+from rltool.engine.moe import RoutedExperts
+from rltool.engine.paged import KVPool, PageTable, host_tensor, sdpa
+
+# Deterministic mode: every decode attention call splits a request's KV this many ways, so its
+# reduction order depends on its own length only, never on the batch.
+DETERMINISTIC_SPLITS = 8
+# Chunks of at most this many tokens over a cached prefix attend as decode rows, all in one call;
+DECODE_QUERIES = 64  # longer ones (chunked prefill) gather their prefix for an SDPA of their own
+
+
+class PagedForward:
+    """The forwards of one loaded model over its KV pool and page table (built with them, dropped
+    when the runner releases them). Deterministic: attention per request where batching would
+    change a request's numbers."""
+
+    def __init__(self, model: DenseLM, pool: KVPool, table: PageTable, *, deterministic: bool):
+        self.model = model
+        self.pool = pool
+        self.table = table
+        self.deterministic = deterministic
+        self.device = model.device
+        self.scale = model.spec.head_dim ** -0.5
+
+    def prefill(self, chunks: list[tuple[str, list[int], int]], *, want: list[bool]
+                ) -> torch.Tensor | None:
+        """Write the KV of each chunk (rid, token ids, first position) into the pool in one packed
+        forward. Returns float32 logits of the last token of each chunk with want[i], in order."""
+        table, dev = self.table, self.device
+        order = sorted(range(len(chunks)), key=lambda i: (chunks[i][2] > 0, len(chunks[i][1])))
+        ids: list[int] = []
+        pos: list[int] = []
+        loc: list[int] = []
+        last: dict[int, int] = {}
+        groups: list[tuple[int, int, int]] = []  # fresh chunks: (offset, count, length)
+        cont: list[tuple[int, int, int, list[int]]] = []  # (offset, length, start, kv slots)
+        singles: list[tuple[int, int, int]] = []  # continuation tokens: (offset, row, length)
+        for i in order:
+            rid, toks, start = chunks[i]
+            n = len(toks)
+            table.add(rid)
+            table.extend(rid, start + n)
+            offset = len(ids)
+            ids += toks
+            pos += range(start, start + n)
+            loc += table.slots(rid, start, start + n)
+            last[i] = offset + n - 1
+            if 0 < start and n <= DECODE_QUERIES and not self.deterministic:  # as decode rows
+                singles += ((offset + j, table.entries[rid].row, start + j + 1) for j in range(n))
+            elif start > 0:
+                cont.append((offset, n, start, table.slots(rid, 0, start + n)))
+            elif (groups and groups[-1][2] == n and groups[-1][0] + groups[-1][1] * n == offset
+                  and not self.deterministic):  # deterministic: attention per request
+                o, c, _ = groups[-1]
+                groups[-1] = (o, c + 1, n)
+            else:
+                groups.append((offset, 1, n))
+        table.flush()
+        ids_t, pos_t, loc_t = host_tensor([ids, pos, loc]).to(dev, non_blocking=True)
+        cont_t = [(o, n, s, host_tensor(sl).to(dev, non_blocking=True)) for o, n, s, sl in cont]
+        single_t = host_tensor(list(zip(*singles))).to(dev, non_blocking=True) if singles else None
+        pool, model = self.pool, self.model
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kc, vc, ks, vs = pool.layer(layer)  # fresh chunks attend to their own k, v
+            model.rope_store(q, k, v, pos_t, k_cache=kc, v_cache=vc, loc=loc_t, k_scale=ks,
+                             v_scale=vs)
+            out = torch.empty_like(q)
+            for o, c, n in groups:
+                out[o:o + c * n] = sdpa(q[o:o + c * n].view(c, n, *q.shape[1:]),
+                                         k[o:o + c * n].view(c, n, *k.shape[1:]),
+                                         v[o:o + c * n].view(c, n, *v.shape[1:]),
+                                         scale=self.scale).reshape(c * n, *q.shape[1:])
+            if single_t is not None:  # one batched paged-attention call for every such token
+                at, rows_s, lens_s = single_t
+                out[at] = paged_attention(q[at], kc, vc, rows_s, lens_s, k_scale=ks, v_scale=vs,
+                                          max_len=max(length for *_, length in singles),
+                                          **self._paging())
+            for o, n, s, slots in cont_t:
+                mask = (torch.arange(s + n, device=dev).unsqueeze(0)
+                        <= torch.arange(s, s + n, device=dev).unsqueeze(1))
+                kp, vp = pool.gather(layer, slots, q.dtype)
+                out[o:o + n] = sdpa(q[o:o + n].unsqueeze(0), kp.unsqueeze(0), vp.unsqueeze(0),
+                                     scale=self.scale, mask=mask).squeeze(0)
+            return out
+
+        hidden = RoutedExperts.hidden(model, ids_t, attend, pool.routed, loc_t)
+        rows = [last[i] for i in range(len(chunks)) if want[i]]
+        if not rows:
+            return None
+        return self.model.logits(hidden[torch.tensor(rows).to(dev)])
+
+    def decode(self, meta: torch.Tensor, *, max_len: int) -> torch.Tensor:
+        """Logits [N, V] of one decode step over the batch `meta` describes (rltool.engine.
+        decode_step's rows: input ids, positions, page-table rows, sequence lengths, KV slots),
+        in the model dtype on CUDA. `max_len`: the longest sequence (the CPU attention's bound;
+        the CUDA kernel reads the lengths on the device, so a CUDA graph replays with any)."""
+        ids, pos, rows, seq_lens, loc, _ = meta
+        pool, model, paging = self.pool, self.model, self._paging()
+        alone = self.deterministic and self.device.type != "cuda"  # CPU: each request alone
+        splits = DETERMINISTIC_SPLITS if self.deterministic else None
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+            kc, vc, ks, vs = pool.layer(layer)
+            model.rope_store(q, k, v, pos, k_cache=kc, v_cache=vc, loc=loc, k_scale=ks,
+                             v_scale=vs)
+            if alone:
+                return per_request_attention(q, kc, vc, rows, seq_lens, k_scale=ks, v_scale=vs,
+                                             **paging)
+            # an FP8 o_proj's input: written quantized for it by the attention kernel (CUDA)
+            return paged_attention(q, kc, vc, rows, seq_lens, max_len=max_len,
+                                   splits=splits, block_k=fp8_input(model.layers[layer]["o"]),
+                                   k_scale=ks, v_scale=vs, **paging)
+
+        # Logits stay in the model dtype here (the sampling kernel reads them as they are): the
+        # float32 copy of a [256, 152k] batch would cost as much as a layer.
+        hidden = RoutedExperts.hidden(model, ids, attend, pool.routed, loc)  # MoE: no graph
+        return model.logits(hidden, upcast=self.device.type != "cuda")
+
+    def _paging(self) -> dict[str, Any]:
+        """The page table and attention scale, as `decode_rows`' functions take them."""
+        return {"req_to_page": self.table.req_to_page, "page_size": self.table.page_size,
+                "scale": self.scale}
+
+    def full_pass(self, token_ids: list[int], collect: list[torch.Tensor] | None = None
+                  ) -> torch.Tensor:
+        """Final-norm hidden states [T, hidden] of one unpadded causal pass over the whole
+        sequence, without touching the KV pool (`collect`: as `DenseLM.hidden` takes it)."""
+        dev = self.device
+        ids = torch.tensor(token_ids).to(dev)
+        pos = torch.arange(len(token_ids), device=dev)
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            self.model.rope_store(q, k, v, pos)
+            if self.deterministic:  # transformers' memory layout: the same attention kernel
+                q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+            return sdpa(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                         scale=self.scale).squeeze(0)
+
+        return self.model.hidden(ids, attend, collect=collect)
