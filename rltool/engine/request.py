@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from rltool.engine.sampling import SamplingParams
+from rltool.engine.stop_rule import StopRule
 
 
 @dataclass(eq=False)
@@ -53,9 +54,11 @@ class Request:
 
     num_cached: int = 0  # tokens whose KV is in the cache
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    # Set by the scheduler at admission: (ids that stop it, length that stops it, min new tokens,
-    # whether stop strings or patterns are checked), so the per-token check is a few comparisons.
-    stop_rule: tuple[frozenset[int], int, int, bool] | None = None
+    stop_rule: StopRule | None = None  # set by the request queue at admission
+    # Set by the batch builder when it first samples the request, kept while it is retracted:
+    # (temperature, greedy, base seed, plain, min new tokens) and its generator on the device.
+    sampling_consts: tuple[float, bool, int, bool, int] | None = None
+    device_generator: torch.Generator | None = None
 
     t_arrival: float = field(default_factory=time.monotonic)
     t_first_token: float | None = None

@@ -25,10 +25,14 @@ def rid(prefix: str) -> str:
 
 
 async def wait_decoding(c: EngineClient, request_id: str, *, tokens: int = 3) -> None:
-    """Wait until `request_id` has been in at least `tokens` decode batches."""
+    """Wait until `request_id`, the one request these tests run at a time, has been in at least
+    `tokens` decode forwards: counted from the first poll that sees it in flight."""
+    start = None
     for _ in range(3000):
         st = (await c.get_server_info())["internal_states"][0]
-        if sum(request_id in b for b in st["decode_batches"]) >= tokens:
+        if start is None and st["num_running_reqs"] > 0:
+            start = st["num_decode_forwards"]
+        if start is not None and st["num_decode_forwards"] - start >= tokens:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"{request_id} never started decoding")

@@ -1,0 +1,298 @@
+"""What one scheduler step runs on the paged runner (rltool.engine.paged_runner): prefill chunks of
+several requests in one packed forward, up to `max_prefill_tokens` tokens in all, each chunk at
+most `chunked_prefill_size` tokens and starting at a fixed multiple of it inside its prompt; then
+one decode forward over every running request, and one batched sampling call on the device with a
+single transfer back. KV pages are reserved before a forward: a prompt waits while its pages
+(plus one per running request for the next token) are not free, and a decode step that would run
+out of pages first retracts the most recently admitted requests (recomputed later).
+
+Deterministic mode (no prefix cache) keeps tokens and logprobs independent of what else is
+running: with the runner's batch-invariant kernels (CUDA) in batched forwards, without them (CPU)
+by running every prefill chunk and decode step of a request in a forward of its own and sampling
+it alone with its own seeded generator. Requests, their tokens and their ends are the request
+queue's (rltool.engine.request_queue).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import torch
+
+from rltool import trace
+from rltool.engine.batch_sampling import sample_batch
+from rltool.engine.decode_overlap import SEED_MODULUS, DecodeOverlap
+from rltool.engine.request import Request
+from rltool.engine.request_queue import RequestQueue
+from rltool.errors import BadInputError
+from rltool.logprobs import effective_temperature
+
+
+class BatchBuilder:
+    def __init__(self, runner: Any, queue: RequestQueue, *, max_running: int,
+                 max_prefill_tokens: int = 512, chunked_prefill_size: int | None = None,
+                 deterministic: bool = False, overlap: bool = True,
+                 num_continuous_decode_steps: int = 1):
+        if num_continuous_decode_steps < 1:
+            raise BadInputError(f"--num-continuous-decode-steps {num_continuous_decode_steps}: "
+                                "must be at least 1")
+        self.runner = runner
+        self.queue = queue
+        self.counters = queue.counters
+        self.max_prefill_tokens = max_prefill_tokens  # prompt tokens per step
+        self.chunked_prefill_size = chunked_prefill_size or max_prefill_tokens  # one chunk
+        self.num_continuous_decode_steps = num_continuous_decode_steps
+        self._shared_generator = torch.Generator(device=runner.device)
+        self._shared_generator.seed()
+        self._seed_rng = random.Random()  # base seeds of requests without a generator
+        # The Triton sampler: compiled on CUDA, interpreted on CPU under TRITON_INTERPRET=1.
+        self._use_kernel = runner.triton_kernels
+        self._overlap = self._use_kernel and overlap
+        # Deterministic without the batch-invariant kernels (CPU): every forward holds one request.
+        self._alone = deterministic and not runner.invariant_kernels
+        self._sampler_args: tuple | None = None
+        self.blocks = DecodeOverlap(runner, queue, consts=self._sampling_consts,
+                                    max_running=max_running,
+                                    steps_per_block=num_continuous_decode_steps,
+                                    enabled=self._overlap)
+
+    # ----- the step ------------------------------------------------------------------------
+
+    def can_step(self) -> bool:
+        return self.blocks.inflight is not None or self.queue.can_step()
+
+    def step(self) -> None:
+        """Admit, prefill, one decode step (or block) of every running request."""
+        queue, runner = self.queue, self.runner
+        if self.blocks.inflight is not None and (queue.paused is not None or runner.released
+                                                 or not queue.running):
+            self.blocks.drain()
+        if queue.paused is None and not runner.released:
+            with runner.invariant():  # deterministic: one kernel registration per step
+                queue.admit()
+                self.prefill()
+                if queue.running:
+                    counters = self.counters
+                    with trace.span("decode.step", cat="engine",
+                                    batch=len(queue.running)) as span:
+                        forwards = counters.num_decode_forwards
+                        self.decode()
+                        span["steps"] = counters.num_decode_forwards - forwards
+
+    def prefill(self) -> None:
+        """Prefill prompt chunks of `prefilling` requests; a request whose prompt is done samples
+        its first token and joins `running`."""
+        runner, queue = self.runner, self.queue
+        budget = self.max_prefill_tokens
+        chunk = self.chunked_prefill_size
+        reserved = len(queue.running)  # a page per running request's next token
+        ps = runner.page_size
+        # By length: prompt prefixes ending with the first uncached full page a request of this
+        # step writes; a new request whose prompt starts with one waits a step to reuse it.
+        filling: dict[int, set[tuple[int, ...]]] = {}
+        chunks: list[tuple[str, list[int], int]] = []
+        want: list[bool] = []
+        reqs: list[Request] = []
+        done: list[Request] = []
+        for req in list(queue.prefilling):
+            target = req.prefill_target
+            if req.num_cached == 0:
+                if any(tuple(req.prompt_ids[:n]) in keys for n, keys in filling.items()):
+                    continue  # an earlier request is writing this prefix: reuse it next step
+                req.num_cached = runner.reuse_prefix(req.rid, req.all_ids(),
+                                                     max_tokens=target - 1, spare=reserved)
+                if not req.output_ids:
+                    req.cached_tokens = req.num_cached
+            start = req.num_cached
+            # It writes full pages of its prompt that are not cached yet (a GRPO sample after
+            # the group's first writes only its partial last page: nobody waits for that).
+            if runner.prefix_cache and start < min(target - 1, len(req.prompt_ids) // ps * ps):
+                n = (start // ps + 1) * ps
+                filling.setdefault(n, set()).add(tuple(req.prompt_ids[:n]))
+            end = min(target, (start // chunk + 1) * chunk)
+            if chunks and end - start > budget:
+                break
+            need = runner.extra_pages(req.rid, end)
+            if not runner.has_free_pages(need + reserved):
+                break
+            reserved += need
+            chunks.append((req.rid, req.all_ids()[start:end], start))
+            want.append(end == target and not req.output_ids)
+            reqs.append(req)
+            req.num_cached = end
+            budget -= end - start
+            if end == target:
+                done.append(req)
+            if budget <= 0:
+                break
+        if chunks:
+            self.blocks.drain()  # the prefill changes the batch; a queued block's tokens first
+        if not chunks:
+            if queue.prefilling and not queue.running:
+                req = queue.prefilling[0]
+                queue.finish(req, {"type": "abort", "status_code": 400, "err_type": "BadRequest",
+                                   "message": f"the prompt needs {req.prefill_target} tokens of "
+                                              "KV cache, more than the pool holds; raise "
+                                              "--mem-fraction-static or shorten it"})
+            return
+        counters = self.counters
+        counters.num_prefill_tokens += sum(len(c[1]) for c in chunks)
+        if self._alone:
+            rows = [runner.prefill([c], want=[w]) for c, w in zip(chunks, want)]
+            counters.num_prefill_forwards += len(rows)
+            logits = torch.cat([r for r in rows if r is not None]) if any(want) else None
+        else:
+            logits = runner.prefill(chunks, want=want)
+            counters.num_prefill_forwards += 1
+        for req in done:
+            queue.prefilling.remove(req)
+            runner.cache_prefix(req.rid, req.prompt_ids)
+        fresh = [r for r, w in zip(reqs, want) if w]
+        if fresh:
+            self._sample_and_accept(fresh, logits)
+        for req in done:
+            if not req.finished:
+                queue.running[req.rid] = req
+
+    def decode(self) -> None:
+        """One decode step (a block of them when overlapping) for every running request: sample,
+        record, retire the finished."""
+        runner, queue, blocks, counters = self.runner, self.queue, self.blocks, self.counters
+        prev = blocks.inflight
+        reqs = list(queue.running.values())
+        # A batch that was all plain stays so (its requests only grow past min_new_tokens).
+        overlap = self._overlap and (blocks.same_batch(reqs) or all(self._plain(r) for r in reqs))
+        if prev is not None and overlap and reqs != prev.reqs:
+            rows = prev.rows()
+            overlap = all(id(r) in rows for r in reqs)  # a newcomer has no token on the device
+        if prev is not None and not overlap:
+            blocks.drain()
+            prev = None
+        ahead = prev.steps if prev is not None else 0  # tokens of the queued block
+        if not runner.has_free_pages(len(reqs)):  # at most one new page each; count exactly
+            reqs.sort(key=lambda r: r.seq)
+            need = sum(runner.extra_pages(r.rid, _kv_length(r, ahead + 1)) for r in reqs)
+            while need > runner.free_pages() and len(reqs) > 1:
+                victim = reqs.pop()
+                need -= runner.extra_pages(victim.rid, _kv_length(victim, ahead + 1))
+                queue.retract(victim)
+        steps = 1
+        if overlap and self.num_continuous_decode_steps > 1:
+            steps = self._block_steps(reqs, ahead)
+            if steps < 1:  # a request ends inside the queued block, at the end of its context
+                blocks.drain()
+                if queue.running:
+                    self.decode()
+                return
+        rids = [r.rid for r in reqs]
+        if self._alone:
+            counters.num_decode_forwards += 1
+            counters.max_decode_batch = max(counters.max_decode_batch, len(reqs))
+            for req in reqs:
+                self._sample_and_accept([req], runner.decode([req.rid], [req.output_ids[-1]]))
+            return
+        if prev is not None:
+            src_rows = None  # the previous step's rows, in the same order
+            if reqs != prev.reqs:  # some finished or were retracted
+                rows = prev.rows()
+                src_rows = [rows[id(r)] for r in reqs]
+            logits = runner.decode(rids, None, prev_tokens=prev.tokens, src_rows=src_rows,
+                                   steps=steps)
+        else:
+            logits = runner.decode(rids, [r.output_ids[-1] for r in reqs], steps=steps)
+        counters.num_decode_forwards += steps
+        counters.max_decode_batch = max(counters.max_decode_batch, len(reqs))
+        if not overlap:
+            self._sample_and_accept(reqs, logits)
+            return
+        blocks.launch(reqs, logits, ahead=ahead, steps=steps)
+
+    def _block_steps(self, reqs: list[Request], ahead: int) -> int:
+        """Decode steps of the next block: --num-continuous-decode-steps, fewer where a request
+        would pass its context length or the pool lacks the pages (then 1: the step's pages are
+        free). Below 1 when a request ends inside the queued block at the end of its context."""
+        runner = self.runner
+        longest = max(len(r.prompt_ids) + len(r.output_ids) for r in reqs)
+        steps = min(self.num_continuous_decode_steps,
+                    runner.context_length - (longest - 1 + ahead))
+        if steps > 1 and not runner.has_free_pages(len(reqs) * (-(-steps // runner.page_size)
+                                                                + 1)):
+            need = sum(runner.extra_pages(r.rid, _kv_length(r, ahead + steps)) for r in reqs)
+            if need > runner.free_pages():
+                return 1
+        return steps
+
+    # ----- sampling ------------------------------------------------------------------------
+
+    def _sampling_consts(self, req: Request) -> tuple[float, bool, int, bool, int]:
+        """Per-request constants of the sampling step, computed once (the per-token host work
+        bounds the step at large batches): (temperature, greedy, base seed, plain, min tokens)."""
+        consts = req.sampling_consts
+        if consts is None:
+            p = req.params
+            base = (req.generator.initial_seed() if req.generator is not None
+                    else self._seed_rng.getrandbits(62))
+            plain = not (p.needs_filter or p.logit_bias or req.top_logprobs_num
+                         or req.token_ids_logprob)
+            consts = req.sampling_consts = (effective_temperature(p.temperature), p.greedy, base,
+                                            plain, p.min_new_tokens)
+        return consts
+
+    def _plain(self, req: Request) -> bool:
+        """Whether the Triton sampler alone can sample the request's next token."""
+        consts = self._sampling_consts(req)
+        return consts[3] and len(req.output_ids) >= consts[4]
+
+    def _sample_and_accept(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        queue = self.queue
+        args = self._sampler_args
+        if args is None or args[0] != reqs:  # per-request arguments, kept while the batch is
+            args = self._sampler_args = (  # the same
+                reqs, [r.params for r in reqs], [self._generator(r) for r in reqs],
+                [r.top_logprobs_num if r.return_logprob else 0 for r in reqs],
+                [r.token_ids_logprob if r.return_logprob else None for r in reqs],
+                max(r.params.min_new_tokens for r in reqs))
+        _, params, generators, top_n, token_ids, min_new = args
+        suppressed = [[]] * len(reqs)
+        if min_new and any(len(r.output_ids) < r.params.min_new_tokens for r in reqs):
+            eos = self.runner.eos_token_ids
+            suppressed = [sorted(eos | set(r.params.stop_token_ids))
+                          if len(r.output_ids) < r.params.min_new_tokens else [] for r in reqs]
+        drawn = sample_batch(
+            logits, params, generators=generators, suppressed=suppressed, top_n=top_n,
+            token_ids=token_ids, shared_generator=self._shared_generator,
+            seeds=[self._step_seed(r) for r in reqs] if self._use_kernel else None,
+            use_kernel=self._use_kernel)
+        extra = [i for i in range(len(reqs)) if drawn.top[i] is not None
+                 or drawn.ids_logprobs[i] is not None]
+        if not extra:
+            queue.accept(reqs, drawn.tokens, drawn.logprobs)
+            return
+        version = self.runner.weight_version
+        for i, req in enumerate(reqs):
+            req.record_token(drawn.tokens[i], drawn.logprobs[i], version=version,
+                             top=drawn.top[i], ids_lp=drawn.ids_logprobs[i])
+            queue.after_token(req, drawn.tokens[i])
+        queue.count_tokens(len(reqs), time.monotonic())
+
+    def _step_seed(self, req: Request) -> int:
+        """The kernel's seed for the request's next draw."""
+        base = self._sampling_consts(req)[2]
+        return (base * 1_000_003 + len(req.output_ids)) % SEED_MODULUS
+
+    def _generator(self, req: Request) -> torch.Generator | None:
+        """The request's own generator on the runner's device (seeded like its CPU one)."""
+        if req.generator is None or self.runner.device.type == "cpu":
+            return req.generator
+        if req.device_generator is None:
+            req.device_generator = torch.Generator(device=self.runner.device)
+            req.device_generator.manual_seed(req.generator.initial_seed())
+        return req.device_generator
+
+
+def _kv_length(req: Request, steps: int) -> int:
+    """Tokens in the request's KV after `steps` more decode steps (the last sampled token is not
+    in it yet)."""
+    return len(req.prompt_ids) + len(req.output_ids) - 1 + steps

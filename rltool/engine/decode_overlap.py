@@ -1,0 +1,182 @@
+"""Overlapped decoding (CUDA, the Triton sampler): step N + 1 is queued on the device, fed straight
+from step N's sampled tokens, before the host reads step N's tokens back; the host's per-request
+work then runs while the device computes. A block may hold several decode steps
+(--num-continuous-decode-steps), each fed the last one's samples on the device, with one copy of
+all its tokens back. A request that stops at step N has computed one extra token, which is
+dropped. Prefill, control operations and batches that need the torch sampler drain first (the
+batch builder, rltool.engine.batch_builder, decides).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from rltool.engine.request import Request
+from rltool.engine.request_queue import RequestQueue
+
+SEED_MODULUS = 2**31 - 1  # the sampling kernel's Philox seeds are 31-bit here
+
+
+@dataclass
+class _Buffers:
+    """Host memory one overlapped block of decode steps reads its sampling parameters from
+    (int32: B temperatures as float32 bits, B greedy flags, then B seeds per step, contiguous so
+    one asynchronous copy takes them) and writes its tokens to (step-major), and the event that
+    marks its copies done (two sets, used alternately). Pinned on CUDA."""
+
+    params: torch.Tensor
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    event: Any
+
+    @staticmethod
+    def make(n: int, steps: int, cuda: bool) -> "_Buffers":
+        def host(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            t = torch.empty(*shape, dtype=dtype, device="cpu")
+            return t.pin_memory() if cuda else t
+
+        return _Buffers(host((2 + steps) * n, dtype=torch.int32),
+                        host(steps * n, dtype=torch.int64), host(steps * n, dtype=torch.float32),
+                        torch.cuda.Event() if cuda else _Done())
+
+
+class _Done:
+    """The event of a buffer on CPU, where every copy is done when it returns."""
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+@dataclass
+class Block:
+    """A block of decode steps queued on the device, its tokens not yet recorded."""
+
+    reqs: list[Request]
+    tokens: torch.Tensor  # the last step's, on the device
+    buf: _Buffers
+    removals: int  # the queue's count of requests leaving `running`, at launch
+    steps: int
+
+    def rows(self) -> dict[int, int]:
+        """Row of each request in this block's batch, by id(request)."""
+        return {id(r): i for i, r in enumerate(self.reqs)}
+
+
+@dataclass
+class _BatchConsts:
+    """Per-row sampling constants of a decode batch, kept while the batch stays the same."""
+
+    reqs: list[Request]
+    temps: np.ndarray  # float32
+    seeds: np.ndarray  # int64: base seed x 1_000_003 mod SEED_MODULUS
+    greedy: np.ndarray  # int32
+
+
+class DecodeOverlap:
+    """The block in flight (`inflight`), launching the next one and recording a finished one.
+    `consts(req)` gives a request's (temperature, greedy, base seed, plain, min new tokens)."""
+
+    def __init__(self, runner: Any, queue: RequestQueue, *,
+                 consts: Callable[[Request], tuple[float, bool, int, bool, int]],
+                 max_running: int, steps_per_block: int, enabled: bool):
+        self.runner = runner
+        self.queue = queue
+        self._request_consts = consts
+        self.inflight: Block | None = None
+        self._consts: _BatchConsts | None = None
+        self._launches = 0
+        cuda = runner.device.type == "cuda"
+        self._buffers = ([_Buffers.make(max_running, steps_per_block, cuda) for _ in range(2)]
+                         if enabled else [])
+
+    def same_batch(self, reqs: list[Request]) -> bool:
+        """Whether `reqs` is the batch of the last launched block, in order."""
+        return self._consts is not None and reqs == self._consts.reqs
+
+    def launch(self, reqs: list[Request], logits: torch.Tensor, *, ahead: int,
+               steps: int) -> None:
+        """Queue the next block from the first step's logits, then record the block in flight
+        (its tokens are on the host by now or soon)."""
+        prev = self.inflight
+        self.inflight = self._launch_block(reqs, logits, ahead=ahead, steps=steps)
+        if prev is not None:
+            self._accept_block(prev)
+
+    def drain(self) -> None:
+        """Record the block in flight, if any."""
+        block, self.inflight = self.inflight, None
+        if block is not None:
+            self._accept_block(block)
+
+    def _launch_block(self, reqs: list[Request], logits: torch.Tensor, *, ahead: int,
+                      steps: int) -> Block:
+        """Sample the first step's logits, then run the rest of the block, each step fed the
+        last one's samples on the device; queue one copy of all the block's tokens back."""
+        from rltool.engine.sampling_kernel import sample_rows
+
+        B = len(reqs)
+        consts = self._consts
+        if consts is None or consts.reqs != reqs:
+            infos = [self._request_consts(r) for r in reqs]
+            consts = self._consts = _BatchConsts(
+                reqs=reqs, temps=np.array([i[0] for i in infos], dtype=np.float32),
+                seeds=np.array([i[2] * 1_000_003 % SEED_MODULUS for i in infos], dtype=np.int64),
+                greedy=np.array([i[1] for i in infos], dtype=np.int32))
+        drawn = np.array([len(r.output_ids) for r in reqs], dtype=np.int64)
+        self._launches += 1
+        buf = self._buffers[self._launches % 2]
+        buf.event.synchronize()  # the copies of the block that last used this buffer are done
+        host = buf.params.numpy()
+        host[:B] = consts.temps.view(np.int32)
+        host[B:2 * B] = consts.greedy
+        # A draw is keyed by (seed, token index): step i of the block draws token drawn + ahead + i.
+        first = consts.seeds + drawn + ahead
+        host[2 * B:(2 + steps) * B].reshape(steps, B)[:] = (
+            (first + np.arange(steps)[:, None]) % SEED_MODULUS)
+        dev = buf.params[:(2 + steps) * B].to(logits.device, non_blocking=True)
+        temps, greedy = dev[:B].view(torch.float32), dev[B:2 * B]
+        tokens, logprobs = [], []
+        for i in range(steps):
+            if i:
+                logits = self.runner.decode_next(tokens[-1])
+            tok, lp = sample_rows(logits, temps, dev[(2 + i) * B:(3 + i) * B], greedy)
+            tokens.append(tok)
+            logprobs.append(lp)
+        last = tokens[-1]
+        if steps > 1:
+            tokens, logprobs = [torch.stack(tokens)], [torch.stack(logprobs)]
+        buf.tokens[:steps * B].copy_(tokens[0].view(-1), non_blocking=True)
+        buf.logprobs[:steps * B].copy_(logprobs[0].view(-1), non_blocking=True)
+        buf.event.record()
+        return Block(reqs=reqs, tokens=last, buf=buf, removals=self.queue.removals, steps=steps)
+
+    def _accept_block(self, block: Block) -> None:
+        """Record a block's tokens step by step; a request's tokens after the one that stops it
+        are dropped (its pages, the block's extra KV included, were freed when it finished)."""
+        block.buf.event.synchronize()
+        queue = self.queue
+        reqs, B, steps = block.reqs, len(block.reqs), block.steps
+        tokens = block.buf.tokens[:steps * B].tolist()
+        logprobs = block.buf.logprobs[:steps * B].tolist()
+        if block.removals == queue.removals:  # every request of the block is still running
+            live = range(B)
+        else:
+            running = queue.running
+            live = [i for i, r in enumerate(reqs) if running.get(r.rid) is r]
+        for step in range(steps):
+            if step:
+                live = [i for i in live if not reqs[i].finished]
+            at = step * B
+            if len(live) == B:
+                queue.accept(reqs, tokens[at:at + B], logprobs[at:at + B])
+            elif live:
+                queue.accept([reqs[i] for i in live], [tokens[at + i] for i in live],
+                             [logprobs[at + i] for i in live])

@@ -1,0 +1,74 @@
+"""When a request stops: its stop tokens (EOS unless ignore_eos, plus stop_token_ids), its length
+limit (max_new_tokens, capped by what is left of the context), min_new_tokens, and its stop strings
+and patterns. Built once at admission; `may_stop` is the per-token test of the decode loop (a few
+comparisons), `reason` the decision and the finish reason SGLang reports.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class StopRule:
+    stop_ids: frozenset[int]  # tokens that stop the request once min_new_tokens are out
+    max_new_tokens: int  # the output length that stops it: its max_new_tokens or the context left
+    min_new_tokens: int  # neither stop tokens nor stop strings count before this many tokens
+    strings: tuple[str, ...] = ()
+    patterns: tuple[str, ...] = ()  # regular expressions, searched in the output text
+    keep_matched: bool = False  # no_stop_trim: the matched stop string stays in the text
+    checks_text: bool = False  # any strings or patterns: every token needs the text checked
+
+    @classmethod
+    def for_request(cls, params: Any, *, prompt_len: int, eos_token_ids: Iterable[int],
+                    context_length: int) -> "StopRule":
+        """The rule of a request with these SamplingParams and a prompt of `prompt_len` tokens."""
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        return cls(stop_ids=frozenset(stop_ids),
+                   max_new_tokens=min(params.max_new_tokens, context_length - prompt_len),
+                   min_new_tokens=params.min_new_tokens, strings=tuple(params.stop),
+                   patterns=tuple(params.stop_regex), keep_matched=params.no_stop_trim,
+                   checks_text=bool(params.stop or params.stop_regex))
+
+    def may_stop(self, num_out: int, token: int) -> bool:
+        """Whether `token`, output token number `num_out` (1-based), may stop the request: False
+        means it does not; True means `reason` must decide (a stop string may not match)."""
+        return num_out >= self.max_new_tokens or (
+            num_out >= self.min_new_tokens and (self.checks_text or token in self.stop_ids))
+
+    def reason(self, num_out: int, token: int, text: Callable[[], str]
+               ) -> tuple[dict[str, Any], int | None] | None:
+        """The finish reason if `token`, output token number `num_out`, stops the request, and
+        where its text is cut (after a matched stop string; None: not cut); None if it goes on.
+        `text` decodes the output so far (called only when stop strings are checked)."""
+        if num_out >= self.min_new_tokens:
+            if token in self.stop_ids:
+                return {"type": "stop", "matched": token}, None
+            if self.checks_text:
+                found = self.match(text())
+                if found is not None:
+                    matched, cut_at = found
+                    return {"type": "stop", "matched": matched}, cut_at
+        if num_out >= self.max_new_tokens:
+            return {"type": "length", "length": num_out}, None
+        return None
+
+    def match(self, text: str) -> tuple[str, int] | None:
+        """The stop string or pattern that occurs first in `text` (a string before a pattern at
+        the same offset) and where the text is cut for it."""
+        best: tuple[int, int, str] | None = None  # (start, length, what matched)
+        for stop in self.strings:
+            at = text.find(stop)
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, len(stop), stop)
+        for pattern in self.patterns:
+            m = re.search(pattern, text)
+            if m is not None and (best is None or m.start() < best[0]):
+                best = (m.start(), len(m.group(0)), pattern)
+        if best is None:
+            return None
+        at, length, matched = best
+        return matched, at + length if self.keep_matched else at
