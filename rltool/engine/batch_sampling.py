@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rltool import trace
 from rltool.engine.sampling import SamplingParams, bias_logits, filter_probs
 from rltool.logprobs import effective_temperature
 
@@ -48,8 +49,10 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], *,
         meta = meta.to(dev, non_blocking=True)
         tokens, chosen = sample_rows(logits, meta[0].float(), meta[1].int(), meta[2].int())
     else:  # a mixed batch: the torch path for all rows (same distribution, other noise)
-        tokens, chosen = _torch_sample(logits, params, temps, generators=generators,
-                                       suppressed=suppressed, shared_generator=shared_generator)
+        with trace.span("decode.sample", cat="engine", batch=B):
+            tokens, chosen = _torch_sample(logits, params, temps, generators=generators,
+                                           suppressed=suppressed,
+                                           shared_generator=shared_generator)
     logprobs = None
     if any(top_n) or any(token_ids):
         temp_t = torch.tensor(temps, dtype=torch.float32).to(dev, non_blocking=True).unsqueeze(1)

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rltool import trace
+
 BLOCK = 1024
 TARGET_PROGRAMS = 1024  # ~8 per SM of an H100/H200
 MAX_CHUNKS = 64  # a run-time argument below it: a constexpr would compile a kernel per batch size
@@ -116,15 +118,16 @@ def sample_rows(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor,
     chunk = triton.cdiv(triton.cdiv(V, nchunk), block) * block  # whole blocks per program
     nchunk = triton.cdiv(V, chunk)
     dev = logits.device
-    part_m = torch.empty(B, nchunk, dtype=torch.float32, device=dev)
-    part_s = torch.empty_like(part_m)
-    part_key = torch.empty_like(part_m)
-    part_idx = torch.empty(B, nchunk, dtype=torch.int32, device=dev)
-    _partial[(B, nchunk)](logits, logits.stride(0), temps, seeds, greedy, part_m, part_s,
-                          part_key, part_idx, V, chunk, NCHUNK=nchunk, BLOCK=block, num_warps=4)
-    tokens = torch.empty(B, dtype=torch.int64, device=dev)
-    logprobs = torch.empty(B, dtype=torch.float32, device=dev)
-    _combine[(B,)](logits, logits.stride(0), temps, part_m, part_s, part_key, part_idx, tokens,
-                   logprobs, V, NCHUNK=nchunk, BLOCK_C=MAX_CHUNKS,
-                   num_warps=1)
+    with trace.span("decode.sample", cat="engine", batch=B):
+        part_m = torch.empty(B, nchunk, dtype=torch.float32, device=dev)
+        part_s = torch.empty_like(part_m)
+        part_key = torch.empty_like(part_m)
+        part_idx = torch.empty(B, nchunk, dtype=torch.int32, device=dev)
+        _partial[(B, nchunk)](logits, logits.stride(0), temps, seeds, greedy, part_m, part_s,
+                              part_key, part_idx, V, chunk, NCHUNK=nchunk, BLOCK=block,
+                              num_warps=4)
+        tokens = torch.empty(B, dtype=torch.int64, device=dev)
+        logprobs = torch.empty(B, dtype=torch.float32, device=dev)
+        _combine[(B,)](logits, logits.stride(0), temps, part_m, part_s, part_key, part_idx,
+                       tokens, logprobs, V, NCHUNK=nchunk, BLOCK_C=MAX_CHUNKS, num_warps=1)
     return tokens, logprobs
