@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from rltool import megatron_compat
 from rltool.errors import CheckpointError, ConfigError
-from rltool.train import megatron_state, packed
+from rltool.train import megatron_offload, megatron_state, packed
 from rltool.train.backend import ForwardOutput, LossFn, MicroBatch
 from rltool.train.config import BackendConfig
 from rltool.train.lr import lr_of
@@ -205,7 +205,8 @@ class MegatronBackend:
             # megatron clips only with clip_grad > 0; an infinite bound reports the norm unclipped
             clip_grad=o.clip_grad if o.clip_grad > 0 else math.inf,
             bf16=dtype == torch.bfloat16, params_dtype=dtype,
-            use_distributed_optimizer=o.use_distributed_optimizer)
+            use_distributed_optimizer=o.use_distributed_optimizer,
+            **megatron_offload.optimizer_config(o, cuda=self.device.type == "cuda"))
         self.optimizer = get_megatron_optimizer(opt_config, [self.model])
 
     # -- collectives -------------------------------------------------------------------------

@@ -112,6 +112,15 @@ def _torch_adam_parts(optimizer: Any) -> Iterator[tuple[Any, torch.optim.Optimiz
             yield part, part.optimizer
 
 
+def _hybrid_parts(optimizer: Any) -> Iterator[Any]:
+    """The HybridDeviceOptimizers (`--optimizer-cpu-offload`) inside `optimizer`."""
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(getattr(part, "optimizer", None), HybridDeviceOptimizer):
+            yield part.optimizer
+
+
 def _allocate_adam_state(optimizer: Any) -> None:
     """Before loading: give every parameter of a torch Adam that has not stepped yet megatron's
     zero moments and a `step` of 0. Torch's Adam creates its state at the first step; without it
@@ -125,6 +134,16 @@ def _allocate_adam_state(optimizer: Any) -> None:
         for group in adam.param_groups:
             for param in group["params"]:
                 adam.state[param]["step"] = torch.zeros((), dtype=torch.float32)
+    for hybrid in _hybrid_parts(optimizer):  # the same, in each of its torch AdamWs
+        if hybrid.state:
+            continue
+        for sub in hybrid.sub_optimizers:
+            for group in sub.param_groups:
+                for param in group["params"]:
+                    sub.state[param] = {"step": torch.zeros((), dtype=torch.float32),
+                                        "exp_avg": torch.zeros_like(param),
+                                        "exp_avg_sq": torch.zeros_like(param)}
+        hybrid._sync_sub_optimizers_state_to_hdo()
 
 
 def _restore_adam_steps(optimizer: Any) -> None:
@@ -137,6 +156,11 @@ def _restore_adam_steps(optimizer: Any) -> None:
             for param in group["params"]:
                 adam.state[param]["step"] = torch.tensor(float(group["step"]),
                                                          dtype=torch.float32)
+    for hybrid in _hybrid_parts(optimizer):  # every group stepped as often: one step count
+        step = max(float(group.get("step", 0)) for group in hybrid.param_groups)
+        for sub in hybrid.sub_optimizers:
+            for state in sub.state.values():
+                state["step"] = torch.tensor(step, dtype=torch.float32)
 
 
 def _sharded_state(backend: MegatronBackend, *, loading: bool) -> dict[str, Any]:
