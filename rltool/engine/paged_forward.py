@@ -109,10 +109,10 @@ class PagedForward:
         return self.model.logits(hidden[torch.tensor(rows).to(dev)])
 
     def decode(self, meta: torch.Tensor, *, max_len: int) -> torch.Tensor:
-        """Logits [N, V] of one decode step over the batch `meta` describes (rltool.engine.
-        decode_step's rows: input ids, positions, page-table rows, sequence lengths, KV slots),
-        in the model dtype on CUDA. `max_len`: the longest sequence (the CPU attention's bound;
-        the CUDA kernel reads the lengths on the device, so a CUDA graph replays with any)."""
+        """Logits [N, V] of one decode step over the batch that `meta` describes (the rows of
+        rltool.engine.decode_step: input ids, positions, page-table rows, sequence lengths, KV
+        slots), in the model dtype on CUDA. `max_len`: the longest sequence (the CPU attention's
+        bound; the CUDA kernel reads the lengths on the device, so a graph replays with any)."""
         ids, pos, rows, seq_lens, loc, _ = meta
         pool, model, paging = self.pool, self.model, self._paging()
         alone = self.deterministic and self.device.type != "cuda"  # CPU: each request alone
