@@ -45,6 +45,8 @@ from typing import Any
 NOBODY = 65534
 CLONE_NEWNS, CLONE_NEWNET = 0x00020000, 0x40000000
 MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 32, 4096, 16384, 1 << 18
+POLL_S = 0.05  # how often the reader checks whether the main process has exited
+EXIT_DRAIN_S = 0.1  # after it exited, how long output still in the pipes is read
 INSIDE_DIR = "/tmp"  # where the private directory appears inside the mount namespace
 PYTHON_DIR = ".python"  # the interpreter's bind mount, inside the private directory
 # Loaded once here: dlopen between fork and exec could deadlock on a lock another thread held.
@@ -221,12 +223,19 @@ def _collect(proc: subprocess.Popen, limits: Limits) -> SandboxResult:
     sel.register(proc.stdout, selectors.EVENT_READ, "stdout")
     sel.register(proc.stderr, selectors.EVENT_READ, "stderr")
     try:
+        exited_at = None
         while sel.get_map():
             left = deadline - time.monotonic()
             if left <= 0:
                 killed = f"killed: wall time limit {limits.wall_time_s:g} s"
                 break
-            for key, _ in sel.select(timeout=left):
+            # Children that outlive the main process keep the pipes open: once it has exited,
+            # read what is already there and stop (the group is killed below).
+            if exited_at is None and proc.poll() is not None:
+                exited_at = time.monotonic()
+            elif exited_at is not None and time.monotonic() - exited_at > EXIT_DRAIN_S:
+                break
+            for key, _ in sel.select(timeout=min(left, POLL_S)):
                 data = os.read(key.fileobj.fileno(), 65536)
                 if not data:
                     sel.unregister(key.fileobj)

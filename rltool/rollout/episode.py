@@ -110,7 +110,7 @@ async def _call(fn: Any, *args: Any, timeout_s: float, what: str, **kwargs: Any)
 
 
 def make_env_generate(source: EnvSource, *, max_turns: int, step_timeout_s: float,
-                      tokenizer: Any) -> GenerateFn:
+                      tokenizer: Any, max_tokens_per_turn: int | None = None) -> GenerateFn:
     """The generate function of `--env`: one episode per sample (module docstring)."""
     renderer = ChatRenderer(tokenizer)
 
@@ -123,7 +123,8 @@ def make_env_generate(source: EnvSource, *, max_turns: int, step_timeout_s: floa
             return sample.fail(_failure(e))
         try:
             return await run_episode(sample, ctx, env=env, renderer=renderer, stop=source.stop,
-                                     max_turns=max_turns, step_timeout_s=step_timeout_s)
+                                     max_turns=max_turns, step_timeout_s=step_timeout_s,
+                                     max_tokens_per_turn=max_tokens_per_turn)
         except Exception as e:  # noqa: BLE001 - a raising, hanging or malformed env
             if not isinstance(e, EnvError):
                 log.warning("environment failed on sample %s: %s: %s", sample.uid,
@@ -149,7 +150,7 @@ def _failure(e: BaseException) -> str:
 
 async def run_episode(sample: Sample, ctx: GenerateContext, *, env: Environment,
                       renderer: ChatRenderer, stop: list[str], max_turns: int,
-                      step_timeout_s: float) -> Sample:
+                      step_timeout_s: float, max_tokens_per_turn: int | None = None) -> Sample:
     seed = derive_seed(ctx.sampling.get("seed") or 0, f"group-{sample.group_id}", 0)
     task = {"prompt": _prompt_value(sample), "label": sample.label,
             "metadata": sample.metadata, "prompt_id": sample.prompt_id}
@@ -168,6 +169,8 @@ async def run_episode(sample: Sample, ctx: GenerateContext, *, env: Environment,
             status, finish_reason = "truncated", "length"
             break
         extra = {"stop": stop} if stop else {}
+        if max_tokens_per_turn:
+            budget = min(budget, max_tokens_per_turn)
         payload = {"input_ids": sample.tokens, "return_logprob": True,
                    "sampling_params": ctx.sampling_params(max_new_tokens=budget, turn=turn,
                                                           sample=sample, **extra)}

@@ -70,6 +70,9 @@ class EngineStageConfig(StageConfig):
                             "built-in name (rltool env list), module:Class, or the URL of "
                             "`rltool env serve`; replaces --reward and --generate-fn.")
     max_turns: int = Field(8, ge=1, description="With --env: most model turns per episode.")
+    max_tokens_per_turn: int | None = Field(None, ge=1, description="With --env: most tokens "
+                                            "of one model turn (default: what is left of "
+                                            "--max-response-len).")
     env_step_timeout_s: float = Field(60.0, gt=0, description="With --env: timeout of one "
                                       "environment call (reset, step, verify); a timeout "
                                       "fails the episode (env_timeout), not the step.")
@@ -252,6 +255,7 @@ class StageInputs:
             from rltool.rollout.episode import make_env_generate
 
             self.generate_fn = make_env_generate(self.env_source, max_turns=cfg.max_turns,
+                                                 max_tokens_per_turn=cfg.max_tokens_per_turn,
                                                  step_timeout_s=cfg.env_step_timeout_s,
                                                  tokenizer=self.tokenizer)
         self._rendered: dict[int, list[int]] = rendered.setdefault(
