@@ -153,3 +153,33 @@ def test_stop_ids_wait_for_min_new_tokens_and_spans_follow_the_version(tiny_mode
         req.record_token(token, -0.5, version=version)
     assert req.weight_spans() == [{"version": "1", "start": 0, "end": 2},
                                   {"version": "2", "start": 2, "end": 5}]
+
+
+def test_each_decode_step_is_a_trace_span(tiny_model_dir, tmp_path):
+    """`decode.step` spans (what benchmarks read): one per decode step, with the batch it ran
+    and the forwards it took; two requests prefilled together decode together to the end."""
+    import json
+
+    from rltool import trace
+
+    runner = PagedRunner(tiny_model_dir, device="cpu", dtype="fp32", max_running=4, page_size=4,
+                         max_total_tokens=256)
+    sched = PagedScheduler(runner, max_running=4)
+    finished = threading.Semaphore(0)
+    reqs = [Request(rid=f"t{i}", prompt_ids=p, on_finish=lambda r: finished.release(),
+                    params=SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True))
+            for i, p in enumerate(PROMPTS[:2])]
+    writer = trace.configure(tmp_path, role="engine-test")
+    try:
+        sched.start()
+        sched.submit(reqs)
+        assert finished.acquire(timeout=60) and finished.acquire(timeout=60)
+    finally:
+        sched.stop()
+        trace.configure(None, role="engine-test")
+    events = [json.loads(line) for line in writer.path.read_text().splitlines()]
+    steps = [e for e in events if e["name"] == "decode.step"]
+    assert all(e["cat"] == "engine" and e["ph"] == "X" for e in steps)
+    # the first token of each comes from the prefill, the other NEW - 1 from decode steps
+    assert [e["args"] for e in steps] == [{"batch": 2, "steps": 1}] * (NEW - 1)
+    assert sched.num_decode_forwards == NEW - 1
