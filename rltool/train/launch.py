@@ -11,6 +11,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from rltool.train.config import TrainConfig
 
@@ -79,3 +80,25 @@ def destroy_process_groups() -> None:
     for obj in gc.get_objects():  # the meshes the caches keep: release their groups
         if type(obj) is DeviceMesh:
             obj._pg_registry.clear()
+
+
+def init_distributed(device: str = "auto") -> tuple[int, int, Any]:
+    """(rank, world size, device) of the torch backend; joins the torchrun process group when
+    WORLD_SIZE > 1. device: "auto" (CUDA when available), "cpu" or "cuda"."""
+    import torch
+    import torch.distributed as dist
+
+    from rltool.errors import ConfigError
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but no CUDA device is visible; use --device auto or cpu")
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if use_cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return rank, world, torch.device("cuda", local)
+    return rank, world, torch.device("cpu")

@@ -14,7 +14,9 @@
   through the batch-invariant kernels (rltool.batch_invariant), the engine's deterministic
   kernels; a frozen model (logprob recompute, the align gate) in bf16 then holds bf16 weights and
   runs without autocast, the engine's bf16 layout, so both sides compute the same bits.
-- On CUDA: fused AdamW (one process or DDP); optional activation checkpointing.
+- On CUDA: fused AdamW (one process or DDP); optional activation checkpointing. With
+  `--param-dtype bf16` or `--optimizer-cpu-offload` (one process) AdamW steps fp32 masters of
+  its own, on the host with the offload (rltool.train.master_weights).
 - Every rank runs the same number of forward passes and backward passes: empty or missing units
   become a one-token dummy pass whose loss is multiplied by zero.
 - `use_rollout_routing_replay` (MoE): a unit whose micro-batch carries routed experts replays
@@ -25,6 +27,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -39,7 +42,9 @@ from rltool.train import checkpoint as ckpt
 from rltool.train import packed, shared_prompt
 from rltool.train.backend import ForwardOutput, LossFn, MicroBatch, response_outputs
 from rltool.train.config import BackendConfig, TrainConfig
+from rltool.train.launch import init_distributed
 from rltool.train.lr import lr_of
+from rltool.train.master_weights import MasterWeights
 from rltool.train.routing_replay import HFRouterReplay
 
 log = logging.getLogger(__name__)
@@ -47,23 +52,6 @@ log = logging.getLogger(__name__)
 
 VALUE_HEAD = "value_head"  # attribute on the HF model, and the prefix of its state-dict keys
 SHARED_LAYOUT_BYTES = 64 << 20  # shared-prompt layouts kept for reuse (the demo's: 30 KB each)
-
-
-def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
-    """(rank, world size, device); joins the torchrun process group when WORLD_SIZE > 1.
-    device: "auto" (CUDA when available), "cpu" or "cuda"."""
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda but no CUDA device is visible; use --device auto or cpu")
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if use_cuda:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        return rank, world, torch.device("cuda", local)
-    return rank, world, torch.device("cpu")
 
 
 class TorchBackend:
@@ -122,11 +110,14 @@ class TorchBackend:
                 enable = getattr(self.inner, "activation_checkpointing_enable", None) or \
                     self.inner.gradient_checkpointing_enable  # the older transformers name
                 enable({"use_reentrant": False})
-            self.optimizer = torch.optim.AdamW(
-                self.model.parameters(), lr=options.lr, betas=(options.adam_beta1,
-                                                               options.adam_beta2),
+            adamw = functools.partial(
+                torch.optim.AdamW, lr=options.lr, betas=(options.adam_beta1, options.adam_beta2),
                 eps=options.adam_eps, weight_decay=options.weight_decay,
                 fused=self.device.type == "cuda" and not self.fsdp)
+            self.optimizer = adamw(self.model.parameters()) if not self.masters else \
+                MasterWeights(list(self.inner.named_parameters()), adamw, param_dtype=torch.bfloat16
+                              if options.param_dtype == "bf16" else torch.float32,
+                              host=options.optimizer_cpu_offload, processes=self.dp_size)
         else:
             self.inner.requires_grad_(False)
 
@@ -156,6 +147,7 @@ class TorchBackend:
         return "shared_prompt" if self.device.type == "cpu" and not sft else "padded"
 
     packed = property(lambda self: self.layout == "packed")
+    masters = property(lambda self: self.trainable and self.options.master_weights)
     shared_prompts = property(lambda self: self.layout == "shared_prompt")
 
     def _shared_layout(self, mb: MicroBatch) -> shared_prompt.SharedPromptBatch | None:
@@ -204,7 +196,8 @@ class TorchBackend:
                                      width=max(map(len, mb.tokens)) if padded else None)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.options.dtype == "bf16" and not self.fsdp and not self.pure_bf16:
+        if (self.options.dtype == "bf16" and not self.fsdp and not self.pure_bf16
+                and self.options.param_dtype == "fp32"):
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -395,6 +388,8 @@ class TorchBackend:
 
     def _clip_grad_norm(self) -> float:
         max_norm = self.options.clip_grad if self.options.clip_grad > 0 else math.inf
+        if self.masters:
+            return self.optimizer.clip_grad_norm(max_norm, foreach=self.foreach)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=max_norm,
                                               foreach=self.foreach)
         if hasattr(norm, "full_tensor"):
@@ -414,6 +409,7 @@ class TorchBackend:
         # distributed helper's walk over the module tree (3-6 ms per sync on the demo's model).
         state = (self.inner.state_dict() if self.dp_size == 1 else
                  get_model_state_dict(self.model, options=self._full_state_options()))
+        state = self.optimizer.with_masters(state) if self.masters else state
         keep = on_device and self.dp_size == 1
         return ({k: v.detach() if keep else v.detach().cpu() for k, v in state.items()}
                 if self.dp_rank == 0 else {})
@@ -439,8 +435,8 @@ class TorchBackend:
         full_state = self._full_model_state()
         model_state = {k: v for k, v in full_state.items() if not k.startswith(VALUE_HEAD + ".")}
         value_state = {k: v for k, v in full_state.items() if k.startswith(VALUE_HEAD + ".")}
-        optim_state = get_optimizer_state_dict(self.model, self.optimizer,
-                                               options=self._full_state_options())
+        optim_state = (self.optimizer.state_dict() if self.masters else get_optimizer_state_dict(
+            self.model, self.optimizer, options=self._full_state_options()))
         rng = self._rng_states()
         if self.dp_rank == 0:
             backend_state = {"name": "torch", "optimizer_steps": self.optimizer_steps,
@@ -474,13 +470,18 @@ class TorchBackend:
             if not (ckpt_dir / ckpt.VALUE_HEAD_FILE).exists():
                 raise CheckpointError(f"{ckpt_dir}: missing {ckpt.VALUE_HEAD_FILE}; the checkpoint "
                                       "is incomplete")
-            set_model_state_dict(self.model, ckpt.read_tensors(ckpt_dir / ckpt.VALUE_HEAD_FILE),
+            value_state = ckpt.read_tensors(ckpt_dir / ckpt.VALUE_HEAD_FILE)
+            set_model_state_dict(self.model, value_state,
                                  options=StateDictOptions(full_state_dict=True, strict=False))
+            _ = self.optimizer.load_masters(value_state) if self.masters else None
         optim_state = ckpt.unflatten_optimizer_state(ckpt.read_tensors(ckpt_dir / ckpt.OPTIMIZER_FILE),
                                                      state["optimizer"])
         try:
-            set_optimizer_state_dict(self.model, self.optimizer, optim_state,
-                                     options=StateDictOptions(full_state_dict=True))
+            if self.masters:
+                self.optimizer.load_state_dict(optim_state)
+            else:
+                set_optimizer_state_dict(self.model, self.optimizer, optim_state,
+                                         options=StateDictOptions(full_state_dict=True))
         except (KeyError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{ckpt_dir}: optimizer state does not fit the model ({e})") from e
         self.optimizer_steps = int(state["backend"]["optimizer_steps"])
