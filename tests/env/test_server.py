@@ -24,7 +24,7 @@ def test_an_episode_of_guess_over_http():
     opened = c.post("/episodes", json={"seed": 3, "task": {"label": "10"}}, headers=KEY).json()
     assert opened["messages"][0]["role"] == "user"
     eid = opened["episode_id"]
-    step = lambda text: c.post(f"/episodes/{eid}/step", headers=KEY,  # noqa: E731
+    step = lambda text: c.post(f"/episodes/{eid}/step", headers=KEY,
                                json={"action": {"role": "assistant", "content": text}}).json()
     assert step("32") == {"observation": [{"role": "user", "content": "lower."}], "reward": 0.1,
                           "done": False, "info": {}}
