@@ -249,7 +249,7 @@ def main() -> None:
                 row.update(bench_overlap(model_dir, device, Path(tmp) / "ssd-train",
                                          tokens=tokens, repeats=args.repeats))
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            harness.progress(json.dumps(row))
             shutil.rmtree(model_dir)  # the 3B checkpoint is 13.6 GB: one on disk at a time
     print(f"\n{'preset':13s} {'GB':>5s} {'backup':>7s} {'rest.host':>9s} {'staged':>7s} "
           f"{'spill':>6s} {'ssd->host':>9s} {'ssd->live':>9s} {'reload':>7s} {'pretrained':>10s}"

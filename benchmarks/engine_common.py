@@ -19,6 +19,8 @@ from rltool.engine.paged_scheduler import PagedScheduler
 from rltool.engine.request import Request
 from rltool.engine.sampling import SamplingParams
 
+from benchmarks import harness
+
 PROMPT_LEN = 128
 OUTPUT_LEN = 256
 
@@ -34,7 +36,7 @@ def copy_bandwidth() -> float:
     for _ in range(10):
         b.copy_(a)
     end.record()
-    torch.cuda.synchronize()
+    harness.sync()
     bw = 2 * a.numel() * 10 / (start.elapsed_time(end) / 1e3)
     del a, b
     torch.cuda.empty_cache()

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import harness
 from benchmarks.engine_common import checkpoints, copy_bandwidth, in_process
 
 TOKENS = (1, 64, 256, 8192)
@@ -68,7 +69,7 @@ def graph_seconds(fn, calls: int = 20) -> float:
     for _ in range(5):
         graph.replay()
     end.record()
-    torch.cuda.synchronize()
+    harness.sync()
     return start.elapsed_time(end) / 5 / calls / 1e3
 
 

@@ -118,13 +118,13 @@ def step_breakdown(runner: PagedRunner, batch: int) -> dict:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(3):
         logits = runner.decode(rids, [1] * batch)
-    torch.cuda.synchronize()
+    harness.sync()
     t0 = time.perf_counter()
     start.record()
     for _ in range(20):
         logits = runner.decode(rids, [1] * batch)
     end.record()
-    torch.cuda.synchronize()
+    harness.sync()
     decode_gpu = start.elapsed_time(end) / 20 / 1e3
     decode_wall = (time.perf_counter() - t0) / 20
     params = [SamplingParams(temperature=1.0)] * batch
@@ -140,7 +140,7 @@ def step_breakdown(runner: PagedRunner, batch: int) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             sample_batch(runner.decode(rids, [1] * batch), params, **kw)
-        torch.cuda.synchronize()
+        harness.sync()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
     for r in rids:
         runner.remove(r)

@@ -73,8 +73,7 @@ def tensor_sync_into(runner: PagedRunner, state: dict[str, torch.Tensor], *, fp8
     t0 = time.perf_counter()
     if fp8:
         named = tensor_sync.quantize_named(named, dtype=torch.bfloat16, block=FP8_BLOCK)
-    if device == "cuda":
-        torch.cuda.synchronize()
+    harness.sync(device)
     quantize_s = time.perf_counter() - t0 if fp8 else 0.0
     if device == "cuda":
         runner.load_named_tensors(named, block=block)
@@ -103,8 +102,7 @@ def run_precision(model: Path, states: list[dict[str, torch.Tensor]], precision:
     for v, state in enumerate(states[1:], start=1):
         if mode == "tensor":
             state = {k: t.to(device) for k, t in state.items()}
-            if device == "cuda":
-                torch.cuda.synchronize()
+            harness.sync(device)
         t0 = time.perf_counter()
         if mode == "tensor":
             quantize.append(tensor_sync_into(runner, state, fp8=precision == "fp8",
@@ -117,8 +115,7 @@ def run_precision(model: Path, states: list[dict[str, torch.Tensor]], precision:
                 path = root / f"{precision}-local"
                 pull_weights(local_checkpoint_dir=path, source_dir=pub, target_version=v)
             runner.load_weights(path)
-        if device == "cuda":
-            torch.cuda.synchronize()
+        harness.sync(device)
         times.append(time.perf_counter() - t0)
         del state
     return times, quantize, runner.full_pass_logits(SEQ, start=1).cpu()
@@ -144,7 +141,7 @@ def bench(preset: str, *, device: str, steps: int, modes: list[str]) -> list[dic
                              "bf16_bytes": nbytes, "step_s": statistics.median(times[1:]),
                              "quantize_s": statistics.median(quantize[1:]) if quantize else None,
                              "steps": len(times) - 1})
-                print(json.dumps(rows[-1]), flush=True)
+                harness.progress(json.dumps(rows[-1]))
             same = all(torch.equal(logits[modes[0]], logits[m]) for m in modes)
             for row in rows[-len(modes):]:
                 row["modes_agree"] = same

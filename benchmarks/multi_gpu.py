@@ -133,7 +133,7 @@ def run_megatron(args: argparse.Namespace, root: Path, run: harness.Run) -> Path
                 if "fp32_max_abs_diff" in row:
                     row["fp32_check"] = row["fp32_max_abs_diff"] <= FP32_BOUND
             rows.append({"model": f"{arch} {preset}", **row})
-            print(json.dumps(rows[-1]), flush=True)
+            harness.progress(json.dumps(rows[-1]))
         shutil.rmtree(model)  # disk for the next runs (the 3B fp32 model is 12 GB)
     path = write_record(run, args, rows, fp32_bound=FP32_BOUND)
     harness.print_table(["model", "layout", "ranks", "fp32 diff", "bf16 max", "bf16 mean", "tokens/s",
@@ -394,7 +394,7 @@ def run_engines(args: argparse.Namespace, root: Path, run: harness.Run) -> Path:
                 row["efficiency"] = row["tokens_per_s"] / (k * one[0]["tokens_per_s"]) \
                     if one else 1.0
                 rows.append(row)
-                print(json.dumps(row), flush=True)
+                harness.progress(json.dumps(row))
     finally:
         for p in procs:
             p.stop()

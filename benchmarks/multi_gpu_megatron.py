@@ -24,6 +24,8 @@ import torch
 
 from rltool import atomic
 
+from benchmarks import harness
+
 FP32_BOUND = 1e-5
 LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "tp2pp2": (2, 2, 1), "ep1": (1, 1, 1),
            "ep2": (1, 1, 2), "ep4": (1, 1, 4)}
@@ -103,8 +105,7 @@ def megatron_rank(args: argparse.Namespace) -> None:
         torch.distributed.barrier()
         start = time.perf_counter()
         backend.train_step(mbs, loss_fn, temperature=1.0)
-        if cuda:
-            torch.cuda.synchronize()
+        harness.sync()
         torch.distributed.barrier()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)

@@ -152,7 +152,7 @@ def main() -> None:
                                      lengths=lengths, profile=profile, cap=cap)
                     r["preset"] = preset
                     results.append(r)
-                    print(json.dumps(r), flush=True)
+                    harness.progress(json.dumps(r))
     print(f"\n{'preset':14} {'layout':18} {'cap':>6} {'tok/s':>9} {'MFU':>6} {'peak GiB':>9} "
           f"{'recompute tok/s':>16}")
     for r in results:
