@@ -153,7 +153,8 @@ def choose(predict: Predict, *, recompute: str, max_tokens: int, longest: int, b
             if predict(r, tokens) <= budget:
                 return r, max_tokens
         raise ConfigError(refusal(predict(candidates[-1], tokens), budget, backend=backend,
-                                  recompute=candidates[-1], tokens=tokens))
+                                  recompute=candidates[-1], tokens=tokens,
+                                  longest=longest > max_tokens))
     fits = [(r, largest_cap(predict, r, budget=budget, floor=floor)) for r in candidates]
     for r, cap in fits:
         if cap is not None and cap >= max(AUTO_MIN_TOKENS, floor):
@@ -162,11 +163,12 @@ def choose(predict: Predict, *, recompute: str, max_tokens: int, longest: int, b
                default=None)
     if best is None:
         raise ConfigError(refusal(predict(candidates[-1], floor), budget, backend=backend,
-                                  recompute=candidates[-1], tokens=floor))
+                                  recompute=candidates[-1], tokens=floor, longest=floor > 1))
     return best
 
 
-def refusal(need: int, budget: int, *, backend: str, recompute: str, tokens: int) -> str:
+def refusal(need: int, budget: int, *, backend: str, recompute: str, tokens: int,
+            longest: bool = False) -> str:
     knobs = ("--recompute full" if recompute != "full" else None,
              "a smaller --max-tokens-per-microbatch (0: the largest that fits)",
              "--optimizer-cpu-offload",
@@ -174,8 +176,9 @@ def refusal(need: int, budget: int, *, backend: str, recompute: str, tokens: int
              "more GPUs (--nproc-per-node with --use-distributed-optimizer, tensor or pipeline "
              "parallelism)" if backend == "megatron" else "more GPUs (--parallel fsdp)")
     return (f"the {backend} train step needs {need / GIB:.1f} GiB of {budget / GIB:.1f} GiB "
-            f"(recompute {recompute}, micro-batches of {tokens} tokens; the device less its "
-            f"reserve, see --device-memory-gb): use " + ", ".join(k for k in knobs if k))
+            f"(recompute {recompute}, micro-batches of {tokens} tokens"
+            + (", the longest sample" if longest else "") + "; the device less its reserve, "
+            "see --device-memory-gb): use " + ", ".join(k for k in knobs if k))
 
 
 def read_hf_config(model_dir: str | os.PathLike) -> dict[str, Any]:
