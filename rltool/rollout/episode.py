@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rltool.env.base import EnvError, EnvTimeoutError, Environment, StepResult, check_messages
@@ -81,8 +83,12 @@ class EnvSource:
     """Makes one environment per episode from `--env`: a built-in name, module:Class, or the URL
     of `rltool env serve` (each episode a remote one)."""
 
-    def __init__(self, spec: str, *, api_key: str | None = None, timeout_s: float = 60.0):
+    def __init__(self, spec: str, *, api_key: str | None = None, timeout_s: float = 60.0,
+                 workers: int = 32):
         self.spec = spec
+        # Environment calls run here, not on the event loop's default executor (a handful of
+        # threads), so slow tools of many episodes run side by side.
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rltool-env")
         self.remote = spec.startswith(("http://", "https://"))
         if self.remote:
             from rltool.env.remote import RemoteEnvClient
@@ -102,9 +108,11 @@ class EnvSource:
         return self.cls()
 
 
-async def _call(fn: Any, *args: Any, timeout_s: float, what: str, **kwargs: Any) -> Any:
+async def _call(fn: Any, *args: Any, timeout_s: float, what: str, pool: Any = None,
+                **kwargs: Any) -> Any:
+    call = asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kwargs))
     try:
-        return await asyncio.wait_for(asyncio.to_thread(fn, *args, **kwargs), timeout_s)
+        return await asyncio.wait_for(call, timeout_s)
     except asyncio.TimeoutError:
         raise EnvTimeoutError(f"{what} took more than {timeout_s:g}s") from None
 
@@ -118,13 +126,14 @@ def make_env_generate(source: EnvSource, *, max_turns: int, step_timeout_s: floa
         if sample.response_token_ids:
             return sample.fail("env_error: an episode cannot resume from a partial sample")
         try:
-            env = await _call(source.make, timeout_s=step_timeout_s, what="creating the env")
+            env = await _call(source.make, timeout_s=step_timeout_s, what="creating the env",
+                              pool=source.pool)
         except Exception as e:  # noqa: BLE001 - an environment failure fails the episode
             return sample.fail(_failure(e))
         try:
             return await run_episode(sample, ctx, env=env, renderer=renderer, stop=source.stop,
                                      max_turns=max_turns, step_timeout_s=step_timeout_s,
-                                     max_tokens_per_turn=max_tokens_per_turn)
+                                     max_tokens_per_turn=max_tokens_per_turn, pool=source.pool)
         except Exception as e:  # noqa: BLE001 - a raising, hanging or malformed env
             if not isinstance(e, EnvError):
                 log.warning("environment failed on sample %s: %s: %s", sample.uid,
@@ -135,7 +144,7 @@ def make_env_generate(source: EnvSource, *, max_turns: int, step_timeout_s: floa
         finally:
             with contextlib.suppress(Exception):
                 # Not awaited to the end: a hanging close must not hold the episode.
-                await asyncio.wait_for(asyncio.to_thread(env.close), step_timeout_s)
+                await _call(env.close, timeout_s=step_timeout_s, what="close", pool=source.pool)
 
     return generate
 
@@ -150,11 +159,12 @@ def _failure(e: BaseException) -> str:
 
 async def run_episode(sample: Sample, ctx: GenerateContext, *, env: Environment,
                       renderer: ChatRenderer, stop: list[str], max_turns: int,
-                      step_timeout_s: float, max_tokens_per_turn: int | None = None) -> Sample:
+                      step_timeout_s: float, max_tokens_per_turn: int | None = None,
+                      pool: Any = None) -> Sample:
     seed = derive_seed(ctx.sampling.get("seed") or 0, f"group-{sample.group_id}", 0)
     task = {"prompt": _prompt_value(sample), "label": sample.label,
             "metadata": sample.metadata, "prompt_id": sample.prompt_id}
-    messages = check_messages(await _call(env.reset, seed=seed, task=task,
+    messages = check_messages(await _call(env.reset, seed=seed, task=task, pool=pool,
                                           timeout_s=step_timeout_s, what="reset"),
                               where="env reset")
     sample.prompt_token_ids = renderer.prompt_ids(messages)
@@ -187,7 +197,8 @@ async def run_episode(sample: Sample, ctx: GenerateContext, *, env: Environment,
         ids = sample.response_token_ids[start:]
         action = {"role": "assistant", "finish": finish if isinstance(finish, dict) else {},
                   "content": ctx.tokenizer.decode(ids, skip_special_tokens=True)}
-        result = await _call(env.step, action, timeout_s=step_timeout_s, what=f"step {turn}")
+        result = await _call(env.step, action, timeout_s=step_timeout_s, what=f"step {turn}",
+                             pool=pool)
         result = StepResult.from_json(result.to_json(), where=f"env step {turn}")
         sample.turn_rewards.append(result.reward)
         if result.info:
@@ -207,7 +218,7 @@ async def run_episode(sample: Sample, ctx: GenerateContext, *, env: Environment,
             break
     else:
         finish_reason = "max_turns"
-    final = await _call(env.verify, timeout_s=step_timeout_s, what="verify")
+    final = await _call(env.verify, timeout_s=step_timeout_s, what="verify", pool=pool)
     if final is not None:
         final = float(final)
         if sample.turn_rewards:

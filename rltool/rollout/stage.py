@@ -76,6 +76,8 @@ class EngineStageConfig(StageConfig):
     env_step_timeout_s: float = Field(60.0, gt=0, description="With --env: timeout of one "
                                       "environment call (reset, step, verify); a timeout "
                                       "fails the episode (env_timeout), not the step.")
+    env_workers: int = Field(32, ge=1, description="With --env: threads that run environment "
+                             "calls of the episodes in flight.")
     env_api_key: str | None = Field(None, description="With --env URL: the key of `rltool env "
                                     "serve --api-key`.",
                                     json_schema_extra=cli(envvar="RLTOOL_ENV_API_KEY"))
@@ -227,7 +229,8 @@ class StageInputs:
 
             # Episodes are rewarded by their environment: no reward function.
             self.env_source = EnvSource(cfg.env, api_key=cfg.env_api_key,
-                                        timeout_s=cfg.env_step_timeout_s)
+                                        timeout_s=cfg.env_step_timeout_s,
+                                        workers=cfg.env_workers)
             self.reward_fn = None
         else:
             self.generate_fn = load_generate_fn(cfg.generate_fn)

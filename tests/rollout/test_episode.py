@@ -91,8 +91,7 @@ def tok(tiny_model_dir):
 
 def run(tok, env_cls, script, *, max_turns=8, max_response_len=200, timeout_s=5.0):
     engine = ScriptedEngine(tok, script)
-    source = EnvSource.__new__(EnvSource)
-    source.spec, source.remote, source.cls, source.stop = "test", False, env_cls, env_cls.stop
+    source = EnvSource(f"{__name__}:{env_cls.__name__}", workers=2)
     fn = make_env_generate(source, max_turns=max_turns, step_timeout_s=timeout_s, tokenizer=tok)
     sample = Sample(uid="u0", prompt_id="p0", group_id=0, sample_index=0, prompt="go",
                     prompt_token_ids=[])
