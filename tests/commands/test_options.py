@@ -70,6 +70,7 @@ def base_args(path, files):
         ("report",): {"run_dir": ["run"]},
         ("shards", "inspect"): {"path": ["p"]},
         ("loop",): {},
+        ("env", "serve"): {"env": ["guess"]},
     }[path]
 
 
@@ -91,10 +92,13 @@ COMPANIONS = {
     "opd_mode": ["--opd-teacher", "x"],
     "admin_key_hosts": ["--router-url", "http://g:1"],  # the gateway's workers
     ("loop", "engine"): ["--sync", "auto"],  # the in-process engine takes in-memory sync only
+    ("env", "host"): ["--api-key", "k"],  # a non-loopback host needs the key
 }
 # Fields whose test replaces part of the base (exclusive with it).
 REPLACES = {("train", "prompts"): {"rollouts": None, "loss": ["sft"]},
-            ("rollout", "router"): {"engines": None}, ("eval", "router"): {"engines": None}}
+            ("rollout", "router"): {"engines": None}, ("eval", "router"): {"engines": None},
+            # the environment rewards: --env replaces --reward
+            ("rollout", "env"): {"reward": None}, ("eval", "env"): {"reward": None}}
 # Fields whose value must name something real (a file of the fixture).
 REAL_VALUES = {("serve", "model"): "model2"}
 
