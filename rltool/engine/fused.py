@@ -19,7 +19,8 @@ them. The engine's kernels therefore do not specialize on those arguments (`do_n
 `do_not_specialize_on_alignment`; each is a bound or a one-element load per program, where the
 hint buys nothing): without it, a warmed-up engine still stalled ~1 s compiling whenever a batch
 first met a new combination (an H200, the FP8 7B engine's first 256-prompt batch: 1.4 s to first
-token against 0.43-0.51 s for the next ones; 0.54 s with it; benchmarks/engine_first_batches.py).
+token against 0.43-0.51 s for the next ones; 0.54 s with it; `python -m benchmarks.engine_gpu
+--mode first-batches`).
 """
 
 from __future__ import annotations
