@@ -42,6 +42,7 @@ class Decoder:
         self._block: tuple | None = None  # (meta, B, graph, iterator of KV slots): `next`
 
     def capture_graphs(self) -> None:
+        """Capture the step for each bucket (CUDA; in the caller's batch-invariant mode)."""
         self.graphs = DecodeGraphs(self.forward.device, rows=META_ROWS, max_bs=self.max_bs)
         self.graphs.capture(lambda meta: self.forward.decode(meta, max_len=self._max_len),
                             self.buckets)

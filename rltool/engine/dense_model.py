@@ -8,7 +8,7 @@ into one); `load_tensors` maps HF tensor names onto the fused slices, so weight 
 
 The forward pass is packed: one flat [T] stream of tokens from any number of sequences. Attention
 is delegated to an `attend(layer, q, k, v)` callback that owns the KV cache and the positions
-(rltool.engine.paged_runner), so this module knows nothing about pages or batches; it may hand
+(rltool.engine.paged_forward), so this module knows nothing about pages or batches; it may hand
 back o_proj's input already quantized for an FP8 o_proj. On CUDA the
 elementwise work runs in fused Triton kernels (rltool.engine.fused), on CPU as torch ops.
 """
