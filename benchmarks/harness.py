@@ -31,15 +31,10 @@ from typing import Any
 from rltool import atomic
 
 
-def _torch():
-    import torch
-
-    return torch
-
-
 def gpu_name() -> str | None:
     """The first visible CUDA device's name, or None without one."""
-    torch = _torch()
+    import torch
+
     return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
@@ -56,11 +51,22 @@ def device_tag(device: str = "cpu") -> str:
     return f"cpu{os.cpu_count()}"
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else its architecture."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return platform.processor() or platform.machine()
+
+
 def machine() -> dict[str, Any]:
     """The machine and software a figure came from."""
-    torch = _torch()
+    import torch
+
     gpu = gpu_name()
-    return {"platform": platform.platform(), "cpu": platform.processor() or platform.machine(),
+    return {"platform": platform.platform(), "cpu": cpu_model(),
             "cores": os.cpu_count(), "gpu": gpu,
             "gpus": torch.cuda.device_count() if gpu else 0,
             "python": platform.python_version(), "torch": torch.__version__,
