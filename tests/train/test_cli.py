@@ -125,8 +125,8 @@ def test_recompute_selective_is_refused_by_the_torch_backend(tiny_model_dir, tra
                       "selective"])
     assert result.exit_code == 2, result.output
     assert result.stderr.strip() == ("Error: --recompute selective: the torch backend recomputes "
-                                     "whole layers; use --recompute full or none (or --backend "
-                                     "megatron)")
+                                     "whole layers; use --recompute full, none or auto (or "
+                                     "--backend megatron)")
 
 
 def test_missing_inputs_are_refused(tiny_model_dir, tmp_path):
