@@ -72,9 +72,12 @@ def torch_state(n: int, options: Any) -> tuple[dict[str, int], dict[str, int]]:
     """(device, host) bytes of the torch backend's state for `n` parameters: parameters (fp32, or
     bf16 with `--param-dtype bf16`), fp32 gradients (the main gradients with bf16 parameters),
     fp32 master weights (bf16 parameters only) and AdamW's two moments; the optimizer's part on
-    the host with `--optimizer-cpu-offload` (with a host copy of the gradients)."""
+    the host with `--optimizer-cpu-offload` (with a host copy of the gradients). fp32 parameters
+    under bf16 autocast add the bf16 copies of the weights that a pass casts and keeps."""
     bf16 = options.param_dtype == "bf16"
     device = {"params": (2 if bf16 else 4) * n, "grads": 4 * n}
+    if options.dtype == "bf16" and not bf16:  # autocast's bf16 weight copies, kept for backward
+        device["autocast_weights"] = 2 * n
     optimizer = {"master_weights": 4 * n} if bf16 else {}
     optimizer["optimizer"] = 8 * n
     if not options.optimizer_cpu_offload:
