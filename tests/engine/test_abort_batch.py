@@ -21,10 +21,13 @@ def test_abort_one_of_a_batch_keeps_the_engine_serving(tiny_model_dir, tmp_path)
                 tasks = [asyncio.create_task(c.generate({"text": "ab", "rid": f"batch-{i}",
                                                          "sampling_params": LONG}))
                          for i in range(3)]
+                start = None  # decode forwards when all three were running
                 for _ in range(3000):
                     st = (await c.get_server_info())["internal_states"][0]
-                    if any(len(b) == 3 for b in st["decode_batches"]):
-                        break
+                    if start is None and st["num_running_reqs"] == 3:
+                        start = st["num_decode_forwards"]
+                    if start is not None and st["num_decode_forwards"] > start:
+                        break  # a decode forward ran all three: they share the batch
                     await asyncio.sleep(0.01)
                 else:
                     raise AssertionError("the three requests never shared a decode batch")

@@ -20,20 +20,25 @@ from rltool.supervisor import free_port, start
 pytestmark = pytest.mark.slow
 
 
-def served_by(engines: dict[str, str], rid: str) -> str:
-    for name, url in engines.items():
-        batches = httpx.get(url + "/get_server_info", timeout=30).json()["internal_states"][0]
-        if any(rid in b for b in batches["decode_batches"]):
-            return name
-    raise AssertionError(f"{rid} was decoded by no engine")
+def output_tokens(engines: dict[str, str]) -> dict[str, int]:
+    return {name: httpx.get(url + "/get_server_info", timeout=30).json()["internal_states"][0]
+            ["total_output_tokens"] for name, url in engines.items()}
 
 
-def generate(gateway: str, key: str) -> tuple[httpx.Response, str]:
+def generate(gateway: str, key: str, engines: dict[str, str] | None = None
+             ) -> tuple[httpx.Response, str | None]:
+    """One request through the gateway, and the name of the engine in `engines` that served it
+    (the one whose output token count grew; requests run one at a time here)."""
+    before = output_tokens(engines or {})
     rid = f"{key}-{uuid.uuid4().hex[:8]}"
     r = httpx.post(gateway + "/generate", headers={"X-SMG-Routing-Key": key}, timeout=60,
                    json={"input_ids": [5, 6, 7], "rid": rid,
                          "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})
-    return r, rid
+    if not engines or r.status_code != 200:
+        return r, None
+    grew = [name for name, n in output_tokens(engines).items() if n > before[name]]
+    assert len(grew) == 1, f"{rid} was decoded by {grew or 'no engine'}"
+    return r, grew[0]
 
 
 @pytest.fixture
@@ -68,11 +73,11 @@ def test_gateway_routes_keys_stickily_and_fails_over(gateway):
     placement: dict[str, str] = {}
     for i in range(8):
         key = f"session-{i}"
-        r1, rid1 = generate(url, key)
-        r2, rid2 = generate(url, key)
+        r1, served1 = generate(url, key, engines)
+        r2, served2 = generate(url, key, engines)
         assert r1.status_code == r2.status_code == 200
-        placement[key] = served_by(engines, rid1)
-        assert served_by(engines, rid2) == placement[key]  # sticky
+        placement[key] = served1
+        assert served2 == placement[key]  # sticky
     assert set(placement.values()) == {"first", "second"}, placement  # both engines used
     # smg (unlike SGLang) routes OpenAI requests by `model`: use the served name.
     served = httpx.get(engines["first"] + "/v1/models").json()["data"][0]["id"]
@@ -88,11 +93,11 @@ def test_gateway_routes_keys_stickily_and_fails_over(gateway):
     for key in moved:
         while True:
             try:
-                r, rid = generate(url, key)
+                r, served = generate(url, key, {"first": engines["first"]})
                 if r.status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline, f"{key} never moved to the surviving engine"
             time.sleep(0.5)
-        assert served_by({"first": engines["first"]}, rid) == "first"
+        assert served == "first"
