@@ -3,8 +3,9 @@ threads submit to, admission, the tokens a step records and the requests they st
 operations (pause, abort, weight updates, cache flush, retraction) and the engine's counters.
 
 States: `waiting` (sorted by arrival) -> `prefilling` -> `running` -> finished; retraction sends a
-request back to `waiting`, its KV dropped and recomputed later. Everything but `submit`, `call`,
-`update_weights`, `next_seq`, `wait_for_work` and `stats` runs on the scheduler thread.
+request back to `waiting`, its KV dropped and recomputed later. Other threads call only
+`submit`, `call`, `update_weights`, `next_seq`, `request_stop` and `stats`; the rest runs on the
+scheduler thread.
 """
 
 from __future__ import annotations
