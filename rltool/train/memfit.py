@@ -72,12 +72,9 @@ def torch_state(n: int, options: Any) -> tuple[dict[str, int], dict[str, int]]:
     """(device, host) bytes of the torch backend's state for `n` parameters: parameters (fp32, or
     bf16 with `--param-dtype bf16`), fp32 gradients (the main gradients with bf16 parameters),
     fp32 master weights (bf16 parameters only) and AdamW's two moments; the optimizer's part on
-    the host with `--optimizer-cpu-offload` (with a host copy of the gradients). fp32 parameters
-    under bf16 autocast add the bf16 copies of the weights that a pass casts and keeps."""
+    the host with `--optimizer-cpu-offload` (with a host copy of the gradients)."""
     bf16 = options.param_dtype == "bf16"
     device = {"params": (2 if bf16 else 4) * n, "grads": 4 * n}
-    if options.dtype == "bf16" and not bf16:  # autocast's bf16 weight copies, kept for backward
-        device["autocast_weights"] = 2 * n
     optimizer = {"master_weights": 4 * n} if bf16 else {}
     optimizer["optimizer"] = 8 * n
     if not options.optimizer_cpu_offload:
@@ -102,13 +99,24 @@ def predictor(options: Any, hf_config: dict[str, Any], *, world_size: int) -> Pr
                               offload_fraction=fraction).device_bytes
         return megatron
     shape = memplan.Shape.of(hf_config)
-    state = sum(torch_state(shape.params, options)[0].values())
 
     def torch_backend(recompute: str, tokens: int) -> int:
-        return state + sum(memplan.activation_bytes(
-            shape, tokens=tokens, compute_dtype=options.dtype, recompute=recompute == "full",
-            logprob_chunk_tokens=options.logprob_chunk_tokens).values())
+        return sum(torch_activations(shape, options, recompute=recompute, tokens=tokens).values()
+                   ) + sum(torch_state(shape.params, options)[0].values())
     return torch_backend
+
+
+def torch_activations(shape: memplan.Shape, options: Any, *, recompute: str,
+                      tokens: int) -> dict[str, int]:
+    """The torch backend's activations (rltool.train.memplan's estimate); fp32 parameters under
+    bf16 autocast without recompute add the bf16 copy of every weight that the forward casts and
+    keeps for the backward pass (recomputed layers drop theirs)."""
+    out = memplan.activation_bytes(shape, tokens=tokens, compute_dtype=options.dtype,
+                                   recompute=recompute == "full",
+                                   logprob_chunk_tokens=options.logprob_chunk_tokens)
+    if options.dtype == "bf16" and options.param_dtype == "fp32" and recompute != "full":
+        out["autocast_weights"] = 2 * shape.params
+    return out
 
 
 def trainer_bytes(options: Any, hf_config: dict[str, Any], *, world_size: int = 1
@@ -128,9 +136,8 @@ def trainer_bytes(options: Any, hf_config: dict[str, Any], *, world_size: int = 
         return p.device, resident
     shape = memplan.Shape.of(hf_config)
     state = torch_state(shape.params, options)[0]
-    return state | memplan.activation_bytes(
-        shape, tokens=tokens, compute_dtype=options.dtype, recompute=options.recompute == "full",
-        logprob_chunk_tokens=options.logprob_chunk_tokens), state
+    return state | torch_activations(shape, options, recompute=options.recompute,
+                                     tokens=tokens), state
 
 
 def largest_cap(predict: Predict, recompute: str, *, budget: int, floor: int) -> int | None:

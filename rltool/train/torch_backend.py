@@ -473,7 +473,8 @@ class TorchBackend:
             value_state = ckpt.read_tensors(ckpt_dir / ckpt.VALUE_HEAD_FILE)
             set_model_state_dict(self.model, value_state,
                                  options=StateDictOptions(full_state_dict=True, strict=False))
-            _ = self.optimizer.load_masters(value_state) if self.masters else None
+            if self.masters:
+                self.optimizer.load_masters(value_state)
         optim_state = ckpt.unflatten_optimizer_state(ckpt.read_tensors(ckpt_dir / ckpt.OPTIMIZER_FILE),
                                                      state["optimizer"])
         try:
