@@ -18,11 +18,14 @@ from rltool.config import DTYPE_ALIASES, ComputeDtype, StageConfig, torch_dtype_
 from rltool.errors import BadInputError
 from rltool.rundir import VERSION_FILE
 
-ARCHS = ("qwen2", "qwen3", "llama", "qwen3_moe")
+ARCHS = ("qwen2", "qwen3", "llama", "qwen3_moe", "qwen3_5")
 PRESETS: dict[str, dict[str, Any]] = {
     # ~0.1M parameters: every test and the CPU demo use this.
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=512),
+    # tiny's widths in 4 layers: with --arch qwen3_5, 3 Gated DeltaNet layers and 1 attention layer.
+    "tiny-4l": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
     # A few M parameters: for benchmarks that need more work per token.
     "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048),
@@ -68,7 +71,26 @@ def build_config(arch: str, preset: str, *, vocab_size: int, eos_token_id: int,
                               num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
                               moe_intermediate_size=shape["intermediate_size"] // 2,
                               decoder_sparse_step=1, mlp_only_layers=[], **common)
+    if arch == "qwen3_5":
+        return _hybrid_config(shape, common)
     return LlamaConfig(**common)
+
+
+def _hybrid_config(shape: dict[str, Any], common: dict[str, Any]) -> Any:
+    """Qwen3.5's dense-MLP hybrid (HF model_type qwen3_5_text): Gated DeltaNet layers with a
+    full-attention layer every fourth layer and last (a 2-layer preset: one of each). The linear
+    layers take half the attention heads as key heads and all of them as value heads (so the
+    key heads are shared, as in the released models), of the attention head size."""
+    from transformers import Qwen3_5TextConfig
+
+    layers, heads = shape["num_hidden_layers"], shape["num_attention_heads"]
+    head_dim = shape["hidden_size"] // heads
+    types = ["full_attention" if (i + 1) % 4 == 0 or i + 1 == layers else "linear_attention"
+             for i in range(layers)]
+    return Qwen3_5TextConfig(head_dim=head_dim, layer_types=types,
+                             linear_num_key_heads=max(heads // 2, 1),
+                             linear_num_value_heads=heads, linear_key_head_dim=head_dim,
+                             linear_value_head_dim=head_dim, linear_conv_kernel_dim=4, **common)
 
 
 # Weights drawn off the CPU are written in shards of at most this size: safetensors stages a
