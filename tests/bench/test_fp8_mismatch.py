@@ -1,34 +1,38 @@
-"""benchmarks/fp8_mismatch.py on the CPU (tiny model, a few short prompts): the four engine
+"""`python -m benchmarks.fp8_mismatch` on the CPU (tiny model, a few short prompts): the four engine
 configs and the fp32 floor, each engine's sampled-token logprobs against the trainer's
 recompute. FP8 weights must show a larger mismatch than bf16 weights (the quantization error is
 ~5x the bf16 one on this model), and every sample must be scored on all its tokens."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import os
+import subprocess
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
+
+from rltool.data.models import PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("fp8_mismatch",
-                                                  ROOT / "benchmarks" / "fp8_mismatch.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    return subprocess.run([sys.executable, "-m", "benchmarks.fp8_mismatch", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
 
 
-def test_tiny_model_four_configs_and_floor(tmp_path, tiny_model_dir, capsys):
-    bench = load_benchmark()
-    rc = bench.main(["--device", "cpu", "--presets", "", "--model", str(tiny_model_dir),
-                     "--prompts", "4", "--samples", "2", "--prompt-len", "16",
-                     "--new-tokens", "8", "--out-dir", str(tmp_path)])
-    assert rc == 0
-    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+def last_line(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_tiny_model_four_configs_and_floor(tmp_path, tiny_model_dir):
+    printed = last_line(bench("--device", "cpu", "--presets", "", "--model",
+                              str(tiny_model_dir), "--prompts", "4", "--samples", "2",
+                              "--prompt-len", "16", "--new-tokens", "8", "--out-dir",
+                              str(tmp_path)))
     [written] = tmp_path.glob("fp8_mismatch-*-cpu*.json")
     assert json.loads(written.read_text()) == printed
     assert {(r["prompts"], r["samples"], r["prompt_len"], r["new_tokens"], r["prompt_file"])
@@ -45,23 +49,21 @@ def test_tiny_model_four_configs_and_floor(tmp_path, tiny_model_dir, capsys):
     assert by[("fp8", "fp8_e4m3", "bf16")] > 2 * by[("bf16", "bf16", "bf16")]
 
 
-def test_prompt_file_prompts_end_at_eos(tmp_path, tiny_model_dir, capsys):
+def test_prompt_file_prompts_end_at_eos(tmp_path, tiny_model_dir):
     from rltool.data.tasks import make_rows, write_prompts
 
     write_prompts(make_rows("reverse", num=3, seed=0, min_len=3, max_len=3),
                   tmp_path / "p.jsonl")
-    bench = load_benchmark()
     # an earlier run of the day measured another model (kept) and this one (replaced)
     out = tmp_path / "results" / (f"fp8_mismatch-{datetime.now(timezone.utc):%Y-%m-%d}-"
-                                  f"{bench.machine_tag('cpu')}.json")
+                                  f"cpu{os.cpu_count()}.json")
     out.parent.mkdir()
     out.write_text(json.dumps({"rows": [{"model": "other"}, {"model": "reverse-tiny"}]}))
-    assert bench.main(["--device", "cpu", "--presets", "", "--model", str(tiny_model_dir),
-                       "--model-name", "reverse-tiny",
-                       "--prompt-file", str(tmp_path / "p.jsonl"), "--prompts", "2",
-                       "--samples", "1", "--new-tokens", "4", "--out-dir",
-                       str(out.parent)]) == 0
-    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    record = last_line(bench("--device", "cpu", "--presets", "", "--model",
+                             str(tiny_model_dir), "--model-name", "reverse-tiny",
+                             "--prompt-file", str(tmp_path / "p.jsonl"), "--prompts", "2",
+                             "--samples", "1", "--new-tokens", "4", "--out-dir",
+                             str(out.parent)))
     assert json.loads(out.read_text()) == record and record["rows"][0] == {"model": "other"}
     assert len(record["rows"]) == 1 + 5
     for r in record["rows"][1:]:
@@ -69,13 +71,13 @@ def test_prompt_file_prompts_end_at_eos(tmp_path, tiny_model_dir, capsys):
         assert r["model"] == "reverse-tiny"
 
 
-def test_bad_input_is_refused_in_one_line(tmp_path, capsys):
-    bench = load_benchmark()
-    assert bench.main(["--presets", "nope", "--out-dir", str(tmp_path)]) == 2
-    assert bench.main(["--presets", "", "--model", str(tmp_path / "missing")]) == 2
-    assert bench.main(["--prompt-file", str(tmp_path / "none.jsonl")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["Error: unknown preset 'nope'; choose from " + ", ".join(bench.PRESETS),
+def test_bad_input_is_refused_in_one_line(tmp_path):
+    runs = [bench("--presets", "nope", "--out-dir", str(tmp_path)),
+            bench("--presets", "", "--model", str(tmp_path / "missing")),
+            bench("--prompt-file", str(tmp_path / "none.jsonl"))]
+    assert [r.returncode for r in runs] == [2, 2, 2]
+    err = [r.stderr.strip().splitlines()[-1] for r in runs]
+    assert err == ["Error: unknown preset 'nope'; choose from " + ", ".join(PRESETS),
                    f"Error: --model {tmp_path / 'missing'} has no config.json; pass a HF "
                    "checkpoint directory",
                    f"Error: --prompt-file {tmp_path / 'none.jsonl'} does not exist; pass a "

@@ -1,4 +1,4 @@
-"""benchmarks/multi_gpu.py on the CPU (gloo, tiny models): the megatron-layout and
+"""`python -m benchmarks.multi_gpu` on the CPU (gloo, tiny models): the megatron-layout and
 distributed-sync runs end to end, each checked through the JSON it writes. The numbers are checks
 of the code paths (TP2 logprobs against TP1; every sync method serving the same new weights), not
 performance."""
@@ -14,14 +14,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "multi_gpu.py"
 
 
 def run(item: str, out: Path, *args: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, str(SCRIPT), item, "--device", "cpu", "--out",
-                           str(out), *args], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.multi_gpu", item, "--device", "cpu",
+                           "--out", str(out), *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     paths = json.loads(proc.stdout.strip().splitlines()[-1])["results"]
     record = json.loads(Path(paths[item]).read_text())
