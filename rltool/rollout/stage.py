@@ -64,11 +64,12 @@ class EngineStageConfig(StageConfig):
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (<1e-6: greedy).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(-1, description="Top-k (-1: whole vocabulary).")
-    reward: str | None = Field(None, description="Reward: a task name, module:function or an "
-                               "http(s) URL (not with --env: the environment rewards).")
     env: str | None = Field(None, description="Agentic episodes against an environment: a "
                             "built-in name (rltool env list), module:Class, or the URL of "
                             "`rltool env serve`; replaces --reward and --generate-fn.")
+    reward: str | None = Field(None, validate_default=True, description="Reward: a task name, "
+                               "module:function or an http(s) URL (not with --env: the "
+                               "environment rewards).")
     max_turns: int = Field(8, ge=1, description="With --env: most model turns per episode.")
     max_tokens_per_turn: int | None = Field(None, ge=1, description="With --env: most tokens "
                                             "of one model turn (default: what is left of "
@@ -119,14 +120,20 @@ class EngineStageConfig(StageConfig):
             raise ValueError("give exactly one of --engines URL[,URL...] or --router URL")
         return self
 
-    @model_validator(mode="after")
-    def _reward_or_env(self) -> "EngineStageConfig":
-        if self.env is None and not self.reward:
+    @field_validator("reward")
+    @classmethod
+    def _reward_or_env(cls, value: str | None, info: Any) -> str | None:
+        env = info.data.get("env")  # declared before reward, so already validated
+        if env is None and not value:
             raise ValueError("give --reward SPEC (or --env NAME|module:Class|URL, whose "
                              "environment rewards the episodes)")
-        if self.env is not None and self.reward:
+        if env is not None and value:
             raise ValueError("--reward and --env exclude each other: the environment rewards "
                              "the episodes; drop --reward")
+        return value
+
+    @model_validator(mode="after")
+    def _env_without_generate_fn(self) -> "EngineStageConfig":
         if self.env is not None and self.generate_fn:
             raise ValueError("--generate-fn and --env exclude each other: --env runs its own "
                              "episode loop; drop --generate-fn")
@@ -196,14 +203,10 @@ class RolloutConfig(EngineStageConfig):
         return {"return_routed_experts": True} if self.use_rollout_routing_replay else {}
 
     @model_validator(mode="after")
-    def _env_not_partial(self) -> "RolloutConfig":
+    def _filter_needs_groups(self) -> "RolloutConfig":
         if self.env is not None and self.partial:
             raise ValueError("--partial cannot carry --env episodes over (an environment's "
                              "state is not saved); drop --partial")
-        return self
-
-    @model_validator(mode="after")
-    def _filter_needs_groups(self) -> "RolloutConfig":
         if self.filter == "all-equal-reward" and self.n_samples_per_prompt < 2:
             raise ValueError("--filter all-equal-reward needs --n-samples-per-prompt >= 2 "
                              "(a group of one always has equal rewards)")
