@@ -35,3 +35,23 @@ def test_env_serve_refuses_bad_input(tmp_path):
         assert words in result.output, (args, result.output)
         assert len(result.output.strip().splitlines()) == 1, result.output
         assert not ready.exists()
+
+
+def test_rollout_env_bad_input_writes_nothing(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    base = ["rollout", "--engines", "http://127.0.0.1:9", "--prompts", str(prompts),
+            "--out", str(tmp_path / "out"), "--max-response-len", "8",
+            "--rollout-batch-size", "1"]
+    cases = [
+        (["--env", "nope"], 2, "neither a built-in environment"),
+        (["--env", "guess", "--reward", "exact"], 2, "--reward and --env exclude each other"),
+        (["--env", "guess", "--generate-fn", "m:f", ], 2, "--generate-fn and --env exclude"),
+        (["--env", "guess", "--partial"], 2, "--partial cannot carry --env episodes"),
+        (["--env", "http://127.0.0.1:9"], 3, "cannot reach the environment server"),
+    ]
+    for args, code, words in cases:
+        result = CliRunner().invoke(main, [*base, *args])
+        assert result.exit_code == code, (args, result.output)
+        assert words in result.output, (args, result.output)
+        assert not (tmp_path / "out").exists()
