@@ -40,7 +40,8 @@ GPU (one command, sized to fit 8 minutes on one H100 or H200; not yet run on a G
 CPU smoke (tiny model, short runs, well under a minute on 2 cores):
   python -m benchmarks.engine_http --quick --out /tmp/engine-http
 Prints a table and, last, one JSON line; `--out DIR` writes DIR/engine_http-DATE-DEVICE.json
-(after each arm too, so a run cut short keeps the arms it finished).
+(`engine_http-quick-...` with --quick; after each arm too, so a run cut short keeps the arms it
+finished).
 """
 
 from __future__ import annotations
@@ -428,6 +429,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.device == "cpu":
         torch.set_num_threads(args.num_threads)  # the server gets the same (--num-threads)
     run = harness.Run("engine_http", device=args.device)
+    variant = "quick" if args.quick else ""
     tmp = Path(tempfile.mkdtemp(prefix="rltool-engine-http-"))
     harness.progress(f"model {args.preset} on {args.device}")
     if args.device == "cuda":
@@ -453,7 +455,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     if args.out:
-        run.write(run.record(fields), args.out)
+        run.write(run.record(fields), args.out, variant=variant)
 
     http = HttpArm(["--model", str(model_dir), *flags(settings), "--log-level", "warning"],
                    log_path=tmp / "serve.log", max_in_flight=max(w.in_flight for w in ws))
@@ -464,7 +466,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         http.stop()
     fields["http_over_in_process"] = ratios(fields["results"])
     if args.out:
-        run.write(run.record(fields), args.out)
+        run.write(run.record(fields), args.out, variant=variant)
 
     uniform = [w for w in ws if w.name.startswith("uniform")]
     if args.device == "cuda" and not args.skip_hf and uniform:
@@ -485,7 +487,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         hf = fields["hf_generate"]
         print(f"transformers generate, {hf['workload']} batch {hf['batch']}: "
               f"{hf['tokens_per_s']:.0f} tok/s")
-    return run.finish(fields, out=args.out)
+    return run.finish(fields, out=args.out, variant=variant)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ def test_quick_run_measures_both_arms_on_every_workload(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = json.loads(proc.stdout.strip().splitlines()[-1])
     [written] = tmp_path.iterdir()
-    assert written.name.startswith("engine_http-") and written.name.endswith(".json")
+    assert written.name.startswith("engine_http-quick-") and written.name.endswith(".json")
     assert json.loads(written.read_text()) == printed
     assert printed["benchmark"] == "engine_http" and printed["settings"]["quick"]
     assert printed["settings"]["http_client"] in ("aiohttp", "httpx")
