@@ -22,6 +22,7 @@ does not stall generation. An exception or a timeout fails the episode (`env_err
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -54,11 +55,15 @@ class StepResult:
 
     @classmethod
     def from_json(cls, value: Any, *, where: str) -> "StepResult":
+        """A step's answer checked: a StepResult or its JSON form; EnvError when malformed."""
+        if isinstance(value, StepResult):
+            value = value.to_json()
         if not isinstance(value, dict):
             raise EnvError(f"{where}: a step result must be an object, got {type(value).__name__}")
         reward = value.get("reward", 0.0)
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
-            raise EnvError(f"{where}: reward must be a number, got {reward!r}")
+        if (isinstance(reward, bool) or not isinstance(reward, (int, float))
+                or not math.isfinite(reward)):
+            raise EnvError(f"{where}: reward must be a finite number, got {reward!r}")
         info = value.get("info") or {}
         if not isinstance(info, dict):
             raise EnvError(f"{where}: info must be an object")

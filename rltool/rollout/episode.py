@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -143,7 +144,7 @@ def make_env_generate(source: EnvSource, *, max_turns: int, step_timeout_s: floa
             return sample.fail(_failure(e))
         finally:
             with contextlib.suppress(Exception):
-                # Not awaited to the end: a hanging close must not hold the episode.
+                # Bounded by the step timeout: a hanging close must not hold the episode.
                 await _call(env.close, timeout_s=step_timeout_s, what="close", pool=source.pool)
 
     return generate
@@ -199,7 +200,7 @@ async def run_episode(sample: Sample, ctx: GenerateContext, *, env: Environment,
                   "content": ctx.tokenizer.decode(ids, skip_special_tokens=True)}
         result = await _call(env.step, action, timeout_s=step_timeout_s, what=f"step {turn}",
                              pool=pool)
-        result = StepResult.from_json(result.to_json(), where=f"env step {turn}")
+        result = StepResult.from_json(result, where=f"env step {turn}")
         sample.turn_rewards.append(result.reward)
         if result.info:
             sample.metadata.setdefault("env_info", []).append(result.info)
@@ -220,6 +221,9 @@ async def run_episode(sample: Sample, ctx: GenerateContext, *, env: Environment,
         finish_reason = "max_turns"
     final = await _call(env.verify, timeout_s=step_timeout_s, what="verify", pool=pool)
     if final is not None:
+        if isinstance(final, bool) or not isinstance(final, (int, float)) or not math.isfinite(
+                final):
+            raise EnvError(f"env verify: reward must be a finite number or None, got {final!r}")
         final = float(final)
         if sample.turn_rewards:
             sample.turn_rewards[-1] += final

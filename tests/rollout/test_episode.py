@@ -82,6 +82,19 @@ class Garbage(Countdown):
         return StepResult(observation=[{"role": "robot", "content": 3}])
 
 
+class NotANumber(Countdown):
+    def step(self, action):
+        return {"reward": float("nan"), "done": True}
+
+
+class BadVerify(Countdown):
+    def step(self, action):
+        return {"reward": 1.0, "done": True}  # a dict is accepted as the step's answer
+
+    def verify(self):
+        return "yes"
+
+
 @pytest.fixture(scope="module")
 def tok(tiny_model_dir):
     from transformers import AutoTokenizer
@@ -156,7 +169,9 @@ def test_max_turns_and_budget_end_the_episode(tok):
 
 @pytest.mark.parametrize("env_cls, reason", [(Raising, "env_error: RuntimeError: tool crashed"),
                                              (Hanging, "env_timeout: step 0 took more than 0.5s"),
-                                             (Garbage, "env_error: env step 0: message 0")])
+                                             (Garbage, "env_error: env step 0: message 0"),
+                                             (NotANumber, "env_error: env step 0: reward must"),
+                                             (BadVerify, "env_error: env verify: reward must")])
 def test_env_failure_fails_the_episode(tok, env_cls, reason):
     sample, _ = run(tok, env_cls, [("y <go>", {"type": "stop", "matched": "</go>"})],
                     timeout_s=0.5)
