@@ -207,41 +207,55 @@ class HttpArm:
             await (self.session.close() if self.client == "aiohttp" else self.session.aclose())
             self.session = None
 
-    async def _lines(self, body: dict[str, Any]):
-        """The response's lines (a plain answer is one line)."""
+    async def _post(self, body: dict[str, Any]) -> Any:
+        """A plain call's answer, read whole (aiohttp's line reader caps a line at 64 KiB, less
+        than an answer with thousands of logprobs)."""
+        url = self.url + "/generate"
+        if self.client == "aiohttp":
+            async with self.session.post(url, json=body) as r:
+                raw = await r.read()
+                status = r.status
+        else:
+            r = await self.session.post(url, json=body)
+            raw, status = r.content, r.status_code
+        if status != 200:
+            raise RuntimeError(f"/generate answered {status}: {raw[:300]!r}")
+        return json.loads(raw)
+
+    async def _events(self, body: dict[str, Any]):
+        """A streamed call's events, parsed (each cumulative event is one short line)."""
         url = self.url + "/generate"
         if self.client == "aiohttp":
             async with self.session.post(url, json=body) as r:
                 if r.status != 200:
                     raise RuntimeError(f"/generate answered {r.status}: {await r.text()}")
-                async for raw in r.content:
-                    yield raw.decode().rstrip("\n")
+                lines = (raw.decode().rstrip("\n") async for raw in r.content)
+                async for event in _parse_sse(lines):
+                    yield event
         else:
             async with self.session.stream("POST", url, json=body) as r:
                 if r.status_code != 200:
                     await r.aread()
                     raise RuntimeError(f"/generate answered {r.status_code}: {r.text}")
-                async for line in r.aiter_lines():
-                    yield line
+                async for event in _parse_sse(r.aiter_lines()):
+                    yield event
 
     async def call(self, body: dict[str, Any]) -> tuple[int, list[float]]:
         t0 = time.perf_counter()
         if not body["stream"]:
-            raw = "".join([line async for line in self._lines(body)])
-            out = json.loads(raw)
+            out = await self._post(body)
             outs = out if isinstance(out, list) else [out]
             return sum(len(o["output_ids"]) for o in outs), []
         first, final = None, None
-        async for line in self._lines(body):
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: "):])
+        async for event in self._events(body):
             if "error" in event:
                 raise RuntimeError(f"stream error: {event['error']}")
             if first is None and event["output_ids"]:
                 first = time.perf_counter() - t0
             if event["meta_info"]["finish_reason"] is not None:
                 final = event
+        if final is None:
+            raise RuntimeError("the stream ended without a finished event")
         return len(final["output_ids"]), [first]
 
     async def stats(self) -> dict[str, Any]:
@@ -258,6 +272,12 @@ class HttpArm:
 
     def stop(self) -> None:
         self.proc.stop()
+
+
+async def _parse_sse(lines: Any):
+    async for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[len("data: "):])
 
 
 # ----- runs ------------------------------------------------------------------------------------
