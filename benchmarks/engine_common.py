@@ -59,26 +59,35 @@ def prompts_for(n: int, vocab: int, seed: int, *, length: int = PROMPT_LEN) -> l
     return [[rng.randrange(lo, vocab - lo) for _ in range(length)] for _ in range(n)]
 
 
-def run_batch(sched: PagedScheduler, prompts, *, max_new: int = OUTPUT_LEN) -> dict:
+def submit_and_wait(sched: PagedScheduler, prompts: list[list[int]], lengths: list[int], *,
+                    timeout_s: float = 1800.0) -> tuple[list[Request], float]:
+    """All requests at once (temperature 1, ignore_eos, logprobs; request i exactly
+    `lengths[i]` tokens); returns them, finished, and the seconds until the last finished."""
     done, finished = threading.Event(), []
 
-    def on_finish(req):
+    def on_finish(req: Request) -> None:
         finished.append(req)
         if len(finished) == len(prompts):
             done.set()
 
     tag = sched.next_seq()
-    reqs = [Request(rid=f"b{tag}-{i}", prompt_ids=p, on_finish=on_finish, return_logprob=True,
-                    params=SamplingParams(max_new_tokens=max_new, temperature=1.0,
-                                          ignore_eos=True))
-            for i, p in enumerate(prompts)]
-    counters0 = counters(sched)
+    reqs = [Request(rid=f"b{tag}-{i}", prompt_ids=list(p), on_finish=on_finish,
+                    return_logprob=True,
+                    params=SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True))
+            for i, (p, n) in enumerate(zip(prompts, lengths))]
     t0 = time.perf_counter()
     sched.submit(reqs)
-    assert done.wait(600), "engine run did not finish"
+    assert done.wait(timeout_s), "engine run did not finish"
     elapsed = time.perf_counter() - t0
+    bad = [r.rid for r, n in zip(reqs, lengths) if len(r.output_ids) != n]
+    assert not bad, f"requests stopped before their max_new_tokens: {bad[:5]}"
+    return reqs, elapsed
+
+
+def run_batch(sched: PagedScheduler, prompts, *, max_new: int = OUTPUT_LEN) -> dict:
+    counters0 = counters(sched)
+    reqs, elapsed = submit_and_wait(sched, prompts, [max_new] * len(prompts), timeout_s=600)
     out = sum(len(r.output_ids) for r in reqs)
-    assert all(len(r.output_ids) == max_new for r in reqs)
     ttfts = [r.t_first_token - r.t_arrival for r in reqs]
     counts = {k: v - counters0[k] for k, v in counters(sched).items()}
     return {"seconds": elapsed, "output_tokens": out, "tokens_per_s": out / elapsed,

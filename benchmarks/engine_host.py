@@ -35,7 +35,6 @@ import io
 import pstats
 import statistics
 import tempfile
-import threading
 from pathlib import Path
 
 import torch
@@ -44,12 +43,11 @@ from rltool.data.models import init_model
 from rltool import batch_invariant, trace
 from rltool.engine.paged_runner import PagedRunner
 from rltool.engine.paged_scheduler import PagedScheduler
-from rltool.engine.request import Request
-from rltool.engine.sampling import SamplingParams
 from rltool.profile.engine_steps import decode_steps
 from rltool.profile.events import read_events
 
 from benchmarks import harness
+from benchmarks.engine_common import submit_and_wait
 
 PROMPT_LEN = 16
 
@@ -62,21 +60,14 @@ def run(model_dir: Path, batch: int, steps: int, *, profiler: cProfile.Profile |
                          max_total_tokens=batch * (PROMPT_LEN + steps + 64))
     sched = PagedScheduler(runner, max_running=batch, max_prefill_tokens=batch * PROMPT_LEN,
                            num_continuous_decode_steps=multistep or 1)
-    done = threading.Semaphore(0)
-    reqs = [Request(rid=f"h{i}", prompt_ids=[(7 * i + j) % 40 + 3 for j in range(PROMPT_LEN)],
-                    on_finish=lambda r: done.release(), return_logprob=True,
-                    params=SamplingParams(max_new_tokens=steps + 1, temperature=1.0,
-                                          ignore_eos=True))
-            for i in range(batch)]
+    prompts = [[(7 * i + j) % 40 + 3 for j in range(PROMPT_LEN)] for i in range(batch)]
     folder = Path(tempfile.mkdtemp(dir=trace_root))
     trace.configure(folder, role="engine_host")
     sched.start()
     try:
         if profiler is not None:  # cProfile profiles the thread that enables it
             sched.call(profiler.enable).result()
-        sched.submit(reqs)
-        for _ in reqs:
-            assert done.acquire(timeout=600), "the run did not finish"
+        submit_and_wait(sched, prompts, [steps + 1] * batch, timeout_s=600)
         if profiler is not None:
             sched.call(profiler.disable).result()
     finally:

@@ -25,7 +25,6 @@ import math
 import random
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -33,10 +32,8 @@ import torch
 
 from rltool.engine.paged_runner import PagedRunner
 from rltool.engine.paged_scheduler import PagedScheduler
-from rltool.engine.request import Request
-from rltool.engine.sampling import SamplingParams
 
-from benchmarks.engine_common import prompts_for
+from benchmarks.engine_common import prompts_for, submit_and_wait
 
 LOGNORMAL_MU = math.log(512)
 LOGNORMAL_SIGMA = 0.8
@@ -47,29 +44,6 @@ def output_lengths(n: int, *, cap: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [min(cap, max(1, round(rng.lognormvariate(LOGNORMAL_MU, LOGNORMAL_SIGMA))))
             for _ in range(n)]
-
-
-def submit_and_wait(sched: PagedScheduler, prompts: list[list[int]], lengths: list[int],
-                    tag: str) -> tuple[list[Request], float]:
-    """All requests at once; returns them (finished) and the seconds until the last finished."""
-    done, finished = threading.Event(), []
-
-    def on_finish(req: Request) -> None:
-        finished.append(req)
-        if len(finished) == len(prompts):
-            done.set()
-
-    reqs = [Request(rid=f"{tag}-{i}", prompt_ids=list(p), on_finish=on_finish,
-                    return_logprob=True,
-                    params=SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True))
-            for i, (p, n) in enumerate(zip(prompts, lengths))]
-    t0 = time.perf_counter()
-    sched.submit(reqs)
-    assert done.wait(1800), "engine run did not finish"
-    elapsed = time.perf_counter() - t0
-    bad = [r.rid for r, n in zip(reqs, lengths) if len(r.output_ids) != n]
-    assert not bad, f"requests stopped before their max_new_tokens: {bad[:5]}"
-    return reqs, elapsed
 
 
 def grpo_workload(model_dir: Path, *, device: str, prompts: int, samples: int, prompt_len: int,
@@ -97,12 +71,12 @@ def grpo_workload(model_dir: Path, *, device: str, prompts: int, samples: int, p
             # whichever arm runs first.
             warm = [p for p in prompts_for(prompts, vocab, seed + 1, length=prompt_len)
                     for _ in range(samples)]
-            submit_and_wait(sched, warm, [max(1, n // 8) for n in lengths], "warm")
+            submit_and_wait(sched, warm, [max(1, n // 8) for n in lengths])
             group = prompts_for(prompts, vocab, seed + 2, length=prompt_len)
             batch = [p for p in group for _ in range(samples)]
             pre0, fw0 = sched.num_prefill_tokens, sched.num_prefill_forwards
             steps0 = sched.num_decode_forwards
-            reqs, seconds = submit_and_wait(sched, batch, lengths, arm)
+            reqs, seconds = submit_and_wait(sched, batch, lengths)
             computed = sched.num_prefill_tokens - pre0
             tokens = sum(len(r.output_ids) for r in reqs)
             out[arm] = {"prefill_tokens": computed,
