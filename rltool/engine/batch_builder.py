@@ -114,6 +114,8 @@ class BatchBuilder:
             end = min(target, (start // chunk + 1) * chunk)
             if chunks and end - start > budget:
                 break
+            if not runner.claim_state(req.rid):
+                break  # a hybrid model's recurrent-state slots are all held: wait for one
             need = runner.extra_pages(req.rid, end)
             if not runner.has_free_pages(need + reserved):
                 break

@@ -65,6 +65,14 @@ class ServeConfig(StageConfig):
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
         "auto", description="KV cache element type: auto (the model dtype) or fp8_e4m3 (one "
                             "float32 scale per token and KV head; about half the bytes).")
+    mamba_full_memory_ratio: float | None = Field(
+        None, gt=0, description="Hybrid linear-attention models: the recurrent-state pool's share "
+        "of the cache budget over the KV pool's (r: states get rB/(1+r), KV B/(1+r)); default "
+        "0.9 on cuda, on cpu a state slot per running request.")
+    mamba_ssm_dtype: Literal["fp32", "bf16"] | None = Field(
+        None, description="Hybrid linear-attention models: the recurrent state's dtype "
+                          "(default: config.json's mamba_ssm_dtype, else fp32; FP8 KV never "
+                          "makes it FP8).")
     mem_fraction_static: float = Field(0.85, gt=0, lt=1, description="cuda: weights + KV pool "
                                                                      "as a fraction of GPU memory.")
     page_size: int = Field(16, ge=1, description="cuda: tokens per KV-cache page.")

@@ -3,6 +3,12 @@
 On CUDA the pool is sized once, after the weights are loaded, from what `--mem-fraction-static`
 leaves (fraction x total memory, minus what is in use); on CPU from the batch and context
 lengths. `--max-total-tokens` caps either.
+
+A hybrid model (Gated DeltaNet layers) also gets a recurrent-state pool of K slots
+(rltool.engine.state_pool). With `--mamba-full-memory-ratio r` the cache budget B (on CPU the
+KV of the default pool plus a slot per running request) splits into B/(1+r) for N tokens of KV
+(c_A bytes each) and rB/(1+r) for K slots (c_R bytes each), K at most `--max-running-requests`;
+on CUDA r defaults to SGLang's 0.9, on CPU without it K = --max-running-requests.
 """
 
 from __future__ import annotations
@@ -12,10 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
+from rltool.engine.linear_attention import SSM_DTYPES
 from rltool.engine.model_spec import ModelSpec
 from rltool.engine.moe import RoutedExperts
 from rltool.engine.paged import KVPool, PageTable
+from rltool.engine.state_pool import StatePool
 from rltool.errors import EngineError
+
+CUDA_MAMBA_FULL_MEMORY_RATIO = 0.9  # SGLang's default
 
 
 @dataclass(frozen=True)
@@ -28,15 +38,31 @@ class KvMemory:
     max_total_tokens: int | None
     kv_cache_dtype: str
     prefix_cache: bool
+    mamba_full_memory_ratio: float | None = None
+    mamba_ssm_dtype: str | None = None  # fp32 or bf16; None: the config's
 
     def bytes_per_token(self, spec: ModelSpec, dtype: torch.dtype) -> int:
         return KVPool.bytes_per_token(spec, dtype=dtype, kv_cache_dtype=self.kv_cache_dtype)
 
+    def ssm_dtype(self, spec: ModelSpec) -> torch.dtype:
+        """The recurrent state's dtype: --mamba-ssm-dtype, else config.json's (FP8 KV never
+        changes it)."""
+        return SSM_DTYPES[self.mamba_ssm_dtype or spec.linear.ssm_dtype]
+
+    def state_bytes(self, spec: ModelSpec, dtype: torch.dtype) -> int:
+        """c_R: bytes of one recurrent-state slot (0 for a model without GDN layers)."""
+        if spec.linear is None:
+            return 0
+        return spec.linear.state_bytes(ssm_dtype=self.ssm_dtype(spec), conv_dtype=dtype)
+
     def build(self, spec: ModelSpec, *, device: torch.device, dtype: torch.dtype,
-              context_length: int) -> tuple[KVPool, PageTable]:
+              context_length: int) -> tuple[KVPool, PageTable, StatePool | None]:
         """The pool and its page table, as large as the budget allows (an MoE model's routed
-        expert ids take their bytes per token too)."""
+        expert ids take their bytes per token too), and a hybrid's state pool."""
         per_token = self.bytes_per_token(spec, dtype) + RoutedExperts.bytes_per_token(spec.moe)
+        per_slot = self.state_bytes(spec, dtype)
+        ratio = self.mamba_full_memory_ratio
+        slots = self.max_running
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             gc.collect()
@@ -44,8 +70,18 @@ class KvMemory:
             free, total = torch.cuda.mem_get_info(device)
             budget = free - total * (1.0 - self.mem_fraction_static)
             tokens = int(budget // per_token)
+            if per_slot:
+                ratio = ratio or CUDA_MAMBA_FULL_MEMORY_RATIO
         else:
             tokens = self.max_running * min(context_length, 4096)
+            budget = tokens * per_token + self.max_running * per_slot
+        if per_slot and ratio is not None:
+            tokens = int(budget / (1 + ratio) // per_token)
+            slots = min(int(ratio * budget / (1 + ratio) // per_slot), self.max_running)
+            if slots < 1:
+                raise EngineError(f"no room for a recurrent-state slot ({per_slot} bytes) in "
+                                  f"{ratio * budget / (1 + ratio):.0f} bytes; raise "
+                                  "--mamba-full-memory-ratio or --mem-fraction-static")
         if self.max_total_tokens:
             tokens = min(tokens, self.max_total_tokens)
         num_pages = tokens // self.page_size
@@ -54,11 +90,16 @@ class KvMemory:
                               "--mem-fraction-static")
         pool = KVPool(num_layers=spec.num_layers, num_pages=num_pages, page_size=self.page_size,
                       num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=dtype,
-                      device=device, kv_cache_dtype=self.kv_cache_dtype)
+                      device=device, kv_cache_dtype=self.kv_cache_dtype,
+                      kv_layers=spec.kv_layers if spec.linear is not None else None)
         table = PageTable(num_pages=num_pages, page_size=self.page_size,
                           max_requests=self.max_running,
                           max_pages_per_request=-(-context_length // self.page_size),
                           device=device, prefix_cache=self.prefix_cache)
         pool.routed = RoutedExperts.make(spec.moe, spec.num_layers,
                                          slots=num_pages * self.page_size, device=device)
-        return pool, table
+        states = None
+        if spec.linear is not None:
+            states = StatePool(spec.linear, num_slots=slots, max_requests=self.max_running,
+                               conv_dtype=dtype, ssm_dtype=self.ssm_dtype(spec), device=device)
+        return pool, table, states

@@ -8,12 +8,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rltool.engine import moe
+from rltool.engine.linear_attention import LinearSpec, read_linear_spec
 from rltool.errors import CheckpointError
 
 ARCHS = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
-         "Qwen3MoeForCausalLM": "qwen3_moe"}
+         "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen3_5ForCausalLM": "qwen3_5"}
 # For a config.json without "architectures":
-MODEL_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3_moe"}
+MODEL_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3_moe",
+               "qwen3_5_text": "qwen3_5"}
+# Hybrid linear-attention families the engine's model does not implement (yet), and why.
+UNSUPPORTED = {"Qwen3NextForCausalLM": "qwen3_next (Gated DeltaNet with MoE layers)",
+               "Qwen3_5MoeForCausalLM": "qwen3_5_moe (Gated DeltaNet with MoE layers)",
+               "KimiLinearForCausalLM": "kimi_linear (Kimi Delta Attention with MLA)"}
 
 
 @dataclass(frozen=True)
@@ -33,11 +39,18 @@ class ModelSpec:
     tie_word_embeddings: bool
     max_position_embeddings: int
     moe: moe.MoeSpec | None = None  # qwen3_moe: the sparse layers' MLP
+    linear: LinearSpec | None = None  # qwen3_5: the Gated DeltaNet layers (a hybrid model)
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers with attention KV (every layer but a hybrid's GDN layers)."""
+        gdn = set(self.linear.linear_layers) if self.linear is not None else set()
+        return tuple(i for i in range(self.num_layers) if i not in gdn)
 
     @property
     def kv_bytes_per_token(self) -> int:
         """KV cache bytes per token per element byte (times 2 for bf16)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+        return 2 * len(self.kv_layers) * self.num_kv_heads * self.head_dim
 
 
 def read_spec(model_dir: str | Path) -> ModelSpec:
@@ -49,6 +62,10 @@ def read_spec(model_dir: str | Path) -> ModelSpec:
         raise CheckpointError(f"cannot read {path}: {e}") from e
     archs = cfg.get("architectures") or []
     arch = ARCHS.get(archs[0]) if archs else MODEL_TYPES.get(cfg.get("model_type"))
+    if archs and archs[0] in UNSUPPORTED:
+        raise CheckpointError(f"{path}: {UNSUPPORTED[archs[0]]} is not supported by the engine's "
+                              "model (its dense-MLP hybrid qwen3_5 is); serve it with "
+                              "--engine sglang")
     if arch is None:
         raise CheckpointError(f"{path}: architecture {archs or cfg.get('model_type')!r} is not "
                               f"supported by the engine's model; supported: {', '.join(ARCHS)} "
@@ -76,8 +93,10 @@ def read_spec(model_dir: str | Path) -> ModelSpec:
         num_heads=heads, num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(head_dim), vocab_size=int(cfg["vocab_size"]),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
-        qkv_bias=qkv_bias, qk_norm=arch in ("qwen3", "qwen3_moe"),
+        qkv_bias=qkv_bias, qk_norm=arch in ("qwen3", "qwen3_moe", "qwen3_5"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         moe=(moe.read_moe_spec(cfg, int(cfg["num_hidden_layers"]), where=str(path))
-             if arch == "qwen3_moe" else None))
+             if arch == "qwen3_moe" else None),
+        linear=(read_linear_spec(cfg, head_dim=int(head_dim), where=str(path))
+                if arch == "qwen3_5" else None))

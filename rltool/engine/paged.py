@@ -256,7 +256,12 @@ class KVPool:
 
     def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", kv_layers: tuple[int, ...] | None = None):
+        """`kv_layers`: the model layers that have KV, in order (a hybrid's attention layers;
+        default all `num_layers`); `layer(i)` takes the model's layer index."""
+        self._slot = ({layer: j for j, layer in enumerate(kv_layers)}
+                      if kv_layers is not None else None)
+        num_layers = len(kv_layers) if kv_layers is not None else num_layers
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
         self.fp8 = kv_cache_dtype == "fp8_e4m3"
         store = torch.float8_e4m3fn if self.fp8 else dtype
@@ -272,15 +277,18 @@ class KVPool:
     @staticmethod
     def bytes_per_token(spec: Any, *, dtype: torch.dtype, kv_cache_dtype: str) -> int:
         """K and V of one token in every layer of a model (`spec`: num_layers, num_kv_heads,
-        head_dim): 2 * layers * kv_heads * head_dim * element bytes, or with fp8_e4m3
-        2 * layers * kv_heads * (head_dim + 4) (the float32 scales)."""
+        head_dim; a hybrid's `kv_layers`): 2 * layers * kv_heads * head_dim * element bytes,
+        or with fp8_e4m3 2 * layers * kv_heads * (head_dim + 4) (the float32 scales)."""
         per_head = (spec.head_dim + 4 if kv_cache_dtype == "fp8_e4m3"
                     else spec.head_dim * torch.empty((), dtype=dtype).element_size())
-        return 2 * spec.num_layers * spec.num_kv_heads * per_head
+        layers = len(getattr(spec, "kv_layers", range(spec.num_layers)))
+        return 2 * layers * spec.num_kv_heads * per_head
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                      torch.Tensor | None]:
         """(k, v, k_scale, v_scale) of layer i (scales None unless FP8)."""
+        if self._slot is not None:
+            i = self._slot[i]
         if not self.fp8:
             return self.k[i], self.v[i], None, None
         return self.k[i], self.v[i], self.k_scale[i], self.v_scale[i]

@@ -19,6 +19,7 @@ from rltool.engine.decode_rows import paged_attention, per_request_attention
 from rltool.engine.dense_model import DenseLM, fp8_input
 from rltool.engine.moe import RoutedExperts
 from rltool.engine.paged import KVPool, PageTable, host_tensor, sdpa
+from rltool.engine.state_pool import Recurrence, StatePool
 
 # Deterministic mode: every decode attention call splits a request's KV this many ways, so its
 # reduction order depends on its own length only, never on the batch.
@@ -32,10 +33,13 @@ class PagedForward:
     when the runner releases them). Deterministic: attention per request where batching would
     change a request's numbers."""
 
-    def __init__(self, model: DenseLM, pool: KVPool, table: PageTable, *, deterministic: bool):
+    def __init__(self, model: DenseLM, pool: KVPool, table: PageTable, *, deterministic: bool,
+                 states: StatePool | None = None):
+        """`states`: a hybrid model's recurrent-state pool (rltool.engine.state_pool)."""
         self.model = model
         self.pool = pool
         self.table = table
+        self.states = states
         self.deterministic = deterministic
         self.device = model.device
         self.scale = model.spec.head_dim ** -0.5
@@ -53,10 +57,13 @@ class PagedForward:
         groups: list[tuple[int, int, int]] = []  # fresh chunks: (offset, count, length)
         cont: list[tuple[int, int, int, list[int]]] = []  # (offset, length, start, kv slots)
         singles: list[tuple[int, int, int]] = []  # continuation tokens: (offset, row, length)
+        segments: list[tuple[int, int, int, bool]] = []  # hybrid: (offset, length, slot, fresh)
         for i in order:
             rid, toks, start = chunks[i]
             n = len(toks)
-            table.add(rid)
+            entry = table.add(rid)
+            if self.states is not None:
+                segments.append((len(ids), n, self.states.bind(rid, entry.row), start == 0))
             table.extend(rid, start + n)
             offset = len(ids)
             ids += toks
@@ -102,7 +109,10 @@ class PagedForward:
                                      scale=self.scale, mask=mask).squeeze(0)
             return out
 
-        hidden = RoutedExperts.hidden(model, ids_t, attend, pool.routed, loc_t)
+        if self.states is not None:
+            hidden = model.hidden(ids_t, attend, recurrence=Recurrence(self.states, segments))
+        else:
+            hidden = RoutedExperts.hidden(model, ids_t, attend, pool.routed, loc_t)
         rows = [last[i] for i in range(len(chunks)) if want[i]]
         if not rows:
             return None
@@ -132,7 +142,11 @@ class PagedForward:
 
         # Logits stay in the model dtype here (the sampling kernel reads them as they are): the
         # float32 copy of a [256, 152k] batch would cost as much as a layer.
-        hidden = RoutedExperts.hidden(model, ids, attend, pool.routed, loc)  # MoE: no graph
+        if self.states is not None:  # each row's GDN states: its page-table row's slot
+            rec = Recurrence(self.states, slots=self.states.slot_of_row[rows])
+            hidden = model.hidden(ids, attend, recurrence=rec)
+        else:
+            hidden = RoutedExperts.hidden(model, ids, attend, pool.routed, loc)  # MoE: no graph
         return model.logits(hidden, upcast=self.device.type != "cuda")
 
     def _paging(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ Every method runs on the scheduler thread.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 from pathlib import Path
@@ -28,12 +29,14 @@ from rltool import batch_invariant
 from rltool.engine import quant
 from rltool.engine.decode_step import Decoder
 from rltool.engine.dense_model import DenseLM, load_model
+from rltool.engine.hybrid_model import check_hybrid_flags, load_hybrid
 from rltool.engine.kv_memory import KvMemory
 from rltool.engine.loading import check_servable, eos_token_ids, load_tokenizer, loading
 from rltool.engine.model_checkpoint import load_checkpoint
 from rltool.engine.model_spec import read_spec
 from rltool.engine.paged import KV_CACHE_DTYPES, KVPool, PageTable
 from rltool.engine.paged_forward import PagedForward
+from rltool.engine.state_pool import StatePool
 from rltool.errors import BadInputError
 from rltool.faults import kill_point
 
@@ -50,7 +53,8 @@ class PagedRunner:
                  mem_fraction_static: float = 0.85, max_total_tokens: int | None = None,
                  cuda_graph_max_bs: int = 256, disable_cuda_graph: bool = False,
                  prefix_cache: bool = True, deterministic: bool = False,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", mamba_full_memory_ratio: float | None = None,
+                 mamba_ssm_dtype: str | None = None):
         if dtype not in DTYPES:
             raise BadInputError(f"unknown --dtype {dtype!r}; choose fp32 or bf16")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -63,6 +67,8 @@ class PagedRunner:
         self.weight_version = weight_version
         self.config_json = check_servable(self.model_path)
         self.spec = read_spec(self.model_path)
+        check_hybrid_flags(self.spec, prefix_cache=prefix_cache and not deterministic,
+                           ratio=mamba_full_memory_ratio, ssm_dtype=mamba_ssm_dtype)
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = eos_token_ids(self.model_path, self.config_json, self.tokenizer)
         self.deterministic = deterministic
@@ -75,15 +81,20 @@ class PagedRunner:
         self.kv = KvMemory(page_size=page_size, max_running=max_running,
                            mem_fraction_static=mem_fraction_static,
                            max_total_tokens=max_total_tokens, kv_cache_dtype=kv_cache_dtype,
-                           prefix_cache=prefix_cache and not deterministic)
+                           prefix_cache=prefix_cache and not deterministic,
+                           mamba_full_memory_ratio=mamba_full_memory_ratio,
+                           mamba_ssm_dtype=mamba_ssm_dtype)
         self.kv_bytes_per_token = self.kv.bytes_per_token(self.spec, DTYPES[dtype])
-        # An MoE layer sizes its expert GEMMs on the host (rltool.engine.moe): no graph capture.
+        self.state_bytes_per_slot = self.kv.state_bytes(self.spec, DTYPES[dtype])
+        # An MoE layer sizes its expert GEMMs on the host (rltool.engine.moe), a hybrid's GDN
+        # layers index their states by slot in torch ops: no graph capture for either.
         self._use_graphs = (self.device.type == "cuda" and not disable_cuda_graph
-                            and self.spec.moe is None)
+                            and self.spec.moe is None and self.spec.linear is None)
         self._graph_max_bs = min(cuda_graph_max_bs, max_running)
         self.model: DenseLM | None = None
         self.pool: KVPool | None = None
         self.table: PageTable | None = None
+        self.states: StatePool | None = None  # a hybrid model's recurrent states
         self._forward: PagedForward | None = None
         self.decoder: Decoder | None = None
         self._build()
@@ -113,23 +124,29 @@ class PagedRunner:
     # ----- memory --------------------------------------------------------------------------
 
     def _build(self) -> None:
-        self.model = loading(self.model_path, "model", lambda: load_model(
-            self.model_path, device=self.device, dtype=DTYPES[self.dtype], spec=self.spec,
-            fp8_resident=self.device.type == "cuda" and not self.deterministic))
+        load = load_hybrid if self.spec.linear is not None else functools.partial(
+            load_model, fp8_resident=self.device.type == "cuda" and not self.deterministic)
+        self.model = loading(self.model_path, "model", lambda: load(
+            self.model_path, device=self.device, dtype=DTYPES[self.dtype], spec=self.spec))
         self.weight_info = quant.describe(self.model.fp8_keys, quant.read_format(
             self.config_json, where=str(self.model_path)), self.dtype)
         if self.deterministic:  # transformers' ops one by one (the trainer's), invariant kernels
             self.model.fused = False
         self.model.rope_table(self.context_length)
-        self.pool, self.table = self.kv.build(self.spec, device=self.device,
-                                              dtype=DTYPES[self.dtype],
-                                              context_length=self.context_length)
+        self.pool, self.table, self.states = self.kv.build(self.spec, device=self.device,
+                                                           dtype=DTYPES[self.dtype],
+                                                           context_length=self.context_length)
         num_pages = self.table.allocator.num_pages
         self.max_total_num_tokens = (num_pages - 1) * self.page_size
+        self.num_state_slots = self.states.num_slots if self.states is not None else 0
         log.info("KV pool: %d pages of %d tokens (%.2f GiB); weights %.2f GiB", num_pages,
                  self.page_size, self.pool.nbytes() / 2**30, self.model.nbytes() / 2**30)
+        if self.states is not None:
+            log.info("recurrent-state pool: %d slots of %d bytes (%.2f GiB)",
+                     self.states.num_slots, self.states.bytes_per_slot,
+                     self.states.nbytes() / 2**30)
         self._forward = PagedForward(self.model, self.pool, self.table,
-                                     deterministic=self.deterministic)
+                                     deterministic=self.deterministic, states=self.states)
         self.decoder = Decoder(self._forward, self.table, max_bs=self._graph_max_bs)
         if self._use_graphs:
             with self.invariant():
@@ -141,7 +158,7 @@ class PagedRunner:
 
     def release(self) -> None:
         """Free weights, KV pool and CUDA graphs (the scheduler has retracted every request)."""
-        self.model = self.pool = self.table = None
+        self.model = self.pool = self.table = self.states = None
         self._forward = self.decoder = None
         gc.collect()
         if self.device.type == "cuda":
@@ -192,10 +209,24 @@ class PagedRunner:
     def remove(self, rid: str) -> None:
         if self.table is not None:
             self.table.remove(rid)
+        if self.states is not None:
+            self.states.free(rid)
 
     def clear(self) -> None:
         if self.table is not None:
             self.table.clear()
+        if self.states is not None:
+            self.states.clear()
+
+    def claim_state(self, rid: str) -> bool:
+        """A hybrid model's recurrent-state slot for `rid` (held until `remove`); False when
+        every slot is held (the request waits). Always True for other models."""
+        return self.states is None or self.states.claim(rid)
+
+    def cache_sizes(self) -> dict[str, int]:
+        """c_A (KV bytes per token), c_R (bytes per recurrent-state slot), K slots, N tokens."""
+        return {"c_A": self.kv_bytes_per_token, "c_R": self.state_bytes_per_slot,
+                "K": self.num_state_slots, "N": self.max_total_num_tokens}
 
     def reuse_prefix(self, rid: str, tokens: list[int], *, max_tokens: int,
                      spare: int = 0) -> int:

@@ -77,7 +77,9 @@ def build_engine(cfg: ServeConfig) -> tuple[Any, Scheduler]:
                          cuda_graph_max_bs=cfg.cuda_graph_max_bs,
                          disable_cuda_graph=cfg.disable_cuda_graph,
                          prefix_cache=not cfg.disable_radix_cache,
-                         deterministic=cfg.deterministic, kv_cache_dtype=cfg.kv_cache_dtype)
+                         deterministic=cfg.deterministic, kv_cache_dtype=cfg.kv_cache_dtype,
+                         mamba_full_memory_ratio=cfg.mamba_full_memory_ratio,
+                         mamba_ssm_dtype=cfg.mamba_ssm_dtype)
     return runner, PagedScheduler(runner, max_running=cfg.max_running_requests,
                                   max_queued=cfg.max_queued_requests,
                                   max_prefill_tokens=cfg.max_prefill_tokens,

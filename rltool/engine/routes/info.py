@@ -70,6 +70,8 @@ def router(state: EngineState) -> APIRouter:
             "weight_version": runner.weight_version, **runner.weight_info,
             "kv_bytes_per_token": runner.kv_bytes_per_token,
             "kv_pool_tokens": runner.max_total_num_tokens,
+            # B_cache = N*c_A + K*c_R (K = 0 for a model without recurrent state)
+            "cache_sizes": runner.cache_sizes(),
             "internal_states": [sched.stats()],
             "version": _version(),
             "engine": "builtin",

@@ -1,0 +1,263 @@
+"""The engine's hybrid linear-attention model (qwen3_5: Gated DeltaNet + gated attention) against
+transformers on CPU in fp32: logits of a full pass and of chunked, packed prefills of requests of
+different lengths followed by batched decode steps; greedy tokens and logprobs through the
+scheduler with a prefill chunk that splits prompts; the GDN math against a float64 loop; and the
+recurrent-state pool's accounting (no slot held after finish, abort, retraction, release/resume
+or a weight update)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from rltool.engine.linear_attention import chunked_delta, recurrent_step
+from rltool.engine.model_spec import read_spec
+from rltool.engine.paged_runner import PagedRunner
+from rltool.engine.paged_scheduler import PagedScheduler
+from rltool.engine.request import Request
+from rltool.engine.sampling import SamplingParams
+from rltool.errors import BadInputError, CheckpointError
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [10, 11, 3], [12, 13, 14, 15, 16, 17, 18],
+           [3, 3, 3, 4, 9, 2]]
+NEW = 6
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    """A tiny-4l qwen3_5 (3 GDN layers, 1 attention layer) whose norms, A_log and dt_bias are
+    moved off their init values (zero-centred norms init to 0, where a missing 1 + w or a
+    swapped weight would not show)."""
+    from rltool.data.models import init_model
+
+    out = init_model(tmp_path_factory.mktemp("hybrid") / "m", arch="qwen3_5", preset="tiny-4l")
+    path = out / "model.safetensors"
+    tensors = load_file(str(path))
+    gen = torch.Generator().manual_seed(7)
+    for name, t in tensors.items():
+        if "norm" in name or "A_log" in name or "dt_bias" in name:
+            tensors[name] = t + 0.3 * torch.randn(t.shape, generator=gen)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return out
+
+
+def hf_logits(model_dir, ids):
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0]
+
+
+def runner_of(model_dir, **kw):
+    args = dict(device="cpu", dtype="fp32", max_running=4, page_size=4, max_total_tokens=512,
+                prefix_cache=False)
+    return PagedRunner(model_dir, **(args | kw))
+
+
+def test_spec_reads_the_layer_pattern_and_refuses_the_moe_hybrids(hybrid_dir, tmp_path):
+    spec = read_spec(hybrid_dir)
+    assert spec.arch == "qwen3_5" and spec.kv_layers == (3,)
+    assert spec.linear.linear_layers == (0, 1, 2) and spec.linear.rotary_dim == 4
+    cfg = json.loads((hybrid_dir / "config.json").read_text())
+    for arch, words in [("Qwen3NextForCausalLM", "qwen3_next"),
+                        ("KimiLinearForCausalLM", "kimi_linear")]:
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": [arch]}))
+        with pytest.raises(CheckpointError, match=words) as e:
+            read_spec(tmp_path)
+        assert "\n" not in str(e.value) and "--engine sglang" in str(e.value)
+
+
+def test_gdn_chunks_and_steps_match_a_float64_loop():
+    """The chunked prefill (chunks of 3 over 8 tokens, from a nonzero state) and the decode step
+    against the delta rule written token by token in float64."""
+    gen = torch.Generator().manual_seed(0)
+    H, T, Dk, Dv = 2, 8, 4, 3
+    q, k = (torch.nn.functional.normalize(torch.randn(H, T, Dk, generator=gen), dim=-1)
+            for _ in range(2))
+    v = torch.randn(H, T, Dv, generator=gen)
+    g = -torch.rand(H, T, generator=gen)
+    beta = torch.rand(H, T, generator=gen)
+    s0 = torch.randn(H, Dk, Dv, generator=gen)
+    S, want = s0.double().clone(), torch.zeros(H, T, Dv, dtype=torch.float64)
+    for t in range(T):
+        for h in range(H):
+            S[h] *= float(g[h, t].exp())
+            u = float(beta[h, t]) * (v[h, t].double() - S[h].T @ k[h, t].double())
+            S[h] += torch.outer(k[h, t].double(), u)
+            want[h, t] = S[h].T @ q[h, t].double()
+    out, state = chunked_delta(q, k, v, g, beta, s0, chunk=3)
+    assert torch.allclose(out.double(), want, atol=1e-5) and torch.allclose(state.double(), S,
+                                                                               atol=1e-5)
+    S = s0.clone()
+    for t in range(T):
+        o, S = recurrent_step(q[:, t][None], k[:, t][None], v[:, t][None], g[:, t][None],
+                              beta[:, t][None], S[None])
+        S = S[0]
+        assert torch.allclose(o[0].double(), want[:, t], atol=1e-5)
+
+
+def test_logits_match_transformers_over_chunks_and_decode(hybrid_dir):
+    """Three requests of different lengths: prefilled in chunks of at most 4 tokens (each chunk
+    continuing a request's states, several requests per packed forward), then decoded together;
+    every logit row equals transformers' on the whole sequence."""
+    seqs = [[3, 9, 4, 17, 22, 5, 8, 30, 11, 2, 7, 19, 25, 6, 13, 1, 28],
+            [4, 4, 9, 1, 2, 14, 20, 21, 5, 6, 7],
+            [7, 3, 12, 30, 2, 2, 9, 18]]
+    prompt = [11, 5, 3]  # prompt lengths; the rest is teacher-forced decode
+    refs = [hf_logits(hybrid_dir, s) for s in seqs]
+    runner = runner_of(hybrid_dir)
+    full = runner.full_pass_logits(seqs[0], start=1)
+    assert torch.allclose(full, refs[0][:-1], atol=1e-5, rtol=0)
+    done = [0, 0, 0]
+    while any(d < n for d, n in zip(done, prompt)):
+        chunks = [(f"r{i}", seqs[i][d:min(d + 4, n)], d)
+                  for i, (d, n) in enumerate(zip(done, prompt)) if d < n]
+        want = [c[2] + len(c[1]) == prompt[int(c[0][1])] for c in chunks]
+        logits = runner.prefill(chunks, want=want)
+        got = iter(logits) if logits is not None else iter(())
+        for (rid, toks, start), w in zip(chunks, want):
+            i = int(rid[1])
+            done[i] = start + len(toks)
+            if w:
+                assert torch.allclose(next(got), refs[i][done[i] - 1], atol=1e-5, rtol=0)
+    assert runner.states.available == runner.states.num_slots - 3
+    for t in range(5):  # the shortest sequence's last token is at prompt + 4
+        logits = runner.decode(["r0", "r1", "r2"], [seqs[i][prompt[i] + t] for i in range(3)])
+        for i in range(3):
+            assert torch.allclose(logits[i], refs[i][prompt[i] + t], atol=1e-5, rtol=0), (i, t)
+    for rid in ("r0", "r1", "r2"):
+        runner.remove(rid)
+    assert runner.states.available == runner.states.num_slots and not runner.states.held
+
+
+def hf_greedy(model_dir, prompt, n):
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    ids, out, lps = list(prompt), [], []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+            tok = int(logits.argmax())
+            lps.append(float(torch.log_softmax(logits, -1)[tok]))
+            out.append(tok)
+            ids.append(tok)
+    return out, lps
+
+
+def run_requests(sched, reqs, *, before_wait=None, timeout_s=120):
+    done = threading.Semaphore(0)
+    for req in reqs:
+        req.on_finish = lambda r: done.release()
+    sched.submit(reqs)
+    if before_wait is not None:
+        before_wait()
+    for _ in reqs:
+        assert done.acquire(timeout=timeout_s)
+
+
+def greedy(rid, prompt, n=NEW):
+    return Request(rid=rid, prompt_ids=prompt, return_logprob=True,
+                   params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+
+
+@pytest.mark.parametrize("ratio,max_total_tokens", [(None, 512), (0.07, 512), (None, 24)])
+def test_scheduler_greedy_matches_transformers_and_frees_every_slot(hybrid_dir, ratio,
+                                                                    max_total_tokens):
+    """Prompts split by a 4-token prefill chunk, batched decode; with a memory ratio that leaves
+    fewer state slots than --max-running-requests, requests wait for a slot; a 24-token KV pool
+    forces retraction (the retracted request starts again from a zero state)."""
+    runner = runner_of(hybrid_dir, mamba_full_memory_ratio=ratio,
+                       max_total_tokens=max_total_tokens)
+    if ratio is not None:
+        assert 1 <= runner.states.num_slots < 4
+    sched = PagedScheduler(runner, max_running=4, max_prefill_tokens=6, chunked_prefill_size=4)
+    reqs = [greedy(f"g{i}", p) for i, p in enumerate(PROMPTS)]
+    sched.start()
+    try:
+        run_requests(sched, reqs)
+    finally:
+        sched.stop()
+    for req, prompt in zip(reqs, PROMPTS):
+        want, lps = hf_greedy(hybrid_dir, prompt, NEW)
+        assert req.output_ids == want, req.rid
+        assert req.output_logprobs == pytest.approx(lps, abs=1e-5)
+    assert not runner.states.held and runner.states.available == runner.states.num_slots
+    if max_total_tokens == 24:
+        assert sched.num_retractions > 0
+
+
+def test_no_slot_is_held_after_abort_release_resume_and_a_weight_update(hybrid_dir):
+    runner = runner_of(hybrid_dir)
+    sched = PagedScheduler(runner, max_running=4, max_prefill_tokens=6, chunked_prefill_size=4)
+    sched.start()
+    try:
+        long = [greedy(f"a{i}", p, n=400) for i, p in enumerate(PROMPTS[:3])]
+        run_requests(sched, long, before_wait=lambda: sched.abort(abort_all=True))
+        assert all(r.finish_reason["type"] == "abort" for r in long)
+        assert sched.call(lambda: dict(runner.states.held)).result(30) == {}
+        # release with requests in flight: retracted (slots freed), the pool rebuilt on resume,
+        # then they run to the end from zero states
+        reqs = [greedy(f"m{i}", p) for i, p in enumerate(PROMPTS[:2])]
+
+        def release_and_resume():
+            def release():
+                sched.retract_for_release()
+                held = dict(runner.states.held)
+                runner.release()
+                return held
+            assert sched.call(release).result(30) == {}
+            sched.call(runner.resume).result(60)
+        run_requests(sched, reqs, before_wait=release_and_resume)
+        for req, prompt in zip(reqs, PROMPTS):
+            assert req.output_ids == hf_greedy(hybrid_dir, prompt, NEW)[0]
+        # a weight update from disk (the same checkpoint) between requests
+        sched.update_weights(lambda: runner.load_weights(hybrid_dir), abort_all=False).result(60)
+        again = [greedy("w0", PROMPTS[0])]
+        run_requests(sched, again)
+        assert again[0].output_ids == reqs[0].output_ids
+        assert sched.call(lambda: dict(runner.states.held)).result(30) == {}
+    finally:
+        sched.stop()
+    assert runner.states.available == runner.states.num_slots
+
+
+def test_state_dtype_and_cache_sizes(hybrid_dir):
+    """c_R follows --mamba-ssm-dtype (bf16 halves the recurrent state, not the conv state); FP8
+    KV changes c_A only; c_A counts the attention layer alone."""
+    spec = read_spec(hybrid_dir)
+    ls = spec.linear
+    ssm = ls.num_v_heads * ls.k_dim * ls.v_dim
+    conv = (ls.conv_kernel - 1) * ls.conv_dim
+    r32 = runner_of(hybrid_dir, max_running=2)
+    assert r32.cache_sizes() == {"c_A": 2 * 1 * spec.num_kv_heads * spec.head_dim * 4,
+                                 "c_R": 3 * (ssm * 4 + conv * 4), "K": 2, "N": 508}
+    r16 = runner_of(hybrid_dir, max_running=2, mamba_ssm_dtype="bf16", kv_cache_dtype="fp8_e4m3")
+    assert r16.states.ssm.dtype == torch.bfloat16 and r16.states.conv.dtype == torch.float32
+    assert r16.cache_sizes()["c_R"] == 3 * (ssm * 2 + conv * 4)
+    assert r16.cache_sizes()["c_A"] == 2 * 1 * spec.num_kv_heads * (spec.head_dim + 4)
+    with pytest.raises(BadInputError, match="--disable-radix-cache"):
+        runner_of(hybrid_dir, prefix_cache=True)
+
+
+def test_cli_refuses_the_prefix_cache_and_bad_hybrid_flags(hybrid_dir, tiny_model_dir):
+    from click.testing import CliRunner
+
+    from rltool.cli import main
+
+    cases = [([], "--disable-radix-cache"),
+             (["--disable-radix-cache", "--mamba-ssm-dtype", "fp16"], "mamba-ssm-dtype"),
+             (["--disable-radix-cache", "--mamba-full-memory-ratio", "0"],
+              "mamba-full-memory-ratio")]
+    for extra, words in cases:
+        result = CliRunner().invoke(main, ["serve", "--model", str(hybrid_dir), "--device", "cpu",
+                                           "--port", "0", *extra])
+        assert result.exit_code == 2, (extra, result.output)
+        # one error line (click's usage errors come after its two usage lines)
+        errors = [line for line in result.output.splitlines() if "rror" in line]
+        assert len(errors) == 1 and words in errors[0], (extra, result.output)
+    result = CliRunner().invoke(main, ["serve", "--model", str(tiny_model_dir), "--device", "cpu",
+                                       "--port", "0", "--mamba-ssm-dtype", "bf16"])
+    assert result.exit_code == 2 and "drop them" in result.output, result.output
