@@ -12,9 +12,9 @@ the Content-Type and the body size):
     POST   /episodes/{id}/verify        {} -> {reward: float | null}
     DELETE /episodes/{id}               -> {closed: true}
 
-At most `--max-episodes` are open (429 beyond); environment calls run on `--workers` threads,
-each under `--step-timeout-s` (504: the episode is closed; the thread cannot be stopped and
-finishes on its own); an environment that raises answers 500 and closes its episode; an unknown
+At most `--max-episodes` are open (429 beyond); at most `--workers` environment calls run at
+once, each in a daemon thread under `--step-timeout-s` (504: the episode is closed; the thread
+cannot be stopped and is abandoned, rltool.env.threads); an environment that raises answers 500 and closes its episode; an unknown
 or closed episode 404; a malformed body 400. Idle episodes close after `--episode-ttl-s`.
 """
 
@@ -28,8 +28,8 @@ import os
 import secrets
 import signal
 import socket
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,8 +37,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from rltool.engine.security import Guard, HostCheck
-from rltool.env.base import Environment, EnvError, check_messages, load_env_class
+from rltool.env.base import (Environment, EnvError, EnvTimeoutError, StepResult,
+                             check_messages, load_env_class)
 from rltool.env.config import EnvServeConfig
+from rltool.env.threads import CallLimiter, call_in_thread
 from rltool.errors import RltoolError
 
 log = logging.getLogger(__name__)
@@ -65,7 +67,7 @@ class EnvService:
         self.cfg = cfg
         self.cls = load_env_class(cfg.env)
         self.episodes: dict[str, _Episode] = {}
-        self.pool = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="rltool-env")
+        self.limiter = CallLimiter(cfg.workers)
         self.counts = {"episodes": 0, "steps": 0, "timeouts": 0, "errors": 0}
 
     def info(self) -> dict[str, Any]:
@@ -76,11 +78,10 @@ class EnvService:
                 "step_timeout_s": self.cfg.step_timeout_s, "counts": dict(self.counts)}
 
     async def _run(self, fn: Any, *args: Any, what: str, **kwargs: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        call = loop.run_in_executor(self.pool, lambda: fn(*args, **kwargs))
         try:
-            return await asyncio.wait_for(call, self.cfg.step_timeout_s)
-        except asyncio.TimeoutError:
+            return await call_in_thread(fn, *args, timeout_s=self.cfg.step_timeout_s, what=what,
+                                        limiter=self.limiter, **kwargs)
+        except EnvTimeoutError:
             self.counts["timeouts"] += 1
             raise HttpError(504, f"{what} took more than {self.cfg.step_timeout_s:g}s; "
                                  "the episode is closed") from None
@@ -100,8 +101,8 @@ class EnvService:
 
     def _close(self, eid: str) -> None:
         ep = self.episodes.pop(eid, None)
-        if ep is not None:
-            self.pool.submit(_quiet_close, ep.env)
+        if ep is not None:  # in a thread of its own: a close may block
+            threading.Thread(target=_quiet_close, args=(ep.env,), daemon=True).start()
 
     async def open(self, body: Any) -> dict[str, Any]:
         if not isinstance(body, dict):
@@ -145,7 +146,10 @@ class EnvService:
         ep.busy = True
         try:
             result = await self._run(ep.env.step, action, what="step")
-            out = result.to_json()
+            out = StepResult.from_json(result, where="step").to_json()
+        except EnvError as e:  # a malformed answer
+            self._close(eid)
+            raise HttpError(500, f"{e}; the episode is closed") from e
         except HttpError:
             self._close(eid)
             raise
@@ -173,7 +177,6 @@ class EnvService:
     def shutdown(self) -> None:
         for eid in list(self.episodes):
             self._close(eid)
-        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _quiet_close(env: Environment) -> None:

@@ -19,15 +19,13 @@ raises or times out fails the episode (`env_error: ...`, `env_timeout: ...`), no
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import functools
 import logging
 import math
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rltool.env.base import EnvError, EnvTimeoutError, Environment, StepResult, check_messages
+from rltool.env.threads import CallLimiter, call_in_thread
 from rltool.errors import BadInputError
 from rltool.rollout.generate import GenerateContext, GenerateFn, Sample, derive_seed, finish_label
 
@@ -87,9 +85,9 @@ class EnvSource:
     def __init__(self, spec: str, *, api_key: str | None = None, timeout_s: float = 60.0,
                  workers: int = 32):
         self.spec = spec
-        # Environment calls run here, not on the event loop's default executor (a handful of
-        # threads), so slow tools of many episodes run side by side.
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rltool-env")
+        # Environment calls run in threads of their own, at most `workers` at once (not on the
+        # event loop's few default executor threads, so slow tools run side by side).
+        self.limiter = CallLimiter(workers)
         self.remote = spec.startswith(("http://", "https://"))
         if self.remote:
             from rltool.env.remote import RemoteEnvClient
@@ -109,13 +107,10 @@ class EnvSource:
         return self.cls()
 
 
-async def _call(fn: Any, *args: Any, timeout_s: float, what: str, pool: Any = None,
+async def _call(fn: Any, *args: Any, timeout_s: float, what: str, limiter: Any = None,
                 **kwargs: Any) -> Any:
-    call = asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kwargs))
-    try:
-        return await asyncio.wait_for(call, timeout_s)
-    except asyncio.TimeoutError:
-        raise EnvTimeoutError(f"{what} took more than {timeout_s:g}s") from None
+    return await call_in_thread(fn, *args, timeout_s=timeout_s, what=what, limiter=limiter,
+                                **kwargs)
 
 
 def make_env_generate(source: EnvSource, *, max_turns: int, step_timeout_s: float,
@@ -128,13 +123,13 @@ def make_env_generate(source: EnvSource, *, max_turns: int, step_timeout_s: floa
             return sample.fail("env_error: an episode cannot resume from a partial sample")
         try:
             env = await _call(source.make, timeout_s=step_timeout_s, what="creating the env",
-                              pool=source.pool)
+                              limiter=source.limiter)
         except Exception as e:  # noqa: BLE001 - an environment failure fails the episode
             return sample.fail(_failure(e))
         try:
             return await run_episode(sample, ctx, env=env, renderer=renderer, stop=source.stop,
                                      max_turns=max_turns, step_timeout_s=step_timeout_s,
-                                     max_tokens_per_turn=max_tokens_per_turn, pool=source.pool)
+                                     max_tokens_per_turn=max_tokens_per_turn, limiter=source.limiter)
         except Exception as e:  # noqa: BLE001 - a raising, hanging or malformed env
             if not isinstance(e, EnvError):
                 log.warning("environment failed on sample %s: %s: %s", sample.uid,
@@ -145,7 +140,7 @@ def make_env_generate(source: EnvSource, *, max_turns: int, step_timeout_s: floa
         finally:
             with contextlib.suppress(Exception):
                 # Bounded by the step timeout: a hanging close must not hold the episode.
-                await _call(env.close, timeout_s=step_timeout_s, what="close", pool=source.pool)
+                await _call(env.close, timeout_s=step_timeout_s, what="close", limiter=source.limiter)
 
     return generate
 
@@ -161,11 +156,11 @@ def _failure(e: BaseException) -> str:
 async def run_episode(sample: Sample, ctx: GenerateContext, *, env: Environment,
                       renderer: ChatRenderer, stop: list[str], max_turns: int,
                       step_timeout_s: float, max_tokens_per_turn: int | None = None,
-                      pool: Any = None) -> Sample:
+                      limiter: Any = None) -> Sample:
     seed = derive_seed(ctx.sampling.get("seed") or 0, f"group-{sample.group_id}", 0)
     task = {"prompt": _prompt_value(sample), "label": sample.label,
             "metadata": sample.metadata, "prompt_id": sample.prompt_id}
-    messages = check_messages(await _call(env.reset, seed=seed, task=task, pool=pool,
+    messages = check_messages(await _call(env.reset, seed=seed, task=task, limiter=limiter,
                                           timeout_s=step_timeout_s, what="reset"),
                               where="env reset")
     sample.prompt_token_ids = renderer.prompt_ids(messages)
@@ -199,7 +194,7 @@ async def run_episode(sample: Sample, ctx: GenerateContext, *, env: Environment,
         action = {"role": "assistant", "finish": finish if isinstance(finish, dict) else {},
                   "content": ctx.tokenizer.decode(ids, skip_special_tokens=True)}
         result = await _call(env.step, action, timeout_s=step_timeout_s, what=f"step {turn}",
-                             pool=pool)
+                             limiter=limiter)
         result = StepResult.from_json(result, where=f"env step {turn}")
         sample.turn_rewards.append(result.reward)
         if result.info:
@@ -219,7 +214,7 @@ async def run_episode(sample: Sample, ctx: GenerateContext, *, env: Environment,
             break
     else:
         finish_reason = "max_turns"
-    final = await _call(env.verify, timeout_s=step_timeout_s, what="verify", pool=pool)
+    final = await _call(env.verify, timeout_s=step_timeout_s, what="verify", limiter=limiter)
     if final is not None:
         if isinstance(final, bool) or not isinstance(final, (int, float)) or not math.isfinite(
                 final):

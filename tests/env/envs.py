@@ -28,7 +28,7 @@ class Scripted(Environment):
         self.turn += 1
         fault = (self.task.get("metadata") or {}).get("fault")
         if self.turn == 2 and fault == "hang":
-            time.sleep(3.0)
+            time.sleep(8.0)
         if self.turn == 2 and fault == "raise":
             raise RuntimeError("scripted crash")
         reward = turn_reward(action["content"])

@@ -33,7 +33,7 @@ def rollout(engine, tmp_path, *, env, prompts, name, **kw):
                         env=env, n_samples_per_prompt=2, rollout_batch_size=len(
                             prompts.read_text().splitlines()),
                         max_response_len=72, max_tokens_per_turn=5, max_turns=3,
-                        env_step_timeout_s=1.0, seed=0, quiet=True, **kw)
+                        env_step_timeout_s=3.0, seed=0, quiet=True, **kw)
     return run(cfg), open_shard(tmp_path / name).rows()
 
 
@@ -120,7 +120,7 @@ def test_rollout_through_env_serve(builtin_engine, tmp_path, tok):
 
     ready = tmp_path / "ready.json"
     child = start([sys.executable, "-m", "rltool", "env", "serve", "--env", ENV, "--port", "0",
-                   "--api-key", "k", "--step-timeout-s", "1", "--ready-file", str(ready)],
+                   "--api-key", "k", "--step-timeout-s", "3", "--ready-file", str(ready)],
                   log_path=tmp_path / "env.log", name="env")
     try:
         url = child.wait_ready_file(ready, timeout_s=60)["url"]
