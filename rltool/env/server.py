@@ -14,8 +14,9 @@ the Content-Type and the body size):
 
 At most `--max-episodes` are open (429 beyond); at most `--workers` environment calls run at
 once, each in a daemon thread under `--step-timeout-s` (504: the episode is closed; the thread
-cannot be stopped and is abandoned, rltool.env.threads); an environment that raises answers 500 and closes its episode; an unknown
-or closed episode 404; a malformed body 400. Idle episodes close after `--episode-ttl-s`.
+cannot be stopped and is abandoned, rltool.env.threads); an environment that raises or answers
+something malformed answers 500 and closes its episode; an unknown or closed episode 404; a
+malformed body 400. Idle episodes close after `--episode-ttl-s`.
 """
 
 from __future__ import annotations
