@@ -129,7 +129,8 @@ def make_env_generate(source: EnvSource, *, max_turns: int, step_timeout_s: floa
         try:
             return await run_episode(sample, ctx, env=env, renderer=renderer, stop=source.stop,
                                      max_turns=max_turns, step_timeout_s=step_timeout_s,
-                                     max_tokens_per_turn=max_tokens_per_turn, limiter=source.limiter)
+                                     max_tokens_per_turn=max_tokens_per_turn,
+                                     limiter=source.limiter)
         except Exception as e:  # noqa: BLE001 - a raising, hanging or malformed env
             if not isinstance(e, EnvError):
                 log.warning("environment failed on sample %s: %s: %s", sample.uid,
@@ -140,7 +141,8 @@ def make_env_generate(source: EnvSource, *, max_turns: int, step_timeout_s: floa
         finally:
             with contextlib.suppress(Exception):
                 # Bounded by the step timeout: a hanging close must not hold the episode.
-                await _call(env.close, timeout_s=step_timeout_s, what="close", limiter=source.limiter)
+                await _call(env.close, timeout_s=step_timeout_s, what="close",
+                            limiter=source.limiter)
 
     return generate
 
