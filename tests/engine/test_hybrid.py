@@ -261,3 +261,66 @@ def test_cli_refuses_the_prefix_cache_and_bad_hybrid_flags(hybrid_dir, tiny_mode
     result = CliRunner().invoke(main, ["serve", "--model", str(tiny_model_dir), "--device", "cpu",
                                        "--port", "0", "--mamba-ssm-dtype", "bf16"])
     assert result.exit_code == 2 and "drop them" in result.output, result.output
+
+
+GDN_TENSORS = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.conv1d.weight",
+               "linear_attn.norm.weight", "linear_attn.in_proj_a.weight",
+               "linear_attn.in_proj_qkv.weight", "input_layernorm.weight")
+
+
+def test_weight_updates_reach_the_gdn_tensors(hybrid_dir, tmp_path):
+    """An in-memory update of GDN tensors (decay, time-step bias, conv, gated norm, projections),
+    and the same weights from disk, give transformers' logits of the updated checkpoint; a tensor
+    of the wrong shape is refused before anything is copied."""
+    seq = [3, 9, 4, 17, 22, 5, 8, 30, 11, 2, 7, 19]
+    tensors = load_file(str(hybrid_dir / "model.safetensors"))
+    gen = torch.Generator().manual_seed(11)
+    changed = {n: t + 0.2 * torch.randn(t.shape, generator=gen) for n, t in tensors.items()
+               if n.startswith("model.layers.1.") and n.endswith(GDN_TENSORS)}
+    assert len(changed) == len(GDN_TENSORS)
+    new_dir = tmp_path / "updated"
+    new_dir.mkdir()
+    for f in hybrid_dir.iterdir():
+        if f.name != "model.safetensors":
+            (new_dir / f.name).write_bytes(f.read_bytes())
+    save_file(tensors | changed, str(new_dir / "model.safetensors"), metadata={"format": "pt"})
+    ref = hf_logits(new_dir, seq)
+    runner = runner_of(hybrid_dir)
+    before = runner.full_pass_logits(seq, start=1)
+    assert not torch.allclose(before, ref[:-1], atol=1e-3)
+    bad = ("model.layers.1.linear_attn.A_log", torch.zeros(3))
+    with pytest.raises(BadInputError, match="shape"):
+        runner.load_named_tensors([*changed.items(), bad])
+    assert torch.equal(runner.full_pass_logits(seq, start=1), before)
+    assert runner.load_named_tensors(list(changed.items())) == len(changed)
+    assert torch.allclose(runner.full_pass_logits(seq, start=1), ref[:-1], atol=1e-5, rtol=0)
+    from_disk = runner_of(hybrid_dir)
+    from_disk.load_weights(new_dir)
+    assert torch.allclose(from_disk.full_pass_logits(seq, start=1), ref[:-1], atol=1e-5, rtol=0)
+
+
+def test_block_fp8_keeps_the_recurrent_parameters_and_serves(hybrid_dir, tmp_path):
+    """`rltool convert fp8` of a hybrid quantizes the GDN layer's large projections and keeps
+    A_log, dt_bias, the conv, the gated norm and the small a/b projections in their dtype; the
+    engine serves it as it serves its dequantized copy."""
+    from safetensors import safe_open
+
+    from rltool.convert.fp8 import (DequantConfig, Fp8Config, dequantize_checkpoint,
+                                    quantize_checkpoint)
+
+    fp8 = tmp_path / "fp8"
+    quantize_checkpoint(Fp8Config(hf=hybrid_dir, out=fp8, block=(32, 32), workers=1))
+    with safe_open(str(next(fp8.glob("*.safetensors"))), framework="pt") as f:
+        dtypes = {n: f.get_slice(n).get_dtype() for n in f.keys()}
+    p = "model.layers.0.linear_attn."
+    for name in ("A_log", "dt_bias", "conv1d.weight", "norm.weight", "in_proj_a.weight",
+                 "in_proj_b.weight"):
+        assert dtypes[p + name] == "F32", name
+    for name in ("in_proj_qkv.weight", "in_proj_z.weight", "out_proj.weight"):
+        assert dtypes[p + name] == "F8_E4M3", name
+    plain = tmp_path / "dequant"
+    dequantize_checkpoint(DequantConfig(hf=fp8, out=plain, dtype="fp32", workers=1))
+    seq = [3, 9, 4, 17, 22, 5, 8, 30]
+    got = runner_of(fp8).full_pass_logits(seq, start=1)
+    assert torch.allclose(got, runner_of(plain).full_pass_logits(seq, start=1), atol=1e-5)
+    assert torch.allclose(got, hf_logits(plain, seq)[:-1], atol=1e-5, rtol=0)
