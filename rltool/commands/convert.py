@@ -3,6 +3,7 @@ import click
 from rltool.commands.common import echo_json
 from rltool.commands.options import build_config, command_options, stage_options
 from rltool.convert.fp8 import DequantConfig, Fp8Config
+from rltool.convert.int4 import Int4Config
 from rltool.convert.torch_dist import DistToHfConfig, HfToDistConfig
 
 TABLE = "convert"
@@ -10,7 +11,7 @@ TABLE = "convert"
 
 @click.group("convert")
 def command():
-    """Convert checkpoints: HF <-> Megatron torch_dist, and block-FP8 quantization.
+    """Convert checkpoints: HF <-> Megatron torch_dist, block-FP8 and INT4 (W4A16) quantization.
 
     \b
     Example:
@@ -51,19 +52,58 @@ def fp8(as_json, **_):
     _report(result, as_json=as_json, verb=f"quantized {result['quantized']} tensors")
 
 
+@command.command("int4")
+@stage_options(Int4Config, table=TABLE)
+@click.option("--symmetric/--asymmetric", "symmetric_flag", default=None,
+              help="Symmetric groups (scale only) or asymmetric ones (scale and zero point).  "
+                   "[default: symmetric]")
+@command_options("config", "json")
+def int4(as_json, symmetric_flag, **_):
+    """Quantize an HF checkpoint to INT4 weights, bf16 activations (W4A16), group-wise.
+
+    Writes compressed-tensors' pack-quantized format (weight_packed int32, weight_scale,
+    weight_zero_point when asymmetric, weight_shape; config.json's quantization_config), what
+    slime's INT4 converter writes and vLLM and SGLang load. Default --ignore: for MoE models
+    slime's list (only the routed experts' linears become INT4), for dense models every linear
+    layer but lm_head. Norms, embeddings and biases are never quantized. --verify prints each
+    tensor's relative dequantization error ||deq-w||/||w||.
+
+    \b
+    Example:
+      rltool convert int4 --hf models/qwen3-moe --out models/qwen3-moe-int4 --group-size 32
+      rltool convert int4 --hf models/qwen --out models/qwen-int4 --asymmetric --ignore lm_head \\
+          --ignore 're:.*self_attn.*'
+    """
+    from rltool.convert.int4 import quantize_checkpoint
+
+    extra = {} if symmetric_flag is None else {"symmetric": symmetric_flag}
+    cfg = build_config(Int4Config, table=TABLE, extra=extra)
+    result = quantize_checkpoint(cfg)
+    if cfg.verify and not as_json:
+        for name, err in result["relative_error"].items():
+            click.echo(f"{err:.3e}  {name}")
+        click.echo(f"max relative error {result['max_relative_error']:.3e} over "
+                   f"{result['quantized']} quantized tensors")
+    _report(result, as_json=as_json, verb=f"quantized {result['quantized']} tensors to INT4")
+
+
 @command.command("dequant")
 @stage_options(DequantConfig, table=TABLE)
 @command_options("config", "json")
 def dequant(as_json, **_):
-    """Dequantize a block-FP8 checkpoint (q * weight_scale_inv) back to bf16.
+    """Dequantize a block-FP8 (q * weight_scale_inv) or INT4 pack-quantized ((q - zp) * scale)
+    checkpoint back to bf16.
 
     \b
     Example:
       rltool convert dequant --hf models/qwen-fp8 --out models/qwen-bf16
     """
-    from rltool.convert.fp8 import dequantize_checkpoint
+    from rltool.convert import fp8, int4
+    from rltool.convert.hf_writer import read_config
 
-    result = dequantize_checkpoint(build_config(DequantConfig, table=TABLE))
+    cfg = build_config(DequantConfig, table=TABLE)
+    qc = read_config(cfg.hf).get("quantization_config")
+    result = (int4 if int4.is_int4_config(qc) else fp8).dequantize_checkpoint(cfg)
     _report(result, as_json=as_json, verb=f"dequantized {result['tensors']} tensors")
 
 

@@ -58,6 +58,7 @@ def base_args(path, files):
         # cpu: so that checks of the GPU engine (device-dependent) do not depend on the machine
         ("serve",): {"model": [files["model"]], "device": ["cpu"]},
         ("convert", "fp8"): {"hf": ["h"], "out": ["o"]},
+        ("convert", "int4"): {"hf": ["h"], "out": ["o"]},
         ("convert", "dequant"): {"hf": ["h"], "out": ["o"]},
         ("convert", "hf-to-dist"): {"hf": ["h"], "out": ["o"]},
         ("convert", "dist-to-hf"): {"dist": ["d"], "hf_config": ["c"], "out": ["o"]},
