@@ -6,7 +6,11 @@ built."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -267,3 +271,36 @@ def test_the_colocated_loop_plans_the_megatron_trainer_beside_the_engines():
         memplan.choose(memplan.Shape.of(hf), offload="none", device_bytes=70 << 30,
                        host_bytes=10**12, micro_batch_tokens=4096, recompute=True,
                        kv_tokens=65536, trainer=(train, resident))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,layout", [
+    ("qwen2", {"tensor_model_parallel_size": 2}),
+    ("qwen2", {"pipeline_model_parallel_size": 2}),
+    ("qwen2", {"use_distributed_optimizer": True}),
+    ("qwen3_moe", {"expert_model_parallel_size": 2, "use_distributed_optimizer": True}),
+], ids=["tp2", "pp2", "dp2-distopt", "ep2-distopt"])
+def test_megatron_state_bytes_per_shard_on_two_ranks(models, tmp_path, arch, layout):
+    """Each of 2 gloo ranks counts its real tensors: weights and gradient buffers equal the
+    plan's for its TP/PP/EP shard and pipeline stage, and so does the optimizer state, except
+    where the distributed optimizer shards a buffer over 2 ranks: a rank's share of the padded
+    buffer (the plan's count) may include padding that holds no state."""
+    model = models(arch, "tiny")
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(root / "tests" / "train" / "megatron_memplan_ranks.py"), str(model), str(tmp_path),
+         json.dumps(layout)], capture_output=True, text=True, timeout=400,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+    sharded = layout.get("use_distributed_optimizer", False)
+    for rank in ranks:
+        real, plan = rank["real"], rank["plan"]
+        assert plan["weights"] == real["weights"] and plan["grads"] == real["grads"], rank
+        if sharded:
+            assert 0 <= plan["optimizer"] - real["optimizer"] <= 8 * rank["padding"], rank
+        else:
+            assert plan["optimizer"] == real["optimizer"], rank
+    if "pipeline_model_parallel_size" in layout:
+        assert {r["stage"] for r in ranks} == {"first", "last"}
