@@ -11,8 +11,10 @@ What the child gets, set up between fork and exec (`_child_setup`):
 - when rltool runs as root, the unprivileged uid/gid 65534 (nobody; no supplementary groups),
   so the process limit binds (the kernel does not apply RLIMIT_NPROC to root) and the file
   system's permissions keep it out of everything not world-writable;
-- rlimits: CPU seconds (RLIMIT_CPU), address space (RLIMIT_AS), processes (RLIMIT_NPROC),
-  file size (RLIMIT_FSIZE), open files, no core dumps;
+- a pids cgroup of its own when one can be made (rltool.env.pids): the call's process limit,
+  and every process it started killed at the end, even one that left the group with setsid;
+- rlimits: CPU seconds (RLIMIT_CPU), address space (RLIMIT_AS), processes (RLIMIT_NPROC; only a
+  backstop when the cgroup holds the limit), file size (RLIMIT_FSIZE), open files, no core dumps;
 - its own session and process group, killed as a group at the wall-time limit, when its output
   passes the output limit, and when the call ends (nothing it started outlives the call unless it
   left the group with setsid; such a process still carries every rlimit above).
@@ -20,8 +22,8 @@ What the child gets, set up between fork and exec (`_child_setup`):
 Every limit that is hit is reported in words the model sees (`SandboxResult.killed`):
 "killed: CPU time limit 2 s", "killed: wall time limit 5 s", "killed: output limit 16384 bytes",
 "memory limit 256 MiB hit (MemoryError)", "process limit 16 hit (fork failed)".
-RLIMIT_NPROC counts every process of the uid, so sandboxes running at once share the process
-limit. Without root none of the namespaces, the uid switch or the bind mounts are possible: the
+Without the cgroup, RLIMIT_NPROC, which counts every process of the uid, is the process limit:
+sandboxes running at once share it. Without root none of the namespaces, the uid switch or the bind mounts are possible: the
 call still runs with the rlimits and the private directory, and `isolation` says what is missing.
 """
 
@@ -42,7 +44,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rltool.env.pids import PidsCgroup
+
 NOBODY = 65534
+NPROC_BACKSTOP = 64  # RLIMIT_NPROC = this x max_processes when a pids cgroup holds the call
 CLONE_NEWNS, CLONE_NEWNET = 0x00020000, 0x40000000
 MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 32, 4096, 16384, 1 << 18
 POLL_S = 0.05  # how often the reader checks whether the main process has exited
@@ -107,9 +112,10 @@ def run_python(code: str, *, limits: Limits = Limits()) -> SandboxResult:
             for p in (work, work / "main.py"):
                 os.chown(p, NOBODY, NOBODY)
         os.chmod(work, 0o700)
+        cgroup, pids_how = PidsCgroup.create(limits.max_processes)
         report_r, report_w = os.pipe()
         plan = _Plan(work=str(work), root=root, limits=limits, report_fd=report_w,
-                     prefix=sys.base_prefix)
+                     prefix=sys.base_prefix, cgroup=cgroup)
         python_rel = os.path.relpath(os.path.realpath(sys.executable), sys.base_prefix)
         argv = [sys.executable, "-I", "-S", "main.py"]
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
@@ -124,11 +130,17 @@ def run_python(code: str, *, limits: Limits = Limits()) -> SandboxResult:
         with os.fdopen(report_r, "rb") as f:
             isolation_lines = f.read().decode(errors="replace").splitlines()
         result = _collect(proc, limits)
+        if cgroup is not None:  # what left the process group (setsid) is still in the cgroup
+            cgroup.destroy()
+            cgroup = None
         result.isolation = _isolation(isolation_lines, root=root)
+        result.isolation.setdefault("pids", f"rlimit, shared by the uid ({pids_how})")
         if result.isolation.get("setup_error"):
             result.killed = f"sandbox setup failed: {result.isolation['setup_error']}"
         return result
     finally:
+        if cgroup is not None:
+            cgroup.destroy()
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -139,6 +151,7 @@ class _Plan:
     limits: Limits
     report_fd: int
     prefix: str
+    cgroup: PidsCgroup | None = None
 
 
 def _executable(plan: _Plan, python_rel: str) -> str:
@@ -179,6 +192,9 @@ def _child_setup(plan: _Plan, env: dict[str, str]) -> None:
             env["LD_LIBRARY_PATH"] = os.path.join(INSIDE_DIR, PYTHON_DIR, "lib")
         else:
             report("network=shared (not root: no network namespace)")
+        if plan.cgroup is not None:
+            plan.cgroup.join()
+            report("pids=cgroup")
         os.chdir(home)
         lim = plan.limits
         cpu = int(lim.cpu_time_s)
@@ -187,7 +203,10 @@ def _child_setup(plan: _Plan, env: dict[str, str]) -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (lim.max_file_bytes, lim.max_file_bytes))
         resource.setrlimit(resource.RLIMIT_NOFILE, (lim.max_open_files, lim.max_open_files))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        resource.setrlimit(resource.RLIMIT_NPROC, (lim.max_processes, lim.max_processes))
+        # With the call's own pids cgroup the uid-wide limit is only a backstop, loose enough
+        # that sandboxes running at once do not share one call's allowance.
+        nproc = lim.max_processes * (NPROC_BACKSTOP if plan.cgroup is not None else 1)
+        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
         if plan.root:
             os.setgroups([])
             os.setresgid(NOBODY, NOBODY, NOBODY)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from rltool.env.pids import PidsCgroup
 from rltool.env.sandbox import NOBODY, Limits, run_python
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,7 +33,9 @@ def test_ordinary_code_runs_as_nobody_in_its_own_directory():
     uid, gid, cwd, files = r.stdout.split(" ", 3)
     assert (int(uid), int(gid), cwd) == (NOBODY, NOBODY, "/tmp")
     assert "main.py" in files
-    assert r.isolation == {"network": "none", "tmp": "private", "uid": NOBODY}
+    pids = "cgroup" if pids_cgroup_works() else r.isolation["pids"]
+    assert pids.startswith(("cgroup", "rlimit"))
+    assert r.isolation == {"network": "none", "tmp": "private", "uid": NOBODY, "pids": pids}
 
 
 def test_infinite_loop_is_killed_at_the_cpu_limit():
@@ -63,6 +66,22 @@ def test_fork_bomb_hits_the_process_limit_and_leaves_nothing_behind():
     left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _uid(p) == NOBODY
             and "main.py" in _cmdline(p)]
     assert not left
+
+
+def test_a_process_that_leaves_the_group_is_killed_too():
+    """setsid takes a child out of the process group the wall-time kill reaches; the call's
+    pids cgroup still holds it, and it is killed when the call ends."""
+    needs_root()
+    if not pids_cgroup_works():
+        pytest.skip("no writable pids cgroup on this machine: a setsid child escapes the "
+                    "group kill (docs/agentic.md, the sandbox's known limits)")
+    code = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\n"
+            "print('parent done')")
+    r = run_python(code, limits=FAST)
+    assert r.stdout.strip() == "parent done"
+    time.sleep(0.2)
+    assert not [p for p in Path("/proc").iterdir() if p.name.isdigit() and _uid(p) == NOBODY
+                and "main.py" in _cmdline(p)]
 
 
 def test_writes_outside_its_directory_fail():
@@ -99,6 +118,14 @@ def test_output_flood_is_cut_at_the_output_limit():
 def test_limits_must_be_positive():
     with pytest.raises(ValueError, match="cpu_time_s must be positive"):
         Limits(cpu_time_s=0)
+
+
+def pids_cgroup_works() -> bool:
+    cgroup, _ = PidsCgroup.create(4)
+    if cgroup is None:
+        return False
+    cgroup.destroy()
+    return True
 
 
 def _uid(proc: Path) -> int | None:
