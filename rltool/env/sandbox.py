@@ -16,15 +16,16 @@ What the child gets, set up between fork and exec (`_child_setup`):
 - rlimits: CPU seconds (RLIMIT_CPU), address space (RLIMIT_AS), processes (RLIMIT_NPROC; only a
   backstop when the cgroup holds the limit), file size (RLIMIT_FSIZE), open files, no core dumps;
 - its own session and process group, killed as a group at the wall-time limit, when its output
-  passes the output limit, and when the call ends (nothing it started outlives the call unless it
-  left the group with setsid; such a process still carries every rlimit above).
+  passes the output limit, and when the call ends (without the cgroup, a process that left the
+  group with setsid outlives the call, still carrying every rlimit above).
 
 Every limit that is hit is reported in words the model sees (`SandboxResult.killed`):
 "killed: CPU time limit 2 s", "killed: wall time limit 5 s", "killed: output limit 16384 bytes",
 "memory limit 256 MiB hit (MemoryError)", "process limit 16 hit (fork failed)".
 Without the cgroup, RLIMIT_NPROC, which counts every process of the uid, is the process limit:
-sandboxes running at once share it. Without root none of the namespaces, the uid switch or the bind mounts are possible: the
-call still runs with the rlimits and the private directory, and `isolation` says what is missing.
+sandboxes running at once share it. Without root none of the namespaces, the cgroup, the uid
+switch or the bind mounts are possible: the call still runs with the rlimits and the private
+directory, and `isolation` says what is missing.
 """
 
 from __future__ import annotations
