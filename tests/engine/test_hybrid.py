@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -30,12 +31,20 @@ NEW = 6
 
 @pytest.fixture(scope="module")
 def hybrid_dir(tmp_path_factory):
-    """A tiny-4l qwen3_5 (3 GDN layers, 1 attention layer) whose norms, A_log and dt_bias are
-    moved off their init values (zero-centred norms init to 0, where a missing 1 + w or a
-    swapped weight would not show)."""
-    from rltool.data.models import init_model
+    """`rltool init-model --arch qwen3_5 --preset tiny-4l` (3 GDN layers, 1 attention layer),
+    its norms, A_log and dt_bias then moved off their init values (zero-centred norms init to 0,
+    where a missing 1 + w or a swapped weight would not show)."""
+    from click.testing import CliRunner
 
-    out = init_model(tmp_path_factory.mktemp("hybrid") / "m", arch="qwen3_5", preset="tiny-4l")
+    from rltool.cli import main
+
+    out = tmp_path_factory.mktemp("hybrid") / "m"
+    result = CliRunner().invoke(main, ["init-model", "--arch", "qwen3_5", "--preset", "tiny-4l",
+                                       "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5_text" and config["layer_types"] == [
+        "linear_attention"] * 3 + ["full_attention"]
     path = out / "model.safetensors"
     tensors = load_file(str(path))
     gen = torch.Generator().manual_seed(7)
@@ -163,17 +172,22 @@ def greedy(rid, prompt, n=NEW):
                    params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
 
 
-@pytest.mark.parametrize("ratio,max_total_tokens", [(None, 512), (0.07, 512), (None, 24)])
+@pytest.mark.parametrize("ratio,max_total_tokens,deterministic",
+                         [(None, 512, False), (0.07, 512, False), (None, 24, False),
+                          (None, 512, True)])
 def test_scheduler_greedy_matches_transformers_and_frees_every_slot(hybrid_dir, ratio,
-                                                                    max_total_tokens):
+                                                                    max_total_tokens,
+                                                                    deterministic):
     """Prompts split by a 4-token prefill chunk, batched decode; with a memory ratio that leaves
     fewer state slots than --max-running-requests, requests wait for a slot; a 24-token KV pool
-    forces retraction (the retracted request starts again from a zero state)."""
+    forces retraction (the retracted request starts again from a zero state); deterministic
+    mode runs each request alone."""
     runner = runner_of(hybrid_dir, mamba_full_memory_ratio=ratio,
-                       max_total_tokens=max_total_tokens)
+                       max_total_tokens=max_total_tokens, deterministic=deterministic)
     if ratio is not None:
         assert 1 <= runner.states.num_slots < 4
-    sched = PagedScheduler(runner, max_running=4, max_prefill_tokens=6, chunked_prefill_size=4)
+    sched = PagedScheduler(runner, max_running=4, max_prefill_tokens=6, chunked_prefill_size=4,
+                           deterministic=deterministic)
     reqs = [greedy(f"g{i}", p) for i, p in enumerate(PROMPTS)]
     sched.start()
     try:
@@ -195,29 +209,45 @@ def test_no_slot_is_held_after_abort_release_resume_and_a_weight_update(hybrid_d
     sched.start()
     try:
         long = [greedy(f"a{i}", p, n=400) for i, p in enumerate(PROMPTS[:3])]
-        run_requests(sched, long, before_wait=lambda: sched.abort(abort_all=True))
+
+        def abort_while_decoding():
+            deadline = time.monotonic() + 60
+            while not all(r.output_ids for r in long) and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+            def abort():
+                held = len(runner.states.held)
+                sched.abort(abort_all=True)
+                return held
+            assert sched.call(abort).result(30) == 3  # each running request held a slot
+        run_requests(sched, long, before_wait=abort_while_decoding)
         assert all(r.finish_reason["type"] == "abort" for r in long)
         assert sched.call(lambda: dict(runner.states.held)).result(30) == {}
         # release with requests in flight: retracted (slots freed), the pool rebuilt on resume,
         # then they run to the end from zero states
-        reqs = [greedy(f"m{i}", p) for i, p in enumerate(PROMPTS[:2])]
+        reqs = [greedy(f"m{i}", p, n=30) for i, p in enumerate(PROMPTS[:2])]
 
         def release_and_resume():
+            deadline = time.monotonic() + 60
+            while not all(r.output_ids for r in reqs) and time.monotonic() < deadline:
+                time.sleep(0.01)
+
             def release():
+                before = len(runner.states.held)
                 sched.retract_for_release()
-                held = dict(runner.states.held)
+                after = dict(runner.states.held)
                 runner.release()
-                return held
-            assert sched.call(release).result(30) == {}
+                return before, after
+            assert sched.call(release).result(30) == (2, {})
             sched.call(runner.resume).result(60)
         run_requests(sched, reqs, before_wait=release_and_resume)
         for req, prompt in zip(reqs, PROMPTS):
-            assert req.output_ids == hf_greedy(hybrid_dir, prompt, NEW)[0]
+            assert req.output_ids == hf_greedy(hybrid_dir, prompt, 30)[0]
         # a weight update from disk (the same checkpoint) between requests
         sched.update_weights(lambda: runner.load_weights(hybrid_dir), abort_all=False).result(60)
         again = [greedy("w0", PROMPTS[0])]
         run_requests(sched, again)
-        assert again[0].output_ids == reqs[0].output_ids
+        assert again[0].output_ids == reqs[0].output_ids[:NEW]
         assert sched.call(lambda: dict(runner.states.held)).result(30) == {}
     finally:
         sched.stop()
