@@ -16,7 +16,12 @@ The choice, fastest first (every candidate is checked against the plan):
 - both automatic: the least recompute whose largest fitting cap reaches AUTO_MIN_TOKENS (4,096,
   or the longest sample when longer), with that cap; when none does, the one that fits the
   largest cap. Less recompute is preferred over a larger cap because at 4k+ tokens the GEMMs of
-  the presets' shapes are already large (an assumption, not yet measured on a GPU).
+  the presets' shapes are already large (an assumption, not yet measured on a GPU);
+- with `--recompute auto` and `--logprob-chunk-tokens` left at its default, each recompute
+  choice is tried with the default chunk, then with 2,048 and 1,024 rows, before more recompute:
+  a smaller chunk of logits costs a few more, still large, LM-head GEMMs, a recompute a third
+  more compute (the 3B shapes on an 80 GB H100: no recompute with chunks of 1,024 rows instead of
+  full recompute).
 
 Without a known device (no CUDA and no `--device-memory-gb`) nothing is checked: `auto` is
 `none` and the automatic cap 4,096 tokens.
@@ -45,7 +50,9 @@ AUTO_MAX_TOKENS = 65536
 DEFAULT_TOKENS = 4096  # the automatic cap where no device is known
 TOKEN_STEP = 1024
 
-Predict = Callable[[str, int], int]  # (recompute, micro-batch tokens) -> device bytes
+# (recompute, micro-batch tokens, logprob chunk rows or None: the options') -> device bytes
+Predict = Callable[[str, int, "int | None"], int]
+AUTO_CHUNKS = (2048, 1024)  # the smaller logprob chunks `--recompute auto` may take
 
 
 def room(device_bytes: int) -> int:
@@ -92,28 +99,29 @@ def predictor(options: Any, hf_config: dict[str, Any], *, world_size: int) -> Pr
         layout = mplan.Layout.of(options, world_size=world_size)
         fraction = options.optimizer_offload_fraction if options.optimizer_cpu_offload else 0.0
 
-        def megatron(recompute: str, tokens: int) -> int:
+        def megatron(recompute: str, tokens: int, chunk: int | None = None) -> int:
             return mplan.plan(shape, layout, dtype=options.dtype, recompute=recompute,
                               micro_batch_tokens=tokens,
-                              logprob_chunk_tokens=options.logprob_chunk_tokens,
+                              logprob_chunk_tokens=chunk or options.logprob_chunk_tokens,
                               offload_fraction=fraction).device_bytes
         return megatron
     shape = memplan.Shape.of(hf_config)
 
-    def torch_backend(recompute: str, tokens: int) -> int:
-        return sum(torch_activations(shape, options, recompute=recompute, tokens=tokens).values()
+    def torch_backend(recompute: str, tokens: int, chunk: int | None = None) -> int:
+        return sum(torch_activations(shape, options, recompute=recompute, tokens=tokens,
+                                     chunk=chunk).values()
                    ) + sum(torch_state(shape.params, options)[0].values())
     return torch_backend
 
 
-def torch_activations(shape: memplan.Shape, options: Any, *, recompute: str,
-                      tokens: int) -> dict[str, int]:
+def torch_activations(shape: memplan.Shape, options: Any, *, recompute: str, tokens: int,
+                      chunk: int | None = None) -> dict[str, int]:
     """The torch backend's activations (rltool.train.memplan's estimate); fp32 parameters under
     bf16 autocast without recompute add the bf16 copy of every weight that the forward casts and
     keeps for the backward pass (recomputed layers drop theirs)."""
     out = memplan.activation_bytes(shape, tokens=tokens, compute_dtype=options.dtype,
                                    recompute=recompute == "full",
-                                   logprob_chunk_tokens=options.logprob_chunk_tokens)
+                                   logprob_chunk_tokens=chunk or options.logprob_chunk_tokens)
     if options.dtype == "bf16" and options.param_dtype == "fp32" and recompute != "full":
         out["autocast_weights"] = 2 * shape.params
     return out
@@ -140,47 +148,53 @@ def trainer_bytes(options: Any, hf_config: dict[str, Any], *, world_size: int = 
                                      tokens=tokens), state
 
 
-def largest_cap(predict: Predict, recompute: str, *, budget: int, floor: int) -> int | None:
+def largest_cap(predict: Predict, recompute: str, *, budget: int, floor: int,
+                chunk: int | None = None) -> int | None:
     """The largest cap (a multiple of TOKEN_STEP up to AUTO_MAX_TOKENS, or `floor` itself) whose
     plan fits `budget`; None when even `floor` does not."""
-    if predict(recompute, floor) > budget:
+    if predict(recompute, floor, chunk) > budget:
         return None
     caps = range(AUTO_MAX_TOKENS // TOKEN_STEP, math.ceil(floor / TOKEN_STEP) - 1, -1)
     return next((k * TOKEN_STEP for k in caps if k * TOKEN_STEP >= floor
-                 and predict(recompute, k * TOKEN_STEP) <= budget), floor)
+                 and predict(recompute, k * TOKEN_STEP, chunk) <= budget), floor)
 
 
 def choose(predict: Predict, *, recompute: str, max_tokens: int, longest: int, budget: int,
-           backend: str) -> tuple[str, int]:
-    """(recompute, cap) by the module docstring's rule; ConfigError (one line, naming the knobs)
-    when no candidate fits `budget`."""
+           backend: str, chunks: tuple[int | None, ...] = (None,)
+           ) -> tuple[str, int, int | None]:
+    """(recompute, cap, logprob chunk) by the module docstring's rule; `chunks`: the logprob
+    chunk sizes to try with each recompute, the options' (None) first. ConfigError (one line,
+    naming the knobs) when no candidate fits `budget`."""
     order = [r for r in mplan.RECOMPUTES if backend == "megatron" or r != "selective"]
-    candidates = order if recompute == "auto" else [recompute]
+    candidates = [(r, c) for r in (order if recompute == "auto" else [recompute]) for c in chunks]
+    last = candidates[-1]
     floor = max(longest, 1)
     if max_tokens:  # an explicit cap (a longer sample is a micro-batch of its own)
         tokens = max(max_tokens, longest)
-        for r in candidates:
-            if predict(r, tokens) <= budget:
-                return r, max_tokens
-        raise ConfigError(refusal(predict(candidates[-1], tokens), budget, backend=backend,
-                                  recompute=candidates[-1], tokens=tokens,
+        for r, c in candidates:
+            if predict(r, tokens, c) <= budget:
+                return r, max_tokens, c
+        raise ConfigError(refusal(predict(last[0], tokens, last[1]), budget, backend=backend,
+                                  recompute=last[0], tokens=tokens,
                                   longest=longest > max_tokens))
-    fits = [(r, largest_cap(predict, r, budget=budget, floor=floor)) for r in candidates]
-    for r, cap in fits:
+    fits = [(r, largest_cap(predict, r, budget=budget, floor=floor, chunk=c), c)
+            for r, c in candidates]
+    for r, cap, c in fits:
         if cap is not None and cap >= max(AUTO_MIN_TOKENS, floor):
-            return r, cap
-    best = max(((r, cap) for r, cap in fits if cap is not None), key=lambda rc: rc[1],
+            return r, cap, c
+    best = max(((r, cap, c) for r, cap, c in fits if cap is not None), key=lambda f: f[1],
                default=None)
     if best is None:
-        raise ConfigError(refusal(predict(candidates[-1], floor), budget, backend=backend,
-                                  recompute=candidates[-1], tokens=floor, longest=floor > 1))
+        raise ConfigError(refusal(predict(last[0], floor, last[1]), budget, backend=backend,
+                                  recompute=last[0], tokens=floor, longest=floor > 1))
     return best
 
 
 def refusal(need: int, budget: int, *, backend: str, recompute: str, tokens: int,
             longest: bool = False) -> str:
     knobs = ("--recompute full" if recompute != "full" else None,
-             "a smaller --max-tokens-per-microbatch (0: the largest that fits)",
+             "a smaller --max-tokens-per-microbatch (0: the largest that fits) or "
+             "--logprob-chunk-tokens",
              "--optimizer-cpu-offload",
              "--param-dtype bf16" if backend == "torch" else None,
              "more GPUs (--nproc-per-node with --use-distributed-optimizer, tensor or pipeline "
@@ -218,9 +232,17 @@ def fit(options: Any, model_dir: str | os.PathLike, *, longest: int = 1,
         log.info("no memory plan (%s); recompute %s and %d tokens a micro-batch as set", e,
                  options.recompute, max_tokens)
         return {"recompute": options.recompute, "max_tokens_per_microbatch": max_tokens}
-    recompute, cap = choose(predict, recompute=options.recompute, max_tokens=max_tokens,
-                            longest=longest, budget=room(total), backend=options.backend)
-    log.info("memory plan: recompute %s, %d tokens a micro-batch: %.1f GiB of %.1f GiB "
-             "(device %.1f GiB less its reserve)", recompute, cap,
-             predict(recompute, max(cap, longest)) / GIB, room(total) / GIB, total / GIB)
-    return {"recompute": recompute, "max_tokens_per_microbatch": cap}
+    chunk = options.logprob_chunk_tokens
+    smaller = tuple(c for c in AUTO_CHUNKS if c < chunk)
+    # auto may shrink a logprob chunk left at its default: cheaper than recomputing layers
+    chunks = (None, *smaller) if options.recompute == "auto" and \
+        "logprob_chunk_tokens" not in options.model_fields_set else (None,)
+    recompute, cap, picked = choose(predict, recompute=options.recompute, max_tokens=max_tokens,
+                                    longest=longest, budget=room(total),
+                                    backend=options.backend, chunks=chunks)
+    log.info("memory plan: recompute %s, %d tokens a micro-batch, logprob chunks of %d rows: "
+             "%.1f GiB of %.1f GiB (device %.1f GiB less its reserve)", recompute, cap,
+             picked or chunk, predict(recompute, max(cap, longest), picked) / GIB,
+             room(total) / GIB, total / GIB)
+    return {"recompute": recompute, "max_tokens_per_microbatch": cap,
+            "logprob_chunk_tokens": picked or chunk}

@@ -178,22 +178,25 @@ def test_auto_picks_the_least_recompute_that_fits_then_the_largest_cap():
 
     # 3B on an 80 GB H100: without recompute even 4,096 tokens do not fit, full recompute does
     assert predict("none", 4096) > room and predict("selective", 4096) > room
-    recompute, cap = full_cap = choose()
+    recompute, cap, _ = full_cap = choose()
     assert recompute == "full" and cap % 1024 == 0 and cap >= 4096
     assert predict("full", cap) <= room < predict("full", cap + 1024)
-    assert choose(max_tokens=4096) == ("full", 4096)
-    assert choose(recompute="full", max_tokens=0) == ("full", cap)
+    assert choose(max_tokens=4096) == ("full", 4096, None)
+    assert choose(recompute="full", max_tokens=0) == ("full", cap, None)
+    # smaller logprob chunks before more recompute: 1,024 rows leave room for no recompute
+    assert predict("none", 4096, 2048) > room >= predict("none", 4096, 1024)
+    assert choose(chunks=(None, 2048, 1024)) == ("none", 4096, 1024)
     # on an H200 no recompute fits 4,096 tokens or more: less recompute beats a larger cap
     big = memfit.room(H200)
-    recompute, cap = choose(budget=big)
+    recompute, cap, _ = choose(budget=big)
     assert recompute == "none" and cap >= 4096 and predict("full", 65536) <= big
     # the optimizer offloaded: no recompute on the H100 too
     offloaded = _predict("qwen2.5-3b", optimizer_cpu_offload=True, **megatron)
-    recompute, cap = memfit.choose(offloaded, recompute="auto", max_tokens=0, longest=1,
-                                   budget=room, backend="megatron")
+    recompute, cap, _ = memfit.choose(offloaded, recompute="auto", max_tokens=0, longest=1,
+                                      budget=room, backend="megatron")
     assert recompute == "none" and offloaded("none", cap) <= room
     # a sample longer than the explicit cap is planned at its own length
-    assert choose(max_tokens=1024, longest=full_cap[1]) == ("full", 1024)
+    assert choose(max_tokens=1024, longest=full_cap[1]) == ("full", 1024, None)
     with pytest.raises(ConfigError, match="the longest sample"):
         choose(max_tokens=1024, longest=full_cap[1] + 2048)
     # the torch backend never picks selective
@@ -231,8 +234,13 @@ def test_fit_with_a_device_budget_reads_the_model_config(tmp_path, tiny_model_di
     model = _fake_model(tmp_path, tiny_model_dir, "qwen2.5-3b")
     cfg = TrainConfig(rollouts=["x"], load=str(model), backend="megatron", dtype="bf16",
                       recompute="auto", max_tokens_per_microbatch=0, device_memory_gb=H100 / 1e9)
-    fitted = memfit.fit(cfg, model, longest=900)
+    assert memfit.fit(cfg, model, longest=900) == {
+        "recompute": "none", "max_tokens_per_microbatch": 4096, "logprob_chunk_tokens": 1024}
+    explicit = TrainConfig(**dict(cfg.model_dump(exclude_defaults=True),
+                                  logprob_chunk_tokens=4096))
+    fitted = memfit.fit(explicit, model, longest=900)
     assert fitted["recompute"] == "full" and fitted["max_tokens_per_microbatch"] >= 4096
+    assert fitted["logprob_chunk_tokens"] == 4096  # set explicitly: kept
 
 
 @pytest.mark.parametrize("backend", ["megatron", "torch"])
