@@ -143,10 +143,12 @@ def build_backend(model_dir: str | os.PathLike, *, options: BackendConfig, train
     """A TorchBackend or a MegatronBackend (a TrainerBackend) for `model_dir`, as
     `options.backend` (`torch`, `megatron`) names. The implementations are imported here, not at
     the top: each imports this module for its types, and megatron's loads megatron-core."""
-    if options.recompute == "auto":  # a caller that did not plan (rltool.train.memfit)
+    if options.recompute == "auto":  # a caller that did not plan: its cap, else 4,096 tokens
         from rltool.train.memfit import fit
 
-        options = options.model_copy(update={"recompute": fit(options, model_dir)["recompute"]})
+        fitted = fit(options, model_dir)
+        options = options.model_copy(update={k: v for k, v in fitted.items()
+                                             if k in ("recompute", "logprob_chunk_tokens")})
     if options.backend == "megatron":
         from rltool.train.megatron_backend import MegatronBackend
 
