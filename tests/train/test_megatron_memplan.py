@@ -312,3 +312,13 @@ def test_megatron_state_bytes_per_shard_on_two_ranks(models, tmp_path, arch, lay
             assert plan["optimizer"] == real["optimizer"], rank
     if "pipeline_model_parallel_size" in layout:
         assert {r["stage"] for r in ranks} == {"first", "last"}
+
+
+def test_a_backend_built_with_auto_takes_the_plan(tmp_path, tiny_model_dir):
+    """Callers that build a backend without the train stage (benchmarks, the align gate) get the
+    plan's recompute and chunk for 4,096-token micro-batches."""
+    from rltool.train.backend import build_backend
+
+    backend = build_backend(tiny_model_dir, options=BackendConfig(
+        device="cpu", recompute="auto", device_memory_gb=40.0))
+    assert backend.options.recompute == "none" and backend.options.logprob_chunk_tokens == 4096
