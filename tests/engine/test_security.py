@@ -139,7 +139,7 @@ def test_oversized_bodies_get_413_and_serving_continues(secured):
     assert r.status_code == 413
     r = secured.post("/v1/completions", content=chunks(),
                      headers={**auth("user-key"), "Content-Type": "application/json"})
-    assert r.status_code == 400 and "exceeds" in r.json()["message"]
+    assert r.status_code == 413 and "exceeds" in r.json()["error"]["message"]
     assert secured.post("/generate", json=GEN, headers=auth("user-key")).status_code == 200
 
 

@@ -28,7 +28,7 @@ from rltool.engine.config import ServeConfig
 from rltool.engine.expand import expand_generate
 from rltool.engine.paged_runner import PagedRunner
 from rltool.engine.request import Request, build_response
-from rltool.engine.scheduler import Scheduler
+from rltool.engine.scheduler import QueueFullError, Scheduler
 from rltool.engine.security import PayloadTooLargeError
 from rltool.errors import BadInputError, EngineError
 
@@ -225,17 +225,18 @@ def _sse(obj: Any) -> bytes:
     return f"data: {json.dumps(obj)}\n\n".encode()
 
 
-async def sse_stream(events: AsyncIterator[dict[str, Any]], *,
-                     error_event: Callable[[Exception], dict[str, Any]]
-                     ) -> AsyncIterator[bytes]:
+async def sse_stream(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
     """A generation's server-sent events (/generate's and the OpenAI routes' streams): each
-    event, then `data: [DONE]`. A refusal raised on the way (a full queue, a duplicate request
-    id) ends the events with `error_event(e)`: the status line has been sent already."""
+    event, then `data: [DONE]`. A refusal raised on the way ends the events with an error event
+    (the status line has been sent already): a full queue is code 429 and retryable, anything
+    else (a duplicate request id, the engine shutting down) code 400."""
     try:
         async for event in events:
             yield _sse(event)
     except (BadInputError, EngineError) as e:
-        yield _sse(error_event(e))
+        code = 429 if isinstance(e, QueueFullError) else 400
+        yield _sse({"error": {"message": str(e), "type": "invalid_request_error", "code": code,
+                              "retryable": code == 429}})
     yield b"data: [DONE]\n\n"
 
 

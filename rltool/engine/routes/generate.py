@@ -11,7 +11,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from rltool.engine import api
 from rltool.engine.request import Request
 from rltool.engine.routes.base import EngineState, parse_body, runtime_error, sse_stream
-from rltool.engine.scheduler import QueueFullError
 
 
 def router(state: EngineState) -> APIRouter:
@@ -23,8 +22,7 @@ def router(state: EngineState) -> APIRouter:
         reqs, as_list = state.expand(body)
         if body.stream:
             events = _events(state, reqs, indexed=as_list)
-            return StreamingResponse(sse_stream(events, error_event=_stream_error),
-                                     media_type="text/event-stream")
+            return StreamingResponse(sse_stream(events), media_type="text/event-stream")
         outs = await state.run(reqs)
         for out in outs:
             reason = out["meta_info"]["finish_reason"] or {}
@@ -48,8 +46,3 @@ async def _events(state: EngineState, reqs: list[Request], *,
                                "code": reason["status_code"], "retryable": True}}
         yield event
 
-
-def _stream_error(e: Exception) -> dict[str, Any]:
-    code = 429 if isinstance(e, QueueFullError) else 400
-    return {"error": {"message": str(e), "type": "invalid_request_error", "code": code,
-                      "retryable": code == 429}}

@@ -3,8 +3,9 @@
 A handler parses its body (openai_bodies), translates it into a /generate body and from there
 takes /generate's path: `EngineState.expand`, then `EngineState.run` or, streamed,
 `EngineState.updates` framed by `sse_stream`. The native results are reshaped into OpenAI's
-objects (openai_shapes). Errors use OpenAI's `{"object":"error",...}` object; in streams they
-arrive as `data: {"error": {...}}` followed by `data: [DONE]`.
+objects (openai_shapes). Errors use OpenAI's `{"object":"error",...}` object, except a body over
+the size limit (413 in the engine's plain error, as on every route); in streams they arrive as
+`data: {"error": {...}}` followed by `data: [DONE]`, a full queue with code 429 as on /generate.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rltool.engine import api
 from rltool.engine.request import Request
-from rltool.engine.routes.base import EngineState, openai_error, sse_stream
+from rltool.engine.routes.base import EngineState, openai_error, read_body, sse_stream
 from rltool.engine.routes.openai_bodies import (ChatRequest, CompletionRequest, OpenAIRequest,
                                                 parse_request)
 from rltool.engine.routes.openai_shapes import ChatShape, CompletionShape, Shape, usage
@@ -64,8 +65,9 @@ class OpenAIRoutes:
     # ----- generation ------------------------------------------------------------------------
 
     async def completions(self, request: HttpRequest) -> Response:
+        raw = await read_body(request)
         try:
-            body = await parse_request(request, CompletionRequest)
+            body = parse_request(request, raw, CompletionRequest)
         except BadInputError as e:
             return openai_error(str(e))
         tokenizer = self.state.runner.tokenizer
@@ -75,8 +77,9 @@ class OpenAIRoutes:
 
     async def chat(self, request: HttpRequest) -> Response:
         runner = self.state.runner
+        raw = await read_body(request)
         try:
-            body = await parse_request(request, ChatRequest)
+            body = parse_request(request, raw, ChatRequest)
             body.check_supported()
             prompt_ids = body.prompt_ids(runner.tokenizer)
         except BadInputError as e:
@@ -96,8 +99,7 @@ class OpenAIRoutes:
                 "model": body.model or state.served_model_name}
         if body.stream:
             events = stream_chunks(state, reqs, body=body, head=head, shape=shape)
-            return StreamingResponse(sse_stream(events, error_event=_stream_error),
-                                     media_type="text/event-stream")
+            return StreamingResponse(sse_stream(events), media_type="text/event-stream")
         try:
             outs = await state.run(reqs)
         except EngineError as e:
@@ -126,7 +128,3 @@ async def stream_chunks(state: EngineState, reqs: list[Request], *, body: OpenAI
         outs = [finals[i] for i in sorted(finals)]
         yield {**head, "object": shape.chunk_object, "choices": [], "usage": usage(outs, body.n)}
 
-
-def _stream_error(e: Exception) -> dict[str, Any]:
-    return {"error": {"message": str(e), "type": "invalid_request_error", "code": 400,
-                      "retryable": False}}

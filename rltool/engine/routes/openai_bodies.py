@@ -14,7 +14,6 @@ from fastapi import Request as HttpRequest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rltool.engine.api import GenerateInput
-from rltool.engine.routes.base import read_body
 from rltool.errors import BadInputError
 
 B = TypeVar("B", bound=BaseModel)
@@ -142,11 +141,11 @@ class ChatRequest(OpenAIRequest):
                              rid=self.rid, return_logprob=self.logprobs, top_logprobs_num=top_n)
 
 
-async def parse_request(request: HttpRequest, model: type[B]) -> B:
-    """Read and validate an OpenAI body; any failure is a BadInputError naming the fields."""
+def parse_request(request: HttpRequest, raw: bytes, model: type[B]) -> B:
+    """Validate the body `raw` of `request` (read by `read_body`, which refuses one over the size
+    limit with 413 as on every route); any failure is a BadInputError naming the fields."""
     if "application/json" not in request.headers.get("content-type", ""):
         raise BadInputError("Content-Type must be application/json")
-    raw = await read_body(request)
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:
