@@ -493,3 +493,40 @@ def test_http_server_survives_abuse_without_losing_or_duplicating(load_engine):
         f"RSS grew by {(rss_end - rss_warm) / 2**20:.1f} MiB over the measured rounds")
     log = log_path.read_text(errors="replace")
     assert "Traceback" not in log, log[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_plain_request_whose_client_went_away_is_aborted(load_engine):
+    """A plain (not streamed) /generate whose client closes the connection before the answer
+    is aborted, as a stream's is and as SGLang does: before the fix the handler never noticed
+    the disconnect (uvicorn does not cancel it), so the request ran to its max_new_tokens for
+    nobody, and a client that retried after a timeout made the engine do the work twice.
+
+    The engine is paused first, so the request waits in the queue: the test needs no timing."""
+    proc, _ = load_engine
+    url = proc.url
+    wait_idle(url)
+    assert httpx.post(url + api.PAUSE_GENERATION, json={"mode": "abort"},
+                      timeout=30.0).status_code == 200
+    try:
+        before = internal_state(url)
+        with pytest.raises(httpx.ReadTimeout):  # paused: no answer comes; the client gives up
+            httpx.post(url + api.GENERATE, timeout=httpx.Timeout(30.0, read=0.5), json={
+                "input_ids": [5, 6, 7], "rid": "gone-0001.",
+                "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}})
+        import time
+
+        for _ in range(50):  # x 0.2 s
+            if internal_state(url)["num_waiting_reqs"] == 0:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the request of a client that went away is still queued")
+    finally:
+        assert httpx.post(url + api.CONTINUE_GENERATION, json={},
+                          timeout=30.0).status_code == 200
+    after = wait_idle(url)
+    assert after["total_output_tokens"] == before["total_output_tokens"]
+    r = httpx.post(url + api.GENERATE, timeout=60.0, json={
+        "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}})
+    assert r.status_code == 200
