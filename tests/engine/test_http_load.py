@@ -16,9 +16,10 @@ RSS after the measured rounds is within RSS_SLACK_BYTES of its level after a war
 the same mix. Counts and seeds are fixed; nothing here asserts elapsed time.
 
 Bugs it found: the OpenAI routes answered a chunked body over --max-request-bytes with 400
-instead of 413 (their handlers caught the size error as a plain bad input), and their streams
+instead of 413 (their handlers caught the size error as a plain bad input); their streams
 reported a full queue as an error event with code 400, not retryable, where /generate's says 429
-(retryable)."""
+(retryable); and a plain request whose client went away ran to its end for nobody (the second
+test)."""
 
 from __future__ import annotations
 
