@@ -9,10 +9,9 @@ weights with `--kv-cache-dtype fp8_e4m3`; then the GEMM rates below.
 
 Quick (`python -m benchmarks.engine_gpu --mode fp8-quick [--preset qwen2.5-7b]`, a few minutes
 for the 7B shapes, most of it writing and converting the checkpoint): the GEMM rates, then workload (a) on bf16 weights and on FP8
-weights twice: as served (`fp8`: the GEMM `auto`, torch._scaled_mm where its probe passes) and
-with o_proj's input quantized by its own kernel instead of by the decode attention kernel
-(`fp8-separate-o`: the engine before that fusion). `--gemm-only`: the GEMM rates alone (under a
-minute, no checkpoint written); `--engines-only`: without the GEMM rates.
+weights as served (`fp8`: the GEMM `auto`, torch._scaled_mm where its probe passes); the
+quantization kernels' fused-against-separate cost is in the kernel rates. `--gemm-only`: the
+GEMM rates alone (under a minute, no checkpoint written); `--engines-only`: without the GEMM rates.
 
 GEMM rates: at the model's four linear shapes (qkv, o, gate_up, down) for 1, 64, 256 and 8192
 tokens, bf16 F.linear, the Triton FP8 GEMM, the native one (null where torch has no 1x128 block
@@ -30,7 +29,6 @@ bf16, and weight GB/s (weight bytes x decode steps / seconds: a lower bound of w
 
 from __future__ import annotations
 
-import contextlib
 import tempfile
 from pathlib import Path
 
@@ -214,33 +212,17 @@ def print_gemms(preset: str, rows: list[dict], bw: float) -> None:
               f"{cells}", flush=True)
 
 
-@contextlib.contextmanager
-def separate_o_quantization(separate: bool):
-    """With `separate`, engines built inside quantize o_proj's input by its own kernel (decode
-    attention's fallback) instead of in the decode attention kernel."""
-    from rltool.engine import decode_attention
-
-    fused = decode_attention.quantizes
-    if separate:
-        decode_attention.quantizes = lambda head_dim, block_k: False
-    try:
-        yield
-    finally:
-        decode_attention.quantizes = fused
-
-
 def engines(preset: str, batches: list[int], modes: dict) -> dict:
-    """Workload (a) on each mode's engine (checkpoint, KV cache dtype, GEMM backend, o_proj's
-    input quantized separately): {mode: in_process result}, each batch with its tokens/s ratio
+    """Workload (a) on each mode's engine (checkpoint, KV cache dtype, GEMM backend):
+    {mode: in_process result}, each batch with its tokens/s ratio
     to the first mode and the engine's weight GB/s."""
     from rltool.engine import fp8_gemm
 
     out: dict = {}
-    for mode, (model_dir, kv, backend, separate_o) in modes.items():
+    for mode, (model_dir, kv, backend) in modes.items():
         fp8_gemm.set_backend(backend)
         try:
-            with separate_o_quantization(separate_o):
-                out[mode] = in_process(model_dir, batches, kv_cache_dtype=kv)
+            out[mode] = in_process(model_dir, batches, kv_cache_dtype=kv)
         finally:
             fp8_gemm.set_backend("auto")
         for b in batches:
@@ -277,9 +259,9 @@ def precision_cost(preset: str, batches: list[int]) -> dict:
     from rltool.engine.model_spec import read_spec
 
     model_dir, fp8_dir = checkpoints(preset)
-    out = engines(preset, batches, {"bf16": (model_dir, "auto", "auto", False),
-                                    "fp8": (fp8_dir, "auto", "auto", False),
-                                    "fp8+fp8kv": (fp8_dir, "fp8_e4m3", "auto", False)})
+    out = engines(preset, batches, {"bf16": (model_dir, "auto", "auto"),
+                                    "fp8": (fp8_dir, "auto", "auto"),
+                                    "fp8+fp8kv": (fp8_dir, "fp8_e4m3", "auto")})
     out["copy_bandwidth_Bps"] = copy_bandwidth()
     out["gemm"] = gemm_rates(read_spec(model_dir))
     print_gemms(preset, out["gemm"], out["copy_bandwidth_Bps"])
@@ -288,7 +270,7 @@ def precision_cost(preset: str, batches: list[int]) -> dict:
 
 def quick(preset: str, batches: list[int], gemm_only: bool, engines_only: bool) -> dict:
     """The GEMM rates (unless engines_only), the quantization fusions, then (unless gemm_only)
-    the bf16, fp8 and fp8-separate-o engines."""
+    the bf16 and fp8 engines."""
     bw = copy_bandwidth()
     spec = preset_spec(preset)
     out: dict = {"copy_bandwidth_Bps": bw}
@@ -303,7 +285,6 @@ def quick(preset: str, batches: list[int], gemm_only: bool, engines_only: bool) 
           flush=True)
     if not gemm_only:
         model_dir, fp8_dir = checkpoints(preset)
-        out["engines"] = engines(preset, batches, {
-            "bf16": (model_dir, "auto", "auto", False), "fp8": (fp8_dir, "auto", "auto", False),
-            "fp8-separate-o": (fp8_dir, "auto", "auto", True)})
+        out["engines"] = engines(preset, batches, {"bf16": (model_dir, "auto", "auto"),
+                                                   "fp8": (fp8_dir, "auto", "auto")})
     return out

@@ -11,7 +11,7 @@ One script, one mode per run (`--mode`, default throughput):
                       version and FP8 weights plus an FP8 KV cache, and the GEMM rates (also
                       `--precision fp8`; benchmarks/engine_fp8.py says how)
   fp8-quick           the GEMM rates and the fused quantization kernels of `--preset`, then the
-                      bf16, fp8 and fp8-separate-o engines (`--gemm-only`, `--engines-only`)
+                      bf16 and fp8 engines (`--gemm-only`, `--engines-only`)
   rl                  workload (b), GRPO-shaped, with and without the prefix cache, and the
                       in-memory weight sync through /update_weights_from_tensor (`--grpo
                       PRESETS`, `--tensor-sync PRESETS`; benchmarks/engine_rl.py says how); with
