@@ -83,8 +83,11 @@ class EngineState:
         rids = [r.rid for r in reqs]
         sched.call(lambda: [sched.abort(rid=rid) for rid in rids])
 
-    async def run(self, reqs: list[Request]) -> list[dict[str, Any]]:
-        """Submit `reqs` and await their final responses (in order). Raises QueueFullError /
+    async def run(self, reqs: list[Request], *, client: HttpRequest | None = None
+                  ) -> list[dict[str, Any]]:
+        """Submit `reqs` and await their final responses (in order). With `client`, the HTTP
+        request whose body has been read, they are aborted if its client goes away first (they
+        finish as aborted, so the answer still comes back, to nobody). Raises QueueFullError /
         BadInputError / EngineError if the scheduler refuses them."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
@@ -105,11 +108,22 @@ class EngineState:
         for i, req in enumerate(reqs):
             req.on_finish = functools.partial(finished, i)
         self.scheduler.submit(reqs)
+        watch = None if client is None else asyncio.ensure_future(self._abort_if_gone(client, reqs))
         try:
             return list(await done)
         except asyncio.CancelledError:  # client went away: free the engine
             self._abort(reqs)
             raise
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    async def _abort_if_gone(self, client: HttpRequest, reqs: list[Request]) -> None:
+        # uvicorn does not cancel a handler whose client disconnected (a streamed response
+        # notices by itself): past the body, the next ASGI message is the disconnect.
+        while (await client.receive())["type"] != "http.disconnect":
+            pass
+        self._abort(reqs)
 
     async def updates(self, reqs: list[Request]
                       ) -> AsyncIterator[tuple[int, bool, dict[str, Any]]]:

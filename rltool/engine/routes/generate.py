@@ -23,7 +23,7 @@ def router(state: EngineState) -> APIRouter:
         if body.stream:
             events = _events(state, reqs, indexed=as_list)
             return StreamingResponse(sse_stream(events), media_type="text/event-stream")
-        outs = await state.run(reqs)
+        outs = await state.run(reqs, client=request)
         for out in outs:
             reason = out["meta_info"]["finish_reason"] or {}
             if reason.get("type") == "abort" and reason.get("status_code"):

@@ -73,7 +73,7 @@ class OpenAIRoutes:
         tokenizer = self.state.runner.tokenizer
         prompt_texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in body.prompts]
         shape = CompletionShape(tokenizer, body=body, prompt_texts=prompt_texts)
-        return await self.answer(body, body.to_generate(), shape)
+        return await self.answer(request, body, body.to_generate(), shape)
 
     async def chat(self, request: HttpRequest) -> Response:
         runner = self.state.runner
@@ -85,10 +85,10 @@ class OpenAIRoutes:
         except BadInputError as e:
             return openai_error(str(e))
         generate = body.to_generate(prompt_ids, context_length=runner.context_length)
-        return await self.answer(body, generate, ChatShape(runner.tokenizer, body=body))
+        return await self.answer(request, body, generate, ChatShape(runner.tokenizer, body=body))
 
-    async def answer(self, body: OpenAIRequest, generate: api.GenerateInput,
-                     shape: Shape) -> Response:
+    async def answer(self, request: HttpRequest, body: OpenAIRequest,
+                     generate: api.GenerateInput, shape: Shape) -> Response:
         """Expand and run `generate` as /generate does; the whole answer, or its stream."""
         state = self.state
         try:
@@ -101,7 +101,7 @@ class OpenAIRoutes:
             events = stream_chunks(state, reqs, body=body, head=head, shape=shape)
             return StreamingResponse(sse_stream(events), media_type="text/event-stream")
         try:
-            outs = await state.run(reqs)
+            outs = await state.run(reqs, client=request)
         except EngineError as e:
             return openai_error(str(e), 429 if isinstance(e, QueueFullError) else 503)
         return JSONResponse({**head, "object": shape.object,
