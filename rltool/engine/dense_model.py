@@ -54,8 +54,10 @@ class DenseLM:
     """Parameters as plain tensors (HF naming, fused where noted) and a packed forward."""
 
     def __init__(self, spec: ModelSpec, *, device: torch.device | str, dtype: torch.dtype,
-                 fp8_keys: frozenset[tuple[int, str]] = frozenset(), fp8_block_k: int = 128):
-        """`fp8_keys`: the (layer, linear) weights kept in FP8 (with K-blocks of `fp8_block_k`)."""
+                 fp8_keys: frozenset[tuple[int, str]] = frozenset(), fp8_block_k: int = 128,
+                 int4: Any = None):
+        """`fp8_keys`: the (layer, linear) weights kept quantized: in FP8 (with K-blocks of
+        `fp8_block_k`), or in INT4 when `int4` (the checkpoint's Int4Format) is given."""
         self.spec = spec
         self.device = torch.device(device)
         self.dtype = dtype
@@ -81,7 +83,10 @@ class DenseLM:
             if s.qk_norm:
                 layer["q_norm"], layer["k_norm"] = empty(s.head_dim), empty(s.head_dim)
             for key in LINEAR_KEYS:
-                if (i, key) in fp8_keys:
+                if (i, key) in fp8_keys and int4 is not None:
+                    layer[key] = quant.Int4Weight.empty(*layer[key].shape, fmt=int4,
+                                                        device=self.device)
+                elif (i, key) in fp8_keys:
                     layer[key] = quant.Fp8Weight.empty(*layer[key].shape, block_k=fp8_block_k,
                                                        device=self.device)
             self.layers.append(layer)
@@ -177,7 +182,7 @@ class DenseLM:
             if tuple(t.shape) != want:
                 raise BadInputError(f"tensor {name!r} has shape {list(t.shape)}, the served model "
                                     f"expects {list(want)}")
-            want_dtype = update_dtype if dest.dtype == torch.float8_e4m3fn else dest.dtype
+            want_dtype = update_dtype if not isinstance(dest, torch.Tensor) else dest.dtype
             if not isinstance(t, quant.BlockFp8) and t.dtype != want_dtype:
                 raise BadInputError(f"tensor {name!r} has dtype {t.dtype}, the served model "
                                     f"takes {want_dtype}; send it as {want_dtype}")
@@ -201,7 +206,7 @@ class DenseLM:
         tensors = {id(t): t for L in self.layers for t in L.values()}
         for t in (self.embed, self.lm_head, self.norm):
             tensors[id(t)] = t
-        return sum(t.nbytes() if isinstance(t, quant.Fp8Weight) else t.numel() * t.element_size()
+        return sum(t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.nbytes()
                    for t in tensors.values())
 
     # ----- forward -------------------------------------------------------------------------
@@ -296,20 +301,20 @@ def fp8_input(w: torch.Tensor | quant.Fp8Weight) -> int | None:
 def load_model(model_dir: str | Path, *, device: torch.device | str, dtype: torch.dtype,
                spec: ModelSpec | None = None, fp8_resident: bool = False) -> DenseLM:
     """Build a DenseLM from a HF checkpoint directory (every tensor checked before any is kept).
-    `fp8_resident`: keep the linears a block-FP8 checkpoint stores in FP8 as FP8 (when every
-    source of a fused weight is FP8 and the K-block is a power of two >= 32); otherwise they
-    are dequantized into `dtype`."""
+    `fp8_resident`: keep the linears a block-FP8 or INT4 checkpoint stores quantized as they
+    are (where the GEMMs take them: quant.resident_keys); otherwise they are dequantized into
+    `dtype`."""
     model_dir = Path(model_dir)
     spec = spec or read_spec(model_dir)
     index = read_index(model_dir)
     keys: frozenset[tuple[int, str]] = frozenset()
     fmt = index.fmt
-    if fp8_resident and fmt is not None and fmt.block[1] >= 32 and fmt.block[1] & (
-            fmt.block[1] - 1) == 0:  # the FP8 tensor-core dot needs K >= 32
+    if fp8_resident and fmt is not None:
         sources = DenseLM(spec, device="meta", dtype=dtype).fp8_sources()
-        keys = frozenset(k for k, names in sources.items() if all(n in index.fp8 for n in names))
-    model = DenseLM(spec, device=device, dtype=dtype, fp8_keys=keys,
-                    fp8_block_k=fmt.block[1] if fmt else 128)
+        keys = quant.resident_keys(fmt, sources, index.shapes, index.fp8)
+    int4 = fmt if isinstance(fmt, quant.Int4Format) else None
+    model = DenseLM(spec, device=device, dtype=dtype, fp8_keys=keys, int4=int4,
+                    fp8_block_k=fmt.block[1] if isinstance(fmt, quant.Fp8Format) else 128)
     load_checkpoint(model, model_dir, index=index)
     return model
 

@@ -1,6 +1,6 @@
 """Reading a HF checkpoint directory (config.json + *.safetensors) into the engine's model: the
-index of its tensors from their headers, its block-FP8 quantization checked, then every tensor
-checked against the model before any is copied."""
+index of its tensors from their headers, its quantization (block FP8 or INT4) checked, then every
+tensor checked against the model before any is copied."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ if TYPE_CHECKING:  # the model module builds its models through this one
 class CheckpointIndex:
     files: list[Path]
     infos: dict[str, tuple[tuple[int, ...], str, Path]]  # name -> (shape, dtype, file)
-    fmt: quant.Fp8Format | None
-    shapes: dict[str, tuple[int, ...]]  # every tensor but the FP8 scales
-    fp8: set[str]  # the FP8 weights (each with its checked scale)
+    fmt: quant.Format | None
+    shapes: dict[str, tuple[int, ...]]  # every weight, without FP8 scales or INT4 companions
+    fp8: set[str]  # the quantized (FP8 or INT4) weights, each with its checked scales
 
 
 def read_index(model_dir: Path) -> CheckpointIndex:
@@ -70,17 +70,18 @@ def load_checkpoint(model: DenseLM, model_dir: Path,
         handles = {f: stack.enter_context(safe_open(str(f), framework="pt"))
                    for f in index.files}
 
+        def get(key: str) -> torch.Tensor:
+            return handles[index.infos[key][2]].get_tensor(key)
+
         def tensors(f: Path) -> Iterable[tuple[str, torch.Tensor | quant.BlockFp8]]:
-            for name in handles[f].keys():
+            for key in handles[f].keys():
+                name = quant.stored_name(key, index.fmt)
                 if name not in index.shapes:
                     continue  # a scale, read with its weight
                 if before_copy is not None:
                     before_copy()
-                t = handles[f].get_tensor(name)
-                if name in index.fp8:
-                    scale = name + quant.SCALE_SUFFIX
-                    t = quant.BlockFp8(t, handles[index.infos[scale][2]].get_tensor(scale),
-                                       index.fmt.block)
-                yield name, t
+                yield name, (quant.read_quantized(name, get, index.infos, index.fmt,
+                                                  where=str(model_dir))
+                             if name in index.fp8 else get(key))
 
         return sum(model.load_tensors(tensors(f)) for f in index.files)

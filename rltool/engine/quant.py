@@ -1,6 +1,8 @@
-"""Block-FP8 checkpoints in the builtin engine (the format `rltool convert fp8`, slime and
-DeepSeek-V3 write; docs/formats.md): the quantization_config it accepts, the checks of the scale
-tensors, and the weights that stay FP8 in memory on CUDA.
+"""Quantized checkpoints in the builtin engine: block FP8 (the format `rltool convert fp8`, slime
+and DeepSeek-V3 write; docs/formats.md) here, INT4 W4A16 (compressed-tensors pack-quantized, what
+`rltool convert int4` and slime's INT4 converter write) in rltool.engine.int4_weight. This module
+reads the quantization_config, checks the quantized tensors, and dispatches the linears and
+weight copies by weight kind.
 
 A checkpoint's quantized linear is `<p>.weight` float8_e4m3fn [N, K] plus `<p>.weight_scale_inv`
 float32 [ceil(N/bn), ceil(K/bk)]. On CPU (and whenever a destination is not FP8) it is dequantized
@@ -18,13 +20,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from rltool.convert import int4
 from rltool.convert.fp8 import SCALE_SUFFIX, dequantize_blocks, quantize_blocks, scale_shape
+from rltool.convert.int4 import Int4Format, Int4Tensor
+from rltool.engine import int4_weight
+from rltool.engine.int4_weight import Int4Weight
 from rltool.errors import CheckpointError
 
 if TYPE_CHECKING:  # the GEMM module imports triton: only on the FP8 path
     from rltool.engine.fp8_gemm import Fp8Activations
 
-SUPPORTED = ("quant_method fp8, fmt e4m3, activation_scheme dynamic, weight_block_size [bn, bk]")
+SUPPORTED = ("quant_method fp8, fmt e4m3, activation_scheme dynamic, weight_block_size [bn, bk]; "
+             "or compressed-tensors pack-quantized INT4 W4A16")
 
 
 @dataclass(frozen=True)
@@ -37,12 +44,17 @@ class Fp8Format:
         return {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(self.block)}
 
 
-def read_format(config: dict[str, Any], *, where: str) -> Fp8Format | None:
-    """The block-FP8 format of a config.json (None when unquantized); anything else that names a
-    quantization is refused in one line."""
+Format = Fp8Format | Int4Format
+
+
+def read_format(config: dict[str, Any], *, where: str) -> Format | None:
+    """The block-FP8 or INT4 format of a config.json (None when unquantized); anything else that
+    names a quantization is refused in one line."""
     qc = config.get("quantization_config")
     if qc is None:
         return None
+    if int4.is_int4_config(qc):
+        return int4.read_format(qc, where=where)
     block = qc.get("weight_block_size") if isinstance(qc, dict) else None
     skip = qc.get("modules_to_not_convert") if isinstance(qc, dict) else None
     ok = (isinstance(qc, dict) and qc.get("quant_method") == "fp8"
@@ -62,18 +74,54 @@ def read_format(config: dict[str, Any], *, where: str) -> Fp8Format | None:
     return Fp8Format(block=(block[0], block[1]), not_converted=frozenset(skip or ()))
 
 
-def describe(fp8_keys: frozenset, fmt: Fp8Format | None, dtype: str) -> dict[str, Any]:
-    """What /get_model_info reports of the weight precision: `weight_dtype` (fp8_e4m3 when
-    linears stay FP8) and the checkpoint's quantization (and whether it was dequantized at load)."""
-    return {"weight_dtype": "fp8_e4m3" if fp8_keys else dtype,
+def describe(fp8_keys: frozenset, fmt: Format | None, dtype: str) -> dict[str, Any]:
+    """What /get_server_info reports of the weights: `weight_precision` (the checkpoint's: fp8,
+    int4, else the model dtype), `weight_dtype` (what the linears are kept in: fp8_e4m3 or int4
+    when they stay quantized, `fp8_keys` being those kept so) and the checkpoint's quantization
+    (and whether it was dequantized at load)."""
+    kind = None if fmt is None else "int4" if isinstance(fmt, Int4Format) else "fp8"
+    resident = {"fp8": "fp8_e4m3", "int4": "int4"}.get(kind) if fp8_keys else None
+    return {"weight_precision": kind or dtype, "weight_dtype": resident or dtype,
             "quantization": None if fmt is None else {
-                **fmt.describe(), "resident": "fp8" if fp8_keys else "dequantized"}}
+                **fmt.describe(), "resident": kind if fp8_keys else "dequantized"}}
+
+
+def resident_keys(fmt: Format | None, sources: dict[tuple[int, str], list[str]],
+                  shapes: dict[str, tuple[int, ...]], quantized: set[str]) -> frozenset:
+    """The (layer, linear) weights a CUDA engine keeps quantized: every source of the fused
+    weight quantized in the checkpoint, and the format one the GEMMs take (block FP8 with a
+    power-of-two K-block >= 32, the FP8 tensor-core dot's minimum; INT4 with K a multiple of 8)."""
+    if isinstance(fmt, Fp8Format):
+        ok = fmt.block[1] >= 32 and fmt.block[1] & (fmt.block[1] - 1) == 0
+    else:
+        ok = fmt is not None
+    return frozenset(k for k, names in sources.items() if ok and all(
+        n in quantized and (isinstance(fmt, Fp8Format) or Int4Weight.fits(shapes[n], fmt))
+        for n in names))
+
+
+def stored_name(key: str, fmt: Format | None) -> str | None:
+    """The weight name a checkpoint tensor carries (None for a scale or other companion)."""
+    if isinstance(fmt, Int4Format):
+        return int4_weight.stored_name(key)
+    return None if key.endswith(SCALE_SUFFIX) else key
+
+
+def read_quantized(name: str, get: Any, infos: dict[str, Any], fmt: Format, *,
+                   where: str) -> BlockFp8 | Int4Tensor:
+    """Quantized weight `name` of a checkpoint, with its scales (`get(key)` reads a tensor)."""
+    if isinstance(fmt, Int4Format):
+        return int4_weight.read_weight(name, get, infos, where=where)
+    return BlockFp8(get(name), get(name + SCALE_SUFFIX), fmt.block)
 
 
 def split_scales(infos: dict[str, tuple[tuple[int, ...], str]], fmt: Fp8Format | None, *,
                  where: str) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """Check a checkpoint's FP8 weights against their scales (`infos`: name -> (shape, safetensors
-    dtype)). Returns the shapes of everything but the scales, and the names of the FP8 weights."""
+    dtype)). Returns the shapes of everything but the scales, and the names of the FP8 weights.
+    An INT4 checkpoint's tensors are checked by rltool.engine.int4_weight."""
+    if isinstance(fmt, Int4Format):
+        return int4_weight.split_tensors(infos, fmt, where=where)
     fp8: set[str] = set()
     for name, (shape, dtype) in infos.items():
         if name.endswith(SCALE_SUFFIX):
@@ -176,26 +224,40 @@ class Fp8Weight:
         return self.q.numel() + self.scale.numel() * 4
 
 
-def linear(x: torch.Tensor | Fp8Activations, w: torch.Tensor | Fp8Weight,
+def linear(x: torch.Tensor | Fp8Activations, w: torch.Tensor | Fp8Weight | Int4Weight,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or the block-FP8 GEMM for a weight kept in FP8 (x possibly quantized for it
-    already, by the kernel that computed it)."""
+    """F.linear, the W4A16 GEMM for a weight kept INT4, or the block-FP8 GEMM for a weight kept
+    in FP8 (x possibly quantized for it already, by the kernel that computed it)."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, bias)
+    if isinstance(w, Int4Weight):
+        from rltool.engine.int4_gemm import int4_linear
+
+        return int4_linear(x, w, bias)
     from rltool.engine.fp8_gemm import fp8_linear
 
     return fp8_linear(x, w.q, w.scale, block_k=w.block_k, bias=bias)
 
 
-def copy_into(dest: torch.Tensor | Fp8Weight, start: int, rows: int,
-              value: torch.Tensor | BlockFp8) -> None:
+def copy_into(dest: torch.Tensor | Fp8Weight | Int4Weight, start: int, rows: int,
+              value: torch.Tensor | BlockFp8 | Int4Tensor) -> None:
     """Write `value` into rows [start, start + rows) of `dest`: dequantized into a plain weight,
-    quantized (with the destination's K-block, square blocks) into an FP8 one."""
+    quantized (with the destination's K-block, square blocks; or group size) into an FP8 or INT4
+    one."""
     if isinstance(dest, torch.Tensor):
         if isinstance(value, BlockFp8):
             value = dequantize_blocks(value.q, value.scale_inv, value.block, dtype=dest.dtype)
+        elif isinstance(value, Int4Tensor):
+            value = int4_weight.dequantized(value, dest.dtype)
         dest[start:start + rows].copy_(value, non_blocking=True)
         return
+    if isinstance(dest, Int4Weight):
+        if isinstance(value, BlockFp8):
+            value = dequantize_blocks(value.q, value.scale_inv, value.block, dtype=torch.float32)
+        dest.copy_rows(start, rows, value)
+        return
+    if isinstance(value, Int4Tensor):
+        value = int4_weight.dequantized(value, torch.float32)
     if not isinstance(value, BlockFp8) or value.block[1] != dest.block_k:
         if isinstance(value, BlockFp8):
             value = dequantize_blocks(value.q, value.scale_inv, value.block, dtype=torch.float32)

@@ -64,10 +64,11 @@ def test_fp8_checkpoint_serves_like_its_dequantization(fp8_dirs, arch, block, dt
     fp8, plain = runner(root / "fp8", dtype), runner(root / dtype, dtype)
     for a, b in zip(served_logits(fp8), served_logits(plain)):
         assert torch.equal(a, b)
-    assert fp8.weight_info == {"weight_dtype": dtype, "quantization": {
+    assert fp8.weight_info == {"weight_precision": "fp8", "weight_dtype": dtype, "quantization": {
         "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block),
         "resident": "dequantized"}}
-    assert plain.weight_info == {"weight_dtype": dtype, "quantization": None}
+    assert plain.weight_info == {"weight_precision": dtype, "weight_dtype": dtype,
+                                 "quantization": None}
     # An FP8 update from disk into a running engine: the same bits again.
     other = runner(root / dtype, dtype)
     other.load_weights(root / "fp8")
