@@ -5,7 +5,8 @@ An environment is one episode's state. The rollout (rltool.rollout.episode) driv
     messages = env.reset(seed=seed, task=task)      # the conversation the model starts from
     while not done:
         ... the model writes one assistant turn ...
-        result = env.step({"role": "assistant", "content": text, "finish": finish})
+        result = env.step({"role": "assistant", "content": text, "finish": finish,
+                           "tool_calls": [...]})   # tool_calls: parsed <tool_call> blocks
         # result.observation: messages appended after the turn (tool results, user replies)
         # result.reward: this turn's reward; result.done: the episode is over
     final = env.verify()                            # optional end-of-episode reward (None: none)
@@ -22,7 +23,9 @@ does not stall generation. An exception or a timeout fails the episode (`env_err
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -83,6 +86,27 @@ def check_messages(messages: Any, *, where: str) -> list[Message]:
                            f"'content': str}}, got {str(m)[:80]}")
         out.append({"role": m["role"], "content": m["content"]})
     return out
+
+
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(text: str) -> list[dict[str, Any]]:
+    """The JSON tool calls of an assistant turn in the Hermes / Qwen form
+    `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, in order; a block that is not
+    such an object is kept as {"error": why, "raw": text} so the environment can answer it."""
+    calls: list[dict[str, Any]] = []
+    for raw in TOOL_CALL.findall(text):
+        try:
+            value = json.loads(raw)
+        except ValueError as e:
+            calls.append({"error": f"not JSON: {e}", "raw": raw})
+            continue
+        if not (isinstance(value, dict) and isinstance(value.get("name"), str)):
+            calls.append({"error": "not an object with a name", "raw": raw})
+            continue
+        calls.append({"name": value["name"], "arguments": value.get("arguments") or {}})
+    return calls
 
 
 def task_messages(task: dict[str, Any]) -> list[Message]:

@@ -24,7 +24,8 @@ import logging
 import math
 from typing import Any
 
-from rltool.env.base import EnvError, EnvTimeoutError, Environment, StepResult, check_messages
+from rltool.env.base import (EnvError, EnvTimeoutError, Environment, StepResult, check_messages,
+                             parse_tool_calls)
 from rltool.env.threads import CallLimiter, call_in_thread
 from rltool.errors import BadInputError
 from rltool.rollout.generate import GenerateContext, GenerateFn, Sample, derive_seed, finish_label
@@ -193,8 +194,9 @@ async def run_episode(sample: Sample, ctx: GenerateContext, *, env: Environment,
             return sample
         finish = response.get("meta_info", {}).get("finish_reason") or {}
         ids = sample.response_token_ids[start:]
+        text = ctx.tokenizer.decode(ids, skip_special_tokens=True)
         action = {"role": "assistant", "finish": finish if isinstance(finish, dict) else {},
-                  "content": ctx.tokenizer.decode(ids, skip_special_tokens=True)}
+                  "content": text, "tool_calls": parse_tool_calls(text)}
         result = await _call(env.step, action, timeout_s=step_timeout_s, what=f"step {turn}",
                              limiter=limiter)
         result = StepResult.from_json(result, where=f"env step {turn}")

@@ -49,3 +49,17 @@ def test_guess_draws_the_number_from_the_seed():
     a, b = load_env_class("guess")(), load_env_class("guess")()
     a.reset(seed=5, task={}), b.reset(seed=5, task={})
     assert a.secret == b.secret and 1 <= a.secret <= 64
+
+
+def test_tool_calls_are_parsed_from_the_turn():
+    from rltool.env.base import parse_tool_calls
+
+    text = ('let me add.<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n'
+            '</tool_call> and <tool_call>{"name": "now"}</tool_call><tool_call>oops</tool_call>'
+            '<tool_call>[1]</tool_call>')
+    calls = parse_tool_calls(text)
+    assert calls[:2] == [{"name": "add", "arguments": {"a": 1, "b": 2}},
+                         {"name": "now", "arguments": {}}]
+    assert calls[2]["error"].startswith("not JSON") and calls[2]["raw"] == "oops"
+    assert calls[3] == {"error": "not an object with a name", "raw": "[1]"}
+    assert parse_tool_calls("no calls here") == []

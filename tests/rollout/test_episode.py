@@ -66,6 +66,14 @@ class Countdown(Environment):
         return 2.0
 
 
+class Recording(Countdown):
+    actions = []
+
+    def step(self, action):
+        Recording.actions.append(action)
+        return super().step(action)
+
+
 class Raising(Countdown):
     def step(self, action):
         raise RuntimeError("tool crashed")
@@ -155,6 +163,18 @@ def test_tokens_are_the_engines_plus_templated_observations(tok):
     assert sample.turn_rewards == [0.25, 0.5, 3.0]  # verify's 2.0 joins the last turn
     assert sample.reward == pytest.approx(3.75)
     assert sample.status == "completed"
+
+
+def test_the_environment_gets_the_turns_text_finish_and_tool_calls(tok):
+    Recording.actions.clear()
+    script = [("a <go>", {"type": "stop", "matched": "</go>"}),
+              ("b" + tok.eos_token, {"type": "stop", "matched": tok.eos_token_id}),
+              ("c", {"type": "length", "length": 1})]
+    run(tok, Recording, script)
+    assert [(a["role"], a["content"], a["finish"], a["tool_calls"]) for a in Recording.actions] == [
+        ("assistant", "a <go>", {"type": "stop", "matched": "</go>"}, []),
+        ("assistant", "b", {"type": "stop", "matched": tok.eos_token_id}, []),
+        ("assistant", "c", {"type": "length", "length": 1}, [])]
 
 
 def test_max_turns_and_budget_end_the_episode(tok):
