@@ -157,6 +157,16 @@ def default_ignore(config: dict[str, Any]) -> tuple[str, ...]:
     return MOE_IGNORE if is_moe(config) else DENSE_IGNORE
 
 
+DEFAULT_GROUP_SIZE = 32  # slime's
+
+
+def default_format(config: dict[str, Any]) -> Int4Format:
+    """What `rltool convert int4` without options writes for a model of this config.json (and
+    what `[sync] precision = "int4"` publishes)."""
+    return Int4Format(group_size=DEFAULT_GROUP_SIZE, symmetric=True,
+                      ignore=default_ignore(config))
+
+
 # ----- the math -------------------------------------------------------------------------------
 
 def pack_int4(q: torch.Tensor, *, dim: int = -1) -> torch.Tensor:
@@ -312,7 +322,8 @@ class Int4Config(StageConfig):
 
     hf: Path = Field(description="Source HF checkpoint directory (bf16/fp16/fp32 safetensors).")
     out: Path = Field(description="New output directory (must not exist).")
-    group_size: int = Field(default=32, ge=1, description="Columns per scale (slime's default).")
+    group_size: int = Field(default=DEFAULT_GROUP_SIZE, ge=1,
+                            description="Columns per scale (slime's default).")
     symmetric: bool = Field(default=True, json_schema_extra=cli(option=False),
                             description="Symmetric groups (no zero point); false: asymmetric "
                             "(--symmetric/--asymmetric).")

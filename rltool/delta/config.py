@@ -77,14 +77,17 @@ class SyncConfig(StageConfig):
                             "pull chains stay short.")
     link_bandwidth_gbps: float | None = Field(None, gt=0, description="Trainer-to-engine link "
                                               "bandwidth for auto (default: measured).")
-    precision: Literal["bf16", "fp8"] | None = Field(
-        None, description="Weights handed to the engines: bf16, or fp8 (block-quantized "
-        "128x128 e4m3 with float32 scales at every publish, the format of `rltool convert fp8`); "
-        "default: the engines' dtype.")
+    precision: Literal["bf16", "fp8", "int4"] | None = Field(
+        None, description="Weights handed to the engines: bf16, fp8 (block-quantized "
+        "128x128 e4m3 with float32 scales at every publish, the format of `rltool convert fp8`), "
+        "or int4 (W4A16, re-quantized at every publish as `rltool convert int4` with its defaults "
+        "for the model writes: groups of 32, symmetric, its default ignore list); default: the "
+        "engines' dtype.")
 
     @model_validator(mode="after")
-    def _fp8_transport(self) -> "SyncConfig":
-        if self.precision == "fp8" and self.sync == "distributed":
-            raise ConfigError("--precision fp8 is not sent over --sync distributed (the broadcast "
-                              "carries no scales); use --sync tensor, full or delta")
+    def _quantized_transport(self) -> "SyncConfig":
+        if self.precision in ("fp8", "int4") and self.sync == "distributed":
+            raise ConfigError(f"--precision {self.precision} is not sent over --sync distributed "
+                              "(the broadcast carries no scales); use --sync tensor, full or "
+                              "delta")
         return self

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rltool import atomic, trace
+from rltool.convert import int4
 from rltool.convert.fp8 import quantize_state
 from rltool.delta.config import SyncConfig
 from rltool.delta.cost import (Decision, decide, link_bandwidth_Bps, load_stats, save_stats,
@@ -326,13 +327,45 @@ def precision_of(sync: SyncConfig, dtype: str) -> str:
 
 def _write_state(out: Path, state: Mapping[str, Any], sync: SyncConfig, *,
                  source_model_dir: str | os.PathLike, dtype: str) -> None:
-    """`state` as a HF directory in the sync's precision (fp8: `rltool convert fp8`'s format)."""
+    """`state` as a HF directory in the sync's precision (fp8: `rltool convert fp8`'s format;
+    int4: `rltool convert int4`'s, with its defaults for the model)."""
     quantize = None
     if sync.precision == "fp8":
         def quantize(tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
             return quantize_state(tensors, FP8_BLOCK)
+    elif sync.precision == "int4":
+        quantize = _int4_quantizer(state, source_model_dir=source_model_dir, dtype=dtype)
     write_hf_dir(out, dict(state), source_model_dir=source_model_dir,
                  dtype="bf16" if sync.precision == "bf16" else dtype, quantize=quantize)
+
+
+def int4_format(model_dir: str | os.PathLike) -> int4.Int4Format:
+    """The INT4 format `[sync] precision = "int4"` publishes a model in."""
+    return int4.default_format(json.loads((Path(model_dir) / CONFIG_NAME).read_text()))
+
+
+def _int4_quantizer(state: Mapping[str, Any], *, source_model_dir: str | os.PathLike,
+                    dtype: str) -> Callable[[dict[str, Any]], tuple[dict[str, Any], dict[str, Any]]]:
+    """write_hf_dir's `quantize` for INT4: each weight to quantize is cast to `dtype` and
+    quantized on the device the trainer's tensor is on (the same bits as on the host), then
+    brought to the host; the host copies write_hf_dir made of those weights are dropped."""
+    import torch
+
+    fmt = int4_format(source_model_dir)
+    torch_dtype = getattr(torch, DTYPES[dtype])
+
+    def quantize(tensors: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        out: dict[str, Any] = {}
+        for name, t in tensors.items():
+            if not fmt.quantizes(name, tuple(t.shape), floating=t.is_floating_point()):
+                out[name] = t
+                continue
+            src = state[name].detach().to(dtype=torch_dtype)
+            one, _ = int4.quantize_state({name: src}, fmt)
+            out.update({n: v.to("cpu").contiguous() for n, v in one.items()})
+        return out, fmt.quantization_config()
+
+    return quantize
 
 
 def _read_state(model_dir: Path) -> tuple[dict[str, Any], str]:

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from rltool.convert import int4
 from rltool.convert.fp8 import SCALE_SUFFIX, quantize_state
 from rltool.delta.cuda_ipc import open_cuda_ipc
 from rltool.delta.shm_read import SHM_DIR, read_segment
@@ -44,7 +45,7 @@ from rltool.errors import BadInputError
 ALIGN = 64
 DEFAULT_BUCKET_BYTES = 512 << 20
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "float8_e4m3fn": torch.float8_e4m3fn}
+          "float8_e4m3fn": torch.float8_e4m3fn, "int32": torch.int32, "int64": torch.int64}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
@@ -62,19 +63,28 @@ def _aligned(n: int) -> int:
 def buckets(named: list[tuple[str, torch.Tensor]], *, bucket_bytes: int
             ) -> list[list[tuple[str, torch.Tensor]]]:
     """Consecutive groups of tensors of at most `bucket_bytes` (aligned) each; a tensor larger
-    than a bucket travels alone, and an FP8 weight's scales travel with the weight before them."""
+    than a bucket travels alone, and an FP8 weight's scales (an INT4 weight's scale, zero point
+    and shape) travel with the weight before them."""
     out: list[list[tuple[str, torch.Tensor]]] = []
     size = 0
     for name, t in named:
         n = _aligned(t.numel() * t.element_size())
-        pairs = name.endswith(SCALE_SUFFIX) and out and out[-1][-1][0] == name.removesuffix(
-            SCALE_SUFFIX)
+        pairs = bool(out and out[-1]) and _companion(name, out[-1][-1][0])
         if not out or (size + n > bucket_bytes and out[-1] and not pairs):
             out.append([])
             size = 0
         out[-1].append((name, t))
         size += n
     return out
+
+
+def _companion(name: str, previous: str) -> bool:
+    """Whether tensor `name` belongs with the tensor `previous` sent just before it."""
+    if name.endswith(SCALE_SUFFIX):
+        return previous == name.removesuffix(SCALE_SUFFIX)
+    base, _, suffix = name.rpartition(".")
+    return (suffix in (int4.SCALE, int4.ZERO_POINT, int4.SHAPE)
+            and previous.rpartition(".")[0] == base)
 
 
 class ShmSegment:
@@ -160,7 +170,8 @@ def _pack(dst: torch.Tensor, bucket: list[tuple[str, torch.Tensor]],
     entries, offset = [], 0
     for name, t in bucket:
         t = t.detach()
-        out_dtype = dtype or t.dtype
+        # cast floating tensors only: INT4 codes and shapes travel as they are
+        out_dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
         if out_dtype not in DTYPE_NAMES:
             raise BadInputError(f"tensor {name!r}: dtype {out_dtype} cannot be synced; use "
                                 f"one of {sorted(DTYPES)}")
@@ -203,6 +214,15 @@ def quantize_named(named: list[tuple[str, torch.Tensor]], *, dtype: torch.dtype,
     state = {n: t.detach().to(dtype=dtype).contiguous() for n, t in named}
     on_cpu = all(t.device.type == "cpu" for t in state.values())
     return list(quantize_state(state, block, workers=None if on_cpu else 1)[0].items())
+
+
+def quantize_named_int4(named: list[tuple[str, torch.Tensor]], *, dtype: torch.dtype,
+                        fmt: int4.Int4Format) -> list[tuple[str, torch.Tensor]]:
+    """The INT4 version of `named` cast to `dtype` (what `rltool convert int4` stores for a
+    checkpoint of them, in `fmt`), quantized on the device the tensors are on: each INT4 weight
+    as its `weight_packed`, followed by its scale, zero point (asymmetric) and shape."""
+    state = {n: t.detach().to(dtype=dtype).contiguous() for n, t in named}
+    return list(int4.quantize_state(state, fmt)[0].items())
 
 
 def segment_bytes(named: list[tuple[str, torch.Tensor]], *, bucket_bytes: int) -> int:

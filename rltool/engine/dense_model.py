@@ -168,9 +168,11 @@ class DenseLM:
                         ) -> list[tuple[str, torch.Tensor | quant.BlockFp8]]:
         """The tensors of an in-memory update that `load_tensors` takes, after checking every
         name, shape and dtype (BadInputError on the first mismatch, before anything is copied);
-        a tied head is dropped (it is the embedding). FP8 weights take `update_dtype` (the
-        model's dtype) and are quantized on load."""
+        a tied head is dropped (it is the embedding). FP8 and INT4 weights take `update_dtype`
+        (the model's dtype) and are quantized on load; INT4 tensors as stored (`weight_packed`
+        with its companions) are taken as one weight."""
         targets = self._targets()
+        named = quant.pair_int4(named)
         keep = []
         for name, t in named:
             if name == "lm_head.weight" and self.spec.tie_word_embeddings:
@@ -183,7 +185,7 @@ class DenseLM:
                 raise BadInputError(f"tensor {name!r} has shape {list(t.shape)}, the served model "
                                     f"expects {list(want)}")
             want_dtype = update_dtype if not isinstance(dest, torch.Tensor) else dest.dtype
-            if not isinstance(t, quant.BlockFp8) and t.dtype != want_dtype:
+            if not isinstance(t, (quant.BlockFp8, quant.Int4Tensor)) and t.dtype != want_dtype:
                 raise BadInputError(f"tensor {name!r} has dtype {t.dtype}, the served model "
                                     f"takes {want_dtype}; send it as {want_dtype}")
             keep.append((name, t))

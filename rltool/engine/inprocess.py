@@ -119,7 +119,8 @@ class InProcessEngine:
 
         def apply() -> None:
             runner.load_named_tensors(named if block is not None else  # block FP8: as sent
-                                      [(n, t.detach().to(dtype)) for n, t in named], block=block)
+                                      [(n, t.detach().to(dtype) if t.is_floating_point() else t)
+                                       for n, t in named], block=block)  # INT4 codes as sent
             runner.weight_version = weight_version
 
         try:

@@ -101,6 +101,40 @@ def read_weight(name: str, get: Any, infos: dict[str, Any], *, where: str) -> In
     return int4.read_int4_tensor(infos, name, get, where=where)
 
 
+def pair_int4(named: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """An in-memory update's INT4 weights (each `<p>.weight_packed` with its scale, zero point
+    and shape, as rltool.delta.tensor_sync.quantize_named_int4 sends them) joined into one
+    Int4Tensor named `<p>.weight`; other tensors as they are. BadInputError for a companion
+    without its packed weight, or INT4 tensors that do not fit together."""
+    from rltool.errors import BadInputError
+
+    if not any(n.endswith("." + int4.PACKED) for n, _ in named):
+        return named
+    tensors = dict(named)
+    out: list[tuple[str, Any]] = []
+    for name, t in named:
+        base, _, suffix = name.rpartition(".")
+        if suffix in (int4.SCALE, int4.ZERO_POINT, int4.SHAPE):
+            if f"{base}.{int4.PACKED}" not in tensors:
+                raise BadInputError(f"{name} belongs to no {int4.PACKED} tensor of the update; "
+                                    "send each INT4 weight with its companions")
+            continue
+        if suffix != int4.PACKED:
+            out.append((name, t))
+            continue
+        missing = [s for s in (int4.SCALE, int4.SHAPE) if f"{base}.{s}" not in tensors]
+        if missing:
+            raise BadInputError(f"{name} comes without {', '.join(missing)}; send each INT4 "
+                                "weight with its scale, shape and zero point")
+        try:
+            value = int4.read_int4_tensor(tensors, base + ".weight", tensors.__getitem__,
+                                          where="update")
+        except CheckpointError as e:
+            raise BadInputError(str(e)) from e
+        out.append((base + ".weight", value))
+    return out
+
+
 class Int4Weight:
     """A linear weight kept INT4: `packed` int32 [..., N, K/8] (the checkpoint's layout), float32
     `scale` [..., N, K/g], and for asymmetric groups the zero points unpacked, int8 `zero`

@@ -24,7 +24,7 @@ from rltool.convert import int4
 from rltool.convert.fp8 import SCALE_SUFFIX, dequantize_blocks, quantize_blocks, scale_shape
 from rltool.convert.int4 import Int4Format, Int4Tensor
 from rltool.engine import int4_weight
-from rltool.engine.int4_weight import Int4Weight
+from rltool.engine.int4_weight import Int4Weight, pair_int4  # noqa: F401 - the model's entry
 from rltool.errors import CheckpointError
 
 if TYPE_CHECKING:  # the GEMM module imports triton: only on the FP8 path

@@ -94,8 +94,8 @@ def train_load_path(run: RunDir, version: int, *, initial: Path | None = None) -
 
 def initial_weights(settings: LoopSettings) -> Path | None:
     """The trainer's starting weights when version 0 is not them: the model itself when versions
-    are published block-FP8 (the trainer trains the unquantized weights)."""
-    return Path(settings.model.path) if settings.sync.precision == "fp8" else None
+    are published block-FP8 or INT4 (the trainer trains the unquantized weights)."""
+    return Path(settings.model.path) if settings.sync.precision in ("fp8", "int4") else None
 
 
 def in_memory_transport(settings: LoopSettings) -> str | None:
@@ -331,6 +331,15 @@ def push_weights(ctx: StepContext, mode: str) -> float:
         quantize_s = time.perf_counter() - t0
         return quantize_s + ctx.engines.load_tensors(
             named, version=ctx.state.policy_version, bucket_bytes=bucket_bytes, block=FP8_BLOCK)
+    if mode == "tensor" and ctx.settings.sync.precision == "int4":  # INT4 tensors, as stored
+        from rltool.delta.publish import int4_format
+
+        t0 = time.perf_counter()
+        named = tensor_sync.quantize_named_int4(named, dtype=ctx.engines.dtype,
+                                                fmt=int4_format(ctx.settings.model.path))
+        quantize_s = time.perf_counter() - t0
+        return quantize_s + ctx.engines.load_tensors(
+            named, version=ctx.state.policy_version, bucket_bytes=bucket_bytes)
     load = ctx.engines.load_tensors if mode == "tensor" else ctx.engines.load_distributed
     return load(named, version=ctx.state.policy_version, bucket_bytes=bucket_bytes)
 

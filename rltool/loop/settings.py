@@ -161,9 +161,10 @@ def check_settings(settings: LoopSettings) -> None:
         raise ConfigError("--sync tensor hands weights over shared memory to engines the loop "
                           "starts on its host; external engines take --sync full, delta, auto "
                           "or distributed")
-    if sync.precision == "fp8" and loop.external and sync.sync == "auto":
-        raise ConfigError("--precision fp8 reaches external engines on disk only (auto may pick "
-                          "a broadcast, which carries no scales): use --sync full or delta")
+    if sync.precision in ("fp8", "int4") and loop.external and sync.sync == "auto":
+        raise ConfigError(f"--precision {sync.precision} reaches external engines on disk only "
+                          "(auto may pick a broadcast, which carries no scales): use --sync full "
+                          "or delta")
     if loop.eval_interval is not None and settings.eval is None:
         raise ConfigError("[loop] eval_interval needs an [eval] table with prompts = FILE")
 
