@@ -88,6 +88,10 @@ COMPANIONS = {
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
         "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
         "use_distributed_optimizer", "transformer_impl")},
+    "param_dtype": ["--dtype", "bf16"],  # bf16 parameters compute in bf16
+    # megatron's optimizer offload runs on its distributed optimizer
+    "optimizer_offload_fraction": ["--backend", "megatron", "--use-distributed-optimizer",
+                                   "--optimizer-cpu-offload"],
     "mode": ["--placement", "disaggregated"],  # async refuses colocated placement
     "opd_teacher_route": ["--opd-teacher", "a=x"],
     "opd_mode": ["--opd-teacher", "x"],
