@@ -205,6 +205,31 @@ def refusal(need: int, budget: int, *, backend: str, recompute: str, tokens: int
             "see --device-memory-gb): use " + ", ".join(k for k in knobs if k))
 
 
+def check_host(options: Any, hf_config: dict[str, Any], *, world_size: int,
+               available: int | None = None) -> int:
+    """The host bytes of `--optimizer-cpu-offload` for this host's ranks (each rank's share times
+    LOCAL_WORLD_SIZE, else `world_size`); ConfigError when they exceed
+    rltool.train.memplan.HOST_SHARE of the host memory `available` (default: what the host and
+    this cgroup have available, rltool.train.memplan.host_available)."""
+    if options.backend == "megatron":
+        fraction = options.optimizer_offload_fraction
+        host = mplan.state_bytes(mplan.ModelShape.of(hf_config),
+                                 mplan.Layout.of(options, world_size=world_size),
+                                 dtype=options.dtype, offload_fraction=fraction)[1]
+    else:
+        host = torch_state(memplan.Shape.of(hf_config).params, options)[1]
+    need = sum(host.values()) * int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    share = int(memplan.HOST_SHARE * (memplan.host_available() if available is None
+                                      else available))
+    if need > share:
+        fewer = ("a smaller --optimizer-offload-fraction (with --recompute auto), "
+                 if options.backend == "megatron" else "")
+        raise ConfigError(f"--optimizer-cpu-offload needs {need / GIB:.1f} GiB of host memory, "
+                          f"{memplan.HOST_SHARE:.0%} of the available is {share / GIB:.1f} GiB: "
+                          f"use {fewer}more hosts, or free host memory")
+    return need
+
+
 def read_hf_config(model_dir: str | os.PathLike) -> dict[str, Any]:
     try:
         return json.loads((Path(model_dir) / "config.json").read_text())
@@ -232,6 +257,8 @@ def fit(options: Any, model_dir: str | os.PathLike, *, longest: int = 1,
         log.info("no memory plan (%s); recompute %s and %d tokens a micro-batch as set", e,
                  options.recompute, max_tokens)
         return {"recompute": options.recompute, "max_tokens_per_microbatch": max_tokens}
+    if options.optimizer_cpu_offload:
+        check_host(options, read_hf_config(model_dir), world_size=world)
     chunk = options.logprob_chunk_tokens
     smaller = tuple(c for c in AUTO_CHUNKS if c < chunk)
     # auto may shrink a logprob chunk left at its default: cheaper than recomputing layers

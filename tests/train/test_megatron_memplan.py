@@ -24,6 +24,7 @@ from rltool.train import memfit
 from rltool.train.backend import MicroBatch
 from rltool.train.config import BackendConfig, TrainConfig
 from rltool.train.launch import process_group_scope
+from rltool.train.memplan import GIB
 
 H100 = 85_029_158_912  # torch.cuda.get_device_properties(0).total_memory of an H100 80GB HBM3
 H200 = 150_754_820_096
@@ -322,3 +323,22 @@ def test_a_backend_built_with_auto_takes_the_plan(tmp_path, tiny_model_dir):
     backend = build_backend(tiny_model_dir, options=BackendConfig(
         device="cpu", recompute="auto", device_memory_gb=40.0))
     assert backend.options.recompute == "none" and backend.options.logprob_chunk_tokens == 4096
+
+
+def test_the_offload_must_fit_the_host():
+    """The 7B shapes' optimizer on the host: 16 bytes an element (fp32 master, moments, pinned
+    gradient copy), 113.5 GiB; a 128 GiB host with 120 GiB available holds 90 GiB of pinned
+    buffers (memplan.HOST_SHARE), so the whole optimizer is refused there and 3/4 of it is not."""
+    hf = dict(PRESETS["qwen2.5-7b"], model_type="qwen2")
+    options = BackendConfig(backend="megatron", dtype="bf16", use_distributed_optimizer=True,
+                            optimizer_cpu_offload=True)
+    with pytest.raises(ConfigError, match=r"needs 113\.5 GiB of host memory, 75% of the "
+                                          r"available is 90\.0 GiB: use a smaller "
+                                          r"--optimizer-offload-fraction"):
+        memfit.check_host(options, hf, world_size=1, available=120 << 30)
+    three_quarters = options.model_copy(update={"optimizer_offload_fraction": 0.75})
+    need = memfit.check_host(three_quarters, hf, world_size=1, available=120 << 30)
+    assert need == pytest.approx(0.75 * 113.5 * GIB, rel=1e-3)
+    torch_options = BackendConfig(dtype="bf16", param_dtype="bf16", optimizer_cpu_offload=True)
+    n = 7_615_616_512
+    assert memfit.check_host(torch_options, hf, world_size=1, available=10**13) == 16 * n
