@@ -19,13 +19,17 @@ rltool.logprobs' convention (float32 log-softmax of the temperature-scaled logit
 from __future__ import annotations
 
 import inspect
+import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from rltool.errors import ConfigError
 from rltool.logprobs import effective_temperature
 from rltool.train.backend import output_names, token_outputs
 
@@ -46,6 +50,24 @@ def register() -> str:
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, varlen_attention)
     return ATTN_IMPLEMENTATION
+
+
+def hybrid_layout(model_dir: str | os.PathLike, layout: str) -> str | None:
+    """The layout of a model with linear-attention (recurrent) layers: "padded" for `auto` and
+    `padded`; None for a model without them. `packed` and `shared_prompt` are refused: a GDN
+    layer runs one recurrence along the whole row, so samples packed or responses sharing a
+    row would leak state into each other (neither the attention mask nor the sample offsets
+    reach transformers' torch GDN path, which has no per-sequence state reset)."""
+    config_path = Path(model_dir) / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    config = config.get("text_config", config)
+    if "linear_attention" not in (config.get("layer_types") or []):
+        return None
+    if layout in ("packed", "shared_prompt"):
+        raise ConfigError(f"--micro-batch-layout {layout} is not supported for a model with "
+                          "linear-attention layers (its recurrent state would cross samples); "
+                          "use padded or auto")
+    return "padded"
 
 
 def _repeat_kv(x: torch.Tensor, groups: int, dim: int) -> torch.Tensor:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from rltool.errors import CheckpointError, ConfigError
 from rltool.train import checkpoint as ckpt
-from rltool.train import packed, shared_prompt
+from rltool.train import int4_qat, packed, shared_prompt
 from rltool.train.backend import ForwardOutput, LossFn, MicroBatch, response_outputs
 from rltool.train.config import BackendConfig, TrainConfig
 from rltool.train.launch import init_distributed
@@ -85,6 +85,7 @@ class TorchBackend:
             raise CheckpointError(f"{model_dir}: cannot load the model ({e})") from e
         self.config = inner.config
         self.vocab_size = int(self.config.vocab_size)
+        self.qat = int4_qat.for_backend(inner, options)  # before the value head: never published
         if self.value_head:
             # Zero init: values start at 0, so the first advantages are plain discounted rewards.
             inner.add_module(VALUE_HEAD, torch.nn.Linear(self.config.hidden_size, 1))
@@ -137,6 +138,8 @@ class TorchBackend:
         if layout == "shared_prompt" and options.deterministic:
             raise ConfigError("--micro-batch-layout shared_prompt and --deterministic exclude "
                               "each other (deterministic runs every sample alone); drop one")
+        if hybrid := packed.hybrid_layout(self.model_dir, layout):  # GDN: padded only
+            return hybrid
         if layout != "auto":
             return layout
         if options.deterministic:
