@@ -96,7 +96,7 @@ class BatchBuilder:
         want: list[bool] = []
         reqs: list[Request] = []
         done: list[Request] = []
-        for req in list(queue.prefilling):
+        for req in queue.prefill_order():
             target = req.prefill_target
             if req.num_cached == 0:
                 if any(tuple(req.prompt_ids[:n]) in keys for n, keys in filling.items()):

@@ -98,6 +98,10 @@ class ServeConfig(StageConfig):
     max_prefill_tokens: int | None = Field(None, ge=1, description="Prompt tokens prefilled "
                                                                    "per step (default 16384 on "
                                                                    "cuda, 512 on cpu).")
+    schedule_policy: Literal["fcfs", "lpm"] = Field(
+        "fcfs", description="Order in which waiting requests start: fcfs (arrival order) or lpm "
+                            "(longest cached prompt prefix first, for prefix-cache reuse; arrival "
+                            "order beyond 128 waiting, as SGLang).")
     deterministic: bool = Field(False, description="Seeded, batch-invariant sampling; logprobs "
                                                    "from one unpadded pass (trainer layout).")
     num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's "

@@ -233,6 +233,11 @@ class PagedRunner:
         return self.table.reuse_prefix(rid, tokens, max_tokens=max_tokens, pool=self.pool,
                                        spare=spare)
 
+    def cached_prefix_length(self, tokens: list[int]) -> int:
+        """Tokens of the longest cached page-aligned prefix of `tokens` (0 without the cache)."""
+        cache = self.table.cache if self.table is not None else None
+        return len(cache.match(tokens)) * self.page_size if cache is not None else 0
+
     def cache_prefix(self, rid: str, tokens: list[int]) -> None:
         self.table.cache_prefix(rid, tokens)
 

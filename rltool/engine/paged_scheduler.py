@@ -30,10 +30,10 @@ class PagedScheduler:
     def __init__(self, runner: Any, *, max_running: int = 64, max_queued: int = 4096,
                  max_prefill_tokens: int = 512, chunked_prefill_size: int | None = None,
                  deterministic: bool = False, overlap: bool = True,
-                 num_continuous_decode_steps: int = 1):
+                 num_continuous_decode_steps: int = 1, schedule_policy: str = "fcfs"):
         self.runner = runner
         self.queue = RequestQueue(runner, max_running=max_running, max_queued=max_queued,
-                                  deterministic=deterministic)
+                                  deterministic=deterministic, schedule_policy=schedule_policy)
         self.batch = BatchBuilder(runner, self.queue, max_running=max_running,
                                   max_prefill_tokens=max_prefill_tokens,
                                   chunked_prefill_size=chunked_prefill_size,

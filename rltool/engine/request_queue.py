@@ -22,6 +22,7 @@ from typing import Any
 
 from rltool.engine.final_logprobs import recompute_logprobs
 from rltool.engine.request import Request
+from rltool.engine.schedule_policy import SCHEDULE_POLICIES, ordered
 from rltool.engine.scheduler import PAUSE_MODES, THROUGHPUT_WINDOW_S, QueueFullError
 from rltool.engine.stop_rule import StopRule
 from rltool.errors import BadInputError, EngineError
@@ -48,8 +49,13 @@ def _abort(message: str, status_code: int | None = None, err_type: str | None = 
 
 
 class RequestQueue:
-    def __init__(self, runner: Any, *, max_running: int, max_queued: int, deterministic: bool):
+    def __init__(self, runner: Any, *, max_running: int, max_queued: int, deterministic: bool,
+                 schedule_policy: str = "fcfs"):
+        if schedule_policy not in SCHEDULE_POLICIES:
+            raise BadInputError(f"unknown --schedule-policy {schedule_policy!r}; choose fcfs or "
+                                "lpm")
         self.runner = runner
+        self.schedule_policy = schedule_policy
         self.max_running = max_running
         self.max_queued = max_queued
         self.deterministic = deterministic
@@ -218,9 +224,10 @@ class RequestQueue:
             apply()
 
     def admit(self) -> None:
-        """Move waiting requests to `prefilling` while fewer than `max_running` are in flight."""
+        """Move waiting requests to `prefilling`, in --schedule-policy order, while fewer than
+        `max_running` are in flight."""
         runner = self.runner
-        for req in list(self.admissible()):
+        for req in ordered(self.admissible(), self.schedule_policy, runner.cached_prefix_length):
             if len(self.running) + len(self.prefilling) >= self.max_running:
                 break
             self.waiting.remove(req)
@@ -231,6 +238,15 @@ class RequestQueue:
                     req.params, prompt_len=len(req.prompt_ids),
                     eos_token_ids=runner.eos_token_ids, context_length=runner.context_length)
                 self.prefilling.append(req)
+
+    def prefill_order(self) -> list[Request]:
+        """`prefilling` in the order its chunks take the step's budget: requests already begun
+        (a chunked prompt, cached pages claimed) first, then the others by --schedule-policy."""
+        if self.schedule_policy == "fcfs":
+            return list(self.prefilling)
+        begun = [r for r in self.prefilling if r.num_cached]
+        return begun + ordered([r for r in self.prefilling if not r.num_cached],
+                               self.schedule_policy, self.runner.cached_prefix_length)
 
     def accept(self, reqs: list[Request], tokens: list[int], logprobs: list[float]) -> None:
         """Record one sampled token per request (no top logprobs) and finish the requests it

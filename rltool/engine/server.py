@@ -85,7 +85,8 @@ def build_engine(cfg: ServeConfig) -> tuple[Any, Scheduler]:
                                   max_prefill_tokens=cfg.max_prefill_tokens,
                                   chunked_prefill_size=cfg.chunked_prefill_size,
                                   deterministic=cfg.deterministic,
-                                  num_continuous_decode_steps=cfg.num_continuous_decode_steps)
+                                  num_continuous_decode_steps=cfg.num_continuous_decode_steps,
+                                  schedule_policy=cfg.schedule_policy)
 
 
 def serve(cfg: ServeConfig) -> None:
