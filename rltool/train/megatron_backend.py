@@ -112,6 +112,11 @@ class MegatronBackend:
 
         if value_head:
             raise ConfigError("--backend megatron has no value head (ppo); use --backend torch")
+        if packed.has_linear_attention(model_dir):
+            raise ConfigError("--backend megatron does not train linear-attention hybrids "
+                              "(megatron-core 0.16.1's gated_delta_net needs "
+                              "flash-linear-attention and supports neither packed sequences nor "
+                              "inference); use --backend torch")
         self.options, self.trainable = options, trainable
         self.model_dir = Path(model_dir)
         cuda = torch.cuda.is_available()

@@ -52,16 +52,21 @@ def register() -> str:
     return ATTN_IMPLEMENTATION
 
 
+def has_linear_attention(model_dir: str | os.PathLike) -> bool:
+    """Whether config.json's layer_types name linear-attention (GDN) layers (qwen3_5 hybrids)."""
+    config_path = Path(model_dir) / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    config = config.get("text_config", config)
+    return "linear_attention" in (config.get("layer_types") or [])
+
+
 def hybrid_layout(model_dir: str | os.PathLike, layout: str) -> str | None:
     """The layout of a model with linear-attention (recurrent) layers: "padded" for `auto` and
     `padded`; None for a model without them. `packed` and `shared_prompt` are refused: a GDN
     layer runs one recurrence along the whole row, so samples packed or responses sharing a
     row would leak state into each other (neither the attention mask nor the sample offsets
     reach transformers' torch GDN path, which has no per-sequence state reset)."""
-    config_path = Path(model_dir) / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-    config = config.get("text_config", config)
-    if "linear_attention" not in (config.get("layer_types") or []):
+    if not has_linear_attention(model_dir):
         return None
     if layout in ("packed", "shared_prompt"):
         raise ConfigError(f"--micro-batch-layout {layout} is not supported for a model with "

@@ -83,8 +83,7 @@ class TorchBackend:
                 **load_kwargs)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{model_dir}: cannot load the model ({e})") from e
-        self.config = inner.config
-        self.vocab_size = int(self.config.vocab_size)
+        self.config, self.vocab_size = inner.config, int(inner.config.vocab_size)
         self.qat = int4_qat.for_backend(inner, options)  # before the value head: never published
         if self.value_head:
             # Zero init: values start at 0, so the first advantages are plain discounted rewards.
@@ -124,10 +123,9 @@ class TorchBackend:
 
     # -- setup -------------------------------------------------------------------------------
     def _layout(self, options: BackendConfig) -> str:
-        """The micro-batch layout: padded, packed or shared_prompt. auto: packed on one GPU;
-        on the CPU each repeated prompt once per micro-batch (rltool.train.shared_prompt) for
-        policy losses, whose groups repeat every prompt, while SFT prompts repeat only by chance
-        and stay padded (the bits they had); padded when deterministic."""
+        """padded, packed or shared_prompt. auto: packed on one GPU; on the CPU shared_prompt
+        for policy losses (groups repeat every prompt), padded for SFT (prompts repeat only by
+        chance), when deterministic and for hybrids (rltool.train.packed.hybrid_layout)."""
         layout = options.micro_batch_layout
         if layout == "packed" and options.deterministic:
             raise ConfigError("--micro-batch-layout packed and --deterministic exclude each "

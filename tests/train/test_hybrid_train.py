@@ -93,3 +93,14 @@ def test_one_train_step_moves_the_gdn_tensors_and_padding_leaks_nothing(hybrid_d
         assert moved, key
     second = backend.train_step([batch], loss_fn, temperature=1.0)
     assert second["loss"] < first["loss"] and first["train/grad_norm"] > 0
+
+
+def test_megatron_backend_refuses_hybrids(hybrid_dir):
+    """Refused before megatron's process groups start: megatron-core 0.16.1's GatedDeltaNet
+    needs flash-linear-attention and raises on packed sequences, which the backend always uses."""
+    from rltool.train.megatron_backend import MegatronBackend
+
+    with pytest.raises(ConfigError, match="does not train linear-attention hybrids.*"
+                                          "--backend torch") as e:
+        MegatronBackend(hybrid_dir, options=BackendConfig(device="cpu"))
+    assert "\n" not in str(e.value)
