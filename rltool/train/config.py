@@ -76,6 +76,18 @@ class BackendConfig(MegatronOptions):
         "token to the experts the engine routed it to (the shards' rollout_routed_experts, "
         "rltool rollout --use-rollout-routing-replay) instead of the router's own top-k; the "
         "routing weights still come from the trainer's router over those experts.")
+    int4_qat: bool = Field(
+        False, description="INT4 quantization-aware training (torch backend): every forward "
+        "fake-quantizes the weights `rltool convert int4` quantizes by default for this model "
+        "(quantize then dequantize with its rounding, in the compute dtype) with a "
+        "straight-through gradient; the optimizer, checkpoints and published versions keep the "
+        "unquantized weights (docs/train.md, \"INT4 QAT\").")
+    # 32: rltool.convert.int4.DEFAULT_GROUP_SIZE (not imported: it would load numpy into --help)
+    int4_qat_group_size: int = Field(32, ge=1, description="--int4-qat: input columns per scale "
+                                     "(`rltool convert int4`'s default).")
+    int4_qat_symmetric: bool = Field(True, description="--int4-qat: symmetric groups, no zero "
+                                     "point (`convert int4 --symmetric`); off: min-max groups "
+                                     "with a zero point (`--asymmetric`).")
 
     # Keys of earlier versions, each with its one-line refusal naming what replaced it: refused
     # by name in a file, --set and on the command line (rltool.commands.options adds the flags),
@@ -105,6 +117,9 @@ class BackendConfig(MegatronOptions):
                               "parameters and fp32 masters under --dtype bf16; drop --param-dtype")
         if self.param_dtype == "bf16" and self.dtype != "bf16":
             raise ConfigError("--param-dtype bf16 computes in bf16: add --dtype bf16")
+        if self.int4_qat and self.backend == "megatron":
+            raise ConfigError("--int4-qat runs on the torch backend only; use --backend torch or "
+                              "drop --int4-qat")
         if (self.optimizer_cpu_offload and self.backend == "megatron"
                 and not self.use_distributed_optimizer):
             raise ConfigError("--optimizer-cpu-offload needs megatron's distributed optimizer: "
@@ -258,6 +273,11 @@ class TrainConfig(BackendConfig, SyncConfig):
             raise ConfigError("--backend megatron does not support ppo's value head, --ref or "
                               "--old-actor yet; use --backend torch for them")
         self._check_opd()
+        if self.int4_qat and self.precision == "int4" and (self.int4_qat_group_size != 32
+                                                           or not self.int4_qat_symmetric):
+            raise ConfigError("--int4-qat-group-size/--no-int4-qat-symmetric differ from what "
+                              "--precision int4 publishes (groups of 32, symmetric): drop them "
+                              "or publish in another precision")
         if self.lr_decay_style == "cosine" and self.lr_decay_steps is None:
             raise ConfigError("--lr-decay-style cosine needs --lr-decay-steps N (optimizer steps "
                               "over the whole run, not just this call)")
