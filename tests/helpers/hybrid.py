@@ -1,5 +1,5 @@
 """The tiny qwen3_5 hybrid (3 Gated DeltaNet layers, 1 gated attention layer) for the train and
-align tests: `rltool init-model --arch qwen3_5 --preset tiny-4l`, with its zero-centred norms,
+align tests: `rltool init-model --arch qwen3_5 --preset tiny-4l --task reverse`, with its zero-centred norms,
 A_log and dt_bias moved off their init values (a norm initialised to 0 would hide a missing
 1 + w or a swapped tensor)."""
 
@@ -21,7 +21,7 @@ def make_hybrid(out: Path) -> Path:
     from rltool.cli import main
 
     result = CliRunner().invoke(main, ["init-model", "--arch", "qwen3_5", "--preset", "tiny-4l",
-                                       "--out", str(out), "--json"])
+                                       "--task", "reverse", "--out", str(out), "--json"])
     assert result.exit_code == 0, result.output
     config = json.loads((out / "config.json").read_text())
     assert config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
