@@ -191,6 +191,7 @@ class BatchBuilder:
         rids = [r.rid for r in reqs]
         if self._alone:
             counters.num_decode_forwards += 1
+            counters.num_decode_rows += len(reqs)
             counters.max_decode_batch = max(counters.max_decode_batch, len(reqs))
             for req in reqs:
                 self._sample_and_accept([req], runner.decode([req.rid], [req.output_ids[-1]]))
@@ -205,6 +206,7 @@ class BatchBuilder:
         else:
             logits = runner.decode(rids, [r.output_ids[-1] for r in reqs], steps=steps)
         counters.num_decode_forwards += steps
+        counters.num_decode_rows += steps * len(reqs)
         counters.max_decode_batch = max(counters.max_decode_batch, len(reqs))
         if not overlap:
             self._sample_and_accept(reqs, logits)
