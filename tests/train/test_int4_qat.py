@@ -160,6 +160,35 @@ def test_optimizer_steps_the_unquantized_weights_and_checkpoints_hold_them(
         assert torch.equal(saved[name], trained[name].detach()), name
 
 
+def test_bf16_parameters_step_fp32_masters_off_the_int4_grid(tiny_model_dir):
+    """--dtype bf16 --param-dtype bf16: the forward fake-quantizes the bf16 parameters as
+    `--precision int4` publishes bf16 weights (bf16 scales); AdamW steps the fp32 masters, which
+    the export holds, unquantized, and the bf16 parameters are their rounding."""
+    backend = _backend(tiny_model_dir, int4_qat=True, dtype="bf16", param_dtype="bf16", lr=1e-2,
+                       clip_grad=0.0, adam_eps=1.0, micro_batch_layout="padded")
+    params = dict(backend.inner.named_parameters())
+    name = backend.qat.names[0]
+    fake = int4_qat.fake_quantize(params[name], fmt=backend.qat.fmt, dtype=torch.bfloat16)
+    published, _ = int4.quantize_state({name: params[name].detach()}, backend.qat.fmt)
+    q = int4.read_int4_tensor(published, name, published.__getitem__, where="test")
+    assert q.scale.dtype == torch.bfloat16
+    assert torch.equal(fake, int4.dequantize_int4(q, dtype=torch.bfloat16))
+    start = load_file(next(tiny_model_dir.glob("*.safetensors")))
+
+    def loss_fn(out, unit):
+        return out.logprobs[0].float().sum(), {}
+
+    backend.train_step([MicroBatch([0], [IDS], [START])], loss_fn, temperature=1.0)
+    exported = backend.export_hf_state_dict()
+    for name in backend.qat.names:
+        master = exported[name]
+        assert master.dtype == torch.float32 and params[name].dtype == torch.bfloat16
+        assert (master - start[name]).abs().max() > 1e-5, name
+        assert torch.equal(params[name].detach(), master.to(torch.bfloat16)), name
+        grid = int4_qat.fake_quantize(master, fmt=backend.qat.fmt, dtype=torch.float32)
+        assert not torch.equal(master, grid), name
+
+
 def test_fused_experts_are_quantized_as_the_checkpoints_per_expert_weights(tiny_model_factory):
     """qwen3_moe: transformers fuses the experts into 3-D tensors; QAT targets exactly them
     (slime's MoE ignore list) and fake-quantizes each expert's gate, up and down weights as
