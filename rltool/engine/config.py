@@ -86,6 +86,14 @@ class ServeConfig(StageConfig):
     disable_cuda_graph: bool = Field(False, description="cuda: run decode eagerly.")
     disable_radix_cache: bool = Field(False, description="cuda: do not reuse the KV pages of "
                                                          "cached prompt prefixes.")
+    enable_hierarchical_cache: bool = Field(False, description="Move KV pages the prefix cache "
+                                            "evicts to a host-memory tier (pinned on cuda) "
+                                            "instead of dropping them; a prompt that shares them "
+                                            "reloads them.")
+    hicache_ratio: float = Field(2.0, gt=0, description="Host tier size as a multiple of the "
+                                                        "device KV pool's tokens.")
+    hicache_size: float = Field(0, ge=0, description="Host tier size in GB; overrides "
+                                                     "--hicache-ratio when above 0.")
     max_running_requests: int = Field(64, ge=1, description="Largest decode batch.")
     num_continuous_decode_steps: int = Field(
         1, ge=1, description="Decode steps run back to back per scheduler iteration (cuda): "
@@ -197,6 +205,9 @@ class ServeConfig(StageConfig):
             raise ValueError("--sglang-* options need --engine sglang")
         if self.model is None:
             raise ValueError(f"--engine {self.engine} needs --model DIR")
+        if self.enable_hierarchical_cache and (self.disable_radix_cache or self.engine != "builtin"):
+            raise ValueError("--enable-hierarchical-cache needs the builtin engine's prefix cache; "
+                             "drop --disable-radix-cache or --enable-hierarchical-cache")
         if not (is_loopback(self.host) or self.admin_api_key or self.allow_unauthenticated_admin):
             raise PydanticCustomError("insecure_host", INSECURE_HOST, {"host": self.host})
         if self.engine == "builtin" and self.engine_device == "cuda":

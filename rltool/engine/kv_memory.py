@@ -9,6 +9,10 @@ A hybrid model (Gated DeltaNet layers) also gets a recurrent-state pool of K slo
 KV of the default pool plus a slot per running request) splits into B/(1+r) for N tokens of KV
 (c_A bytes each) and rB/(1+r) for K slots (c_R bytes each), K at most `--max-running-requests`;
 on CUDA r defaults to SGLang's 0.9, on CPU without it K = --max-running-requests.
+
+With the prefix cache and `--enable-hierarchical-cache` the pages the prefix cache evicts move
+to a host pool (rltool.engine.host_kv) of `--hicache-ratio` times the device pool's pages, or
+`--hicache-size` GB.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rltool.engine.host_kv import HostKV, TierStats, host_pool_pages
 from rltool.engine.linear_attention import SSM_DTYPES
 from rltool.engine.model_spec import ModelSpec
 from rltool.engine.moe import RoutedExperts
@@ -40,6 +45,9 @@ class KvMemory:
     prefix_cache: bool
     mamba_full_memory_ratio: float | None = None
     mamba_ssm_dtype: str | None = None  # fp32 or bf16; None: the config's
+    hicache: bool = False  # the host tier (only with the prefix cache)
+    hicache_ratio: float = 2.0
+    hicache_size_gb: float = 0.0
 
     def bytes_per_token(self, spec: ModelSpec, dtype: torch.dtype) -> int:
         return KVPool.bytes_per_token(spec, dtype=dtype, kv_cache_dtype=self.kv_cache_dtype)
@@ -56,7 +64,8 @@ class KvMemory:
         return spec.linear.state_bytes(ssm_dtype=self.ssm_dtype(spec), conv_dtype=dtype)
 
     def build(self, spec: ModelSpec, *, device: torch.device, dtype: torch.dtype,
-              context_length: int) -> tuple[KVPool, PageTable, StatePool | None]:
+              context_length: int, stats: TierStats | None = None
+              ) -> tuple[KVPool, PageTable, StatePool | None]:
         """The pool and its page table, as large as the budget allows (an MoE model's routed
         expert ids take their bytes per token too), and a hybrid's state pool."""
         per_token = self.bytes_per_token(spec, dtype) + RoutedExperts.bytes_per_token(spec.moe)
@@ -92,12 +101,21 @@ class KvMemory:
                       num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=dtype,
                       device=device, kv_cache_dtype=self.kv_cache_dtype,
                       kv_layers=spec.kv_layers if spec.linear is not None else None)
+        host_pages = 0
+        if self.hicache and self.prefix_cache:
+            host_pages = host_pool_pages(device_pages=num_pages, ratio=self.hicache_ratio,
+                                         bytes_per_page=per_token * self.page_size,
+                                         size_gb=self.hicache_size_gb)
         table = PageTable(num_pages=num_pages, page_size=self.page_size,
                           max_requests=self.max_running,
                           max_pages_per_request=-(-context_length // self.page_size),
-                          device=device, prefix_cache=self.prefix_cache)
+                          device=device, prefix_cache=self.prefix_cache,
+                          host_pages=host_pages, stats=stats)
         pool.routed = RoutedExperts.make(spec.moe, spec.num_layers,
                                          slots=num_pages * self.page_size, device=device)
+        if host_pages:
+            table.host = HostKV(pool, num_pages=host_pages, page_size=self.page_size,
+                                stats=table.stats)
         states = None
         if spec.linear is not None:
             states = StatePool(spec.linear, num_slots=slots, max_requests=self.max_running,

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from rltool.convert.fp8 import E4M3_MAX, SCALE_FLOOR
+from rltool.engine.host_kv import HostKV, TierStats
 from rltool.engine.radix_cache import Node, RadixCache
 from rltool.errors import EngineError
 
@@ -72,10 +73,13 @@ class PageTable:
 
     def __init__(self, *, num_pages: int, page_size: int, max_requests: int,
                  max_pages_per_request: int, device: torch.device | str,
-                 prefix_cache: bool = False):
+                 prefix_cache: bool = False, host_pages: int = 0,
+                 stats: TierStats | None = None):
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages)
-        self.cache = RadixCache(page_size=page_size) if prefix_cache else None
+        self.cache = RadixCache(page_size=page_size, host_pages=host_pages) if prefix_cache else None
+        self.host: HostKV | None = None  # the host tier's pool, attached once the KV pool exists
+        self.stats = stats if stats is not None else TierStats()
         self.max_pages_per_request = max_pages_per_request
         self.entries: dict[str, PageEntry] = {}
         self._rows = list(range(max_requests, 0, -1))  # row 0 is scratch
@@ -103,7 +107,11 @@ class PageTable:
 
     def _alloc(self, n: int) -> list[int]:
         short = n - self.allocator.available
-        if short > 0 and self.cache is not None:
+        if short > 0 and self.host is not None:
+            freed, copies = self.cache.demote(short)
+            self.host.to_host(copies)  # queued before anything can write the freed pages
+            self.allocator.free(freed)
+        elif short > 0 and self.cache is not None:
             self.allocator.free(self.cache.evict(short))
         return self.allocator.alloc(n)
 
@@ -182,6 +190,9 @@ class PageTable:
         entry = self.add(rid)
         nodes = self.cache.match(tokens)[:max_tokens // ps]
         self.cache.lock(nodes)
+        self.stats.device_hit_tokens += len(nodes) * ps
+        if self.host is not None and len(nodes) < max_tokens // ps:
+            nodes = nodes + self._reload(nodes, tokens, max_tokens // ps - len(nodes), spare)
         entry.shared = nodes
         for node in nodes:
             self._pending.append((entry.row, len(entry.pages), node.page))
@@ -201,7 +212,22 @@ class PageTable:
         entry.pages.append(page)
         entry.length += n
         pool.copy_tokens(source.page, page, n, page_size=ps)
+        self.stats.device_hit_tokens += n
         return entry.length
+
+    def _reload(self, path: list[Node], tokens: list[int], max_pages: int, spare: int
+                ) -> list[Node]:
+        """The host-tier pages continuing `path` along `tokens`, back in device pages (as many
+        as are free beyond `spare`), locked; one batched copy."""
+        found = self.cache.match_host(path, tokens)[:max_pages]
+        self.cache.lock(found)  # not dropped from the host pool while room is made
+        room = max(self.free_pages - spare, 0) if found else 0
+        self.cache.unlock(found[room:])
+        found = found[:room]
+        if found:
+            self.host.to_device(self.cache.promote(found, self._alloc(len(found))))
+            self.stats.host_hit_tokens += len(found) * self.page_size
+        return found
 
     def cache_prefix(self, rid: str, tokens: list[int]) -> None:
         """Offer the full pages of `tokens` (whose KV `rid` has written) to the prefix cache;

@@ -29,6 +29,7 @@ from rltool import batch_invariant
 from rltool.engine import quant
 from rltool.engine.decode_step import Decoder
 from rltool.engine.dense_model import DenseLM, load_model
+from rltool.engine.host_kv import TierStats
 from rltool.engine.hybrid_model import check_hybrid_flags, load_hybrid
 from rltool.engine.kv_memory import KvMemory
 from rltool.engine.loading import check_servable, eos_token_ids, load_tokenizer, loading
@@ -54,7 +55,8 @@ class PagedRunner:
                  cuda_graph_max_bs: int = 256, disable_cuda_graph: bool = False,
                  prefix_cache: bool = True, deterministic: bool = False,
                  kv_cache_dtype: str = "auto", mamba_full_memory_ratio: float | None = None,
-                 mamba_ssm_dtype: str | None = None):
+                 mamba_ssm_dtype: str | None = None, hicache: bool = False,
+                 hicache_ratio: float = 2.0, hicache_size_gb: float = 0.0):
         if dtype not in DTYPES:
             raise BadInputError(f"unknown --dtype {dtype!r}; choose fp32 or bf16")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -83,7 +85,9 @@ class PagedRunner:
                            max_total_tokens=max_total_tokens, kv_cache_dtype=kv_cache_dtype,
                            prefix_cache=prefix_cache and not deterministic,
                            mamba_full_memory_ratio=mamba_full_memory_ratio,
-                           mamba_ssm_dtype=mamba_ssm_dtype)
+                           mamba_ssm_dtype=mamba_ssm_dtype, hicache=hicache,
+                           hicache_ratio=hicache_ratio, hicache_size_gb=hicache_size_gb)
+        self.tier_stats = TierStats()  # the prefix cache's tiers, kept across release/resume
         self.kv_bytes_per_token = self.kv.bytes_per_token(self.spec, DTYPES[dtype])
         self.state_bytes_per_slot = self.kv.state_bytes(self.spec, DTYPES[dtype])
         # An MoE layer sizes its expert GEMMs on the host (rltool.engine.moe), a hybrid's GDN
@@ -135,7 +139,8 @@ class PagedRunner:
         self.model.rope_table(self.context_length)
         self.pool, self.table, self.states = self.kv.build(self.spec, device=self.device,
                                                            dtype=DTYPES[self.dtype],
-                                                           context_length=self.context_length)
+                                                           context_length=self.context_length,
+                                                           stats=self.tier_stats)
         num_pages = self.table.allocator.num_pages
         self.max_total_num_tokens = (num_pages - 1) * self.page_size
         self.num_state_slots = self.states.num_slots if self.states is not None else 0
@@ -159,6 +164,7 @@ class PagedRunner:
     def release(self) -> None:
         """Free weights, KV pool and CUDA graphs (the scheduler has retracted every request)."""
         self.model = self.pool = self.table = self.states = None
+        self.tier_stats.host_pages_used = 0
         self._forward = self.decoder = None
         gc.collect()
         if self.device.type == "cuda":
@@ -240,6 +246,15 @@ class PagedRunner:
 
     def cache_prefix(self, rid: str, tokens: list[int]) -> None:
         self.table.cache_prefix(rid, tokens)
+
+    def cache_stats(self) -> dict[str, Any]:
+        """Hits per tier (tokens), bytes moved each way and copy seconds (`host_pages` 0: no
+        host tier)."""
+        table = self.table
+        if table is not None and table.host is not None:
+            table.host.settle()
+            self.tier_stats.host_pages_used = table.cache.host_used
+        return self.tier_stats.as_dict()
 
     def flush_prefix_cache(self) -> None:
         if self.table is not None:

@@ -11,6 +11,15 @@ path), so eviction, which frees only unreferenced leaves, least recently used fi
 page a running request reads. `clear` (a cache flush or a weight update: KV computed under old
 weights must never be reused) drops every node at once; pages still locked by requests are
 detached and freed when their last reference goes.
+
+With a host tier (`host_pages` > 0, rltool.engine.host_kv) eviction demotes instead of dropping:
+`demote` moves least recently used device pages to host pages (the caller copies them), and a
+node then holds a host page (`page` -1). Device nodes form a subtree at the root (a node leaves
+the device only once no child is there), host nodes hang below them. `match_host` continues a
+device match over host nodes, `promote` gives them device pages again (the caller copies back),
+and when the host pool is full its least recently used leaves are dropped. Every node carries
+`version`, the epoch (bumped by each weight update and flush) its KV was computed under; a
+match never returns a node of another version, and `clear` empties both tiers.
 """
 
 from __future__ import annotations
@@ -29,13 +38,17 @@ class Node:
     refs: int = 0
     last_access: int = 0
     detached: bool = False
+    host: int = -1  # host page id while the KV lives in the host tier (then page is -1)
+    version: int = 0  # the cache's epoch when the KV was computed
 
 
 class RadixCache:
     """The tree; page ids it holds are returned to the caller (never freed here) when evicted."""
 
-    def __init__(self, *, page_size: int):
+    def __init__(self, *, page_size: int, host_pages: int = 0):
         self.page_size = page_size
+        self.host_pages = host_pages
+        self._host_free = list(range(host_pages - 1, -1, -1))
         self.root = Node(key=(), page=-1, parent=None)
         self._clock = itertools.count(1)
         self.num_pages = 0  # pages held by attached nodes
@@ -50,11 +63,38 @@ class RadixCache:
         node, out, now = self.root, [], next(self._clock)
         for key in self._keys(tokens):
             node = node.children.get(key)
-            if node is None:
+            if node is None or node.page < 0 or node.version != self.epoch:
                 break
             node.last_access = now
             out.append(node)
         return out
+
+    def match_host(self, path: list[Node], tokens: list[int]) -> list[Node]:
+        """The host-tier nodes that continue `path` (a `match` of `tokens`) along `tokens`."""
+        node, out, now = path[-1] if path else self.root, [], next(self._clock)
+        for key in self._keys(tokens)[len(path):]:
+            node = node.children.get(key)
+            if node is None or node.host < 0 or node.version != self.epoch:
+                break
+            node.last_access = now
+            out.append(node)
+        return out
+
+    def promote(self, nodes: list[Node], pages: list[int]) -> list[tuple[int, int]]:
+        """Give host nodes (locked by the caller, so not dropped meanwhile) the device `pages`;
+        returns the (host page, device page) copies to make. The host pages go back to the
+        free list: the copy is queued before any later demotion can write them."""
+        copies = []
+        for node, page in zip(nodes, pages):
+            copies.append((node.host, page))
+            self._host_free.append(node.host)
+            node.host, node.page = -1, page
+            self.num_pages += 1
+        return copies
+
+    @property
+    def host_used(self) -> int:
+        return self.host_pages - len(self._host_free)
 
     def partial(self, path: list[Node], head: list[int], limit: int) -> tuple[Node | None, int]:
         """The cached page after `path` (from the root for an empty path) whose tokens start with
@@ -67,9 +107,13 @@ class RadixCache:
         if limit <= 0:
             return None, 0
         best = parent.children.get(tuple(head))
+        if best is not None and (best.page < 0 or best.version != self.epoch):
+            best = None  # in the host tier: only a device page can be copied from
         n = limit if best is not None else 0
         if best is None:
             for key, child in parent.children.items():
+                if child.page < 0:
+                    continue
                 common = _common(key, head, limit)
                 if common > n:
                     best, n = child, common
@@ -85,8 +129,12 @@ class RadixCache:
         for key, page in zip(self._keys(tokens), pages):
             child = node.children.get(key)
             if child is None:
-                child = Node(key=key, page=page, parent=node)
+                child = Node(key=key, page=page, parent=node, version=self.epoch)
                 node.children[key] = child
+                self.num_pages += 1
+            elif child.page < 0:  # in the host tier: this request's page holds the same KV
+                self._host_free.append(child.host)
+                child.host, child.page = -1, page
                 self.num_pages += 1
             elif child.page != page:
                 dup.append(page)
@@ -126,7 +174,7 @@ class RadixCache:
             subtree_free = all([free.pop(id(child)) for child in node.children.values()])
             if node is not self.root:
                 free[id(node)] = subtree_free and node.refs == 0
-                total += free[id(node)]
+                total += free[id(node)] and node.page >= 0
         return total
 
     def evict(self, num_pages: int) -> list[int]:
@@ -144,15 +192,70 @@ class RadixCache:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
 
+    def demote(self, num_pages: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """Free up to `num_pages` device pages by moving unreferenced device leaves (no child on
+        the device), least recently used first, to host pages; a full host pool drops its least
+        recently used leaves first. Returns the device pages freed and the (device page, host
+        page) copies to make before those pages are reused."""
+        nodes = self._nodes()
+        heap = [(n.last_access, id(n), n) for n in nodes if n.page >= 0 and n.refs == 0
+                and all(c.page < 0 for c in n.children.values())]
+        host_heap = [(n.last_access, id(n), n) for n in nodes if n.page < 0 and not n.children]
+        heapq.heapify(heap)
+        heapq.heapify(host_heap)
+        freed: list[int] = []
+        copies: dict[int, int] = {}  # host page -> device page; a page dropped again is rewritten
+        while heap and len(freed) < num_pages:
+            _, _, node = heapq.heappop(heap)
+            if not self._host_free and not self._drop_host_leaf(host_heap, copies):
+                if not node.children:  # no host room (every host leaf locked): drop it
+                    del node.parent.children[node.key]
+                    node.detached = True
+                    freed.append(node.page)
+                    self.num_pages -= 1
+                continue
+            host = self._host_free.pop()
+            copies[host] = node.page
+            freed.append(node.page)
+            node.page, node.host = -1, host
+            self.num_pages -= 1
+            if not node.children:
+                heapq.heappush(host_heap, (node.last_access, id(node), node))
+            parent = node.parent
+            if (parent is not self.root and parent.refs == 0
+                    and all(c.page < 0 for c in parent.children.values())):
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed, [(d, h) for h, d in copies.items()]
+
+    def _drop_host_leaf(self, heap: list, copies: dict[int, int]) -> bool:
+        """Drop the least recently used unlocked host leaf; False if there is none."""
+        while True:
+            if not heap:
+                return False
+            _, _, node = heapq.heappop(heap)
+            if node.page < 0 and node.host >= 0 and not node.children and node.refs == 0:
+                break
+        del node.parent.children[node.key]
+        node.detached = True
+        self._host_free.append(node.host)
+        copies.pop(node.host, None)
+        node.host = -1
+        parent = node.parent
+        if parent is not self.root and parent.page < 0 and not parent.children:
+            heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return True
+
     def clear(self) -> list[int]:
         """Drop every node; returns the pages free now (locked ones come back through unlock)."""
         freed = []
         for node in self._nodes():
             node.detached = True
             node.children = {}
-            if node.refs == 0:
+            node.host = -1
+            if node.refs == 0 and node.page >= 0:
                 freed.append(node.page)
         self.root.children = {}
+        self._host_free = list(range(self.host_pages - 1, -1, -1))
         self.num_pages = 0
         self.epoch += 1
         return freed

@@ -79,7 +79,9 @@ def build_engine(cfg: ServeConfig) -> tuple[Any, Scheduler]:
                          prefix_cache=not cfg.disable_radix_cache,
                          deterministic=cfg.deterministic, kv_cache_dtype=cfg.kv_cache_dtype,
                          mamba_full_memory_ratio=cfg.mamba_full_memory_ratio,
-                         mamba_ssm_dtype=cfg.mamba_ssm_dtype)
+                         mamba_ssm_dtype=cfg.mamba_ssm_dtype,
+                         hicache=cfg.enable_hierarchical_cache, hicache_ratio=cfg.hicache_ratio,
+                         hicache_size_gb=cfg.hicache_size)
     return runner, PagedScheduler(runner, max_running=cfg.max_running_requests,
                                   max_queued=cfg.max_queued_requests,
                                   max_prefill_tokens=cfg.max_prefill_tokens,

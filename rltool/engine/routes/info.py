@@ -72,6 +72,7 @@ def router(state: EngineState) -> APIRouter:
             "kv_pool_tokens": runner.max_total_num_tokens,
             # B_cache = N*c_A + K*c_R (K = 0 for a model without recurrent state)
             "cache_sizes": runner.cache_sizes(),
+            "hicache": runner.cache_stats(),  # prefix-cache hits per tier, host tier traffic
             "internal_states": [sched.stats()],
             "version": _version(),
             "engine": "builtin",
