@@ -104,3 +104,47 @@ def test_megatron_backend_refuses_hybrids(hybrid_dir):
                                           "--backend torch") as e:
         MegatronBackend(hybrid_dir, options=BackendConfig(device="cpu"))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_rl_loop_with_tensor_sync(hybrid_dir, tmp_path):
+    """Two loop steps on CPU (rollout on a live engine serving the hybrid, train, publish, tensor
+    sync, deterministic; one optimizer step each): step 1's rollouts were sampled by version 1,
+    synced in memory, and the trainer's logprobs of them stay within the align gate's 1e-6, so
+    the engine served what the trainer holds, GDN tensors included."""
+    import tomli_w
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+
+    from rltool.cli import main as cli
+    from rltool.data.shards import open_shard
+    from rltool.data.tasks import make_rows, write_prompts
+    from rltool.rundir import RunDir, read_metrics
+
+    write_prompts(make_rows("reverse", num=4, seed=1), tmp_path / "rl.jsonl")
+    # a reward that varies inside a group (the random model never earns the task's)
+    (tmp_path / "reward.py").write_text("def reward(prompt, response, label, metadata):\n"
+                                        "    return sum(map(ord, response)) % 7 / 7\n")
+    config = {"model": {"path": str(hybrid_dir)},
+              "rollout": {"prompts": str(tmp_path / "rl.jsonl"), "reward": f"{tmp_path / 'reward.py'}:reward",
+                          "n_samples_per_prompt": 2, "rollout_batch_size": 2,
+                          "max_response_len": 8},
+              "train": {"lr": 1e-2, "global_batch_size": 4}, "sync": {"sync": "tensor"},
+              "loop": {"num_steps": 2, "deterministic": True, "seed": 3, "align_gate": 1e-6,
+                       "engine_args": ["--disable-radix-cache"]}}
+    (tmp_path / "run.toml").write_text(tomli_w.dumps(config))
+    run = tmp_path / "run"
+    result = CliRunner().invoke(cli, ["loop", "-q", "--config", str(tmp_path / "run.toml"),
+                                      "--run-dir", str(run), "--json"])
+    assert result.exit_code == 0, result.output
+    rows = read_metrics(RunDir(run).metrics_file("loop"))
+    assert [r["sync/mode"] for r in rows] == ["tensor", "tensor"]
+    assert all(r["train/grad_norm"] > 0 for r in read_metrics(RunDir(run).metrics_file("train")))
+    assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-6 for r in rows)
+    table = open_shard(RunDir(run).rollout_step(1)).read()
+    versions = {v for vs in table.column("weight_versions").to_pylist() for v in vs if v >= 0}
+    assert versions == {1}
+    base = load_file(str(hybrid_dir / "model.safetensors"))
+    final = load_file(str(RunDir(run).ckpt_step(2) / "model" / "model.safetensors"))
+    for key in GDN_KEYS:
+        assert any(key in k and not torch.equal(base[k], final[k]) for k in base), key
