@@ -179,6 +179,28 @@ class _Side:
         torch.cuda.current_stream().wait_stream(host._stream)
 
 
+def reload_prefix(table: Any, path: list, tokens: list[int], max_pages: int, *, tail: bool,
+                  spare: int) -> tuple[list, Any]:
+    """Bring the host-tier pages that continue `path` (a device match, locked) along `tokens`
+    back into device pages of `table` (a PageTable), at most `max_pages` and as many as are free
+    beyond `spare`, in one batched copy. Returns them, locked, and, with `tail` (the reuse ends
+    inside the next page), that page too if it was on the host: reloaded, not locked, for the
+    caller's copy-on-write of its first tokens."""
+    cache = table.cache
+    found = cache.match_host(path, tokens)[:max_pages + tail]
+    cache.lock(found)  # not dropped from the host pool while room is made
+    room = max(table.free_pages - spare, 0) if found else 0
+    cache.unlock(found[room:])
+    found = found[:room]
+    if not found:
+        return [], None
+    table.host.to_device(cache.promote(found, table._alloc(len(found))))
+    shared, extra = found[:max_pages], found[max_pages:]
+    cache.unlock(extra)  # attached: nothing to free
+    table.stats.host_hit_tokens += len(shared) * table.page_size
+    return shared, extra[0] if extra else None
+
+
 def _runs(pages: list[int]) -> list[tuple[int, int, int]]:
     """(index in `pages`, first page, length) of each run of consecutive page ids."""
     out: list[tuple[int, int, int]] = []

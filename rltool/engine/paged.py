@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from rltool.convert.fp8 import E4M3_MAX, SCALE_FLOOR
-from rltool.engine.host_kv import HostKV, TierStats
+from rltool.engine.host_kv import HostKV, TierStats, reload_prefix
 from rltool.engine.radix_cache import Node, RadixCache
 from rltool.errors import EngineError
 
@@ -191,8 +191,11 @@ class PageTable:
         nodes = self.cache.match(tokens)[:max_tokens // ps]
         self.cache.lock(nodes)
         self.stats.device_hit_tokens += len(nodes) * ps
-        if self.host is not None and len(nodes) < max_tokens // ps:
-            nodes = nodes + self._reload(nodes, tokens, max_tokens // ps - len(nodes), spare)
+        tail = None  # a page reloaded only to copy its first tokens from
+        if self.host is not None:
+            more, tail = reload_prefix(self, nodes, tokens, max_tokens // ps - len(nodes),
+                                       tail=max_tokens % ps > 0, spare=spare)
+            nodes = nodes + more
         entry.shared = nodes
         for node in nodes:
             self._pending.append((entry.row, len(entry.pages), node.page))
@@ -212,22 +215,11 @@ class PageTable:
         entry.pages.append(page)
         entry.length += n
         pool.copy_tokens(source.page, page, n, page_size=ps)
-        self.stats.device_hit_tokens += n
+        if source is tail:
+            self.stats.host_hit_tokens += n
+        else:
+            self.stats.device_hit_tokens += n
         return entry.length
-
-    def _reload(self, path: list[Node], tokens: list[int], max_pages: int, spare: int
-                ) -> list[Node]:
-        """The host-tier pages continuing `path` along `tokens`, back in device pages (as many
-        as are free beyond `spare`), locked; one batched copy."""
-        found = self.cache.match_host(path, tokens)[:max_pages]
-        self.cache.lock(found)  # not dropped from the host pool while room is made
-        room = max(self.free_pages - spare, 0) if found else 0
-        self.cache.unlock(found[room:])
-        found = found[:room]
-        if found:
-            self.host.to_device(self.cache.promote(found, self._alloc(len(found))))
-            self.stats.host_hit_tokens += len(found) * self.page_size
-        return found
 
     def cache_prefix(self, rid: str, tokens: list[int]) -> None:
         """Offer the full pages of `tokens` (whose KV `rid` has written) to the prefix cache;

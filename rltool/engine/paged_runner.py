@@ -240,9 +240,13 @@ class PagedRunner:
                                        spare=spare)
 
     def cached_prefix_length(self, tokens: list[int]) -> int:
-        """Tokens of the longest cached page-aligned prefix of `tokens` (0 without the cache)."""
+        """Tokens of the longest cached page-aligned prefix of `tokens` (0 without the cache),
+        host-tier pages included (a reload is cheaper than a prefill)."""
         cache = self.table.cache if self.table is not None else None
-        return len(cache.match(tokens)) * self.page_size if cache is not None else 0
+        if cache is None:
+            return 0
+        path = cache.match(tokens)
+        return (len(path) + len(cache.match_host(path, tokens))) * self.page_size
 
     def cache_prefix(self, rid: str, tokens: list[int]) -> None:
         self.table.cache_prefix(rid, tokens)

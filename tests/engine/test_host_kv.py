@@ -115,7 +115,11 @@ def test_remove_and_clear_mid_reload_leak_no_page():
     table.add("x")
     table.extend("x", 20)
     table.remove("x")
-    assert table.reuse_prefix("b", PROMPT, max_tokens=11, pool=pool) == 8  # host pages: full only
+    # Two pages shared, the third reloaded for the copy of its first three tokens.
+    assert table.reuse_prefix("b", PROMPT, max_tokens=11, pool=pool) == 11
+    assert table.stats.host_hit_tokens == 11 and table.cache.num_pages == 3
+    b = table.entries["b"]
+    assert len(b.shared) == 2 and b.pages[2] not in [n.page for n in table.cache._nodes()]
     table.add("c")
     table.extend("c", 4)
     check_accounting(table)
@@ -162,8 +166,7 @@ def evict(sched, tag):
 
 
 def test_request_served_from_host_pages_matches_a_fresh_prefill(tiny_model_dir):
-    """Three full pages and one token: the whole cached prefix comes from the host tier (a
-    host page serves whole pages only, the copy-on-write of a partial page reads a device one)."""
+    """Three full pages and one token: the whole cached prefix comes from the host tier."""
     prompt = PROMPT + [17]
     runner, sched = engine(tiny_model_dir)
     plain_runner, plain = engine(tiny_model_dir, hicache=False, prefix_cache=False)
@@ -172,6 +175,8 @@ def test_request_served_from_host_pages_matches_a_fresh_prefill(tiny_model_dir):
         device_hit = generate(sched, [prompt], "b")[0]
         assert device_hit.cached_tokens == 12
         evict(sched, "e")
+        assert sched.call(lambda: runner.table.cache.match(prompt)).result(10) == []
+        assert sched.call(lambda: runner.cached_prefix_length(prompt)).result(10) == 12
         host_hits = runner.cache_stats()["host_hit_tokens"]
         from_host = generate(sched, [prompt], "h")[0]
         want = generate(plain, [prompt], "p")[0]
