@@ -262,3 +262,37 @@ def test_cli_trains_with_int4_qat(tiny_model_dir, train_shard, tmp_path):
     assert json.loads(result.stdout)["optimizer_steps"] == 1
     saved = (tmp_path / "ckpt" / "step-000001" / "config.toml").read_text()
     assert "int4_qat = true" in saved
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_processes_match_one(tiny_model_dir, train_shard, tmp_path, parallel):
+    """DDP and FSDP2 (2 gloo ranks): the hooks find the parameters each wrapper hands the
+    forward (FSDP's unsharded ones inside a sharded layer), so two ranks train the weights one
+    process trains, within the 1e-5 of tests/train/test_distributed.py. One step: after it the
+    ranks' weights differ from one process's in the last bits, and a weight that close to a
+    rounding boundary rounds the other way in the next forward, a jump of a whole INT4 step.
+    Adam's eps 1e-6: its first step is ~lr * sign(g), which for a near-zero gradient turns the
+    ranks' summation order into up to 1.1e-5 here with the default 1e-8."""
+    from rltool.train import run
+    from rltool.train.config import TrainConfig
+    from tests.helpers.torchrun import train_cli
+
+    args = dict(lr=3e-3, max_tokens_per_microbatch=24, global_batch_size=6, num_steps=1,
+                micro_batch_layout="padded", adam_eps=1e-6)
+    run(TrainConfig(rollouts=[str(train_shard)], load=str(tiny_model_dir), int4_qat=True,
+                    publish=str(tmp_path / "single"), **args))
+    want = load_file(tmp_path / "single" / "weight_v000001" / "model.safetensors")
+    proc = train_cli(["--rollouts", str(train_shard), "--load", str(tiny_model_dir),
+                      "--publish", str(tmp_path / "weights"), "--parallel", parallel,
+                      "--nproc-per-node", "2", "--int4-qat", "--json",
+                      *[f"--{k.replace('_', '-')}={v}" for k, v in args.items()]])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = load_file(tmp_path / "weights" / "weight_v000001" / "model.safetensors")
+    plain = tmp_path / "plain"
+    run(TrainConfig(rollouts=[str(train_shard)], load=str(tiny_model_dir), publish=str(plain),
+                    **args))
+    unquantized = load_file(plain / "weight_v000001" / "model.safetensors")
+    for name in want:
+        assert torch.allclose(got[name], want[name], rtol=0, atol=1e-5), name
+    assert max((want[n] - unquantized[n]).abs().max() for n in want) > 1e-4
