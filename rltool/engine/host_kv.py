@@ -49,14 +49,31 @@ class TierStats:
 
 
 def host_pool_pages(*, device_pages: int, bytes_per_page: int, ratio: float,
-                    size_gb: float) -> int:
+                    size_gb: float, available_bytes: int | None = None) -> int:
     """Host pages for `--hicache-ratio` (a multiple of the device pool) or `--hicache-size` GB
-    (when > 0, it wins)."""
+    (when > 0, it wins); refused when they need more than `available_bytes` (the host's
+    available memory), as SGLang refuses, rather than failing or swapping mid-allocation."""
     pages = int(size_gb * GB // bytes_per_page) if size_gb > 0 else int(device_pages * ratio)
     if pages < 1:
         raise BadInputError(f"the host KV tier holds no page ({bytes_per_page} bytes each); raise "
                             "--hicache-ratio or --hicache-size")
+    if available_bytes is not None and pages * bytes_per_page > available_bytes:
+        raise BadInputError(f"the host KV tier needs {pages * bytes_per_page / GB:.2f} GB, the "
+                            f"host has {available_bytes / GB:.2f} GB available; lower "
+                            "--hicache-ratio or --hicache-size")
     return pages
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 class HostKV:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rltool.engine.host_kv import HostKV, TierStats, host_pool_pages
+from rltool.engine.host_kv import HostKV, TierStats, available_host_bytes, host_pool_pages
 from rltool.engine.linear_attention import SSM_DTYPES
 from rltool.engine.model_spec import ModelSpec
 from rltool.engine.moe import RoutedExperts
@@ -105,7 +105,8 @@ class KvMemory:
         if self.hicache and self.prefix_cache:
             host_pages = host_pool_pages(device_pages=num_pages, ratio=self.hicache_ratio,
                                          bytes_per_page=per_token * self.page_size,
-                                         size_gb=self.hicache_size_gb)
+                                         size_gb=self.hicache_size_gb,
+                                         available_bytes=available_host_bytes())
         table = PageTable(num_pages=num_pages, page_size=self.page_size,
                           max_requests=self.max_running,
                           max_pages_per_request=-(-context_length // self.page_size),

@@ -266,3 +266,9 @@ def test_host_tier_is_off_by_default_and_bad_sizes_are_refused(tiny_model_dir, m
         host_pool_pages(device_pages=4, bytes_per_page=1000, ratio=0.1, size_gb=0)
     assert host_pool_pages(device_pages=4, bytes_per_page=1000, ratio=2, size_gb=0) == 8
     assert host_pool_pages(device_pages=4, bytes_per_page=1000, ratio=2, size_gb=1e-5) == 10
+    with pytest.raises(BadInputError, match="lower --hicache-ratio or --hicache-size"):
+        host_pool_pages(device_pages=4, bytes_per_page=1000, ratio=2, size_gb=0,
+                        available_bytes=7999)
+    with pytest.raises(BadInputError, match="GB available"):
+        PagedRunner(tiny_model_dir, device="cpu", dtype="fp32", max_running=2, page_size=PS,
+                    max_total_tokens=40, hicache=True, hicache_size_gb=1e9)
