@@ -110,6 +110,11 @@ class ServeConfig(StageConfig):
         "fcfs", description="Order in which waiting requests start: fcfs (arrival order) or lpm "
                             "(longest cached prompt prefix first, for prefix-cache reuse; arrival "
                             "order beyond 128 waiting, as SGLang).")
+    prefill_attention: Literal["grouped", "varlen"] = Field(
+        "grouped", description="Prefill attention: grouped (one causal SDPA call per group of "
+                               "equal-length prompts) or varlen (every chunk of a step in one "
+                               "variable-length call per layer: flash attention on cuda in "
+                               "bf16, a masked SDPA elsewhere; no GPU run recorded).")
     deterministic: bool = Field(False, description="Seeded, batch-invariant sampling; logprobs "
                                                    "from one unpadded pass (trainer layout).")
     num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's "

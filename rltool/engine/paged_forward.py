@@ -4,8 +4,9 @@ pass beside the pool.
 
 Prefill is packed: a step's chunks form one token stream (no padding) through the projections and
 MLPs; attention runs per group of equal-length fresh chunks (one causal SDPA call), continuations
-of a cached prefix as decode rows (DECODE_QUERIES). Decode attends each row of the batch over the
-pool: on CUDA with the Triton split-KV kernel (its output written already quantized for an FP8
+of a cached prefix as decode rows (DECODE_QUERIES), or, with --prefill-attention varlen, every
+chunk in one variable-length call per layer (rltool.engine.varlen_attention). Decode attends
+each row of the batch over the pool: on CUDA with the Triton split-KV kernel (its output written already quantized for an FP8
 o_proj), on CPU with the torch reference attention (rltool.engine.decode_rows).
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 
+from rltool.engine import varlen_attention
 from rltool.engine.decode_rows import paged_attention, per_request_attention
 from rltool.engine.dense_model import DenseLM, fp8_input
 from rltool.engine.moe import RoutedExperts
@@ -34,8 +36,10 @@ class PagedForward:
     change a request's numbers."""
 
     def __init__(self, model: DenseLM, pool: KVPool, table: PageTable, *, deterministic: bool,
-                 states: StatePool | None = None):
-        """`states`: a hybrid model's recurrent-state pool (rltool.engine.state_pool)."""
+                 states: StatePool | None = None, varlen: bool = False):
+        """`states`: a hybrid model's recurrent-state pool (rltool.engine.state_pool); `varlen`:
+        prefill attention in one variable-length call per layer (ignored when deterministic)."""
+        self.varlen = varlen
         self.model = model
         self.pool = pool
         self.table = table
@@ -58,6 +62,8 @@ class PagedForward:
         cont: list[tuple[int, int, int, list[int]]] = []  # (offset, length, start, kv slots)
         singles: list[tuple[int, int, int]] = []  # continuation tokens: (offset, row, length)
         segments: list[tuple[int, int, int, bool]] = []  # hybrid: (offset, length, slot, fresh)
+        # --prefill-attention varlen (not deterministic): one attention call per layer
+        varlen = [] if self.varlen and not self.deterministic else None
         for i in order:
             rid, toks, start = chunks[i]
             n = len(toks)
@@ -70,7 +76,9 @@ class PagedForward:
             pos += range(start, start + n)
             loc += table.slots(rid, start, start + n)
             last[i] = offset + n - 1
-            if 0 < start and n <= DECODE_QUERIES and not self.deterministic:  # as decode rows
+            if varlen is not None:
+                varlen.append((offset, n, start, table.slots(rid, 0, start + n) if start else None))
+            elif 0 < start and n <= DECODE_QUERIES and not self.deterministic:  # as decode rows
                 singles += ((offset + j, table.entries[rid].row, start + j + 1) for j in range(n))
             elif start > 0:
                 cont.append((offset, n, start, table.slots(rid, 0, start + n)))
@@ -85,11 +93,17 @@ class PagedForward:
         cont_t = [(o, n, s, host_tensor(sl).to(dev, non_blocking=True)) for o, n, s, sl in cont]
         single_t = host_tensor(list(zip(*singles))).to(dev, non_blocking=True) if singles else None
         pool, model = self.pool, self.model
+        plan = (varlen_attention.plan(varlen, num_tokens=len(ids), device=dev,
+                                      flash=varlen_attention.can_flash(dev, model.dtype))
+                if varlen is not None else None)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kc, vc, ks, vs = pool.layer(layer)  # fresh chunks attend to their own k, v
             model.rope_store(q, k, v, pos_t, k_cache=kc, v_cache=vc, loc=loc_t, k_scale=ks,
                              v_scale=vs)
+            if plan is not None:
+                kv = pool.gather(layer, plan.slots, q.dtype) if plan.slots is not None else None
+                return varlen_attention.attend(plan, q, k, v, scale=self.scale, pool_kv=kv)
             out = torch.empty_like(q)
             for o, c, n in groups:
                 out[o:o + c * n] = sdpa(q[o:o + c * n].view(c, n, *q.shape[1:]),

@@ -56,9 +56,14 @@ class PagedRunner:
                  prefix_cache: bool = True, deterministic: bool = False,
                  kv_cache_dtype: str = "auto", mamba_full_memory_ratio: float | None = None,
                  mamba_ssm_dtype: str | None = None, hicache: bool = False,
-                 hicache_ratio: float = 2.0, hicache_size_gb: float = 0.0):
+                 hicache_ratio: float = 2.0, hicache_size_gb: float = 0.0,
+                 prefill_attention: str = "grouped"):
         if dtype not in DTYPES:
             raise BadInputError(f"unknown --dtype {dtype!r}; choose fp32 or bf16")
+        if prefill_attention not in ("grouped", "varlen"):
+            raise BadInputError(f"unknown --prefill-attention {prefill_attention!r}; choose "
+                                "grouped or varlen")
+        self.prefill_attention = prefill_attention
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise BadInputError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}; choose auto or "
                                 "fp8_e4m3")
@@ -151,7 +156,8 @@ class PagedRunner:
                      self.states.num_slots, self.states.bytes_per_slot,
                      self.states.nbytes() / 2**30)
         self._forward = PagedForward(self.model, self.pool, self.table,
-                                     deterministic=self.deterministic, states=self.states)
+                                     deterministic=self.deterministic, states=self.states,
+                                     varlen=self.prefill_attention == "varlen")
         self.decoder = Decoder(self._forward, self.table, max_bs=self._graph_max_bs)
         if self._use_graphs:
             with self.invariant():

@@ -80,6 +80,7 @@ def build_engine(cfg: ServeConfig) -> tuple[Any, Scheduler]:
                          deterministic=cfg.deterministic, kv_cache_dtype=cfg.kv_cache_dtype,
                          mamba_full_memory_ratio=cfg.mamba_full_memory_ratio,
                          mamba_ssm_dtype=cfg.mamba_ssm_dtype,
+                         prefill_attention=cfg.prefill_attention,
                          hicache=cfg.enable_hierarchical_cache, hicache_ratio=cfg.hicache_ratio,
                          hicache_size_gb=cfg.hicache_size)
     return runner, PagedScheduler(runner, max_running=cfg.max_running_requests,
