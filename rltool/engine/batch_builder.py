@@ -34,7 +34,7 @@ class BatchBuilder:
     def __init__(self, runner: Any, queue: RequestQueue, *, max_running: int,
                  max_prefill_tokens: int = 512, chunked_prefill_size: int | None = None,
                  deterministic: bool = False, overlap: bool = True,
-                 num_continuous_decode_steps: int = 1):
+                 num_continuous_decode_steps: int = 1, enable_mixed_chunk: bool = False):
         if num_continuous_decode_steps < 1:
             raise BadInputError(f"--num-continuous-decode-steps {num_continuous_decode_steps}: "
                                 "must be at least 1")
@@ -44,6 +44,10 @@ class BatchBuilder:
         self.max_prefill_tokens = max_prefill_tokens  # prompt tokens per step
         self.chunked_prefill_size = chunked_prefill_size or max_prefill_tokens  # one chunk
         self.num_continuous_decode_steps = num_continuous_decode_steps
+        if enable_mixed_chunk and deterministic:
+            raise BadInputError("--enable-mixed-chunk would run decode rows with prefill's "
+                                "attention, which --deterministic keeps apart; drop one of them")
+        self.mixed_chunk = enable_mixed_chunk  # running requests decode in the prefill forward
         self._shared_generator = torch.Generator(device=runner.device)
         self._shared_generator.seed()
         self._seed_rng = random.Random()  # base seeds of requests without a generator
@@ -72,8 +76,7 @@ class BatchBuilder:
         if queue.paused is None and not runner.released:
             with runner.invariant():  # deterministic: one kernel registration per step
                 queue.admit()
-                self.prefill()
-                if queue.running:
+                if not self.prefill() and queue.running:
                     counters = self.counters
                     with trace.span("decode.step", cat="engine",
                                     batch=len(queue.running)) as span:
@@ -81,9 +84,11 @@ class BatchBuilder:
                         self.decode()
                         span["steps"] = counters.num_decode_forwards - forwards
 
-    def prefill(self) -> None:
+    def prefill(self) -> bool:
         """Prefill prompt chunks of `prefilling` requests; a request whose prompt is done samples
-        its first token and joins `running`."""
+        its first token and joins `running`. With --enable-mixed-chunk the running requests
+        decode one token in the same forward, each a one-token chunk over its own KV; returns
+        whether they did (the step's decode is then done)."""
         runner, queue = self.runner, self.queue
         budget = self.max_prefill_tokens
         chunk = self.chunked_prefill_size
@@ -131,32 +136,41 @@ class BatchBuilder:
                 break
         if chunks:
             self.blocks.drain()  # the prefill changes the batch; a queued block's tokens first
-        if not chunks:
+        else:
             if queue.prefilling and not queue.running:
                 req = queue.prefilling[0]
                 queue.finish(req, {"type": "abort", "status_code": 400, "err_type": "BadRequest",
                                    "message": f"the prompt needs {req.prefill_target} tokens of "
                                               "KV cache, more than the pool holds; raise "
                                               "--mem-fraction-static or shorten it"})
-            return
+            return False
         counters = self.counters
         counters.num_prefill_tokens += sum(len(c[1]) for c in chunks)
+        # Their pages were reserved above (a page per running request).
+        decoding = list(queue.running.values()) if self.mixed_chunk else []
+        chunks += [(r.rid, [r.output_ids[-1]], _kv_length(r, 0)) for r in decoding]
+        want += [True] * len(decoding)
         if self._alone:
             rows = [runner.prefill([c], want=[w]) for c, w in zip(chunks, want)]
             counters.num_prefill_forwards += len(rows)
             logits = torch.cat([r for r in rows if r is not None]) if any(want) else None
         else:
             logits = runner.prefill(chunks, want=want)
-            counters.num_prefill_forwards += 1
+            if decoding:
+                counters.num_mixed_forwards += 1
+                counters.num_decode_rows += len(decoding)
+            else:
+                counters.num_prefill_forwards += 1
         for req in done:
             queue.prefilling.remove(req)
             runner.cache_prefix(req.rid, req.prompt_ids)
-        fresh = [r for r, w in zip(reqs, want) if w]
+        fresh = [r for r, w in zip(reqs, want) if w] + decoding
         if fresh:
             self._sample_and_accept(fresh, logits)
         for req in done:
             if not req.finished:
                 queue.running[req.rid] = req
+        return bool(decoding)
 
     def decode(self) -> None:
         """One decode step (a block of them when overlapping) for every running request: sample,

@@ -115,6 +115,10 @@ class ServeConfig(StageConfig):
                                "equal-length prompts) or varlen (every chunk of a step in one "
                                "variable-length call per layer: flash attention on cuda in "
                                "bf16, a masked SDPA elsewhere; no GPU run recorded).")
+    enable_mixed_chunk: bool = Field(
+        False, description="Prefill chunks in the same forward as the running requests' decode "
+                           "rows (SGLang's flag): one forward per step instead of two while "
+                           "prompts arrive; no GPU run recorded; refused with --deterministic.")
     deterministic: bool = Field(False, description="Seeded, batch-invariant sampling; logprobs "
                                                    "from one unpadded pass (trainer layout).")
     num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's "

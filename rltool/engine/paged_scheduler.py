@@ -30,7 +30,8 @@ class PagedScheduler:
     def __init__(self, runner: Any, *, max_running: int = 64, max_queued: int = 4096,
                  max_prefill_tokens: int = 512, chunked_prefill_size: int | None = None,
                  deterministic: bool = False, overlap: bool = True,
-                 num_continuous_decode_steps: int = 1, schedule_policy: str = "fcfs"):
+                 num_continuous_decode_steps: int = 1, schedule_policy: str = "fcfs",
+                 enable_mixed_chunk: bool = False):
         self.runner = runner
         self.queue = RequestQueue(runner, max_running=max_running, max_queued=max_queued,
                                   deterministic=deterministic, schedule_policy=schedule_policy)
@@ -38,7 +39,8 @@ class PagedScheduler:
                                   max_prefill_tokens=max_prefill_tokens,
                                   chunked_prefill_size=chunked_prefill_size,
                                   deterministic=deterministic, overlap=overlap,
-                                  num_continuous_decode_steps=num_continuous_decode_steps)
+                                  num_continuous_decode_steps=num_continuous_decode_steps,
+                                  enable_mixed_chunk=enable_mixed_chunk)
         self.counters = self.queue.counters
         self._thread: threading.Thread | None = None
         # torch's intra-op thread setting does not carry over to new threads in full: without

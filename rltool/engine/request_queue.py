@@ -37,7 +37,8 @@ class Counters:
 
     max_decode_batch: int = 0
     num_decode_forwards: int = 0
-    num_decode_rows: int = 0  # requests summed over decode forwards (mean batch: rows/forwards)
+    num_decode_rows: int = 0  # requests summed over decode and mixed forwards
+    num_mixed_forwards: int = 0  # prefill forwards that also decoded the running requests
     num_prefill_forwards: int = 0
     num_prefill_tokens: int = 0  # prompt tokens whose KV a prefill forward computed
     total_output_tokens: int = 0
@@ -186,7 +187,9 @@ class RequestQueue:
             "total_output_tokens": c.total_output_tokens,
             "num_decode_forwards": c.num_decode_forwards,
             "num_decode_rows": c.num_decode_rows,
-            "mean_decode_batch": c.num_decode_rows / max(c.num_decode_forwards, 1),
+            "num_mixed_forwards": c.num_mixed_forwards,
+            "mean_decode_batch": (c.num_decode_rows
+                                  / max(c.num_decode_forwards + c.num_mixed_forwards, 1)),
             "num_prefill_forwards": c.num_prefill_forwards,
             "num_prefill_tokens": c.num_prefill_tokens,
             "paused": self.paused,

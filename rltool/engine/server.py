@@ -89,7 +89,8 @@ def build_engine(cfg: ServeConfig) -> tuple[Any, Scheduler]:
                                   chunked_prefill_size=cfg.chunked_prefill_size,
                                   deterministic=cfg.deterministic,
                                   num_continuous_decode_steps=cfg.num_continuous_decode_steps,
-                                  schedule_policy=cfg.schedule_policy)
+                                  schedule_policy=cfg.schedule_policy,
+                                  enable_mixed_chunk=cfg.enable_mixed_chunk)
 
 
 def serve(cfg: ServeConfig) -> None:
