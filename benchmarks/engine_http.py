@@ -29,7 +29,7 @@ Per run: output tokens/s; time to first token p50/p99 (streamed runs: from the c
 event that carries a token, in both arms; plain runs in process: the engine's own arrival to
 first token; plain runs over HTTP: not observable, the answer carries no first-token time);
 prefill and decode forwards and the mean decode batch (output tokens not sampled by a prefill,
-over decode forwards) from the engine's counters (`Scheduler.stats()`, over HTTP
+over decode forwards) from the engine's counters (`PagedScheduler.stats()`, over HTTP
 /get_server_info, read at the run's ends: in process the last step's counts may land a moment
 after the last answer, so a run's counts can be off by a step or two); the CPU seconds of this process and, over HTTP, of the server process.
 With `--device cuda`, transformers `generate` on uniform-64's first round beside them (one

@@ -3,7 +3,7 @@ body parsing and the error shapes.
 
 Handlers run on the event loop and never touch the model: generation requests go to the
 scheduler thread with completion callbacks, control operations run on that thread through
-`Scheduler.call` (`EngineState.on_thread`).
+`PagedScheduler.call` (`EngineState.on_thread`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from rltool.engine.api import GenerateInput, UpdateWeightsResult
 from rltool.engine.config import ServeConfig
 from rltool.engine.expand import expand_generate
 from rltool.engine.paged_runner import PagedRunner
+from rltool.engine.paged_scheduler import PagedScheduler
 from rltool.engine.request import Request, build_response
-from rltool.engine.scheduler import QueueFullError, Scheduler
+from rltool.engine.scheduler import QueueFullError
 from rltool.engine.security import PayloadTooLargeError
 from rltool.errors import BadInputError, EngineError
 
@@ -39,7 +40,7 @@ M = TypeVar("M", bound=BaseModel)
 class EngineState:
     cfg: ServeConfig
     runner: PagedRunner
-    scheduler: Scheduler
+    scheduler: PagedScheduler
     started: float  # time.monotonic() at start
     started_wall_s: float = field(default_factory=time.time)
 
