@@ -1,7 +1,11 @@
 """The scheduler over a paged runner (rltool.engine.paged_runner): the thread that owns the model,
 running control operations and steps, over a request queue (rltool.engine.request_queue) and a
-batch builder (rltool.engine.batch_builder). The calls other code makes are those of
-rltool.engine.scheduler.Scheduler; this class forwards them to the part that does the work.
+batch builder (rltool.engine.batch_builder). The calls other code makes (the HTTP routes, the
+server, the in-process engine) are this class's public methods, forwarded to the part that does
+the work. Safe from any thread: `submit`, `call`, `update_weights`, `next_seq`, `stats`, `alive`
+and the thread lifecycle. On the scheduler thread only (inside `call`): `pause`,
+`resume_generation`, `abort`, `flush_cache`, `retract_for_release`; the request lists are read
+there too.
 
 One iteration of the thread: wait for work; record any decode block still in flight if control
 operations are queued; run them; apply a pending weight update once nothing it waits for is in
@@ -87,7 +91,7 @@ class PagedScheduler:
                 queue.fail_all(f"engine error: {e}", status_code=500, err_type=type(e).__name__)
         queue.shut_down()
 
-    # ----- the calls of rltool.engine.scheduler.Scheduler ----------------------------------
+    # ----- the calls other code makes -------------------------------------------------------
 
     def submit(self, reqs: list[Request]) -> None:
         """Queue requests (all or none). Raises QueueFullError / BadInputError / EngineError."""

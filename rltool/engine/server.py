@@ -15,14 +15,16 @@ import signal
 import socket
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rltool.engine import api
 from rltool.errors import EngineError
 from rltool.engine.app import EngineState, build_app
 from rltool.engine.config import ServeConfig
-from rltool.engine.scheduler import Scheduler
 from rltool.supervisor import announce_ready, withdraw_ready
+
+if TYPE_CHECKING:
+    from rltool.engine.paged_scheduler import PagedScheduler
 
 log = logging.getLogger(__name__)
 SELF_CHECK_TIMEOUT_S = 60.0
@@ -53,7 +55,7 @@ def _server_class() -> type:
         """Aborts in-flight generations as soon as a shutdown signal arrives, so handlers answer
         at once and the graceful shutdown does not wait for long generations."""
 
-        def __init__(self, scheduler: Scheduler, config: uvicorn.Config):
+        def __init__(self, scheduler: PagedScheduler, config: uvicorn.Config):
             super().__init__(config)
             self.scheduler = scheduler
 
@@ -64,7 +66,7 @@ def _server_class() -> type:
     return Server
 
 
-def build_engine(cfg: ServeConfig) -> tuple[Any, Scheduler]:
+def build_engine(cfg: ServeConfig) -> tuple[Any, PagedScheduler]:
     """The paged runner and scheduler on the configured device (one code path for CPU and CUDA)."""
     from rltool.engine.paged_runner import PagedRunner
     from rltool.engine.paged_scheduler import PagedScheduler
