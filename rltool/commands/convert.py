@@ -44,12 +44,7 @@ def fp8(as_json, **_):
 
     cfg = build_config(Fp8Config, table=TABLE)
     result = quantize_checkpoint(cfg)
-    if cfg.verify and not as_json:
-        for name, err in result["relative_error"].items():
-            click.echo(f"{err:.3e}  {name}")
-        click.echo(f"max relative error {result['max_relative_error']:.3e} over "
-                   f"{result['quantized']} quantized tensors")
-    _report(result, as_json=as_json, verb=f"quantized {result['quantized']} tensors")
+    _report_quantized(result, cfg, as_json=as_json, suffix="")
 
 
 @command.command("int4")
@@ -79,12 +74,7 @@ def int4(as_json, symmetric_flag, **_):
     extra = {} if symmetric_flag is None else {"symmetric": symmetric_flag}
     cfg = build_config(Int4Config, table=TABLE, extra=extra)
     result = quantize_checkpoint(cfg)
-    if cfg.verify and not as_json:
-        for name, err in result["relative_error"].items():
-            click.echo(f"{err:.3e}  {name}")
-        click.echo(f"max relative error {result['max_relative_error']:.3e} over "
-                   f"{result['quantized']} quantized tensors")
-    _report(result, as_json=as_json, verb=f"quantized {result['quantized']} tensors to INT4")
+    _report_quantized(result, cfg, as_json=as_json, suffix=" to INT4")
 
 
 @command.command("dequant")
@@ -152,3 +142,14 @@ def _is_rank0():
     import os
 
     return os.environ.get("RANK", "0") == "0"
+
+
+def _report_quantized(result: dict, cfg, *, as_json: bool, suffix: str) -> None:
+    """A quantize run's report: with --verify (and not --json) each tensor's relative
+    dequantization error and the largest, then the summary line."""
+    if cfg.verify and not as_json:
+        for name, err in result["relative_error"].items():
+            click.echo(f"{err:.3e}  {name}")
+        click.echo(f"max relative error {result['max_relative_error']:.3e} over "
+                   f"{result['quantized']} quantized tensors")
+    _report(result, as_json=as_json, verb=f"quantized {result['quantized']} tensors{suffix}")
