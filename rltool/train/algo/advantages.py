@@ -80,6 +80,19 @@ def _token_rewards(reward: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, *
     return token_rewards
 
 
+def gae_one(v: torch.Tensor, token_rewards: torch.Tensor, *, gamma: float,
+            lambd: float) -> torch.Tensor:
+    """One sample's GAE advantages from its values and per-token rewards."""
+    adv = torch.empty_like(v)
+    running = torch.zeros((), dtype=v.dtype)
+    for t in range(v.numel() - 1, -1, -1):
+        next_value = v[t + 1] if t + 1 < v.numel() else torch.zeros((), dtype=v.dtype)
+        delta = token_rewards[t] + gamma * next_value - v[t]
+        running = delta + gamma * lambd * running
+        adv[t] = running
+    return adv
+
+
 def gae(rewards: torch.Tensor, values: list[torch.Tensor], masks: list[torch.Tensor], *,
         gamma: float, lambd: float, kl: list[torch.Tensor] | None = None,
         kl_coef: float = 0.0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -88,13 +101,7 @@ def gae(rewards: torch.Tensor, values: list[torch.Tensor], masks: list[torch.Ten
     for i, (v, m) in enumerate(zip(values, masks)):
         k = kl[i] if kl is not None else torch.zeros_like(v)
         token_rewards = _token_rewards(rewards[i], k.to(v.dtype), m, kl_coef=kl_coef)
-        adv = torch.empty_like(v)
-        running = torch.zeros((), dtype=v.dtype)
-        for t in range(v.numel() - 1, -1, -1):
-            next_value = v[t + 1] if t + 1 < v.numel() else torch.zeros((), dtype=v.dtype)
-            delta = token_rewards[t] + gamma * next_value - v[t]
-            running = delta + gamma * lambd * running
-            adv[t] = running
+        adv = gae_one(v, token_rewards, gamma=gamma, lambd=lambd)
         advantages.append(adv)
         returns.append(adv + v)
     return advantages, returns

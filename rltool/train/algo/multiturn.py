@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from rltool.train.algo.advantages import GRPO_EPS, group_baseline
+from rltool.train.algo.advantages import GRPO_EPS, gae_one, group_baseline
 
 
 def turn_spans(turn_starts: list[int] | None, length: int) -> list[tuple[int, int]]:
@@ -105,13 +105,7 @@ def turn_gae(*, rewards: torch.Tensor, values: list[torch.Tensor], masks: list[t
         k = kl[i].to(v.dtype) if kl is not None else torch.zeros_like(v)
         tr = turn_rewards[i] if turn_rewards[i] is not None else [float(rewards[i])]
         token_rewards = turn_token_rewards(list(tr), turn_starts[i], m, k, kl_coef=kl_coef)
-        adv = torch.empty_like(v)
-        running = torch.zeros((), dtype=v.dtype)
-        for t in range(v.numel() - 1, -1, -1):
-            next_value = v[t + 1] if t + 1 < v.numel() else torch.zeros((), dtype=v.dtype)
-            delta = token_rewards[t] + gamma * next_value - v[t]
-            running = delta + gamma * lambd * running
-            adv[t] = running
+        adv = gae_one(v, token_rewards, gamma=gamma, lambd=lambd)
         advantages.append(adv)
         returns.append(adv + v)
     return advantages, returns
