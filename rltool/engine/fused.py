@@ -59,8 +59,15 @@ def rope_store_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch
     c, s = cos[positions], sin[positions]
     q.copy_(apply_rope(q, c, s))
     k.copy_(apply_rope(k, c, s))
-    if k_cache is None:
-        return
+    if k_cache is not None:
+        store_kv(k, v, k_cache, v_cache, loc, k_scale, v_scale)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             loc: torch.Tensor, k_scale: torch.Tensor | None,
+             v_scale: torch.Tensor | None) -> None:
+    """Write k, v into cache slots `loc` (quantized, their scales into `k_scale`/`v_scale`,
+    for an FP8 cache)."""
     for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         if scales is None:
             cache.index_copy_(0, loc, x)

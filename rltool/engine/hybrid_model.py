@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from rltool.engine.dense_model import Attend, DenseLM, apply_rope
+from rltool.engine.fused import store_kv
 from rltool.engine.linear_attention import (SSM_DTYPES, causal_conv, chunked_delta,
                                             gated_rms_norm, l2_normalize, recurrent_step)
 from rltool.engine.model_checkpoint import load_checkpoint, read_index
 from rltool.engine.model_spec import ModelSpec, read_spec
-from rltool.engine.paged import quantize_kv
 from rltool.engine.quant import linear
 from rltool.engine.state_pool import Recurrence
 from rltool.errors import BadInputError
@@ -138,15 +138,8 @@ class HybridLM(DenseLM):
         rot = self.spec.linear.rotary_dim
         q[..., :rot] = apply_rope(q[..., :rot], c, s)
         k[..., :rot] = apply_rope(k[..., :rot], c, s)
-        if k_cache is None:
-            return
-        for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
-            if scales is None:
-                cache.index_copy_(0, loc, x)
-            else:
-                qx, sx = quantize_kv(x)  # bytes: CPU index_copy_ has no float8 kernel
-                cache.view(torch.uint8).index_copy_(0, loc, qx.view(torch.uint8))
-                scales.index_copy_(0, loc, sx)
+        if k_cache is not None:
+            store_kv(k, v, k_cache, v_cache, loc, k_scale, v_scale)
 
     def hidden(self, input_ids: torch.Tensor, attend: Attend,
                collect: list[torch.Tensor] | None = None,
