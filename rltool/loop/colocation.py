@@ -94,17 +94,7 @@ class Residency:
                      self.offload)
             policy = self.offload
         else:
-            opts = trainer.backend.options
-            dtype = getattr(self.engines, "dtype", torch.bfloat16)
-            self.plan = choose(Shape.of(config), offload=self.offload,
-                               device_bytes=torch.cuda.mem_get_info()[1],
-                               host_bytes=host_available(), compute_dtype=opts.dtype,
-                               engine_dtype="fp32" if dtype == torch.float32 else "bf16",
-                               micro_batch_tokens=opts.max_tokens_per_microbatch,
-                               recompute=opts.recompute == "full",
-                               logprob_chunk_tokens=opts.logprob_chunk_tokens,
-                               kv_tokens=self.min_kv_tokens)
-            log.info("memory plan (predicted peaks): %s", self.plan.summary())
+            self._choose(trainer, config, self.offload)
             policy = self.plan.offload
         trainer.keep_params(policy == "optimizer")
         return policy
@@ -117,19 +107,23 @@ class Residency:
         if hf_config.get("model_type") not in DENSE:
             log.info("no memory plan for a %s model; offload none", hf_config.get("model_type"))
             return "none"
+        self._choose(trainer, hf_config, "none",
+                     trainer=trainer_bytes(trainer.backend.options, hf_config))
+        return "none"
+
+    def _choose(self, trainer: Any, config: Any, offload: str, **extra: Any) -> None:
+        """self.plan: the memory plan for the model `config` beside the engines, logged."""
         opts = trainer.backend.options
         dtype = getattr(self.engines, "dtype", torch.bfloat16)
-        self.plan = choose(Shape.of(hf_config), offload="none",
+        self.plan = choose(Shape.of(config), offload=offload,
                            device_bytes=torch.cuda.mem_get_info()[1],
                            host_bytes=host_available(), compute_dtype=opts.dtype,
                            engine_dtype="fp32" if dtype == torch.float32 else "bf16",
                            micro_batch_tokens=opts.max_tokens_per_microbatch,
                            recompute=opts.recompute == "full",
                            logprob_chunk_tokens=opts.logprob_chunk_tokens,
-                           kv_tokens=self.min_kv_tokens,
-                           trainer=trainer_bytes(opts, hf_config))
+                           kv_tokens=self.min_kv_tokens, **extra)
         log.info("memory plan (predicted peaks): %s", self.plan.summary())
-        return "none"
 
     def offload_trainer(self, trainer: Any) -> None:
         if trainer is not None and self.alternate and not trainer.offloaded:
