@@ -23,6 +23,7 @@ from rltool.engine.paged_scheduler import PagedScheduler
 from rltool.engine.request import Request
 from rltool.engine.sampling import SamplingParams
 from rltool.errors import BadInputError, CheckpointError
+from tests.helpers.hybrid import make_hybrid
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [10, 11, 3], [12, 13, 14, 15, 16, 17, 18],
            [3, 3, 3, 4, 9, 2]]
@@ -34,24 +35,9 @@ def hybrid_dir(tmp_path_factory):
     """`rltool init-model --arch qwen3_5 --preset tiny-4l` (3 GDN layers, 1 attention layer),
     its norms, A_log and dt_bias then moved off their init values (zero-centred norms init to 0,
     where a missing 1 + w or a swapped weight would not show)."""
-    from click.testing import CliRunner
-
-    from rltool.cli import main
-
-    out = tmp_path_factory.mktemp("hybrid") / "m"
-    result = CliRunner().invoke(main, ["init-model", "--arch", "qwen3_5", "--preset", "tiny-4l",
-                                       "--out", str(out), "--json"])
-    assert result.exit_code == 0, result.output
+    out = make_hybrid(tmp_path_factory.mktemp("hybrid") / "m", task=None)
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "qwen3_5_text" and config["layer_types"] == [
-        "linear_attention"] * 3 + ["full_attention"]
-    path = out / "model.safetensors"
-    tensors = load_file(str(path))
-    gen = torch.Generator().manual_seed(7)
-    for name, t in tensors.items():
-        if "norm" in name or "A_log" in name or "dt_bias" in name:
-            tensors[name] = t + 0.3 * torch.randn(t.shape, generator=gen)
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    assert config["model_type"] == "qwen3_5_text"
     return out
 
 

@@ -15,13 +15,15 @@ GDN_KEYS = ("A_log", "dt_bias", "conv1d.weight", "in_proj_qkv", "in_proj_z", "in
             "in_proj_b", "linear_attn.norm", "out_proj")
 
 
-def make_hybrid(out: Path) -> Path:
+def make_hybrid(out: Path, task: str | None = "reverse") -> Path:
+    """`task`: the init-model --task (None: none given)."""
     from click.testing import CliRunner
 
     from rltool.cli import main
 
+    task_args = ["--task", task] if task is not None else []
     result = CliRunner().invoke(main, ["init-model", "--arch", "qwen3_5", "--preset", "tiny-4l",
-                                       "--task", "reverse", "--out", str(out), "--json"])
+                                       *task_args, "--out", str(out), "--json"])
     assert result.exit_code == 0, result.output
     config = json.loads((out / "config.json").read_text())
     assert config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
