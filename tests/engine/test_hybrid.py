@@ -23,6 +23,7 @@ from rltool.engine.paged_scheduler import PagedScheduler
 from rltool.engine.request import Request
 from rltool.engine.sampling import SamplingParams
 from rltool.errors import BadInputError, CheckpointError
+from tests.helpers.hf_reference import hf_greedy
 from tests.helpers.hybrid import make_hybrid
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [10, 11, 3], [12, 13, 14, 15, 16, 17, 18],
@@ -127,19 +128,6 @@ def test_logits_match_transformers_over_chunks_and_decode(hybrid_dir):
     for rid in ("r0", "r1", "r2"):
         runner.remove(rid)
     assert runner.states.available == runner.states.num_slots and not runner.states.held
-
-
-def hf_greedy(model_dir, prompt, n):
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    ids, out, lps = list(prompt), [], []
-    with torch.no_grad():
-        for _ in range(n):
-            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
-            tok = int(logits.argmax())
-            lps.append(float(torch.log_softmax(logits, -1)[tok]))
-            out.append(tok)
-            ids.append(tok)
-    return out, lps
 
 
 def run_requests(sched, reqs, *, before_wait=None, timeout_s=120):

@@ -8,13 +8,13 @@ import threading
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from rltool.engine.paged import OutOfPagesError, PageAllocator, PageTable
 from rltool.engine.paged_runner import PagedRunner
 from rltool.engine.paged_scheduler import PagedScheduler
 from rltool.engine.request import Request
 from rltool.engine.sampling import SamplingParams
+from tests.helpers.hf_reference import hf_greedy
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20],
            [3, 3, 3, 4], [21, 22, 23, 24, 25, 26, 27]]
@@ -43,19 +43,6 @@ def test_allocator_and_table_bookkeeping():
     assert table.free_pages == 4 and "a" not in table.entries
     table.clear()
     assert table.free_pages == 5
-
-
-def hf_greedy(model_dir, prompt, n):
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    ids, out, lps = list(prompt), [], []
-    with torch.no_grad():
-        for _ in range(n):
-            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
-            tok = int(logits.argmax())
-            lps.append(float(torch.log_softmax(logits, -1)[tok]))
-            out.append(tok)
-            ids.append(tok)
-    return out, lps
 
 
 @pytest.mark.parametrize("max_total_tokens", [4096, 48])
