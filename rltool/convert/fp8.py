@@ -246,6 +246,39 @@ def _copy_job(info: st.TensorInfo) -> hf_writer.Job:
                          run=lambda: [st_read.read_tensor(info)])
 
 
+def _publish_quantized(cfg: Any, out: Path, jobs: list[hf_writer.Job], config: dict[str, Any],
+                       tensors: dict[str, st.TensorInfo], errors: dict[str, float] | None,
+                       started: float, **summary: Any) -> dict[str, Any]:
+    """Write a quantize run's checkpoint; its summary (`summary`'s keys after out and tensors),
+    with the relative errors when verified."""
+    written = hf_writer.publish_checkpoint(out, jobs, config=config, side_files_from=cfg.hf,
+                                           stage_config=cfg, workers=cfg.workers,
+                                           max_shard_mb=cfg.max_shard_mb)
+    result = {"out": str(out), "tensors": len(tensors), **summary,
+              "bytes_in": sum(i.nbytes for i in tensors.values()),
+              "bytes_out": written["total_size"], "files": written["files"],
+              "seconds": round(time.perf_counter() - started, 3)}
+    if errors is not None:
+        result["relative_error"] = dict(sorted(errors.items()))
+        result["max_relative_error"] = max(errors.values(), default=0.0)
+    return result
+
+
+def _publish_dequantized(cfg: DequantConfig, out: Path, jobs: list[hf_writer.Job],
+                         config: dict[str, Any], started: float) -> dict[str, Any]:
+    """Write a dequantize run's checkpoint, its config without quantization_config and with
+    cfg.dtype; its summary."""
+    del config["quantization_config"]
+    for key in ("torch_dtype", "dtype"):
+        if key in config:
+            config[key] = torch_dtype_name(cfg.dtype)
+    written = hf_writer.publish_checkpoint(out, jobs, config=config, side_files_from=cfg.hf,
+                                           stage_config=cfg, workers=cfg.workers,
+                                           max_shard_mb=cfg.max_shard_mb)
+    return {"out": str(out), "tensors": len(jobs), "bytes_out": written["total_size"],
+            "files": written["files"], "seconds": round(time.perf_counter() - started, 3)}
+
+
 def quantize_checkpoint(cfg: Fp8Config) -> dict[str, Any]:
     """Write `cfg.out` as the block-FP8 version of `cfg.hf`; return a summary (and errors if verify)."""
     started = time.perf_counter()
@@ -267,18 +300,8 @@ def quantize_checkpoint(cfg: Fp8Config) -> dict[str, Any]:
                 skipped_modules.append(info.name.removesuffix(".weight"))
             jobs.append(_copy_job(info))
     config["quantization_config"] = quantization_config(cfg.block, skipped_modules)
-    written = hf_writer.publish_checkpoint(out, jobs, config=config, side_files_from=cfg.hf,
-                                           stage_config=cfg, workers=cfg.workers,
-                                           max_shard_mb=cfg.max_shard_mb)
-    result = {"out": str(out), "tensors": len(tensors),
-              "quantized": sum(len(j.outputs) == 2 for j in jobs),
-              "bytes_in": sum(i.nbytes for i in tensors.values()),
-              "bytes_out": written["total_size"], "files": written["files"],
-              "seconds": round(time.perf_counter() - started, 3)}
-    if errors is not None:
-        result["relative_error"] = dict(sorted(errors.items()))
-        result["max_relative_error"] = max(errors.values(), default=0.0)
-    return result
+    return _publish_quantized(cfg, out, jobs, config, tensors, errors, started,
+                              quantized=sum(len(j.outputs) == 2 for j in jobs))
 
 
 def _dequant_job(weight: st.TensorInfo, scale: st.TensorInfo, block: tuple[int, int],
@@ -322,12 +345,4 @@ def dequantize_checkpoint(cfg: DequantConfig) -> dict[str, Any]:
                 f"{scale.name} is {scale.dtype}{list(scale.shape)}, expected "
                 f"F32{list(scale_shape(info.shape, block))} for block {list(block)}")
         jobs.append(_dequant_job(info, scale, block, dtype))
-    del config["quantization_config"]
-    for key in ("torch_dtype", "dtype"):
-        if key in config:
-            config[key] = torch_dtype_name(cfg.dtype)
-    written = hf_writer.publish_checkpoint(out, jobs, config=config, side_files_from=cfg.hf,
-                                           stage_config=cfg, workers=cfg.workers,
-                                           max_shard_mb=cfg.max_shard_mb)
-    return {"out": str(out), "tensors": len(jobs), "bytes_out": written["total_size"],
-            "files": written["files"], "seconds": round(time.perf_counter() - started, 3)}
+    return _publish_dequantized(cfg, out, jobs, config, started)

@@ -28,7 +28,8 @@ from pydantic import Field, field_validator
 
 from rltool.config import StageConfig, cli, torch_dtype_name
 from rltool.convert import hf_writer
-from rltool.convert.fp8 import DequantConfig, _copy_job, _default_workers, relative_error
+from rltool.convert.fp8 import (DequantConfig, _copy_job, _default_workers, _publish_dequantized,
+                                _publish_quantized, relative_error)
 from rltool.errors import BadInputError, CheckpointError
 from rltool.io import checkpoint as ckpt_io
 from rltool.io import header as st
@@ -393,18 +394,9 @@ def quantize_checkpoint(cfg: Int4Config) -> dict[str, Any]:
     jobs = [_quantize_job(i, fmt, errors) if i.name in quantized else _copy_job(i)
             for i in tensors.values()]
     config["quantization_config"] = fmt.quantization_config()
-    written = hf_writer.publish_checkpoint(out, jobs, config=config, side_files_from=cfg.hf,
-                                           stage_config=cfg, workers=cfg.workers,
-                                           max_shard_mb=cfg.max_shard_mb)
-    result = {"out": str(out), "tensors": len(tensors), "quantized": len(quantized),
-              "group_size": cfg.group_size, "symmetric": cfg.symmetric,
-              "ignore": list(fmt.ignore), "bytes_in": sum(i.nbytes for i in tensors.values()),
-              "bytes_out": written["total_size"], "files": written["files"],
-              "seconds": round(time.perf_counter() - started, 3)}
-    if errors is not None:
-        result["relative_error"] = dict(sorted(errors.items()))
-        result["max_relative_error"] = max(errors.values(), default=0.0)
-    return result
+    return _publish_quantized(cfg, out, jobs, config, tensors, errors, started,
+                              quantized=len(quantized), group_size=cfg.group_size,
+                              symmetric=cfg.symmetric, ignore=list(fmt.ignore))
 
 
 def read_int4_tensor(infos: dict[str, Any], name: str, read: Any, *, where: str
@@ -465,12 +457,4 @@ def dequantize_checkpoint(cfg: DequantConfig) -> dict[str, Any]:
 
         shape = (info.shape[0], tensors[f"{base}.{SCALE}"].shape[1] * fmt.group_size)
         jobs.append(hf_writer.Job(outputs=[(name, st.dtype_code(dtype), shape)], run=run))
-    del config["quantization_config"]
-    for key in ("torch_dtype", "dtype"):
-        if key in config:
-            config[key] = torch_dtype_name(cfg.dtype)
-    written = hf_writer.publish_checkpoint(out, jobs, config=config, side_files_from=cfg.hf,
-                                           stage_config=cfg, workers=cfg.workers,
-                                           max_shard_mb=cfg.max_shard_mb)
-    return {"out": str(out), "tensors": len(jobs), "bytes_out": written["total_size"],
-            "files": written["files"], "seconds": round(time.perf_counter() - started, 3)}
+    return _publish_dequantized(cfg, out, jobs, config, started)
