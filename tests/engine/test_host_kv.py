@@ -19,6 +19,7 @@ from rltool.engine.paged_scheduler import PagedScheduler
 from rltool.engine.request import Request
 from rltool.engine.sampling import SamplingParams
 from rltool.errors import BadInputError
+from tests.helpers.scheduling import generate
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -141,22 +142,6 @@ def engine(model_dir, *, hicache=True, prefix_cache=True, max_total_tokens=40):
     sched = PagedScheduler(runner, max_running=2, max_prefill_tokens=64, chunked_prefill_size=16)
     sched.start()
     return runner, sched
-
-
-def generate(sched, prompts, tag, *, new=NEW):
-    done, finished = threading.Event(), []
-
-    def on_finish(req):
-        finished.append(req)
-        if len(finished) == len(prompts):
-            done.set()
-
-    reqs = [Request(rid=f"{tag}{i}", prompt_ids=list(p), return_logprob=True, on_finish=on_finish,
-                    params=SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True))
-            for i, p in enumerate(prompts)]
-    sched.submit(reqs)
-    assert done.wait(60)
-    return reqs
 
 
 def evict(sched, tag):

@@ -4,17 +4,14 @@ KV computed under old weights is never reused."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 from rltool.engine.paged import KVPool, PageTable
 from rltool.engine.paged_runner import PagedRunner
 from rltool.engine.paged_scheduler import PagedScheduler
-from rltool.engine.request import Request
 from rltool.engine.routes.openai_shapes import usage
-from rltool.engine.sampling import SamplingParams
+from tests.helpers.scheduling import generate
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,22 +28,6 @@ def engine(model_dir, *, prefix_cache=True, device="cpu"):
     sched = PagedScheduler(runner, max_running=8, max_prefill_tokens=64, chunked_prefill_size=16)
     sched.start()
     return runner, sched
-
-
-def generate(sched, prompts, tag):
-    done, finished = threading.Event(), []
-
-    def on_finish(req):
-        finished.append(req)
-        if len(finished) == len(prompts):
-            done.set()
-
-    reqs = [Request(rid=f"{tag}{i}", prompt_ids=list(p), return_logprob=True, on_finish=on_finish,
-                    params=SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True))
-            for i, p in enumerate(prompts)]
-    sched.submit(reqs)
-    assert done.wait(60)
-    return reqs
 
 
 def cached_and_plain(model_dir, prompts, *, device="cpu"):
