@@ -14,35 +14,17 @@ from rltool.env.base import Environment, StepResult
 from rltool.rollout.episode import ChatRenderer, make_env_generate, EnvSource
 from rltool.rollout.generate import GenerateContext, Sample, SessionClient
 from rltool.rollout.router import Router
+from tests.helpers.scripted_engine import ScriptedEngine as BaseScriptedEngine
 
 
-class ScriptedEngine:
-    """Answers each /generate with the next scripted text, tokenized by the real tokenizer; a
-    turn ending on a stop string is reported the way SGLang does ({type: stop, matched})."""
+class ScriptedEngine(BaseScriptedEngine):
+    """A new weight version every turn, logprobs -0.5 - 0.01 * i."""
 
-    url = "http://scripted"
+    def version(self) -> str:
+        return str(len(self.payloads))
 
-    def __init__(self, tok, script):
-        self.tok, self.script, self.payloads = tok, list(script), []
-
-    async def generate(self, payload, *, routing_key=None):
-        self.payloads.append(payload)
-        text, finish = self.script.pop(0)
-        ids = self.tok.encode(text, add_special_tokens=False)
-        ids = ids[:payload["sampling_params"]["max_new_tokens"]]
-        version = str(len(self.payloads))  # a new weight version every turn
-        return {"text": text, "output_ids": ids, "meta_info": {
-            "finish_reason": finish, "weight_version": version,
-            "output_token_logprobs": [[-0.5 - 0.01 * i, t, None] for i, t in enumerate(ids)]}}
-
-    async def health(self):
-        return True
-
-    async def abort_request(self, *, rid="", abort_all=False):
-        pass
-
-    async def aclose(self):
-        pass
+    def logprob(self, i: int) -> float:
+        return -0.5 - 0.01 * i
 
 
 class Countdown(Environment):

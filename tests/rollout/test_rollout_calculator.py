@@ -12,34 +12,7 @@ from rltool.env import arith
 from rltool.rollout.calculator import evaluate, generate
 from rltool.rollout.generate import GenerateContext, Sample, SessionClient
 from rltool.rollout.router import Router
-
-
-class ScriptedEngine:
-    """Answers each turn of a session with the next scripted text (tokenized by the real
-    tokenizer), stopping on `</calc>` the way SGLang reports a matched stop string."""
-
-    url = "http://scripted"
-
-    def __init__(self, tok, script):
-        self.tok, self.script, self.payloads = tok, list(script), []
-
-    async def generate(self, payload, *, routing_key=None):
-        self.payloads.append(payload)
-        text, finish = self.script.pop(0)
-        ids = self.tok.encode(text, add_special_tokens=False)
-        ids = ids[:payload["sampling_params"]["max_new_tokens"]]
-        return {"text": text, "output_ids": ids, "meta_info": {
-            "finish_reason": finish, "weight_version": "3",
-            "output_token_logprobs": [[-0.25, t, None] for t in ids]}}
-
-    async def health(self):
-        return True
-
-    async def abort_request(self, *, rid="", abort_all=False):
-        pass
-
-    async def aclose(self):
-        pass
+from tests.helpers.scripted_engine import ScriptedEngine
 
 
 @pytest.fixture(scope="module")
