@@ -15,6 +15,7 @@ from rltool.engine.paged_scheduler import PagedScheduler
 from rltool.engine.request import Request
 from rltool.engine.sampling import SamplingParams
 from tests.helpers.hf_reference import hf_greedy
+from tests.helpers.scheduling import run_in_two_waves
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20],
            [3, 3, 3, 4], [21, 22, 23, 24, 25, 26, 27]]
@@ -62,13 +63,7 @@ def test_greedy_requests_match_transformers_alone(tiny_model_dir, max_total_toke
     reqs = [Request(rid=f"r{i}", prompt_ids=p, return_logprob=True, on_finish=on_finish,
                     params=SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True))
             for i, p in enumerate(PROMPTS)]
-    sched.start()
-    try:
-        sched.submit(reqs[:3])
-        sched.submit(reqs[3:])
-        assert done.wait(120)
-    finally:
-        sched.stop()
+    run_in_two_waves(sched, reqs, done)
     for req, prompt in zip(reqs, PROMPTS):
         want, lps = hf_greedy(tiny_model_dir, prompt, NEW)
         assert req.output_ids == want, req.rid

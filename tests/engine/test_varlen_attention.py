@@ -16,6 +16,7 @@ from rltool.engine.paged_runner import PagedRunner
 from rltool.engine.paged_scheduler import PagedScheduler
 from rltool.engine.request import Request
 from rltool.engine.sampling import SamplingParams, make_generator
+from tests.helpers.scheduling import run_in_two_waves
 
 H, KVH, D = 4, 2, 8
 
@@ -103,13 +104,7 @@ def _generate(model_dir, attention: str) -> list[tuple[list[int], list[float]]]:
                     on_finish=lambda _: done.set() if all(r.finished for r in reqs) else None,
                     params=SamplingParams(max_new_tokens=6, temperature=0.8, ignore_eos=True))
             for i, p in enumerate(prompts)]
-    sched.start()
-    try:
-        sched.submit(reqs[:3])
-        sched.submit(reqs[3:])
-        assert done.wait(120)
-    finally:
-        sched.stop()
+    run_in_two_waves(sched, reqs, done)
     return [(r.output_ids, r.output_logprobs) for r in reqs]
 
 

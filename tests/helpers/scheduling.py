@@ -24,3 +24,15 @@ def generate(sched, prompts, tag, *, new=6):
     sched.submit(reqs)
     assert done.wait(60)
     return reqs
+
+
+def run_in_two_waves(sched, reqs, done, *, first=3):
+    """Start `sched`, submit reqs[:first] and then the rest (the later ones join a running
+    batch), wait up to 120 s for `done` to be set, and stop it."""
+    sched.start()
+    try:
+        sched.submit(reqs[:first])
+        sched.submit(reqs[first:])
+        assert done.wait(120)
+    finally:
+        sched.stop()
