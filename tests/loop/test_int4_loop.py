@@ -5,38 +5,22 @@ precision; the external-engine and broadcast refusals name int4."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from rltool.convert.int4 import Int4Config, quantize_checkpoint
 from rltool.errors import ConfigError
 from rltool.loop.config import LoopSettings
-from rltool.rundir import VERSION_FILE, RunDir, read_metrics
+from tests.helpers.precision_loop import precision_loop_weights
 from tests.loop.test_config import tables
-from tests.loop.test_loop_live import loop_cli, loop_config  # noqa: F401  (fixture)
+from tests.loop.test_loop_live import loop_config  # noqa: F401  (fixture)
 
 
 @pytest.mark.slow
 def test_int4_tensor_sync_loop(loop_config, tmp_path):  # noqa: F811
-    run = tmp_path / "run"
-    proc = loop_cli("--config", str(loop_config), "--run-dir", str(run), "--engine", "inprocess",
-                    "--sync", "tensor", "--precision", "int4")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = read_metrics(RunDir(run).metrics_file("loop"))
-    assert [(r["sync/mode"], r["sync/precision"]) for r in rows] == [("tensor", "int4")] * 2
-    version = max(int(p.name.removeprefix("weight_v")) for p in RunDir(run).weights.glob(
-        "weight_v*"))
-    published = RunDir(run).weight_version(version)
-    assert json.loads((published / VERSION_FILE).read_text())["precision"] == "int4"
-    ref = tmp_path / "ref"
-    quantize_checkpoint(Int4Config(hf=RunDir(run).ckpt_step(version) / "model", out=ref,
-                                   workers=1))
-    got, want = load_file(str(published / "model.safetensors")), {}
-    for f in sorted(ref.glob("*.safetensors")):
-        want.update(load_file(str(f)))
+    got, want = precision_loop_weights(
+        loop_config, tmp_path, "int4",
+        lambda hf, out: quantize_checkpoint(Int4Config(hf=hf, out=out, workers=1)))
     assert got.keys() == want.keys() and any(k.endswith(".weight_packed") for k in got)
     assert all(torch.equal(got[k], want[k]) for k in got)
 
