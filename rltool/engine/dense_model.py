@@ -100,15 +100,30 @@ class DenseLM:
 
     # ----- weights -------------------------------------------------------------------------
 
-    def _targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
-        """HF tensor name -> (destination tensor, row offset, rows) in the fused layout."""
+    def _outer_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """The `_targets` outside the layers: embedding, final norm, untied lm_head."""
         s = self.spec
-        q, kv, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
         out: dict[str, tuple[torch.Tensor, int, int]] = {
             "model.embed_tokens.weight": (self.embed, 0, s.vocab_size),
             "model.norm.weight": (self.norm, 0, s.hidden_size)}
         if not s.tie_word_embeddings:
             out["lm_head.weight"] = (self.lm_head, 0, s.vocab_size)
+        return out
+
+    def _mlp_targets(self, p: str,
+                     L: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """The `_targets` of layer prefix `p`'s dense MLP (gate and up fused in L["gate_up"])."""
+        s = self.spec
+        inter = s.intermediate_size
+        return {p + "mlp.gate_proj.weight": (L["gate_up"], 0, inter),
+                p + "mlp.up_proj.weight": (L["gate_up"], inter, inter),
+                p + "mlp.down_proj.weight": (L["down"], 0, s.hidden_size)}
+
+    def _targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """HF tensor name -> (destination tensor, row offset, rows) in the fused layout."""
+        s = self.spec
+        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        out = self._outer_targets()
         for i, L in enumerate(self.layers):
             p = f"model.layers.{i}."
             out.update({
@@ -121,9 +136,7 @@ class DenseLM:
             if self._sparse(i):
                 out.update(moe.targets(s.moe, p + "mlp.", L))
             else:
-                out.update({p + "mlp.gate_proj.weight": (L["gate_up"], 0, inter),
-                            p + "mlp.up_proj.weight": (L["gate_up"], inter, inter),
-                            p + "mlp.down_proj.weight": (L["down"], 0, s.hidden_size)})
+                out.update(self._mlp_targets(p, L))
             if s.qkv_bias:
                 out.update({p + "self_attn.q_proj.bias": (L["qkv_bias"], 0, q),
                             p + "self_attn.k_proj.bias": (L["qkv_bias"], q, kv),

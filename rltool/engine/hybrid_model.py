@@ -82,21 +82,15 @@ class HybridLM(DenseLM):
 
     def _targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
         s, ls = self.spec, self.spec.linear
-        q, kv, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
+        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         v = ls.num_v_heads * ls.v_dim
-        out: dict[str, tuple[torch.Tensor, int, int]] = {
-            "model.embed_tokens.weight": (self.embed, 0, s.vocab_size),
-            "model.norm.weight": (self.norm, 0, s.hidden_size)}
-        if not s.tie_word_embeddings:
-            out["lm_head.weight"] = (self.lm_head, 0, s.vocab_size)
+        out = self._outer_targets()
         for i, L in enumerate(self.layers):
             p = f"model.layers.{i}."
             out.update({
                 p + "input_layernorm.weight": (L["ln1"], 0, s.hidden_size),
-                p + "post_attention_layernorm.weight": (L["ln2"], 0, s.hidden_size),
-                p + "mlp.gate_proj.weight": (L["gate_up"], 0, inter),
-                p + "mlp.up_proj.weight": (L["gate_up"], inter, inter),
-                p + "mlp.down_proj.weight": (L["down"], 0, s.hidden_size)})
+                p + "post_attention_layernorm.weight": (L["ln2"], 0, s.hidden_size)})
+            out.update(self._mlp_targets(p, L))
             if "gdn_in" in L:
                 a = p + "linear_attn."
                 rows = [("in_proj_qkv", ls.conv_dim), ("in_proj_z", v),
