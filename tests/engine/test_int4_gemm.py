@@ -6,15 +6,12 @@ when it is first imported, so the child runs this module alone)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from rltool.convert import int4
+from tests.helpers import triton_child
+from tests.helpers.triton_child import ran_in_child
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -25,32 +22,7 @@ CHILD = "RLTOOL_INT4_INTERPRET_CHILD"
 def child_report(tmp_path_factory) -> dict[str, str] | None:
     """Without CUDA: {test name: failure text, "" when it passed} of this module run in a child
     process with TRITON_INTERPRET=1; None on CUDA or in the child."""
-    if CUDA or os.environ.get(CHILD) == "1":
-        return None
-    import xml.etree.ElementTree as ET
-
-    report = tmp_path_factory.mktemp("int4-child") / "report.xml"
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", CHILD: "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           f"--junitxml={report}", str(Path(__file__).resolve())], cwd=root,
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert report.is_file(), proc.stdout[-4000:] + proc.stderr[-2000:]
-    out = {}
-    for case in ET.parse(report).getroot().iter("testcase"):
-        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
-        out[case.get("name")] = "" if bad is None else (bad.text or bad.get("message") or "?")
-    return out
-
-
-def ran_in_child(request) -> bool:
-    report = request.getfixturevalue("child_report")
-    if report is None:
-        return False
-    name = request.node.name
-    assert name in report, f"{name} did not run in the child process"
-    assert report[name] == "", report[name][-4000:]
-    return True
+    return triton_child.child_report(__file__, CHILD, tmp_path_factory.mktemp("int4-child"), 600)
 
 
 def resident(t: int4.Int4Tensor, device: str):
