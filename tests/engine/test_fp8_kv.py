@@ -4,19 +4,16 @@ bytes per token and capacity; what /get_server_info and /get_model_info report."
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from fastapi.testclient import TestClient
 
 from rltool.engine import api
-from rltool.engine.app import EngineState, build_app
 from rltool.engine.config import ServeConfig
 from rltool.engine.paged import KVPool
 from rltool.engine.paged_runner import PagedRunner
-from rltool.engine.server import build_engine
+from tests.helpers.engines import serve_app
 
 SEQ = [3, 9, 4, 17, 22, 5, 8, 30, 11, 2, 7, 19, 25, 6, 13, 1, 28, 12]
 # Measured max |logprob difference| over these sequences: 0.005 (fp32) to 0.013 (bf16) nats (three
@@ -65,19 +62,12 @@ def test_fp8_kv_pool_holds_about_twice_the_tokens_of_bf16():
 def test_server_info_reports_kv_and_weight_precision(tiny_model_dir):
     cfg = ServeConfig(model=tiny_model_dir, device="cpu", kv_cache_dtype="fp8_e4m3",
                       max_running_requests=4)
-    runner, sched = build_engine(cfg)
-    sched.start()
-    try:
-        app = build_app(EngineState(cfg=cfg, runner=runner, scheduler=sched,
-                                    started=time.monotonic()))
-        with TestClient(app) as client:
-            info = client.get(api.SERVER_INFO).json()
-            model = client.get(api.MODEL_INFO).json()
-            out = client.post(api.GENERATE, json={
-                "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3,
-                                                            "temperature": 0.0}}).json()
-    finally:
-        sched.stop()
+    with serve_app(cfg) as (client, runner):
+        info = client.get(api.SERVER_INFO).json()
+        model = client.get(api.MODEL_INFO).json()
+        out = client.post(api.GENERATE, json={
+            "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3,
+                                                        "temperature": 0.0}}).json()
     s = runner.spec
     assert info["kv_cache_dtype"] == "fp8_e4m3"
     assert info["kv_bytes_per_token"] == 2 * s.num_layers * s.num_kv_heads * (s.head_dim + 4)

@@ -23,6 +23,7 @@ from rltool.engine.paged_scheduler import PagedScheduler
 from rltool.engine.request import Request
 from rltool.engine.sampling import SamplingParams
 from rltool.errors import BadInputError, CheckpointError
+from tests.helpers.engines import serve_app
 from tests.helpers.hf_reference import hf_greedy
 from tests.helpers.hybrid import make_hybrid
 
@@ -333,33 +334,22 @@ def test_block_fp8_keeps_the_recurrent_parameters_and_serves(hybrid_dir, tmp_pat
 def test_http_routes_serve_the_hybrid_and_report_its_cache(hybrid_dir):
     """The app built from `rltool serve`'s config: /get_server_info's cache_sizes (c_A, c_R, K,
     N), /generate, and release/resume of memory through the routes, with no slot held after."""
-    from fastapi.testclient import TestClient
-
-    from rltool.engine.app import EngineState, build_app
     from rltool.engine.config import ServeConfig
-    from rltool.engine.server import build_engine
 
     cfg = ServeConfig(model=hybrid_dir, device="cpu", disable_radix_cache=True,
                       max_running_requests=3, chunked_prefill_size=4)
-    runner, sched = build_engine(cfg)
-    sched.start()
-    try:
-        app = build_app(EngineState(cfg=cfg, runner=runner, scheduler=sched,
-                                    started=time.monotonic()))
-        with TestClient(app) as client:
-            info = client.get("/get_server_info").json()
-            assert info["mamba_full_memory_ratio"] is None and info["mamba_ssm_dtype"] is None
-            assert info["cache_sizes"] == runner.cache_sizes()
-            assert info["cache_sizes"]["K"] == 3 and info["cache_sizes"]["c_R"] > 0
-            body = {"input_ids": PROMPTS[0], "sampling_params": {
-                "max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}}
-            first = client.post("/generate", json=body).json()
-            assert client.post("/release_memory_occupation", json={}).status_code == 200
-            assert runner.released
-            assert client.post("/resume_memory_occupation", json={}).status_code == 200
-            again = client.post("/generate", json=body).json()
-            assert again["output_ids"] == first["output_ids"]
-            assert first["output_ids"] == hf_greedy(hybrid_dir, PROMPTS[0], NEW)[0]
-    finally:
-        sched.stop()
+    with serve_app(cfg) as (client, runner):
+        info = client.get("/get_server_info").json()
+        assert info["mamba_full_memory_ratio"] is None and info["mamba_ssm_dtype"] is None
+        assert info["cache_sizes"] == runner.cache_sizes()
+        assert info["cache_sizes"]["K"] == 3 and info["cache_sizes"]["c_R"] > 0
+        body = {"input_ids": PROMPTS[0], "sampling_params": {
+            "max_new_tokens": NEW, "temperature": 0.0, "ignore_eos": True}}
+        first = client.post("/generate", json=body).json()
+        assert client.post("/release_memory_occupation", json={}).status_code == 200
+        assert runner.released
+        assert client.post("/resume_memory_occupation", json={}).status_code == 200
+        again = client.post("/generate", json=body).json()
+        assert again["output_ids"] == first["output_ids"]
+        assert first["output_ids"] == hf_greedy(hybrid_dir, PROMPTS[0], NEW)[0]
     assert not runner.states.held

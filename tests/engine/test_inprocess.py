@@ -5,19 +5,16 @@ raised as EngineError with the route's status."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import torch
-from fastapi.testclient import TestClient
 
 from rltool.engine import api
-from rltool.engine.app import EngineState, build_app
 from rltool.engine.config import ServeConfig
 from rltool.engine.inprocess import InProcessEngine
-from rltool.engine.server import build_engine
 from rltool.errors import EngineError
 from tests.engine.test_transfer import served
+from tests.helpers.engines import serve_app
 
 pytestmark = pytest.mark.timeout(120)
 PAYLOAD = {"input_ids": [[5, 6, 7], [5, 6, 7], [8, 9]], "return_logprob": True,
@@ -35,15 +32,8 @@ def engine(tiny_model_dir):
 
 def test_generate_answers_as_the_http_route(engine, tiny_model_dir):
     cfg = ServeConfig(model=tiny_model_dir, device="cpu", deterministic=True, weight_version="0")
-    runner, sched = build_engine(cfg)
-    sched.start()
-    try:
-        app = build_app(EngineState(cfg=cfg, runner=runner, scheduler=sched,
-                                    started=time.monotonic()))
-        with TestClient(app) as client:
-            over_http = client.post(api.GENERATE, json=PAYLOAD).json()
-    finally:
-        sched.stop()
+    with serve_app(cfg) as (client, _):
+        over_http = client.post(api.GENERATE, json=PAYLOAD).json()
     direct = asyncio.run(engine.generate(PAYLOAD))
     assert isinstance(direct, list) and len(direct) == 3
     for a, b in zip(direct, over_http):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from rltool.rollout.client import EngineClient
 
@@ -15,6 +18,26 @@ def engine_call(url: str, method: str, *args, **kwargs):
             return await getattr(client, method)(*args, **kwargs)
 
     return asyncio.run(go())
+
+
+@contextmanager
+def serve_app(cfg) -> Iterator:
+    """The engine `rltool serve` builds from `cfg`, its scheduler started, behind the app in a
+    TestClient; yields (client, runner) and stops the scheduler after."""
+    from fastapi.testclient import TestClient
+
+    from rltool.engine.app import EngineState, build_app
+    from rltool.engine.server import build_engine
+
+    runner, sched = build_engine(cfg)
+    sched.start()
+    try:
+        app = build_app(EngineState(cfg=cfg, runner=runner, scheduler=sched,
+                                    started=time.monotonic()))
+        with TestClient(app) as client:
+            yield client, runner
+    finally:
+        sched.stop()
 
 
 def generate_deterministic(model_dir, prompts: list[list[int]], *, device: str, dtype: str,
