@@ -13,36 +13,12 @@ from safetensors.torch import load_file
 from rltool.convert.fp8 import Fp8Config, quantize_checkpoint
 from rltool.delta import tensor_sync
 from rltool.delta.config import SyncConfig
-from rltool.delta.publish import FP8_BLOCK, publish_version
-from rltool.delta.pull import pull_weights
+from rltool.delta.publish import FP8_BLOCK
 from rltool.engine import api
-from rltool.engine.paged_runner import PagedRunner
 from rltool.errors import BadInputError, ConfigError
-from rltool.io.checkpoint import is_delta_dir
-from rltool.io.hf_dir import write_hf_dir
 from rltool.rundir import VERSION_FILE
-
-SEQ = [3, 9, 4, 17, 22, 5, 8, 30, 11, 2, 7, 19]
-
-
-def trained(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    """A training step's weights: fp32, a small update on a fraction of the entries."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, t in base.items():
-        t = t.float()
-        mask = torch.rand(t.shape, generator=g) < 0.3
-        out[name] = t + mask * torch.randn(t.shape, generator=g) * 1e-2
-    return out
-
-
-def logits(path, dtype="bf16") -> torch.Tensor:
-    return runner(path, dtype).full_pass_logits(SEQ, start=1)
-
-
-def runner(path, dtype="bf16") -> PagedRunner:
-    return PagedRunner(path, device="cpu", dtype=dtype, max_running=2, page_size=4,
-                       max_total_tokens=64)
+from tests.helpers.precision_sync import (SEQ, converted_versions, logits,
+                                          publish_full_and_delta, runner)
 
 
 @pytest.fixture(scope="module")
@@ -50,15 +26,9 @@ def setup(tiny_model_factory, tmp_path_factory):
     """(base model, trainer states of versions 1 and 2, `rltool convert fp8` of each trainer
     checkpoint written in bf16)."""
     base = tiny_model_factory("qwen2", 0)
-    root = tmp_path_factory.mktemp("fp8sync")
-    states = {1: trained(load_file(str(base / "model.safetensors")), 1)}
-    states[2] = trained(states[1], 2)
-    refs = {}
-    for v, state in states.items():
-        (root / f"ckpt{v}").mkdir()
-        write_hf_dir(root / f"ckpt{v}", state, source_model_dir=base, dtype="bf16")
-        quantize_checkpoint(Fp8Config(hf=root / f"ckpt{v}", out=root / f"ref{v}", workers=1))
-        refs[v] = root / f"ref{v}"
+    states, refs = converted_versions(
+        base, tmp_path_factory.mktemp("fp8sync"),
+        lambda hf, out: quantize_checkpoint(Fp8Config(hf=hf, out=out, workers=1)))
     return base, states, refs
 
 
@@ -76,20 +46,8 @@ def assert_same_checkpoint(got, want) -> None:
 
 def test_full_and_delta_versions_are_convert_fp8(setup, tmp_path):
     base, states, refs = setup
-    sync = SyncConfig(sync="delta", precision="fp8", full_every=10)
-    pub = tmp_path / "weights"
-    metrics = {v: publish_version(states[v], sync, publish_dir=pub, version=v,
-                                  source_model_dir=base, dtype="bf16", workers=1)
-               for v in (1, 2)}
-    v1, v2 = pub / "weight_v000001", pub / "weight_v000002"
-    assert metrics[1]["sync/mode"] == "full" and metrics[2]["sync/mode"] == "delta"
-    assert is_delta_dir(v2) and not is_delta_dir(v1)
-    assert {m["sync/precision"] for m in metrics.values()} == {"fp8"}
-    assert json.loads((v1 / VERSION_FILE).read_text()) == {"version": 1, "precision": "fp8"}
-    assert_same_checkpoint(v1, refs[1])
-    local = tmp_path / "local"
-    pull_weights(local_checkpoint_dir=local, source_dir=pub, target_version=2, workers=1)
-    assert_same_checkpoint(local, refs[2])  # the delta of FP8 bytes and scales rebuilds exactly
+    v1, v2, local = publish_full_and_delta(base, states, refs, tmp_path, "fp8",
+                                           assert_same_checkpoint)
     for path in (v2, local):
         assert json.loads((path / VERSION_FILE).read_text()) == {"version": 2, "precision": "fp8"}
     engine = runner(base)

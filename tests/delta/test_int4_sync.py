@@ -15,25 +15,10 @@ from rltool.convert import int4
 from rltool.delta import tensor_sync
 from rltool.delta.config import SyncConfig
 from rltool.delta.publish import int4_format, publish_version
-from rltool.delta.pull import pull_weights
 from rltool.engine import api
-from rltool.engine.paged_runner import PagedRunner
 from rltool.errors import BadInputError, ConfigError
-from rltool.io.checkpoint import is_delta_dir
-from rltool.io.hf_dir import write_hf_dir
-from rltool.rundir import VERSION_FILE
-from tests.delta.test_fp8_sync import trained
-
-SEQ = [3, 9, 4, 17, 22, 5, 8, 30, 11, 2, 7, 19]
-
-
-def runner(path, dtype="bf16") -> PagedRunner:
-    return PagedRunner(path, device="cpu", dtype=dtype, max_running=2, page_size=4,
-                       max_total_tokens=64)
-
-
-def logits(path, dtype="bf16") -> torch.Tensor:
-    return runner(path, dtype).full_pass_logits(SEQ, start=1)
+from tests.helpers.precision_sync import (SEQ, converted_versions, logits,
+                                          publish_full_and_delta, runner)
 
 
 @pytest.fixture(scope="module", params=["qwen2", "qwen3_moe"])
@@ -41,16 +26,9 @@ def setup(request, tiny_model_factory, tmp_path_factory):
     """(base model, trainer states of versions 1 and 2, `rltool convert int4` of each trainer
     checkpoint written in bf16)."""
     base = tiny_model_factory(request.param, 0)
-    root = tmp_path_factory.mktemp(f"int4sync-{request.param}")
-    states = {1: trained(load_file(str(base / "model.safetensors")), 1)}
-    states[2] = trained(states[1], 2)
-    refs = {}
-    for v, state in states.items():
-        (root / f"ckpt{v}").mkdir()
-        write_hf_dir(root / f"ckpt{v}", state, source_model_dir=base, dtype="bf16")
-        int4.quantize_checkpoint(int4.Int4Config(hf=root / f"ckpt{v}", out=root / f"ref{v}",
-                                                 workers=1))
-        refs[v] = root / f"ref{v}"
+    states, refs = converted_versions(
+        base, tmp_path_factory.mktemp(f"int4sync-{request.param}"),
+        lambda hf, out: int4.quantize_checkpoint(int4.Int4Config(hf=hf, out=out, workers=1)))
     return base, states, refs
 
 
@@ -69,20 +47,8 @@ def assert_same_checkpoint(got, want) -> None:
 
 def test_full_and_delta_versions_are_convert_int4(setup, tmp_path):
     base, states, refs = setup
-    sync = SyncConfig(sync="delta", precision="int4", full_every=10)
-    pub = tmp_path / "weights"
-    metrics = {v: publish_version(states[v], sync, publish_dir=pub, version=v,
-                                  source_model_dir=base, dtype="bf16", workers=1)
-               for v in (1, 2)}
-    v1, v2 = pub / "weight_v000001", pub / "weight_v000002"
-    assert metrics[1]["sync/mode"] == "full" and metrics[2]["sync/mode"] == "delta"
-    assert is_delta_dir(v2) and not is_delta_dir(v1)
-    assert {m["sync/precision"] for m in metrics.values()} == {"int4"}
-    assert json.loads((v1 / VERSION_FILE).read_text()) == {"version": 1, "precision": "int4"}
-    assert_same_checkpoint(v1, refs[1])
-    local = tmp_path / "local"
-    pull_weights(local_checkpoint_dir=local, source_dir=pub, target_version=2, workers=1)
-    assert_same_checkpoint(local, refs[2])  # the delta of INT4 codes and scales rebuilds exactly
+    v1, _, local = publish_full_and_delta(base, states, refs, tmp_path, "int4",
+                                          assert_same_checkpoint)
     engine = runner(v1)  # serving an INT4 version, as the loop's engines do
     for v, path in ((1, v1), (2, local)):
         engine.load_weights(path)
