@@ -66,9 +66,7 @@ class DenseLM:
         s = spec
         q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         empty = lambda *shape: torch.empty(*shape, device=self.device, dtype=dtype)
-        self.embed = empty(s.vocab_size, s.hidden_size)
-        self.lm_head = self.embed if s.tie_word_embeddings else empty(s.vocab_size, s.hidden_size)
-        self.norm = empty(s.hidden_size)
+        self._alloc_outer(empty)
         self.layers: list[dict[str, torch.Tensor]] = []
         for i in range(s.num_layers):
             layer = {"qkv": empty(q + 2 * kv, s.hidden_size), "o": empty(s.hidden_size, q),
@@ -94,6 +92,14 @@ class DenseLM:
         self._inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.int64)
                                                  .float() / s.head_dim))
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _alloc_outer(self, empty: Callable[..., torch.Tensor]) -> None:
+        """Allocate the tensors outside the layers: embedding, lm_head (the embedding when
+        tied), final norm."""
+        s = self.spec
+        self.embed = empty(s.vocab_size, s.hidden_size)
+        self.lm_head = self.embed if s.tie_word_embeddings else empty(s.vocab_size, s.hidden_size)
+        self.norm = empty(s.hidden_size)
 
     def _sparse(self, layer: int) -> bool:
         return self.spec.moe is not None and layer in self.spec.moe.sparse_layers

@@ -51,9 +51,7 @@ class HybridLM(DenseLM):
         s, ls = spec, spec.linear
         q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         empty = lambda *shape: torch.empty(*shape, device=self.device, dtype=dtype)
-        self.embed = empty(s.vocab_size, s.hidden_size)
-        self.lm_head = self.embed if s.tie_word_embeddings else empty(s.vocab_size, s.hidden_size)
-        self.norm = empty(s.hidden_size)
+        self._alloc_outer(empty)
         self.layers: list[dict[str, torch.Tensor]] = []
         for i in range(s.num_layers):
             layer = {"ln1": empty(s.hidden_size), "ln2": empty(s.hidden_size),
