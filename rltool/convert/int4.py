@@ -235,7 +235,29 @@ def _const(value: float, like: torch.Tensor) -> torch.Tensor:
 
 def quantize_int4(w: torch.Tensor, *, group_size: int, symmetric: bool,
                   scale_dtype: torch.dtype | None = None) -> Int4Tensor:
-    """Quantize a 2-D weight [N, K] (K a multiple of `group_size`), in float32 on its device.
+    """Quantize a 2-D weight [N, K] (K a multiple of `group_size`), in float32 on its device,
+    packed as stored (the codes of `_quantize_codes`)."""
+    q, scale, zp = _quantize_codes(w, group_size=group_size, symmetric=symmetric,
+                                   scale_dtype=scale_dtype)
+    return Int4Tensor(packed=pack_int4(q), scale=scale,
+                      zero_point=None if zp is None else pack_int4(zp, dim=0), shape=tuple(q.shape))
+
+
+def fake_quantize_int4(w: torch.Tensor, *, group_size: int, symmetric: bool,
+                       scale_dtype: torch.dtype | None = None,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """`dequantize_int4(quantize_int4(w))` bit for bit, without packing the codes into int32
+    words and unpacking them again (the trainer's INT4 QAT runs this in every forward)."""
+    q, scale, zp = _quantize_codes(w, group_size=group_size, symmetric=symmetric,
+                                   scale_dtype=scale_dtype)
+    return _dequantize_codes(q, scale, zp, dtype=dtype)
+
+
+def _quantize_codes(w: torch.Tensor, *, group_size: int, symmetric: bool,
+                    scale_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor,
+                                                              torch.Tensor | None]:
+    """The int8 codes [N, K], the scales [N, K / group_size] and the int8 zero points (None when
+    symmetric) of a 2-D weight.
 
     Per row and group of columns (compressed-tensors' min-max observer, 0 always representable):
     symmetric: scale = max|w| / 7.5, zp = 0; asymmetric: lo = min(min w, 0), hi = max(max w, 0),
@@ -269,9 +291,7 @@ def quantize_int4(w: torch.Tensor, *, group_size: int, symmetric: bool,
         zp = (_const(QMIN, w) - lo / s).clamp_(QMIN, QMAX).round_()
         x = x.add_(zp.unsqueeze(-1))
     q = x.round_().clamp_(QMIN, QMAX).to(torch.int8).reshape(n, k)
-    return Int4Tensor(packed=pack_int4(q), scale=scale,
-                      zero_point=None if zp is None else pack_int4(zp.to(torch.int8), dim=0),
-                      shape=(n, k))
+    return q, scale, None if zp is None else zp.to(torch.int8)
 
 
 def dequantize_int4(t: Int4Tensor, *, dtype: torch.dtype) -> torch.Tensor:
@@ -279,14 +299,22 @@ def dequantize_int4(t: Int4Tensor, *, dtype: torch.dtype) -> torch.Tensor:
     scale's dtype this is compressed-tensors' own dequantization bit for bit (for a bf16 or fp16
     scale the float32 product of it and a 5-bit integer is exact, so rounding it once equals
     multiplying in that dtype)."""
-    import torch
 
     n, k = t.shape
-    groups = t.scale.shape[-1]
-    q = unpack_int4(t.packed, k).view(n, groups, k // groups).to(torch.float32)
-    if t.zero_point is not None:
-        q = q - unpack_int4(t.zero_point, n, dim=0).to(torch.float32).unsqueeze(-1)
-    return (q * t.scale.to(torch.float32).unsqueeze(-1)).reshape(n, k).to(dtype)
+    zp = None if t.zero_point is None else unpack_int4(t.zero_point, n, dim=0)
+    return _dequantize_codes(unpack_int4(t.packed, k), t.scale, zp, dtype=dtype)
+
+
+def _dequantize_codes(q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, *,
+                      dtype: torch.dtype) -> torch.Tensor:
+    import torch
+
+    n, k = q.shape
+    groups = scale.shape[-1]
+    x = q.view(n, groups, k // groups).to(torch.float32)
+    if zp is not None:
+        x = x - zp.to(torch.float32).unsqueeze(-1)
+    return (x * scale.to(torch.float32).unsqueeze(-1)).reshape(n, k).to(dtype)
 
 
 def quantize_state(tensors: dict[str, torch.Tensor], fmt: Int4Format

@@ -3,9 +3,10 @@ trainer's model runs the weights that `rltool convert int4` quantizes by default
 through fake INT4 quantization, so that the policy learns under the rounding the engine applies
 to an INT4 checkpoint (slime's INT4 QAT).
 
-Fake quantization is `dequantize_int4(quantize_int4(w))` of rltool.convert.int4 (the converter's
-own functions, so the weights a forward sees are bit for bit those an engine dequantizes from the
-`convert int4` checkpoint of the same weights in the compute dtype), with a straight-through
+Fake quantization is `fake_quantize_int4` of rltool.convert.int4 (the converter's own rounding,
+`dequantize_int4(quantize_int4(w))` without packing the codes, so the weights a forward sees are
+bit for bit those an engine dequantizes from the `convert int4` checkpoint of the same weights in
+the compute dtype), with a straight-through
 gradient: d fake(w) / dw = 1, the gradient of the loss with respect to the fake-quantized weight
 goes to w unchanged. The parameters stay unquantized: the optimizer steps them, checkpoints and
 published versions hold them (`[sync] precision = "int4"` quantizes them at publish).
@@ -53,8 +54,8 @@ def fake_quantize(w: torch.Tensor, *, fmt: int4.Int4Format, dtype: torch.dtype) 
     checkpoint in that dtype and an engine dequantizes it (rows of the last dimension; a 3-D
     fused expert tensor is its [E * rows, K] view). No gradient: see `straight_through`."""
     src = w.detach().to(dtype).reshape(-1, w.shape[-1])
-    q = int4.quantize_int4(src, group_size=fmt.group_size, symmetric=fmt.symmetric)
-    return int4.dequantize_int4(q, dtype=dtype).view(w.shape)
+    return int4.fake_quantize_int4(src, group_size=fmt.group_size, symmetric=fmt.symmetric,
+                                   dtype=dtype).view(w.shape)
 
 
 class _StraightThrough(torch.autograd.Function):
