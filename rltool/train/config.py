@@ -12,6 +12,10 @@ from rltool.delta.config import SyncConfig
 from rltool.errors import ConfigError
 from rltool.train.megatron_config import MegatronOptions
 
+# The linears of attention and MLP in transformers' decoder layers (PEFT's names).
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                        "down_proj")
+
 
 class BackendConfig(MegatronOptions):
     """What a trainer backend needs: optimizer, LR schedule, precision, device and layout (the
@@ -88,6 +92,19 @@ class BackendConfig(MegatronOptions):
     int4_qat_symmetric: bool = Field(True, description="--int4-qat: symmetric groups, no zero "
                                      "point (`convert int4 --symmetric`); off: min-max groups "
                                      "with a zero point (`--asymmetric`).")
+    # LoRA (docs/train.md, "LoRA"; the adapter layout in docs/formats.md)
+    lora_rank: int = Field(0, ge=0, description="LoRA rank r: train low-rank adapters on the "
+                           "frozen base (0: LoRA off, full fine-tuning).")
+    lora_alpha: float | None = Field(None, gt=0.0, description="LoRA alpha: the adapter's update "
+                                     "is scaled by alpha / rank (default: 2 x --lora-rank).")
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' "
+                                "input in training (PEFT's lora_dropout).")
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: list(LORA_DEFAULT_TARGETS), description="Module names (the last "
+        "component, e.g. q_proj) that get adapters, or all-linear: every linear layer but "
+        "lm_head.", json_schema_extra=cli(metavar="NAME[,NAME...]"))
+    lora_merge_on_publish: bool = Field(False, description="Publish merged full HF weights (W + "
+                                        "alpha / rank x B @ A) instead of the PEFT adapter.")
 
     # Keys of earlier versions, each with its one-line refusal naming what replaced it: refused
     # by name in a file, --set and on the command line (rltool.commands.options adds the flags),
@@ -120,11 +137,38 @@ class BackendConfig(MegatronOptions):
         if self.int4_qat and self.backend == "megatron":
             raise ConfigError("--int4-qat runs on the torch backend only; use --backend torch or "
                               "drop --int4-qat")
+        self._check_lora()
         if (self.optimizer_cpu_offload and self.backend == "megatron"
                 and not self.use_distributed_optimizer):
             raise ConfigError("--optimizer-cpu-offload needs megatron's distributed optimizer: "
                               "add --use-distributed-optimizer")
         return self
+
+    def _check_lora(self) -> None:
+        if not self.lora_rank:
+            given = [f"--{name.replace('_', '-')}" for name in
+                     ("lora_alpha", "lora_dropout", "lora_target_modules", "lora_merge_on_publish")
+                     if getattr(self, name) != type(self).model_fields[name].get_default(
+                         call_default_factory=True)]
+            if given:
+                raise ConfigError(f"{given[0]} configures LoRA: add --lora-rank R (>= 1) or drop "
+                                  "it")
+            return
+        if not self.lora_target_modules:
+            raise ConfigError("--lora-target-modules is empty: name modules (q_proj,v_proj,...) "
+                              "or pass all-linear")
+        if "all-linear" in self.lora_target_modules and len(self.lora_target_modules) > 1:
+            raise ConfigError("--lora-target-modules all-linear already takes every linear: "
+                              "drop the other names")
+        if self.backend == "megatron":
+            raise ConfigError("--lora-rank: the megatron backend does not train LoRA adapters "
+                              "yet; use --backend torch")
+
+    @property
+    def lora_scale(self) -> float:
+        """The adapter's multiplier alpha / rank (alpha defaults to 2 x rank; no rsLoRA)."""
+        alpha = self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_rank
+        return alpha / self.lora_rank
 
     @property
     def master_weights(self) -> bool:
