@@ -89,6 +89,8 @@ COMPANIONS = {
         "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
         "use_distributed_optimizer", "transformer_impl")},
     "param_dtype": ["--dtype", "bf16"],  # bf16 parameters compute in bf16
+    **{field: ["--lora-rank", "4"] for field in (  # LoRA's knobs need LoRA on
+        "lora_alpha", "lora_dropout", "lora_target_modules", "lora_merge_on_publish")},
     # megatron's optimizer offload runs on its distributed optimizer
     "optimizer_offload_fraction": ["--backend", "megatron", "--use-distributed-optimizer",
                                    "--optimizer-cpu-offload"],
