@@ -1,0 +1,122 @@
+"""The fused sampler (`batch_sampling.sample_batch` with the Triton kernel) against an independent
+numpy reference of its draw: the exponential race in log space, argmax of logit / T plus Gumbel
+noise -log(-log U), U from the counter-based hash of (seed, token id). Without CUDA the module
+runs once more in a child process with TRITON_INTERPRET=1 (rltool/engine/sampling_kernel.py runs
+on numpy there, so the reference's float32 arithmetic is the kernel's, bit for bit); on CUDA the
+compiled kernel's log may round differently, so a token may differ only at a near tie."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rltool.engine.sampling import SamplingParams
+from rltool.logprobs import effective_temperature
+from tests.helpers import triton_child
+from tests.helpers.triton_child import ran_in_child
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+CHILD = "RLTOOL_TRITON_INTERPRET_CHILD"
+M32 = 0xFFFF_FFFF
+
+
+@pytest.fixture(scope="module")
+def child_report(tmp_path_factory) -> dict[str, str] | None:
+    """Without CUDA: this module run again with TRITON_INTERPRET=1 (see test_triton_kernels)."""
+    return triton_child.child_report(__file__, CHILD, tmp_path_factory.mktemp("triton-child"), 900)
+
+
+def _fmix32(h: np.ndarray) -> np.ndarray:
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & M32
+    return h ^ (h >> 16)
+
+
+def ref_keys(logits: np.ndarray, *, temp: float, seed: int, greedy: bool) -> np.ndarray:
+    """The race keys of one row in float32: x = logit * (1 / T), plus -log(-log U) unless greedy."""
+    x = logits.astype(np.float32) * (np.float32(1.0) / np.float32(temp))
+    if greedy:
+        return x
+    offs = np.arange(len(logits), dtype=np.uint64)
+    h = _fmix32((offs * 0x9E3779B1 + 0x7F4A7C15) & M32)
+    h = _fmix32(h ^ np.uint64(seed))
+    u = ((h >> 8).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 16777216.0)
+    return x - np.log(-np.log(np.maximum(u, np.float32(1e-20))))
+
+
+def ref_removed(probs: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """Tokens top-k / top-p / min-p remove from one row, by plain loops in float64: walk the
+    tokens by descending probability (ties by id); a token goes when its rank is past top_k, the
+    mass before it is past top_p, or it is below min_p times the top; the top always stays."""
+    order = sorted(range(len(probs)), key=lambda t: (-probs[t], t))
+    removed = np.zeros(len(probs), dtype=bool)
+    mass = 0.0
+    for rank, t in enumerate(order):
+        if rank > 0 and ((p.top_k != -1 and rank >= p.top_k) or mass > p.top_p
+                         or probs[t] < p.min_p * probs[order[0]]):
+            removed[t] = True
+        mass += float(probs[t])
+    return removed
+
+
+def ref_token(logits: np.ndarray, p: SamplingParams, *, seed: int, suppressed: list[int]) -> int:
+    """The token the fused sampler draws for one row: the race over the biased logits (stop ids
+    at -inf) with the filtered-out tokens at -inf."""
+    biased = logits.astype(np.float32).copy()
+    for tok, bias in (p.logit_bias or {}).items():
+        biased[int(tok)] += np.float32(bias)
+    biased[suppressed] = -np.inf
+    temp = effective_temperature(p.temperature)
+    if p.needs_filter:
+        z = biased.astype(np.float64) / temp
+        probs = np.exp(z - z.max())
+        biased[ref_removed(probs / probs.sum(), p)] = -np.inf
+    keys = ref_keys(biased, temp=temp, seed=seed, greedy=p.greedy)
+    return int(np.argmax(keys))
+
+
+def assert_tokens_match(got: list[int], logits: torch.Tensor, params: list[SamplingParams],
+                        seeds: list[int], suppressed: list[list[int]]) -> None:
+    """Equal to the reference, row by row (on CUDA: or a near tie of the reference's keys)."""
+    rows = logits.float().cpu().numpy()
+    for i, (tok, p) in enumerate(zip(got, params)):
+        want = ref_token(rows[i], p, seed=seeds[i], suppressed=suppressed[i])
+        if tok != want and CUDA:
+            keys = ref_keys(rows[i], temp=effective_temperature(p.temperature), seed=seeds[i],
+                            greedy=p.greedy)
+            assert abs(float(keys[tok]) - float(keys[want])) < 1e-4, (i, tok, want)
+            continue
+        assert tok == want, (i, tok, want, p)
+
+
+def run_sampler(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], *,
+                suppressed: list[list[int]] | None = None, top_n: list[int] | None = None):
+    from rltool.engine.batch_sampling import sample_batch
+
+    B = len(params)
+    return sample_batch(logits.to(DEV), params, generators=[None] * B,
+                        suppressed=suppressed or [[]] * B, top_n=top_n or [0] * B,
+                        token_ids=[None] * B, seeds=seeds, use_kernel=True)
+
+
+def test_seeded_plain_rows_draw_what_the_kernel_always_drew(request):
+    """The equality the fused path keeps: a seeded plain row's token is the race over its own
+    hash noise, whatever the rest of the batch holds (written against the plain-only kernel)."""
+    if ran_in_child(request):
+        return
+    torch.manual_seed(0)
+    B, V = 6, 700
+    logits = torch.randn(B, V) * 3
+    params = [SamplingParams(temperature=t) for t in (1.0, 0.7, 1.3, 0.0, 1.0, 2.0)]
+    seeds = [5, 6, 7, 8, 2**31 - 2, 123456789]
+    drawn = run_sampler(logits, params, seeds, top_n=[0, 3, 0, 0, 0, 0])
+    assert_tokens_match(drawn.tokens, logits, params, seeds, [[]] * B)
+    temps = torch.tensor([effective_temperature(p.temperature) for p in params])
+    ref_lp = torch.log_softmax(logits / temps[:, None], dim=-1)
+    want = ref_lp.gather(1, torch.tensor(drawn.tokens)[:, None]).squeeze(1)
+    assert torch.allclose(torch.tensor(drawn.logprobs, dtype=torch.float32), want, atol=1e-5)
+    assert [t for _, t in drawn.top[1]] == ref_lp[1].topk(3).indices.tolist()
