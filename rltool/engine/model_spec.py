@@ -9,6 +9,7 @@ from pathlib import Path
 
 from rltool.engine import moe
 from rltool.engine.linear_attention import LinearSpec, read_linear_spec
+from rltool.engine.rope import RopeScaling, read_rope_scaling
 from rltool.errors import CheckpointError
 
 ARCHS = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
@@ -37,7 +38,8 @@ class ModelSpec:
     qkv_bias: bool
     qk_norm: bool
     tie_word_embeddings: bool
-    max_position_embeddings: int
+    max_position_embeddings: int  # positions served: config.json's, extended by RoPE scaling
+    rope: RopeScaling = RopeScaling()
     moe: moe.MoeSpec | None = None  # qwen3_moe: the sparse layers' MLP
     linear: LinearSpec | None = None  # qwen3_5: the Gated DeltaNet layers (a hybrid model)
 
@@ -71,11 +73,12 @@ def read_spec(model_dir: str | Path) -> ModelSpec:
                               f"supported by the engine's model; supported: {', '.join(ARCHS)} "
                               "(serve others with --engine sglang)")
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
-    if rope_type != "default":
-        raise CheckpointError(f"{path}: rope scaling {rope_type!r} is not supported by the "
-                              "engine's model; serve it with --engine sglang")
-    theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0) if rope else 10000.0)
+    scaling = read_rope_scaling(cfg, where=str(path))
+    if arch == "qwen3_5" and scaling.rope_type != "default":
+        raise CheckpointError(f"{path}: rope scaling {scaling.rope_type!r} is not supported for "
+                              "the hybrid qwen3_5 (dense families only); serve it with "
+                              "--engine sglang")
+    theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
     if arch == "llama" and cfg.get("mlp_bias"):
         raise CheckpointError(f"{path}: llama with mlp_bias is not supported by the engine's model")
     if cfg.get("hidden_act", "silu") != "silu":
@@ -95,7 +98,9 @@ def read_spec(model_dir: str | Path) -> ModelSpec:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
         qkv_bias=qkv_bias, qk_norm=arch in ("qwen3", "qwen3_moe", "qwen3_5"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        max_position_embeddings=scaling.context_length(int(cfg.get("max_position_embeddings",
+                                                                   2048))),
+        rope=scaling,
         moe=(moe.read_moe_spec(cfg, int(cfg["num_hidden_layers"]), where=str(path))
              if arch == "qwen3_moe" else None),
         linear=(read_linear_spec(cfg, head_dim=int(head_dim), where=str(path))
