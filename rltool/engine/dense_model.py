@@ -26,6 +26,7 @@ from rltool.engine import moe, quant
 from rltool.engine.model_checkpoint import load_checkpoint, read_index
 from rltool.engine.model_spec import ModelSpec, read_spec
 from rltool.engine.quant import linear
+from rltool.engine.rope import rope_frequencies
 from rltool.errors import BadInputError, CheckpointError
 
 # The layers' linear weights: FP8-resident on CUDA when the checkpoint stores them in block FP8.
@@ -88,9 +89,9 @@ class DenseLM:
                     layer[key] = quant.Fp8Weight.empty(*layer[key].shape, block_k=fp8_block_k,
                                                        device=self.device)
             self.layers.append(layer)
-        # transformers' default RoPE, computed the same way (fp32) so fp32 logits match it.
-        self._inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.int64)
-                                                 .float() / s.head_dim))
+        # transformers' RoPE (default, linear or yarn), computed the same way (fp32).
+        self._inv_freq, self._rope_scale = rope_frequencies(s.rope, dim=s.head_dim,
+                                                            theta=s.rope_theta)
         self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _alloc_outer(self, empty: Callable[..., torch.Tensor]) -> None:
@@ -239,7 +240,8 @@ class DenseLM:
             t = torch.arange(max_positions, dtype=torch.float32, device=self.device)
             freqs = torch.outer(t, self._inv_freq.to(self.device))
             emb = torch.cat([freqs, freqs], dim=-1)
-            self._rope_cache = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+            self._rope_cache = ((emb.cos() * self._rope_scale).to(self.dtype),
+                                (emb.sin() * self._rope_scale).to(self.dtype))
         return self._rope_cache
 
     def rope_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -27,6 +27,7 @@ from rltool.engine.linear_attention import (SSM_DTYPES, causal_conv, chunked_del
 from rltool.engine.model_checkpoint import load_checkpoint, read_index
 from rltool.engine.model_spec import ModelSpec, read_spec
 from rltool.engine.quant import linear
+from rltool.engine.rope import rope_frequencies
 from rltool.engine.state_pool import Recurrence
 from rltool.errors import BadInputError
 
@@ -72,8 +73,7 @@ class HybridLM(DenseLM):
             self.layers.append(layer)
         self._gdn_index = {layer: j for j, layer in enumerate(ls.linear_layers)}
         rot = ls.rotary_dim
-        self._inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.int64)
-                                                 .float() / rot))
+        self._inv_freq, self._rope_scale = rope_frequencies(s.rope, dim=rot, theta=s.rope_theta)
         self._rope_cache = None
 
     # ----- weights -------------------------------------------------------------------------
