@@ -128,16 +128,25 @@ def bias_logits(logits: torch.Tensor, params: list[SamplingParams], *,
 
 def filter_probs(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Zero the tokens top-k / top-p / min-p remove (rows without filters are untouched)."""
-    sorted_p, order = probs.sort(dim=-1, descending=True)
     vocab = probs.shape[-1]
     dev = probs.device
-    ranks = torch.arange(vocab, device=dev).unsqueeze(0)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).to(dev).unsqueeze(1)
-    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype).to(dev).unsqueeze(1)
-    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).to(dev).unsqueeze(1)
-    exclusive_mass = sorted_p.cumsum(dim=-1) - sorted_p
-    remove = (ranks >= top_k) | (exclusive_mass > top_p) | (sorted_p < min_p * sorted_p[:, :1])
-    remove[:, 0] = False  # the most likely token always survives
-    sorted_p = sorted_p.masked_fill(remove, 0.0)
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).to(dev)
+    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype).to(dev)
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).to(dev)
+    return probs.masked_fill(filter_mask(probs, top_k=top_k, top_p=top_p, min_p=min_p), 0.0)
 
+
+def filter_mask(probs: torch.Tensor, *, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor) -> torch.Tensor:
+    """[B, V] bool: the tokens top-k / top-p / min-p remove from each row of `probs`, given per
+    row (top_k [B] int, the vocabulary size when off; top_p, min_p [B] of probs' dtype). By
+    descending probability (a stable sort: ties by id), a token goes when its rank is past top_k,
+    the mass before it is past top_p, or it is below min_p times the top; the top always stays.
+    A fixed number of batched launches whatever B (CUDA-graph capturable)."""
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+    ranks = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
+    exclusive_mass = sorted_p.cumsum(dim=-1) - sorted_p
+    remove = ((ranks >= top_k.unsqueeze(1)) | (exclusive_mass > top_p.unsqueeze(1))
+              | (sorted_p < min_p.unsqueeze(1) * sorted_p[:, :1]))
+    remove[:, 0] = False  # the most likely token always survives
+    return torch.zeros_like(remove).scatter_(-1, order, remove)

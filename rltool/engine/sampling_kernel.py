@@ -1,7 +1,6 @@
 """Triton kernels that sample a token per row and return its logprob (the CUDA fast path).
 
-For rows without top-k / top-p / min-p, logit_bias or suppressed ids, which is what RL rollouts
-send. Per row, in one pass: the log-sum-exp of logits / T (online max and sum) and a draw by the
+Per row, in one pass: the log-sum-exp of logits / T (online max and sum) and a draw by the
 Gumbel-max trick (the exponential race of rltool.engine.sampling in log space: argmax of
 log p - log E with E = -log U ~ Exp(1)), U from a counter-based hash of the row's seed and the
 token id, so a request's draw depends only on its seed and step, not on its batch. Greedy rows
@@ -9,6 +8,11 @@ take the plain argmax (first index on ties, as torch does). The logprob is that 
 temperature-scaled distribution (the project's convention). One read of the logits, no [B, V] intermediate: a row
 is split into chunks (so a small batch still fills the GPU) whose partial log-sum-exps and best
 keys a second, tiny kernel combines.
+
+A batch with top-k / top-p / min-p, logit_bias or masked stop ids passes `draw`: the logits the
+race runs over (biased, -inf where a token may not be drawn; rltool.engine.batch_sampling builds
+them), while the logprob still comes from `logits`. A row's race keys are the same either way, so
+a token is the plain race's argmax over the tokens the row may draw.
 """
 
 from __future__ import annotations
@@ -45,16 +49,18 @@ def _uniform(seed, offs):
 
 
 @triton.jit(do_not_specialize=["NCHUNK"])  # varies with the batch: see rltool.engine.fused
-def _partial(Logits, stride_l, Temps, Seeds, Greedy, PartM, PartS, PartKey, PartIdx, V, CHUNK,
-             NCHUNK, BLOCK: tl.constexpr):
+def _partial(Logits, stride_l, Draw, stride_d, Temps, Seeds, Greedy, PartM, PartS, PartKey,
+             PartIdx, V, CHUNK, NCHUNK, HAS_DRAW: tl.constexpr, BLOCK: tl.constexpr):
     """One pass over a chunk of a row: running max and sum of exp of x = logit / T (for the
-    log-sum-exp) and the best race key (x, plus Gumbel noise unless greedy) with its index."""
+    log-sum-exp) and the best race key (d = x, or draw / T with HAS_DRAW, plus Gumbel noise
+    unless greedy) with its index."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     inv_t = 1.0 / tl.load(Temps + row)
     seed = tl.load(Seeds + row)
     greedy = tl.load(Greedy + row) != 0
     base = Logits + row * stride_l
+    draw_base = Draw + row * stride_d
     arange = tl.arange(0, BLOCK)
     m_vec = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     s_vec = tl.zeros([BLOCK], dtype=tl.float32)
@@ -70,8 +76,12 @@ def _partial(Logits, stride_l, Temps, Seeds, Greedy, PartM, PartS, PartKey, Part
         safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         s_vec = s_vec * tl.exp(m_vec - safe) + tl.exp(x - safe)
         m_vec = m_new
+        if HAS_DRAW:
+            d = tl.load(draw_base + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
+        else:
+            d = x
         u = _uniform(seed, offs)
-        key = tl.where(greedy, x, x - tl.log(-tl.log(tl.maximum(u, 1e-20))))
+        key = tl.where(greedy, d, d - tl.log(-tl.log(tl.maximum(u, 1e-20))))
         key = tl.where(mask, key, float("-inf"))
         take = key > best
         best = tl.where(take, key, best)
@@ -109,9 +119,12 @@ def _combine(Logits, stride_l, Temps, PartM, PartS, PartKey, PartIdx, OutTok, Ou
 
 
 def sample_rows(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor,
-                greedy: torch.Tensor, *, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+                greedy: torch.Tensor, *, draw: torch.Tensor | None = None,
+                block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] (any float dtype, last dim contiguous); temps [B] float32 (greedy rows 1.0);
-    seeds [B] int32; greedy [B] int32. Returns (tokens [B] int64, logprobs [B] float32)."""
+    seeds [B] int32; greedy [B] int32; draw [B, V] (last dim contiguous): the logits to race
+    over, when they are not `logits`. Returns (tokens [B] int64, logprobs [B] float32). A fixed
+    two launches whatever B: CUDA-graph capturable."""
     B, V = logits.shape
     # Enough programs to keep every SM streaming: a row is split into chunks when B is small.
     nchunk = max(1, min(MAX_CHUNKS, triton.cdiv(TARGET_PROGRAMS, B), triton.cdiv(V, block)))
@@ -123,8 +136,10 @@ def sample_rows(logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor,
         part_s = torch.empty_like(part_m)
         part_key = torch.empty_like(part_m)
         part_idx = torch.empty(B, nchunk, dtype=torch.int32, device=dev)
-        _partial[(B, nchunk)](logits, logits.stride(0), temps, seeds, greedy, part_m, part_s,
-                              part_key, part_idx, V, chunk, NCHUNK=nchunk, BLOCK=block,
+        race = logits if draw is None else draw
+        _partial[(B, nchunk)](logits, logits.stride(0), race, race.stride(0), temps, seeds,
+                              greedy, part_m, part_s, part_key, part_idx, V, chunk,
+                              NCHUNK=nchunk, HAS_DRAW=draw is not None, BLOCK=block,
                               num_warps=4)
         tokens = torch.empty(B, dtype=torch.int64, device=dev)
         logprobs = torch.empty(B, dtype=torch.float32, device=dev)

@@ -68,7 +68,8 @@ def ref_token(logits: np.ndarray, p: SamplingParams, *, seed: int, suppressed: l
     at -inf) with the filtered-out tokens at -inf."""
     biased = logits.astype(np.float32).copy()
     for tok, bias in (p.logit_bias or {}).items():
-        biased[int(tok)] += np.float32(bias)
+        if int(tok) < len(biased):  # ids outside the vocabulary are ignored
+            biased[int(tok)] += np.float32(bias)
     biased[suppressed] = -np.inf
     temp = effective_temperature(p.temperature)
     if p.needs_filter:
@@ -120,3 +121,64 @@ def test_seeded_plain_rows_draw_what_the_kernel_always_drew(request):
     want = ref_lp.gather(1, torch.tensor(drawn.tokens)[:, None]).squeeze(1)
     assert torch.allclose(torch.tensor(drawn.logprobs, dtype=torch.float32), want, atol=1e-5)
     assert [t for _, t in drawn.top[1]] == ref_lp[1].topk(3).indices.tolist()
+
+
+def test_each_parameter_alone_and_combined_is_the_race_over_the_allowed_tokens(request):
+    """Every row of a mixed batch draws the reference's token: the race keys of a plain row,
+    with logit_bias added and the tokens masked (stop ids before min_new_tokens) or filtered
+    (top-k / top-p / min-p of the biased distribution) out; logprobs stay unbiased."""
+    if ran_in_child(request):
+        return
+    torch.manual_seed(1)
+    V = 300
+    cases = [  # (params, suppressed ids)
+        (SamplingParams(top_k=5), []),
+        (SamplingParams(top_p=0.5), []),
+        (SamplingParams(min_p=0.2, temperature=0.8), []),
+        (SamplingParams(logit_bias={"3": 6.0, "10": -100.0, "999": 5.0}), []),
+        (SamplingParams(), [0, 7, 299]),
+        (SamplingParams(top_k=20, top_p=0.8, min_p=0.05, temperature=0.7,
+                        logit_bias={"4": 3.0}), [1, 2]),
+        (SamplingParams(temperature=0.0, logit_bias={"8": 50.0}), []),
+        (SamplingParams(temperature=0.0, top_k=3), [5]),
+        (SamplingParams(), []),
+        (SamplingParams(top_k=V), []),
+    ]
+    params, suppressed = [c[0] for c in cases], [c[1] for c in cases]
+    logits = torch.randn(len(cases), V) * 3
+    logits[4, 7] = 30.0  # a suppressed id that would otherwise win
+    seeds = [11 * i + 3 for i in range(len(cases))]
+    drawn = run_sampler(logits, params, seeds, suppressed=suppressed)
+    assert_tokens_match(drawn.tokens, logits, params, seeds, suppressed)
+    assert drawn.tokens[6] == 8 and drawn.tokens[4] not in (0, 7, 299)
+    want = torch.log_softmax(logits / torch.tensor(
+        [effective_temperature(p.temperature) for p in params])[:, None], dim=-1)
+    got = torch.tensor(drawn.logprobs, dtype=torch.float32)
+    assert torch.allclose(got, want.gather(1, torch.tensor(drawn.tokens)[:, None]).squeeze(1),
+                          atol=1e-5)
+    # A plain row draws the same token in a filtered batch as in a plain one, and a filter that
+    # removes nothing (top_k = V) is the plain race.
+    plain = run_sampler(logits[8:], params[8:9] * 2, seeds[8:])
+    assert plain.tokens == drawn.tokens[8:]
+
+
+def test_degenerate_filters_are_greedy_and_min_p_filters(request):
+    """top_k = 1 and a tiny top_p draw the argmax of the biased logits for every seed; min_p and
+    top_k never let out a token they remove; the kept tokens are drawn in proportion."""
+    if ran_in_child(request):
+        return
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.06, 0.04])
+    n = 96
+    rows = probs.log().repeat(n, 1)
+    seeds = list(range(1000, 1000 + n))
+    for p in (SamplingParams(top_k=1), SamplingParams(top_p=1e-6),
+              SamplingParams(top_k=1, logit_bias={"2": 1.0})):
+        want = 2 if p.logit_bias else 0
+        assert set(run_sampler(rows, [p] * n, seeds).tokens) == {want}
+    for p, kept in ((SamplingParams(min_p=0.2), 3), (SamplingParams(top_k=3), 3),
+                    (SamplingParams(top_p=0.6), 2)):
+        toks = torch.tensor(run_sampler(rows, [p] * n, seeds).tokens)
+        freq = torch.bincount(toks, minlength=5).float() / n
+        assert freq[kept:].sum() == 0, (p, freq)
+        target = probs[:kept] / probs[:kept].sum()
+        assert (freq[:kept] - target).abs().max() < 0.16, (p, freq)  # > 3 sd at n = 96
