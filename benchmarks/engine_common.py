@@ -60,9 +60,11 @@ def prompts_for(n: int, vocab: int, seed: int, *, length: int = PROMPT_LEN) -> l
 
 
 def submit_and_wait(sched: PagedScheduler, prompts: list[list[int]], lengths: list[int], *,
-                    timeout_s: float = 1800.0) -> tuple[list[Request], float]:
-    """All requests at once (temperature 1, ignore_eos, logprobs; request i exactly
-    `lengths[i]` tokens); returns them, finished, and the seconds until the last finished."""
+                    timeout_s: float = 1800.0, sampling: dict | None = None
+                    ) -> tuple[list[Request], float]:
+    """All requests at once (temperature 1, ignore_eos, logprobs, plus the `sampling` params;
+    request i exactly `lengths[i]` tokens); returns them, finished, and the seconds until the
+    last finished."""
     done, finished = threading.Event(), []
 
     def on_finish(req: Request) -> None:
@@ -73,7 +75,8 @@ def submit_and_wait(sched: PagedScheduler, prompts: list[list[int]], lengths: li
     tag = sched.next_seq()
     reqs = [Request(rid=f"b{tag}-{i}", prompt_ids=list(p), on_finish=on_finish,
                     return_logprob=True,
-                    params=SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True))
+                    params=SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True,
+                                          **(sampling or {})))
             for i, (p, n) in enumerate(zip(prompts, lengths))]
     t0 = time.perf_counter()
     sched.submit(reqs)
@@ -84,9 +87,11 @@ def submit_and_wait(sched: PagedScheduler, prompts: list[list[int]], lengths: li
     return reqs, elapsed
 
 
-def run_batch(sched: PagedScheduler, prompts, *, max_new: int = OUTPUT_LEN) -> dict:
+def run_batch(sched: PagedScheduler, prompts, *, max_new: int = OUTPUT_LEN,
+              sampling: dict | None = None) -> dict:
     counters0 = counters(sched)
-    reqs, elapsed = submit_and_wait(sched, prompts, [max_new] * len(prompts), timeout_s=600)
+    reqs, elapsed = submit_and_wait(sched, prompts, [max_new] * len(prompts), timeout_s=600,
+                                    sampling=sampling)
     out = sum(len(r.output_ids) for r in reqs)
     ttfts = [r.t_first_token - r.t_arrival for r in reqs]
     counts = {k: v - counters0[k] for k, v in counters(sched).items()}
