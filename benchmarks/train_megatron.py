@@ -44,6 +44,14 @@ tokens, 1 warmup and 3 timed steps, both presets) are sized for about three minu
                fails and the allocator flushes it, waiting for the device)
   phases       `phase_s`: seconds to build the backend, run the warm-up, the timed steps and the
                profiled step (with its trace summary), printed as they finish
+  plan         with --plan, each backend runs the setting rltool.train.memfit picks for the
+               device (`--recompute auto`, `--max-tokens-per-microbatch 0`, as `rltool train`
+               does), and the row records that choice and the plan's predicted peak beside the
+               measured one (`plan.predicted_peak_gib`, `plan.error`: measured / predicted - 1).
+               --device-memory-gb caps the plan and, on CUDA, the process
+               (torch.cuda.set_per_process_memory_fraction), so a run on a larger card stands
+               for the smaller one; --optimizer-cpu-offload, --optimizer-offload-fraction and
+               --param-dtype are passed to the backends as in `rltool train`
 
 Results are written after every (preset, backend) to OUT/train_megatron-DATE-DEVICE.json
 (atomic), so a run cut short keeps what it measured; a backend that fails (e.g. out of memory)
@@ -52,6 +60,9 @@ records its error and the run goes on. Prints a table and, last, one JSON line.
 GPU:  python -m benchmarks.train_megatron --device cuda --out benchmarks/results
       (Qwen2.5-3B shapes alone, both backends, about three minutes on one H200:
       --presets qwen2.5-3b)
+      (the 7B shapes with megatron on an 80 GB budget, the plan's choice, optimizer offload:
+      --presets qwen2.5-7b --backends megatron --plan --device-memory-gb 80
+      --use-distributed-optimizer --optimizer-cpu-offload)
 CPU (a check of the script itself, minutes):
       python -m benchmarks.train_megatron --device cpu --presets tiny --dtype fp32 --seq-len 64 \\
           --torch-seq-len 64 --min-len 8 --max-len 48 --samples-per-step 8 --steps 2 --warmup 1 \\
@@ -81,6 +92,7 @@ from rltool import atomic
 from rltool.data.models import init_model
 from rltool.train.backend import MicroBatch
 from rltool.train.backend import build_backend
+from rltool.train import memfit
 from rltool.train.config import BackendConfig
 from rltool.profile.torch_trace import sync_sites, trace_summary
 
@@ -128,16 +140,23 @@ def allocator_counters() -> dict[str, int]:
 
 def bench_backend(name: str, model_dir: Path, samples: list[list[int]], args: argparse.Namespace,
                   out_dir: Path, preset: str, *, recompute: bool = False) -> dict:
+    common = dict(backend=name, dtype=args.dtype, device=args.device, lr=1e-5,
+                  device_memory_gb=args.device_memory_gb,
+                  optimizer_cpu_offload=args.optimizer_cpu_offload,
+                  optimizer_offload_fraction=args.optimizer_offload_fraction)
     if name == "megatron":
-        options = BackendConfig(backend=name, dtype=args.dtype, device=args.device, lr=1e-5,
-                                recompute=args.recompute,
+        options = BackendConfig(**common, recompute="auto" if args.plan else args.recompute,
                                 use_distributed_optimizer=args.use_distributed_optimizer)
         cap = args.seq_len
     else:
-        options = BackendConfig(backend=name, dtype=args.dtype, device=args.device, lr=1e-5,
+        options = BackendConfig(**common, param_dtype=args.param_dtype,
                                 micro_batch_layout="packed" if args.device == "cuda" else "padded",
-                                recompute="full" if recompute else "none")
+                                recompute="auto" if args.plan else "full" if recompute else "none")
         cap = args.torch_seq_len
+    predict = None
+    if args.plan:
+        options, predict = plan_options(options, model_dir, samples)
+        cap = options.max_tokens_per_microbatch
     cuda = torch.cuda.is_available()
     # what an earlier backend of the run left allocated (its memory should be gone)
     before = torch.cuda.memory_allocated() / 2**30 if cuda else None
@@ -147,6 +166,16 @@ def bench_backend(name: str, model_dir: Path, samples: list[list[int]], args: ar
     phases["build"] = time.perf_counter() - start
     progress(f"{preset} {name}: built in {phases['build']:.1f} s")
     mbs = micro_batches(samples, cap=cap, response_starts=[1] * len(samples))  # all trained
+    planned = None
+    if predict is not None:  # the plan's peak for the largest micro-batch this step runs
+        largest = max(sum(map(len, mb.tokens)) for mb in mbs)
+        budget = memfit.device_bytes(options)
+        planned = {"recompute": options.recompute, "max_tokens_per_microbatch": cap,
+                   "logprob_chunk_tokens": options.logprob_chunk_tokens,
+                   "largest_micro_batch_tokens": largest,
+                   "predicted_peak_gib": predict(options.recompute, largest,
+                                                 options.logprob_chunk_tokens) / 2**30,
+                   "device_budget_gib": budget / 2**30 if budget else None}
     try:
         start = time.perf_counter()
         for _ in range(args.warmup):
@@ -164,7 +193,7 @@ def bench_backend(name: str, model_dir: Path, samples: list[list[int]], args: ar
                   "micro_batches": len(mbs), "max_tokens_per_microbatch": cap,
                   "phase_s": phases}
         if name == "torch":
-            result["recompute"] = "full" if recompute else "none"
+            result["recompute"] = options.recompute
         else:  # weight gradients added to the fp32 main grads inside their GEMM
             result["gradient_accumulation_fusion"] = backend.config.gradient_accumulation_fusion
         if cuda:
@@ -173,6 +202,10 @@ def bench_backend(name: str, model_dir: Path, samples: list[list[int]], args: ar
             result["allocated_before_gib"] = before
             result["allocator_events"] = {k: v - counters[k]
                                           for k, v in allocator_counters().items()}
+        if planned is not None:
+            if cuda:
+                planned["error"] = result["peak_memory_gib"] / planned["predicted_peak_gib"] - 1
+            result["plan"] = planned
         if args.profile and name in args.profile_backends.split(","):
             start = time.perf_counter()
             try:
@@ -191,6 +224,17 @@ def bench_backend(name: str, model_dir: Path, samples: list[list[int]], args: ar
             torch.cuda.empty_cache()
 
 
+def plan_options(options: BackendConfig, model_dir: Path, samples: list[list[int]]
+                 ) -> tuple[BackendConfig, memfit.Predict]:
+    """`options` with recompute, micro-batch cap and logprob chunk as the memory plan picks them
+    for the device (rltool.train.memfit.fit, as `rltool train` runs it), and the plan's
+    predictor of device bytes."""
+    auto = options.model_copy(update={"max_tokens_per_microbatch": 0})
+    options = options.model_copy(update=memfit.fit(auto, model_dir,
+                                                   longest=max(map(len, samples)), world_size=1))
+    return options, memfit.predictor(options, memfit.read_hf_config(model_dir), world_size=1)
+
+
 def best_run(name: str, model_dir: Path, samples: list[list[int]], args: argparse.Namespace,
              out_dir: Path, preset: str) -> dict:
     """bench_backend; the torch backend again with activation checkpointing when it ran out of
@@ -199,7 +243,7 @@ def best_run(name: str, model_dir: Path, samples: list[list[int]], args: argpars
         return bench_backend(name, model_dir, samples, args, out_dir, preset,
                              recompute=args.torch_recompute_full)
     except torch.OutOfMemoryError:
-        if name != "torch" or args.torch_recompute_full:
+        if name != "torch" or args.torch_recompute_full or args.plan:
             raise
     gc.collect()  # the failed run's frames are gone with the handled exception
     torch.cuda.empty_cache()
@@ -260,8 +304,20 @@ def main() -> None:
     parser.add_argument("--samples-per-step", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
+    parser.add_argument("--recompute", choices=("none", "selective", "full", "auto"),
+                        default="none",
                         help="megatron: activation recomputation, as `rltool train --recompute`")
+    parser.add_argument("--plan", action="store_true",
+                        help="both backends: recompute and micro-batch cap as the memory plan "
+                        "picks them (`--recompute auto --max-tokens-per-microbatch 0`)")
+    parser.add_argument("--device-memory-gb", type=float, default=None,
+                        help="the plan's device budget in GB; on CUDA the process is capped to it")
+    parser.add_argument("--optimizer-cpu-offload", action="store_true",
+                        help="as `rltool train --optimizer-cpu-offload` (megatron: needs "
+                        "--use-distributed-optimizer)")
+    parser.add_argument("--optimizer-offload-fraction", type=float, default=1.0)
+    parser.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="torch: as `rltool train --param-dtype`")
     parser.add_argument("--use-distributed-optimizer", action="store_true")
     parser.add_argument("--torch-recompute-full", action="store_true",
                         help="torch: activation checkpointing from the start (default: only "
@@ -280,6 +336,9 @@ def main() -> None:
                      "when they are visible; hide them (CUDA_VISIBLE_DEVICES=) or use cuda")
     if args.profile is None:
         args.profile = args.device == "cuda"
+    if args.device_memory_gb is not None and args.device == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.device_memory_gb * 1e9 / total))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     cuda = args.device == "cuda"
