@@ -2,7 +2,9 @@
 
 On CUDA the pool is sized once, after the weights are loaded, from what `--mem-fraction-static`
 leaves (fraction x total memory, minus what is in use); on CPU from the batch and context
-lengths. `--max-total-tokens` caps either.
+lengths. `--max-total-tokens` caps either. A request whose prompt + max_new_tokens exceeds the
+pool is refused when it is submitted (`check_fits`); one that fits always runs, alone if need be,
+since decode retracts the newest requests when pages run short.
 
 A hybrid model (Gated DeltaNet layers) also gets a recurrent-state pool of K slots
 (rltool.engine.state_pool). With `--mamba-full-memory-ratio r` the cache budget B (on CPU the
@@ -28,9 +30,20 @@ from rltool.engine.model_spec import ModelSpec
 from rltool.engine.moe import RoutedExperts
 from rltool.engine.paged import KVPool, PageTable
 from rltool.engine.state_pool import StatePool
-from rltool.errors import EngineError
+from rltool.errors import BadInputError, EngineError
 
 CUDA_MAMBA_FULL_MEMORY_RATIO = 0.9  # SGLang's default
+
+
+def check_fits(prompt_len: int, max_new_tokens: int, *, pool_tokens: int) -> None:
+    """Refuse a request the KV pool could never hold alone (BadInputError): retraction makes
+    room for a request that fits, never for one that outgrows the whole pool."""
+    need = prompt_len + max_new_tokens
+    if need > pool_tokens:
+        raise BadInputError(f"the prompt ({prompt_len} tokens) + max_new_tokens "
+                            f"({max_new_tokens}) needs {need} tokens of KV cache, the pool holds "
+                            f"{pool_tokens}: raise --max-total-tokens or --mem-fraction-static, "
+                            "or ask for fewer tokens")
 
 
 @dataclass(frozen=True)

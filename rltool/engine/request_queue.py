@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rltool.engine.final_logprobs import recompute_logprobs
+from rltool.engine.kv_memory import check_fits
 from rltool.engine.request import Request
 from rltool.engine.schedule_policy import SCHEDULE_POLICIES, ordered
 from rltool.engine.scheduler import PAUSE_MODES, THROUGHPUT_WINDOW_S, QueueFullError
@@ -94,6 +95,9 @@ class RequestQueue:
             dup = next((r for r in rids if r in self._rids), None)
             if dup is not None or len(set(rids)) != len(rids):
                 raise BadInputError(f"duplicate request id {dup or rids[0]!r}")
+            for r in reqs:
+                check_fits(len(r.prompt_ids), r.params.max_new_tokens,
+                           pool_tokens=self.runner.max_total_num_tokens)
             for r in reqs:
                 self._seq += 1
                 r.seq = self._seq
@@ -192,6 +196,7 @@ class RequestQueue:
                                   / max(c.num_decode_forwards + c.num_mixed_forwards, 1)),
             "num_prefill_forwards": c.num_prefill_forwards,
             "num_prefill_tokens": c.num_prefill_tokens,
+            "num_retractions": c.num_retractions,
             "paused": self.paused,
             "deterministic": self.deterministic,
             "weights_released": self.runner.released,
