@@ -84,7 +84,8 @@ class OpenAIRoutes:
             prompt_ids = body.prompt_ids(runner.tokenizer)
         except BadInputError as e:
             return openai_error(str(e))
-        generate = body.to_generate(prompt_ids, context_length=runner.context_length)
+        generate = body.to_generate(prompt_ids, context_length=min(runner.context_length,
+                                                                   runner.max_total_num_tokens))
         return await self.answer(request, body, generate, ChatShape(runner.tokenizer, body=body))
 
     async def answer(self, request: HttpRequest, body: OpenAIRequest,
