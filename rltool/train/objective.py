@@ -149,7 +149,7 @@ def old_from_forward(cfg: TrainConfig, backend: Any, tags: list[str]) -> bool:
     one process, the old logprobs must not be needed before the step (no snapshots, value head,
     distillation or routing replay), nor may train mode change the model's output (dropout)."""
     if (cfg.loss != "policy" or cfg.bypass or cfg.backend != "torch"
-            or tags or cfg.value_head or cfg.opd_type not in (None, "off") or cfg.deterministic
+            or tags or cfg.needs_ref or cfg.value_head or cfg.opd_type not in (None, "off") or cfg.deterministic
             or cfg.use_rollout_routing_replay or backend.dp_size != 1
             or backend.device.type != "cpu"):
         return False
