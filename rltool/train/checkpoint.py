@@ -4,7 +4,11 @@
 step-000007/
   model/                      full HF checkpoint of the fp32 master weights (transformers loads it;
                               `--load` accepts it)
-  optimizer.safetensors       AdamW moments "<param>/exp_avg", "<param>/exp_avg_sq" (fp32, full)
+  adapter/                    LoRA (`--lora-rank`) instead of model/: the fp32 adapter in PEFT's
+                              layout (rltool.train.lora), whose adapter_config.json names the
+                              base model directory (never copied: it does not change)
+  optimizer.safetensors       AdamW moments "<param>/exp_avg", "<param>/exp_avg_sq" (fp32, full;
+                              the adapter's only under LoRA)
   rng.safetensors             torch generator states "torch_cpu/rank<r>" ("torch_cuda/rank<r>")
   data.safetensors            the stage's per-sample tensors of the sample set being trained
                               (old/ref logprobs, advantages), so a resumed run continues bit-exactly
@@ -39,6 +43,7 @@ RNG_FILE = "rng.safetensors"
 DATA_FILE = "data.safetensors"
 VALUE_HEAD_FILE = "value_head.safetensors"
 DIST_DIR = "dist"
+ADAPTER_DIR = "adapter"
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,7 @@ def resolve_load(path: str | os.PathLike) -> LoadTarget:
         raise CheckpointError(f"--load {path}: no such directory")
     if (path / STATE_FILE).exists():
         state = read_trainer_state(path)
-        return LoadTarget(model_dir=path / MODEL_DIR, ckpt_dir=path,
+        return LoadTarget(model_dir=_model_dir(path, state), ckpt_dir=path,
                           version=int(state["policy_version"]))
     if (path / "config.json").exists():
         return LoadTarget(model_dir=path, ckpt_dir=None, version=declared_version(path) or 0)
@@ -70,6 +75,19 @@ def resolve_load(path: str | os.PathLike) -> LoadTarget:
                           f"checkpoint ({STATE_FILE}) nor a directory of step-NNNNNN checkpoints")
 
 
+def _model_dir(ckpt_dir: Path, state: dict[str, Any]) -> Path:
+    """The HF directory a checkpoint's model is built from: its model/, or under LoRA the base
+    model its adapter names."""
+    if not state.get("backend", {}).get("lora"):
+        return ckpt_dir / MODEL_DIR
+    config = read_json_file(ckpt_dir / ADAPTER_DIR / "adapter_config.json", what="adapter config")
+    base = Path(config.get("base_model_name_or_path", "")) if isinstance(config, dict) else None
+    if base is None or not (base / "config.json").exists():
+        raise CheckpointError(f"{ckpt_dir}: the base model of its LoRA adapter ({base}) is not a "
+                              "HF weights directory any more; restore it there")
+    return base
+
+
 def read_trainer_state(ckpt_dir: Path) -> dict[str, Any]:
     state = read_json_file(ckpt_dir / STATE_FILE, what=STATE_FILE)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
@@ -78,7 +96,9 @@ def read_trainer_state(ckpt_dir: Path) -> dict[str, Any]:
         raise CheckpointError(f"{ckpt_dir}: checkpoint format version {state.get('format_version')} "
                               f"is not {FORMAT_VERSION}; use the rltool that wrote it")
     megatron = state.get("backend", {}).get("name") == "megatron"
-    for name in (MODEL_DIR + "/config.json", DIST_DIR if megatron else OPTIMIZER_FILE, RNG_FILE):
+    model = (ADAPTER_DIR + "/adapter_config.json" if state.get("backend", {}).get("lora")
+             else MODEL_DIR + "/config.json")
+    for name in (model, DIST_DIR if megatron else OPTIMIZER_FILE, RNG_FILE):
         if not (ckpt_dir / name).exists():
             raise CheckpointError(f"{ckpt_dir}: missing {name}; the checkpoint is incomplete")
     return state
@@ -126,8 +146,9 @@ def write_checkpoint(ckpt_dir: Path, *, model_state: dict[str, Any], optimizer_s
                      rng_states: dict[str, Any], data_tensors: dict[str, Any],
                      value_head: dict[str, Any],
                      trainer_state: dict[str, Any], source_model_dir: Path,
-                     config_toml: str) -> Path:
-    """Write one checkpoint directory atomically (rank 0 only); refuses to replace one."""
+                     config_toml: str, adapter_config: dict[str, Any] | None = None) -> Path:
+    """Write one checkpoint directory atomically (rank 0 only); refuses to replace one.
+    `adapter_config`: LoRA, `model_state` is the adapter, written to adapter/ with this config."""
     from safetensors.torch import save_file
 
     if ckpt_dir.exists():
@@ -137,8 +158,15 @@ def write_checkpoint(ckpt_dir: Path, *, model_state: dict[str, Any], optimizer_s
     state = {"format": FORMAT, "format_version": FORMAT_VERSION, "rltool_version": __version__,
              "optimizer": opt_meta, **trainer_state}
     with atomic.publish_dir(ckpt_dir, marker=STATE_FILE, marker_content=state) as tmp:
-        (tmp / MODEL_DIR).mkdir()
-        write_hf_dir(tmp / MODEL_DIR, model_state, source_model_dir=source_model_dir, dtype="fp32")
+        if adapter_config is not None:
+            from rltool.train.lora import write_adapter
+
+            (tmp / ADAPTER_DIR).mkdir()
+            write_adapter(tmp / ADAPTER_DIR, tensors=model_state, config=adapter_config)
+        else:
+            (tmp / MODEL_DIR).mkdir()
+            write_hf_dir(tmp / MODEL_DIR, model_state, source_model_dir=source_model_dir,
+                         dtype="fp32")
         files = [(OPTIMIZER_FILE, opt_tensors), (RNG_FILE, rng_states), (DATA_FILE, data_tensors)]
         if value_head:
             files.append((VALUE_HEAD_FILE, value_head))

@@ -165,10 +165,14 @@ class BackendConfig(MegatronOptions):
                               "yet; use --backend torch")
 
     @property
+    def lora_alpha_value(self) -> float:
+        """--lora-alpha, or its default 2 x --lora-rank."""
+        return self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_rank
+
+    @property
     def lora_scale(self) -> float:
-        """The adapter's multiplier alpha / rank (alpha defaults to 2 x rank; no rsLoRA)."""
-        alpha = self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_rank
-        return alpha / self.lora_rank
+        """The adapter's multiplier alpha / rank (no rsLoRA)."""
+        return self.lora_alpha_value / self.lora_rank
 
     @property
     def master_weights(self) -> bool:
@@ -296,7 +300,11 @@ class TrainConfig(BackendConfig, SyncConfig):
             raise ConfigError("--prompts and --rollouts are exclusive; pass one of them")
         if self.prompts and self.loss != "sft":
             raise ConfigError("--prompts is only for --loss sft")
-        if (self.kl_coef or self.kl_loss_coef) and self.ref is None and self.loss == "policy":
+        if self.lora_rank and self.ref is not None:
+            raise ConfigError("--ref with --lora-rank: the reference under LoRA is the base model "
+                              "with the adapters off (no second copy); drop --ref")
+        if ((self.kl_coef or self.kl_loss_coef) and self.ref is None and self.loss == "policy"
+                and not self.lora_rank):
             raise ConfigError("--kl-coef/--kl-loss-coef need a reference model; pass --ref WEIGHTS")
         if self.kl_coef and self.advantage_estimator in ("grpo", "gspo", "turn_grpo"):
             raise ConfigError("--kl-coef (KL reward shaping) applies to reinforce_plus_plus* and "
@@ -317,6 +325,14 @@ class TrainConfig(BackendConfig, SyncConfig):
             raise ConfigError("--backend megatron does not support ppo's value head, --ref or "
                               "--old-actor yet; use --backend torch for them")
         self._check_opd()
+        if self.lora_rank and not self.lora_merge_on_publish and self.precision in ("fp8",
+                                                                                     "int4"):
+            raise ConfigError(f"--precision {self.precision} quantizes full weights, a LoRA "
+                              "version is its adapter: add --lora-merge-on-publish or drop "
+                              "--precision")
+        if self.lora_rank and (self.old_actor or self.opd_type == "inprocess"):
+            raise ConfigError("--old-actor and in-process --opd-teacher switch full weights into "
+                              "the model, which LoRA does not train: drop them or --lora-rank")
         if self.int4_qat and self.precision == "int4" and (self.int4_qat_group_size != 32
                                                            or not self.int4_qat_symmetric):
             raise ConfigError("--int4-qat-group-size/--no-int4-qat-symmetric differ from what "
@@ -372,4 +388,6 @@ class TrainConfig(BackendConfig, SyncConfig):
 
     @property
     def needs_ref(self) -> bool:
+        """The KL terms need reference logprobs: --ref's weights, or the base without its
+        adapters under LoRA."""
         return self.loss == "policy" and bool(self.kl_coef or self.kl_loss_coef)

@@ -15,6 +15,7 @@ Runs as one process or under torchrun (every rank calls `run`; rank 0 writes).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,9 +165,12 @@ def _run(cfg: TrainConfig) -> TrainResult:
             writer.close()
     published = None
     if cfg.publish:
-        state = backend.export_hf_state_dict()
+        adapter = cfg.lora_rank > 0 and not cfg.lora_merge_on_publish
+        state = backend.export_adapter() if adapter else backend.export_hf_state_dict()
         if is_rank_zero():
-            sync_metrics = _publish(cfg, state, source_model_dir=target.model_dir, version=version)
+            sync_metrics = (_publish_adapter(cfg, backend, state, version=version) if adapter else
+                            _publish(cfg, state, source_model_dir=target.model_dir,
+                                     version=version))
             published = sync_metrics["sync/path"]
             if writer_path:
                 with MetricsWriter(writer_path) as sync_writer:
@@ -184,6 +188,23 @@ def _publish(cfg: TrainConfig, state: dict[str, Any], *, source_model_dir: Path,
 
     return publish_version(state, cfg, publish_dir=cfg.publish, version=version,
                            source_model_dir=source_model_dir, dtype=cfg.dtype)
+
+
+def _publish_adapter(cfg: TrainConfig, backend: Any, state: dict[str, Any], *,
+                     version: int) -> dict[str, Any]:
+    """Publish `version` as a LoRA adapter (rltool.train.lora): the whole adapter every time, in
+    the published dtype (--dtype bf16: bf16, else fp32)."""
+    import torch
+
+    from rltool.train.lora import publish_adapter
+
+    t0 = time.perf_counter()
+    out = publish_adapter(Path(cfg.publish) / weight_dir_name(version), tensors=state,
+                          config=backend.lora.peft_config(backend.model_dir),
+                          dtype=torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)
+    return {"sync/mode": "lora", "sync/path": str(out), "sync/version": version,
+            "perf/update_weights_wire_bytes": sum(f.stat().st_size for f in out.iterdir()),
+            "perf/update_weights_time": time.perf_counter() - t0}
 
 
 def recompute_logprobs(weights_dir: str | Path, shard_dirs: list[str | Path], *,

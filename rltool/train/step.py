@@ -15,6 +15,7 @@ bit.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -210,10 +211,13 @@ def prepare_set(cfg: TrainConfig, backend: TrainerBackend, snapshots: WeightBack
         data.old_values = old.get("values")
         timings["perf/log_probs_time"] = time.perf_counter() - t0
     kl = None
-    if "ref" in tags:
+    lora_ref = cfg.needs_ref and cfg.lora_rank > 0  # the base: the adapters off
+    if "ref" in tags or lora_ref:
         t0 = time.perf_counter()
-        switch("ref")
-        data.ref_logprobs = compute_logprobs(backend, samples, batches, **kwargs)["logprobs"]
+        with backend.adapters_off() if lora_ref else contextlib.nullcontext():
+            if not lora_ref:
+                switch("ref")
+            data.ref_logprobs = compute_logprobs(backend, samples, batches, **kwargs)["logprobs"]
         timings["perf/ref_log_probs_time"] = time.perf_counter() - t0
         if cfg.kl_coef:
             kl = [approx_kl(o, r, kl_type=cfg.kl_loss_type)

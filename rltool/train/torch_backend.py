@@ -22,6 +22,9 @@
 - `use_rollout_routing_replay` (MoE): a unit whose micro-batch carries routed experts replays
   them through hooks on the model's routers (rltool.train.routing_replay), in its forward and
   its backward.
+- `--lora-rank` (rltool.train.lora): adapters on the frozen base; only they get gradients,
+  optimizer state and checkpoints; `export_hf_state_dict` gives the merged weights and
+  `export_adapter` the adapter; `adapters_off()` runs the base (the KL reference).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import torch.distributed as dist
 
 from rltool.errors import CheckpointError, ConfigError
 from rltool.train import checkpoint as ckpt
-from rltool.train import int4_qat, packed, shared_prompt
+from rltool.train import int4_qat, lora, packed, shared_prompt
 from rltool.train.backend import ForwardOutput, LossFn, MicroBatch, response_outputs
 from rltool.train.config import BackendConfig, TrainConfig
 from rltool.train.launch import init_distributed
@@ -85,6 +88,8 @@ class TorchBackend:
             raise CheckpointError(f"{model_dir}: cannot load the model ({e})") from e
         self.config, self.vocab_size = inner.config, int(inner.config.vocab_size)
         self.qat = int4_qat.for_backend(inner, options)  # before the value head: never published
+        # After QAT (whose targets are the base's weights), before the value head (trained whole)
+        self.lora = lora.for_backend(inner, options) if trainable else None
         if self.value_head:
             # Zero init: values start at 0, so the first advantages are plain discounted rewards.
             inner.add_module(VALUE_HEAD, torch.nn.Linear(self.config.hidden_size, 1))
@@ -114,9 +119,14 @@ class TorchBackend:
                 torch.optim.AdamW, lr=options.lr, betas=(options.adam_beta1, options.adam_beta2),
                 eps=options.adam_eps, weight_decay=options.weight_decay,
                 fused=self.device.type == "cuda" and not self.fsdp)
-            self.optimizer = adamw(self.model.parameters()) if not self.masters else \
-                MasterWeights(list(self.inner.named_parameters()), adamw, param_dtype=torch.bfloat16
-                              if options.param_dtype == "bf16" else torch.float32,
+            param_dtype = torch.bfloat16 if options.param_dtype == "bf16" else torch.float32
+            if self.lora is not None:  # the frozen base in the parameters' dtype, no master
+                for p in self.inner.parameters():
+                    if not p.requires_grad:
+                        p.data = p.data.to(param_dtype)
+            trained = [(n, p) for n, p in self.inner.named_parameters() if p.requires_grad]
+            self.optimizer = adamw([p for _, p in trained]) if not self.masters else \
+                MasterWeights(trained, adamw, param_dtype=param_dtype,
                               host=options.optimizer_cpu_offload, processes=self.dp_size)
         else:
             self.inner.requires_grad_(False)
@@ -417,9 +427,23 @@ class TorchBackend:
 
     def export_hf_state_dict(self, *, on_device: bool = False) -> dict[str, torch.Tensor]:
         """The policy's tensors under HF names, copied to host memory; `on_device` (one process):
-        the parameters where they live, uncopied (a caller casting them on the device)."""
-        return {k: v for k, v in self._full_model_state(on_device=on_device).items()
-                if not k.startswith(VALUE_HEAD + ".")}
+        the parameters where they live, uncopied (a caller casting them on the device). Under
+        LoRA the base with the adapters merged in (rltool.train.lora.merged)."""
+        state = {k: v for k, v in self._full_model_state(on_device=on_device).items()
+                 if not k.startswith(VALUE_HEAD + ".")}
+        return state if self.lora is None else lora.merged(state, scale=self.lora.scale)
+
+    def export_adapter(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter's tensors under the model's names (`...q_proj.lora_A.weight`), on
+        rank 0 (empty on the others); fp32 (the masters with master weights)."""
+        assert self.lora is not None, "export_adapter without --lora-rank"
+        return {k: v.float() for k, v in self._full_model_state().items()
+                if lora.is_adapter_key(k)}
+
+    def adapters_off(self) -> contextlib.AbstractContextManager:
+        """Forwards of the base model, the LoRA adapters off (the KL reference under LoRA)."""
+        assert self.lora is not None, "adapters_off without --lora-rank"
+        return self.lora.disabled()
 
     def _rng_states(self) -> dict[str, torch.Tensor]:
         own = {"torch_cpu": torch.get_rng_state()}
@@ -436,6 +460,10 @@ class TorchBackend:
         full_state = self._full_model_state()
         model_state = {k: v for k, v in full_state.items() if not k.startswith(VALUE_HEAD + ".")}
         value_state = {k: v for k, v in full_state.items() if k.startswith(VALUE_HEAD + ".")}
+        adapter = None
+        if self.lora is not None:  # the adapter alone: the base is --load's, unchanged
+            model_state = {k: v.float() for k, v in model_state.items() if lora.is_adapter_key(k)}
+            adapter = self.lora.peft_config(self.model_dir)
         optim_state = (self.optimizer.state_dict() if self.masters else get_optimizer_state_dict(
             self.model, self.optimizer, options=self._full_state_options()))
         rng = self._rng_states()
@@ -444,11 +472,14 @@ class TorchBackend:
                              "world_size": self.dp_size, "dtype": self.options.dtype,
                              "parallel": self.options.parallel,
                              "value_head": self.value_head}
+            if self.lora is not None:
+                backend_state["lora"] = self.lora.describe()
             ckpt.write_checkpoint(Path(ckpt_dir), model_state=model_state,
                                   optimizer_state=optim_state, rng_states=rng,
                                   data_tensors=data_tensors, value_head=value_state,
                                   trainer_state={**trainer_state, "backend": backend_state},
-                                  source_model_dir=self.model_dir, config_toml=config_toml)
+                                  source_model_dir=self.model_dir, config_toml=config_toml,
+                                  adapter_config=adapter)
         if self.dp_size > 1:
             dist.barrier()
 
@@ -467,6 +498,7 @@ class TorchBackend:
                 f"but this run {'needs' if self.value_head else 'has'} "
                 f"{'one' if self.value_head else 'none'} (ppo vs other estimators); "
                 f"to switch, --load {ckpt_dir / ckpt.MODEL_DIR} (weights only, fresh optimizer)")
+        self._load_adapter(ckpt_dir, state["backend"].get("lora"))
         if self.value_head:
             if not (ckpt_dir / ckpt.VALUE_HEAD_FILE).exists():
                 raise CheckpointError(f"{ckpt_dir}: missing {ckpt.VALUE_HEAD_FILE}; the checkpoint "
@@ -497,3 +529,25 @@ class TorchBackend:
             log.warning("checkpoint %s was written by %s ranks, this run has %s: RNG reseeded",
                         ckpt_dir, state["backend"]["world_size"], self.dp_size)
         return state, ckpt.read_tensors(ckpt_dir / ckpt.DATA_FILE)
+
+    def _load_adapter(self, ckpt_dir: Path, saved: dict[str, Any] | None) -> None:
+        """The checkpoint's LoRA adapter into this model's, refused when they differ."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        own = None if self.lora is None else self.lora.describe()
+        if saved is None and own is None:
+            return
+        if saved is None:
+            raise CheckpointError(f"{ckpt_dir} was trained without LoRA; to train adapters on its "
+                                  f"weights, --load {ckpt_dir / ckpt.MODEL_DIR} (fresh optimizer)")
+        if own != saved:
+            raise CheckpointError(
+                f"{ckpt_dir} holds LoRA adapters of rank {saved['rank']}, alpha {saved['alpha']} "
+                f"on {','.join(saved['targets'])}; resume with --lora-rank {saved['rank']} "
+                f"--lora-alpha {saved['alpha']} --lora-target-modules "
+                f"{','.join(saved['targets'])}")
+        _, tensors = lora.read_adapter(ckpt_dir / ckpt.ADAPTER_DIR)
+        set_model_state_dict(self.model, tensors,
+                             options=StateDictOptions(full_state_dict=True, strict=False))
+        if self.masters:
+            self.optimizer.load_masters(tensors)
