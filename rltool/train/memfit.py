@@ -75,21 +75,31 @@ def device_bytes(options: Any) -> int | None:
     return int(torch.cuda.get_device_properties(local).total_memory)
 
 
-def torch_state(n: int, options: Any) -> tuple[dict[str, int], dict[str, int]]:
+def torch_state(n: int, options: Any, *, lora: int = 0) -> tuple[dict[str, int], dict[str, int]]:
     """(device, host) bytes of the torch backend's state for `n` parameters: parameters (fp32, or
     bf16 with `--param-dtype bf16`), fp32 gradients (the main gradients with bf16 parameters),
     fp32 master weights (bf16 parameters only) and AdamW's two moments; the optimizer's part on
-    the host with `--optimizer-cpu-offload` (with a host copy of the gradients)."""
+    the host with `--optimizer-cpu-offload` (with a host copy of the gradients). `lora`: the
+    adapters' parameters under LoRA (`lora_params`): the `n` of the base are frozen (parameters
+    only), gradients, masters and moments are the adapters'."""
     bf16 = options.param_dtype == "bf16"
-    device = {"params": (2 if bf16 else 4) * n, "grads": 4 * n}
-    optimizer = {"master_weights": 4 * n} if bf16 else {}
-    optimizer["optimizer"] = 8 * n
+    t = lora or n
+    device = {"params": (2 if bf16 else 4) * (n + lora), "grads": 4 * t}
+    optimizer = {"master_weights": 4 * t} if bf16 else {}
+    optimizer["optimizer"] = 8 * t
     if not options.optimizer_cpu_offload:
         return device | optimizer, {}
-    host = dict(optimizer, grads=4 * n)
+    host = dict(optimizer, grads=4 * t)
     if not bf16:
-        host["params"] = 4 * n  # the fp32 parameters the host optimizer steps
+        host["params"] = 4 * t  # the fp32 parameters the host optimizer steps
     return device, host
+
+
+def lora_params(shape: memplan.Shape, options: Any) -> int:
+    """The LoRA adapters' parameters of `options` on `shape` (0 without LoRA)."""
+    if not options.lora_rank:
+        return 0
+    return shape.lora_params(options.lora_rank, options.lora_target_modules)
 
 
 def predictor(options: Any, hf_config: dict[str, Any], *, world_size: int) -> Predict:
@@ -110,7 +120,8 @@ def predictor(options: Any, hf_config: dict[str, Any], *, world_size: int) -> Pr
     def torch_backend(recompute: str, tokens: int, chunk: int | None = None) -> int:
         return sum(torch_activations(shape, options, recompute=recompute, tokens=tokens,
                                      chunk=chunk).values()
-                   ) + sum(torch_state(shape.params, options)[0].values())
+                   ) + sum(torch_state(shape.params, options,
+                                       lora=lora_params(shape, options))[0].values())
     return torch_backend
 
 
@@ -143,7 +154,7 @@ def trainer_bytes(options: Any, hf_config: dict[str, Any], *, world_size: int = 
                     if k in ("weights", "grads", "master_weights", "optimizer")}
         return p.device, resident
     shape = memplan.Shape.of(hf_config)
-    state = torch_state(shape.params, options)[0]
+    state = torch_state(shape.params, options, lora=lora_params(shape, options))[0]
     return state | torch_activations(shape, options, recompute=options.recompute,
                                      tokens=tokens), state
 
@@ -217,7 +228,8 @@ def check_host(options: Any, hf_config: dict[str, Any], *, world_size: int,
                                  mplan.Layout.of(options, world_size=world_size),
                                  dtype=options.dtype, offload_fraction=fraction)[1]
     else:
-        host = torch_state(memplan.Shape.of(hf_config).params, options)[1]
+        shape = memplan.Shape.of(hf_config)
+        host = torch_state(shape.params, options, lora=lora_params(shape, options))[1]
     need = sum(host.values()) * int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     share = int(memplan.HOST_SHARE * (memplan.host_available() if available is None
                                       else available))

@@ -94,6 +94,24 @@ class Shape:
         heads = 1 if self.tied else 2
         return self.layers * layer + heads * self.vocab * h + h
 
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear of a decoder layer, by name."""
+        h, q, kv, i = (self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                       self.intermediate)
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def lora_params(self, rank: int, targets: list[str] | tuple[str, ...]) -> int:
+        """Parameters of rank-`rank` LoRA adapters (A [r, in] + B [out, r]) on the decoder
+        layers' `targets` (names, or all-linear), as rltool.train.lora builds them."""
+        linears = self.linears()
+        names = list(linears) if list(targets) == ["all-linear"] else list(targets)
+        unknown = [n for n in names if n not in linears]
+        if unknown:
+            raise ConfigError(f"--lora-target-modules {','.join(unknown)}: the memory plan knows "
+                              f"the decoder linears {','.join(linears)}")
+        return self.layers * sum(rank * sum(linears[n]) for n in names)
+
     def kv_bytes_per_token(self, dtype: str) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * ELEM[dtype]
 
@@ -137,22 +155,27 @@ def activation_bytes(shape: Shape, *, tokens: int, compute_dtype: str, recompute
 
 def plan(shape: Shape, *, offload: str, compute_dtype: str = "bf16", engine_dtype: str = "bf16",
          micro_batch_tokens: int, recompute: bool, logprob_chunk_tokens: int = 4096,
-         kv_tokens: int, trainer: tuple[dict[str, int], dict[str, int]] | None = None) -> Plan:
+         kv_tokens: int, trainer: tuple[dict[str, int], dict[str, int]] | None = None,
+         lora_params: int = 0) -> Plan:
     """Each phase's bytes under `offload` ("all", "optimizer" or "none"). `trainer`: the
     trainer's own (train step, resident state) bytes from another plan (the megatron backend's,
-    or torch with master weights: rltool.train.memfit.trainer_bytes), for `none` only."""
+    or torch with master weights: rltool.train.memfit.trainer_bytes), for `none` only.
+    `lora_params`: LoRA (`Shape.lora_params`): the base is frozen (its fp32 parameters, no
+    gradients or moments), the adapters' parameters, gradients and moments besides."""
     if offload not in POLICIES:
         raise ConfigError(f"unknown offload {offload!r}; choose auto, {', '.join(POLICIES)}")
     n = shape.params
+    trained = lora_params or n
     weights = n * ELEM[engine_dtype]
-    state = {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n}
+    state = {"params": 4 * (n + lora_params), "grads": 4 * trained, "optimizer": 8 * trained}
     engines = {"engine_weights": weights,
                "kv_pool": kv_tokens * shape.kv_bytes_per_token(engine_dtype)}
     if trainer is not None:
         assert offload == "none", "another backend's plan is planned without device offload"
         return Plan(offload=offload, shape=shape, rollout=dict(trainer[1]) | engines,
                     train=dict(trainer[0]) | engines, host={})
-    rollout = {"none": dict(state), "optimizer": {"trainer_params": 4 * n}}.get(offload, {})
+    rollout = {"none": dict(state),
+               "optimizer": {"trainer_params": state["params"]}}.get(offload, {})
     rollout.update(engines)
     train = dict(state)
     train.update(activation_bytes(shape, tokens=micro_batch_tokens, compute_dtype=compute_dtype,
@@ -161,9 +184,9 @@ def plan(shape: Shape, *, offload: str, compute_dtype: str = "bf16", engine_dtyp
     if offload == "none":
         train.update(engines)
         return Plan(offload=offload, shape=shape, rollout=rollout, train=train, host={})
-    host = {"optimizer": 8 * n}
+    host = {"optimizer": state["optimizer"]}
     if offload == "all":
-        host["params"] = 4 * n
+        host["params"] = state["params"]
     host["staged_weights"] = weights
     return Plan(offload=offload, shape=shape, rollout=rollout, train=train, host=host)
 
