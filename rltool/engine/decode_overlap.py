@@ -3,7 +3,10 @@ from step N's sampled tokens, before the host reads step N's tokens back; the ho
 work then runs while the device computes. A block may hold several decode steps
 (--num-continuous-decode-steps), each fed the last one's samples on the device, with one copy of
 all its tokens back. A request that stops at step N has computed one extra token, which is
-dropped. Prefill, control operations and batches that need the torch sampler drain first (the
+dropped. Top-k / top-p / min-p, logit_bias and min_new_tokens are sampled inside a block: the
+batch's DrawParams are built once, and each step's logits become the race's draw logits on the
+device, stop ids masked while a row's token index is below its min_new_tokens. Prefill, control
+operations and requests asking for top logprobs or the logprobs of given ids drain first (the
 batch builder, rltool.engine.batch_builder, decides).
 """
 
@@ -16,18 +19,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from rltool.engine.batch_sampling import DrawParams, draw_logits
 from rltool.engine.request import Request
 from rltool.engine.request_queue import RequestQueue
 
-SEED_MODULUS = 2**31 - 1  # the sampling kernel's Philox seeds are 31-bit here
+SEED_MODULUS = 2**31 - 1  # the sampling kernel's hash seeds are 31-bit here
 
 
 @dataclass
 class _Buffers:
     """Host memory one overlapped block of decode steps reads its sampling parameters from
-    (int32: B temperatures as float32 bits, B greedy flags, then B seeds per step, contiguous so
-    one asynchronous copy takes them) and writes its tokens to (step-major), and the event that
-    marks its copies done (two sets, used alternately). Pinned on CUDA."""
+    (int32: B temperatures as float32 bits, B greedy flags, B seeds per step, then B stop-id
+    mask flags per step, contiguous so one asynchronous copy takes them) and writes its tokens to
+    (step-major), and the event that marks its copies done (two sets, used alternately). Pinned
+    on CUDA."""
 
     params: torch.Tensor
     tokens: torch.Tensor
@@ -40,7 +45,7 @@ class _Buffers:
             t = torch.empty(*shape, dtype=dtype, device="cpu")
             return t.pin_memory() if cuda else t
 
-        return _Buffers(host((2 + steps) * n, dtype=torch.int32),
+        return _Buffers(host((2 + 2 * steps) * n, dtype=torch.int32),
                         host(steps * n, dtype=torch.int64), host(steps * n, dtype=torch.float32),
                         torch.cuda.Event() if cuda else _Done())
 
@@ -78,6 +83,8 @@ class _BatchConsts:
     temps: np.ndarray  # float32
     seeds: np.ndarray  # int64: base seed x 1_000_003 mod SEED_MODULUS
     greedy: np.ndarray  # int32
+    min_new: np.ndarray  # int64: min_new_tokens
+    draw: DrawParams | None  # None: the plain race
 
 
 class DecodeOverlap:
@@ -92,7 +99,8 @@ class DecodeOverlap:
         self._request_consts = consts
         self.inflight: Block | None = None
         self._consts: _BatchConsts | None = None
-        self._launches = 0
+        self.launches = 0  # blocks launched
+        self.draw_launches = 0  # of them, blocks that sampled with DrawParams
         cuda = runner.device.type == "cuda"
         self._buffers = ([_Buffers.make(max_running, steps_per_block, cuda) for _ in range(2)]
                          if enabled else [])
@@ -125,29 +133,36 @@ class DecodeOverlap:
         B = len(reqs)
         consts = self._consts
         if consts is None or consts.reqs != reqs:
-            infos = [self._request_consts(r) for r in reqs]
-            consts = self._consts = _BatchConsts(
-                reqs=reqs, temps=np.array([i[0] for i in infos], dtype=np.float32),
-                seeds=np.array([i[2] * 1_000_003 % SEED_MODULUS for i in infos], dtype=np.int64),
-                greedy=np.array([i[1] for i in infos], dtype=np.int32))
+            consts = self._consts = self._batch_consts(reqs, vocab=logits.shape[-1],
+                                                       device=logits.device)
         drawn = np.array([len(r.output_ids) for r in reqs], dtype=np.int64)
-        self._launches += 1
-        buf = self._buffers[self._launches % 2]
+        self.launches += 1
+        buf = self._buffers[self.launches % 2]
         buf.event.synchronize()  # the copies of the block that last used this buffer are done
         host = buf.params.numpy()
         host[:B] = consts.temps.view(np.int32)
         host[B:2 * B] = consts.greedy
         # A draw is keyed by (seed, token index): step i of the block draws token drawn + ahead + i.
-        first = consts.seeds + drawn + ahead
-        host[2 * B:(2 + steps) * B].reshape(steps, B)[:] = (
-            (first + np.arange(steps)[:, None]) % SEED_MODULUS)
-        dev = buf.params[:(2 + steps) * B].to(logits.device, non_blocking=True)
+        index = drawn + ahead + np.arange(steps)[:, None]
+        host[2 * B:(2 + steps) * B].reshape(steps, B)[:] = (consts.seeds + index) % SEED_MODULUS
+        host[(2 + steps) * B:(2 + 2 * steps) * B].reshape(steps, B)[:] = index < consts.min_new
+        draw = consts.draw
+        if draw is not None and draw.filtered is None and draw.bias_ids is None and (
+                drawn + ahead >= consts.min_new).all():
+            draw = None  # only stop ids to mask, and every row is past its min_new_tokens
+        self.draw_launches += draw is not None
+        dev = buf.params[:(2 + 2 * steps) * B].to(logits.device, non_blocking=True)
         temps, greedy = dev[:B].view(torch.float32), dev[B:2 * B]
         tokens, logprobs = [], []
         for i in range(steps):
             if i:
                 logits = self.runner.decode_next(tokens[-1])
-            tok, lp = sample_rows(logits, temps, dev[(2 + i) * B:(3 + i) * B], greedy)
+            race = None
+            if draw is not None:
+                masked = dev[(2 + steps + i) * B:(3 + steps + i) * B] != 0
+                race = draw_logits(logits, draw, masked)
+            tok, lp = sample_rows(logits, temps, dev[(2 + i) * B:(3 + i) * B], greedy,
+                                  draw=race)
             tokens.append(tok)
             logprobs.append(lp)
         last = tokens[-1]
@@ -157,6 +172,21 @@ class DecodeOverlap:
         buf.logprobs[:steps * B].copy_(logprobs[0].view(-1), non_blocking=True)
         buf.event.record()
         return Block(reqs=reqs, tokens=last, buf=buf, removals=self.queue.removals, steps=steps)
+
+    def _batch_consts(self, reqs: list[Request], *, vocab: int,
+                      device: torch.device) -> _BatchConsts:
+        infos = [self._request_consts(r) for r in reqs]
+        eos = self.runner.eos_token_ids
+        stops = [sorted(eos | set(r.params.stop_token_ids)) if i[4] > 0 else []
+                 for r, i in zip(reqs, infos)]
+        temps = [i[0] for i in infos]
+        return _BatchConsts(
+            reqs=reqs, temps=np.array(temps, dtype=np.float32),
+            seeds=np.array([i[2] * 1_000_003 % SEED_MODULUS for i in infos], dtype=np.int64),
+            greedy=np.array([i[1] for i in infos], dtype=np.int32),
+            min_new=np.array([i[4] for i in infos], dtype=np.int64),
+            draw=DrawParams.build([r.params for r in reqs], temps=temps, stop_ids=stops,
+                                  vocab=vocab, device=device))
 
     def _accept_block(self, block: Block) -> None:
         """Record a block's tokens step by step; a request's tokens after the one that stops it
