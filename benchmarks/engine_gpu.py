@@ -46,8 +46,12 @@ What limits each figure: per decode step at B, the GPU time of one graph replay 
 the sampling time, and the scheduler's wall time per step (the rest is host work); a short torch
 profiler trace of the steady state lists the top kernels.
 
+`--sampling plain,filtered` runs workload (a) once more per sampling arm on the first value's
+engine (benchmarks/engine_sampling.py), with the overlapped decode blocks each arm launched.
+
 Usage: python -m benchmarks.engine_gpu [--presets qwen2.5-0.5b,qwen2.5-7b] [--batches 64,256]
-       [--quick] [--skip-http] [--hf-compile] [--num-continuous-decode-steps 1,8] [--out DIR]
+       [--quick] [--skip-http] [--hf-compile] [--num-continuous-decode-steps 1,8]
+       [--sampling plain,filtered] [--out DIR]
        python -m benchmarks.engine_gpu --mode deterministic-cost|fp8 [--presets ...] [--out DIR]
        python -m benchmarks.engine_gpu --mode fp8-quick [--preset qwen2.5-7b]
        [--gemm-only | --engines-only] [--out DIR]
@@ -82,6 +86,7 @@ from benchmarks.engine_common import (OUTPUT_LEN, PROMPT_LEN, checkpoints, copy_
                                       run_batch, warm_up)
 from benchmarks.engine_fp8 import precision_cost, quick
 from benchmarks.engine_rl import grpo_workload, tensor_sync_timing
+from benchmarks.engine_sampling import parse_arms, print_table, sampler_alone, sampling_runs
 from benchmarks.workloads import hf_generate
 PEAK_BF16 = 989e12
 
@@ -276,10 +281,15 @@ def throughput(args: argparse.Namespace) -> dict:
                 ttfts = [run_batch(sched, prompts_for(1, vocab, 100 + i), max_new=1)
                          ["mean_ttft_s"] for i in range(8)]
                 r["engine_ttft_b1_s"] = statistics.median(ttfts)
+                if args.sampling:
+                    r["sampling"] = sampling_runs(sched, batches, vocab, args.sampling)
             sched.stop()
         for b in batches:
             r["engine"][b] = r["by_decode_steps"][multi[0]][b]
             r["roofline"][b] = roofline(runner.spec, b, bw=bw, weight_bytes=r["weight_bytes"])
+        if args.sampling:
+            r["sampler_alone_s"] = sampler_alone(batches, vocab, args.sampling)
+            print_table(r["sampling"], r["sampler_alone_s"], preset)
         for b in batches:
             bd = step_breakdown(runner, b)
             print(bd.pop("profile_top"), flush=True)
@@ -398,6 +408,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--quick", action="store_true", help="skip transformers generate")
     ap.add_argument("--skip-http", action="store_true")
+    ap.add_argument("--sampling", type=parse_arms, default=[],
+                    help="throughput: also run workload (a) per sampling arm, e.g. "
+                         "plain,filtered (top_p 0.9, top_k 50; benchmarks/engine_sampling.py)")
     ap.add_argument("--hf-compile", action="store_true")
     ap.add_argument("--engine-only", default="", help="presets measured without HTTP and "
                                                       "transformers (e.g. qwen2.5-7b)")
