@@ -49,6 +49,8 @@ PULL_WEIGHTS = "/pull_weights"
 UPDATE_WEIGHTS_FROM_TENSOR = "/update_weights_from_tensor"
 INIT_WEIGHTS_UPDATE_GROUP = "/init_weights_update_group"
 UPDATE_WEIGHTS_FROM_DISTRIBUTED = "/update_weights_from_distributed"
+LOAD_LORA_ADAPTER = "/load_lora_adapter"
+UNLOAD_LORA_ADAPTER = "/unload_lora_adapter"
 
 OPENAI_MODELS = "/v1/models"
 OPENAI_COMPLETIONS = "/v1/completions"
@@ -92,6 +94,8 @@ class GenerateInput(BaseModel):
     # MoE models: meta_info["routed_experts"] of a finished request, base64 of little-endian
     # int32 [prompt + completion tokens - 1, num_hidden_layers, top_k] (-1 in dense layers).
     return_routed_experts: bool | list[bool] = False
+    # --enable-lora: the loaded adapter to run (per prompt as a list); None: the policy adapter
+    lora_path: str | list[str | None] | None = None
 
     @field_validator("return_logprob", "logprob_start_len", "top_logprobs_num",
                      "return_routed_experts", mode="before")
@@ -134,6 +138,24 @@ class UpdateWeightsFromDiskInput(_Body):
     abort_all_requests: bool = False
     weight_version: str | None = None
     flush_cache: bool = True
+
+
+class LoadLoraAdapterInput(_Body):
+    lora_name: str = Field(min_length=1)
+    lora_path: str
+
+
+class UnloadLoraAdapterInput(_Body):
+    lora_name: str = Field(min_length=1)
+
+
+class LoraAdapterResult(BaseModel):
+    """SGLang's /load_lora_adapter and /unload_lora_adapter answer: the adapters loaded after
+    the call, name -> path."""
+
+    success: bool
+    error_message: str = ""
+    loaded_adapters: dict[str, str] = {}
 
 
 class UpdateWeightVersionInput(_Body):

@@ -17,7 +17,8 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from rltool.engine.routes import control, debug, generate, info, openai, transfer, weights
+from rltool.engine.routes import (control, debug, generate, info, lora, openai, transfer,
+                                  weights)
 from rltool.engine.routes.base import EngineState, describe_errors, openai_error, runtime_error
 from rltool.engine.scheduler import QueueFullError
 from rltool.engine.security import (Guard, HostCheck, PayloadTooLargeError, UnauthorizedError,
@@ -50,7 +51,7 @@ def build_app(state: EngineState) -> FastAPI:
         return runtime_error(f"internal error: {type(exc).__name__}: {exc}", 500)
 
     # Hot routes first: matching is linear.
-    groups = [generate, openai, info, control, weights, transfer]
+    groups = [generate, openai, info, control, weights, transfer, lora]
     if cfg.enable_debug_endpoints:  # rltool align-gate --layerwise (docs/align.md)
         groups.append(debug)
     for group in groups:

@@ -15,6 +15,7 @@ queue's (rltool.engine.request_queue).
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from typing import Any
@@ -57,6 +58,9 @@ class BatchBuilder:
         # Deterministic without the batch-invariant kernels (CPU): every forward holds one request.
         self._alone = deterministic and not runner.invariant_kernels
         self._sampler_args: tuple | None = None
+        self._lora_on = getattr(runner, "lora", None) is not None  # --enable-lora
+        self._prefill_lora: str | None = None  # the adapters of this step's forwards
+        self._decode_lora: str | None = None
         self.blocks = DecodeOverlap(runner, queue, consts=self._sampling_consts,
                                     max_running=max_running,
                                     steps_per_block=num_continuous_decode_steps,
@@ -76,6 +80,7 @@ class BatchBuilder:
         if queue.paused is None and not runner.released:
             with runner.invariant():  # deterministic: one kernel registration per step
                 queue.admit()
+                self._pick_adapters()
                 if not self.prefill() and queue.running:
                     counters = self.counters
                     with trace.span("decode.step", cat="engine",
@@ -102,12 +107,15 @@ class BatchBuilder:
         reqs: list[Request] = []
         done: list[Request] = []
         for req in queue.prefill_order():
+            if req.lora != self._prefill_lora:
+                continue  # --enable-lora: one adapter per forward
             target = req.prefill_target
             if req.num_cached == 0:
                 if any(tuple(req.prompt_ids[:n]) in keys for n, keys in filling.items()):
                     continue  # an earlier request is writing this prefix: reuse it next step
                 req.num_cached = runner.reuse_prefix(req.rid, req.all_ids(),
-                                                     max_tokens=target - 1, spare=reserved)
+                                                     max_tokens=target - 1, spare=reserved,
+                                                     lora=req.lora)
                 if not req.output_ids:
                     req.cached_tokens = req.num_cached
             start = req.num_cached
@@ -138,7 +146,7 @@ class BatchBuilder:
             self.blocks.drain()  # the prefill changes the batch; a queued block's tokens first
         else:
             if queue.prefilling and not queue.running:
-                req = queue.prefilling[0]
+                req = next(r for r in queue.prefilling if r.lora == self._prefill_lora)
                 queue.finish(req, {"type": "abort", "status_code": 400, "err_type": "BadRequest",
                                    "message": f"the prompt needs {req.prefill_target} tokens of "
                                               "KV cache, more than the pool holds; raise "
@@ -147,7 +155,11 @@ class BatchBuilder:
         counters = self.counters
         counters.num_prefill_tokens += sum(len(c[1]) for c in chunks)
         # Their pages were reserved above (a page per running request).
-        decoding = list(queue.running.values()) if self.mixed_chunk else []
+        # running requests of the prefill's adapter (then the decode's as well: _pick_adapters)
+        decoding = (self._decoding() if self.mixed_chunk
+                    and self._decode_lora == self._prefill_lora else [])
+        if self._lora_on:
+            runner.use_lora(self._prefill_lora)
         chunks += [(r.rid, [r.output_ids[-1]], _kv_length(r, 0)) for r in decoding]
         want += [True] * len(decoding)
         if self._alone:
@@ -163,7 +175,7 @@ class BatchBuilder:
                 counters.num_prefill_forwards += 1
         for req in done:
             queue.prefilling.remove(req)
-            runner.cache_prefix(req.rid, req.prompt_ids)
+            runner.cache_prefix(req.rid, req.prompt_ids, lora=req.lora)
         fresh = [r for r, w in zip(reqs, want) if w] + decoding
         if fresh:
             self._sample_and_accept(fresh, logits)
@@ -177,7 +189,7 @@ class BatchBuilder:
         record, retire the finished."""
         runner, queue, blocks, counters = self.runner, self.queue, self.blocks, self.counters
         prev = blocks.inflight
-        reqs = list(queue.running.values())
+        reqs = self._decoding()
         # A batch that was all plain stays so (its requests only grow past min_new_tokens).
         overlap = self._overlap and (blocks.same_batch(reqs) or all(self._plain(r) for r in reqs))
         if prev is not None and overlap and reqs != prev.reqs:
@@ -203,6 +215,8 @@ class BatchBuilder:
                     self.decode()
                 return
         rids = [r.rid for r in reqs]
+        if self._lora_on:
+            runner.use_lora(self._decode_lora)
         if self._alone:
             counters.num_decode_forwards += 1
             counters.num_decode_rows += len(reqs)
@@ -226,6 +240,32 @@ class BatchBuilder:
             self._sample_and_accept(reqs, logits)
             return
         blocks.launch(reqs, logits, ahead=ahead, steps=steps)
+
+    def _pick_adapters(self) -> None:
+        """--enable-lora: a forward runs one adapter. Prefill takes the requests of the oldest
+        in-flight request's adapter; decode those too, or, while none of them is running yet,
+        the oldest running request's (running requests always progress and free their pages).
+        A prefilling request whose adapter was unloaded meanwhile ends with 400. Without LoRA
+        every request has adapter None and runs in every forward."""
+        queue = self.queue
+        if not self._lora_on:
+            return
+        for req in [r for r in queue.prefilling if not self.runner.lora.has(r.lora)]:
+            queue.finish(req, {"type": "abort", "status_code": 400, "err_type": "BadRequest",
+                               "message": f"LoRA adapter {req.lora!r} was unloaded before the "
+                                          "request ran; load it again and resend"})
+        running = queue.running.values()
+        oldest = min(itertools.chain(running, queue.prefilling), key=_seq, default=None)
+        self._prefill_lora = self._decode_lora = oldest.lora if oldest is not None else None
+        if running and not any(r.lora == self._prefill_lora for r in running):
+            self._decode_lora = min(running, key=_seq).lora
+
+    def _decoding(self) -> list[Request]:
+        """The running requests of this step's decode adapter."""
+        if not self._lora_on:
+            return list(self.queue.running.values())
+        lora = self._decode_lora
+        return [r for r in self.queue.running.values() if r.lora == lora]
 
     def _block_steps(self, reqs: list[Request], ahead: int) -> int:
         """Decode steps of the next block: --num-continuous-decode-steps, fewer where a request
@@ -308,6 +348,10 @@ class BatchBuilder:
             req.device_generator = torch.Generator(device=self.runner.device)
             req.device_generator.manual_seed(req.generator.initial_seed())
         return req.device_generator
+
+
+def _seq(req: Request) -> int:
+    return req.seq
 
 
 def _kv_length(req: Request, steps: int) -> int:

@@ -154,6 +154,13 @@ class ServeConfig(StageConfig):
         default_factory=list, description="Hosts /init_weights_update_group may join a group "
         "at: master_address as written, or an address or CIDR network holding the address it "
         "resolves to (default: any; the request answers 403 otherwise).")
+    enable_lora: bool = Field(False, description="Serve LoRA adapters over the base model "
+                              "(dense and MoE models in bf16/fp32): requests pick one with "
+                              "lora_path, weight syncs of an adapter replace the policy adapter.")
+    max_lora_rank: int = Field(16, ge=1, description="--enable-lora: the largest adapter rank "
+                               "served (the adapter buffers' size).")
+    lora_paths: list[str] = Field(default_factory=list, description="--enable-lora: adapters "
+                                  "loaded at start, as NAME=DIR (PEFT adapter directories).")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Server log level.")
     enable_debug_endpoints: bool = Field(False, description="Mount POST /debug/hidden_states "
@@ -219,6 +226,11 @@ class ServeConfig(StageConfig):
                              "drop --disable-radix-cache or --enable-hierarchical-cache")
         if not (is_loopback(self.host) or self.admin_api_key or self.allow_unauthenticated_admin):
             raise PydanticCustomError("insecure_host", INSECURE_HOST, {"host": self.host})
+        if (self.lora_paths or self.enable_lora) and not (self.enable_lora
+                                                         and self.engine == "builtin"):
+            raise ValueError("--lora-paths needs --enable-lora, and both the builtin engine "
+                             "(SGLang takes --sglang-enable-lora and --sglang-lora-paths)")
+        self.lora_adapters()
         if self.engine == "builtin" and self.engine_device == "cuda":
             if self.enable_debug_endpoints:
                 raise ValueError("--enable-debug-endpoints needs --device cpu")
@@ -226,6 +238,17 @@ class ServeConfig(StageConfig):
             raise ValueError(f"--model {self.model} is not a HF checkpoint directory "
                              "(no config.json)")
         return self
+
+
+    def lora_adapters(self) -> dict[str, Path]:
+        """--lora-paths as name -> directory (ValueError naming a malformed entry)."""
+        out: dict[str, Path] = {}
+        for entry in self.lora_paths:
+            name, sep, path = entry.partition("=")
+            if not (sep and name and path) or name in out:
+                raise ValueError(f"--lora-paths {entry!r}: give each adapter once as NAME=DIR")
+            out[name] = Path(path)
+        return out
 
 
 def resolve_device(device: str) -> str:

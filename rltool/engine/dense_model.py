@@ -54,6 +54,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class DenseLM:
     """Parameters as plain tensors (HF naming, fused where noted) and a packed forward."""
 
+    # --enable-lora: the adapter the linears add (rltool.engine.lora); None: no LoRA compute
+    lora: Any = None
+
     def __init__(self, spec: ModelSpec, *, device: torch.device | str, dtype: torch.dtype,
                  fp8_keys: frozenset[tuple[int, str]] = frozenset(), fp8_block_k: int = 128,
                  int4: Any = None):
@@ -282,7 +285,7 @@ class DenseLM:
         if collect is not None:
             collect.append(x)
         for i, L in enumerate(self.layers):
-            qkv = linear(h, L["qkv"], L.get("qkv_bias"))
+            qkv = self._linear(i, "qkv", h, L.get("qkv_bias"))
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = q.view(T, s.num_heads, s.head_dim)
             k = k.view(T, s.num_kv_heads, s.head_dim)
@@ -294,12 +297,13 @@ class DenseLM:
             if isinstance(a, torch.Tensor):  # else quantized for an FP8 o_proj already
                 a = a.reshape(T, q_size)
             sparse = self._sparse(i)
-            h, residual = add_norm(linear(a, L["o"]), residual, L["ln2"], s.rms_norm_eps,
+            h, residual = add_norm(self._linear(i, "o", a), residual, L["ln2"], s.rms_norm_eps,
                                    None if sparse else fp8_input(L["gate_up"]))
             if sparse:
                 m = moe.forward(h, L, s.moe, silu_mul, routed)
             else:
-                m = linear(silu_mul(linear(h, L["gate_up"]), fp8_input(L["down"])), L["down"])
+                m = self._linear(i, "down", silu_mul(self._linear(i, "gate_up", h),
+                                                     fp8_input(L["down"])))
             if i + 1 < len(self.layers):
                 after = self.layers[i + 1]
                 h, residual = add_norm(m, residual, after["ln1"], s.rms_norm_eps,
@@ -309,6 +313,12 @@ class DenseLM:
             if collect is not None:
                 collect.append(residual if i + 1 < len(self.layers) else h)
         return h
+
+    def _linear(self, layer: int, key: str, x: Any, bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Linear `key` of `layer`, plus the LoRA adapter's update under --enable-lora."""
+        y = linear(x, self.layers[layer][key], bias)
+        return y if self.lora is None else self.lora.add(layer, key, x, y)
 
     def logits(self, hidden: torch.Tensor, *, upcast: bool = True) -> torch.Tensor:
         """[N, hidden] -> logits [N, vocab], float32 unless `upcast` is off (model dtype)."""

@@ -16,7 +16,7 @@ from rltool.engine.sampling import DEFAULT_SEED, SamplingParams, make_generator
 from rltool.errors import BadInputError
 
 # Fields SGLang accepts that this engine cannot honour; a non-null value is a 400, not a silent no-op.
-UNSUPPORTED_FIELDS = ("lora_path", "image_data", "audio_data", "video_data", "session_params",
+UNSUPPORTED_FIELDS = ("image_data", "audio_data", "video_data", "session_params",
                       "bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 
@@ -30,8 +30,9 @@ def _per_item(value: Any, i: int, count: int, name: str) -> Any:
 
 def expand_generate(body: GenerateInput, *, tokenizer: Any, context_length: int,
                     vocab_size: int, deterministic: bool,
-                    moe: bool = False) -> tuple[list[Request], bool]:
-    """Validate and expand a /generate body (`moe`: the served model has MoE layers). Returns
+                    moe: bool = False, lora: Any = None) -> tuple[list[Request], bool]:
+    """Validate and expand a /generate body (`moe`: the served model has MoE layers; `lora`:
+    the engine's LoRA adapters, None without --enable-lora). Returns
     (requests, respond_with_list)."""
     extra = body.model_extra or {}
     for name in UNSUPPORTED_FIELDS:
@@ -83,6 +84,12 @@ def expand_generate(body: GenerateInput, *, tokenizer: Any, context_length: int,
         if routed and not moe:
             raise BadInputError("return_routed_experts needs an MoE model; the served model has "
                                 "no MoE layers (drop the field)")
+        adapter = _per_item(body.lora_path, i, count, "lora_path")
+        if adapter is not None and lora is None:
+            raise BadInputError("lora_path needs an engine started with --enable-lora (drop the "
+                                "field to use the served model)")
+        if lora is not None:
+            lora.check_name(adapter)
         base = _rid(body.rid, i, batched=batched)
         for j in range(n):
             rid = base if n == 1 else f"{base}_{j}"
@@ -98,7 +105,7 @@ def expand_generate(body: GenerateInput, *, tokenizer: Any, context_length: int,
                 logprob_start_len=min(start, len(prompt) - 1), top_logprobs_num=top_n,
                 token_ids_logprob=body.token_ids_logprob,
                 return_text_in_logprobs=body.return_text_in_logprobs,
-                return_routed_experts=routed, generator=generator))
+                return_routed_experts=routed, generator=generator, lora=adapter))
     return reqs, batched or n > 1
 
 

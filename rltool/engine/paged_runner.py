@@ -32,6 +32,8 @@ from rltool.engine.dense_model import DenseLM, load_model
 from rltool.engine.host_kv import TierStats
 from rltool.engine.hybrid_model import check_hybrid_flags, load_hybrid
 from rltool.engine.kv_memory import KvMemory
+from rltool.engine.lora import cache_tokens, is_adapter_dir, is_lora_name
+from rltool.engine.lora_registry import LoraRegistry
 from rltool.engine.loading import check_servable, eos_token_ids, load_tokenizer, loading
 from rltool.engine.model_checkpoint import load_checkpoint
 from rltool.engine.model_spec import read_spec
@@ -57,7 +59,8 @@ class PagedRunner:
                  kv_cache_dtype: str = "auto", mamba_full_memory_ratio: float | None = None,
                  mamba_ssm_dtype: str | None = None, hicache: bool = False,
                  hicache_ratio: float = 2.0, hicache_size_gb: float = 0.0,
-                 prefill_attention: str = "grouped"):
+                 prefill_attention: str = "grouped", enable_lora: bool = False,
+                 max_lora_rank: int = 16):
         if dtype not in DTYPES:
             raise BadInputError(f"unknown --dtype {dtype!r}; choose fp32 or bf16")
         if prefill_attention not in ("grouped", "varlen"):
@@ -76,6 +79,8 @@ class PagedRunner:
         self.spec = read_spec(self.model_path)
         check_hybrid_flags(self.spec, prefix_cache=prefix_cache and not deterministic,
                            ratio=mamba_full_memory_ratio, ssm_dtype=mamba_ssm_dtype)
+        # --enable-lora: the adapters (rltool.engine.lora_registry), None without LoRA
+        self.lora = self._lora_registry(max_lora_rank) if enable_lora else None
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = eos_token_ids(self.model_path, self.config_json, self.tokenizer)
         self.deterministic = deterministic
@@ -141,6 +146,8 @@ class PagedRunner:
             self.config_json, where=str(self.model_path)), self.dtype)
         if self.deterministic:  # transformers' ops one by one (the trainer's), invariant kernels
             self.model.fused = False
+        if self.lora is not None:  # before the graphs: they are captured with LoRA on
+            self.lora.attach(self.model)
         self.model.rope_table(self.context_length)
         self.pool, self.table, self.states = self.kv.build(self.spec, device=self.device,
                                                            dtype=DTYPES[self.dtype],
@@ -170,6 +177,8 @@ class PagedRunner:
     def release(self) -> None:
         """Free weights, KV pool and CUDA graphs (the scheduler has retracted every request)."""
         self.model = self.pool = self.table = self.states = None
+        if self.lora is not None:
+            self.lora.detach()
         self.tier_stats.host_pages_used = 0
         self._forward = self.decoder = None
         gc.collect()
@@ -187,6 +196,11 @@ class PagedRunner:
         """Copy a HF checkpoint's tensors into the live model, all or nothing (names, shapes)."""
         if self.model is None:
             raise BadInputError("weights are released; call /resume_memory_occupation first")
+        if is_adapter_dir(Path(path)):  # a LoRA sync: the policy adapter, never the base weights
+            if self.lora is None:
+                raise BadInputError(f"{path} is a LoRA adapter; start the engine with "
+                                    "--enable-lora to serve adapters")
+            return self.lora.install_policy(Path(path))
         n = load_checkpoint(self.model, Path(path),
                             before_copy=lambda: kill_point("engine.copy_param"))
         if self.device.type == "cuda":
@@ -200,12 +214,35 @@ class PagedRunner:
         name, shape and dtype (all or nothing). Views of a sender's buffer are copied, not kept."""
         if self.model is None:
             raise BadInputError("weights are released; call /resume_memory_occupation first")
+        lora = [is_lora_name(name) for name, _ in named]
+        if any(lora):
+            if self.lora is None or not all(lora):
+                raise BadInputError("LoRA tensors (lora_A/lora_B) need an engine started with "
+                                    "--enable-lora, in an update holding only LoRA tensors")
+            return self.lora.sync_policy(named)
         named = named if block is None else quant.pair_scales(named, (block[0], block[1]))
         keep = self.model.checked_tensors(named, update_dtype=DTYPES[self.dtype])
         n = self.model.load_tensors(keep)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the sender may reuse its buffer after we answer
         return n
+
+    def _lora_registry(self, max_rank: int) -> LoraRegistry:
+        """The adapters of an engine started with --enable-lora, refused where the adapter
+        compute is not there (hybrid models' layers, FP8 and INT4 linears)."""
+        if self.spec.linear is not None:
+            raise BadInputError("--enable-lora serves dense and MoE models; drop --enable-lora to "
+                                "serve this hybrid linear-attention model")
+        if quant.read_format(self.config_json, where=str(self.model_path)) is not None:
+            raise BadInputError("--enable-lora computes adapters over bf16/fp32 linears; drop "
+                                "--enable-lora or serve a checkpoint `rltool convert dequant` "
+                                "wrote")
+        return LoraRegistry(self.spec, max_rank=max_rank, dtype=DTYPES[self.dtype])
+
+    def use_lora(self, name: str | None) -> None:
+        """Run the next forwards with adapter `name` (None: the policy adapter)."""
+        if self.lora is not None:
+            self.lora.activate(name)
 
     # ----- bookkeeping used by the scheduler -----------------------------------------------
 
@@ -240,10 +277,14 @@ class PagedRunner:
         return {"c_A": self.kv_bytes_per_token, "c_R": self.state_bytes_per_slot,
                 "K": self.num_state_slots, "N": self.max_total_num_tokens}
 
+    def _cache_key(self, tokens: list[int], lora: str | None) -> list[int]:
+        return cache_tokens(tokens, self.lora.tag(lora)) if self.lora is not None else tokens
+
     def reuse_prefix(self, rid: str, tokens: list[int], *, max_tokens: int,
-                     spare: int = 0) -> int:
-        return self.table.reuse_prefix(rid, tokens, max_tokens=max_tokens, pool=self.pool,
-                                       spare=spare)
+                     spare: int = 0, lora: str | None = None) -> int:
+        """`lora`: the request's adapter (its prefixes are cached apart from other adapters')."""
+        return self.table.reuse_prefix(rid, self._cache_key(tokens, lora), max_tokens=max_tokens,
+                                       pool=self.pool, spare=spare)
 
     def cached_prefix_length(self, tokens: list[int]) -> int:
         """Tokens of the longest cached page-aligned prefix of `tokens` (0 without the cache),
@@ -254,8 +295,8 @@ class PagedRunner:
         path = cache.match(tokens)
         return (len(path) + len(cache.match_host(path, tokens))) * self.page_size
 
-    def cache_prefix(self, rid: str, tokens: list[int]) -> None:
-        self.table.cache_prefix(rid, tokens)
+    def cache_prefix(self, rid: str, tokens: list[int], *, lora: str | None = None) -> None:
+        self.table.cache_prefix(rid, self._cache_key(tokens, lora))
 
     def cache_stats(self) -> dict[str, Any]:
         """Hits per tier (tokens), bytes moved each way and copy seconds (`host_pages` 0: no

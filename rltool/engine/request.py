@@ -28,6 +28,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     seq: int = 0  # arrival order, set by the scheduler
+    lora: str | None = None  # --enable-lora: the adapter its lora_path names (None: the policy's)
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0

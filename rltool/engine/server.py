@@ -84,7 +84,10 @@ def build_engine(cfg: ServeConfig) -> tuple[Any, PagedScheduler]:
                          mamba_ssm_dtype=cfg.mamba_ssm_dtype,
                          prefill_attention=cfg.prefill_attention,
                          hicache=cfg.enable_hierarchical_cache, hicache_ratio=cfg.hicache_ratio,
-                         hicache_size_gb=cfg.hicache_size)
+                         hicache_size_gb=cfg.hicache_size, enable_lora=cfg.enable_lora,
+                         max_lora_rank=cfg.max_lora_rank)
+    for name, path in cfg.lora_adapters().items():
+        runner.lora.load(name, path)
     return runner, PagedScheduler(runner, max_running=cfg.max_running_requests,
                                   max_queued=cfg.max_queued_requests,
                                   max_prefill_tokens=cfg.max_prefill_tokens,

@@ -71,7 +71,7 @@ class EngineState:
                                    context_length=runner.context_length,
                                    vocab_size=runner.vocab_size,
                                    deterministic=self.cfg.deterministic,
-                                   moe=runner.spec.moe is not None)
+                                   moe=runner.spec.moe is not None, lora=runner.lora)
         except ValidationError as e:  # sampling_params
             raise BadInputError(describe_errors(e.errors())) from e
 

@@ -73,6 +73,8 @@ def router(state: EngineState) -> APIRouter:
             # B_cache = N*c_A + K*c_R (K = 0 for a model without recurrent state)
             "cache_sizes": runner.cache_sizes(),
             "hicache": runner.cache_stats(),  # prefix-cache hits per tier, host tier traffic
+            # --enable-lora: the policy adapter (once a sync installed one), then the named ones
+            "lora_adapters": runner.lora.describe() if runner.lora is not None else [],
             "internal_states": [sched.stats()],
             "version": _version(),
             "engine": "builtin",

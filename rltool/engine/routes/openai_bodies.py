@@ -46,6 +46,7 @@ class OpenAIRequest(BaseModel):
     regex: str | None = None
     json_schema: str | None = None
     rid: str | None = None
+    lora_path: str | None = None  # --enable-lora: a loaded adapter (None: the policy adapter)
 
     def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
         """/generate's `sampling_params`; unset fields are left out (the engine's defaults)."""
@@ -90,7 +91,8 @@ class CompletionRequest(OpenAIRequest):
                              sampling_params=self.sampling_params(self.max_tokens), rid=self.rid,
                              return_logprob=self.wants_logprobs,
                              top_logprobs_num=self.logprobs or 0,
-                             logprob_start_len=0 if self.echo and self.wants_logprobs else -1)
+                             logprob_start_len=0 if self.echo and self.wants_logprobs else -1,
+                             lora_path=self.lora_path)
 
 
 class ChatRequest(OpenAIRequest):
@@ -138,7 +140,8 @@ class ChatRequest(OpenAIRequest):
             context_length - len(prompt_ids), 1)
         top_n = (self.top_logprobs or 0) if self.logprobs else 0
         return GenerateInput(input_ids=prompt_ids, sampling_params=self.sampling_params(max_new),
-                             rid=self.rid, return_logprob=self.logprobs, top_logprobs_num=top_n)
+                             rid=self.rid, return_logprob=self.logprobs, top_logprobs_num=top_n,
+                             lora_path=self.lora_path)
 
 
 def parse_request(request: HttpRequest, raw: bytes, model: type[B]) -> B:

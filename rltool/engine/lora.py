@@ -1,0 +1,223 @@
+"""LoRA adapters in the builtin engine: PEFT's on-disk layout read into the engine's fused
+layout, and the adapter compute inside the dense model's linears.
+
+An adapter directory is PEFT's (docs/formats.md): `adapter_config.json` (peft_type LORA, r,
+lora_alpha, target_modules) and `adapter_model.safetensors` with
+`base_model.model.<module>.lora_A.weight` [r, in] and `...lora_B.weight` [out, r] per targeted
+module. A linear then computes y = x W^T + scale * (x A^T) B^T with scale = lora_alpha / r, as
+PEFT's LoRA layer does.
+
+The engine fuses q/k/v into one projection and gate/up into another, so an adapter is kept per
+fused linear: A stacked over the parts ([parts * R, in]), B block-diagonal ([out, parts * R]),
+R being --max-lora-rank and every block zero beyond the adapter's rank. One x A^T B^T then gives
+each part exactly its own module's update (the other blocks add zeros), and every adapter has the
+same shapes: the device buffers the forward reads (`LoraLayers`, allocated once, read by the
+CUDA graphs) take any adapter by a copy.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from rltool.errors import BadInputError
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# transformers module name -> (the engine's fused linear, part index within it)
+MODULES = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2),
+           "o_proj": ("o", 0), "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1),
+           "down_proj": ("down", 0)}
+KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\."
+                 r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_([AB])\.weight")
+LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+
+
+def is_lora_name(name: str) -> bool:
+    """Whether a tensor name is a PEFT LoRA tensor (as a LoRA weight sync sends them)."""
+    return name.endswith(LORA_SUFFIXES)
+
+
+def is_adapter_dir(path: Path) -> bool:
+    return (path / CONFIG_FILE).is_file()
+
+
+@dataclass(frozen=True)
+class LoraShapes:
+    """The served model's fused linears, as the adapter buffers mirror them: (layer, key) ->
+    (the parts' output sizes, input size)."""
+    linears: dict[tuple[int, str], tuple[tuple[int, ...], int]]
+    max_rank: int
+
+    @classmethod
+    def of(cls, spec: object, *, max_rank: int, sparse: frozenset[int]) -> "LoraShapes":
+        s = spec
+        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        h, inter = s.hidden_size, s.intermediate_size
+        out: dict[tuple[int, str], tuple[tuple[int, ...], int]] = {}
+        for i in range(s.num_layers):
+            out[(i, "qkv")] = ((q, kv, kv), h)
+            out[(i, "o")] = ((h,), q)
+            if i not in sparse:  # a sparse MoE layer's experts take no adapter
+                out[(i, "gate_up")] = ((inter, inter), h)
+                out[(i, "down")] = ((h,), inter)
+        return cls(linears=out, max_rank=max_rank)
+
+    def empty(self, key: tuple[int, str], *, device: torch.device | str, dtype: torch.dtype
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zero A [parts * R, in] and B [out, parts * R] of one fused linear."""
+        parts, fan_in = self.linears[key]
+        width = len(parts) * self.max_rank
+        return (torch.zeros(width, fan_in, device=device, dtype=dtype),
+                torch.zeros(sum(parts), width, device=device, dtype=dtype))
+
+
+@dataclass
+class LoraAdapter:
+    """One adapter in the fused layout, on the host in the model dtype: (layer, key) -> (A, B)
+    for the linears it targets. `tag` identifies this content for the prefix cache."""
+    name: str
+    path: str | None
+    rank: int
+    scaling: float
+    tag: int
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def put(self, name: str, tensor: torch.Tensor, shapes: LoraShapes, dtype: torch.dtype) -> None:
+        """Copy one PEFT tensor into its block (zeros beyond its rank); BadInputError naming the
+        problem when the name or shape does not fit the served model."""
+        layer, module, which = parse_name(name)
+        fused, part = MODULES[module]
+        if (layer, fused) not in shapes.linears:
+            raise BadInputError(f"LoRA tensor {name!r} targets no linear of the served model "
+                                "(a layer it lacks, or a sparse MoE layer's experts)")
+        parts, fan_in = shapes.linears[(layer, fused)]
+        R = shapes.max_rank
+        rank = tensor.shape[0] if which == "A" else tensor.shape[-1]
+        want = (rank, fan_in) if which == "A" else (parts[part], rank)
+        if tensor.dim() != 2 or tuple(tensor.shape) != want:
+            raise BadInputError(f"LoRA tensor {name!r} has shape {list(tensor.shape)}, the served "
+                                f"model expects {list(want)} (rank first for lora_A, last for "
+                                "lora_B)")
+        if rank > R:
+            raise BadInputError(f"LoRA tensor {name!r} has rank {rank}, above --max-lora-rank "
+                                f"{R}; restart the engine with --max-lora-rank {rank}")
+        if (layer, fused) not in self.weights:
+            self.weights[(layer, fused)] = shapes.empty((layer, fused), device="cpu", dtype=dtype)
+        a, b = self.weights[(layer, fused)]
+        cols = slice(part * R, part * R + R)
+        if which == "A":
+            block = a[cols]
+            block.zero_()
+            block[:rank].copy_(tensor)
+        else:
+            row = sum(parts[:part])
+            block = b[row:row + parts[part], cols]
+            block.zero_()
+            block[:, :rank].copy_(tensor)
+
+
+def parse_name(name: str) -> tuple[int, str, str]:
+    """(layer, transformers module, "A" or "B") of a PEFT LoRA tensor name."""
+    m = KEY.fullmatch(name)
+    if m is None:
+        raise BadInputError(f"tensor {name!r} is not a LoRA tensor the engine serves: it takes "
+                            "base_model.model.model.layers.<i>.(self_attn|mlp).<q|k|v|o|gate|up|"
+                            "down>_proj.lora_(A|B).weight")
+    return int(m.group(1)), m.group(2), m.group(3)
+
+
+def read_config(path: Path) -> tuple[int, float]:
+    """(rank, scaling) of an adapter directory's adapter_config.json, refusing what the engine
+    does not compute (DoRA, rsLoRA, per-module rank or alpha patterns, biases, fan-in-fan-out)."""
+    where = path / CONFIG_FILE
+    try:
+        cfg = json.loads(where.read_text())
+    except (OSError, ValueError) as e:
+        raise BadInputError(f"{where}: not a readable adapter config ({e})") from e
+    if not isinstance(cfg, dict) or cfg.get("peft_type", "LORA") != "LORA":
+        raise BadInputError(f"{where}: peft_type must be LORA; save the adapter with PEFT's "
+                            "LoraConfig")
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    if not (isinstance(r, int) and r > 0 and isinstance(alpha, (int, float))):
+        raise BadInputError(f"{where}: r must be a positive integer and lora_alpha a number")
+    unsupported = [k for k in ("use_dora", "use_rslora", "fan_in_fan_out") if cfg.get(k)]
+    unsupported += [k for k in ("rank_pattern", "alpha_pattern") if cfg.get(k)]
+    if cfg.get("bias", "none") != "none":
+        unsupported.append("bias")
+    if unsupported:
+        raise BadInputError(f"{where}: {', '.join(unsupported)} not served by the builtin engine; "
+                            "save a plain LoRA adapter (bias none, one rank and alpha)")
+    return r, alpha / r
+
+
+def read_adapter(path: Path, *, name: str, tag: int, shapes: LoraShapes,
+                 dtype: torch.dtype) -> LoraAdapter:
+    """An adapter directory read into the fused layout, every tensor checked before it is kept."""
+    from safetensors import safe_open
+
+    rank, scaling = read_config(path)
+    if rank > shapes.max_rank:
+        raise BadInputError(f"{path}: adapter rank {rank} is above --max-lora-rank "
+                            f"{shapes.max_rank}; restart the engine with --max-lora-rank {rank}")
+    weights = path / WEIGHTS_FILE
+    if not weights.is_file():
+        raise BadInputError(f"{path} has no {WEIGHTS_FILE}; save the adapter with PEFT's "
+                            "save_pretrained (safetensors)")
+    adapter = LoraAdapter(name=name, path=str(path), rank=rank, scaling=scaling, tag=tag)
+    with safe_open(str(weights), framework="pt") as sf:
+        for key in sf.keys():
+            adapter.put(key, sf.get_tensor(key), shapes, dtype)
+    return adapter
+
+
+def cache_tokens(tokens: list[int], tag: int) -> list[int]:
+    """The prefix cache's key for `tokens` computed under the adapter content `tag` (0: the base
+    model): the first token id carries the tag, so the radix tree keeps each adapter's prefixes
+    on paths of their own and a prefix never serves another adapter or the base."""
+    if tag == 0 or not tokens:
+        return tokens
+    return [tokens[0] + (tag << 32)] + tokens[1:]
+
+
+class LoraLayers:
+    """The adapter the forward computes with: device buffers for every fused linear, padded to
+    --max-lora-rank, and its scaling; allocated once with the model, rewritten in place by
+    `load` (zeros: the base model, whose outputs the zero update leaves bit for bit)."""
+
+    def __init__(self, shapes: LoraShapes, *, device: torch.device, dtype: torch.dtype):
+        self.shapes = shapes
+        self.weights = {key: shapes.empty(key, device=device, dtype=dtype)
+                        for key in shapes.linears}
+        self.scaling = torch.zeros((), device=device, dtype=torch.float32)
+        self.tag = 0
+
+    def nbytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size()
+                   for a, b in self.weights.values())
+
+    @torch.no_grad()
+    def load(self, adapter: LoraAdapter | None) -> None:
+        """Copy `adapter` (None: the base model) into the buffers."""
+        for key, (a, b) in self.weights.items():
+            src = adapter.weights.get(key) if adapter is not None else None
+            if src is None:
+                a.zero_()
+                b.zero_()
+            else:
+                a.copy_(src[0], non_blocking=True)
+                b.copy_(src[1], non_blocking=True)
+        self.scaling.fill_(adapter.scaling if adapter is not None else 0.0)
+        self.tag = adapter.tag if adapter is not None else 0
+
+    def add(self, layer: int, key: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y + scale * (x A^T) B^T for fused linear `key` of `layer` (PEFT's order of ops)."""
+        ab = self.weights.get((layer, key))
+        if ab is None:
+            return y
+        return y + F.linear(F.linear(x, ab[0]), ab[1]) * self.scaling

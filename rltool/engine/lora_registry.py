@@ -1,0 +1,129 @@
+"""The LoRA adapters an engine started with --enable-lora holds (rltool.engine.lora): named ones
+(/load_lora_adapter, --lora-paths) and the policy adapter, the one the last LoRA weight sync
+installed, which a request without `lora_path` uses (the base model until a sync installs one).
+
+Adapters live on the host in the fused layout; the forward reads one at a time from the model's
+device buffers (`LoraLayers`), into which `activate` copies the adapter a batch runs when it is
+not the one already there. Every adapter content carries a fresh tag, so a replaced adapter is
+copied again and never shares prefix-cache entries with the one it replaced.
+
+Every method runs on the scheduler thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rltool.engine.lora import LoraAdapter, LoraLayers, LoraShapes, parse_name, read_adapter
+from rltool.errors import BadInputError
+
+POLICY = "policy"  # how /get_server_info lists the policy adapter
+# A tensor sync into an engine whose policy adapter never came from disk: the trainer's default
+# lora_alpha (2 x rank), so scale 2.
+DEFAULT_SCALING = 2.0
+
+
+class LoraRegistry:
+    def __init__(self, spec: Any, *, max_rank: int, dtype: torch.dtype):
+        if max_rank < 1:
+            raise BadInputError(f"--max-lora-rank {max_rank}: must be at least 1")
+        sparse = frozenset(spec.moe.sparse_layers) if spec.moe is not None else frozenset()
+        self.shapes = LoraShapes.of(spec, max_rank=max_rank, sparse=sparse)
+        self.dtype = dtype
+        self.adapters: dict[str, LoraAdapter] = {}
+        self.policy: LoraAdapter | None = None
+        self.layers: LoraLayers | None = None
+        self._tags = itertools.count(1)
+
+    def attach(self, model: Any) -> None:
+        """Give a freshly built model its adapter buffers (holding the policy adapter)."""
+        self.layers = model.lora = LoraLayers(self.shapes, device=model.device, dtype=self.dtype)
+        self.layers.load(self.policy)
+
+    def detach(self) -> None:
+        self.layers = None
+
+    # ----- which adapter a request runs ---------------------------------------------------
+
+    def check_name(self, name: str | None) -> None:
+        """BadInputError naming the loaded adapters when a request names an unknown one."""
+        if name is not None and name not in self.adapters:
+            loaded = ", ".join(sorted(self.adapters)) or "none"
+            raise BadInputError(f"lora_path {name!r} is not a loaded adapter (loaded: {loaded}); "
+                                "load it with /load_lora_adapter first")
+
+    def has(self, name: str | None) -> bool:
+        """Whether a request naming `name` can run (None: the policy adapter, always)."""
+        return name is None or name in self.adapters
+
+    def get(self, name: str | None) -> LoraAdapter | None:
+        return self.policy if name is None else self.adapters.get(name)
+
+    def tag(self, name: str | None) -> int:
+        """The prefix cache's tag of the adapter `name` runs now (0: the base model)."""
+        adapter = self.get(name)
+        return adapter.tag if adapter is not None else 0
+
+    def activate(self, name: str | None) -> None:
+        """Make the forward compute with adapter `name` (None: the policy adapter)."""
+        adapter = self.get(name)
+        if self.layers is not None and self.layers.tag != (adapter.tag if adapter else 0):
+            self.layers.load(adapter)
+
+    # ----- named adapters -------------------------------------------------------------------
+
+    def load(self, name: str, path: Path) -> LoraAdapter:
+        if not name or name in self.adapters:
+            raise BadInputError(f"lora_name {name!r} is empty or already loaded; unload it "
+                                "first or choose another name")
+        adapter = read_adapter(path, name=name, tag=next(self._tags), shapes=self.shapes,
+                               dtype=self.dtype)
+        self.adapters[name] = adapter
+        return adapter
+
+    def unload(self, name: str) -> None:
+        self.check_name(name)
+        del self.adapters[name]
+
+    # ----- weight syncs of the policy adapter -----------------------------------------------
+
+    def install_policy(self, path: Path) -> int:
+        """A LoRA weight sync from an adapter directory: it replaces the policy adapter."""
+        self.policy = read_adapter(path, name=POLICY, tag=next(self._tags), shapes=self.shapes,
+                                   dtype=self.dtype)
+        self.activate(None)
+        return 2 * sum(1 for _ in self.policy.weights)
+
+    def sync_policy(self, named: list[tuple[str, Any]]) -> int:
+        """A LoRA weight sync from PEFT-named tensors (any subset, e.g. one bucket): each replaces
+        its block of the policy adapter, whose scaling stays (DEFAULT_SCALING for a first one).
+        Every tensor is checked before any is copied."""
+        staged = LoraAdapter(name=POLICY, path=None, rank=0, scaling=DEFAULT_SCALING, tag=0)
+        for name, t in named:
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise BadInputError(f"LoRA tensor {name!r} must be a floating-point tensor")
+            staged.put(name, t.to("cpu"), self.shapes, self.dtype)
+        policy = self.policy
+        if policy is None:
+            policy = staged
+        else:
+            for name, t in named:
+                policy.put(name, t.to("cpu"), self.shapes, self.dtype)
+        for name, t in named:
+            which = parse_name(name)[2]
+            policy.rank = max(policy.rank, t.shape[0] if which == "A" else t.shape[-1])
+        policy.tag, policy.path = next(self._tags), None
+        self.policy = policy
+        self.activate(None)
+        return len(named)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """/get_server_info's `lora_adapters`: the policy adapter first (when installed)."""
+        out = [self.policy] if self.policy is not None else []
+        out += list(self.adapters.values())
+        return [{"name": a.name, "path": a.path, "rank": a.rank, "scaling": a.scaling}
+                for a in out]

@@ -1,0 +1,287 @@
+"""LoRA adapters in the builtin engine (--enable-lora), CPU fp32: the adapter compute against
+PEFT's PeftModel on the same tiny model, scheduling one adapter per forward, the prefix cache
+kept apart per adapter, weight syncs of the policy adapter, and the HTTP routes."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from rltool.engine.paged_runner import PagedRunner
+from rltool.engine.paged_scheduler import PagedScheduler
+from rltool.engine.request import Request
+from rltool.engine.sampling import SamplingParams
+from rltool.errors import BadInputError
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPTS = [[5, 9, 13, 2, 7, 11, 3, 4, 8, 6], [12, 4, 4, 9, 1, 2, 3]]
+
+
+def make_adapter(model_dir, out, *, r, alpha, targets, seed):
+    """A PEFT LoRA adapter of the tiny model with random A and B (B non-zero), saved to `out`;
+    returns (the PeftModel, out)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0,
+                     init_lora_weights=False, task_type="CAUSAL_LM")
+    peft_model = get_peft_model(base, cfg).eval()
+    peft_model.save_pretrained(str(out))
+    return peft_model, out
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir):
+    """Two adapters beside the model (under its weight root): rank 4 on every linear, and rank
+    2 on q/v only (padded to the engine's rank 8, parts of the fused linears untouched)."""
+    root = tiny_model_dir.parent
+    full = make_adapter(tiny_model_dir, root / "lora-full", r=4, alpha=8, targets=ALL, seed=1)
+    qv = make_adapter(tiny_model_dir, root / "lora-qv", r=2, alpha=6,
+                      targets=["q_proj", "v_proj"], seed=2)
+    return {"full": full, "qv": qv}
+
+
+def runner_of(model_dir, **kw):
+    return PagedRunner(model_dir, device="cpu", dtype="fp32", max_running=8, page_size=4,
+                       max_total_tokens=512, enable_lora=True, max_lora_rank=8, **kw)
+
+
+def greedy(runner, prompts, loras, *, new=6):
+    """Greedy continuations of `prompts` under adapters `loras` (None: the policy adapter),
+    submitted together to a scheduler over `runner`; the finished requests, in order."""
+    sched = PagedScheduler(runner, max_running=8, max_prefill_tokens=64)
+    done = threading.Event()
+    finished = []
+
+    def on_finish(req):
+        finished.append(req)
+        if len(finished) == len(prompts):
+            done.set()
+
+    reqs = [Request(rid=f"r{i}", prompt_ids=list(p), lora=lora, return_logprob=True,
+                    on_finish=on_finish,
+                    params=SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True))
+            for i, (p, lora) in enumerate(zip(prompts, loras))]
+    sched.start()
+    try:
+        sched.submit(reqs)
+        assert done.wait(120)
+    finally:
+        sched.stop()
+    assert all(r.finish_reason["type"] == "length" for r in reqs), [r.finish_reason for r in reqs]
+    return reqs
+
+
+def peft_logits(peft_model, ids):
+    with torch.no_grad():
+        return peft_model(input_ids=torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("which", ["full", "qv"])
+def test_full_pass_logits_match_peft(tiny_model_dir, adapters, which):
+    peft_model, path = adapters[which]
+    runner = runner_of(tiny_model_dir)
+    runner.lora.load(which, path)
+    runner.use_lora(which)
+    ids = PROMPTS[0]
+    got = runner.full_pass_logits(ids, start=1)
+    want = peft_logits(peft_model, ids)[:-1]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    with peft_model.disable_adapter():
+        base = peft_logits(peft_model, ids)[:-1]
+    assert (want - base).abs().max() > 1e-2  # the adapter changes the logits
+
+
+def test_paged_decode_matches_peft_and_differs_from_base(tiny_model_dir, adapters):
+    """Prefill and decode over the paged pool, a batch of two prompts under one adapter: the
+    sampled tokens' logprobs equal PeftModel's full pass over the same tokens."""
+    peft_model, path = adapters["full"]
+    runner = runner_of(tiny_model_dir)
+    runner.lora.load("full", path)
+    reqs = greedy(runner, PROMPTS, ["full", "full"])
+    for req in reqs:
+        ids = req.prompt_ids + req.output_ids
+        logits = peft_logits(peft_model, ids)[len(req.prompt_ids) - 1:-1]
+        want = torch.log_softmax(logits, -1).gather(1, torch.tensor(req.output_ids)[:, None])
+        assert req.output_ids == logits.argmax(-1).tolist()
+        torch.testing.assert_close(torch.tensor(req.output_logprobs), want[:, 0], atol=1e-5,
+                                   rtol=0)
+    base = greedy(runner, PROMPTS, [None, None])
+    assert [r.output_ids for r in base] != [r.output_ids for r in reqs]
+
+
+def test_base_requests_and_unloading_give_base_outputs_exactly(tiny_model_dir, adapters):
+    """Requests without an adapter, before any load, mixed with adapter requests, and after the
+    unload: tokens and logprobs bit for bit those of an engine without --enable-lora."""
+    plain = PagedRunner(tiny_model_dir, device="cpu", dtype="fp32", max_running=8, page_size=4,
+                        max_total_tokens=512)
+    want = greedy(plain, PROMPTS, [None, None])
+    runner = runner_of(tiny_model_dir)
+    runner.lora.load("full", adapters["full"][1])
+    mixed = greedy(runner, PROMPTS * 2, [None, "full", "full", None])
+    runner.lora.unload("full")
+    after = greedy(runner, PROMPTS, [None, None])  # their prompts' KV cached by then, both
+    cached = greedy(plain, PROMPTS, [None, None])
+    for got, ref in (([mixed[0], mixed[3]], want), (after, cached)):
+        assert [r.cached_tokens for r in got] == [r.cached_tokens for r in ref]
+        assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+        assert [r.output_logprobs for r in got] == [r.output_logprobs for r in ref]
+    alone = greedy(runner_of(tiny_model_dir), [PROMPTS[1]], [None])
+    runner2 = runner_of(tiny_model_dir)
+    runner2.lora.load("full", adapters["full"][1])
+    assert mixed[1].output_ids == greedy(runner2, [PROMPTS[1]], ["full"])[0].output_ids
+    assert alone[0].output_ids == want[1].output_ids
+
+
+def test_prefix_cache_is_kept_apart_per_adapter(tiny_model_dir, adapters):
+    """A prompt cached under one adapter is a miss for another adapter and for the base, and a
+    hit for the same adapter; outputs stay those of a fresh engine."""
+    runner = runner_of(tiny_model_dir)
+    assert runner.prefix_cache
+    runner.lora.load("full", adapters["full"][1])
+    runner.lora.load("qv", adapters["qv"][1])
+    prompt = PROMPTS[0]
+    first = greedy(runner, [prompt], ["full"])[0]
+    other = greedy(runner, [prompt], ["qv"])[0]
+    base = greedy(runner, [prompt], [None])[0]
+    again = greedy(runner, [prompt], ["full"])[0]
+    assert (first.cached_tokens, other.cached_tokens, base.cached_tokens) == (0, 0, 0)
+    assert again.cached_tokens > 0
+    assert again.output_ids == first.output_ids
+    fresh = runner_of(tiny_model_dir)
+    fresh.lora.load("qv", adapters["qv"][1])
+    assert greedy(fresh, [prompt], ["qv"])[0].output_ids == other.output_ids
+
+
+def test_tensor_sync_equals_disk_sync_bitwise(tiny_model_dir, tmp_path):
+    """The policy adapter from PEFT-named tensors (lora_alpha 2 x rank, the scale a tensor sync
+    assumes) and from the adapter directory: the same buffers and logits, bit for bit; a
+    request without lora_path runs it."""
+    from safetensors.torch import load_file
+
+    peft_model, path = make_adapter(tiny_model_dir, tiny_model_dir.parent / "lora-policy", r=4,
+                                    alpha=8, targets=ALL, seed=3)
+    disk, tensor = runner_of(tiny_model_dir), runner_of(tiny_model_dir)
+    disk.load_weights(path)
+    named = sorted(load_file(str(path / "adapter_model.safetensors")).items())
+    half = len(named) // 2  # in two buckets, as a bucketed sync sends them
+    assert tensor.load_named_tensors(named[:half]) + tensor.load_named_tensors(named[half:]) \
+        == len(named)
+    for key, (a, b) in disk.lora.policy.weights.items():
+        assert torch.equal(a, tensor.lora.policy.weights[key][0])
+        assert torch.equal(b, tensor.lora.policy.weights[key][1])
+    ids = PROMPTS[1]
+    got = disk.full_pass_logits(ids, start=1)
+    assert torch.equal(got, tensor.full_pass_logits(ids, start=1))
+    torch.testing.assert_close(got, peft_logits(peft_model, ids)[:-1], atol=1e-5, rtol=0)
+    assert disk.model_path == tiny_model_dir  # the base weights stay
+
+
+def test_bad_adapters_and_syncs_are_refused(tiny_model_dir, adapters, tmp_path):
+    runner = runner_of(tiny_model_dir)
+    with pytest.raises(BadInputError, match="above --max-lora-rank"):
+        PagedRunner(tiny_model_dir, device="cpu", dtype="fp32", max_total_tokens=512,
+                    enable_lora=True, max_lora_rank=2).lora.load("full", adapters["full"][1])
+    with pytest.raises(BadInputError, match="only LoRA tensors"):
+        runner.load_named_tensors([("model.norm.weight", torch.ones(64)),
+                                   ("base_model.model.model.layers.0.self_attn.q_proj."
+                                    "lora_A.weight", torch.ones(2, 64))])
+    with pytest.raises(BadInputError, match="shape"):
+        runner.load_named_tensors([("base_model.model.model.layers.0.self_attn.q_proj."
+                                    "lora_A.weight", torch.ones(2, 3))])
+    assert runner.lora.policy is None  # nothing half-installed
+    plain = PagedRunner(tiny_model_dir, device="cpu", dtype="fp32", max_total_tokens=512)
+    with pytest.raises(BadInputError, match="--enable-lora"):
+        plain.load_weights(adapters["full"][1])
+    runner.lora.load("full", adapters["full"][1])
+    with pytest.raises(BadInputError, match="already loaded"):
+        runner.lora.load("full", adapters["full"][1])
+    with pytest.raises(BadInputError, match=r"loaded: full"):
+        runner.lora.check_name("nope")
+
+
+def test_serve_config_lora_flags(tiny_model_dir):
+    from rltool.engine.config import ServeConfig
+
+    cfg = ServeConfig(model=tiny_model_dir, device="cpu", enable_lora=True,
+                      lora_paths=[f"a={tiny_model_dir}"])
+    assert cfg.lora_adapters() == {"a": tiny_model_dir}
+    with pytest.raises(ValueError, match="--lora-paths needs --enable-lora"):
+        ServeConfig(model=tiny_model_dir, device="cpu", lora_paths=[f"a={tiny_model_dir}"])
+    with pytest.raises(ValueError, match="NAME=DIR"):
+        ServeConfig(model=tiny_model_dir, device="cpu", enable_lora=True, lora_paths=["a"])
+
+
+def test_http_routes(tiny_model_dir, adapters, tmp_path):
+    from rltool.engine.config import ServeConfig
+    from tests.helpers.engines import serve_app
+
+    admin = {"Authorization": "Bearer sekret"}
+    cfg = ServeConfig(model=tiny_model_dir, device="cpu", enable_lora=True, max_lora_rank=8,
+                      admin_api_key="sekret", lora_paths=[f"qv={adapters['qv'][1]}"])
+    path = str(adapters["full"][1])
+    with serve_app(cfg) as (client, runner):
+        body = {"lora_name": "full", "lora_path": path}
+        assert client.post("/load_lora_adapter", json=body).status_code == 401
+        outside = client.post("/load_lora_adapter", headers=admin,
+                              json={"lora_name": "x", "lora_path": str(tmp_path)})
+        assert outside.status_code == 403 and "allowed weight roots" in outside.json()[
+            "error_message"]
+        r = client.post("/load_lora_adapter", headers=admin, json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["loaded_adapters"] == {"qv": str(adapters["qv"][1]), "full": path}
+        info = client.get("/get_server_info").json()["lora_adapters"]
+        assert [(a["name"], a["rank"]) for a in info] == [("qv", 2), ("full", 4)]
+
+        gen = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 4,
+                                                            "temperature": 0}}
+        unknown = client.post("/generate", json={**gen, "lora_path": "nope"})
+        assert unknown.status_code == 400 and "loaded: full, qv" in unknown.text
+        out = client.post("/generate", json={**gen, "lora_path": "full"}).json()
+        want = greedy(runner_with(tiny_model_dir, "full", adapters["full"][1]), [PROMPTS[0]],
+                      ["full"], new=4)
+        assert out["output_ids"] == want[0].output_ids
+        chat = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 4,
+                                                    "temperature": 0, "lora_path": "full"})
+        assert chat.status_code == 200, chat.text
+
+        # An adapter a waiting request names stays (409) until the request has run.
+        assert client.post("/pause_generation", headers=admin,
+                           json={"mode": "in_place"}).status_code == 200
+        waiting = runner_request(client, gen, "full")
+        busy = client.post("/unload_lora_adapter", headers=admin, json={"lora_name": "full"})
+        assert busy.status_code == 409 and "in use" in busy.json()["error_message"]
+        assert client.post("/continue_generation", headers=admin, json={}).status_code == 200
+        waiting.join(60)
+        gone = client.post("/unload_lora_adapter", headers=admin, json={"lora_name": "full"})
+        assert gone.status_code == 200 and gone.json()["loaded_adapters"] == {
+            "qv": str(adapters["qv"][1])}
+        assert client.post("/unload_lora_adapter", headers=admin,
+                           json={"lora_name": "full"}).status_code == 400
+
+
+def runner_with(model_dir, name, path):
+    runner = runner_of(model_dir)
+    runner.lora.load(name, path)
+    return runner
+
+
+def runner_request(client, gen, lora):
+    """A /generate call with `lora_path` on a thread (it waits while generation is paused),
+    started once the scheduler holds it."""
+    import time
+
+    sched = client.app.state.engine.scheduler
+    before = len(sched.waiting)
+    t = threading.Thread(target=client.post, args=("/generate",),
+                         kwargs={"json": {**gen, "lora_path": lora}})
+    t.start()
+    deadline = time.monotonic() + 30
+    while len(sched.waiting) == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(sched.waiting) > before
+    return t
