@@ -190,7 +190,7 @@ class BatchBuilder:
         runner, queue, blocks, counters = self.runner, self.queue, self.blocks, self.counters
         prev = blocks.inflight
         reqs = self._decoding()
-        # A batch that was all plain stays so (its requests only grow past min_new_tokens).
+        # A batch that was all plain stays so (a request's plainness never changes).
         overlap = self._overlap and (blocks.same_batch(reqs) or all(self._plain(r) for r in reqs))
         if prev is not None and overlap and reqs != prev.reqs:
             rows = prev.rows()
@@ -292,23 +292,22 @@ class BatchBuilder:
             p = req.params
             base = (req.generator.initial_seed() if req.generator is not None
                     else self._seed_rng.getrandbits(62))
-            plain = not (p.needs_filter or p.logit_bias or req.top_logprobs_num
-                         or req.token_ids_logprob)
+            plain = not (req.top_logprobs_num or req.token_ids_logprob)
             consts = req.sampling_consts = (effective_temperature(p.temperature), p.greedy, base,
                                             plain, p.min_new_tokens)
         return consts
 
     def _plain(self, req: Request) -> bool:
-        """Whether the Triton sampler alone can sample the request's next token."""
-        consts = self._sampling_consts(req)
-        return consts[3] and len(req.output_ids) >= consts[4]
+        """Whether an overlapped block can sample the request (it reads back tokens and their
+        logprobs only: no top logprobs, no logprobs of given ids)."""
+        return self._sampling_consts(req)[3]
 
     def _sample_and_accept(self, reqs: list[Request], logits: torch.Tensor) -> None:
         queue = self.queue
         args = self._sampler_args
         if args is None or args[0] != reqs:  # per-request arguments, kept while the batch is
             args = self._sampler_args = (  # the same
-                reqs, [r.params for r in reqs], [self._generator(r) for r in reqs],
+                reqs, [r.params for r in reqs], [r.generator for r in reqs],
                 [r.top_logprobs_num if r.return_logprob else 0 for r in reqs],
                 [r.token_ids_logprob if r.return_logprob else None for r in reqs],
                 max(r.params.min_new_tokens for r in reqs))
@@ -339,15 +338,6 @@ class BatchBuilder:
         """The kernel's seed for the request's next draw."""
         base = self._sampling_consts(req)[2]
         return (base * 1_000_003 + len(req.output_ids)) % SEED_MODULUS
-
-    def _generator(self, req: Request) -> torch.Generator | None:
-        """The request's own generator on the runner's device (seeded like its CPU one)."""
-        if req.generator is None or self.runner.device.type == "cpu":
-            return req.generator
-        if req.device_generator is None:
-            req.device_generator = torch.Generator(device=self.runner.device)
-            req.device_generator.manual_seed(req.generator.initial_seed())
-        return req.device_generator
 
 
 def _seq(req: Request) -> int:

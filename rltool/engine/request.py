@@ -57,9 +57,8 @@ class Request:
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     stop_rule: StopRule | None = None  # set by the request queue at admission
     # Set by the batch builder when it first samples the request, kept while it is retracted:
-    # (temperature, greedy, base seed, plain, min new tokens) and its generator on the device.
+    # (temperature, greedy, base seed, plain, min new tokens).
     sampling_consts: tuple[float, bool, int, bool, int] | None = None
-    device_generator: torch.Generator | None = None
 
     t_arrival: float = field(default_factory=time.monotonic)
     t_first_token: float | None = None
