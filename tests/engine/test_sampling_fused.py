@@ -14,70 +14,18 @@ import torch
 from rltool.engine.sampling import SamplingParams
 from rltool.logprobs import effective_temperature
 from tests.helpers import triton_child
+from tests.helpers.fused_sampling import STOP, decode_filtered, ref_keys, ref_token
 from tests.helpers.triton_child import ran_in_child
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 CHILD = "RLTOOL_TRITON_INTERPRET_CHILD"
-M32 = 0xFFFF_FFFF
 
 
 @pytest.fixture(scope="module")
 def child_report(tmp_path_factory) -> dict[str, str] | None:
     """Without CUDA: this module run again with TRITON_INTERPRET=1 (see test_triton_kernels)."""
     return triton_child.child_report(__file__, CHILD, tmp_path_factory.mktemp("triton-child"), 900)
-
-
-def _fmix32(h: np.ndarray) -> np.ndarray:
-    h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & M32
-    h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & M32
-    return h ^ (h >> 16)
-
-
-def ref_keys(logits: np.ndarray, *, temp: float, seed: int, greedy: bool) -> np.ndarray:
-    """The race keys of one row in float32: x = logit * (1 / T), plus -log(-log U) unless greedy."""
-    x = logits.astype(np.float32) * (np.float32(1.0) / np.float32(temp))
-    if greedy:
-        return x
-    offs = np.arange(len(logits), dtype=np.uint64)
-    h = _fmix32((offs * 0x9E3779B1 + 0x7F4A7C15) & M32)
-    h = _fmix32(h ^ np.uint64(seed))
-    u = ((h >> 8).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 16777216.0)
-    return x - np.log(-np.log(np.maximum(u, np.float32(1e-20))))
-
-
-def ref_removed(probs: np.ndarray, p: SamplingParams) -> np.ndarray:
-    """Tokens top-k / top-p / min-p remove from one row, by plain loops in float64: walk the
-    tokens by descending probability (ties by id); a token goes when its rank is past top_k, the
-    mass before it is past top_p, or it is below min_p times the top; the top always stays."""
-    order = sorted(range(len(probs)), key=lambda t: (-probs[t], t))
-    removed = np.zeros(len(probs), dtype=bool)
-    mass = 0.0
-    for rank, t in enumerate(order):
-        if rank > 0 and ((p.top_k != -1 and rank >= p.top_k) or mass > p.top_p
-                         or probs[t] < p.min_p * probs[order[0]]):
-            removed[t] = True
-        mass += float(probs[t])
-    return removed
-
-
-def ref_token(logits: np.ndarray, p: SamplingParams, *, seed: int, suppressed: list[int]) -> int:
-    """The token the fused sampler draws for one row: the race over the biased logits (stop ids
-    at -inf) with the filtered-out tokens at -inf."""
-    biased = logits.astype(np.float32).copy()
-    for tok, bias in (p.logit_bias or {}).items():
-        if int(tok) < len(biased):  # ids outside the vocabulary are ignored
-            biased[int(tok)] += np.float32(bias)
-    biased[suppressed] = -np.inf
-    temp = effective_temperature(p.temperature)
-    if p.needs_filter:
-        z = biased.astype(np.float64) / temp
-        probs = np.exp(z - z.max())
-        biased[ref_removed(probs / probs.sum(), p)] = -np.inf
-    keys = ref_keys(biased, temp=temp, seed=seed, greedy=p.greedy)
-    return int(np.argmax(keys))
 
 
 def assert_tokens_match(got: list[int], logits: torch.Tensor, params: list[SamplingParams],
@@ -182,3 +130,20 @@ def test_degenerate_filters_are_greedy_and_min_p_filters(request):
         assert freq[kept:].sum() == 0, (p, freq)
         target = probs[:kept] / probs[:kept].sum()
         assert (freq[:kept] - target).abs().max() < 0.16, (p, freq)  # > 3 sd at n = 96
+
+
+def test_decode_overlap_stays_on_with_filtered_sampling(request, tiny_model_dir):
+    """Filtered, biased and min_new_tokens requests decode in overlapped blocks (the scheduler's
+    launch counters say so) and, their draws keyed by (seed, token index), get the tokens and
+    logprobs of the same requests decoded one synchronous step at a time. A stop id biased to
+    win is masked until min_new_tokens, then ends the request."""
+    if ran_in_child(request):
+        return
+    overlapped, blocks = decode_filtered(tiny_model_dir, device=DEV, overlap=True, steps=2)
+    synchronous, sync_blocks = decode_filtered(tiny_model_dir, device=DEV, overlap=False, steps=1)
+    assert blocks.launches > 0 and blocks.draw_launches > 0 and sync_blocks.launches == 0
+    for (toks, lps), (want_toks, want_lps) in zip(overlapped, synchronous):
+        assert toks == want_toks
+        assert np.allclose(lps, want_lps, atol=1e-5)
+    biased = overlapped[2][0]
+    assert len(biased) == 4 and STOP not in biased[:3] and biased[3] == STOP, biased
