@@ -1,10 +1,11 @@
 """The paged runner's KV cache: how many pages it gets and the pool and page table built on them.
 
 On CUDA the pool is sized once, after the weights are loaded, from what `--mem-fraction-static`
-leaves (fraction x total memory, minus what is in use); on CPU from the batch and context
-lengths. `--max-total-tokens` caps either. A request whose prompt + max_new_tokens exceeds the
-pool is refused when it is submitted (`check_fits`); one that fits always runs, alone if need be,
-since decode retracts the newest requests when pages run short.
+leaves (fraction x total memory, minus what is in use), and `--max-total-tokens` caps it; on CPU
+`--max-total-tokens` is its size, by default the batch times the context length (at most
+4096 tokens each). A request whose prompt + max_new_tokens exceeds the pool is refused when it
+is submitted (`check_fits`); one that fits always runs, alone if need be, since decode retracts
+the newest requests when pages run short.
 
 A hybrid model (Gated DeltaNet layers) also gets a recurrent-state pool of K slots
 (rltool.engine.state_pool). With `--mamba-full-memory-ratio r` the cache budget B (on CPU the
@@ -94,8 +95,8 @@ class KvMemory:
             tokens = int(budget // per_token)
             if per_slot:
                 ratio = ratio or CUDA_MAMBA_FULL_MEMORY_RATIO
-        else:
-            tokens = self.max_running * min(context_length, 4096)
+        else:  # no memory to measure: --max-total-tokens is the pool's size
+            tokens = self.max_total_tokens or self.max_running * min(context_length, 4096)
             budget = tokens * per_token + self.max_running * per_slot
         if per_slot and ratio is not None:
             tokens = int(budget / (1 + ratio) // per_token)

@@ -102,6 +102,27 @@ def test_long_prompt_in_page_splitting_chunks_matches_transformers(long_model_di
     assert not runner.table.entries
 
 
+@pytest.mark.slow
+def test_32k_context_over_two_thousand_pages_matches_transformers(tmp_path):
+    """A model of 32,768 positions filled to the last one: a 32,760-token prompt in chunks of
+    4,000 into 2,048 pages of 16, then greedy decode to 32,768 tokens; tokens and logprobs as
+    transformers' teacher-forced pass (1e-5)."""
+    model_dir = _write_model(tmp_path / "m32k", "qwen2", seed=5, max_positions=32768)
+    prompt, new = _prompt(32760, seed=2), 8
+    runner = PagedRunner(model_dir, device="cpu", dtype="fp32", max_running=1, page_size=16,
+                         max_total_tokens=32768 + 16)
+    assert runner.table.allocator.num_pages - 1 == 2048
+    sched = PagedScheduler(runner, max_running=1, max_prefill_tokens=4000,
+                           chunked_prefill_size=4000)
+    req = Request(rid="32k", prompt_ids=prompt, return_logprob=True,
+                  params=SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True))
+    _run(sched, [req], timeout_s=300)
+    ref = _hf_logprobs(model_dir, prompt + req.output_ids[:-1])[len(prompt) - 1:]
+    assert req.output_ids == ref.argmax(-1).tolist()
+    want = ref.gather(1, torch.tensor(req.output_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(req.output_logprobs), want, atol=1e-5, rtol=0)
+
+
 def _seeded(prompts: list[list[int]], new: int) -> list[Request]:
     return [Request(rid=f"s{i}", prompt_ids=p, return_logprob=True, generator=make_generator(40 + i),
                     params=SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True))
