@@ -99,8 +99,9 @@ class ServeConfig(StageConfig):
         1, ge=1, description="Decode steps run back to back per scheduler iteration (cuda): "
                              "fewer host round trips; new requests and control operations wait "
                              "for the block to end.")
-    max_total_tokens: int | None = Field(None, ge=1, description="Cap the KV pool at this "
-                                         "many tokens (else --mem-fraction-static sizes it).")
+    max_total_tokens: int | None = Field(None, ge=1, description="KV pool tokens: on cuda a "
+                                         "cap on what --mem-fraction-static leaves, on cpu the "
+                                         "pool's size.")
     max_queued_requests: int = Field(4096, ge=0, description="Waiting requests beyond the "
                                                              "running ones before 429.")
     max_prefill_tokens: int | None = Field(None, ge=1, description="Prompt tokens prefilled "
