@@ -23,6 +23,10 @@
   parallel ranks, fp32 master weights with bf16, optionally the distributed optimizer), its
   learning rate set each step from rltool.train.lr like the torch backend.
 - Checkpoints and the HF export: rltool.train.megatron_state.
+- `--lora-rank` (rltool.train.megatron_lora): adapters on the frozen base's tensor-parallel
+  linears; only they get gradients, optimizer state and checkpoint shards;
+  `export_hf_state_dict` gives the merged weights, `export_adapter` the adapter (PEFT's names,
+  gathered over TP), `adapters_off()` runs the base.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import torch.nn.functional as F
 
 from rltool import megatron_compat
 from rltool.errors import CheckpointError, ConfigError
-from rltool.train import megatron_offload, megatron_state, packed
+from rltool.train import lora, megatron_lora, megatron_offload, megatron_state, packed
 from rltool.train.backend import ForwardOutput, LossFn, MicroBatch
 from rltool.train.config import BackendConfig
 from rltool.train.lr import lr_of
@@ -144,6 +148,8 @@ class MegatronBackend:
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{model_dir}: unreadable config.json ({e})") from e
         self.vocab_size = int(self.hf_config["vocab_size"])
+        if trainable and options.lora_rank:
+            megatron_lora.check_layout(options, self.hf_config)
         tp = options.tensor_model_parallel_size
         dtype = torch.bfloat16 if options.dtype == "bf16" else torch.float32
         model = build_gpt_model(
@@ -163,6 +169,8 @@ class MegatronBackend:
         if cuda:
             model = model.cuda()
         megatron_state.load_hf_weights(model, self.model_dir)
+        # after the base is filled (its loader knows the plain model's tensors only)
+        self.lora = megatron_lora.for_backend(model, options) if trainable else None
         self.replay = MegatronRouterReplay(
             model, options, tp_rank=ps.get_tensor_model_parallel_rank()
         ) if options.use_rollout_routing_replay else None  # rltool.train.megatron_routing
@@ -443,7 +451,26 @@ class MegatronBackend:
 
     # -- state -------------------------------------------------------------------------------
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return megatron_state.export_hf(self.module, self.hf_config)
+        """The policy's full HF tensors on global rank 0; under LoRA the base with the adapters
+        merged in (rltool.train.lora.merged)."""
+        slots = megatron_state.gather_slots(self.module)
+        state = megatron_state.export_hf(self.module, self.hf_config, slots=slots)
+        if self.lora is None or not state:
+            return state
+        return lora.merged(state | megatron_lora.adapter_tensors(slots), scale=self.lora.scale)
+
+    def export_adapter(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter's tensors under the HF model's names
+        (`model.layers.0.self_attn.q_proj.lora_A.weight`), gathered over TP, fp32, on global
+        rank 0 (empty on the others). Collective."""
+        assert self.lora is not None, "export_adapter without --lora-rank"
+        slots = megatron_state.gather_slots(self.module, keep=megatron_lora.is_adapter_key)
+        return {k: v.float() for k, v in megatron_lora.adapter_tensors(slots).items()}
+
+    def adapters_off(self) -> contextlib.AbstractContextManager:
+        """Forwards of the base model, the LoRA adapters off (the KL reference under LoRA)."""
+        assert self.lora is not None, "adapters_off without --lora-rank"
+        return self.lora.disabled()
 
     def save(self, ckpt_dir: Path, *, trainer_state: dict[str, Any],
              data_tensors: dict[str, torch.Tensor], config_toml: str) -> None:

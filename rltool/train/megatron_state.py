@@ -9,9 +9,12 @@
 - `save_checkpoint` / `load_checkpoint`: the trainer checkpoint of rltool.train.checkpoint with
   `dist/` (a torch_dist checkpoint of the model and optimizer shards, megatron-core's
   `dist_checkpointing`) in place of optimizer.safetensors. `model/` holds the full HF weights in
-  fp32, so `--load step-N/model` starts any backend or engine from it. Resuming restores model,
-  optimizer moments and master weights, RNG and schedule position bit for bit; it needs the
-  layout (TP/PP/EP/CP and the distributed optimizer) the checkpoint was written with.
+  fp32, so `--load step-N/model` starts any backend or engine from it. Under LoRA, `adapter/`
+  (PEFT's layout, fp32) replaces `model/` and dist/ holds the adapters' shards and optimizer
+  state only: resuming builds the base from the directory adapter_config.json names. Resuming
+  restores model, optimizer moments and master weights, RNG and schedule position bit for bit;
+  it needs the layout (TP/PP/EP/CP, the distributed optimizer, the adapters) the checkpoint was
+  written with.
 - With the distributed optimizer over torch's Adam (no apex or transformer-engine), loading
   sets up and afterwards restores each parameter's Adam `step`, which megatron-core 0.16 cannot
   load by itself (`_allocate_adam_state`, `_restore_adam_steps`).
@@ -20,7 +23,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,15 +46,19 @@ def load_hf_weights(model: Any, hf_dir: Path) -> None:
     fill(model, hf_dir)
 
 
-def export_hf(module: Any, hf_config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Full HF tensors on global rank 0 (an empty dict elsewhere); collective."""
+def gather_slots(module: Any, *, keep: Callable[[str], bool] | None = None
+                 ) -> dict[Any, torch.Tensor]:
+    """The global megatron tensors of `module` (slot -> full tensor, in the parameters' dtype)
+    whose keys `keep` accepts (default: all) on global rank 0, assembled from one main replica
+    of each shard of every rank; an empty dict elsewhere. Collective."""
     from megatron.core.dist_checkpointing.mapping import is_main_replica
 
-    from rltool.convert import name_map
     from rltool.convert.torch_dist import shard_region, sharded_tensors
 
     own: dict[Any, tuple[tuple[int, ...], list[tuple[tuple[slice, ...], torch.Tensor]]]] = {}
     for slot, shards in sharded_tensors(module.sharded_state_dict()).items():
+        if keep is not None and not keep(slot[0]):
+            continue
         pieces = [(shard_region(sh), sh.data.detach().reshape(sh.local_shape).cpu().clone())
                   for sh in shards if is_main_replica(sh.replica_id)]
         if pieces:
@@ -67,15 +74,29 @@ def export_hf(module: Any, hf_config: dict[str, Any]) -> dict[str, torch.Tensor]
     for part in parts:
         for slot, (shape, pieces) in part.items():
             merged.setdefault(slot, (shape, []))[1].extend(pieces)
-    shapes = name_map.Shapes.from_hf(hf_config)
-    tied = bool(hf_config.get("tie_word_embeddings", False))
-    out: dict[str, torch.Tensor] = {}
-    for (key, index), (shape, pieces) in sorted(merged.items()):
-        if key == "output_layer.weight" and tied:
-            continue
+    out = {}
+    for slot, (shape, pieces) in sorted(merged.items()):
         full = pieces[0][1].new_empty(shape)
         for region, tensor in pieces:
             full[region] = tensor
+        out[slot] = full
+    return out
+
+
+def export_hf(module: Any, hf_config: dict[str, Any], *,
+              slots: dict[Any, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Full HF tensors on global rank 0 (an empty dict elsewhere), from `slots` (default: a
+    fresh `gather_slots`, collective); LoRA adapters are left out (rltool.train.megatron_lora)."""
+    from rltool.convert import name_map
+    from rltool.train.megatron_lora import is_adapter_key
+
+    slots = gather_slots(module) if slots is None else slots
+    shapes = name_map.Shapes.from_hf(hf_config)
+    tied = bool(hf_config.get("tie_word_embeddings", False))
+    out: dict[str, torch.Tensor] = {}
+    for (key, index), full in slots.items():
+        if (key == "output_layer.weight" and tied) or is_adapter_key(key):
+            continue
         names = name_map.hf_names(key, index, tied=tied)
         out.update(zip(names, name_map.to_hf(name_map.RULES[key][0], full, shapes=shapes),
                        strict=True))
@@ -91,7 +112,8 @@ def _layout(backend: MegatronBackend) -> dict[str, Any]:
             "expert_tensor_parallel_size": o.expert_tensor_parallel_size
             or o.tensor_model_parallel_size,
             "use_distributed_optimizer": o.use_distributed_optimizer,
-            "world_size": dist.get_world_size()}
+            "world_size": dist.get_world_size(),
+            "lora": backend.lora.describe() if backend.lora is not None else None}
 
 
 # The distributed optimizer's state as one ShardedTensor per contiguous buffer range: saved and
@@ -164,9 +186,15 @@ def _restore_adam_steps(optimizer: Any) -> None:
 
 
 def _sharded_state(backend: MegatronBackend, *, loading: bool) -> dict[str, Any]:
+    """Model and optimizer shards; under LoRA the adapters' alone (the frozen base is the
+    adapter's base model directory, which never changes)."""
+    from rltool.train.megatron_lora import is_adapter_key
+
     if loading:
         _allocate_adam_state(backend.optimizer)
     model = backend.module.sharded_state_dict()
+    if backend.lora is not None:
+        model = {k: v for k, v in model.items() if is_adapter_key(k)}
     return {"model": model,
             "optimizer": backend.optimizer.sharded_state_dict(model, is_loading=loading,
                                                               metadata=OPTIMIZER_SHARDING)}
@@ -188,12 +216,14 @@ def save_checkpoint(backend: MegatronBackend, ckpt_dir: Path, *, trainer_state: 
     from safetensors.torch import save_file
 
     from rltool.io.hf_dir import write_hf_dir
+    from rltool.train.lora import write_adapter
 
     assert backend.optimizer is not None
     if ckpt_dir.exists():  # every rank sees the same filesystem: all refuse together
         raise CheckpointError(f"{ckpt_dir} already exists; checkpoints are never replaced "
                               "(--load it to resume, or --save elsewhere)")
-    hf_state = backend.export_hf_state_dict()
+    lora = backend.lora
+    hf_state = backend.export_adapter() if lora is not None else backend.export_hf_state_dict()
     rng = _rng_states(backend)
     sharded = _sharded_state(backend, loading=False)
     state = {"format": ckpt.FORMAT, "format_version": ckpt.FORMAT_VERSION,
@@ -213,9 +243,14 @@ def save_checkpoint(backend: MegatronBackend, ckpt_dir: Path, *, trainer_state: 
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(holder, src=0)
         dist_checkpointing.save(sharded, holder[0])
-        (tmp / ckpt.MODEL_DIR).mkdir()
-        write_hf_dir(tmp / ckpt.MODEL_DIR, hf_state, source_model_dir=backend.model_dir,
-                     dtype="fp32")
+        if lora is not None:  # the adapter in PEFT's layout, naming its base model
+            (tmp / ckpt.ADAPTER_DIR).mkdir()
+            write_adapter(tmp / ckpt.ADAPTER_DIR, tensors=hf_state,
+                          config=lora.peft_config(backend.model_dir))
+        else:
+            (tmp / ckpt.MODEL_DIR).mkdir()
+            write_hf_dir(tmp / ckpt.MODEL_DIR, hf_state, source_model_dir=backend.model_dir,
+                         dtype="fp32")
         for name, tensors in ((ckpt.RNG_FILE, rng), (ckpt.DATA_FILE, data_tensors)):
             with atomic.atomic_path(tmp / name) as part:
                 save_file({k: v.contiguous() for k, v in tensors.items()}, str(part))
@@ -246,6 +281,7 @@ def load_checkpoint(backend: MegatronBackend, ckpt_dir: Path
     from megatron.core import dist_checkpointing
 
     from rltool.convert.torch_dist import check_storage_files
+    from rltool.train.megatron_lora import is_adapter_key
 
     assert backend.optimizer is not None
     state = ckpt.read_trainer_state(ckpt_dir)
@@ -266,7 +302,12 @@ def load_checkpoint(backend: MegatronBackend, ckpt_dir: Path
     sharded = _sharded_state(backend, loading=True)
     loaded = dist_checkpointing.load(sharded, str(source),
                                      common_strategy=_weights_only_common_strategy())
-    backend.module.load_state_dict(loaded["model"])
+    if backend.lora is None:
+        backend.module.load_state_dict(loaded["model"])
+    else:  # the adapters only: the base came from the adapter's base model directory
+        result = backend.module.load_state_dict(loaded["model"], strict=False)
+        assert not result.unexpected_keys and not any(
+            is_adapter_key(k) for k in result.missing_keys), result
     with torch.no_grad():  # fp32 distributed-optimizer shards are views of the model parameters
         backend.optimizer.load_state_dict(loaded["optimizer"])
     _restore_adam_steps(backend.optimizer)

@@ -1,0 +1,280 @@
+"""LoRA on the megatron backend (`--lora-rank R`): adapters on megatron-core's tensor-parallel
+linears, published in PEFT's layout exactly as the torch backend's (rltool.train.lora).
+
+Each HF target is one adapter, lora_A [r, in] and lora_B [out, r] of the HF module, on the
+megatron linear that holds it:
+
+- column-parallel (output rows split over TP): `self_attention.linear_qkv` (q_proj, k_proj,
+  v_proj) and `mlp.linear_fc1` (gate_proj, up_proj). lora_A is replicated, lora_B split by its
+  output rows like the weight. The adapters of a fused linear stay separate: their outputs are
+  laid out as the fused weight's rows are (per query group: the group's q rows, its k rows, its
+  v rows; gate rows then up rows), so exporting needs no re-mixing. h = x A^T passes megatron's
+  copy-to-TP region: the same on every rank forwards, its gradient summed over TP backwards
+  (each rank's lora_B shard gives a part), so lora_A's gradient is the full one on every rank.
+- row-parallel (input columns split over TP): `self_attention.linear_proj` (o_proj) and
+  `mlp.linear_fc2` (down_proj). lora_A is split by its input columns like the weight, lora_B
+  replicated; the partial x A^T of each rank is summed over TP (reduce-from-TP region) before B.
+
+The frozen base stays megatron's own module (`base`, requires_grad False): megatron's DDP and
+optimizers (distributed optimizer included) see only the adapters, so gradients, fp32 masters
+and Adam moments exist for them alone. Checkpoint keys keep the plain model's names for the base
+(`...linear_qkv.weight`, through a load pre-hook) and add `...linear_qkv.lora_A.q_proj` etc.,
+sharded as above, so dist/ checkpoints restore the adapters of every TP rank.
+
+lora_A starts Kaiming-uniform (a = sqrt(5), PEFT's default) drawn for the whole HF matrix from a
+generator seeded by (seed, layer, module) and then cut to the rank's shard, so every layout starts
+from the same adapter; lora_B starts at zero. Refused: pipeline parallelism, MoE models and
+sequence parallelism (no test covers them on CPU; see docs/train.md).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rltool.errors import ConfigError
+from rltool.train import lora
+
+HF_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+             "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# megatron linear of a TransformerLayer -> (parallel kind, its HF modules in fused order)
+LINEARS = {"self_attention.linear_qkv": ("column", ("q_proj", "k_proj", "v_proj")),
+           "self_attention.linear_proj": ("row", ("o_proj",)),
+           "mlp.linear_fc1": ("column", ("gate_proj", "up_proj")),
+           "mlp.linear_fc2": ("row", ("down_proj",))}
+KEY_MARK = ".lora_"
+
+
+def is_adapter_key(key: str) -> bool:
+    """Whether a megatron (sharded) state key is an adapter tensor."""
+    return KEY_MARK in key
+
+
+def resolve_targets(targets: list[str]) -> list[str]:
+    """The HF module names to adapt: `all-linear` is every one megatron can adapt."""
+    if targets == [lora.ALL_LINEAR]:
+        return list(HF_PARENT)
+    unknown = [t for t in targets if t not in HF_PARENT]
+    if unknown:
+        raise ConfigError(f"--lora-target-modules {','.join(unknown)}: the megatron backend adapts "
+                          f"{','.join(HF_PARENT)} (or {lora.ALL_LINEAR}); use those names or "
+                          "--backend torch")
+    return list(targets)
+
+
+def check_layout(options: Any, hf_config: dict[str, Any]) -> None:
+    """Refuse, in one line and before any model is built, what megatron LoRA does not cover."""
+    from rltool.convert.gpt_model import num_experts
+
+    resolve_targets(list(options.lora_target_modules))
+    if options.pipeline_model_parallel_size > 1:
+        raise ConfigError("--lora-rank with --backend megatron runs without pipeline parallelism; "
+                          "drop --pipeline-model-parallel-size or use --tensor-model-parallel-size")
+    if num_experts(hf_config):
+        raise ConfigError("--lora-rank with --backend megatron adapts dense models only (no MoE "
+                          "experts); use --backend torch for this model")
+    if options.sequence_parallel:
+        raise ConfigError("--lora-rank with --backend megatron runs without --sequence-parallel; "
+                          "drop it")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One HF module inside a megatron linear: its name and full [out, in] shape."""
+
+    name: str
+    out_features: int
+    in_features: int
+
+
+def _init_a(shape: tuple[int, int], *, seed: int, layer: int, name: str) -> torch.Tensor:
+    """The full lora_A of one HF module, the same on every rank and in every layout."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{layer}/{name}".encode()))
+    a = torch.empty(shape, dtype=torch.float32)
+    torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=g)
+    return a
+
+
+class LoraParallelLinear(torch.nn.Module):
+    """A megatron column- or row-parallel linear with the adapters of its targeted HF parts
+    (see the module docstring). `local_groups`: the row groups of the fused local output that
+    each part's rows interleave by (a column linear's query groups on this rank; 1 otherwise)."""
+
+    def __init__(self, base: torch.nn.Module, *, kind: str, parts: list[Part], targets: list[str],
+                 owner: MegatronLoRA, layer: int, local_groups: int, seed: int):
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        super().__init__()
+        assert not getattr(base, "gather_output", False), "adapted linears keep TP-split outputs"
+        self.base, self.kind, self.parts, self.owner = base, kind, parts, owner
+        self.local_groups = local_groups
+        self.targets = [p.name for p in parts if p.name in targets]
+        tp = self.tp = ps.get_tensor_model_parallel_world_size()
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        weight = base.weight
+        self.lora_A = torch.nn.ParameterDict()
+        self.lora_B = torch.nn.ParameterDict()
+        r = owner.rank
+        for part in parts:
+            if part.name not in self.targets:
+                continue
+            a = _init_a((r, part.in_features), seed=seed, layer=layer, name=part.name)
+            b = torch.zeros(part.out_features, r)
+            # the shard of the split matrix: lora_B's rows (column), lora_A's columns (row)
+            if kind == "column":
+                b = b.chunk(tp, dim=0)[tp_rank]
+            else:
+                a = a.chunk(tp, dim=1)[tp_rank]
+            self.lora_A[part.name] = torch.nn.Parameter(a.to(weight.device, weight.dtype))
+            self.lora_B[part.name] = torch.nn.Parameter(b.to(weight.device, weight.dtype))
+            split = self.lora_B[part.name] if kind == "column" else self.lora_A[part.name]
+            set_tensor_model_parallel_attributes(split, is_parallel=True,
+                                                 dim=0 if kind == "column" else 1, stride=1)
+        self.dropout = (torch.nn.Dropout(owner.dropout) if owner.dropout
+                        else torch.nn.Identity())
+        self.register_load_state_dict_pre_hook(_base_keys)
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out, bias = self.base(x, *args, **kwargs)
+        if not self.owner.enabled:
+            return out, bias
+        update = self._column(x) if self.kind == "column" else self._row(x)
+        return out + update.to(out.dtype), bias
+
+    def _column(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+        # x is the same on every TP rank: so is the dropout mask (the default generator, as
+        # megatron's hidden dropout), and h
+        a = torch.cat([self.lora_A[name] for name in self.targets])
+        h = copy_to_tensor_model_parallel_region(F.linear(self.dropout(x), a))
+        h_parts = dict(zip(self.targets, h.split(self.owner.rank, dim=-1)))
+        ys = []
+        for part in self.parts:
+            if part.name in h_parts:
+                y = F.linear(h_parts[part.name], self.lora_B[part.name]) * self.owner.scale
+            else:  # an untargeted part of a fused linear adds nothing
+                y = h.new_zeros(*h.shape[:-1], part.out_features // self.tp)
+            ys.append(y.reshape(*y.shape[:-1], self.local_groups, -1))
+        return torch.cat(ys, dim=-1).flatten(-2)
+
+    def _row(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import (get_cuda_rng_tracker,
+                                                   reduce_from_tensor_model_parallel_region)
+
+        (name,) = self.targets
+        with get_cuda_rng_tracker().fork():  # x's columns differ per TP rank: so do the masks
+            dropped = self.dropout(x)
+        h = reduce_from_tensor_model_parallel_region(F.linear(dropped, self.lora_A[name]))
+        return F.linear(h, self.lora_B[name]) * self.owner.scale
+
+    def backward_dw(self) -> None:
+        self.base.backward_dw()
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict[str, Any]:
+        """The base's entries under its own keys, then the adapters, split like the weight."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        out = self.base.sharded_state_dict(prefix, sharded_offsets, metadata)
+        split = "lora_B" if self.kind == "column" else "lora_A"
+        axis = 0 if self.kind == "column" else 1
+        adapters = {f"{kind}.{name}": params[name] for kind, params in
+                    (("lora_A", self.lora_A), ("lora_B", self.lora_B)) for name in self.targets}
+        out.update(make_sharded_tensors_for_checkpoint(
+            adapters, prefix, {k: axis for k in adapters if k.startswith(split)},
+            sharded_offsets, tp_group=self.base.tp_group,
+            dp_cp_group=(metadata or {})["dp_cp_group"]))
+        return out
+
+
+def _base_keys(module: LoraParallelLinear, state_dict: dict[str, Any], prefix: str,
+               *args: Any) -> None:
+    """A checkpoint names the base's tensors as the plain model does (`<prefix>weight`); they
+    live in the `base` child."""
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        rest = key[len(prefix):]
+        if not rest.startswith(("base.", "lora_A.", "lora_B.")):
+            state_dict[f"{prefix}base.{rest}"] = state_dict.pop(key)
+
+
+class MegatronLoRA(lora.LoRA):
+    """The adapters of one megatron GPTModel; the same face as the torch backend's LoRA
+    (`scale`, `paths`, `peft_config`, `describe`, `disabled`)."""
+
+    def __init__(self, model: Any, *, rank: int, alpha: float, dropout: float,
+                 targets: list[str], seed: int):
+        if rank < 1:
+            raise ConfigError(f"--lora-rank {rank}: a LoRA rank is >= 1")
+        self.rank, self.alpha, self.dropout = rank, alpha, dropout
+        self.scale = alpha / rank
+        self.targets = targets
+        self.enabled = True
+        wanted = resolve_targets(targets)
+        model.requires_grad_(False)
+        self.paths: list[str] = []
+        for layer in model.decoder.layers:
+            index = layer.layer_number - 1  # global (megatron counts from 1)
+            for path, parts in _layer_parts(model.config).items():
+                kind, _ = LINEARS[path]
+                if not any(p.name in wanted for p in parts):
+                    continue
+                parent_path, _, attr = path.rpartition(".")
+                parent = layer.get_submodule(parent_path)
+                groups = (model.config.num_query_groups // _tp() if path.endswith("linear_qkv")
+                          else 1)
+                parent.add_module(attr, LoraParallelLinear(
+                    getattr(parent, attr), kind=kind, parts=parts, targets=wanted, owner=self,
+                    layer=index, local_groups=groups, seed=seed))
+                self.paths += [f"model.layers.{index}.{HF_PARENT[p.name]}.{p.name}"
+                               for p in parts if p.name in wanted]
+
+
+def _tp() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_world_size()
+
+
+def _layer_parts(config: Any) -> dict[str, list[Part]]:
+    """The HF modules of each adaptable linear of a layer, with their full shapes."""
+    hidden, ffn = config.hidden_size, config.ffn_hidden_size
+    q_rows = config.num_attention_heads * config.kv_channels
+    kv_rows = config.num_query_groups * config.kv_channels
+    return {"self_attention.linear_qkv": [Part("q_proj", q_rows, hidden),
+                                          Part("k_proj", kv_rows, hidden),
+                                          Part("v_proj", kv_rows, hidden)],
+            "self_attention.linear_proj": [Part("o_proj", hidden, q_rows)],
+            "mlp.linear_fc1": [Part("gate_proj", ffn, hidden), Part("up_proj", ffn, hidden)],
+            "mlp.linear_fc2": [Part("down_proj", hidden, ffn)]}
+
+
+def for_backend(model: Any, options: Any) -> MegatronLoRA | None:
+    """The adapters `options` (a BackendConfig, passed by `check_layout`) asks for on `model`,
+    or None with LoRA off."""
+    if not options.lora_rank:
+        return None
+    return MegatronLoRA(model, rank=options.lora_rank, alpha=options.lora_alpha_value,
+                        dropout=options.lora_dropout, targets=list(options.lora_target_modules),
+                        seed=options.seed)
+
+
+def adapter_tensors(slots: Mapping[tuple[str, tuple[int, ...]], torch.Tensor]
+                    ) -> dict[str, torch.Tensor]:
+    """The adapter slots of a gathered megatron state (rltool.train.megatron_state.gather_slots)
+    under the HF model's names (`model.layers.3.self_attn.q_proj.lora_A.weight`)."""
+    out = {}
+    for (key, index), tensor in slots.items():
+        if not is_adapter_key(key):
+            continue
+        kind, name = key.rsplit(".", 2)[1:]
+        out[f"model.layers.{index[0]}.{HF_PARENT[name]}.{name}.{kind}.weight"] = tensor
+    return out

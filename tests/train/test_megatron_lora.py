@@ -1,0 +1,156 @@
+"""LoRA on `--backend megatron` (rltool.train.megatron_lora), fp32 on the CPU with gloo.
+
+One run per layout (tests/train/megatron_lora_ranks.py): TP1 in this process, TP2 with the
+distributed optimizer as 2 torchrun ranks; each takes two steps with a checkpoint after the first
+and resumes it. Checked: TP2's adapter equals TP1's exactly at init and within 1e-5 after each
+step (Adam's sign-like first steps turn fp32 rounding of different GEMM shapes into ~1e-6, see
+test_megatron.py), with the same grad norms; only the adapters are trainable and buffered and
+the base does not move; every adapter key of a TP2 save comes back bit for bit and the resumed
+step is the uninterrupted one; the forward equals PEFT's PeftModel over the same base and
+adapter within 1e-5, and with the adapters off the base model's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rltool.errors import ConfigError
+from rltool.train import lora, megatron_lora
+from rltool.train.config import BackendConfig
+from tests.train.megatron_lora_ranks import BATCH, LORA, run_layout
+
+LAYOUTS = {"tp1": {}, "tp2": {"tensor_model_parallel_size": 2, "use_distributed_optimizer": True}}
+STEPS = ("init", "step1", "step2", "loaded", "resumed")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_factory):
+    return tiny_model_factory("qwen2")
+
+
+@pytest.fixture(scope="module")
+def runs(model, tmp_path_factory):
+    """layout -> (record.json, {step: adapter tensors}, base HF tensors, checkpoint dir)."""
+    out = {}
+    for name, layout in LAYOUTS.items():
+        root = tmp_path_factory.mktemp(name)
+        if name == "tp1":
+            run_layout(model, root, layout)
+        else:
+            repo = Path(__file__).resolve().parents[2]
+            proc = subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc-per-node=2", str(repo / "tests" / "train" / "megatron_lora_ranks.py"),
+                 str(model), str(root), json.dumps(layout)], capture_output=True, text=True,
+                timeout=400, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo)))
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        out[name] = (json.loads((root / "record.json").read_text()),
+                     {step: load_file(root / f"{step}.safetensors") for step in STEPS},
+                     load_file(root / "base.safetensors"), root / "ckpt")
+    return out
+
+
+def test_tp2_adapter_equals_tp1(runs):
+    record1, tp1, _, _ = runs["tp1"]
+    record2, tp2, _, _ = runs["tp2"]
+    want = {f"model.layers.{layer}.{parent}.{name}.lora_{kind}.weight"
+            for layer in range(2) for name, parent in megatron_lora.HF_PARENT.items()
+            for kind in "AB"}
+    for step in ("init", "step1", "step2"):
+        assert tp1[step].keys() == tp2[step].keys() == want, step
+    assert all(torch.equal(tp1["init"][k], tp2["init"][k]) for k in want)
+    assert tp1["init"]["model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (4, 64)
+    assert tp1["init"]["model.layers.1.mlp.down_proj.lora_B.weight"].shape == (64, 4)
+    for step in ("step1", "step2"):
+        for k in want:
+            assert torch.allclose(tp1[step][k], tp2[step][k], rtol=0, atol=1e-5), (step, k)
+    for m1, m2 in zip(record1["metrics"], record2["metrics"], strict=True):
+        assert m2["train/grad_norm"] == pytest.approx(m1["train/grad_norm"], rel=0, abs=1e-5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_only_the_adapters_train(runs, layout):
+    record, steps, _, _ = runs[layout]
+    assert record["trainable"] and all(".lora_" in n for n in record["trainable"])
+    assert len(record["trainable"]) == 2 * 2 * 7  # A and B of 7 modules in 2 layers
+    assert sorted(record["trainable"]) == record["buffered"]
+    assert record["base_unchanged"]
+    for k, init in steps["init"].items():
+        assert not torch.equal(steps["step2"][k], init), k  # every adapter tensor moved
+        if k.endswith("lora_B.weight"):
+            assert not init.any(), k
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_checkpoint_keeps_every_adapter_shard_and_resumes_bit_identically(runs, layout):
+    record, steps, _, ckpt = runs[layout]
+    for k, tensor in steps["step1"].items():
+        assert torch.equal(steps["loaded"][k], tensor), k
+        assert torch.equal(steps["resumed"][k], steps["step2"][k]), k
+    assert steps["loaded"].keys() == steps["step1"].keys()
+    config, on_disk = lora.read_adapter(ckpt / "adapter")
+    assert on_disk.keys() == steps["step1"].keys()
+    assert all(torch.equal(on_disk[k], steps["step1"][k]) for k in on_disk)
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and len(config["target_modules"]) == 7
+    assert not (ckpt / "model").exists()
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["backend"]["lora"]["rank"] == 4
+    assert record["resumed_metrics"] == record["metrics"][1]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_forward_equals_peft(runs, model, tmp_path, layout):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    record, steps, _, _ = runs[layout]
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8,
+              "lora_dropout": 0.0, "target_modules": sorted(megatron_lora.HF_PARENT),
+              "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+              "base_model_name_or_path": str(model)}
+    lora.write_adapter(tmp_path, tensors=steps["step2"], config=config)
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), str(tmp_path)).eval()
+    moved = 0.0
+    for i, (tokens, start) in enumerate(zip(BATCH.tokens, BATCH.response_starts, strict=True)):
+        ids = torch.tensor([tokens])
+        with torch.no_grad():
+            on = torch.log_softmax(peft(input_ids=ids).logits[0, start - 1:-1], -1)
+            with peft.disable_adapter():
+                off = torch.log_softmax(peft(input_ids=ids).logits[0, start - 1:-1], -1)
+        target = ids[0, start:, None]
+        for ref, mine in ((on, record["logprobs_on"][i]), (off, record["logprobs_off"][i])):
+            assert torch.allclose(ref.gather(-1, target)[:, 0], torch.tensor(mine), rtol=0,
+                                  atol=1e-5)
+        moved = max(moved, (on - off).abs().max().item())
+    assert moved > 1e-3  # the adapter changes the forward: the comparison is not the base's
+
+
+@pytest.mark.parametrize("update,match", [
+    (dict(pipeline_model_parallel_size=2), "without pipeline parallelism"),
+    (dict(sequence_parallel=True), "without --sequence-parallel"),
+    (dict(lora_target_modules=["q_proj", "lm_head"]), "--lora-target-modules lm_head"),
+])
+def test_refusals_name_the_flag(model, update, match):
+    options = BackendConfig(backend="megatron", **LORA, **update)
+    with pytest.raises(ConfigError, match=match):
+        megatron_lora.check_layout(options, json.loads((model / "config.json").read_text()))
+
+
+def test_moe_models_are_refused(tiny_model_factory):
+    moe = tiny_model_factory("qwen3_moe")
+    options = BackendConfig(backend="megatron", **LORA)
+    with pytest.raises(ConfigError, match="dense models only"):
+        megatron_lora.check_layout(options, json.loads((moe / "config.json").read_text()))
+
+
+def test_all_linear_is_every_adaptable_module():
+    assert megatron_lora.resolve_targets([lora.ALL_LINEAR]) == list(megatron_lora.HF_PARENT)
