@@ -160,9 +160,6 @@ class BackendConfig(MegatronOptions):
         if "all-linear" in self.lora_target_modules and len(self.lora_target_modules) > 1:
             raise ConfigError("--lora-target-modules all-linear already takes every linear: "
                               "drop the other names")
-        if self.backend == "megatron":
-            raise ConfigError("--lora-rank: the megatron backend does not train LoRA adapters "
-                              "yet; use --backend torch")
 
     @property
     def lora_alpha_value(self) -> float:

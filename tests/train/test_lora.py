@@ -93,6 +93,12 @@ def test_a_train_step_moves_only_the_adapters(tiny_model_dir):
     assert trainable and all(lora.is_adapter_key(n) for n in trainable)
     assert len(trainable) == 4 * layers
     before = {k: v.clone() for k, v in backend.inner.state_dict().items()}
+    for key, value in before.items():  # PEFT's init: A Kaiming-uniform (a = sqrt(5)), B zero
+        if key.endswith("lora_A.weight"):
+            bound = 1.0 / value.shape[1] ** 0.5
+            assert value.abs().max() <= bound and value.abs().max() > 0.5 * bound
+        if key.endswith("lora_B.weight"):
+            assert not value.any()
     for _ in range(2):  # B moves first (A's gradient is B^T ... = 0), then A
         backend.train_step([MicroBatch([0, 1, 2], TOKENS, STARTS)], _loss, temperature=1.0)
     after = backend.inner.state_dict()
@@ -113,7 +119,6 @@ def test_target_modules_that_match_nothing_are_refused_naming_the_modules(tiny_m
 
 @pytest.mark.parametrize("options,message", [
     (dict(lora_alpha=8.0), "--lora-alpha configures LoRA: add --lora-rank"),
-    (dict(lora_rank=4, backend="megatron"), "megatron backend does not train LoRA"),
     (dict(lora_rank=4, lora_target_modules=["all-linear", "q_proj"]), "all-linear already"),
     (dict(lora_rank=4, lora_target_modules=[]), "is empty"),
 ])
