@@ -72,7 +72,9 @@ class LoRA:
     """The adapters of one model (see the module docstring). `paths`: the target modules."""
 
     def __init__(self, model: torch.nn.Module, *, rank: int, alpha: float, dropout: float,
-                 targets: list[str], defaults: bool = False):
+                 targets: list[str], defaults: bool = False, seed: int = 0):
+        """`seed`: lora_A's initial values, the same on every rank (FSDP shards each rank's own
+        values; DDP would broadcast rank 0's) and apart from torch's global stream."""
         if rank < 1:
             raise ConfigError(f"--lora-rank {rank}: a LoRA rank is >= 1")
         self.rank, self.alpha, self.dropout = rank, alpha, dropout
@@ -81,15 +83,15 @@ class LoRA:
         self.paths = target_paths(model, targets, defaults=defaults)
         self.enabled = True
         model.requires_grad_(False)
+        generator = torch.Generator().manual_seed(seed)
         for path in self.paths:
             linear = model.get_submodule(path)
-            weight = linear.weight
-            a = torch.nn.Linear(linear.in_features, rank, bias=False, device=weight.device,
-                                dtype=torch.float32)
-            b = torch.nn.Linear(rank, linear.out_features, bias=False, device=weight.device,
-                                dtype=torch.float32)
-            torch.nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5))
-            torch.nn.init.zeros_(b.weight)
+            # fp32 on the host (the generator's device): the backend moves the model after
+            a = torch.nn.Linear(linear.in_features, rank, bias=False, device="meta")
+            b = torch.nn.Linear(rank, linear.out_features, bias=False, device="meta")
+            a.weight = torch.nn.Parameter(torch.empty(rank, linear.in_features))
+            b.weight = torch.nn.Parameter(torch.zeros(linear.out_features, rank))
+            torch.nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5), generator=generator)
             linear.add_module("lora_A", a)
             linear.add_module("lora_B", b)
             linear.add_module("lora_dropout", torch.nn.Dropout(dropout) if dropout
@@ -193,4 +195,5 @@ def for_backend(model: torch.nn.Module, options: Any) -> LoRA | None:
 
     return LoRA(model, rank=options.lora_rank, alpha=options.lora_alpha_value,
                 dropout=options.lora_dropout, targets=list(options.lora_target_modules),
-                defaults=tuple(options.lora_target_modules) == LORA_DEFAULT_TARGETS)
+                defaults=tuple(options.lora_target_modules) == LORA_DEFAULT_TARGETS,
+                seed=options.seed)
