@@ -14,24 +14,9 @@ from rltool.engine.paged_scheduler import PagedScheduler
 from rltool.engine.request import Request
 from rltool.engine.sampling import SamplingParams
 from rltool.errors import BadInputError
+from tests.helpers.lora_adapters import ALL_TARGETS as ALL, make_adapter
 
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = [[5, 9, 13, 2, 7, 11, 3, 4, 8, 6], [12, 4, 4, 9, 1, 2, 3]]
-
-
-def make_adapter(model_dir, out, *, r, alpha, targets, seed):
-    """A PEFT LoRA adapter of the tiny model with random A and B (B non-zero), saved to `out`;
-    returns (the PeftModel, out)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0,
-                     init_lora_weights=False, task_type="CAUSAL_LM")
-    peft_model = get_peft_model(base, cfg).eval()
-    peft_model.save_pretrained(str(out))
-    return peft_model, out
 
 
 @pytest.fixture(scope="module")
@@ -285,3 +270,51 @@ def runner_request(client, gen, lora):
         time.sleep(0.01)
     assert len(sched.waiting) > before
     return t
+
+
+def test_lora_is_refused_where_the_engine_does_not_compute_it(tiny_model_dir, tmp_path):
+    """A hybrid linear-attention model and a block-FP8 checkpoint: one line naming the flag."""
+    import json
+    import shutil
+
+    from tests.helpers.hybrid import make_hybrid
+
+    with pytest.raises(BadInputError, match="drop --enable-lora"):
+        runner_of(make_hybrid(tmp_path / "hybrid"), prefix_cache=False)
+    fp8 = shutil.copytree(tiny_model_dir, tmp_path / "fp8")
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic",
+                                     "weight_block_size": [32, 32]}
+    (fp8 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(BadInputError, match="drop --enable-lora"):
+        runner_of(fp8)
+
+
+def test_request_of_an_adapter_unloaded_before_it_ran_ends_with_400(tiny_model_dir, adapters):
+    """An adapter unloaded between a request's check and its prefill: the request ends with
+    status 400 (never runs on another adapter); the base request beside it completes."""
+    runner = runner_of(tiny_model_dir)
+    runner.lora.load("full", adapters["full"][1])
+    sched = PagedScheduler(runner, max_running=8, max_prefill_tokens=64)
+    done = threading.Event()
+    finished = []
+
+    def on_finish(req):
+        finished.append(req)
+        if len(finished) == 2:
+            done.set()
+
+    reqs = [Request(rid=f"u{i}", prompt_ids=PROMPTS[i], lora=lora, on_finish=on_finish,
+                    params=SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True))
+            for i, lora in enumerate(["full", None])]
+    sched.submit(reqs)
+    runner.lora.unload("full")
+    sched.start()
+    try:
+        assert done.wait(60)
+    finally:
+        sched.stop()
+    assert reqs[0].finish_reason["status_code"] == 400
+    assert "unloaded" in reqs[0].finish_reason["message"] and not reqs[0].output_ids
+    assert reqs[1].finish_reason["type"] == "length" and len(reqs[1].output_ids) == 3
