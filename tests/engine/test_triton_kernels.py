@@ -591,8 +591,9 @@ MIXED = [dict(max_new_tokens=10, temperature=0.0, ignore_eos=True),
 
 def test_multistep_decode_equals_single_steps(tiny_model_dir, request):
     """A mixed batch (greedy, sampled at several temperatures, one with min_new_tokens, so its
-    first steps leave the Triton sampler) gives the same tokens and bit-identical logprobs with
-    4 decode steps per block as with 1, in fewer host round trips, and frees every page."""
+    first steps race over draw logits with its stop ids masked) gives the same tokens and
+    bit-identical logprobs with 4 decode steps per block as with 1, in fewer host round trips,
+    and frees every page."""
     if ran_in_child(request):
         return
     runs = {}
