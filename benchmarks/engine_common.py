@@ -131,12 +131,13 @@ def warm_up(sched: PagedScheduler, batches: list[int], vocab: int) -> None:
 
 @contextlib.contextmanager
 def fresh_engine(model_dir: Path, batches: list[int], *, deterministic: bool = False,
-                 kv_cache_dtype: str = "auto"):
-    """A fresh in-process engine with workload (a)'s settings, (runner, started scheduler);
-    stopped and its memory released on exit."""
+                 kv_cache_dtype: str = "auto", **runner_options):
+    """A fresh in-process engine with workload (a)'s settings (`runner_options`: more
+    PagedRunner arguments), (runner, started scheduler); stopped and its memory released on
+    exit."""
     runner = PagedRunner(model_dir, device="cuda", dtype="bf16", max_running=max(batches),
                          cuda_graph_max_bs=max(batches), deterministic=deterministic,
-                         kv_cache_dtype=kv_cache_dtype)
+                         kv_cache_dtype=kv_cache_dtype, **runner_options)
     sched = PagedScheduler(runner, max_running=max(batches), max_prefill_tokens=16384,
                            chunked_prefill_size=8192, deterministic=deterministic)
     sched.start()
