@@ -132,8 +132,10 @@ class LoraParallelLinear(torch.nn.Module):
                 b = b.chunk(tp, dim=0)[tp_rank]
             else:
                 a = a.chunk(tp, dim=1)[tp_rank]
-            self.lora_A[part.name] = torch.nn.Parameter(a.to(weight.device, weight.dtype))
-            self.lora_B[part.name] = torch.nn.Parameter(b.to(weight.device, weight.dtype))
+            # fp32 under --dtype bf16 too (PEFT's default): megatron's optimizers keep fp32
+            # parameters as their own masters
+            self.lora_A[part.name] = torch.nn.Parameter(a.to(weight.device))
+            self.lora_B[part.name] = torch.nn.Parameter(b.to(weight.device))
             split = self.lora_B[part.name] if kind == "column" else self.lora_A[part.name]
             set_tensor_model_parallel_attributes(split, is_parallel=True,
                                                  dim=0 if kind == "column" else 1, stride=1)
@@ -155,7 +157,7 @@ class LoraParallelLinear(torch.nn.Module):
         # x is the same on every TP rank: so is the dropout mask (the default generator, as
         # megatron's hidden dropout), and h
         a = torch.cat([self.lora_A[name] for name in self.targets])
-        h = copy_to_tensor_model_parallel_region(F.linear(self.dropout(x), a))
+        h = copy_to_tensor_model_parallel_region(F.linear(self.dropout(x.to(a.dtype)), a))
         h_parts = dict(zip(self.targets, h.split(self.owner.rank, dim=-1)))
         ys = []
         for part in self.parts:
@@ -172,7 +174,7 @@ class LoraParallelLinear(torch.nn.Module):
 
         (name,) = self.targets
         with get_cuda_rng_tracker().fork():  # x's columns differ per TP rank: so do the masks
-            dropped = self.dropout(x)
+            dropped = self.dropout(x.to(self.lora_A[name].dtype))
         h = reduce_from_tensor_model_parallel_region(F.linear(dropped, self.lora_A[name]))
         return F.linear(h, self.lora_B[name]) * self.owner.scale
 

@@ -23,8 +23,9 @@ import torch
 from safetensors.torch import load_file
 
 from rltool.errors import ConfigError
-from rltool.train import lora, megatron_lora
-from rltool.train.config import BackendConfig
+from rltool.train import lora, megatron_lora, run
+from rltool.train.config import BackendConfig, TrainConfig
+from tests.helpers.shards import REWARDS, make_shard, shard_rows
 from tests.train.megatron_lora_ranks import BATCH, LORA, run_layout
 
 LAYOUTS = {"tp1": {}, "tp2": {"tensor_model_parallel_size": 2, "use_distributed_optimizer": True}}
@@ -154,3 +155,41 @@ def test_moe_models_are_refused(tiny_model_factory):
 
 def test_all_linear_is_every_adaptable_module():
     assert megatron_lora.resolve_targets([lora.ALL_LINEAR]) == list(megatron_lora.HF_PARENT)
+
+
+def test_train_publishes_the_adapter_resumes_and_merges(model, tmp_path):
+    """`rltool train --backend megatron --lora-rank 4` (KL to the base with the adapters off):
+    the published version is exactly the PEFT adapter; resuming the step-1 checkpoint publishes
+    the same step-2 adapter bit for bit; --lora-merge-on-publish publishes the base weights with
+    W + scale * B @ A (checked in float64 against the step-1 checkpoint's adapter)."""
+    shard = make_shard(tmp_path / "rollouts" / "step-000001", model, shard_rows(REWARDS),
+                       temperature=0.8)
+    cfg = dict(rollouts=[str(shard)], backend="megatron", lr=3e-3, max_tokens_per_microbatch=24,
+               global_batch_size=6, num_steps=2, kl_loss_coef=0.01, adam_eps=1e-6, **LORA)
+    straight = run(TrainConfig(load=str(model), save=str(tmp_path / "a"), save_interval=1,
+                               publish=str(tmp_path / "pub-a"), **cfg))
+    version = Path(straight.published)
+    assert sorted(p.name for p in version.iterdir()) == [lora.CONFIG_FILE, lora.WEIGHTS_FILE]
+    resumed = run(TrainConfig(load=str(tmp_path / "a" / "step-000001"), save=str(tmp_path / "b"),
+                              publish=str(tmp_path / "pub-b"), **cfg))
+    assert resumed.optimizer_steps == 1
+    losses = {k: v for k, v in straight.metrics[1].items() if k.startswith("train/")}
+    assert losses and all(resumed.metrics[0][k] == v for k, v in losses.items())
+    a, b = lora.read_adapter(version)[1], lora.read_adapter(Path(resumed.published))[1]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    merged = run(TrainConfig(load=str(model), publish=str(tmp_path / "pub-m"),
+                             lora_merge_on_publish=True, **{**cfg, "num_steps": 1}))
+    weights = load_file(Path(merged.published) / "model.safetensors")
+    base = load_file(model / "model.safetensors")
+    adapter = lora.read_adapter(tmp_path / "a" / "step-000001" / "adapter")[1]
+    assert weights.keys() == base.keys()
+    for name, w in base.items():
+        module = name.removesuffix(".weight")
+        if f"{module}.lora_A.weight" in adapter:
+            a_, b_ = (adapter[f"{module}.lora_{k}.weight"].double() for k in "AB")
+            want = w.double() + 2.0 * b_ @ a_
+            assert torch.allclose(weights[name].double(), want, rtol=0, atol=1e-6), name
+            assert not torch.equal(weights[name], w), name
+        else:
+            assert torch.equal(weights[name], w), name
