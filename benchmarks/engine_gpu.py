@@ -22,6 +22,9 @@ One script, one mode per run (`--mode`, default throughput):
                       run its seconds, tokens/s, time to first token and the kernel variants
                       Triton compiled during it (a compile stalls the engine for about a second;
                       once warm a run should compile nothing)
+  long-context        decode at 16k and 32k tokens per sequence, B = 8 and 32 (7B: 8 and 16),
+                      beside the bytes roofline (benchmarks/engine_long.py says how); `--device
+                      cpu --quick`: the tiny preset's smoke rows
 
 Workloads (random-init models with real shapes, bf16; random prompt ids; sampling at temperature
 1.0; every request exactly 256 output tokens with ignore_eos):
@@ -60,6 +63,8 @@ Usage: python -m benchmarks.engine_gpu [--presets qwen2.5-0.5b,qwen2.5-7b] [--ba
        [--grpo-prompts 64 --grpo-samples 8 --grpo-prompt-len 512 --grpo-max-output 2048]
        python -m benchmarks.engine_gpu --mode first-batches [--preset qwen2.5-7b]
        [--batches 64,256] [--repeats 3] [--out DIR]
+       python -m benchmarks.engine_gpu --mode long-context
+       [--presets qwen2.5-0.5b,qwen2.5-3b,qwen2.5-7b] [--device cpu --quick] [--out DIR]
 `--out DIR` writes DIR/engine_gpu[-MODE]-DATE-DEVICE.json. Prints a table and, last, one JSON
 line.
 """
@@ -85,6 +90,7 @@ from benchmarks.engine_common import (OUTPUT_LEN, PROMPT_LEN, checkpoints, copy_
                                       first_batches, in_process, prompts_for, random_checkpoint,
                                       run_batch, warm_up)
 from benchmarks.engine_fp8 import precision_cost, quick
+from benchmarks.engine_long import long_context
 from benchmarks.engine_rl import grpo_workload, tensor_sync_timing
 from benchmarks.engine_sampling import parse_arms, print_table, sampler_alone, sampling_runs
 from benchmarks.workloads import hf_generate
@@ -395,6 +401,8 @@ MODES: dict[str, Callable[[argparse.Namespace], dict]] = {
         args.preset, parse_batches(args), args.gemm_only, args.engines_only)},
     "rl": rl,
     "first-batches": first_batches_mode,
+    "long-context": lambda args: long_context(args.presets.split(","), device=args.device,
+                                              quick=args.quick),
 }
 
 
@@ -406,7 +414,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--presets", default="qwen2.5-0.5b")
     ap.add_argument("--preset", default="qwen2.5-7b", help="fp8-quick and first-batches")
     ap.add_argument("--batches", default="64,256")
-    ap.add_argument("--quick", action="store_true", help="skip transformers generate")
+    ap.add_argument("--quick", action="store_true", help="skip transformers generate; "
+                    "long-context: the tiny preset's smoke rows")
     ap.add_argument("--skip-http", action="store_true")
     ap.add_argument("--sampling", type=parse_arms, default=[],
                     help="throughput: also run workload (a) per sampling arm, e.g. "
@@ -444,8 +453,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--mode rl needs --grpo PRESETS and/or --tensor-sync PRESETS")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device is visible; mode rl runs on the CPU with --device cpu")
-    if args.device == "cpu" and args.mode != "rl":
-        ap.error(f"--device cpu runs mode rl only; mode {args.mode} needs a GPU")
+    if args.device == "cpu" and not (args.mode == "rl" or args.mode == "long-context"
+                                     and args.quick):
+        ap.error(f"--device cpu runs mode rl and long-context --quick only; mode {args.mode} "
+                 "needs a GPU")
     return args
 
 
