@@ -47,6 +47,7 @@ class DrawParams:
     bias_values: torch.Tensor | None  # [B, NB] float32
     stop_ids: torch.Tensor | None  # [B, NS] int64, rows padded with their first id (or 0)
     stop_rows: torch.Tensor | None  # [B] bool: rows that have stop ids to mask
+    max_k: int | None = None  # every filtered row's top_k is at most this (None: some has none)
 
     @staticmethod
     def build(params: list[SamplingParams], *, temps: list[float], stop_ids: list[list[int]],
@@ -68,6 +69,8 @@ class DrawParams:
             out.top_k = dev([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64)
             out.top_p = dev([p.top_p for p in params], torch.float32)
             out.min_p = dev([p.min_p for p in params], torch.float32)
+            ks = [p.top_k for p, f in zip(params, filtered) if f]
+            out.max_k = max(ks) if min(ks) > 0 else None
         if any(biases):
             width = max(len(b) for b in biases)
             pad = [b + [(0, 0.0)] * (width - len(b)) for b in biases]
@@ -97,7 +100,8 @@ def draw_logits(logits: torch.Tensor, params: DrawParams,
         x.scatter_(1, params.stop_ids, masked)
     if params.filtered is not None:
         probs = torch.softmax(x / params.temps.unsqueeze(1), dim=-1)
-        remove = filter_mask(probs, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
+        remove = filter_mask(probs, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+                             max_k=params.max_k)
         x.masked_fill_(remove & params.filtered.unsqueeze(1), float("-inf"))
     return x
 

@@ -137,16 +137,29 @@ def filter_probs(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Ten
 
 
 def filter_mask(probs: torch.Tensor, *, top_k: torch.Tensor, top_p: torch.Tensor,
-                min_p: torch.Tensor) -> torch.Tensor:
+                min_p: torch.Tensor, max_k: int | None = None) -> torch.Tensor:
     """[B, V] bool: the tokens top-k / top-p / min-p remove from each row of `probs`, given per
     row (top_k [B] int, the vocabulary size when off; top_p, min_p [B] of probs' dtype). By
-    descending probability (a stable sort: ties by id), a token goes when its rank is past top_k,
-    the mass before it is past top_p, or it is below min_p times the top; the top always stays.
-    A fixed number of batched launches whatever B (CUDA-graph capturable)."""
-    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
-    ranks = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
+    descending probability, ties by id, a token goes when its rank is past top_k, the mass
+    before it is past top_p, or it is below min_p times the top; the top always stays.
+
+    What is kept is a prefix of that order, so it is fixed by its length n and its last value v:
+    every token above v, then the lowest ids among those equal to v. Only the sorted values are
+    needed, and with `max_k` (every row's top_k is at most it) only the largest max_k of them
+    (a top-k instead of a sort of the vocabulary). A fixed number of batched launches whatever B
+    (CUDA-graph capturable)."""
+    if max_k is not None and max_k < probs.shape[-1]:
+        sorted_p = probs.topk(max_k, dim=-1).values
+    else:
+        sorted_p = probs.sort(dim=-1, descending=True).values
+    ranks = torch.arange(sorted_p.shape[-1], device=probs.device).unsqueeze(0)
     exclusive_mass = sorted_p.cumsum(dim=-1) - sorted_p
     remove = ((ranks >= top_k.unsqueeze(1)) | (exclusive_mass > top_p.unsqueeze(1))
               | (sorted_p < min_p.unsqueeze(1) * sorted_p[:, :1]))
     remove[:, 0] = False  # the most likely token always survives
-    return torch.zeros_like(remove).scatter_(-1, order, remove)
+    kept = (~remove).sum(dim=-1, keepdim=True)
+    last = sorted_p.gather(1, kept - 1)
+    above = probs > last
+    tied = probs == last
+    need = kept - above.sum(dim=-1, keepdim=True)
+    return ~(above | (tied & (tied.cumsum(dim=-1) <= need)))

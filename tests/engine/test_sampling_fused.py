@@ -14,7 +14,7 @@ import torch
 from rltool.engine.sampling import SamplingParams
 from rltool.logprobs import effective_temperature
 from tests.helpers import triton_child
-from tests.helpers.fused_sampling import STOP, decode_filtered, ref_keys, ref_token
+from tests.helpers.fused_sampling import STOP, decode_filtered, ref_keys, ref_removed, ref_token
 from tests.helpers.triton_child import ran_in_child
 
 CUDA = torch.cuda.is_available()
@@ -147,3 +147,24 @@ def test_decode_overlap_stays_on_with_filtered_sampling(request, tiny_model_dir)
         assert np.allclose(lps, want_lps, atol=1e-5)
     biased = overlapped[2][0]
     assert len(biased) == 4 and STOP not in biased[:3] and biased[3] == STOP, biased
+
+
+def test_filter_mask_keeps_tied_tokens_by_id_with_a_sort_or_a_top_k():
+    """Tokens of equal probability (bf16 logits tie often) are kept lowest id first, as the
+    loop reference's order says, whether the kept prefix is found by sorting the vocabulary or,
+    with max_k, by its largest max_k probabilities."""
+    from rltool.engine.sampling import filter_mask
+
+    torch.manual_seed(3)
+    B, V = 12, 200
+    probs = torch.softmax(torch.randn(B, V).mul(2).round(), dim=-1)  # a few distinct values
+    params = [SamplingParams(top_k=k, top_p=tp, min_p=mp) for k, tp, mp in
+              [(7, 1.0, 0.0), (30, 1.0, 0.0), (1, 1.0, 0.0), (12, 0.37, 0.0), (40, 1.0, 0.3),
+               (25, 0.61, 0.05)] * 2]
+    top_k = torch.tensor([p.top_k for p in params])
+    top_p = torch.tensor([p.top_p for p in params])
+    min_p = torch.tensor([p.min_p for p in params])
+    want = np.stack([ref_removed(probs[i].double().numpy(), p) for i, p in enumerate(params)])
+    for max_k in (None, 40):
+        got = filter_mask(probs, top_k=top_k, top_p=top_p, min_p=min_p, max_k=max_k)
+        assert np.array_equal(got.numpy(), want), max_k
