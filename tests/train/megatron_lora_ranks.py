@@ -7,9 +7,10 @@
 Builds the trainer with LoRA, takes two optimizer steps on a fixed micro-batch with a checkpoint
 after the first, resumes that checkpoint in a fresh trainer and takes its second step again.
 Global rank 0 writes OUT/: the adapters (PEFT names, fp32) at init, after each step and after the
-resumed step, the base's HF tensors before and after the first step, the step metrics, the
-trainable and gradient-buffered parameter names, and the logprobs of the micro-batch with the
-adapters on and off after the second step.
+resumed step, the step metrics, whether the base's HF tensors stayed equal over the first step,
+the trainable and gradient-buffered parameter names, and the logprobs of the micro-batch with the
+adapters on and off after the second step. `layout` adds to or overrides the options (TP, the
+distributed optimizer, device and dtype).
 """
 
 from __future__ import annotations
@@ -42,14 +43,16 @@ def run_layout(model: Path, out: Path, layout: dict[str, Any]) -> None:
     from rltool.train.launch import process_group_scope
     from rltool.train.megatron_backend import MegatronBackend
 
-    options = BackendConfig(**OPTIONS, **LORA, **layout)
+    options = BackendConfig(**{**OPTIONS, **LORA, **layout})
     torch.manual_seed(0)
     with process_group_scope():
         backend = MegatronBackend(model, options=options)
         record: dict[str, Any] = {
             "trainable": [n for n, p in backend.module.named_parameters() if p.requires_grad],
             "buffered": sorted(n for n, p in backend.module.named_parameters()
-                               if p in backend.model.param_to_bucket_group)}
+                               if p in backend.model.param_to_bucket_group),
+            "adapter_dtypes": sorted({str(p.dtype) for p in backend.module.parameters()
+                                      if p.requires_grad})}
         tensors = {"init": backend.export_adapter()}
         base = megatron_state.export_hf(backend.module, backend.hf_config)
         metrics = [backend.train_step([BATCH], loss_fn, temperature=1.0)]
@@ -78,7 +81,6 @@ def run_layout(model: Path, out: Path, layout: dict[str, Any]) -> None:
             (out / "record.json").write_text(json.dumps(record))
             for name, state in tensors.items():
                 save_file(state, str(out / f"{name}.safetensors"))
-            save_file(base, str(out / "base.safetensors"))
 
 
 if __name__ == "__main__":  # torch_dist's writer spawns processes: nothing runs on import

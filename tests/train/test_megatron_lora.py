@@ -39,29 +39,35 @@ def model(tiny_model_factory):
 
 @pytest.fixture(scope="module")
 def runs(model, tmp_path_factory):
-    """layout -> (record.json, {step: adapter tensors}, base HF tensors, checkpoint dir)."""
-    out = {}
-    for name, layout in LAYOUTS.items():
-        root = tmp_path_factory.mktemp(name)
-        if name == "tp1":
-            run_layout(model, root, layout)
-        else:
-            repo = Path(__file__).resolve().parents[2]
-            proc = subprocess.run(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc-per-node=2", str(repo / "tests" / "train" / "megatron_lora_ranks.py"),
-                 str(model), str(root), json.dumps(layout)], capture_output=True, text=True,
-                timeout=400, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo)))
-            assert proc.returncode == 0, proc.stderr[-3000:]
-        out[name] = (json.loads((root / "record.json").read_text()),
-                     {step: load_file(root / f"{step}.safetensors") for step in STEPS},
-                     load_file(root / "base.safetensors"), root / "ckpt")
-    return out
+    """layout -> (record.json, {step: adapter tensors}, checkpoint dir)."""
+    return {name: run_ranks(model, tmp_path_factory.mktemp(name), layout,
+                            nproc=layout.get("tensor_model_parallel_size", 1))
+            for name, layout in LAYOUTS.items()}
+
+
+def run_ranks(model: Path, root: Path, layout: dict, *, nproc: int):
+    """megatron_lora_ranks.run_layout in this process (nproc 1) or under torchrun."""
+    if nproc == 1:
+        run_layout(model, root, layout)
+    else:
+        repo = Path(__file__).resolve().parents[2]
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             f"--nproc-per-node={nproc}", str(repo / "tests" / "train" / "megatron_lora_ranks.py"),
+             str(model), str(root), json.dumps(layout)], capture_output=True, text=True,
+            timeout=400, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo)))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return (json.loads((root / "record.json").read_text()),
+            {step: load_file(root / f"{step}.safetensors") for step in STEPS}, root / "ckpt")
 
 
 def test_tp2_adapter_equals_tp1(runs):
-    record1, tp1, _, _ = runs["tp1"]
-    record2, tp2, _, _ = runs["tp2"]
+    assert_same_training(runs["tp1"], runs["tp2"], atol=1e-5)
+
+
+def assert_same_training(one, other, *, atol: float) -> None:
+    """Equal adapters at init, within `atol` after each step, grad norms within `atol`."""
+    (record1, tp1, _), (record2, tp2, _) = one, other
     want = {f"model.layers.{layer}.{parent}.{name}.lora_{kind}.weight"
             for layer in range(2) for name, parent in megatron_lora.HF_PARENT.items()
             for kind in "AB"}
@@ -72,17 +78,22 @@ def test_tp2_adapter_equals_tp1(runs):
     assert tp1["init"]["model.layers.1.mlp.down_proj.lora_B.weight"].shape == (64, 4)
     for step in ("step1", "step2"):
         for k in want:
-            assert torch.allclose(tp1[step][k], tp2[step][k], rtol=0, atol=1e-5), (step, k)
+            assert torch.allclose(tp1[step][k], tp2[step][k], rtol=0, atol=atol), (step, k)
     for m1, m2 in zip(record1["metrics"], record2["metrics"], strict=True):
-        assert m2["train/grad_norm"] == pytest.approx(m1["train/grad_norm"], rel=0, abs=1e-5)
+        assert m2["train/grad_norm"] == pytest.approx(m1["train/grad_norm"], rel=0, abs=atol)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_only_the_adapters_train(runs, layout):
-    record, steps, _, _ = runs[layout]
+    assert_only_adapters_train(runs[layout])
+
+
+def assert_only_adapters_train(run) -> None:
+    record, steps, _ = run
     assert record["trainable"] and all(".lora_" in n for n in record["trainable"])
     assert len(record["trainable"]) == 2 * 2 * 7  # A and B of 7 modules in 2 layers
     assert sorted(record["trainable"]) == record["buffered"]
+    assert record["adapter_dtypes"] == ["torch.float32"]
     assert record["base_unchanged"]
     for k, init in steps["init"].items():
         assert not torch.equal(steps["step2"][k], init), k  # every adapter tensor moved
@@ -92,7 +103,11 @@ def test_only_the_adapters_train(runs, layout):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_checkpoint_keeps_every_adapter_shard_and_resumes_bit_identically(runs, layout):
-    record, steps, _, ckpt = runs[layout]
+    assert_checkpoint_round_trip(runs[layout])
+
+
+def assert_checkpoint_round_trip(run) -> None:
+    record, steps, ckpt = run
     for k, tensor in steps["step1"].items():
         assert torch.equal(steps["loaded"][k], tensor), k
         assert torch.equal(steps["resumed"][k], steps["step2"][k]), k
@@ -109,10 +124,16 @@ def test_checkpoint_keeps_every_adapter_shard_and_resumes_bit_identically(runs, 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_forward_equals_peft(runs, model, tmp_path, layout):
+    assert_forward_equals_peft(runs[layout], model, tmp_path, atol=1e-5)
+
+
+def assert_forward_equals_peft(run, model: Path, tmp_path: Path, *, atol: float) -> None:
+    """The logprobs after step 2 equal PeftModel's (fp32, CPU) over the same base and adapter
+    within `atol`, and the base model's with the adapters off."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    record, steps, _, _ = runs[layout]
+    record, steps, _ = run
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8,
               "lora_dropout": 0.0, "target_modules": sorted(megatron_lora.HF_PARENT),
               "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
@@ -130,7 +151,7 @@ def test_forward_equals_peft(runs, model, tmp_path, layout):
         target = ids[0, start:, None]
         for ref, mine in ((on, record["logprobs_on"][i]), (off, record["logprobs_off"][i])):
             assert torch.allclose(ref.gather(-1, target)[:, 0], torch.tensor(mine), rtol=0,
-                                  atol=1e-5)
+                                  atol=atol)
         moved = max(moved, (on - off).abs().max().item())
     assert moved > 1e-3  # the adapter changes the forward: the comparison is not the base's
 
