@@ -97,6 +97,7 @@ COMPANIONS = {
     "mode": ["--placement", "disaggregated"],  # async refuses colocated placement
     "opd_teacher_route": ["--opd-teacher", "a=x"],
     "opd_mode": ["--opd-teacher", "x"],
+    ("serve", "lora_paths"): ["--enable-lora"],  # adapters at start need LoRA on
     "admin_key_hosts": ["--router-url", "http://g:1"],  # the gateway's workers
     ("loop", "engine"): ["--sync", "auto"],  # the in-process engine takes in-memory sync only
     ("env", "host"): ["--api-key", "k"],  # a non-loopback host needs the key
