@@ -161,7 +161,8 @@ class ServeConfig(StageConfig):
     max_lora_rank: int = Field(16, ge=1, description="--enable-lora: the largest adapter rank "
                                "served (the adapter buffers' size).")
     lora_paths: list[str] = Field(default_factory=list, description="--enable-lora: adapters "
-                                  "loaded at start, as NAME=DIR (PEFT adapter directories).")
+                                  "loaded at start, as NAME=DIR or DIR (named by its path), "
+                                  "PEFT adapter directories.")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Server log level.")
     enable_debug_endpoints: bool = Field(False, description="Mount POST /debug/hidden_states "
@@ -242,12 +243,16 @@ class ServeConfig(StageConfig):
 
 
     def lora_adapters(self) -> dict[str, Path]:
-        """--lora-paths as name -> directory (ValueError naming a malformed entry)."""
+        """--lora-paths as name -> directory (SGLang's forms: NAME=DIR, or DIR named by itself);
+        ValueError naming a malformed entry."""
         out: dict[str, Path] = {}
         for entry in self.lora_paths:
             name, sep, path = entry.partition("=")
-            if not (sep and name and path) or name in out:
-                raise ValueError(f"--lora-paths {entry!r}: give each adapter once as NAME=DIR")
+            if not sep:
+                name = path = entry
+            if not (name and path) or name in out:
+                raise ValueError(f"--lora-paths {entry!r}: give each adapter once as NAME=DIR "
+                                 "or DIR")
             out[name] = Path(path)
         return out
 

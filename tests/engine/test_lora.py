@@ -5,6 +5,7 @@ kept apart per adapter, weight syncs of the policy adapter, and the HTTP routes.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -197,8 +198,11 @@ def test_serve_config_lora_flags(tiny_model_dir):
     assert cfg.lora_adapters() == {"a": tiny_model_dir}
     with pytest.raises(ValueError, match="--lora-paths needs --enable-lora"):
         ServeConfig(model=tiny_model_dir, device="cpu", lora_paths=[f"a={tiny_model_dir}"])
+    assert ServeConfig(model=tiny_model_dir, device="cpu", enable_lora=True,
+                       lora_paths=["/x/a"]).lora_adapters() == {"/x/a": Path("/x/a")}
     with pytest.raises(ValueError, match="NAME=DIR"):
-        ServeConfig(model=tiny_model_dir, device="cpu", enable_lora=True, lora_paths=["a"])
+        ServeConfig(model=tiny_model_dir, device="cpu", enable_lora=True,
+                    lora_paths=["a=/x", "a=/y"])
 
 
 def test_http_routes(tiny_model_dir, adapters, tmp_path):
