@@ -7,7 +7,8 @@ device buffers (`LoraLayers`), into which `activate` copies the adapter a batch 
 not the one already there. Every adapter content carries a fresh tag, so a replaced adapter is
 copied again and never shares prefix-cache entries with the one it replaced.
 
-Every method runs on the scheduler thread.
+Every method that changes adapters runs on the scheduler thread; `adapters` is replaced, never
+changed in place, so the routes read it from the event loop (request checks, server info) safely.
 """
 
 from __future__ import annotations
@@ -82,21 +83,22 @@ class LoraRegistry:
                                 "first or choose another name")
         adapter = read_adapter(path, name=name, tag=next(self._tags), shapes=self.shapes,
                                dtype=self.dtype)
-        self.adapters[name] = adapter
+        self.adapters = {**self.adapters, name: adapter}
         return adapter
 
     def unload(self, name: str) -> None:
         self.check_name(name)
-        del self.adapters[name]
+        self.adapters = {k: v for k, v in self.adapters.items() if k != name}
 
     # ----- weight syncs of the policy adapter -----------------------------------------------
 
     def install_policy(self, path: Path) -> int:
-        """A LoRA weight sync from an adapter directory: it replaces the policy adapter."""
+        """A LoRA weight sync from an adapter directory: it replaces the policy adapter.
+        Returns how many fused linears it targets."""
         self.policy = read_adapter(path, name=POLICY, tag=next(self._tags), shapes=self.shapes,
                                    dtype=self.dtype)
         self.activate(None)
-        return 2 * sum(1 for _ in self.policy.weights)
+        return len(self.policy.weights)
 
     def sync_policy(self, named: list[tuple[str, Any]]) -> int:
         """A LoRA weight sync from PEFT-named tensors (any subset, e.g. one bucket): each replaces

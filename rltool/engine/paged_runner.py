@@ -193,7 +193,9 @@ class PagedRunner:
     # ----- weights -------------------------------------------------------------------------
 
     def load_weights(self, path: str | Path) -> int:
-        """Copy a HF checkpoint's tensors into the live model, all or nothing (names, shapes)."""
+        """Copy a HF checkpoint's tensors into the live model, all or nothing (names, shapes);
+        a LoRA adapter directory replaces the policy adapter instead. Returns how many tensors
+        (fused linears for an adapter) were loaded."""
         if self.model is None:
             raise BadInputError("weights are released; call /resume_memory_occupation first")
         if is_adapter_dir(Path(path)):  # a LoRA sync: the policy adapter, never the base weights
