@@ -24,6 +24,9 @@ Each phase, predicted by `plan` (bytes; N parameters, T the micro-batch token ca
 - host: the pinned buffers of what moves, plus the engines' staged weights (N x engine dtype,
   rltool.loop.colocation) -- pinned, so the kernel cannot swap them.
 
+Under LoRA (`lora_params` L > 0, `Shape.lora_params`) the N parameters of the base are frozen:
+the trainer holds 4 (N + L) bytes of parameters, 4 L of gradients and 8 L of AdamW moments.
+
 With `none` nothing alternates: every phase holds the trainer's 16 N, the engines' weights and a
 KV pool of `kv_tokens` together, the train phase its activations besides; the host holds nothing.
 
