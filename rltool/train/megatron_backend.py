@@ -134,6 +134,12 @@ class MegatronBackend:
             raise ConfigError("--dtype bf16 needs CUDA to train with --backend megatron (megatron-"
                               "core's mixed-precision optimizers check for CUDA tensors); use "
                               "--dtype fp32 on the CPU")
+        try:
+            self.hf_config = json.loads((self.model_dir / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{model_dir}: unreadable config.json ({e})") from e
+        if trainable and options.lora_rank:
+            megatron_lora.check_layout(options, self.hf_config)
         megatron_compat.init_distributed(**_sizes(options), seed=options.seed)
         from megatron.core import parallel_state as ps
 
@@ -143,13 +149,7 @@ class MegatronBackend:
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
         self.optimizer_steps = 0
-        try:
-            self.hf_config = json.loads((self.model_dir / "config.json").read_text())
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"{model_dir}: unreadable config.json ({e})") from e
         self.vocab_size = int(self.hf_config["vocab_size"])
-        if trainable and options.lora_rank:
-            megatron_lora.check_layout(options, self.hf_config)
         tp = options.tensor_model_parallel_size
         dtype = torch.bfloat16 if options.dtype == "bf16" else torch.float32
         model = build_gpt_model(

@@ -214,3 +214,18 @@ def test_train_publishes_the_adapter_resumes_and_merges(model, tmp_path):
             assert not torch.equal(weights[name], w), name
         else:
             assert torch.equal(weights[name], w), name
+
+
+def test_cli_refuses_an_unsupported_layout_in_one_line(model, tmp_path):
+    from click.testing import CliRunner
+
+    from rltool.cli import main
+
+    shard = make_shard(tmp_path / "rollouts" / "step-000001", model, shard_rows(REWARDS),
+                       temperature=0.8)
+    result = CliRunner().invoke(main, [
+        "train", "--rollouts", str(shard), "--load", str(model), "--save", str(tmp_path / "ckpt"),
+        "--backend", "megatron", "--lora-rank", "4", "--pipeline-model-parallel-size", "2"])
+    assert result.exit_code == 2, result.output
+    assert "runs without pipeline parallelism" in result.output
+    assert not (tmp_path / "ckpt").exists()
