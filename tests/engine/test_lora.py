@@ -82,6 +82,23 @@ def test_full_pass_logits_match_peft(tiny_model_dir, adapters, which):
     assert (want - base).abs().max() > 1e-2  # the adapter changes the logits
 
 
+def test_moe_model_attention_adapter_matches_peft(tiny_model_factory, tmp_path):
+    """qwen3_moe: an adapter on the attention projections (and the dense layers' MLP, where
+    there are any) matches PeftModel; one on a sparse layer's experts is refused by name."""
+    model_dir = tiny_model_factory("qwen3_moe", 0)
+    peft_model, path = make_adapter(model_dir, model_dir.parent / "moe-lora", r=4, alpha=8,
+                                    targets=["q_proj", "k_proj", "v_proj", "o_proj"], seed=4)
+    runner = runner_of(model_dir)
+    runner.load_weights(path)
+    ids = PROMPTS[0]
+    torch.testing.assert_close(runner.full_pass_logits(ids, start=1),
+                               peft_logits(peft_model, ids)[:-1], atol=1e-5, rtol=0)
+    sparse = min(runner.spec.moe.sparse_layers)
+    name = f"base_model.model.model.layers.{sparse}.mlp.gate_proj.lora_A.weight"
+    with pytest.raises(BadInputError, match="sparse MoE layer"):
+        runner.load_named_tensors([(name, torch.ones(2, runner.spec.hidden_size))])
+
+
 def test_paged_decode_matches_peft_and_differs_from_base(tiny_model_dir, adapters):
     """Prefill and decode over the paged pool, a batch of two prompts under one adapter: the
     sampled tokens' logprobs equal PeftModel's full pass over the same tokens."""
@@ -251,6 +268,17 @@ def test_http_routes(tiny_model_dir, adapters, tmp_path):
             "qv": str(adapters["qv"][1])}
         assert client.post("/unload_lora_adapter", headers=admin,
                            json={"lora_name": "full"}).status_code == 400
+
+        # A LoRA weight sync from disk: the policy adapter, run by requests without lora_path.
+        sync = client.post("/update_weights_from_disk", headers=admin,
+                           json={"model_path": path, "weight_version": "7"})
+        assert sync.status_code == 200, sync.text
+        info = client.get("/get_server_info").json()
+        assert info["weight_version"] == "7" and info["lora_adapters"][0]["name"] == "policy"
+        assert info["model_path"] == str(tiny_model_dir)  # the base stays
+        out = client.post("/generate", json=gen).json()
+        assert out["output_ids"] == want[0].output_ids
+        assert out["meta_info"]["weight_version"] == "7"
 
 
 def runner_with(model_dir, name, path):
