@@ -45,7 +45,10 @@ def _uniform(seed, offs):
     tl.rand, costs ~10x more and made the kernel compute-bound)."""
     h = _fmix32(offs.to(tl.uint32) * 0x9E3779B1 + 0x7F4A7C15)
     h = _fmix32(h ^ seed.to(tl.uint32))
-    return ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    # The largest hash, (2^24 - 1) + 0.5, rounds to 2^24 in float32: U = 1 would make the noise
+    # -log(-log U) +inf, and its token (one row-step in ~110 at a 152k vocabulary) win whatever
+    # its probability. Clamped to the largest float32 below 1; every other U is unchanged.
+    return tl.minimum(((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0), 0.99999994)
 
 
 @triton.jit(do_not_specialize=["NCHUNK"])  # varies with the batch: see rltool.engine.fused

@@ -14,12 +14,14 @@ import torch
 from rltool.engine.sampling import SamplingParams
 from rltool.logprobs import effective_temperature
 from tests.helpers import triton_child
-from tests.helpers.fused_sampling import STOP, decode_filtered, ref_keys, ref_removed, ref_token
+from tests.helpers.fused_sampling import (STOP, decode_filtered, fmix32, ref_keys, ref_removed,
+                                          ref_token)
 from tests.helpers.triton_child import ran_in_child
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 CHILD = "RLTOOL_TRITON_INTERPRET_CHILD"
+M32 = 0xFFFF_FFFF
 
 
 @pytest.fixture(scope="module")
@@ -168,3 +170,20 @@ def test_filter_mask_keeps_tied_tokens_by_id_with_a_sort_or_a_top_k():
     for max_k in (None, 40):
         got = filter_mask(probs, top_k=top_k, top_p=top_p, min_p=min_p, max_k=max_k)
         assert np.array_equal(got.numpy(), want), max_k
+
+
+def test_the_largest_hash_does_not_make_its_token_win(request):
+    """Bug: the hash's largest value, (2^24 - 1) + 0.5, rounds to 2^24 in float32, so U was
+    exactly 1, the noise -log(-log U) +inf, and that token (about one row-step in 110 at a 152k
+    vocabulary) was drawn whatever its probability. Seed 109806 gives token 55 of 64 that hash."""
+    if ran_in_child(request):
+        return
+    seed, tok = 109806, 55
+    offs = np.uint64(tok)
+    h = fmix32(fmix32((offs * np.uint64(0x9E3779B1) + np.uint64(0x7F4A7C15)) & np.uint64(M32))
+                ^ np.uint64(seed))
+    assert int(h) >> 8 == 2**24 - 1  # the case this test is about
+    logits = torch.full((1, 64), -40.0)
+    logits[0, 3] = 0.0  # probability ~1; token 55 ~e-40
+    drawn = run_sampler(logits, [SamplingParams()], [seed])
+    assert drawn.tokens == [3]

@@ -24,7 +24,7 @@ FILTERED_PARAMS = [
     SamplingParams(max_new_tokens=7, ignore_eos=True)]
 
 
-def _fmix32(h: np.ndarray) -> np.ndarray:
+def fmix32(h: np.ndarray) -> np.ndarray:
     h = h ^ (h >> 16)
     h = (h * 0x85EBCA6B) & M32
     h = h ^ (h >> 13)
@@ -38,9 +38,10 @@ def ref_keys(logits: np.ndarray, *, temp: float, seed: int, greedy: bool) -> np.
     if greedy:
         return x
     offs = np.arange(len(logits), dtype=np.uint64)
-    h = _fmix32((offs * 0x9E3779B1 + 0x7F4A7C15) & M32)
-    h = _fmix32(h ^ np.uint64(seed))
+    h = fmix32((offs * 0x9E3779B1 + 0x7F4A7C15) & M32)
+    h = fmix32(h ^ np.uint64(seed))
     u = ((h >> 8).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 16777216.0)
+    u = np.minimum(u, np.float32(1.0 - 2.0**-24))  # the largest hash rounds to U = 1
     return x - np.log(-np.log(np.maximum(u, np.float32(1e-20))))
 
 
