@@ -5,10 +5,11 @@ temperature-scaled distribution *before* top-k / top-p / min-p filtering; greedy
 logprobs at temperature 1.0. Filtering only changes which token is drawn.
 
 Sampling draws with the exponential race (argmax of p / E, E ~ Exp(1)), which is exactly a draw
-from p and needs one noise vector per row, so a request with its own `torch.Generator`
-(deterministic mode) gets the same token whatever else is in the batch. The engine samples with
-`batch_sampling.sample_batch` (or the Triton kernel); the per-row reference they are tested
-against is `tests/helpers/sampling.py`.
+from p and needs one noise vector per row, so a request's draw depends on its own noise only:
+on the Triton sampler a counter-based hash of its seed and token index, on the CPU torch sampler
+its own `torch.Generator` (deterministic mode). The engine samples with
+`batch_sampling.sample_batch`; the per-row references they are tested against are
+`tests/helpers/sampling.py` (torch) and `tests/helpers/fused_sampling.py` (the kernel's draw).
 """
 
 from __future__ import annotations

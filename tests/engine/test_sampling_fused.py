@@ -56,7 +56,7 @@ def run_sampler(logits: torch.Tensor, params: list[SamplingParams], seeds: list[
 
 def test_seeded_plain_rows_draw_what_the_kernel_always_drew(request):
     """The equality the fused path keeps: a seeded plain row's token is the race over its own
-    hash noise, whatever the rest of the batch holds (written against the plain-only kernel)."""
+    hash noise, whatever the rest of the batch holds."""
     if ran_in_child(request):
         return
     torch.manual_seed(0)
