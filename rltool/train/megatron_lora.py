@@ -23,8 +23,9 @@ sharded as above, so dist/ checkpoints restore the adapters of every TP rank.
 
 lora_A starts Kaiming-uniform (a = sqrt(5), PEFT's default) drawn for the whole HF matrix from a
 generator seeded by (seed, layer, module) and then cut to the rank's shard, so every layout starts
-from the same adapter; lora_B starts at zero. Refused: pipeline parallelism, MoE models and
-sequence parallelism (no test covers them on CPU; see docs/train.md).
+from the same adapter; lora_B starts at zero. Pipeline stages adapt their own layers (global
+layer numbers). Refused: MoE models and sequence parallelism (neither runs on the CPU here, so
+neither is verified; docs/train.md).
 """
 
 from __future__ import annotations
@@ -73,9 +74,6 @@ def check_layout(options: Any, hf_config: dict[str, Any]) -> None:
     from rltool.convert.gpt_model import num_experts
 
     resolve_targets(list(options.lora_target_modules))
-    if options.pipeline_model_parallel_size > 1:
-        raise ConfigError("--lora-rank with --backend megatron runs without pipeline parallelism; "
-                          "drop --pipeline-model-parallel-size or use --tensor-model-parallel-size")
     if num_experts(hf_config):
         raise ConfigError("--lora-rank with --backend megatron adapts dense models only (no MoE "
                           "experts); use --backend torch for this model")

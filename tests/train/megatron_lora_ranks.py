@@ -8,7 +8,7 @@ Builds the trainer with LoRA, takes two optimizer steps on a fixed micro-batch w
 after the first, resumes that checkpoint in a fresh trainer and takes its second step again.
 Global rank 0 writes OUT/: the adapters (PEFT names, fp32) at init, after each step and after the
 resumed step, the step metrics, whether the base's HF tensors stayed equal over the first step,
-the trainable and gradient-buffered parameter names, and the logprobs of the micro-batch with the
+each rank's trainable and gradient-buffered parameter names, and the logprobs of the micro-batch with the
 adapters on and off after the second step. `layout` adds to or overrides the options (TP, the
 distributed optimizer, device and dtype).
 """
@@ -47,12 +47,12 @@ def run_layout(model: Path, out: Path, layout: dict[str, Any]) -> None:
     torch.manual_seed(0)
     with process_group_scope():
         backend = MegatronBackend(model, options=options)
-        record: dict[str, Any] = {
-            "trainable": [n for n, p in backend.module.named_parameters() if p.requires_grad],
-            "buffered": sorted(n for n, p in backend.module.named_parameters()
-                               if p in backend.model.param_to_bucket_group),
-            "adapter_dtypes": sorted({str(p.dtype) for p in backend.module.parameters()
-                                      if p.requires_grad})}
+        params = list(backend.module.named_parameters())
+        own = {"trainable": sorted(n for n, p in params if p.requires_grad),
+               "buffered": sorted(n for n, p in params if p in backend.model.param_to_bucket_group),
+               "adapter_dtypes": sorted({str(p.dtype) for _, p in params if p.requires_grad})}
+        record: dict[str, Any] = {"ranks": backend.all_gather_object(own),
+                                  "pp": options.pipeline_model_parallel_size}
         tensors = {"init": backend.export_adapter()}
         base = megatron_state.export_hf(backend.module, backend.hf_config)
         metrics = [backend.train_step([BATCH], loss_fn, temperature=1.0)]

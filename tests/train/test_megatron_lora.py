@@ -1,12 +1,12 @@
 """LoRA on `--backend megatron` (rltool.train.megatron_lora), fp32 on the CPU with gloo.
 
 One run per layout (tests/train/megatron_lora_ranks.py): TP1 in this process, TP2 with the
-distributed optimizer as 2 torchrun ranks; each takes two steps with a checkpoint after the first
-and resumes it. Checked: TP2's adapter equals TP1's exactly at init and within 1e-5 after each
-step (Adam's sign-like first steps turn fp32 rounding of different GEMM shapes into ~1e-6, see
-test_megatron.py), with the same grad norms; only the adapters are trainable and buffered and
-the base does not move; every adapter key of a TP2 save comes back bit for bit and the resumed
-step is the uninterrupted one; the forward equals PEFT's PeftModel over the same base and
+distributed optimizer and PP2 as 2 torchrun ranks each; each takes two steps with a checkpoint
+after the first and resumes it. Checked: the two-rank layouts' adapters equal TP1's exactly at
+init and within 1e-5 after each step (Adam's sign-like first steps turn fp32 rounding of
+different GEMM shapes into ~1e-6, see test_megatron.py), with the same grad norms; only the
+adapters are trainable and buffered and the base does not move; every adapter key of a
+two-rank save comes back bit for bit and the resumed step is the uninterrupted one; the forward equals PEFT's PeftModel over the same base and
 adapter within 1e-5, and with the adapters off the base model's.
 """
 
@@ -28,7 +28,8 @@ from rltool.train.config import BackendConfig, TrainConfig
 from tests.helpers.shards import REWARDS, make_shard, shard_rows
 from tests.train.megatron_lora_ranks import BATCH, LORA, run_layout
 
-LAYOUTS = {"tp1": {}, "tp2": {"tensor_model_parallel_size": 2, "use_distributed_optimizer": True}}
+LAYOUTS = {"tp1": {}, "tp2": {"tensor_model_parallel_size": 2, "use_distributed_optimizer": True},
+           "pp2": {"pipeline_model_parallel_size": 2}}
 STEPS = ("init", "step1", "step2", "loaded", "resumed")
 
 
@@ -41,7 +42,8 @@ def model(tiny_model_factory):
 def runs(model, tmp_path_factory):
     """layout -> (record.json, {step: adapter tensors}, checkpoint dir)."""
     return {name: run_ranks(model, tmp_path_factory.mktemp(name), layout,
-                            nproc=layout.get("tensor_model_parallel_size", 1))
+                            nproc=layout.get("tensor_model_parallel_size", 1)
+                            * layout.get("pipeline_model_parallel_size", 1))
             for name, layout in LAYOUTS.items()}
 
 
@@ -61,8 +63,9 @@ def run_ranks(model: Path, root: Path, layout: dict, *, nproc: int):
             {step: load_file(root / f"{step}.safetensors") for step in STEPS}, root / "ckpt")
 
 
-def test_tp2_adapter_equals_tp1(runs):
-    assert_same_training(runs["tp1"], runs["tp2"], atol=1e-5)
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_two_rank_adapter_equals_tp1(runs, layout):
+    assert_same_training(runs["tp1"], runs[layout], atol=1e-5)
 
 
 def assert_same_training(one, other, *, atol: float) -> None:
@@ -90,10 +93,13 @@ def test_only_the_adapters_train(runs, layout):
 
 def assert_only_adapters_train(run) -> None:
     record, steps, _ = run
-    assert record["trainable"] and all(".lora_" in n for n in record["trainable"])
-    assert len(record["trainable"]) == 2 * 2 * 7  # A and B of 7 modules in 2 layers
-    assert sorted(record["trainable"]) == record["buffered"]
-    assert record["adapter_dtypes"] == ["torch.float32"]
+    for rank in record["ranks"]:
+        assert rank["trainable"] and all(".lora_" in n for n in rank["trainable"])
+        assert rank["trainable"] == rank["buffered"]
+        assert rank["adapter_dtypes"] == ["torch.float32"]
+    # A and B of 7 modules in each of 2 layers, on every TP rank, over the pipeline stages
+    adapters = sum(len(rank["trainable"]) for rank in record["ranks"])
+    assert adapters == 2 * 2 * 7 * len(record["ranks"]) // record["pp"]
     assert record["base_unchanged"]
     for k, init in steps["init"].items():
         assert not torch.equal(steps["step2"][k], init), k  # every adapter tensor moved
@@ -157,7 +163,6 @@ def assert_forward_equals_peft(run, model: Path, tmp_path: Path, *, atol: float)
 
 
 @pytest.mark.parametrize("update,match", [
-    (dict(pipeline_model_parallel_size=2), "without pipeline parallelism"),
     (dict(sequence_parallel=True), "without --sequence-parallel"),
     (dict(lora_target_modules=["q_proj", "lm_head"]), "--lora-target-modules lm_head"),
 ])
@@ -225,7 +230,7 @@ def test_cli_refuses_an_unsupported_layout_in_one_line(model, tmp_path):
                        temperature=0.8)
     result = CliRunner().invoke(main, [
         "train", "--rollouts", str(shard), "--load", str(model), "--save", str(tmp_path / "ckpt"),
-        "--backend", "megatron", "--lora-rank", "4", "--pipeline-model-parallel-size", "2"])
+        "--backend", "megatron", "--lora-rank", "4", "--lora-target-modules", "q_proj,lm_head"])
     assert result.exit_code == 2, result.output
-    assert "runs without pipeline parallelism" in result.output
+    assert "--lora-target-modules lm_head" in result.output
     assert not (tmp_path / "ckpt").exists()
