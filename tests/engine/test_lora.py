@@ -321,6 +321,14 @@ def test_lora_is_refused_where_the_engine_does_not_compute_it(tiny_model_dir, tm
     (fp8 / "config.json").write_text(json.dumps(config))
     with pytest.raises(BadInputError, match="drop --enable-lora"):
         runner_of(fp8)
+    from click.testing import CliRunner
+
+    from rltool.cli import main
+
+    result = CliRunner().invoke(main, ["serve", "--device", "cpu", "--model", str(fp8),
+                                       "--enable-lora", "--port", "0"])
+    assert result.exit_code == 2 and "drop --enable-lora" in result.output
+    assert len(result.output.strip().splitlines()) == 1
 
 
 def test_request_of_an_adapter_unloaded_before_it_ran_ends_with_400(tiny_model_dir, adapters):
