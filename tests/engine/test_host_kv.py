@@ -218,8 +218,8 @@ def test_retraction_and_abort_under_a_full_pool_leak_no_page(tiny_model_dir):
         assert runner.cache_stats()["host_hit_tokens"] > 0
         done = threading.Event()
         req = Request(rid="z", prompt_ids=PROMPT, on_finish=lambda r: done.set(),
-                      params=SamplingParams(max_new_tokens=200, temperature=0.0,
-                                            ignore_eos=True))
+                      params=SamplingParams(max_new_tokens=36 - len(PROMPT), temperature=0.0,
+                                            ignore_eos=True))  # the whole pool: more is refused
         sched.submit([req])
         for _ in range(2000):  # abort once it is decoding, its pages in use
             if req.output_ids:
