@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from rltool.engine.model_spec import ModelSpec
 from rltool.errors import BadInputError
 
 CONFIG_FILE = "adapter_config.json"
@@ -55,8 +56,7 @@ class LoraShapes:
     max_rank: int
 
     @classmethod
-    def of(cls, spec: object, *, max_rank: int, sparse: frozenset[int]) -> "LoraShapes":
-        s = spec
+    def of(cls, s: ModelSpec, *, max_rank: int, sparse: frozenset[int]) -> "LoraShapes":
         q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         h, inter = s.hidden_size, s.intermediate_size
         out: dict[tuple[int, str], tuple[tuple[int, ...], int]] = {}

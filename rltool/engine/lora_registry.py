@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from rltool.engine.lora import LoraAdapter, LoraLayers, LoraShapes, parse_name, read_adapter
+from rltool.engine.model_spec import ModelSpec
 from rltool.errors import BadInputError
 
 POLICY = "policy"  # how /get_server_info lists the policy adapter
@@ -29,7 +30,7 @@ DEFAULT_SCALING = 2.0
 
 
 class LoraRegistry:
-    def __init__(self, spec: Any, *, max_rank: int, dtype: torch.dtype):
+    def __init__(self, spec: ModelSpec, *, max_rank: int, dtype: torch.dtype):
         if max_rank < 1:
             raise BadInputError(f"--max-lora-rank {max_rank}: must be at least 1")
         sparse = frozenset(spec.moe.sparse_layers) if spec.moe is not None else frozenset()
