@@ -163,4 +163,4 @@ def filter_mask(probs: torch.Tensor, *, top_k: torch.Tensor, top_p: torch.Tensor
     above = probs > last
     tied = probs == last
     need = kept - above.sum(dim=-1, keepdim=True)
-    return ~(above | (tied & (tied.cumsum(dim=-1) <= need)))
+    return ~(above | (tied & (tied.cumsum(dim=-1, dtype=torch.int32) <= need)))

@@ -54,7 +54,7 @@ def run_sampler(logits: torch.Tensor, params: list[SamplingParams], seeds: list[
                         token_ids=[None] * B, seeds=seeds, use_kernel=True)
 
 
-def test_seeded_plain_rows_draw_what_the_kernel_always_drew(request):
+def test_seeded_plain_rows_are_the_race_over_their_hash_noise(request):
     """The equality the fused path keeps: a seeded plain row's token is the race over its own
     hash noise, whatever the rest of the batch holds."""
     if ran_in_child(request):
