@@ -8,9 +8,10 @@ per head, with RoPE on the first `rotary_dim` dims of each head only; and zero-c
 
 Fused layouts: an attention layer's `qkv` stacks q_proj (query and gate interleaved per head, as
 HF stores them), k_proj and v_proj; a GDN layer's `gdn_in` stacks in_proj_qkv, in_proj_z,
-in_proj_b and in_proj_a (one GEMM). The forward gets the attention callback of the dense model
-(called with the model's layer index; only attention layers have KV) and a `Recurrence` that
-says where each sequence's GDN states live (rltool.engine.state_pool).
+in_proj_b and in_proj_a (one GEMM; the deterministic full pass splits it again as transformers
+does, `_gdn_as_trainer`). The forward gets the attention callback of the dense model (called
+with the model's layer index; only attention layers have KV) and a `Recurrence` that says where
+each sequence's GDN states live (rltool.engine.state_pool).
 """
 
 from __future__ import annotations
@@ -47,7 +48,10 @@ class HybridLM(DenseLM):
         self.spec = spec
         self.device = torch.device(device)
         self.dtype = dtype
-        self.fused = False  # torch ops (no Triton kernels for these layers yet)
+        # True: the GDN layers' stacked input GEMM and the engine's chunk solve in every pass;
+        # False (the runner's deterministic mode): the pass beside the pool runs them as the
+        # trainer (transformers) does (_gdn_as_trainer). Torch ops either way.
+        self.fused = True
         self.fp8_keys: frozenset[tuple[int, str]] = frozenset()
         s, ls = spec, spec.linear
         q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -146,7 +150,9 @@ class HybridLM(DenseLM):
             collect.append(x)
         for i, L in enumerate(self.layers):
             h = zero_centred_norm(x, L["ln1"], s.rms_norm_eps)
-            if "gdn_in" in L:
+            if "gdn_in" in L and rec.pool is None and not self.fused:
+                x = x + self._gdn_as_trainer(L, h)
+            elif "gdn_in" in L:
                 x = x + self._gdn(self._gdn_index[i], L, h, rec)
             else:
                 x = x + self._attention(i, L, h, attend)
@@ -209,6 +215,34 @@ class HybridLM(DenseLM):
         y = gated_rms_norm(out.to(h.dtype), z.reshape(T, hv, dv), L["gdn_norm"],
                            self.spec.rms_norm_eps)
         return linear(y.reshape(T, hv * dv), L["out"])
+
+    def _gdn_as_trainer(self, L: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        """A GDN layer over one whole sequence as transformers' Qwen3_5GatedDeltaNet computes it
+        without a cache, op for op and in its shapes (a batch of one): the four input projections
+        one by one, its causal convolution (`causal_conv1d_fn`, zero padding) and its chunked
+        delta rule (`torch_chunk_gated_delta_rule`), both called from transformers, which
+        dispatches them as it does for the trainer (pure torch where FLA and causal-conv1d are
+        absent). Bit-equal to the trainer's layer in fp32 on the CPU (docs/align.md)."""
+        from transformers.models.qwen3_5.modeling_qwen3_5 import (
+            causal_conv1d_fn, torch_chunk_gated_delta_rule)
+
+        ls, T = self.spec.linear, h.shape[0]
+        hv, dv, kd = ls.num_v_heads, ls.v_dim, ls.num_k_heads * ls.k_dim
+        x = h.unsqueeze(0)
+        w_qkv, w_z, w_b, w_a = L["gdn_in"].split([ls.conv_dim, hv * dv, hv, hv])
+        mixed = F.linear(x, w_qkv).transpose(1, 2)
+        z = F.linear(x, w_z)
+        b, a = F.linear(x, w_b), F.linear(x, w_a)
+        mixed = causal_conv1d_fn(mixed, L["conv"].squeeze(1), None, activation="silu")
+        q, k, v = mixed.transpose(1, 2).split([kd, kd, hv * dv], dim=-1)
+        g = -L["A_log"].float().exp() * F.softplus(a.float() + L["dt_bias"])
+        out, _ = torch_chunk_gated_delta_rule(
+            q.reshape(1, T, -1, ls.k_dim), k.reshape(1, T, -1, ls.k_dim),
+            v.reshape(1, T, -1, dv), g=g, beta=b.sigmoid(), initial_state=None,
+            output_final_state=False, use_qk_l2norm_in_kernel=True)
+        y = gated_rms_norm(out.reshape(-1, dv), z.reshape(-1, dv), L["gdn_norm"],
+                           self.spec.rms_norm_eps)
+        return F.linear(y.reshape(1, T, -1), L["out"])[0]
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The conv output [N, conv_dim] -> q, k [N, Hv, Dk] (L2-normalised, q scaled; key heads

@@ -131,6 +131,23 @@ def test_logits_match_transformers_over_chunks_and_decode(hybrid_dir):
     assert runner.states.available == runner.states.num_slots and not runner.states.held
 
 
+def test_deterministic_full_pass_is_transformers_bit_for_bit(hybrid_dir):
+    """The deterministic runner's pass beside the pool (recomputed and input logprobs, hidden
+    states) runs the GDN layers with transformers' ops: every layer's output and every logit of
+    a 150-token sequence (two full chunks of 64 and a padded one) equal transformers' exactly."""
+    ids = [(7 * i * i + 3 * i) % 57 + 3 for i in range(150)]
+    hf = AutoModelForCausalLM.from_pretrained(str(hybrid_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    runner = runner_of(hybrid_dir, deterministic=True)
+    states, logits = runner.hidden_states(ids)
+    assert len(states) == len(want.hidden_states)
+    for i, (got, ref) in enumerate(zip(states, want.hidden_states)):
+        assert torch.equal(got, ref[0]), i
+    assert torch.equal(logits, want.logits[0])
+    assert torch.equal(runner.full_pass_logits(ids, start=5), want.logits[0][4:-1])
+
+
 def run_requests(sched, reqs, *, before_wait=None, timeout_s=120):
     done = threading.Semaphore(0)
     for req in reqs:
@@ -148,7 +165,7 @@ def greedy(rid, prompt, n=NEW):
 
 
 @pytest.mark.parametrize("ratio,max_total_tokens,deterministic",
-                         [(None, 512, False), (0.07, 512, False), (None, 24, False),
+                         [(None, 512, False), (0.25, 512, False), (None, 24, False),
                           (None, 512, True)])
 def test_scheduler_greedy_matches_transformers_and_frees_every_slot(hybrid_dir, ratio,
                                                                     max_total_tokens,
