@@ -433,12 +433,26 @@ class TorchBackend:
                  if not k.startswith(VALUE_HEAD + ".")}
         return state if self.lora is None else lora.merged(state, scale=self.lora.scale)
 
+    def _trained_state(self) -> dict[str, torch.Tensor]:
+        """The parameters that train (LoRA: the adapters and the value head), full and fp32 (the
+        masters with master weights) in host memory on rank 0, empty on the others: the base
+        is never gathered or copied (collective under FSDP, every rank in the same order)."""
+        named = [(n, p) for n, p in self.inner.named_parameters() if p.requires_grad]
+        if self.masters:
+            masters = self.optimizer.with_masters(dict(named))
+            named = [(n, masters[n]) for n, _ in named]
+        out = {}
+        for name, p in named:
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            if self.dp_rank == 0:
+                out[name] = full.detach().to("cpu", torch.float32)
+        return out
+
     def export_adapter(self) -> dict[str, torch.Tensor]:
         """The LoRA adapter's tensors under the model's names (`...q_proj.lora_A.weight`), on
         rank 0 (empty on the others); fp32 (the masters with master weights)."""
         assert self.lora is not None, "export_adapter without --lora-rank"
-        return {k: v.float() for k, v in self._full_model_state().items()
-                if lora.is_adapter_key(k)}
+        return {k: v for k, v in self._trained_state().items() if lora.is_adapter_key(k)}
 
     def adapters_off(self) -> contextlib.AbstractContextManager:
         """Forwards of the base model, the LoRA adapters off (the KL reference under LoRA)."""
@@ -457,13 +471,11 @@ class TorchBackend:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         assert self.optimizer is not None
-        full_state = self._full_model_state()
+        # LoRA: the adapter alone, the base is --load's, unchanged
+        full_state = self._full_model_state() if self.lora is None else self._trained_state()
         model_state = {k: v for k, v in full_state.items() if not k.startswith(VALUE_HEAD + ".")}
         value_state = {k: v for k, v in full_state.items() if k.startswith(VALUE_HEAD + ".")}
-        adapter = None
-        if self.lora is not None:  # the adapter alone: the base is --load's, unchanged
-            model_state = {k: v.float() for k, v in model_state.items() if lora.is_adapter_key(k)}
-            adapter = self.lora.peft_config(self.model_dir)
+        adapter = None if self.lora is None else self.lora.peft_config(self.model_dir)
         optim_state = (self.optimizer.state_dict() if self.masters else get_optimizer_state_dict(
             self.model, self.optimizer, options=self._full_state_options()))
         rng = self._rng_states()

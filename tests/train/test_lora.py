@@ -189,6 +189,26 @@ def test_resume_is_bit_identical_and_the_adapter_is_published(tiny_model_dir, tr
                                                                         STARTS[0]), atol=1e-5)
 
 
+def test_ppo_resume_under_lora_is_bit_identical(tiny_model_dir, train_shard, tmp_path):
+    """The value head trains whole beside the adapters and is checkpointed with them."""
+    _lora_run(tiny_model_dir, train_shard, tmp_path, "a", advantage_estimator="ppo",
+              num_epochs=1)
+    _lora_run(tiny_model_dir, train_shard, tmp_path, "b", advantage_estimator="ppo",
+              num_epochs=1, load=str(tmp_path / "a" / "step-000001"))
+    for name in ("adapter/adapter_model.safetensors", "optimizer.safetensors",
+                 "value_head.safetensors"):
+        a = load_file(tmp_path / "a" / "step-000002" / name)
+        b = load_file(tmp_path / "b" / "step-000002" / name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    head = load_file(tmp_path / "a" / "step-000002" / "value_head.safetensors")
+    assert head["value_head.weight"].any()  # zero at init: it trained
+    optimizer = load_file(tmp_path / "a" / "step-000002" / "optimizer.safetensors")
+    assert {k.rpartition("/")[0] for k in optimizer} == {
+        "value_head.weight", "value_head.bias"} | {
+        k.removeprefix("base_model.model.") for k in load_file(
+            tmp_path / "a" / "step-000002" / "adapter" / lora.WEIGHTS_FILE)}
+
+
 def test_resume_under_other_adapters_is_refused(tiny_model_dir, train_shard, tmp_path):
     _lora_run(tiny_model_dir, train_shard, tmp_path, "a", num_epochs=1, global_batch_size=12)
     ckpt = tmp_path / "a" / "step-000001"
