@@ -358,3 +358,39 @@ def test_request_of_an_adapter_unloaded_before_it_ran_ends_with_400(tiny_model_d
     assert reqs[0].finish_reason["status_code"] == 400
     assert "unloaded" in reqs[0].finish_reason["message"] and not reqs[0].output_ids
     assert reqs[1].finish_reason["type"] == "length" and len(reqs[1].output_ids) == 3
+
+
+def test_tensor_sync_over_http_installs_the_policy_adapter(tiny_model_dir, adapters):
+    """/update_weights_from_tensor (shared memory, in several buckets) with PEFT-named adapter
+    tensors: the policy adapter a disk sync of the same directory installs, bit for bit, under
+    the new weight version; the base weights are untouched."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from rltool.delta import tensor_sync
+    from rltool.engine import api
+    from rltool.engine.config import ServeConfig
+    from tests.helpers.engines import serve_app
+
+    path = adapters["full"][1]  # lora_alpha 2 x rank: the scale a first tensor sync takes
+    named = sorted(load_file(str(path / "adapter_model.safetensors")).items())
+    cfg = ServeConfig(model=tiny_model_dir, device="cpu", enable_lora=True, max_lora_rank=8)
+    disk = runner_of(tiny_model_dir)
+    disk.load_weights(path)
+    with serve_app(cfg) as (client, runner):
+        embed = runner.model.embed.clone()
+        groups = tensor_sync.buckets(named, bucket_bytes=8192)
+        assert len(groups) > 2
+        with tensor_sync.ShmSegment(tensor_sync.segment_bytes(named, bucket_bytes=8192)) as seg:
+            for i, bucket in enumerate(groups):
+                body = {"serialized_named_tensors": [json.dumps(seg.write(bucket))],
+                        "load_format": api.SHM_FORMAT,
+                        "weight_version": "3" if i == len(groups) - 1 else None}
+                r = client.post(api.UPDATE_WEIGHTS_FROM_TENSOR, json=body)
+                assert r.status_code == 200, r.text
+        assert client.get(api.WEIGHT_VERSION).json()["weight_version"] == "3"
+        for key, (a, b) in disk.lora.policy.weights.items():
+            assert torch.equal(a, runner.lora.policy.weights[key][0])
+            assert torch.equal(b, runner.lora.policy.weights[key][1])
+        assert torch.equal(runner.model.embed, embed)
