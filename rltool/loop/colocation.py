@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from rltool.loop.config import LoopSettings
-from rltool.train.memfit import read_hf_config, trainer_bytes
+from rltool.train.memfit import lora_params, read_hf_config, trainer_bytes
 from rltool.train.memplan import DENSE, Plan, Shape, choose, host_available
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,8 @@ class Residency:
                            micro_batch_tokens=opts.max_tokens_per_microbatch,
                            recompute=opts.recompute == "full",
                            logprob_chunk_tokens=opts.logprob_chunk_tokens,
-                           kv_tokens=self.min_kv_tokens, **extra)
+                           kv_tokens=self.min_kv_tokens,
+                           lora_params=lora_params(Shape.of(config), opts), **extra)
         log.info("memory plan (predicted peaks): %s", self.plan.summary())
 
     def offload_trainer(self, trainer: Any) -> None:
