@@ -54,9 +54,11 @@ class LoraShapes:
     (the parts' output sizes, input size)."""
     linears: dict[tuple[int, str], tuple[tuple[int, ...], int]]
     max_rank: int
+    pin: bool = False  # host copies in pinned memory (a CUDA engine: asynchronous uploads)
 
     @classmethod
-    def of(cls, s: ModelSpec, *, max_rank: int, sparse: frozenset[int]) -> "LoraShapes":
+    def of(cls, s: ModelSpec, *, max_rank: int, sparse: frozenset[int],
+           pin: bool = False) -> "LoraShapes":
         q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         h, inter = s.hidden_size, s.intermediate_size
         out: dict[tuple[int, str], tuple[tuple[int, ...], int]] = {}
@@ -66,15 +68,17 @@ class LoraShapes:
             if i not in sparse:  # a sparse MoE layer's experts take no adapter
                 out[(i, "gate_up")] = ((inter, inter), h)
                 out[(i, "down")] = ((h,), inter)
-        return cls(linears=out, max_rank=max_rank)
+        return cls(linears=out, max_rank=max_rank, pin=pin)
 
     def empty(self, key: tuple[int, str], *, device: torch.device | str, dtype: torch.dtype
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zero A [parts * R, in] and B [out, parts * R] of one fused linear."""
+        """Zero A [parts * R, in] and B [out, parts * R] of one fused linear (pinned when
+        `pin` and on the host)."""
         parts, fan_in = self.linears[key]
         width = len(parts) * self.max_rank
-        return (torch.zeros(width, fan_in, device=device, dtype=dtype),
-                torch.zeros(sum(parts), width, device=device, dtype=dtype))
+        pin = self.pin and torch.device(device).type == "cpu"
+        return (torch.zeros(width, fan_in, device=device, dtype=dtype, pin_memory=pin),
+                torch.zeros(sum(parts), width, device=device, dtype=dtype, pin_memory=pin))
 
 
 @dataclass
@@ -203,7 +207,9 @@ class LoraLayers:
 
     @torch.no_grad()
     def load(self, adapter: LoraAdapter | None) -> None:
-        """Copy `adapter` (None: the base model) into the buffers."""
+        """Copy `adapter` (None: the base model) into the buffers: asynchronous from pinned
+        host memory, in stream order before the next forward (a later copy, such as the next
+        bucket of a sync, overwrites what an earlier one read mid-change)."""
         for key, (a, b) in self.weights.items():
             src = adapter.weights.get(key) if adapter is not None else None
             if src is None:

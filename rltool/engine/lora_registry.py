@@ -30,11 +30,13 @@ DEFAULT_SCALING = 2.0
 
 
 class LoraRegistry:
-    def __init__(self, spec: ModelSpec, *, max_rank: int, dtype: torch.dtype):
+    def __init__(self, spec: ModelSpec, *, max_rank: int, dtype: torch.dtype,
+                 device: torch.device):
         if max_rank < 1:
             raise BadInputError(f"--max-lora-rank {max_rank}: must be at least 1")
         sparse = frozenset(spec.moe.sparse_layers) if spec.moe is not None else frozenset()
-        self.shapes = LoraShapes.of(spec, max_rank=max_rank, sparse=sparse)
+        self.shapes = LoraShapes.of(spec, max_rank=max_rank, sparse=sparse,
+                                    pin=device.type == "cuda")
         self.dtype = dtype
         self.adapters: dict[str, LoraAdapter] = {}
         self.policy: LoraAdapter | None = None

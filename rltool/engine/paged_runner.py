@@ -239,7 +239,8 @@ class PagedRunner:
             raise BadInputError("--enable-lora computes adapters over bf16/fp32 linears; drop "
                                 "--enable-lora or serve a checkpoint `rltool convert dequant` "
                                 "wrote")
-        return LoraRegistry(self.spec, max_rank=max_rank, dtype=DTYPES[self.dtype])
+        return LoraRegistry(self.spec, max_rank=max_rank, dtype=DTYPES[self.dtype],
+                            device=self.device)
 
     def use_lora(self, name: str | None) -> None:
         """Run the next forwards with adapter `name` (None: the policy adapter)."""
