@@ -1,8 +1,9 @@
 """LoRA adapters in the paged engine on a CUDA GPU (--enable-lora): the adapter compute against
 PEFT's PeftModel on the same GPU (teacher-forced through prefill and graph-replayed decode, fp32
 within 1e-5, bf16 within 2e-2), CUDA-graph replay against eager decode with an adapter (within
-bf16 tolerance), and graphs captured once that follow an adapter switch and the base model (the
-base bit for bit an engine's without --enable-lora).
+bf16 tolerance), graphs captured once that follow an adapter switch and the base model (the
+base bit for bit an engine's without --enable-lora), and the scheduler running requests of
+several adapters one adapter per forward as each group alone.
 
 Every test skips only when `torch.cuda.is_available()` is false (the CI machines have none)."""
 
