@@ -148,6 +148,8 @@ class PagedRunner:
             self.model.fused = False
         if self.lora is not None:  # before the graphs: they are captured with LoRA on
             self.lora.attach(self.model)
+            log.info("LoRA adapter buffers (rank %d): %.2f GiB", self.lora.shapes.max_rank,
+                     self.lora.layers.nbytes() / 2**30)
         self.model.rope_table(self.context_length)
         self.pool, self.table, self.states = self.kv.build(self.spec, device=self.device,
                                                            dtype=DTYPES[self.dtype],
