@@ -61,7 +61,10 @@ class DrawParams:
             return None
 
         def dev(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+            host = torch.tensor(values, dtype=dtype)
+            if device.type == "cuda":  # a copy from pageable memory waits for queued work
+                host = host.pin_memory()  # (a decode block in flight)
+            return host.to(device, non_blocking=True)
 
         out = DrawParams(dev(temps, torch.float32), *[None] * 8)
         if any(filtered):
