@@ -44,20 +44,25 @@ DATA_FILE = "data.safetensors"
 VALUE_HEAD_FILE = "value_head.safetensors"
 DIST_DIR = "dist"
 ADAPTER_DIR = "adapter"
+ADAPTER_CONFIG = "adapter_config.json"  # rltool.train.lora.CONFIG_FILE (no torch import here)
 
 
 @dataclass(frozen=True)
 class LoadTarget:
     """What `--load` resolved to: the HF model directory to build from, and the trainer checkpoint
-    (None for plain weights) whose optimizer/RNG/data state to restore."""
+    (None for plain weights) whose optimizer/RNG/data state to restore, or the LoRA adapter
+    directory (a published LoRA version, PEFT's save_pretrained) whose adapter starts the run."""
 
     model_dir: Path
     ckpt_dir: Path | None
     version: int
+    adapter_dir: Path | None = None
 
 
-def resolve_load(path: str | os.PathLike) -> LoadTarget:
-    """Accept a HF weights dir, a checkpoint step-NNNNNN, or a --save dir (newest step wins)."""
+def resolve_load(path: str | os.PathLike, *, adapter: bool = False) -> LoadTarget:
+    """Accept a HF weights dir, a checkpoint step-NNNNNN, or a --save dir (newest step wins);
+    with `adapter` (a caller that loads it: the train stage's --load) also a LoRA adapter
+    directory, which others refuse rather than read as its base."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"--load {path}: no such directory")
@@ -67,12 +72,19 @@ def resolve_load(path: str | os.PathLike) -> LoadTarget:
                           version=int(state["policy_version"]))
     if (path / "config.json").exists():
         return LoadTarget(model_dir=path, ckpt_dir=None, version=declared_version(path) or 0)
+    if (path / ADAPTER_CONFIG).exists():
+        if not adapter:
+            raise CheckpointError(f"{path} is a LoRA adapter, not full weights: pass the merged "
+                                  "weights (rltool train --lora-merge-on-publish) or the base")
+        return LoadTarget(model_dir=adapter_base(path), ckpt_dir=None,
+                          version=declared_version(path) or 0, adapter_dir=path)
     steps = sorted((s, p) for p in path.iterdir()
                    if (s := parse_step_dir_name(p.name)) is not None and (p / STATE_FILE).exists())
     if steps:
-        return resolve_load(steps[-1][1])
-    raise CheckpointError(f"--load {path}: neither a HF weights directory (config.json), a trainer "
-                          f"checkpoint ({STATE_FILE}) nor a directory of step-NNNNNN checkpoints")
+        return resolve_load(steps[-1][1], adapter=adapter)
+    raise CheckpointError(f"--load {path}: neither a HF weights directory (config.json), a LoRA "
+                          f"adapter ({ADAPTER_CONFIG}), a trainer checkpoint ({STATE_FILE}) nor a "
+                          "directory of step-NNNNNN checkpoints")
 
 
 def _model_dir(ckpt_dir: Path, state: dict[str, Any]) -> Path:
@@ -80,12 +92,19 @@ def _model_dir(ckpt_dir: Path, state: dict[str, Any]) -> Path:
     model its adapter names."""
     if not state.get("backend", {}).get("lora"):
         return ckpt_dir / MODEL_DIR
-    config = read_json_file(ckpt_dir / ADAPTER_DIR / "adapter_config.json", what="adapter config")
-    base = Path(config.get("base_model_name_or_path", "")) if isinstance(config, dict) else None
-    if base is None or not (base / "config.json").exists():
-        raise CheckpointError(f"{ckpt_dir}: the base model of its LoRA adapter ({base}) is not a "
-                              "HF weights directory any more; restore it there")
-    return base
+    return adapter_base(ckpt_dir / ADAPTER_DIR)
+
+
+def adapter_base(adapter_dir: Path) -> Path:
+    """The base model directory a LoRA adapter's adapter_config.json names (which must be a HF
+    weights directory)."""
+    config = read_json_file(adapter_dir / ADAPTER_CONFIG, what=ADAPTER_CONFIG)
+    base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    if not base or not (Path(base) / "config.json").is_file():
+        raise CheckpointError(f"{adapter_dir}: the base model of the LoRA adapter ({base}) is not "
+                              "a HF weights directory here; put it there (its "
+                              f"{ADAPTER_CONFIG} names it in base_model_name_or_path)")
+    return Path(base)
 
 
 def read_trainer_state(ckpt_dir: Path) -> dict[str, Any]:
@@ -96,7 +115,7 @@ def read_trainer_state(ckpt_dir: Path) -> dict[str, Any]:
         raise CheckpointError(f"{ckpt_dir}: checkpoint format version {state.get('format_version')} "
                               f"is not {FORMAT_VERSION}; use the rltool that wrote it")
     megatron = state.get("backend", {}).get("name") == "megatron"
-    model = (ADAPTER_DIR + "/adapter_config.json" if state.get("backend", {}).get("lora")
+    model = (ADAPTER_DIR + "/" + ADAPTER_CONFIG if state.get("backend", {}).get("lora")
              else MODEL_DIR + "/config.json")
     for name in (model, DIST_DIR if megatron else OPTIMIZER_FILE, RNG_FILE):
         if not (ckpt_dir / name).exists():

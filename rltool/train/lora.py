@@ -125,6 +125,26 @@ class LoRA:
                 "use_rslora": False, "init_lora_weights": True, "inference_mode": True,
                 "base_model_name_or_path": str(Path(base_model_dir).resolve())}
 
+    def check_config(self, config: dict[str, Any], *, where: Path,
+                     base_model_dir: str | os.PathLike) -> None:
+        """Refuse an adapter_config.json other than these adapters' (the fields that change
+        what the adapter computes), naming the flags that would match it."""
+        own = self.peft_config(base_model_dir)
+        fields = ("peft_type", "r", "lora_alpha", "target_modules", "bias", "use_rslora",
+                  "fan_in_fan_out")
+        got = {k: sorted(v) if k == "target_modules" and isinstance(v, list) else v
+               for k, v in config.items() if k in fields}
+        if config.get("use_dora") or config.get("modules_to_save"):
+            got["use_dora/modules_to_save"] = True
+        differs = [k for k in (*fields, "use_dora/modules_to_save") if got.get(k) != own.get(k)]
+        if differs:
+            raise CheckpointError(
+                f"{where}: a LoRA adapter with {differs[0]} {got.get(differs[0])!r}, these "
+                f"adapters have {own.get(differs[0])!r}; for a plain LoRA adapter (no bias, "
+                "rsLoRA, DoRA or extra modules) pass --lora-rank "
+                f"{config.get('r')} --lora-alpha {config.get('lora_alpha')} "
+                f"--lora-target-modules {','.join(map(str, config.get('target_modules') or []))}")
+
     def describe(self) -> dict[str, Any]:
         """What a checkpoint records to refuse a resume under other adapters."""
         return {"rank": self.rank, "alpha": self.alpha, "targets": self.targets}

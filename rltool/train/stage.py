@@ -109,7 +109,10 @@ def preflight(cfg: TrainConfig, *, world_size: int | None = None) -> Preflight:
     setting the device's memory cannot hold (ConfigError, exit 2), so a bad call fails fast,
     changes nothing on disk, and fails before torchrun starts any rank. `world_size`: the ranks
     that will train (default: torchrun's WORLD_SIZE)."""
-    target = resolve_load(cfg.load)
+    target = resolve_load(cfg.load, adapter=True)
+    if target.adapter_dir is not None and not cfg.lora_rank:
+        raise ConfigError(f"--load {cfg.load} is a LoRA adapter: train it with --lora-rank R "
+                          "(and the --lora-alpha and --lora-target-modules it was trained with)")
     ref_target = resolve_load(cfg.ref) if cfg.needs_ref and cfg.ref else None
     old_actor_target = resolve_load(cfg.old_actor) if cfg.old_actor else None
     if cfg.backuper_dir and Path(cfg.backuper_dir).exists() and not Path(cfg.backuper_dir).is_dir():
@@ -137,6 +140,8 @@ def _run(cfg: TrainConfig) -> TrainResult:
     samples = sample_set.samples
     version = target.version
     backend = build_backend(target.model_dir, options=cfg, value_head=cfg.value_head)
+    if target.adapter_dir is not None:
+        backend.load_adapter(target.adapter_dir)
     data, timings = None, {}
     if target.ckpt_dir is not None:
         _, tensors = backend.load(target.ckpt_dir)

@@ -544,8 +544,6 @@ class TorchBackend:
 
     def _load_adapter(self, ckpt_dir: Path, saved: dict[str, Any] | None) -> None:
         """The checkpoint's LoRA adapter into this model's, refused when they differ."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
         own = None if self.lora is None else self.lora.describe()
         if saved is None and own is None:
             return
@@ -558,7 +556,24 @@ class TorchBackend:
                 f"on {','.join(saved['targets'])}; resume with --lora-rank {saved['rank']} "
                 f"--lora-alpha {saved['alpha']} --lora-target-modules "
                 f"{','.join(saved['targets'])}")
-        _, tensors = lora.read_adapter(ckpt_dir / ckpt.ADAPTER_DIR)
+        self.load_adapter(ckpt_dir / ckpt.ADAPTER_DIR)
+
+    def load_adapter(self, directory: Path) -> None:
+        """A PEFT adapter directory (a checkpoint's, a LoRA version, PEFT's save_pretrained)
+        into this model's adapters; refused unless it is exactly their rank, alpha, targets and
+        tensors."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        assert self.lora is not None, "load_adapter without --lora-rank"
+        config, tensors = lora.read_adapter(directory)
+        self.lora.check_config(config, where=directory, base_model_dir=self.model_dir)
+        own = {n: p.shape for n, p in self.inner.named_parameters() if lora.is_adapter_key(n)}
+        theirs = {n: t.shape for n, t in tensors.items()}
+        if own != theirs:
+            odd = sorted(set(own.items()) ^ set(theirs.items()))[0][0]
+            raise CheckpointError(f"{directory}: its tensors are not this model's adapters "
+                                  f"({odd} differs or is missing); pass the adapter trained "
+                                  "on this base")
         set_model_state_dict(self.model, tensors,
                              options=StateDictOptions(full_state_dict=True, strict=False))
         if self.masters:

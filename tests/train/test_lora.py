@@ -265,3 +265,38 @@ def test_cli_lora_flags(tiny_model_dir, train_shard, tmp_path):
         "--lora-target-modules", "qproj"])
     assert bad.exit_code == 2 and "qproj: no linear module" in bad.output
     assert not (tmp_path / "w2").exists()
+
+
+def test_a_peft_adapter_starts_a_run(tiny_model_dir, train_shard, tmp_path):
+    """`--load` of an adapter PEFT saved (or a LoRA version rltool published): the base it names
+    with that adapter, continued from its version."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=list(
+        LORA_DEFAULT_TARGETS), task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    saved = tmp_path / "weight_v000003"
+    peft.save_pretrained(str(saved))
+    peft.eval()
+    backend = _backend(tiny_model_dir, lora_rank=4)
+    backend.load_adapter(saved)
+    out = backend.forward_logprobs(MicroBatch([0], TOKENS[:1], STARTS[:1]), temperature=1.0)
+    want = _reference_logprobs(peft, TOKENS[0], STARTS[0])
+    assert torch.allclose(out.logprobs[0].double(), want, atol=1e-5)
+    with pytest.raises(CheckpointError, match="r 4.*have 8.*--lora-rank 4 --lora-alpha 8"):
+        _backend(tiny_model_dir, lora_rank=8).load_adapter(saved)
+    result = run(TrainConfig(rollouts=[str(train_shard)], load=str(saved), num_steps=1,
+                             lora_rank=4, publish=str(tmp_path / "w"), **COMMON))
+    assert result.policy_version == 4
+    with pytest.raises(ConfigError, match="is a LoRA adapter: train it with --lora-rank"):
+        run(TrainConfig(rollouts=[str(train_shard)], load=str(saved), num_steps=1,
+                        publish=str(tmp_path / "w2"), **COMMON))
+    with pytest.raises(CheckpointError, match="is a LoRA adapter, not full weights"):
+        run(TrainConfig(rollouts=[str(train_shard)], load=str(tiny_model_dir), num_steps=1,
+                        old_actor=str(saved), **COMMON))
+    assert not (tmp_path / "w2").exists()
