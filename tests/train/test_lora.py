@@ -296,6 +296,9 @@ def test_a_peft_adapter_starts_a_run(tiny_model_dir, train_shard, tmp_path):
     with pytest.raises(ConfigError, match="is a LoRA adapter: train it with --lora-rank"):
         run(TrainConfig(rollouts=[str(train_shard)], load=str(saved), num_steps=1,
                         publish=str(tmp_path / "w2"), **COMMON))
+    with pytest.raises(ConfigError, match="a LoRA adapter starts a run on the torch backend"):
+        run(TrainConfig(rollouts=[str(train_shard)], load=str(saved), num_steps=1, lora_rank=4,
+                        backend="megatron", publish=str(tmp_path / "w2"), **COMMON))
     with pytest.raises(CheckpointError, match="is a LoRA adapter, not full weights"):
         run(TrainConfig(rollouts=[str(train_shard)], load=str(tiny_model_dir), num_steps=1,
                         old_actor=str(saved), **COMMON))
