@@ -24,6 +24,11 @@ def _input_options(fn):
                    "assumptions.")
 @click.option("--check", "check_run", type=click.Path(exists=True), default=None,
               help="A traced loop run: print each checkable prediction's error.")
+@click.option("--check-engine", "check_engine", default=None, metavar="URL",
+              help="A live builtin engine: the hybrid-cache model's c_A, c_R, K slots and N "
+                   "tokens against what it allocated (exit 1 past 2%).")
+@click.option("--api-key", "api_key", default=None, envvar="RLTOOL_API_KEY",
+              help="Bearer token for --check-engine.")
 @click.option("--emit-sglang-config", "emit", type=click.Path(dir_okay=False), default=None,
               help="Write prefill/decode server groups in slime's --sglang-config YAML format, "
                    "and serving-reference.sh beside it.")
@@ -36,17 +41,36 @@ def _input_options(fn):
               help="External engine addresses (refused with --emit-sglang-config).")
 @_input_options
 @command_options("json")
-def command(model, from_profile, check_run, emit, prefill_engines, hicache, engine_urls, as_json,
-            **values):
+def command(model, from_profile, check_run, check_engine, api_key, emit, prefill_engines, hicache,
+            engine_urls, as_json, **values):
     """Cost models for a model config and cluster: placement and memory, weight sync,
     async, precision, hybrid cache, prefill/decode disaggregation, HiCache.
 
     Example:
       rltool plan --model Qwen3-8B/config.json --gpus 16 --tp 2 --engine-tp 2
+      rltool plan --check-engine http://127.0.0.1:30000
     """
     from rltool.errors import BadInputError
     from rltool.profile import plan as planner
 
+    if check_engine:
+        from rltool.profile.engine_check import check_engine as check_live
+
+        result = check_live(check_engine, api_key=api_key, model=model)
+        if as_json:
+            echo_json(result)
+        else:
+            from rltool.commands.tables import print_rows
+
+            print_rows(f"plan --check-engine {check_engine} ({result['budget_basis']})",
+                       result["checks"])
+        if not result["passed"]:
+            import sys
+
+            from rltool.errors import EXIT_CHECK_FAILED
+
+            sys.exit(EXIT_CHECK_FAILED)
+        return
     if check_run:
         result = planner.check(check_run, model=model)
         if as_json:

@@ -38,8 +38,8 @@ def hybrid_cache(shape: ModelShape, *, tokens: int, sequences: int, pool_gib: fl
              "max_sequences": int(b_r // c_r) if c_r else 0,
              "fits": tokens * c_a <= b_a and sequences * c_r <= b_r}]
     notes = ["B_cache = N*c_A + K*c_R; pools B_A = B/(1+r) (attention KV), B_R = rB/(1+r) "
-             "(recurrent + conv states); not checkable here (the builtin engine has no hybrid "
-             "model)"]
+             "(recurrent + conv states); checked against a live engine by "
+             "`rltool plan --check-engine URL`"]
     if not shape.linear_layers:
         notes.append("the model has no linear-attention layers: c_R = 0, the whole pool is KV")
     return Model("hybrid_cache", {
