@@ -24,8 +24,9 @@ sharded as above, so dist/ checkpoints restore the adapters of every TP rank.
 lora_A starts Kaiming-uniform (a = sqrt(5), PEFT's default) drawn for the whole HF matrix from a
 generator seeded by (seed, layer, module) and then cut to the rank's shard, so every layout starts
 from the same adapter; lora_B starts at zero. Pipeline stages adapt their own layers (global
-layer numbers). Refused: MoE models and sequence parallelism (neither runs on the CPU here, so
-neither is verified; docs/train.md).
+layer numbers). MoE models take attention adapters only. Refused: the MLP targets of MoE
+models (expert linears) and sequence parallelism (it does not run on the CPU here, so it is not
+verified; docs/train.md).
 """
 
 from __future__ import annotations
@@ -73,10 +74,12 @@ def check_layout(options: Any, hf_config: dict[str, Any]) -> None:
     """Refuse, in one line and before any model is built, what megatron LoRA does not cover."""
     from rltool.convert.gpt_model import num_experts
 
-    resolve_targets(list(options.lora_target_modules))
-    if num_experts(hf_config):
-        raise ConfigError("--lora-rank with --backend megatron adapts dense models only (no MoE "
-                          "experts); use --backend torch for this model")
+    mlp = [t for t in resolve_targets(list(options.lora_target_modules))
+           if HF_PARENT[t] == "mlp"]
+    if num_experts(hf_config) and mlp:
+        raise ConfigError(f"--lora-target-modules {','.join(mlp)}: --backend megatron does not "
+                          "adapt MoE experts; pass --lora-target-modules q_proj,k_proj,v_proj,"
+                          "o_proj (attention only) or use --backend torch")
     if options.sequence_parallel:
         raise ConfigError("--lora-rank with --backend megatron runs without --sequence-parallel; "
                           "drop it")

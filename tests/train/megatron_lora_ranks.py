@@ -30,7 +30,11 @@ OPTIONS = dict(backend="megatron", device="cpu", lr=1e-2, adam_eps=1e-6)
 
 
 def loss_fn(out: Any, mb: MicroBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Every data-parallel rank trains on BATCH: each takes its share of the one loss."""
+    from megatron.core import parallel_state as ps
+
     loss = -sum((lp * lp.exp()).sum() for lp in out.logprobs) / 9
+    loss = loss / ps.get_data_parallel_world_size()
     return loss, {"loss": loss.detach()}
 
 

@@ -31,6 +31,7 @@ from tests.train.megatron_lora_ranks import BATCH, LORA, run_layout
 LAYOUTS = {"tp1": {}, "tp2": {"tensor_model_parallel_size": 2, "use_distributed_optimizer": True},
            "pp2": {"pipeline_model_parallel_size": 2}}
 STEPS = ("init", "step1", "step2", "loaded", "resumed")
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 @pytest.fixture(scope="module")
@@ -65,20 +66,23 @@ def run_ranks(model: Path, root: Path, layout: dict, *, nproc: int):
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_two_rank_adapter_equals_tp1(runs, layout):
+    tp1 = runs["tp1"][1]["init"]
+    assert tp1.keys() == {f"model.layers.{layer}.{parent}.{name}.lora_{kind}.weight"
+                          for layer in range(2) for name, parent in megatron_lora.HF_PARENT.items()
+                          for kind in "AB"}
+    assert tp1["model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (4, 64)
+    assert tp1["model.layers.1.mlp.down_proj.lora_B.weight"].shape == (64, 4)
     assert_same_training(runs["tp1"], runs[layout], atol=1e-5)
 
 
 def assert_same_training(one, other, *, atol: float) -> None:
-    """Equal adapters at init, within `atol` after each step, grad norms within `atol`."""
+    """The same adapter keys, equal adapters at init, within `atol` after each step, grad norms
+    within `atol`."""
     (record1, tp1, _), (record2, tp2, _) = one, other
-    want = {f"model.layers.{layer}.{parent}.{name}.lora_{kind}.weight"
-            for layer in range(2) for name, parent in megatron_lora.HF_PARENT.items()
-            for kind in "AB"}
+    want = tp1["init"].keys()
     for step in ("init", "step1", "step2"):
         assert tp1[step].keys() == tp2[step].keys() == want, step
     assert all(torch.equal(tp1["init"][k], tp2["init"][k]) for k in want)
-    assert tp1["init"]["model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (4, 64)
-    assert tp1["init"]["model.layers.1.mlp.down_proj.lora_B.weight"].shape == (64, 4)
     for step in ("step1", "step2"):
         for k in want:
             assert torch.allclose(tp1[step][k], tp2[step][k], rtol=0, atol=atol), (step, k)
@@ -97,9 +101,9 @@ def assert_only_adapters_train(run) -> None:
         assert rank["trainable"] and all(".lora_" in n for n in rank["trainable"])
         assert rank["trainable"] == rank["buffered"]
         assert rank["adapter_dtypes"] == ["torch.float32"]
-    # A and B of 7 modules in each of 2 layers, on every TP rank, over the pipeline stages
+    # every adapter tensor (A and B of each module) on every TP rank, over the pipeline stages
     adapters = sum(len(rank["trainable"]) for rank in record["ranks"])
-    assert adapters == 2 * 2 * 7 * len(record["ranks"]) // record["pp"]
+    assert adapters == len(steps["init"]) * len(record["ranks"]) // record["pp"]
     assert record["base_unchanged"]
     for k, init in steps["init"].items():
         assert not torch.equal(steps["step2"][k], init), k  # every adapter tensor moved
@@ -121,7 +125,8 @@ def assert_checkpoint_round_trip(run) -> None:
     config, on_disk = lora.read_adapter(ckpt / "adapter")
     assert on_disk.keys() == steps["step1"].keys()
     assert all(torch.equal(on_disk[k], steps["step1"][k]) for k in on_disk)
-    assert config["r"] == 4 and config["lora_alpha"] == 8 and len(config["target_modules"]) == 7
+    assert config["r"] == 4 and config["lora_alpha"] == 8
+    assert config["target_modules"] == sorted({k.split(".")[-3] for k in on_disk})
     assert not (ckpt / "model").exists()
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["backend"]["lora"]["rank"] == 4
@@ -141,7 +146,8 @@ def assert_forward_equals_peft(run, model: Path, tmp_path: Path, *, atol: float)
 
     record, steps, _ = run
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8,
-              "lora_dropout": 0.0, "target_modules": sorted(megatron_lora.HF_PARENT),
+              "lora_dropout": 0.0,
+              "target_modules": sorted({k.split(".")[-3] for k in steps["step2"]}),
               "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
               "base_model_name_or_path": str(model)}
     lora.write_adapter(tmp_path, tensors=steps["step2"], config=config)
@@ -172,11 +178,40 @@ def test_refusals_name_the_flag(model, update, match):
         megatron_lora.check_layout(options, json.loads((model / "config.json").read_text()))
 
 
-def test_moe_models_are_refused(tiny_model_factory):
+def test_moe_experts_are_refused(tiny_model_factory):
     moe = tiny_model_factory("qwen3_moe")
-    options = BackendConfig(backend="megatron", **LORA)
-    with pytest.raises(ConfigError, match="dense models only"):
+    options = BackendConfig(backend="megatron", **LORA)  # the default targets: MLP ones too
+    with pytest.raises(ConfigError, match="gate_proj,up_proj,down_proj: --backend megatron does "
+                                          "not adapt MoE experts"):
         megatron_lora.check_layout(options, json.loads((moe / "config.json").read_text()))
+
+
+@pytest.fixture(scope="module")
+def moe_tp1(tiny_model_factory, tmp_path_factory):
+    """qwen3_moe (q/k norms, routed experts) with attention-only adapters: (model, TP1 run)."""
+    moe = tiny_model_factory("qwen3_moe")
+    return moe, run_ranks(moe, tmp_path_factory.mktemp("moe-tp1"),
+                          {"lora_target_modules": list(ATTENTION)}, nproc=1)
+
+
+def test_moe_attention_adapters_equal_peft(moe_tp1, tmp_path):
+    moe, run = moe_tp1
+    assert {k.split(".")[-3] for k in run[1]["init"]} == set(ATTENTION)
+    assert_only_adapters_train(run)
+    assert_checkpoint_round_trip(run)
+    assert_forward_equals_peft(run, moe, tmp_path, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_moe_attention_adapters_under_ep2_equal_tp1(moe_tp1, tmp_path):
+    """EP2: two data-parallel ranks for the attention (each its half of the loss), one expert
+    each."""
+    moe, tp1 = moe_tp1
+    ep2 = run_ranks(moe, tmp_path, {"expert_model_parallel_size": 2,
+                                    "lora_target_modules": list(ATTENTION)}, nproc=2)
+    assert_same_training(tp1, ep2, atol=1e-5)
+    assert_only_adapters_train(ep2)
+    assert_checkpoint_round_trip(ep2)
 
 
 def test_all_linear_is_every_adaptable_module():
