@@ -13,6 +13,7 @@ adapter within 1e-5, and with the adapters off the base model's.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -269,3 +270,29 @@ def test_cli_refuses_an_unsupported_layout_in_one_line(model, tmp_path):
     assert result.exit_code == 2, result.output
     assert "--lora-target-modules lm_head" in result.output
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_dropout_acts_in_training_only(model):
+    """--lora-dropout on a column-parallel (default generator) and a row-parallel (megatron's
+    model-parallel RNG tracker) input: two training forwards differ, eval forwards are equal,
+    and a train step runs."""
+    from rltool.train.launch import process_group_scope
+    from rltool.train.megatron_backend import MegatronBackend
+    from tests.train.megatron_lora_ranks import loss_fn
+
+    options = BackendConfig(backend="megatron", device="cpu", lora_dropout=0.5, **LORA)
+    with process_group_scope():
+        backend = MegatronBackend(model, options=options)
+        attention = backend.module.decoder.layers[0].self_attention
+        with torch.no_grad():
+            for linear in (attention.linear_qkv, attention.linear_proj):
+                for b in linear.lora_B.values():
+                    b.fill_(0.1)
+        for linear, width in ((attention.linear_qkv, 64), (attention.linear_proj, 64)):
+            x = torch.randn(5, 1, width)
+            linear.train()
+            assert not torch.equal(linear(x)[0], linear(x)[0])
+            linear.eval()
+            assert torch.equal(linear(x)[0], linear(x)[0])
+        metrics = backend.train_step([BATCH], loss_fn, temperature=1.0)
+        assert math.isfinite(metrics["train/grad_norm"])
