@@ -18,9 +18,11 @@ ARCHS = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCaus
 MODEL_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama", "qwen3_moe": "qwen3_moe",
                "qwen3_5_text": "qwen3_5"}
 # Hybrid linear-attention families the engine's model does not implement (yet), and why.
-UNSUPPORTED = {"Qwen3NextForCausalLM": "qwen3_next (Gated DeltaNet with MoE layers)",
-               "Qwen3_5MoeForCausalLM": "qwen3_5_moe (Gated DeltaNet with MoE layers)",
-               "KimiLinearForCausalLM": "kimi_linear (Kimi Delta Attention with MLA)"}
+UNSUPPORTED = {"Qwen3NextForCausalLM": "qwen3_next (GDN projections interleaved per key-head "
+                                       "group; MoE layers with a gated shared expert)",
+               "Qwen3_5MoeForCausalLM": "qwen3_5_moe (MoE layers with a gated shared expert)",
+               "KimiLinearForCausalLM": "kimi_linear (Kimi Delta Attention: a decay per key "
+                                        "channel; MLA attention layers)"}
 
 
 @dataclass(frozen=True)
