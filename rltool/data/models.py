@@ -19,6 +19,18 @@ from rltool.errors import BadInputError
 from rltool.rundir import VERSION_FILE
 
 ARCHS = ("qwen2", "qwen3", "llama", "qwen3_moe", "qwen3_5")
+# Hybrid linear-attention families transformers has but the engine's model does not implement
+# (docs/serve.md, "Hybrid models"): refused by name, with the reason.
+REFUSED_ARCHS = {
+    "qwen3_next": "its Gated DeltaNet projections (in_proj_qkvz, in_proj_ba) interleave q, k, v "
+                  "and z per key-head group, and its MoE layers add a sigmoid-gated shared "
+                  "expert; the engine's model implements neither",
+    "qwen3_5_moe": "its MoE layers add a sigmoid-gated shared expert, which the engine's model "
+                   "does not implement",
+    "kimi_linear": "Kimi Delta Attention decays each key channel (not each head) through "
+                   "low-rank gates and its attention layers are MLA; the engine's model "
+                   "implements neither",
+}
 PRESETS: dict[str, dict[str, Any]] = {
     # ~0.1M parameters: every test and the CPU demo use this.
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -49,6 +61,9 @@ def build_config(arch: str, preset: str, *, vocab_size: int, eos_token_id: int,
     preset names none): then `vocab_size`, the tokenizer's."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
+    if arch in REFUSED_ARCHS:
+        raise BadInputError(f"--arch {arch} is not supported: {REFUSED_ARCHS[arch]}; the "
+                            "dense-MLP hybrid is --arch qwen3_5")
     if arch not in ARCHS:
         raise BadInputError(f"unknown --arch {arch!r}; choose one of {', '.join(ARCHS)}")
     if preset not in PRESETS:

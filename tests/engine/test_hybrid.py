@@ -68,6 +68,21 @@ def test_spec_reads_the_layer_pattern_and_refuses_the_moe_hybrids(hybrid_dir, tm
         assert "\n" not in str(e.value) and "--engine sglang" in str(e.value)
 
 
+@pytest.mark.parametrize("arch,reason", [("qwen3_next", "in_proj_qkvz"),
+                                         ("qwen3_5_moe", "shared expert"),
+                                         ("kimi_linear", "each key channel")])
+def test_init_model_refuses_the_hybrids_the_engine_does_not_implement(arch, reason, tmp_path):
+    from click.testing import CliRunner
+
+    from rltool.cli import main
+
+    result = CliRunner().invoke(main, ["init-model", "--arch", arch, "--preset", "tiny",
+                                       "--out", str(tmp_path / "m")])
+    assert result.exit_code == 2, result.output
+    assert result.output.count("\n") == 1 and reason in result.output and "qwen3_5" in result.output
+    assert not (tmp_path / "m").exists()
+
+
 def test_gdn_chunks_and_steps_match_a_float64_loop():
     """The chunked prefill (chunks of 3 over 8 tokens, from a nonzero state) and the decode step
     against the delta rule written token by token in float64."""
