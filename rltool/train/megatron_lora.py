@@ -45,11 +45,9 @@ from rltool.train import lora
 
 HF_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
              "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-# megatron linear of a TransformerLayer -> (parallel kind, its HF modules in fused order)
-LINEARS = {"self_attention.linear_qkv": ("column", ("q_proj", "k_proj", "v_proj")),
-           "self_attention.linear_proj": ("row", ("o_proj",)),
-           "mlp.linear_fc1": ("column", ("gate_proj", "up_proj")),
-           "mlp.linear_fc2": ("row", ("down_proj",))}
+# megatron linear of a TransformerLayer -> how TP splits it (its HF parts: _layer_parts)
+PARALLEL = {"self_attention.linear_qkv": "column", "self_attention.linear_proj": "row",
+            "mlp.linear_fc1": "column", "mlp.linear_fc2": "row"}
 KEY_MARK = ".lora_"
 
 
@@ -210,13 +208,14 @@ def _base_keys(module: LoraParallelLinear, state_dict: dict[str, Any], prefix: s
 
 
 class MegatronLoRA(lora.LoRA):
-    """The adapters of one megatron GPTModel; the same face as the torch backend's LoRA
-    (`scale`, `paths`, `peft_config`, `describe`, `disabled`)."""
+    """The adapters of one megatron GPTModel, with the torch backend's LoRA's face (`scale`,
+    `paths`, `peft_config`, `describe`, `disabled`: inherited); its own constructor, since the
+    torch one hooks nn.Linear modules where this one wraps megatron's parallel linears."""
 
     def __init__(self, model: Any, *, rank: int, alpha: float, dropout: float,
                  targets: list[str], seed: int):
-        if rank < 1:
-            raise ConfigError(f"--lora-rank {rank}: a LoRA rank is >= 1")
+        from megatron.core import parallel_state as ps
+
         self.rank, self.alpha, self.dropout = rank, alpha, dropout
         self.scale = alpha / rank
         self.targets = targets
@@ -224,27 +223,20 @@ class MegatronLoRA(lora.LoRA):
         wanted = resolve_targets(targets)
         model.requires_grad_(False)
         self.paths: list[str] = []
+        tp = ps.get_tensor_model_parallel_world_size()
         for layer in model.decoder.layers:
             index = layer.layer_number - 1  # global (megatron counts from 1)
             for path, parts in _layer_parts(model.config).items():
-                kind, _ = LINEARS[path]
                 if not any(p.name in wanted for p in parts):
                     continue
                 parent_path, _, attr = path.rpartition(".")
                 parent = layer.get_submodule(parent_path)
-                groups = (model.config.num_query_groups // _tp() if path.endswith("linear_qkv")
-                          else 1)
+                groups = model.config.num_query_groups // tp if path.endswith("linear_qkv") else 1
                 parent.add_module(attr, LoraParallelLinear(
-                    getattr(parent, attr), kind=kind, parts=parts, targets=wanted, owner=self,
+                    getattr(parent, attr), kind=PARALLEL[path], parts=parts, targets=wanted, owner=self,
                     layer=index, local_groups=groups, seed=seed))
                 self.paths += [f"model.layers.{index}.{HF_PARENT[p.name]}.{p.name}"
                                for p in parts if p.name in wanted]
-
-
-def _tp() -> int:
-    from megatron.core import parallel_state as ps
-
-    return ps.get_tensor_model_parallel_world_size()
 
 
 def _layer_parts(config: Any) -> dict[str, list[Part]]:
@@ -261,8 +253,8 @@ def _layer_parts(config: Any) -> dict[str, list[Part]]:
 
 
 def for_backend(model: Any, options: Any) -> MegatronLoRA | None:
-    """The adapters `options` (a BackendConfig, passed by `check_layout`) asks for on `model`,
-    or None with LoRA off."""
+    """The adapters `options` (a BackendConfig that `check_layout` accepted) asks for on
+    `model`, or None with LoRA off."""
     if not options.lora_rank:
         return None
     return MegatronLoRA(model, rank=options.lora_rank, alpha=options.lora_alpha_value,
