@@ -14,6 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rltool.data.models import build_config
 from rltool.data.tokenizer import build_tokenizer
+from rltool.engine import api
+from rltool.engine.config import ServeConfig
 from rltool.engine.model_spec import read_spec
 from rltool.engine.paged_runner import PagedRunner
 from rltool.engine.paged_scheduler import PagedScheduler
@@ -21,6 +23,7 @@ from rltool.engine.request import Request
 from rltool.engine.rope import read_rope_scaling, rope_frequencies
 from rltool.engine.sampling import SamplingParams, make_generator
 from rltool.errors import BadInputError, CheckpointError
+from tests.helpers.engines import serve_app
 
 CONTEXT = 8192
 
@@ -173,6 +176,27 @@ def test_a_request_the_pool_can_never_hold_is_refused_in_one_line(long_model_dir
     assert "\n" not in str(e.value) and "1009 tokens" in str(e.value)
     assert sched.stats()["num_waiting_reqs"] == 0
     _run(sched, [Request(rid="ok", prompt_ids=prompt, params=ok.params)])
+
+
+def test_over_http_the_refusal_is_a_400_and_a_chat_default_fits_the_pool(long_model_dir):
+    """/generate answers 400 with the one-line reason (nothing generated); a chat completion
+    without a token limit gets at most what the pool holds (its context is 8,192) and runs."""
+    cfg = ServeConfig(model=long_model_dir, device="cpu", max_running_requests=2,
+                      max_total_tokens=64, max_prefill_tokens=64)
+    with serve_app(cfg) as (client, runner):
+        assert client.get(api.SERVER_INFO).json()["kv_pool_tokens"] == 48
+        refused = client.post(api.GENERATE, json={
+            "input_ids": list(range(3, 43)), "sampling_params": {"max_new_tokens": 9}})
+        stats = client.get(api.SERVER_INFO).json()["internal_states"][0]
+        chat = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "abc"}], "temperature": 0,
+            "ignore_eos": True})
+    assert refused.status_code == 400
+    assert "--max-total-tokens or --mem-fraction-static" in refused.text
+    assert stats["total_output_tokens"] == stats["num_waiting_reqs"] == 0
+    assert chat.status_code == 200, chat.text
+    usage = chat.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 48
 
 
 @pytest.mark.parametrize("rope_type,extra", [
