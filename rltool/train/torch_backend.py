@@ -25,6 +25,7 @@
 - `--lora-rank` (rltool.train.lora): adapters on the frozen base; only they get gradients,
   optimizer state and checkpoints; `export_hf_state_dict` gives the merged weights and
   `export_adapter` the adapter; `adapters_off()` runs the base (the KL reference).
+- Checkpoints (`save`, `load`) and adapter loading: rltool.train.torch_state.
 """
 
 from __future__ import annotations
@@ -41,19 +42,18 @@ import torch
 import torch.distributed as dist
 
 from rltool.errors import CheckpointError, ConfigError
-from rltool.train import checkpoint as ckpt
-from rltool.train import int4_qat, lora, packed, shared_prompt
+from rltool.train import int4_qat, lora, packed, shared_prompt, torch_state
 from rltool.train.backend import ForwardOutput, LossFn, MicroBatch, response_outputs
 from rltool.train.config import BackendConfig, TrainConfig
 from rltool.train.launch import init_distributed
 from rltool.train.lr import lr_of
 from rltool.train.master_weights import MasterWeights
 from rltool.train.routing_replay import HFRouterReplay
+from rltool.train.torch_state import VALUE_HEAD
 
 log = logging.getLogger(__name__)
 
 
-VALUE_HEAD = "value_head"  # attribute on the HF model, and the prefix of its state-dict keys
 SHARED_LAYOUT_BYTES = 64 << 20  # shared-prompt layouts kept for reuse (the demo's: 30 KB each)
 
 
@@ -408,18 +408,18 @@ class TorchBackend:
         return float(norm)
 
     # -- state -------------------------------------------------------------------------------
-    def _full_state_options(self) -> Any:
+    def full_state_options(self) -> Any:
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         return StateDictOptions(full_state_dict=True, cpu_offload=self.dp_size > 1)
 
-    def _full_model_state(self, *, on_device: bool = False) -> dict[str, torch.Tensor]:
+    def full_model_state(self, *, on_device: bool = False) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         # One process: the module's own state dict, the same keys and tensors without the
         # distributed helper's walk over the module tree (3-6 ms per sync on the demo's model).
         state = (self.inner.state_dict() if self.dp_size == 1 else
-                 get_model_state_dict(self.model, options=self._full_state_options()))
+                 get_model_state_dict(self.model, options=self.full_state_options()))
         state = self.optimizer.with_masters(state) if self.masters else state
         keep = on_device and self.dp_size == 1
         return ({k: v.detach() if keep else v.detach().cpu() for k, v in state.items()}
@@ -429,11 +429,11 @@ class TorchBackend:
         """The policy's tensors under HF names, copied to host memory; `on_device` (one process):
         the parameters where they live, uncopied (a caller casting them on the device). Under
         LoRA the base with the adapters merged in (rltool.train.lora.merged)."""
-        state = {k: v for k, v in self._full_model_state(on_device=on_device).items()
+        state = {k: v for k, v in self.full_model_state(on_device=on_device).items()
                  if not k.startswith(VALUE_HEAD + ".")}
         return state if self.lora is None else lora.merged(state, scale=self.lora.scale)
 
-    def _trained_state(self) -> dict[str, torch.Tensor]:
+    def trained_state(self) -> dict[str, torch.Tensor]:
         """The parameters that train (LoRA: the adapters and the value head), full and fp32 (the
         masters with master weights) in host memory on rank 0, empty on the others: the base
         is never gathered or copied (collective under FSDP, every rank in the same order)."""
@@ -452,129 +452,23 @@ class TorchBackend:
         """The LoRA adapter's tensors under the model's names (`...q_proj.lora_A.weight`), on
         rank 0 (empty on the others); fp32 (the masters with master weights)."""
         assert self.lora is not None, "export_adapter without --lora-rank"
-        return {k: v for k, v in self._trained_state().items() if lora.is_adapter_key(k)}
+        return {k: v for k, v in self.trained_state().items() if lora.is_adapter_key(k)}
 
     def adapters_off(self) -> contextlib.AbstractContextManager:
         """Forwards of the base model, the LoRA adapters off (the KL reference under LoRA)."""
         assert self.lora is not None, "adapters_off without --lora-rank"
         return self.lora.disabled()
 
-    def _rng_states(self) -> dict[str, torch.Tensor]:
-        own = {"torch_cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            own["torch_cuda"] = torch.cuda.get_rng_state()
-        return {f"{kind}/rank{r}": state for r, states in enumerate(self.all_gather_object(own))
-                for kind, state in states.items()}
-
     def save(self, ckpt_dir: Path, *, trainer_state: dict[str, Any],
              data_tensors: dict[str, torch.Tensor], config_toml: str) -> None:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        assert self.optimizer is not None
-        # LoRA: the adapter alone, the base is --load's, unchanged
-        full_state = self._full_model_state() if self.lora is None else self._trained_state()
-        model_state = {k: v for k, v in full_state.items() if not k.startswith(VALUE_HEAD + ".")}
-        value_state = {k: v for k, v in full_state.items() if k.startswith(VALUE_HEAD + ".")}
-        adapter = None if self.lora is None else self.lora.peft_config(self.model_dir)
-        optim_state = (self.optimizer.state_dict() if self.masters else get_optimizer_state_dict(
-            self.model, self.optimizer, options=self._full_state_options()))
-        rng = self._rng_states()
-        if self.dp_rank == 0:
-            backend_state = {"name": "torch", "optimizer_steps": self.optimizer_steps,
-                             "world_size": self.dp_size, "dtype": self.options.dtype,
-                             "parallel": self.options.parallel,
-                             "value_head": self.value_head}
-            if self.lora is not None:
-                backend_state["lora"] = self.lora.describe()
-            ckpt.write_checkpoint(Path(ckpt_dir), model_state=model_state,
-                                  optimizer_state=optim_state, rng_states=rng,
-                                  data_tensors=data_tensors, value_head=value_state,
-                                  trainer_state={**trainer_state, "backend": backend_state},
-                                  source_model_dir=self.model_dir, config_toml=config_toml,
-                                  adapter_config=adapter)
-        if self.dp_size > 1:
-            dist.barrier()
+        torch_state.save(self, Path(ckpt_dir), trainer_state=trainer_state,
+                         data_tensors=data_tensors, config_toml=config_toml)
 
     def load(self, ckpt_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """Restore optimizer, schedule step and RNG (the weights came from ckpt_dir/model)."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
-
-        assert self.optimizer is not None
-        ckpt_dir = Path(ckpt_dir)
-        state = ckpt.read_trainer_state(ckpt_dir)
-        had_value_head = bool(state["backend"].get("value_head", False))
-        if had_value_head != self.value_head:
-            raise CheckpointError(
-                f"{ckpt_dir} was trained {'with' if had_value_head else 'without'} a value head "
-                f"but this run {'needs' if self.value_head else 'has'} "
-                f"{'one' if self.value_head else 'none'} (ppo vs other estimators); "
-                f"to switch, --load {ckpt_dir / ckpt.MODEL_DIR} (weights only, fresh optimizer)")
-        self._load_adapter(ckpt_dir, state["backend"].get("lora"))
-        if self.value_head:
-            if not (ckpt_dir / ckpt.VALUE_HEAD_FILE).exists():
-                raise CheckpointError(f"{ckpt_dir}: missing {ckpt.VALUE_HEAD_FILE}; the checkpoint "
-                                      "is incomplete")
-            value_state = ckpt.read_tensors(ckpt_dir / ckpt.VALUE_HEAD_FILE)
-            set_model_state_dict(self.model, value_state,
-                                 options=StateDictOptions(full_state_dict=True, strict=False))
-            if self.masters:
-                self.optimizer.load_masters(value_state)
-        optim_state = ckpt.unflatten_optimizer_state(ckpt.read_tensors(ckpt_dir / ckpt.OPTIMIZER_FILE),
-                                                     state["optimizer"])
-        try:
-            if self.masters:
-                self.optimizer.load_state_dict(optim_state)
-            else:
-                set_optimizer_state_dict(self.model, self.optimizer, optim_state,
-                                         options=StateDictOptions(full_state_dict=True))
-        except (KeyError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"{ckpt_dir}: optimizer state does not fit the model ({e})") from e
-        self.optimizer_steps = int(state["backend"]["optimizer_steps"])
-        rng = ckpt.read_tensors(ckpt_dir / ckpt.RNG_FILE)
-        own = rng.get(f"torch_cpu/rank{self.dp_rank}")
-        if own is not None and state["backend"]["world_size"] == self.dp_size:
-            torch.set_rng_state(own)
-            if torch.cuda.is_available() and f"torch_cuda/rank{self.dp_rank}" in rng:
-                torch.cuda.set_rng_state(rng[f"torch_cuda/rank{self.dp_rank}"])
-        else:
-            log.warning("checkpoint %s was written by %s ranks, this run has %s: RNG reseeded",
-                        ckpt_dir, state["backend"]["world_size"], self.dp_size)
-        return state, ckpt.read_tensors(ckpt_dir / ckpt.DATA_FILE)
-
-    def _load_adapter(self, ckpt_dir: Path, saved: dict[str, Any] | None) -> None:
-        """The checkpoint's LoRA adapter into this model's, refused when they differ."""
-        own = None if self.lora is None else self.lora.describe()
-        if saved is None and own is None:
-            return
-        if saved is None:
-            raise CheckpointError(f"{ckpt_dir} was trained without LoRA; to train adapters on its "
-                                  f"weights, --load {ckpt_dir / ckpt.MODEL_DIR} (fresh optimizer)")
-        if own != saved:
-            raise CheckpointError(
-                f"{ckpt_dir} holds LoRA adapters of rank {saved['rank']}, alpha {saved['alpha']} "
-                f"on {','.join(saved['targets'])}; resume with --lora-rank {saved['rank']} "
-                f"--lora-alpha {saved['alpha']} --lora-target-modules "
-                f"{','.join(saved['targets'])}")
-        self.load_adapter(ckpt_dir / ckpt.ADAPTER_DIR)
+        """Restore optimizer, schedule step and RNG (the weights came from ckpt_dir/model; under
+        LoRA the adapter from ckpt_dir/adapter)."""
+        return torch_state.load(self, Path(ckpt_dir))
 
     def load_adapter(self, directory: Path) -> None:
-        """A PEFT adapter directory (a checkpoint's, a LoRA version, PEFT's save_pretrained)
-        into this model's adapters; refused unless it is exactly their rank, alpha, targets and
-        tensors."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        assert self.lora is not None, "load_adapter without --lora-rank"
-        config, tensors = lora.read_adapter(directory)
-        self.lora.check_config(config, where=directory, base_model_dir=self.model_dir)
-        own = {n: p.shape for n, p in self.inner.named_parameters() if lora.is_adapter_key(n)}
-        theirs = {n: t.shape for n, t in tensors.items()}
-        if own != theirs:
-            odd = sorted(set(own.items()) ^ set(theirs.items()))[0][0]
-            raise CheckpointError(f"{directory}: its tensors are not this model's adapters "
-                                  f"({odd} differs or is missing); pass the adapter trained "
-                                  "on this base")
-        set_model_state_dict(self.model, tensors,
-                             options=StateDictOptions(full_state_dict=True, strict=False))
-        if self.masters:
-            self.optimizer.load_masters(tensors)
+        """A PEFT adapter directory into this model's LoRA adapters (rltool.train.torch_state)."""
+        torch_state.load_adapter(self, Path(directory))
