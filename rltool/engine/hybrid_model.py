@@ -48,9 +48,11 @@ class HybridLM(DenseLM):
         self.spec = spec
         self.device = torch.device(device)
         self.dtype = dtype
-        # True: the GDN layers' stacked input GEMM and the engine's chunk solve in every pass;
-        # False (the runner's deterministic mode): the pass beside the pool runs them as the
-        # trainer (transformers) does (_gdn_as_trainer). Torch ops either way.
+        # As for DenseLM, fused vs transformers' op sequence, but torch ops either way (DenseLM's
+        # Triton paths behind `fused` are in methods overridden here). True: the GDN layers'
+        # stacked input GEMM and the engine's chunk solve in every pass; False (the runner's
+        # deterministic mode): the pass beside the pool runs them as transformers does
+        # (_gdn_as_trainer).
         self.fused = True
         self.fp8_keys: frozenset[tuple[int, str]] = frozenset()
         s, ls = spec, spec.linear
