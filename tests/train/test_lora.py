@@ -255,10 +255,14 @@ def test_cli_lora_flags(tiny_model_dir, train_shard, tmp_path):
     result = CliRunner().invoke(main, [
         "train", "--rollouts", str(train_shard), "--load", str(tiny_model_dir), "--device", "cpu",
         "--num-steps", "1", "--publish", str(tmp_path / "w"), "--lora-rank", "2",
-        "--lora-alpha", "4", "--lora-target-modules", "q_proj,v_proj", "--json"])
+        "--lora-alpha", "4", "--lora-target-modules", "q_proj,v_proj", "--dtype", "bf16",
+        "--json"])
     assert result.exit_code == 0, result.output
     config = json.loads((tmp_path / "w" / "weight_v000001" / lora.CONFIG_FILE).read_text())
     assert config["target_modules"] == ["q_proj", "v_proj"] and config["lora_alpha"] == 4
+    tensors = load_file(tmp_path / "w" / "weight_v000001" / lora.WEIGHTS_FILE)
+    assert len(tensors) == 2 * 2 * 2  # A and B of q_proj and v_proj in the tiny model's 2 layers
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())  # published under --dtype
     bad = CliRunner().invoke(main, [
         "train", "--rollouts", str(train_shard), "--load", str(tiny_model_dir), "--device", "cpu",
         "--num-steps", "1", "--publish", str(tmp_path / "w2"), "--lora-rank", "2",
