@@ -56,7 +56,7 @@ def command(model, from_profile, check_run, check_engine, api_key, emit, prefill
     if check_engine:
         from rltool.profile.engine_check import check_engine as check_live
 
-        result = check_live(check_engine, api_key=api_key, model=model)
+        result = check_live(_server_info(check_engine, api_key), url=check_engine, model=model)
         if as_json:
             echo_json(result)
         else:
@@ -103,6 +103,26 @@ def command(model, from_profile, check_run, check_engine, api_key, emit, prefill
     from rltool.commands.tables import print_plan
 
     print_plan(result)
+
+
+def _server_info(url, api_key):
+    """/get_server_info of the engine at `url`; a refused key is bad input (exit 2)."""
+    import asyncio
+
+    from rltool.errors import BadInputError, EngineError
+    from rltool.rollout.client import EngineClient
+
+    async def fetch():
+        async with EngineClient(url, api_key=api_key, timeout_s=30.0, max_retries=0) as client:
+            return await client.get_server_info()
+
+    try:
+        return asyncio.run(fetch())
+    except EngineError as e:
+        if e.status_code in (401, 403):
+            raise BadInputError(f"{url} refused the key ({e.status_code}): pass the engine's "
+                                "--api-key (or RLTOOL_API_KEY)") from None
+        raise
 
 
 def _emit(out, model, inputs, *, prefill_engines, hicache, engine_urls):

@@ -1,5 +1,6 @@
 """`rltool plan --check-engine URL`: the hybrid-cache model (rltool.profile.caches.hybrid_cache)
-against what a live builtin engine allocated, read from its /get_server_info.
+against what a live builtin engine allocated, from its /get_server_info answer (the command
+fetches it).
 
 The plan computes c_A and c_R from config.json alone (rltool.profile.modelcfg) and splits a budget
 B into B_A = B/(1+r) for KV and B_R = rB/(1+r) for recurrent states; the engine reports the c_A,
@@ -16,8 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rltool.engine import api
-from rltool.errors import BadInputError, EngineError
+from rltool.errors import BadInputError
 from rltool.profile.caches import hybrid_cache
 from rltool.profile.modelcfg import load_shape
 from rltool.profile.models import GIB
@@ -27,26 +27,6 @@ _BITS = {"fp32": 32, "float32": 32, "bf16": 16, "bfloat16": 16, "fp16": 16, "flo
 CUDA_RATIO = 0.9  # the engine's default --mamba-full-memory-ratio on cuda (SGLang's)
 
 
-def server_info(url: str, *, api_key: str | None = None, timeout_s: float = 30.0
-                ) -> dict[str, Any]:
-    """GET /get_server_info of one engine, with a one-line error when it cannot answer."""
-    import httpx
-
-    endpoint = url.rstrip("/") + api.SERVER_INFO
-    try:
-        response = httpx.get(endpoint, headers=api.bearer(api_key), timeout=timeout_s)
-    except httpx.HTTPError as e:
-        raise EngineError(f"GET {endpoint}: cannot reach the engine ({type(e).__name__}: "
-                          f"{e})") from e
-    if response.status_code in (401, 403):
-        raise BadInputError(f"GET {endpoint} answered {response.status_code}: pass the "
-                            "engine's key with --api-key (or RLTOOL_API_KEY)")
-    if response.status_code >= 400:
-        raise EngineError(f"GET {endpoint} answered {response.status_code}: "
-                          f"{response.text[:300]}", status_code=response.status_code)
-    return response.json()
-
-
 def _bits(name: str | None, what: str) -> int:
     if name not in _BITS:
         raise BadInputError(f"the engine reports {what} {name!r}; --check-engine knows "
@@ -54,13 +34,13 @@ def _bits(name: str | None, what: str) -> int:
     return _BITS[name]
 
 
-def check_engine(url: str, *, api_key: str | None = None,
+def check_engine(info: dict[str, Any], *, url: str,
                  model: str | Path | None = None) -> dict[str, Any]:
-    """Each hybrid-cache prediction for the engine at `url` against what it allocated; `model`:
-    the config.json (or its folder) to plan from (default: the engine's model_path)."""
+    """Each hybrid-cache prediction for the engine at `url`, whose /get_server_info answered
+    `info`, against what it allocated; `model`: the config.json (or its folder) to plan from
+    (default: the engine's model_path)."""
     import json
 
-    info = server_info(url, api_key=api_key)
     sizes = info.get("cache_sizes")
     if info.get("engine") != "builtin" or not isinstance(sizes, dict):
         raise BadInputError(f"{url} does not report cache_sizes; --check-engine needs an "
