@@ -157,6 +157,10 @@ def peft_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def model_tensors(peft: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """PEFT's saved names -> the model's (the inverse of `peft_tensors`)."""
+    odd = [k for k in peft if not k.startswith(PEFT_PREFIX)]
+    if odd:
+        raise CheckpointError(f"LoRA adapter tensor {odd[0]!r} is not named {PEFT_PREFIX}<module "
+                              "path>...: not an adapter of a causal LM in PEFT's layout")
     return {k[len(PEFT_PREFIX):]: v for k, v in peft.items()}
 
 
@@ -204,7 +208,12 @@ def read_adapter(directory: Path) -> tuple[dict[str, Any], dict[str, torch.Tenso
         tensors = load_file(str(directory / WEIGHTS_FILE))
     except Exception as e:  # OSError, JSON's ValueError, safetensors' own SafetensorError
         raise CheckpointError(f"{directory}: unreadable LoRA adapter ({e})") from e
-    return config, model_tensors(tensors)
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{directory / CONFIG_FILE}: not a JSON object (PEFT's LoraConfig)")
+    try:
+        return config, model_tensors(tensors)
+    except CheckpointError as e:
+        raise CheckpointError(f"{directory}: {e}") from e
 
 
 def for_backend(model: torch.nn.Module, options: Any) -> LoRA | None:

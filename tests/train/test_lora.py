@@ -307,3 +307,31 @@ def test_a_peft_adapter_starts_a_run(tiny_model_dir, train_shard, tmp_path):
         run(TrainConfig(rollouts=[str(train_shard)], load=str(tiny_model_dir), num_steps=1,
                         old_actor=str(saved), **COMMON))
     assert not (tmp_path / "w2").exists()
+
+
+def test_a_bad_adapter_directory_is_refused_in_one_line(tiny_model_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    backend = _backend(tiny_model_dir, lora_rank=4)
+    good = tmp_path / "good"
+    good.mkdir()
+    lora.write_adapter(good, tensors=backend.export_adapter(),
+                       config=backend.lora.peft_config(tiny_model_dir))
+    backend.load_adapter(good)
+    renamed, listed, short = tmp_path / "renamed", tmp_path / "listed", tmp_path / "short"
+    for directory in (renamed, listed, short):
+        directory.mkdir()
+        (directory / lora.CONFIG_FILE).write_text((good / lora.CONFIG_FILE).read_text())
+    tensors = load_file(good / lora.WEIGHTS_FILE)
+    save_file({k.replace("base_model.model.", "x."): v for k, v in tensors.items()},
+              str(renamed / lora.WEIGHTS_FILE))
+    (listed / lora.CONFIG_FILE).write_text("[]")
+    save_file(tensors, str(listed / lora.WEIGHTS_FILE))
+    save_file(dict(list(tensors.items())[1:]), str(short / lora.WEIGHTS_FILE))
+    for directory, message in ((renamed, "is not named base_model.model."),
+                               (listed, "not a JSON object"),
+                               (short, "not this model's adapters"),
+                               (tmp_path / "missing", "unreadable LoRA adapter")):
+        with pytest.raises(CheckpointError, match=message) as err:
+            backend.load_adapter(directory)
+        assert "\n" not in str(err.value)
