@@ -300,9 +300,6 @@ def test_a_peft_adapter_starts_a_run(tiny_model_dir, train_shard, tmp_path):
     with pytest.raises(ConfigError, match="is a LoRA adapter: train it with --lora-rank"):
         run(TrainConfig(rollouts=[str(train_shard)], load=str(saved), num_steps=1,
                         publish=str(tmp_path / "w2"), **COMMON))
-    with pytest.raises(ConfigError, match="a LoRA adapter starts a run on the torch backend"):
-        run(TrainConfig(rollouts=[str(train_shard)], load=str(saved), num_steps=1, lora_rank=4,
-                        backend="megatron", publish=str(tmp_path / "w2"), **COMMON))
     with pytest.raises(CheckpointError, match="is a LoRA adapter, not full weights"):
         run(TrainConfig(rollouts=[str(train_shard)], load=str(tiny_model_dir), num_steps=1,
                         old_actor=str(saved), **COMMON))
@@ -335,3 +332,29 @@ def test_a_bad_adapter_directory_is_refused_in_one_line(tiny_model_dir, tmp_path
         with pytest.raises(CheckpointError, match=message) as err:
             backend.load_adapter(directory)
         assert "\n" not in str(err.value)
+
+
+def test_the_builtin_engine_serves_the_published_adapter_as_the_trainer_computes(
+        tiny_model_dir, tmp_path):
+    """The contract between the two sides: a LoRA version the trainer publishes, loaded by the
+    engine (`--enable-lora`), gives the trainer's logits (fp32, CPU)."""
+    from rltool.engine.paged_runner import PagedRunner
+
+    backend = _backend(tiny_model_dir, lora_rank=4, lora_alpha=12.0)
+    _randomize_b(backend)
+    published = lora.publish_adapter(tmp_path / "weight_v000001",
+                                     tensors=backend.export_adapter(),
+                                     config=backend.lora.peft_config(tiny_model_dir))
+    runner = PagedRunner(tiny_model_dir, device="cpu", dtype="fp32", max_running=8, page_size=4,
+                         max_total_tokens=512, enable_lora=True, max_lora_rank=8)
+    runner.lora.load("policy", published)
+    runner.use_lora("policy")
+    ids = TOKENS[2]
+    got = runner.full_pass_logits(ids, start=1)
+    backend.inner.eval()
+    with torch.no_grad():
+        want = backend.inner(input_ids=torch.tensor([ids])).logits[0][:-1]
+        with backend.adapters_off():
+            base = backend.inner(input_ids=torch.tensor([ids])).logits[0][:-1]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert not torch.allclose(got, base, atol=1e-3)
