@@ -467,6 +467,15 @@ class MegatronBackend:
         slots = megatron_state.gather_slots(self.module, keep=megatron_lora.is_adapter_key)
         return {k: v.float() for k, v in megatron_lora.adapter_tensors(slots).items()}
 
+    def load_adapter(self, directory: Path) -> None:
+        """A PEFT adapter directory (a checkpoint's, a LoRA version, PEFT's save_pretrained)
+        into this model's adapters, each rank its shards; refused unless it is exactly their
+        rank, alpha, targets and tensors."""
+        assert self.lora is not None, "load_adapter without --lora-rank"
+        config, tensors = lora.read_adapter(Path(directory))
+        self.lora.check_config(config, where=Path(directory), base_model_dir=self.model_dir)
+        self.lora.load(tensors, where=Path(directory))
+
     def adapters_off(self) -> contextlib.AbstractContextManager:
         """Forwards of the base model, the LoRA adapters off (the KL reference under LoRA)."""
         assert self.lora is not None, "adapters_off without --lora-rank"

@@ -35,12 +35,13 @@ import math
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from rltool.errors import ConfigError
+from rltool.errors import CheckpointError, ConfigError
 from rltool.train import lora
 
 HF_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
@@ -113,10 +114,10 @@ class LoraParallelLinear(torch.nn.Module):
         super().__init__()
         assert not getattr(base, "gather_output", False), "adapted linears keep TP-split outputs"
         self.base, self.kind, self.parts, self.owner = base, kind, parts, owner
-        self.local_groups = local_groups
+        self.layer, self.local_groups = layer, local_groups
         self.targets = [p.name for p in parts if p.name in targets]
-        tp = self.tp = ps.get_tensor_model_parallel_world_size()
-        tp_rank = ps.get_tensor_model_parallel_rank()
+        self.tp = ps.get_tensor_model_parallel_world_size()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
         weight = base.weight
         self.lora_A = torch.nn.ParameterDict()
         self.lora_B = torch.nn.ParameterDict()
@@ -125,22 +126,28 @@ class LoraParallelLinear(torch.nn.Module):
             if part.name not in self.targets:
                 continue
             a = _init_a((r, part.in_features), seed=seed, layer=layer, name=part.name)
-            b = torch.zeros(part.out_features, r)
-            # the shard of the split matrix: lora_B's rows (column), lora_A's columns (row)
-            if kind == "column":
-                b = b.chunk(tp, dim=0)[tp_rank]
-            else:
-                a = a.chunk(tp, dim=1)[tp_rank]
             # fp32 under --dtype bf16 too (PEFT's default): megatron's optimizers keep fp32
             # parameters as their own masters
-            self.lora_A[part.name] = torch.nn.Parameter(a.to(weight.device))
-            self.lora_B[part.name] = torch.nn.Parameter(b.to(weight.device))
+            self.lora_A[part.name] = torch.nn.Parameter(self.shard(a, "lora_A").to(weight.device))
+            self.lora_B[part.name] = torch.nn.Parameter(
+                self.shard(torch.zeros(part.out_features, r), "lora_B").to(weight.device))
             split = self.lora_B[part.name] if kind == "column" else self.lora_A[part.name]
             set_tensor_model_parallel_attributes(split, is_parallel=True,
                                                  dim=0 if kind == "column" else 1, stride=1)
         self.dropout = (torch.nn.Dropout(owner.dropout) if owner.dropout
                         else torch.nn.Identity())
         self.register_load_state_dict_pre_hook(_base_keys)
+
+    def shard(self, full: torch.Tensor, kind: str) -> torch.Tensor:
+        """This TP rank's part of a full lora_A or lora_B: lora_B's rows (column-parallel) or
+        lora_A's columns (row-parallel); the other one is replicated."""
+        if (kind == "lora_B") == (self.kind == "column"):
+            return full.chunk(self.tp, dim=0 if kind == "lora_B" else 1)[self.tp_rank]
+        return full
+
+    def hf_path(self, name: str) -> str:
+        """The transformers module path of the part `name` (`model.layers.3.self_attn.q_proj`)."""
+        return f"model.layers.{self.layer}.{HF_PARENT[name]}.{name}"
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -223,6 +230,14 @@ class MegatronLoRA(lora.LoRA):
         wanted = resolve_targets(targets)
         model.requires_grad_(False)
         self.paths: list[str] = []
+        self.linears: list[LoraParallelLinear] = []
+        # every adapter tensor of the whole model (all pipeline stages), HF name -> full shape
+        self.shapes = {f"model.layers.{layer}.{HF_PARENT[p.name]}.{p.name}.{kind}.weight": shape
+                       for layer in range(model.config.num_layers)
+                       for parts in _layer_parts(model.config).values() for p in parts
+                       if p.name in wanted
+                       for kind, shape in (("lora_A", (rank, p.in_features)),
+                                           ("lora_B", (p.out_features, rank)))}
         tp = ps.get_tensor_model_parallel_world_size()
         for layer in model.decoder.layers:
             index = layer.layer_number - 1  # global (megatron counts from 1)
@@ -232,11 +247,27 @@ class MegatronLoRA(lora.LoRA):
                 parent_path, _, attr = path.rpartition(".")
                 parent = layer.get_submodule(parent_path)
                 groups = model.config.num_query_groups // tp if path.endswith("linear_qkv") else 1
-                parent.add_module(attr, LoraParallelLinear(
-                    getattr(parent, attr), kind=PARALLEL[path], parts=parts, targets=wanted, owner=self,
-                    layer=index, local_groups=groups, seed=seed))
-                self.paths += [f"model.layers.{index}.{HF_PARENT[p.name]}.{p.name}"
-                               for p in parts if p.name in wanted]
+                linear = LoraParallelLinear(
+                    getattr(parent, attr), kind=PARALLEL[path], parts=parts, targets=wanted,
+                    owner=self, layer=index, local_groups=groups, seed=seed)
+                parent.add_module(attr, linear)
+                self.linears.append(linear)
+                self.paths += [linear.hf_path(name) for name in linear.targets]
+
+    def load(self, tensors: Mapping[str, torch.Tensor], *, where: Path) -> None:
+        """A whole adapter (HF model names, as `adapter_tensors` gives them) into this rank's
+        shards; refused unless its tensors are exactly these adapters' names and shapes."""
+        theirs = {name: tuple(t.shape) for name, t in tensors.items()}
+        if theirs != self.shapes:
+            odd = sorted(set(theirs.items()) ^ set(self.shapes.items()))[0][0]
+            raise CheckpointError(f"{where}: its tensors are not this model's adapters ({odd} "
+                                  "differs or is missing); pass the adapter trained on this base")
+        with torch.no_grad():
+            for linear in self.linears:
+                for name in linear.targets:
+                    for kind, params in (("lora_A", linear.lora_A), ("lora_B", linear.lora_B)):
+                        full = tensors[f"{linear.hf_path(name)}.{kind}.weight"]
+                        params[name].copy_(linear.shard(full, kind))
 
 
 def _layer_parts(config: Any) -> dict[str, list[Part]]:

@@ -6,11 +6,12 @@
 
 Builds the trainer with LoRA, takes two optimizer steps on a fixed micro-batch with a checkpoint
 after the first, resumes that checkpoint in a fresh trainer and takes its second step again.
-Global rank 0 writes OUT/: the adapters (PEFT names, fp32) at init, after each step and after the
-resumed step, the step metrics, whether the base's HF tensors stayed equal over the first step,
-each rank's trainable and gradient-buffered parameter names, and the logprobs of the micro-batch with the
-adapters on and off after the second step. `layout` adds to or overrides the options (TP, the
-distributed optimizer, device and dtype).
+Global rank 0 writes OUT/: the adapters (PEFT names, fp32) at init, after each step, after the
+resumed step and after loading the checkpoint's adapter/ files again; the step metrics; whether
+the base's HF tensors stayed equal over the first step; each rank's trainable and
+gradient-buffered parameter names; and the logprobs of the micro-batch with the adapters on and
+off after the second step. `layout` adds to or overrides the options (TP, PP, EP, the
+distributed optimizer, device and dtype, LoRA targets).
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ def run_layout(model: Path, out: Path, layout: dict[str, Any]) -> None:
         tensors["loaded"] = resumed.export_adapter()
         record["resumed_metrics"] = resumed.train_step([BATCH], loss_fn, temperature=1.0)
         tensors["resumed"] = resumed.export_adapter()
+        resumed.load_adapter(out / "ckpt" / "adapter")  # the PEFT files, into every rank's shards
+        tensors["reloaded"] = resumed.export_adapter()
         if dist.get_rank() == 0:
             record["metrics"] = metrics
             record["logprobs_on"] = [lp.tolist() for lp in on]

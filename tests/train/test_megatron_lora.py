@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rltool.errors import ConfigError
+from rltool.errors import CheckpointError, ConfigError
 from rltool.train import lora, megatron_lora, run
 from rltool.train.config import BackendConfig, TrainConfig
 from tests.helpers.shards import REWARDS, make_shard, shard_rows
@@ -31,7 +31,7 @@ from tests.train.megatron_lora_ranks import BATCH, LORA, run_layout
 
 LAYOUTS = {"tp1": {}, "tp2": {"tensor_model_parallel_size": 2, "use_distributed_optimizer": True},
            "pp2": {"pipeline_model_parallel_size": 2}}
-STEPS = ("init", "step1", "step2", "loaded", "resumed")
+STEPS = ("init", "step1", "step2", "loaded", "resumed", "reloaded")
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -122,7 +122,8 @@ def assert_checkpoint_round_trip(run) -> None:
     for k, tensor in steps["step1"].items():
         assert torch.equal(steps["loaded"][k], tensor), k
         assert torch.equal(steps["resumed"][k], steps["step2"][k]), k
-    assert steps["loaded"].keys() == steps["step1"].keys()
+        assert torch.equal(steps["reloaded"][k], tensor), k  # load_adapter of adapter/
+    assert steps["loaded"].keys() == steps["reloaded"].keys() == steps["step1"].keys()
     config, on_disk = lora.read_adapter(ckpt / "adapter")
     assert on_disk.keys() == steps["step1"].keys()
     assert all(torch.equal(on_disk[k], steps["step1"][k]) for k in on_disk)
@@ -222,7 +223,7 @@ def test_all_linear_is_every_adaptable_module():
 def test_train_publishes_the_adapter_resumes_and_merges(model, tmp_path):
     """`rltool train --backend megatron --lora-rank 4` (KL to the base with the adapters off):
     the published version is exactly the PEFT adapter; resuming the step-1 checkpoint publishes
-    the same step-2 adapter bit for bit; --lora-merge-on-publish publishes the base weights with
+    the same step-2 adapter bit for bit; --load of that version trains on from its adapter; --lora-merge-on-publish publishes the base weights with
     W + scale * B @ A (checked in float64 against the step-1 checkpoint's adapter)."""
     shard = make_shard(tmp_path / "rollouts" / "step-000001", model, shard_rows(REWARDS),
                        temperature=0.8)
@@ -239,6 +240,12 @@ def test_train_publishes_the_adapter_resumes_and_merges(model, tmp_path):
     assert losses and all(resumed.metrics[0][k] == v for k, v in losses.items())
     a, b = lora.read_adapter(version)[1], lora.read_adapter(Path(resumed.published))[1]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # --load of a published adapter version trains on from it
+    further = run(TrainConfig(load=str(version), publish=str(tmp_path / "pub-c"),
+                              **{**cfg, "num_steps": 1}))
+    c = lora.read_adapter(Path(further.published))[1]
+    assert c.keys() == a.keys() and further.policy_version == straight.policy_version + 1
+    assert all(not torch.equal(c[k], a[k]) for k in a if k.endswith("lora_B.weight"))
 
     merged = run(TrainConfig(load=str(model), publish=str(tmp_path / "pub-m"),
                              lora_merge_on_publish=True, **{**cfg, "num_steps": 1}))
@@ -296,3 +303,22 @@ def test_dropout_acts_in_training_only(model):
             assert torch.equal(linear(x)[0], linear(x)[0])
         metrics = backend.train_step([BATCH], loss_fn, temperature=1.0)
         assert math.isfinite(metrics["train/grad_norm"])
+
+
+def test_load_adapter_refuses_another_models_adapter(runs, model, tmp_path):
+    """An adapter whose config matches but whose tensors miss one of this model's is refused in
+    one line naming it; one with another rank is refused by its config."""
+    from rltool.train.launch import process_group_scope
+    from rltool.train.megatron_backend import MegatronBackend
+
+    config, tensors = lora.read_adapter(runs["tp1"][2] / "adapter")
+    missing = "model.layers.1.mlp.up_proj.lora_B.weight"
+    lora.write_adapter(tmp_path / "short", config=config,
+                       tensors={k: v for k, v in tensors.items() if k != missing})
+    lora.write_adapter(tmp_path / "r8", config={**config, "r": 8}, tensors=tensors)
+    with process_group_scope():
+        backend = MegatronBackend(model, options=BackendConfig(backend="megatron", **LORA))
+        with pytest.raises(CheckpointError, match=f"{missing} differs or is missing"):
+            backend.load_adapter(tmp_path / "short")
+        with pytest.raises(CheckpointError, match="a LoRA adapter with r 8"):
+            backend.load_adapter(tmp_path / "r8")
