@@ -113,9 +113,6 @@ def preflight(cfg: TrainConfig, *, world_size: int | None = None) -> Preflight:
     if target.adapter_dir is not None and not cfg.lora_rank:
         raise ConfigError(f"--load {cfg.load} is a LoRA adapter: train it with --lora-rank R "
                           "(and the --lora-alpha and --lora-target-modules it was trained with)")
-    if target.adapter_dir is not None and cfg.backend != "torch":
-        raise ConfigError(f"--load {cfg.load}: a LoRA adapter starts a run on the torch backend; "
-                          "use --backend torch, or --load its base")
     ref_target = resolve_load(cfg.ref) if cfg.needs_ref and cfg.ref else None
     old_actor_target = resolve_load(cfg.old_actor) if cfg.old_actor else None
     if cfg.backuper_dir and Path(cfg.backuper_dir).exists() and not Path(cfg.backuper_dir).is_dir():
