@@ -26,7 +26,8 @@
 - `--lora-rank` (rltool.train.megatron_lora): adapters on the frozen base's tensor-parallel
   linears; only they get gradients, optimizer state and checkpoint shards;
   `export_hf_state_dict` gives the merged weights, `export_adapter` the adapter (PEFT's names,
-  gathered over TP), `adapters_off()` runs the base.
+  gathered over TP and PP), `load_adapter` reads one into every rank's shards, `adapters_off()`
+  runs the base.
 """
 
 from __future__ import annotations
