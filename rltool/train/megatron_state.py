@@ -274,6 +274,25 @@ def _weights_only_common_strategy() -> Any:
     return WeightsOnly()
 
 
+def _check_lora(backend: MegatronBackend, ckpt_dir: Path, saved: dict[str, Any] | None) -> None:
+    """Refuse a resume under other adapters than the checkpoint's (or LoRA on one side only),
+    naming the flags that match it."""
+    from rltool.train.lora import read_adapter
+
+    if saved is None and backend.lora is None:
+        return
+    if saved is None:
+        raise CheckpointError(f"{ckpt_dir} was trained without LoRA; to train adapters on its "
+                              f"weights, --load {ckpt_dir / ckpt.MODEL_DIR} (fresh optimizer)")
+    if backend.lora is None:
+        raise CheckpointError(f"{ckpt_dir} holds LoRA adapters; resume with --lora-rank "
+                              f"{saved['rank']} --lora-alpha {saved['alpha']} "
+                              f"--lora-target-modules {','.join(saved['targets'])}")
+    adapter = ckpt_dir / ckpt.ADAPTER_DIR
+    backend.lora.check_config(read_adapter(adapter)[0], where=adapter,
+                              base_model_dir=backend.model_dir)
+
+
 def load_checkpoint(backend: MegatronBackend, ckpt_dir: Path
                     ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Restore model, optimizer, RNG and schedule position from a megatron trainer checkpoint;
@@ -290,8 +309,9 @@ def load_checkpoint(backend: MegatronBackend, ckpt_dir: Path
         raise CheckpointError(f"{ckpt_dir} was written by the {written.get('name')} backend; to "
                               f"start megatron from its weights, --load {ckpt_dir / ckpt.MODEL_DIR}"
                               " (fresh optimizer)")
+    _check_lora(backend, ckpt_dir, written.get("lora"))
     mine = _layout(backend)
-    differ = [k for k in mine if written.get(k) != mine[k]]
+    differ = [k for k in mine if k != "lora" and written.get(k) != mine[k]]
     if differ:
         raise CheckpointError(
             f"{ckpt_dir} was written with {differ[0]} = {written.get(differ[0])}, this run has "

@@ -305,20 +305,25 @@ def test_dropout_acts_in_training_only(model):
         assert math.isfinite(metrics["train/grad_norm"])
 
 
-def test_load_adapter_refuses_another_models_adapter(runs, model, tmp_path):
-    """An adapter whose config matches but whose tensors miss one of this model's is refused in
-    one line naming it; one with another rank is refused by its config."""
+def test_other_adapters_are_refused_in_one_line(runs, model, tmp_path):
+    """A rank-8 trainer refuses the rank-4 checkpoint (resume) and its adapter/ (load_adapter),
+    naming the flags that match them, and an adapter whose config matches but whose tensors do
+    not, naming the first tensor that differs."""
     from rltool.train.launch import process_group_scope
     from rltool.train.megatron_backend import MegatronBackend
 
-    config, tensors = lora.read_adapter(runs["tp1"][2] / "adapter")
-    missing = "model.layers.1.mlp.up_proj.lora_B.weight"
-    lora.write_adapter(tmp_path / "short", config=config,
-                       tensors={k: v for k, v in tensors.items() if k != missing})
-    lora.write_adapter(tmp_path / "r8", config={**config, "r": 8}, tensors=tensors)
+    ckpt = runs["tp1"][2]
+    config, tensors = lora.read_adapter(ckpt / "adapter")
+    lora.write_adapter(tmp_path / "short", config={**config, "r": 8, "lora_alpha": 8.0},
+                       tensors=tensors)
+    options = BackendConfig(backend="megatron", **{**LORA, "lora_rank": 8})
     with process_group_scope():
-        backend = MegatronBackend(model, options=BackendConfig(backend="megatron", **LORA))
-        with pytest.raises(CheckpointError, match=f"{missing} differs or is missing"):
+        backend = MegatronBackend(model, options=options)
+        other = "a LoRA adapter with r 4.*--lora-rank 4 --lora-alpha 8"
+        with pytest.raises(CheckpointError, match=other):
+            backend.load(ckpt)
+        with pytest.raises(CheckpointError, match=other):
+            backend.load_adapter(ckpt / "adapter")
+        with pytest.raises(CheckpointError, match=r"model.layers.0.mlp.down_proj.lora_A.weight "
+                                                  "differs or is missing"):
             backend.load_adapter(tmp_path / "short")
-        with pytest.raises(CheckpointError, match="a LoRA adapter with r 8"):
-            backend.load_adapter(tmp_path / "r8")
