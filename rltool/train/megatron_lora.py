@@ -17,7 +17,8 @@ megatron linear that holds it:
 
 The frozen base stays megatron's own module (`base`, requires_grad False): megatron's DDP and
 optimizers (distributed optimizer included) see only the adapters, so gradients, fp32 masters
-and Adam moments exist for them alone. Checkpoint keys keep the plain model's names for the base
+and Adam moments exist for them alone. The adapters are fp32 parameters; under bf16 they run in
+bf16 like the base (no fp32 copy of a layer's input is kept for backward). Checkpoint keys keep the plain model's names for the base
 (`...linear_qkv.weight`, through a load pre-hook) and add `...linear_qkv.lora_A.q_proj` etc.,
 sharded as above, so dist/ checkpoints restore the adapters of every TP rank.
 
@@ -126,8 +127,9 @@ class LoraParallelLinear(torch.nn.Module):
             if part.name not in self.targets:
                 continue
             a = _init_a((r, part.in_features), seed=seed, layer=layer, name=part.name)
-            # fp32 under --dtype bf16 too (PEFT's default): megatron's optimizers keep fp32
-            # parameters as their own masters
+            # fp32 parameters under --dtype bf16 too (megatron's optimizers keep them as their
+            # own masters); the forward casts them to the activations' dtype, so the input x
+            # the base's GEMM saves for backward is the one the adapter's saves too
             self.lora_A[part.name] = torch.nn.Parameter(self.shard(a, "lora_A").to(weight.device))
             self.lora_B[part.name] = torch.nn.Parameter(
                 self.shard(torch.zeros(part.out_features, r), "lora_B").to(weight.device))
@@ -155,20 +157,21 @@ class LoraParallelLinear(torch.nn.Module):
         if not self.owner.enabled:
             return out, bias
         update = self._column(x) if self.kind == "column" else self._row(x)
-        return out + update.to(out.dtype), bias
+        return out + update, bias
 
     def _column(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
 
         # x is the same on every TP rank: so is the dropout mask (the default generator, as
         # megatron's hidden dropout), and h
-        a = torch.cat([self.lora_A[name] for name in self.targets])
-        h = copy_to_tensor_model_parallel_region(F.linear(self.dropout(x.to(a.dtype)), a))
+        a = torch.cat([self.lora_A[name] for name in self.targets]).to(x.dtype)
+        h = copy_to_tensor_model_parallel_region(F.linear(self.dropout(x), a))
         h_parts = dict(zip(self.targets, h.split(self.owner.rank, dim=-1)))
         ys = []
         for part in self.parts:
             if part.name in h_parts:
-                y = F.linear(h_parts[part.name], self.lora_B[part.name]) * self.owner.scale
+                b = self.lora_B[part.name].to(h.dtype)
+                y = F.linear(h_parts[part.name], b) * self.owner.scale
             else:  # an untargeted part of a fused linear adds nothing
                 y = h.new_zeros(*h.shape[:-1], part.out_features // self.tp)
             ys.append(y.reshape(*y.shape[:-1], self.local_groups, -1))
@@ -180,9 +183,10 @@ class LoraParallelLinear(torch.nn.Module):
 
         (name,) = self.targets
         with get_cuda_rng_tracker().fork():  # x's columns differ per TP rank: so do the masks
-            dropped = self.dropout(x.to(self.lora_A[name].dtype))
-        h = reduce_from_tensor_model_parallel_region(F.linear(dropped, self.lora_A[name]))
-        return F.linear(h, self.lora_B[name]) * self.owner.scale
+            dropped = self.dropout(x)
+        h = reduce_from_tensor_model_parallel_region(
+            F.linear(dropped, self.lora_A[name].to(x.dtype)))
+        return F.linear(h, self.lora_B[name].to(h.dtype)) * self.owner.scale
 
     def backward_dw(self) -> None:
         self.base.backward_dw()
