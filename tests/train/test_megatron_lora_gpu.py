@@ -1,7 +1,8 @@
 """LoRA on `--backend megatron` on CUDA: the CPU checks of tests/train/test_megatron_lora.py for
 fp32 on one GPU (the forward against PeftModel on the CPU within 1e-4: CUDA's SDPA and GEMMs
-round differently from the CPU's), TP2 against TP1 on two GPUs, and bf16 with the distributed
-optimizer (adapters and their masters fp32, only they train, resume bit-identical).
+round differently from the CPU's), with full recompute against without, TP2 against TP1 on two
+GPUs, and bf16 with the distributed optimizer (adapters and their masters fp32, only they train,
+resume bit-identical).
 
 Every test skips only when too few CUDA GPUs are visible (the CI machines have none).
 """
@@ -52,3 +53,11 @@ def test_bf16_with_the_distributed_optimizer(model, tmp_path):
     record = run[0]
     on, off = (torch.tensor(sum(record[f"logprobs_{k}"], [])) for k in ("on", "off"))
     assert torch.isfinite(on).all() and (on - off).abs().max() > 1e-3
+
+
+def test_full_recompute_trains_the_same_adapters(tp1, model, tmp_path):
+    """Megatron's full-layer recompute reruns the adapters' forward in backward (on the CPU it
+    cannot run: megatron's checkpointing reads the CUDA RNG state)."""
+    run = run_ranks(model, tmp_path, {"device": "cuda", "recompute": "full"}, nproc=1)
+    assert_same_training(tp1, run, atol=1e-5)
+    assert_only_adapters_train(run)
