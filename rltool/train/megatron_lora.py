@@ -119,7 +119,7 @@ class LoraParallelLinear(torch.nn.Module):
         self.targets = [p.name for p in parts if p.name in targets]
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
-        weight = base.weight
+        device = base.weight.device
         self.lora_A = torch.nn.ParameterDict()
         self.lora_B = torch.nn.ParameterDict()
         r = owner.rank
@@ -130,9 +130,9 @@ class LoraParallelLinear(torch.nn.Module):
             # fp32 parameters under --dtype bf16 too (megatron's optimizers keep them as their
             # own masters); the forward casts them to the activations' dtype, so the input x
             # the base's GEMM saves for backward is the one the adapter's saves too
-            self.lora_A[part.name] = torch.nn.Parameter(self.shard(a, "lora_A").to(weight.device))
+            self.lora_A[part.name] = torch.nn.Parameter(self.shard(a, "lora_A").to(device))
             self.lora_B[part.name] = torch.nn.Parameter(
-                self.shard(torch.zeros(part.out_features, r), "lora_B").to(weight.device))
+                self.shard(torch.zeros(part.out_features, r), "lora_B").to(device))
             split = self.lora_B[part.name] if kind == "column" else self.lora_A[part.name]
             set_tensor_model_parallel_attributes(split, is_parallel=True,
                                                  dim=0 if kind == "column" else 1, stride=1)
@@ -144,7 +144,7 @@ class LoraParallelLinear(torch.nn.Module):
         """This TP rank's part of a full lora_A or lora_B: lora_B's rows (column-parallel) or
         lora_A's columns (row-parallel); the other one is replicated."""
         if (kind == "lora_B") == (self.kind == "column"):
-            return full.chunk(self.tp, dim=0 if kind == "lora_B" else 1)[self.tp_rank]
+            return full.chunk(self.tp, dim=0 if kind == "lora_B" else 1)[self.tp_rank].contiguous()
         return full
 
     def hf_path(self, name: str) -> str:
