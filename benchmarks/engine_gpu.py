@@ -12,6 +12,10 @@ One script, one mode per run (`--mode`, default throughput):
                       `--precision fp8`; benchmarks/engine_fp8.py says how)
   fp8-quick           the GEMM rates and the fused quantization kernels of `--preset`, then the
                       bf16 and fp8 engines (`--gemm-only`, `--engines-only`)
+  int4                workload (a) on bf16, block-FP8 and INT4 weights of the qwen2 `--preset`
+                      (B = 1, 64) and of a qwen3_moe model of `--moe-preset`'s shapes
+                      (`--moe-batches`, default 64), one table; the INT4 GEMM rates against bf16
+                      (`--gemm-only`, `--engines-only`; benchmarks/engine_int4.py says how)
   rl                  workload (b), GRPO-shaped, with and without the prefix cache, and the
                       in-memory weight sync through /update_weights_from_tensor (`--grpo
                       PRESETS`, `--tensor-sync PRESETS`; benchmarks/engine_rl.py says how); with
@@ -58,6 +62,9 @@ Usage: python -m benchmarks.engine_gpu [--presets qwen2.5-0.5b,qwen2.5-7b] [--ba
        python -m benchmarks.engine_gpu --mode deterministic-cost|fp8 [--presets ...] [--out DIR]
        python -m benchmarks.engine_gpu --mode fp8-quick [--preset qwen2.5-7b]
        [--gemm-only | --engines-only] [--out DIR]
+       python -m benchmarks.engine_gpu --mode int4 [--preset qwen2.5-7b]
+       [--moe-preset qwen2.5-3b] [--batches 1,64] [--moe-batches 64]
+       [--gemm-only | --engines-only] [--out DIR]
        python -m benchmarks.engine_gpu --mode rl [--grpo qwen2.5-0.5b]
        [--tensor-sync qwen2.5-0.5b,qwen2.5-7b] [--bucket-mib 512] [--device cuda|cpu]
        [--grpo-prompts 64 --grpo-samples 8 --grpo-prompt-len 512 --grpo-max-output 2048]
@@ -90,6 +97,7 @@ from benchmarks.engine_common import (OUTPUT_LEN, PROMPT_LEN, checkpoints, copy_
                                       first_batches, in_process, prompts_for, random_checkpoint,
                                       run_batch, warm_up)
 from benchmarks.engine_fp8 import precision_cost, quick
+from benchmarks.engine_int4 import int4_mode
 from benchmarks.engine_long import long_context
 from benchmarks.engine_rl import grpo_workload, tensor_sync_timing
 from benchmarks.engine_sampling import parse_arms, print_table, sampler_alone, sampling_runs
@@ -255,8 +263,8 @@ def deterministic_cost(preset: str, batches: list[int]) -> dict:
     return out
 
 
-def parse_batches(args: argparse.Namespace) -> list[int]:
-    return [int(b) for b in args.batches.split(",")]
+def parse_batches(args: argparse.Namespace, default: str = "64,256") -> list[int]:
+    return [int(b) for b in (args.batches or default).split(",")]
 
 
 def throughput(args: argparse.Namespace) -> dict:
@@ -399,6 +407,10 @@ MODES: dict[str, Callable[[argparse.Namespace], dict]] = {
     "fp8": per_preset(precision_cost),
     "fp8-quick": lambda args: {"preset": args.preset, **quick(
         args.preset, parse_batches(args), args.gemm_only, args.engines_only)},
+    "int4": lambda args: {"preset": args.preset, "moe_preset": args.moe_preset, **int4_mode(
+        preset=args.preset, moe_preset=args.moe_preset, batches=parse_batches(args, "1,64"),
+        moe_batches=[int(b) for b in args.moe_batches.split(",")], gemm_only=args.gemm_only,
+        engines_only=args.engines_only)},
     "rl": rl,
     "first-batches": first_batches_mode,
     "long-context": lambda args: long_context(args.presets.split(","), device=args.device,
@@ -412,8 +424,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="what to measure (default throughput; the older flags below pick "
                          "their mode too)")
     ap.add_argument("--presets", default="qwen2.5-0.5b")
-    ap.add_argument("--preset", default="qwen2.5-7b", help="fp8-quick and first-batches")
-    ap.add_argument("--batches", default="64,256")
+    ap.add_argument("--preset", default="qwen2.5-7b", help="fp8-quick, first-batches and int4 "
+                    "(int4: the dense model, empty for none)")
+    ap.add_argument("--batches", default=None, help="default 64,256 (int4: 1,64)")
+    ap.add_argument("--moe-preset", default="qwen2.5-3b", help="int4: the shapes of the qwen3_moe "
+                    "model (empty for none)")
+    ap.add_argument("--moe-batches", default="64", help="int4: the MoE model's batches")
     ap.add_argument("--quick", action="store_true", help="skip transformers generate; "
                     "long-context: the tiny preset's smoke rows")
     ap.add_argument("--skip-http", action="store_true")
@@ -438,9 +454,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--num-continuous-decode-steps", default="1",
                     help="comma-separated: one in-process run of workload (a) per value")
     only = ap.add_mutually_exclusive_group()
-    only.add_argument("--gemm-only", action="store_true", help="fp8-quick: the GEMM rates alone")
+    only.add_argument("--gemm-only", action="store_true",
+                      help="fp8-quick, int4: the GEMM rates alone")
     only.add_argument("--engines-only", action="store_true",
-                      help="fp8-quick: without the GEMM rates")
+                      help="fp8-quick, int4: without the GEMM rates")
     ap.add_argument("--repeats", type=int, default=3, help="first-batches: runs per batch size")
     ap.add_argument("--out", default=None, help="directory (or .json file) for the record")
     args = ap.parse_args(argv)
