@@ -1,5 +1,5 @@
-"""LoRA in the loop (`[train] lora_rank`): the resident trainer checkpoints the adapter alone, the
-engine is synced with the merged weights (the version written at a checkpoint step is exactly
+"""LoRA in the loop with merged publishing (`[train] lora_rank`, `lora_merge_on_publish`): the
+resident trainer checkpoints the adapter alone, the engine is synced with the merged weights (the version written at a checkpoint step is exactly
 W + scale * B @ A of the checkpoint's adapter on the base), the KL term against the base is on,
 and `loop --resume` continues from the adapter checkpoint."""
 
@@ -23,7 +23,8 @@ def test_lora_loop_syncs_merged_weights_and_resumes(tiny_model_dir, tmp_path):
         "rollout": {"prompts": str(tmp_path / "rl.jsonl"), "reward": "reverse:partial",
                     "n_samples_per_prompt": 2, "rollout_batch_size": 2, "max_response_len": 6},
         "train": {"lr": 1e-2, "global_batch_size": 2, "lora_rank": 4, "lora_alpha": 4.0,
-                  "kl_loss_coef": 0.01, "entropy_coef": 0.01},  # entropy: a gradient always
+                  "kl_loss_coef": 0.01, "entropy_coef": 0.01,  # entropy: a gradient always
+                  "lora_merge_on_publish": True},
         "loop": {"num_steps": 3, "seed": 3},
     }
     (tmp_path / "run.toml").write_text(tomli_w.dumps(config))
