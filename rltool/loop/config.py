@@ -302,13 +302,16 @@ class LoopSettings(BaseModel):
         return resolve_device(self.loop.device)
 
     def engine_args(self) -> list[str]:
-        """`engine_args` with the loop's device (and bf16 on CUDA) unless they name their own."""
+        """`engine_args` with the loop's device (and bf16 on CUDA) unless they name their own,
+        and LoRA serving for a run whose versions are adapters (rltool.loop.lora_sync)."""
+        from rltool.loop import lora_sync
+
         args = list(self.loop.engine_args)
         if "--device" not in args:
             args += ["--device", self.device]
         if "--dtype" not in args and _arg(args, "--device") == "cuda":
             args += ["--dtype", "bf16"]
-        return args
+        return lora_sync.engine_args(self, args)
 
     @property
     def engine_device(self) -> str:

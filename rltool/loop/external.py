@@ -27,6 +27,7 @@ from typing import Any
 
 from rltool.engine import api
 from rltool.errors import BadInputError, EngineError
+from rltool.loop import lora_sync
 from rltool.loop.config import LoopSettings
 from rltool.loop.engines import ChildRegistry, EngineSet
 from rltool.loop.keys import check_admin_key_hosts
@@ -87,6 +88,8 @@ class ExternalEngines(EngineSet):
         if loop.engine_local_dir:
             self.local_weights = Path(loop.engine_local_dir)
         self.needs = required_routes(settings, mode)
+        # LoRA adapters the engines must serve (rltool.loop.lora_sync), 0: none
+        self.lora_rank = settings.train.lora_rank if lora_sync.is_adapter_run(settings) else 0
         self.control_urls: list[str] = []
         self._dtype: Any = None
 
@@ -137,6 +140,9 @@ class ExternalEngines(EngineSet):
         finally:
             for c in clients:
                 await c.aclose()
+        if self.lora_rank:
+            for c, info in zip(clients, infos):
+                lora_sync.check_server_info(c.url, info, rank=self.lora_rank)
         dtypes = {_dtype(info) for info in infos}
         if len(dtypes) > 1:
             raise BadInputError("the external engines serve different dtypes "

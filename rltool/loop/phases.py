@@ -28,6 +28,7 @@ from typing import Any
 
 from rltool import atomic, trace
 from rltool.errors import EngineError, GateFailedError
+from rltool.loop import lora_sync
 from rltool.loop.config import LoopSettings
 from rltool.loop.engines import ChildRegistry, EngineSet, TrainerProcess
 from rltool.loop.colocation import PhaseMemory, Residency
@@ -279,6 +280,9 @@ def publish(ctx: StepContext) -> None:
             state.publish["sync/mode"] = sync_mode(settings)
         return
     to_disk = is_save_step(settings, state.step)
+    if lora_sync.is_adapter_run(settings):
+        _publish_adapter(ctx, to_disk=to_disk)
+        return
     if is_resident(settings):
         trainer = resident_trainer(ctx)
         # An in-memory version off the save steps writes nothing: no host copy of the weights.
@@ -294,6 +298,23 @@ def publish(ctx: StepContext) -> None:
                              base_version=state.base_version,
                              in_memory=in_memory_transport(settings), to_disk=to_disk,
                              **kwargs)
+    state.publish = {k: v for k, v in result.items() if isinstance(v, (int, float, str))}
+
+
+def _publish_adapter(ctx: StepContext, *, to_disk: bool) -> None:
+    """A LoRA version: the resident trainer's adapter, or the adapter/ of the disaggregated
+    trainer's checkpoint (rltool.loop.lora_sync)."""
+    from rltool.train.checkpoint import ADAPTER_DIR
+
+    settings, state = ctx.settings, ctx.state
+    version = state.policy_version
+    src: Any = (resident_trainer(ctx) if is_resident(settings)
+                else ctx.run.ckpt_step(version) / ADAPTER_DIR)
+    dtype = settings.train_config(ctx.run, step=state.step, load=settings.model.path).dtype
+    result = lora_sync.publish(src, settings, publish_dir=ctx.run.weights, version=version,
+                               base_version=state.base_version,
+                               in_memory=in_memory_transport(settings), to_disk=to_disk,
+                               dtype=dtype)
     state.publish = {k: v for k, v in result.items() if isinstance(v, (int, float, str))}
 
 
@@ -321,8 +342,18 @@ def push_weights(ctx: StepContext, mode: str) -> float:
     from rltool.delta import tensor_sync
     from rltool.delta.publish import FP8_BLOCK
 
-    named = ctx.residency.engine_weights(resident_trainer(ctx), ctx.engines.dtype)
     bucket_bytes = ctx.settings.sync.tensor_bucket_mb << 20
+    if lora_sync.is_adapter_run(ctx.settings):  # the adapter alone: the base never moves
+        trainer = resident_trainer(ctx)
+        named = lora_sync.engine_tensors(trainer)
+        ctx.residency.for_engines(trainer)
+        if ctx.settings.sync.precision == "bf16":  # bf16 values, in the engines' dtype
+            named = [(n, t.to(torch.bfloat16)) for n, t in named]
+        ctx.state.publish["perf/update_weights_wire_bytes"] = lora_sync.tensor_bytes(
+            named, ctx.engines.dtype)
+        load = ctx.engines.load_tensors if mode == "tensor" else ctx.engines.load_distributed
+        return load(named, version=ctx.state.policy_version, bucket_bytes=bucket_bytes)
+    named = ctx.residency.engine_weights(resident_trainer(ctx), ctx.engines.dtype)
     if ctx.settings.sync.precision == "bf16":  # bf16 values, whatever dtype the engines hold
         named = [(n, t.to(torch.bfloat16)) for n, t in named]
     if mode == "tensor" and ctx.settings.sync.precision == "fp8":
