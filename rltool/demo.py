@@ -202,6 +202,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rollout-precision", choices=PRECISIONS, default="bf16",
                         help="add/reverse: fp8 serves the rollouts from block-FP8 weights "
                         "requantized at every sync, with truncated importance sampling.")
+    parser.add_argument("--lora-rank", type=int, default=0, help="add/reverse: RL as LoRA of "
+                        "this rank on the warm-started model (0: full parameters).")
+    parser.add_argument("--lora-lr", type=float, default=None, help="add/reverse with "
+                        "--lora-rank: the LoRA RL learning rate (default 10 x --rl-lr).")
     parser.add_argument("--out-json", default=None, help="Also write the summary JSON here.")
     parser.add_argument("--seed", type=int, default=SEED, help="Seed of the model init, the "
                         "trainers and the engine's sampling (the prompt sets keep theirs).")
@@ -218,10 +222,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if task == "copy":
             if (args.device != "cpu" or args.preset not in (None, "tiny")
-                    or args.rollout_precision != "bf16"):
+                    or args.rollout_precision != "bf16" or args.lora_rank):
                 raise BadInputError("--task copy is the CPU demo (tiny model on the CPU); use "
-                                    "--task add or reverse with --device cuda, --preset or "
-                                    "--rollout-precision")
+                                    "--task add or reverse with --device cuda, --preset, "
+                                    "--rollout-precision or --lora-rank")
             summary = run(Path(args.dir), steps=150 if args.steps is None else args.steps,
                           sft_steps=60 if args.sft_steps is None else args.sft_steps,
                           seed=args.seed)
@@ -231,7 +235,8 @@ def main(argv: list[str] | None = None) -> None:
                                eval_prompts=args.eval_prompts, sft_prompts=args.sft_prompts,
                                time_budget_s=args.time_budget_s,
                                rollout_precision=args.rollout_precision,
-                               teacher_exact=args.teacher_exact, rl_lr=args.rl_lr)
+                               teacher_exact=args.teacher_exact, rl_lr=args.rl_lr,
+                               lora_rank=args.lora_rank, lora_lr=args.lora_lr)
             summary = run_gpu_recipe(
                 Path(args.dir), steps=200 if args.steps is None else args.steps,
                 sft_steps=args.sft_steps, seed=args.seed, device=args.device,
