@@ -12,7 +12,9 @@ target or the time budget (`--time-budget-s`, 480) is spent, colocated on the on
 trainer on it together, weights handed over in memory). `--rollout-precision fp8` serves the
 rollouts from block-FP8 weights requantized at every sync (`[sync] precision = "fp8"`) and
 corrects the train/rollout mismatch with token-level truncated importance sampling (`[train]
-tis_mode = "truncate"`). Each step prints reward, eval reward and phase times; `--preset tiny`
+tis_mode = "truncate"`). `--lora-rank R` keeps the full-parameter warm start and runs the RL phase
+as LoRA on its frozen result (`[train] lora_rank`, alpha 2 x R, at `--lora-lr`, default 10 x
+`--rl-lr`): every sync hands the engine the adapter alone (rltool.loop.lora_sync). Each step prints reward, eval reward and phase times; `--preset tiny`
 runs the recipe on CPU. docs/loop.md, "The GPU demo".
 """
 
@@ -32,6 +34,7 @@ from rltool.errors import BadInputError
 
 KV_TOKENS = 65536  # the recipes' KV pool: 512 rollouts of at most ~40 tokens fit many times
 PRECISIONS = ("bf16", "fp8")  # --rollout-precision: the weights the engine serves
+LORA_LR_FACTOR = 10.0  # --lora-lr's default, times --rl-lr (GpuRecipe.lora_lr)
 MISMATCH_KEYS = ("train/train_rollout_logprob_abs_diff", "train/mismatch_kl",
                  "train/mismatch_k3_kl", "train/tis_clipfrac")
 
@@ -74,11 +77,31 @@ class GpuRecipe:
     sft_batch: int = 256  # or the whole SFT set when smaller
     teacher_exact: float = 0.25  # the demonstrator's chance of a whole right answer
     rollout_precision: str = "bf16"  # or fp8 (see `add_loop_tables`)
+    lora_rank: int = 0  # RL as LoRA of this rank on the warm-started base (0: full parameters)
+    # LoRA's RL learning rate, None: LORA_LR_FACTOR x rl_lr (the adapters start at zero and move
+    # the model through a rank-R update: on the CPU the trainer's LoRA needed about 10x the full
+    # fine-tuning rate for the same progress per step)
+    lora_lr: float | None = None
 
     def __post_init__(self) -> None:  # before the demo writes anything
         if not self.rl_lr > 0:
             raise BadInputError(f"--rl-lr must be > 0, got {self.rl_lr:g}")
+        if self.lora_rank < 0 or (self.lora_lr is not None and not self.lora_lr > 0):
+            raise BadInputError("--lora-rank must be >= 0 and --lora-lr > 0")
+        if self.lora_lr is not None and not self.lora_rank:
+            raise BadInputError("--lora-lr is the LoRA RL rate: add --lora-rank R (>= 1)")
+        if self.lora_rank and self.rollout_precision != "bf16":
+            raise BadInputError("--lora-rank serves the adapter over bf16 weights: drop "
+                                "--rollout-precision fp8 (the engine serves no LoRA over FP8)")
         check_teacher_exact(self.teacher_exact)
+
+    @property
+    def rl_train(self) -> dict[str, Any]:
+        """The RL phase's [train] keys that LoRA changes: the learning rate and the rank."""
+        if not self.lora_rank:
+            return {"lr": self.rl_lr}
+        lr = self.lora_lr if self.lora_lr is not None else LORA_LR_FACTOR * self.rl_lr
+        return {"lr": lr, "lora_rank": self.lora_rank}
 
 
 def gpu_loop_tables(root: Path, *, model: Path, steps: int, seed: int, device: str,
@@ -102,7 +125,7 @@ def gpu_loop_tables(root: Path, *, model: Path, steps: int, seed: int, device: s
                     "temperature": 1.0, "seed": seed,
                     # every sample in flight at once (the engine batches what it can run)
                     "concurrency": rollouts},
-        "train": {"lr": recipe.rl_lr, "lr_warmup_steps": 2,
+        "train": {**recipe.rl_train, "lr_warmup_steps": 2,
                   "global_batch_size": rollouts // 2,
                   "advantage_estimator": "grpo",
                   **({"tis_mode": "truncate", "tis_clip_high": 2.0} if fp8 else {})},
@@ -216,6 +239,9 @@ def run_gpu_recipe(root: Path, *, steps: int, sft_steps: int | None, seed: int, 
               f"{recipe.n_samples_per_prompt} samples, exact-match "
               f"GRPO on {device}, {recipe.rollout_precision} rollout weights"
               + (" with truncated importance sampling" if recipe.rollout_precision == "fp8"
+                 else "")
+              + (f", LoRA rank {recipe.lora_rank} at lr {recipe.rl_train['lr']:g} on the frozen "
+                 "warm-started base (each sync moves the adapter alone)" if recipe.lora_rank
                  else "") + f"; stops once the eval exact match reaches {TARGET} or at "
               f"{recipe.time_budget_s:.0f}s")
     print(HEADER)
@@ -230,7 +256,8 @@ def run_gpu_recipe(root: Path, *, steps: int, sft_steps: int | None, seed: int, 
     hit = next((r for r in evals if r["eval/mean_reward"] >= TARGET), None)
     extra = {"device": device, "preset": preset, "device_name": _device_name(device),
              "rollout_precision": recipe.rollout_precision,
-             "teacher_exact": recipe.teacher_exact, "rl_lr": recipe.rl_lr,
+             "teacher_exact": recipe.teacher_exact, "rl_lr": recipe.rl_train["lr"],
+             "lora_rank": recipe.lora_rank,
              "target_eval_exact": TARGET, "time_budget_s": recipe.time_budget_s,
              "eval_step_reaching_target": hit["step"] if hit else None,
              "seconds_to_target": hit["time"] - clock.t0_wall if hit else None,
