@@ -33,7 +33,7 @@ from typing import Any
 from rltool import trace
 from rltool.data.shards import MANIFEST
 from rltool.faults import kill_point
-from rltool.loop import phases
+from rltool.loop import lora_sync, phases
 from rltool.loop.async_eval import EvalWorker
 from rltool.loop.async_staleness import StalenessGate
 from rltool.loop.async_worker import RolloutWorker
@@ -195,8 +195,8 @@ def _step(ctx: phases.StepContext, stream: RolloutWorker, evaluator: EvalWorker 
     else:
         _send_versions(stream, state.policy_version)
     if evaluator is not None and settings.is_eval_step(state.step):
-        evaluator.submit(state.policy_version,
-                         phases.resident_trainer(ctx).named_tensors() if mode != "disk" else None)
+        evaluator.submit(state.policy_version, lora_sync.policy_tensors(
+            phases.resident_trainer(ctx), settings) if mode != "disk" else None)
     with trace.span("record", cat="phase", step=state.step):
         row = step_metrics(ctx, eval_row={}, wall_s=time.perf_counter() - t_step)
         row.update(shard_async_meta(ctx, state.step).get("metrics", {}))

@@ -93,6 +93,12 @@ def engine_tensors(trainer: Any) -> list[tuple[str, Any]]:
     return sorted(peft_tensors(trainer.backend.export_adapter()).items())
 
 
+def policy_tensors(trainer: Any, settings: LoopSettings) -> list[tuple[str, Any]]:
+    """What an engine takes in memory as the trainer's policy: the adapter in an adapter run,
+    else the full weights (host copies)."""
+    return engine_tensors(trainer) if is_adapter_run(settings) else trainer.named_tensors()
+
+
 def tensor_bytes(named: list[tuple[str, Any]], dtype: Any) -> int:
     """Bytes of `named` as the transport writes them (in `dtype`)."""
     return sum(t.numel() * dtype.itemsize for _, t in named)
