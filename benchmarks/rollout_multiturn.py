@@ -134,8 +134,13 @@ def measure(device: str, workload: tuple, *, root: Path) -> dict[str, Any]:
     write_prompts([{**r, "metadata": {**r["metadata"], "episode": shape}}
                    for r in make_rows("copy", num=prompts, seed=1)], root / "prompts.jsonl")
     rollouts = prompts * samples
+    # every sample in flight at once, decoded in one CUDA graph batch; the KV pool holds all of
+    # them at their longest (prompt, turns, observations)
+    gpu = {"cuda_graph_max_bs": rollouts,
+           "max_total_tokens": rollouts * (64 + turns * (tokens + OBSERVATION_ROOM))
+           } if device == "cuda" else {}
     engine = InProcessEngine(ServeConfig(model=model, device=device,
-                                         max_running_requests=rollouts))
+                                         max_running_requests=rollouts, **gpu))
     clients = {engine.url: engine}
     times: dict[str, list[float]] = {"single-turn": [], "multi-turn": []}
     counts: dict[str, dict[str, int]] = {}
