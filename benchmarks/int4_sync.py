@@ -17,7 +17,8 @@ steps in bf16 into an engine serving the bf16 checkpoint.
 Per precision: the median seconds per step over `--steps` steps after a first, untimed one, the
 quantization's share, and a check that the engine after the last step computes what an engine
 computes after loading the same weights from disk (`publish_version` of the final weights in that
-precision, then `load_weights`): full-pass logits equal bit for bit.
+precision, then `load_weights`): full-pass logits equal bit for bit. Each precision's published
+versions are deleted before the next one runs.
 
 Usage: python -m benchmarks.int4_sync [--preset qwen2.5-7b] [--device cuda|cpu] [--steps 3]
        [--out DIR_OR_FILE.json]
@@ -27,6 +28,7 @@ Prints a table and, last, one JSON line on stdout; exit 1 when a check fails.
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -77,8 +79,10 @@ def run_precision(model: Path, precision: str | None, *, device: str, steps: int
     """`steps + 1` tensor syncs of `precision` (None: bf16) into a fresh engine; the row."""
     state = load_state(model, device)
     pub = root / (precision or "bf16")
-    runner = PagedRunner(publish(state, model, precision, pub, 0), device=device, dtype="bf16",
-                         max_running=1, page_size=16, max_total_tokens=256)
+    # bf16: the checkpoint itself is version 0 (no second copy of the weights on disk)
+    first = model if precision is None else publish(state, model, precision, pub, 0)
+    runner = PagedRunner(first, device=device, dtype="bf16", max_running=1, page_size=16,
+                         max_total_tokens=256)
     times, quantize = [], []
     for step in range(steps + 1):
         optimizer_step(state, step + 1)
@@ -99,6 +103,7 @@ def run_precision(model: Path, precision: str | None, *, device: str, steps: int
            "first_step_s": times[0], "steps": steps,
            "equals_disk_load": bool(torch.equal(synced, from_disk))}
     runner.release()
+    shutil.rmtree(pub)  # a 7B's published versions would not all fit the disk
     del runner, state
     if device == "cuda":
         torch.cuda.empty_cache()
