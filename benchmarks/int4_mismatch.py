@@ -1,10 +1,10 @@
 """Train/rollout logprob mismatch of INT4 rollout, without and with `--int4-qat` in the trainer.
 
 A random-init preset (`rltool.data.models.init_model`, the `copy` task's tokenizer, seed 0) gets
-a short supervised warm start (`rltool train --loss sft`, `--sft-steps` steps on 1-8 digit copy
-prompts, lr 3e-3), so that its next-token distributions are peaked as a trained policy's are, not
-the near-uniform ones of random init; a second warm start from the same init and data runs with
-`--int4-qat`. Each policy is published as the loop publishes version 0 (`rltool.delta.publish`),
+a short supervised warm start (`rltool train --loss sft`, `--sft-steps` steps of 32 on 1-8 digit
+copy prompts at `--lr`), so that its next-token distributions are peaked as a trained policy's
+are, not the near-uniform ones of random init; a second warm start from the same init and data
+runs with `--int4-qat`. Each policy is published as the loop publishes version 0 (`rltool.delta.publish`),
 in bf16 and with `[sync] precision = "int4"` (`rltool convert int4`'s defaults: W4A16, groups of
 32, symmetric, every linear but lm_head). An in-process builtin engine (`--dtype bf16`) samples
 the same seeded copy prompts (held out from the warm start's) from each published version, and a
@@ -21,7 +21,7 @@ the max |diff|, KL(pi_rollout || pi_trainer) by k1 and k3. `qat_reduction` is th
 abs_diff over each QAT row's.
 
 Usage: python -m benchmarks.int4_mismatch [--preset small] [--device cpu|cuda]
-       [--sft-steps 150] [--prompts 64] [--samples 4] [--new-tokens 16] [--seed 0]
+       [--sft-steps 150] [--lr 3e-3] [--prompts 64] [--samples 4] [--new-tokens 16] [--seed 0]
        [--out-dir benchmarks/results]
 Prints a table and, last, one JSON line on stdout; with --out-dir also writes
 int4_mismatch-DATE-DEVICE.json there.
@@ -54,7 +54,7 @@ ARMS = (("sft", "bf16", False), ("sft", "int4", False), ("sft", "int4", True),
         ("sft-qat", "int4", True))
 
 
-def warm_start(root: Path, model: Path, *, qat: bool, steps: int, seed: int,
+def warm_start(root: Path, model: Path, *, qat: bool, steps: int, lr: float, seed: int,
                device: str) -> tuple[Path, float]:
     """`steps` supervised steps from `model` (with --int4-qat when `qat`): the published
     weights and the mean sft loss of the last 10 steps."""
@@ -64,7 +64,7 @@ def warm_start(root: Path, model: Path, *, qat: bool, steps: int, seed: int,
     result = run_train(TrainConfig(
         loss="sft", prompts=str(root / "sft.jsonl"), load=str(model), save=str(root / name / "ckpt"),
         publish=str(root / name / "weights"), metrics=str(root / name / "train.jsonl"),
-        lr=3e-3, global_batch_size=32, num_steps=steps, seed=seed, device=device,
+        lr=lr, global_batch_size=32, num_steps=steps, seed=seed, device=device,
         int4_qat=qat))
     losses = [m["train/sft_loss"] for m in result.metrics if "train/sft_loss" in m]
     assert result.published is not None
@@ -98,7 +98,7 @@ def bench(args: argparse.Namespace, root: Path) -> tuple[list[dict[str, Any]], d
     policies, losses = {}, {}
     for name, qat in (("sft", False), ("sft-qat", True)):
         policies[name], losses[name] = warm_start(root, model, qat=qat, steps=args.sft_steps,
-                                                  seed=args.seed, device=args.device)
+                                                  lr=args.lr, seed=args.seed, device=args.device)
         harness.progress(f"{name}: {args.sft_steps} sft steps, loss of the last 10 "
                          f"{losses[name]:.3f}")
     rows = []
@@ -126,6 +126,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--preset", default="small", help=f"Random-init preset ({', '.join(PRESETS)}).")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--sft-steps", type=int, default=150, help="Warm-start steps of each policy.")
+    p.add_argument("--lr", type=float, default=3e-3, help="Warm-start learning rate (3e-4 "
+                   "suits the 0.5B shapes, as the GPU demo's warm start).")
     p.add_argument("--prompts", type=int, default=64, help="Held-out copy prompts sampled.")
     p.add_argument("--samples", type=int, default=4, help="Samples per prompt.")
     p.add_argument("--new-tokens", type=int, default=16, help="Response tokens at most (the "
@@ -135,6 +137,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.preset not in PRESETS:
         raise BadInputError(f"unknown preset {args.preset!r}; choose from {', '.join(PRESETS)}")
+    if not args.lr > 0:
+        raise BadInputError(f"--lr must be > 0, got {args.lr}")
     if min(args.sft_steps, args.prompts, args.samples, args.new_tokens) < 1:
         raise BadInputError("--sft-steps, --prompts, --samples and --new-tokens must be >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -160,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['abs_diff']:12.3e} {r['max_abs_diff']:9.2e} {r['kl_k1']:10.2e} "
               f"{r['kl_k3']:10.2e} {r['mean_rollout_logprob']:9.3f} {r['tokens']:>6} "
               f"{gain:>8}")
-    settings = {"task": TASK, "sft_steps": args.sft_steps, "sft_final_loss": losses,
+    settings = {"task": TASK, "sft_steps": args.sft_steps, "sft_lr": args.lr, "sft_final_loss": losses,
                 "prompts": args.prompts, "samples": args.samples,
                 "new_tokens": args.new_tokens, "seed": args.seed, "temperature": 1.0}
     run.finish({**settings, "rows": rows}, out=args.out_dir)

@@ -47,8 +47,9 @@ def test_tiny_run_four_rows_and_qat_reduction(tmp_path):
 
 
 def test_bad_input_is_refused_in_one_line():
-    runs = [bench("--preset", "nope"), bench("--sft-steps", "0")]
-    assert [r.returncode for r in runs] == [2, 2]
+    runs = [bench("--preset", "nope"), bench("--sft-steps", "0"), bench("--lr", "0")]
+    assert [r.returncode for r in runs] == [2, 2, 2]
     assert [r.stderr.strip().splitlines()[-1] for r in runs] == [
         "Error: unknown preset 'nope'; choose from " + ", ".join(PRESETS),
-        "Error: --sft-steps, --prompts, --samples and --new-tokens must be >= 1"]
+        "Error: --sft-steps, --prompts, --samples and --new-tokens must be >= 1",
+        "Error: --lr must be > 0, got 0.0"]
