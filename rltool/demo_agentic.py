@@ -34,7 +34,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -270,6 +270,7 @@ def run(root: Path, *, steps: int, seed: int, device: str,
 
     from rltool import atomic
     from rltool.data.models import init_model
+    from rltool.demo_gpu import _device_name
     from rltool.loop import runner
     from rltool.loop.config import LoopSettings
     from rltool.rundir import RunDir
@@ -314,7 +315,7 @@ def run(root: Path, *, steps: int, seed: int, device: str,
     evals = [r for r in table if r["eval_exact"] is not None]
     hit = next((r for r in evals if r["eval_exact"] >= TARGET), None)
     extra = {"env": ENV, "device": device, "preset": recipe.preset,
-             "device_name": _device_name(device), "recipe": recipe.__dict__,
+             "device_name": _device_name(device), "recipe": asdict(recipe),
              "target_eval_exact": TARGET, "eval_step_reaching_target": hit["step"] if hit else None,
              "final_eval_exact": evals[-1]["eval_exact"] if evals else None, "steps": table}
     summary = summarize(root, root / "run", sft_steps=recipe.sft_steps, seed=seed,
@@ -325,14 +326,6 @@ def run(root: Path, *, steps: int, seed: int, device: str,
              else f"NOT at {TARGET} (last {extra['final_eval_exact']})")
           + f"; total {summary['total_s']:.0f}s on {extra['device_name']}")
     return summary
-
-
-def _device_name(device: str) -> str:
-    import torch
-
-    if device == "cuda":
-        return str(torch.cuda.get_device_name())
-    return f"{os.cpu_count()} CPU cores"
 
 
 def main(argv: list[str] | None = None) -> None:
