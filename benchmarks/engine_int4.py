@@ -26,6 +26,7 @@ GB/s of the bytes each moves (weight, its scales, activations, output) and the I
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -153,8 +154,11 @@ def model_rows(label: str, arch: str, preset: str, batches: list[int]) -> dict:
     from rltool.engine.model_spec import read_spec
 
     dirs = model_checkpoints(arch, preset)
-    out = engines(label, batches, {p: (dirs[p], "auto", "auto") for p in PRECISIONS})
-    spec = read_spec(dirs["bf16"])
+    try:
+        out = engines(label, batches, {p: (dirs[p], "auto", "auto") for p in PRECISIONS})
+        spec = read_spec(dirs["bf16"])
+    finally:  # the three checkpoints of a 7B take ~29 GB of disk
+        shutil.rmtree(dirs["bf16"].parent)
     for p in PRECISIONS:
         for b in batches:
             out[p][b]["decode_bound"] = decode_bound(spec, b, p)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.engine_fp8 import preset_spec
 from benchmarks.engine_int4 import (decode_bound, decode_step_bytes, gemm_bytes, gemm_row, table,
@@ -115,3 +116,15 @@ def test_mode_int4_is_refused_without_a_gpu():
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines()[-1].endswith(
         "--device cpu runs mode rl and long-context --quick only; mode int4 needs a GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gemm_rates_of_one_shape_on_the_gpu():
+    """The GEMM-rate path as `--mode int4 --gemm-only` runs it, on one small shape."""
+    from benchmarks.engine_int4 import shape_rates
+
+    rows = shape_rates("down", n=256, k=512, tokens=(1, 16))
+    assert [(r["m"], r["n"], r["k"]) for r in rows] == [(1, 256, 512), (16, 256, 512)]
+    for r in rows:
+        assert r["bf16_tflops"] > 0 and r["int4_tflops"] > 0 and r["int4_speedup"] > 0
