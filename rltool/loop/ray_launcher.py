@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rltool.errors import BadInputError, EngineError
+from rltool.loop import lora_sync
 from rltool.loop.config import LoopSettings
 from rltool.loop.engines import ChildRegistry, EngineSet
 from rltool.rundir import RunDir
@@ -95,7 +96,8 @@ class RayPlacement(EngineSet):
     def __init__(self, run: RunDir, registry: ChildRegistry, settings: LoopSettings):
         loop = settings.loop
         super().__init__(run, registry, num_engines=loop.num_engines,
-                         engine_args=loop.engine_args, deterministic=loop.deterministic,
+                         engine_args=lora_sync.engine_args(settings, loop.engine_args),
+                         deterministic=loop.deterministic,
                          ready_timeout_s=loop.engine_ready_timeout_s)
         self.loop = loop
         self.serve_keys = {"api_key": loop.api_key, "admin_api_key": loop.admin_api_key}
