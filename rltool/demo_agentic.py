@@ -299,6 +299,7 @@ def run(root: Path, *, steps: int, seed: int, device: str,
     def on_step(row: dict[str, Any]) -> None:
         entry = {"step": row["step"], "reward": row.get("rollout/raw_reward"),
                  "eval_exact": row.get("eval/mean_reward"),
+                 "seconds": row["time"] - clock.t0_wall if "time" in row else None,
                  **tool_use(run_dir.rollout_step(row["step"]))}
         table.append(entry)
         print(f"  {entry['step']:>4d}  {_cell(entry['reward'], '.3f'):>6s}  "
@@ -317,12 +318,13 @@ def run(root: Path, *, steps: int, seed: int, device: str,
     extra = {"env": ENV, "device": device, "preset": recipe.preset,
              "device_name": _device_name(device), "recipe": asdict(recipe),
              "target_eval_exact": TARGET, "eval_step_reaching_target": hit["step"] if hit else None,
+             "seconds_to_target": hit["seconds"] if hit else None,  # since the demo began
              "final_eval_exact": evals[-1]["eval_exact"] if evals else None, "steps": table}
     summary = summarize(root, root / "run", sft_steps=recipe.sft_steps, seed=seed,
                         started=clock.t0, task="multiply-with-calculator", extra=extra)
     print(f"\ntool calls {table[0]['tool_call_rate']:.2f} -> {table[-1]['tool_call_rate']:.2f} "
           f"of episodes; eval exact match "
-          + (f"reached {TARGET} at step {hit['step']}" if hit
+          + (f"reached {TARGET} at step {hit['step']} after {hit['seconds']:.0f}s" if hit
              else f"NOT at {TARGET} (last {extra['final_eval_exact']})")
           + f"; total {summary['total_s']:.0f}s on {extra['device_name']}")
     return summary

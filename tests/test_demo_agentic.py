@@ -98,6 +98,7 @@ def test_cpu_smoke_runs_the_pipeline(tmp_path, capsys):
     assert [r["step"] for r in summary["steps"]] == [0, 1]
     assert summary["steps"][0]["tool_call_rate"] > 0.5
     assert summary["env"] == "calculator" and summary["final_eval_exact"] is not None
+    assert all(r["seconds"] > 0 for r in summary["steps"])
     rows = open_shard(root / "run" / "rollouts" / "step-000000").rows()
     called = [r for r in rows if len(r["turn_starts"]) > 1]
     assert called
