@@ -23,6 +23,17 @@ parameter), moments and a pinned fp32 gradient copy in host memory instead: 16 b
 on the host, nothing on the device. Torch's Adam `step` counters (one scalar per tensor, host
 memory) are not counted.
 
+Under LoRA (`Lora`, rltool.train.megatron_lora) the N parameters of the base are frozen: megatron's
+DistributedDataParallel buffers only parameters that take gradients, so the base's weights are
+N x 2 or 4 bytes, unpadded, with no gradient, master or moments. The adapters are fp32
+parameters that megatron's DDP and optimizers treat as the full model's above, with A the
+adapters' elements of this rank and B their buffer: weights 4 A (4 B with the distributed
+optimizer), grads 4 B, no masters in bf16 either (the optimizers step fp32 parameters
+themselves), moments and offload per optimizer element. A's per-rank shards, per layer in
+DistributedDataParallel's order (linear_proj, linear_qkv, linear_fc1, linear_fc2; in each the
+lora_A of every targeted part, then the lora_B): a column-parallel linear's lora_A [r, in] whole
+and lora_B [out / t, r]; a row-parallel linear's lora_A [r, in / t] and lora_B [out, r] whole.
+
 Activations of one micro-batch of T packed tokens, in the compute dtype (a bytes an element),
 per token and layer, as the local layer spec's autograd graph keeps them (rltool's flash or SDPA
 core attention, no dropout, no sequence parallelism; h hidden, q = heads x head dim, kv = KV
@@ -39,7 +50,15 @@ the QKV output (v lives in it), RoPE'd q and k, the attention output (the projec
 3 I: the FC1 output (the SwiGLU input) and the SwiGLU output (the FC2 input); the float32
 attention log-sum-exp and the two norms' reciprocal RMS. qwen3's q/k norms add a (q + kv) / t.
 An MoE layer replaces 3 I / t by top-k x (h + 3 I_moe / t_e) (each routed copy, its FC1 and SwiGLU
-outputs). The recompute choices keep:
+outputs). LoRA adds per adapted linear the adapters' h = x A^T of each targeted part, T x r x a
+(its input x is the one the formula counts), with `--lora-dropout` the dropped input and its
+mask, T x in x (a + 1) (CUDA's fused dropout keeps a bool mask), and per layer the adapters'
+copies the forward casts and keeps (bf16: every adapter of the layer, 2 bytes an element; fp32:
+the concatenated lora_A of each column-parallel linear, 4). Counted in every layer, though the
+first layer's linear_qkv keeps no lora_A copy or mask (its input needs no gradient); and the
+frozen base's GEMMs keep no input, so a linear without adapters saves its input only where
+another tensor holds it: neither is subtracted (an upper bound).
+The recompute choices keep:
 
 - none: every layer, L_stage x layer(T);
 - selective (megatron's core-attention checkpoint): the same less the log-sum-exp, since the
@@ -144,6 +163,52 @@ class Layout:
         return max(self.dp * self.tp // (self.ep * (self.etp or self.tp)), 1)
 
 
+@dataclass(frozen=True)
+class Lora:
+    """The adapters of `--lora-rank`: rank, the targeted HF modules (resolved names, as
+    rltool.train.megatron_lora.resolve_targets gives them) and the dropout."""
+
+    rank: int
+    targets: tuple[str, ...]
+    dropout: float = 0.0
+
+
+# megatron linear in DistributedDataParallel's order: (TP split, its HF parts)
+LORA_LINEARS = {"linear_proj": ("row", ("o_proj",)), "linear_qkv": ("column", ("q_proj", "k_proj",
+                                                                               "v_proj")),
+                "linear_fc1": ("column", ("gate_proj", "up_proj")),
+                "linear_fc2": ("row", ("down_proj",))}
+
+
+def lora_linears(shape: ModelShape, layout: Layout, lora: Lora
+                 ) -> list[tuple[str, int, list[int], list[int]]]:
+    """One layer's adapted linears on a rank: (TP split, local input width, the element counts of
+    its lora_A and of its lora_B shards, one per targeted part)."""
+    t, h, r = layout.tp, shape.hidden, lora.rank
+    q, kv, i = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
+    full = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}  # (out, in)
+    out = []
+    for kind, parts in LORA_LINEARS.values():
+        names = [n for n in parts if n in lora.targets]
+        if not names:
+            continue
+        if kind == "column":
+            out.append((kind, h, [r * full[n][1] for n in names],
+                        [full[n][0] // t * r for n in names]))
+        else:
+            out.append((kind, full[names[0]][1] // t, [r * full[n][1] // t for n in names],
+                        [full[n][0] * r for n in names]))
+    return out
+
+
+def adapter_params(shape: ModelShape, layout: Layout, lora: Lora, *, stage: str) -> list[int]:
+    """The element counts of one rank's adapter parameters on `stage`, in the order megatron's
+    DistributedDataParallel meets them (the order its buffer padding depends on)."""
+    layer = [n for _, _, a, b in lora_linears(shape, layout, lora) for n in a + b]
+    return layer * math.ceil(shape.layers / layout.pp)
+
+
 def local_params(shape: ModelShape, layout: Layout, *, stage: str) -> tuple[list[int], list[int]]:
     """The element counts of one rank's (dense, expert) parameters on the pipeline `stage`
     ("first" or "last"; the same rank when PP is 1), in GPTModel's order."""
@@ -188,23 +253,29 @@ def buffer_numel(numels: list[int], *, dp: int, distributed_optimizer: bool) -> 
 
 
 def state_bytes(shape: ModelShape, layout: Layout, *, dtype: str, stage: str = "last",
-                offload_fraction: float = 0.0) -> tuple[dict[str, int], dict[str, int]]:
+                offload_fraction: float = 0.0, lora: Lora | None = None
+                ) -> tuple[dict[str, int], dict[str, int]]:
     """(device, host) bytes of weights, grads, master weights and optimizer state of one rank;
     `offload_fraction`: the share of the optimizer elements stepped on the host
-    (`--optimizer-cpu-offload`)."""
+    (`--optimizer-cpu-offload`); `lora`: the base frozen, the adapters trained."""
     dense, expert = local_params(shape, layout, stage=stage)
     opt = layout.distributed_optimizer
     weights = grads = elements = 0
-    for numels, group_dp in ((dense, layout.dp), (expert, layout.expert_dp)):
+    trained = ((adapter_params(shape, layout, lora, stage=stage), layout.dp),) if lora else (
+        (dense, layout.dp), (expert, layout.expert_dp))
+    elem = 4 if lora else ELEM[dtype]  # the adapters are fp32 parameters
+    if lora:
+        weights = (sum(dense) + sum(expert)) * ELEM[dtype]
+    for numels, group_dp in trained:
         n = sum(numels)
         buffer = buffer_numel(numels, dp=group_dp, distributed_optimizer=opt)
-        weights += (buffer if opt else n) * ELEM[dtype]
+        weights += (buffer if opt else n) * elem
         grads += buffer * 4
         elements += (n if group_dp == 1 else math.ceil(buffer / group_dp)) if opt else n
     host_elements = math.ceil(elements * offload_fraction)
     device_elements = elements - host_elements
     device = {"weights": weights, "grads": grads}
-    if dtype != "fp32" and device_elements:
+    if elem != 4 and device_elements:
         device["master_weights"] = 4 * device_elements
     if device_elements:
         device["optimizer"] = 8 * device_elements
@@ -212,8 +283,22 @@ def state_bytes(shape: ModelShape, layout: Layout, *, dtype: str, stage: str = "
     return device, host
 
 
+def lora_layer_bytes(shape: ModelShape, layout: Layout, lora: Lora, *, tokens: int,
+                     dtype: str) -> int:
+    """What one layer's adapters add to its saved activations (the module docstring)."""
+    a, out = ELEM[dtype], 0
+    for kind, width, a_numels, b_numels in lora_linears(shape, layout, lora):
+        out += tokens * len(a_numels) * lora.rank * a
+        out += tokens * width * (a + 1) if lora.dropout else 0
+        if dtype == "fp32":
+            out += 4 * sum(a_numels) if kind == "column" else 0
+        else:
+            out += a * (sum(a_numels) + sum(b_numels))
+    return out
+
+
 def layer_bytes(shape: ModelShape, layout: Layout, *, tokens: int, dtype: str,
-                recompute: str) -> int:
+                recompute: str, lora: Lora | None = None) -> int:
     """One layer's saved activations for `tokens` tokens (the module docstring's layer(T))."""
     a, t, h = ELEM[dtype], layout.tp, shape.hidden
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
@@ -223,19 +308,21 @@ def layer_bytes(shape: ModelShape, layout: Layout, *, tokens: int, dtype: str,
         mlp = 3 * shape.intermediate // t
     elems = 4 * h + (3 * q + 3 * kv) // t + mlp + ((q + kv) // t if shape.qk_norm else 0)
     lse = 0 if recompute == "selective" else 4 * shape.heads // t
-    return tokens * (a * elems + lse + 8)
+    adapters = lora_layer_bytes(shape, layout, lora, tokens=tokens, dtype=dtype) if lora else 0
+    return tokens * (a * elems + lse + 8) + adapters
 
 
 def activation_bytes(shape: ModelShape, layout: Layout, *, tokens: int, dtype: str,
-                     recompute: str, logprob_chunk_tokens: int, stage: str = "last"
-                     ) -> dict[str, int]:
+                     recompute: str, logprob_chunk_tokens: int, stage: str = "last",
+                     lora: Lora | None = None) -> dict[str, int]:
     """The activations of one micro-batch of `tokens` tokens on `stage` (module docstring)."""
     if recompute not in RECOMPUTES:
         raise ConfigError(f"unknown recompute {recompute!r}; choose {', '.join(RECOMPUTES)}")
     a, h, t = ELEM[dtype], shape.hidden, layout.tp
     layers = math.ceil(shape.layers / layout.pp)
     in_flight = layout.pp if stage == "first" and layout.pp > 1 else 1
-    layer = layer_bytes(shape, layout, tokens=tokens, dtype=dtype, recompute=recompute)
+    layer = layer_bytes(shape, layout, tokens=tokens, dtype=dtype, recompute=recompute,
+                        lora=lora)
     if recompute == "full":
         out = {"layer_inputs": in_flight * layers * tokens * h * a, "layers": layer}
     else:
@@ -271,14 +358,15 @@ class MegatronPlan:
 
 def plan(shape: ModelShape, layout: Layout, *, dtype: str, recompute: str,
          micro_batch_tokens: int, logprob_chunk_tokens: int = 4096,
-         offload_fraction: float = 0.0) -> MegatronPlan:
-    """The busiest rank's bytes: the larger of the first and last pipeline stage."""
+         offload_fraction: float = 0.0, lora: Lora | None = None) -> MegatronPlan:
+    """The busiest rank's bytes: the larger of the first and last pipeline stage; `lora`: the
+    adapters of `--lora-rank` (None: full training)."""
     best: MegatronPlan | None = None
     for stage in (("first", "last") if layout.pp > 1 else ("last",)):
         device, host = state_bytes(shape, layout, dtype=dtype, stage=stage,
-                                   offload_fraction=offload_fraction)
+                                   offload_fraction=offload_fraction, lora=lora)
         device.update(activation_bytes(shape, layout, tokens=micro_batch_tokens, dtype=dtype,
-                                       recompute=recompute, stage=stage,
+                                       recompute=recompute, stage=stage, lora=lora,
                                        logprob_chunk_tokens=logprob_chunk_tokens))
         p = MegatronPlan(recompute=recompute, micro_batch_tokens=micro_batch_tokens,
                          device=device, host=host)

@@ -3,7 +3,8 @@ refusal of a training setting that cannot fit the device, all before any model i
 
 The predicted peak of a rank comes from rltool.train.megatron_memplan (megatron backend) or
 rltool.train.memplan's train phase (torch backend: the trainer's state, `torch_state`, plus its
-activation estimate). It must fit the device's memory less a reserve: 2 GiB (CUDA context,
+activation estimate); under `--lora-rank` both count the frozen base's weights and the
+adapters' training state. It must fit the device's memory less a reserve: 2 GiB (CUDA context,
 library workspaces; rltool.train.memplan.DEVICE_RESERVE) and 5% of the device (the caching
 allocator's blocks left free between micro-batches of different lengths).
 
@@ -102,18 +103,31 @@ def lora_params(shape: memplan.Shape, options: Any) -> int:
     return shape.lora_params(options.lora_rank, options.lora_target_modules)
 
 
+def megatron_lora(options: Any, hf_config: dict[str, Any]) -> mplan.Lora | None:
+    """The adapters of `--lora-rank` for the megatron plan (None without LoRA), after the
+    megatron backend's refusals of what its LoRA does not cover."""
+    if not options.lora_rank:
+        return None
+    from rltool.train import megatron_lora as mlora
+
+    mlora.check_layout(options, hf_config)
+    return mplan.Lora(rank=options.lora_rank, dropout=options.lora_dropout,
+                      targets=tuple(mlora.resolve_targets(list(options.lora_target_modules))))
+
+
 def predictor(options: Any, hf_config: dict[str, Any], *, world_size: int) -> Predict:
     """The device bytes of one rank as a function of (recompute, tokens)."""
     if options.backend == "megatron":
         shape = mplan.ModelShape.of(hf_config)
         layout = mplan.Layout.of(options, world_size=world_size)
         fraction = options.optimizer_offload_fraction if options.optimizer_cpu_offload else 0.0
+        adapters = megatron_lora(options, hf_config)
 
         def megatron(recompute: str, tokens: int, chunk: int | None = None) -> int:
             return mplan.plan(shape, layout, dtype=options.dtype, recompute=recompute,
                               micro_batch_tokens=tokens,
                               logprob_chunk_tokens=chunk or options.logprob_chunk_tokens,
-                              offload_fraction=fraction).device_bytes
+                              offload_fraction=fraction, lora=adapters).device_bytes
         return megatron
     shape = memplan.Shape.of(hf_config)
 
@@ -149,7 +163,8 @@ def trainer_bytes(options: Any, hf_config: dict[str, Any], *, world_size: int = 
         p = mplan.plan(mplan.ModelShape.of(hf_config),
                        mplan.Layout.of(options, world_size=world_size), dtype=options.dtype,
                        recompute=options.recompute, micro_batch_tokens=tokens,
-                       logprob_chunk_tokens=options.logprob_chunk_tokens, offload_fraction=fraction)
+                       logprob_chunk_tokens=options.logprob_chunk_tokens, offload_fraction=fraction,
+                       lora=megatron_lora(options, hf_config))
         resident = {k: v for k, v in p.device.items()
                     if k in ("weights", "grads", "master_weights", "optimizer")}
         return p.device, resident
@@ -226,7 +241,8 @@ def check_host(options: Any, hf_config: dict[str, Any], *, world_size: int,
         fraction = options.optimizer_offload_fraction
         host = mplan.state_bytes(mplan.ModelShape.of(hf_config),
                                  mplan.Layout.of(options, world_size=world_size),
-                                 dtype=options.dtype, offload_fraction=fraction)[1]
+                                 dtype=options.dtype, offload_fraction=fraction,
+                                 lora=megatron_lora(options, hf_config))[1]
     else:
         shape = memplan.Shape.of(hf_config)
         host = torch_state(shape.params, options, lora=lora_params(shape, options))[1]

@@ -1,6 +1,7 @@
 """One rank of tests/train/test_megatron_memplan.py's multi-rank check, run under torchrun:
 build the megatron trainer of a layout on the CPU, take one step, and write this rank's real
-state bytes beside the plan's for its pipeline stage (`OUT/rank-N.json`).
+state bytes beside the plan's for its pipeline stage (`OUT/rank-N.json`); the layout's options
+may add LoRA (`{"lora_rank": 3}`).
 
     torchrun --nproc-per-node 2 tests/train/megatron_memplan_ranks.py MODEL OUT '{"tp": 2}'
 """
@@ -15,6 +16,7 @@ if __name__ == "__main__":  # torch_dist's writer spawns processes: nothing runs
     import torch.distributed as dist
 
     from rltool.train import megatron_memplan as mplan
+    from rltool.train import memfit
     from rltool.train.backend import MicroBatch
     from rltool.train.config import BackendConfig
     from rltool.train.launch import process_group_scope
@@ -30,9 +32,11 @@ if __name__ == "__main__":  # torch_dist's writer spawns processes: nothing runs
         real = _megatron_bytes(backend)
         stage = "first" if backend.ps.is_pipeline_first_stage() and \
             not backend.ps.is_pipeline_last_stage() else "last"
-        shape = mplan.ModelShape.of(json.loads((model / "config.json").read_text()))
+        hf = json.loads((model / "config.json").read_text())
+        shape = mplan.ModelShape.of(hf)
         layout = mplan.Layout.of(options, world_size=dist.get_world_size())
-        plan = mplan.state_bytes(shape, layout, dtype="fp32", stage=stage)[0]
+        plan = mplan.state_bytes(shape, layout, dtype="fp32", stage=stage,
+                                 lora=memfit.megatron_lora(options, hf))[0]
         padding = sum(mplan.buffer_numel(numels, dp=layout.dp, distributed_optimizer=True)
                       - sum(numels) for numels in mplan.local_params(shape, layout, stage=stage))
         (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps(

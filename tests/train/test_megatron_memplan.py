@@ -53,16 +53,19 @@ def _nbytes(tensors) -> int:
 
 
 def _megatron_bytes(backend) -> dict[str, int]:
-    """Bytes of the real tensors: parameters (their buffer with the distributed optimizer),
-    fp32 gradient buffers, Adam moments on the device side and everything the hybrid
-    optimizer holds on the host side (host copies, their gradients, their moments)."""
+    """Bytes of the real tensors: frozen parameters, trained parameters (their buffer with the
+    distributed optimizer), fp32 gradient buffers, Adam moments on the device side and
+    everything the hybrid optimizer holds on the host side (host copies, their gradients, their
+    moments)."""
     from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
     ddp = backend.model
     buffers = ddp.buffers + ddp.expert_parallel_buffers
     dist_opt = backend.options.use_distributed_optimizer
-    out = {"weights": _nbytes(b.param_data for b in buffers) if dist_opt else
-           _nbytes(backend.module.parameters()),
+    params = list(backend.module.parameters())
+    trained = _nbytes(b.param_data for b in buffers) if dist_opt else \
+        _nbytes(p for p in params if p.requires_grad)
+    out = {"weights": _nbytes(p for p in params if not p.requires_grad) + trained,
            "grads": _nbytes(b.grad_data for b in buffers), "optimizer": 0, "host": 0}
     for part in backend.optimizer.chained_optimizers:
         inner = part.optimizer
@@ -282,6 +285,19 @@ def test_the_colocated_loop_plans_the_megatron_trainer_beside_the_engines():
                        kv_tokens=65536, trainer=(train, resident))
 
 
+def two_ranks(model: Path, out: Path, layout: dict) -> list[dict]:
+    """tests/train/megatron_memplan_ranks.py on 2 gloo ranks: each rank's real and planned
+    bytes."""
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(root / "tests" / "train" / "megatron_memplan_ranks.py"), str(model), str(out),
+         json.dumps(layout)], capture_output=True, text=True, timeout=400,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,layout", [
     ("qwen2", {"tensor_model_parallel_size": 2}),
@@ -294,15 +310,7 @@ def test_megatron_state_bytes_per_shard_on_two_ranks(models, tmp_path, arch, lay
     plan's for its TP/PP/EP shard and pipeline stage, and so does the optimizer state, except
     where the distributed optimizer shards a buffer over 2 ranks: a rank's share of the padded
     buffer (the plan's count) may include padding that holds no state."""
-    model = models(arch, "tiny")
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(root / "tests" / "train" / "megatron_memplan_ranks.py"), str(model), str(tmp_path),
-         json.dumps(layout)], capture_output=True, text=True, timeout=400,
-        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+    ranks = two_ranks(models(arch, "tiny"), tmp_path, layout)
     sharded = layout.get("use_distributed_optimizer", False)
     for rank in ranks:
         real, plan = rank["real"], rank["plan"]
