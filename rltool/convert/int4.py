@@ -178,14 +178,15 @@ def pack_int4(q: torch.Tensor, *, dim: int = -1) -> torch.Tensor:
     if dim in (0, -2) and q.dim() >= 2:
         return pack_int4(q.transpose(-1, -2)).transpose(-1, -2).contiguous()
     cols = q.shape[-1]
-    codes = q.to(torch.int64) + CODE_OFFSET
+    codes = q.to(torch.int32) + CODE_OFFSET
     pad = -cols % PER_WORD
     if pad:
         codes = torch.nn.functional.pad(codes, (0, pad))
     codes = codes.view(*q.shape[:-1], (cols + pad) // PER_WORD, PER_WORD)
-    shifts = torch.arange(PER_WORD, device=q.device, dtype=torch.int64) * 4
-    words = (codes << shifts).sum(-1)  # < 2**32: the top code lands on bits 28..31
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    shifts = torch.arange(PER_WORD, device=q.device, dtype=torch.int32) * 4
+    # The codes occupy disjoint bits, so the int32 sum is their bitwise or; the top code's bits
+    # 28..31 wrap to the word's sign as two's complement (int64 and a wrap-around cost twice this).
+    return (codes << shifts).sum(-1, dtype=torch.int32)
 
 
 def unpack_int4(packed: torch.Tensor, size: int, *, dim: int = -1) -> torch.Tensor:
