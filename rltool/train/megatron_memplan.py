@@ -275,7 +275,7 @@ def state_bytes(shape: ModelShape, layout: Layout, *, dtype: str, stage: str = "
     host_elements = math.ceil(elements * offload_fraction)
     device_elements = elements - host_elements
     device = {"weights": weights, "grads": grads}
-    if elem != 4 and device_elements:
+    if elem == 2 and device_elements:  # bf16 trained parameters step fp32 masters
         device["master_weights"] = 4 * device_elements
     if device_elements:
         device["optimizer"] = 8 * device_elements
