@@ -192,14 +192,25 @@ def cache_tokens(tokens: list[int], tag: int) -> list[int]:
 class LoraLayers:
     """The adapter the forward computes with: device buffers for every fused linear, padded to
     --max-lora-rank, and its scaling; allocated once with the model, rewritten in place by
-    `load` (zeros: the base model, whose outputs the zero update leaves bit for bit)."""
+    `load` (zeros: the base model, whose outputs the zero update leaves bit for bit).
 
-    def __init__(self, shapes: LoraShapes, *, device: torch.device, dtype: torch.dtype):
+    `exact` (the engine's deterministic mode): the forward computes each module's update apart,
+    as the trainer's PEFT-numerics hook does (rltool.train.lora), from per-module copies at the
+    adapter's own rank, so its outputs equal the trainer's bit for bit; a stacked A's GEMM
+    differs from the separate ones in the last bits. The default mode keeps the stacked pair,
+    one GEMM each, fixed buffers the CUDA graphs read."""
+
+    def __init__(self, shapes: LoraShapes, *, device: torch.device, dtype: torch.dtype,
+                 exact: bool = False):
         self.shapes = shapes
         self.weights = {key: shapes.empty(key, device=device, dtype=dtype)
                         for key in shapes.linears}
         self.scaling = torch.zeros((), device=device, dtype=torch.float32)
         self.tag = 0
+        self.exact = exact
+        # exact: (layer, key) -> each part's (A [rank, in], B [out, rank]) and its scale
+        self.modules: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.scale = 0.0
 
     def nbytes(self) -> int:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size()
@@ -220,9 +231,34 @@ class LoraLayers:
                 b.copy_(src[1], non_blocking=True)
         self.scaling.fill_(adapter.scaling if adapter is not None else 0.0)
         self.tag = adapter.tag if adapter is not None else 0
+        if self.exact:
+            self.modules = self._split(adapter) if adapter is not None else {}
+            self.scale = adapter.scaling if adapter is not None else 0.0
+
+    def _split(self, adapter: LoraAdapter) -> dict[tuple[int, str],
+                                                   list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Each part's A and B of `adapter` at its rank, contiguous on the device."""
+        R, r = self.shapes.max_rank, adapter.rank
+        out = {}
+        for key, (a, b) in adapter.weights.items():
+            parts, rows = self.shapes.linears[key][0], 0
+            out[key] = []
+            for i, n in enumerate(parts):
+                device = self.scaling.device
+                out[key].append((a[i * R:i * R + r].to(device, copy=True).contiguous(),
+                                 b[rows:rows + n, i * R:i * R + r].to(device, copy=True)
+                                 .contiguous()))
+                rows += n
+        return out
 
     def add(self, layer: int, key: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + scale * (x A^T) B^T for fused linear `key` of `layer` (PEFT's order of ops)."""
+        if self.exact:
+            parts = self.modules.get((layer, key))
+            if parts is None:
+                return y
+            update = torch.cat([F.linear(F.linear(x, a), b) for a, b in parts], dim=-1)
+            return y + update * self.scale
         ab = self.weights.get((layer, key))
         if ab is None:
             return y

@@ -43,9 +43,11 @@ class LoraRegistry:
         self.layers: LoraLayers | None = None
         self._tags = itertools.count(1)
 
-    def attach(self, model: Any) -> None:
-        """Give a freshly built model its adapter buffers (holding the policy adapter)."""
-        self.layers = model.lora = LoraLayers(self.shapes, device=model.device, dtype=self.dtype)
+    def attach(self, model: Any, *, exact: bool = False) -> None:
+        """Give a freshly built model its adapter buffers (holding the policy adapter); `exact`:
+        each module's update apart, the trainer's numerics (the deterministic mode)."""
+        self.layers = model.lora = LoraLayers(self.shapes, device=model.device, dtype=self.dtype,
+                                              exact=exact)
         self.layers.load(self.policy)
 
     def detach(self) -> None:

@@ -147,7 +147,7 @@ class PagedRunner:
         if self.deterministic:  # transformers' ops one by one (the trainer's), invariant kernels
             self.model.fused = False
         if self.lora is not None:  # before the graphs: they are captured with LoRA on
-            self.lora.attach(self.model)
+            self.lora.attach(self.model, exact=self.deterministic)
             log.info("LoRA adapter buffers (rank %d): %.2f GiB", self.lora.shapes.max_rank,
                      self.lora.layers.nbytes() / 2**30)
         self.model.rope_table(self.context_length)

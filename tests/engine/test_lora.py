@@ -82,6 +82,22 @@ def test_full_pass_logits_match_peft(tiny_model_dir, adapters, which):
     assert (want - base).abs().max() > 1e-2  # the adapter changes the logits
 
 
+@pytest.mark.parametrize("which", ["full", "qv"])
+def test_deterministic_full_pass_equals_peft_bitwise(tiny_model_dir, adapters, which):
+    """Deterministic fp32: each module's update computed apart, as the trainer's hook does,
+    gives PeftModel's logits bit for bit (the default mode's stacked lora_A does not promise
+    that); the stacked and split paths agree to rounding."""
+    peft_model, path = adapters[which]
+    exact, fast = runner_of(tiny_model_dir, deterministic=True), runner_of(tiny_model_dir)
+    for runner in (exact, fast):
+        runner.load_weights(path)
+    assert exact.lora.layers.exact and not fast.lora.layers.exact
+    ids = PROMPTS[0]
+    got = exact.full_pass_logits(ids, start=1)
+    assert torch.equal(got, peft_logits(peft_model, ids)[:-1])
+    torch.testing.assert_close(got, fast.full_pass_logits(ids, start=1), atol=1e-5, rtol=0)
+
+
 def test_moe_model_attention_adapter_matches_peft(tiny_model_factory, tmp_path):
     """qwen3_moe: an adapter on the attention projections (and the dense layers' MLP, where
     there are any) matches PeftModel; one on a sparse layer's experts is refused by name."""
