@@ -65,7 +65,7 @@ def router(state: EngineState) -> APIRouter:
             "served_model_name": state.served_model_name,
             "tp_size": 1, "dp_size": 1,
             "context_length": runner.context_length,
-            "max_total_num_tokens": runner.context_length * cfg.max_running_requests,
+            "max_total_num_tokens": runner.max_total_num_tokens,  # the KV pool, as SGLang
             "max_req_input_len": runner.context_length - 1,
             "weight_version": runner.weight_version, **runner.weight_info,
             "kv_bytes_per_token": runner.kv_bytes_per_token,
