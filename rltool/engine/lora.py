@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,6 +82,43 @@ class LoraShapes:
                 torch.zeros(sum(parts), width, device=device, dtype=dtype, pin_memory=pin))
 
 
+@dataclass(frozen=True)
+class Slot:
+    """Where one checked PEFT tensor goes: fused linear `key`, matrix `which` ("A" or "B"),
+    the part's block (`rows`, `cols`) in it, and the tensor's rank."""
+    key: tuple[int, str]
+    which: str
+    rows: slice
+    cols: slice
+    rank: int
+
+
+def locate(name: str, tensor: torch.Tensor, shapes: LoraShapes) -> Slot:
+    """The block PEFT tensor `name` fills; BadInputError naming the problem when the name or
+    shape does not fit the served model."""
+    layer, module, which = parse_name(name)
+    fused, part = MODULES[module]
+    if (layer, fused) not in shapes.linears:
+        raise BadInputError(f"LoRA tensor {name!r} targets no linear of the served model "
+                            "(a layer it lacks, or a sparse MoE layer's experts)")
+    parts, fan_in = shapes.linears[(layer, fused)]
+    R = shapes.max_rank
+    rank = tensor.shape[0] if which == "A" else tensor.shape[-1]
+    want = (rank, fan_in) if which == "A" else (parts[part], rank)
+    if tensor.dim() != 2 or tuple(tensor.shape) != want:
+        raise BadInputError(f"LoRA tensor {name!r} has shape {list(tensor.shape)}, the served "
+                            f"model expects {list(want)} (rank first for lora_A, last for "
+                            "lora_B)")
+    if rank > R:
+        raise BadInputError(f"LoRA tensor {name!r} has rank {rank}, above --max-lora-rank "
+                            f"{R}; restart the engine with --max-lora-rank {rank}")
+    cols = slice(part * R, part * R + R)
+    if which == "A":
+        return Slot((layer, fused), which, cols, slice(None), rank)
+    row = sum(parts[:part])
+    return Slot((layer, fused), which, slice(row, row + parts[part]), cols, rank)
+
+
 @dataclass
 class LoraAdapter:
     """One adapter in the fused layout, on the host in the model dtype: (layer, key) -> (A, B)
@@ -93,37 +131,23 @@ class LoraAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def put(self, name: str, tensor: torch.Tensor, shapes: LoraShapes, dtype: torch.dtype) -> None:
-        """Copy one PEFT tensor into its block (zeros beyond its rank); BadInputError naming the
-        problem when the name or shape does not fit the served model."""
-        layer, module, which = parse_name(name)
-        fused, part = MODULES[module]
-        if (layer, fused) not in shapes.linears:
-            raise BadInputError(f"LoRA tensor {name!r} targets no linear of the served model "
-                                "(a layer it lacks, or a sparse MoE layer's experts)")
-        parts, fan_in = shapes.linears[(layer, fused)]
-        R = shapes.max_rank
-        rank = tensor.shape[0] if which == "A" else tensor.shape[-1]
-        want = (rank, fan_in) if which == "A" else (parts[part], rank)
-        if tensor.dim() != 2 or tuple(tensor.shape) != want:
-            raise BadInputError(f"LoRA tensor {name!r} has shape {list(tensor.shape)}, the served "
-                                f"model expects {list(want)} (rank first for lora_A, last for "
-                                "lora_B)")
-        if rank > R:
-            raise BadInputError(f"LoRA tensor {name!r} has rank {rank}, above --max-lora-rank "
-                                f"{R}; restart the engine with --max-lora-rank {rank}")
-        if (layer, fused) not in self.weights:
-            self.weights[(layer, fused)] = shapes.empty((layer, fused), device="cpu", dtype=dtype)
-        a, b = self.weights[(layer, fused)]
-        cols = slice(part * R, part * R + R)
-        if which == "A":
-            block = a[cols]
-            block.zero_()
-            block[:rank].copy_(tensor)
+        """Check one PEFT tensor (`locate`) and copy it into its block."""
+        self.write(locate(name, tensor, shapes), tensor, shapes, dtype)
+
+    def write(self, slot: Slot, tensor: torch.Tensor, shapes: LoraShapes,
+              dtype: torch.dtype) -> None:
+        """Copy a tensor `locate` checked into its block, in one copy from wherever it lives
+        (cast to the adapter's dtype), and zero the block beyond its rank."""
+        if slot.key not in self.weights:
+            self.weights[slot.key] = shapes.empty(slot.key, device="cpu", dtype=dtype)
+        a, b = self.weights[slot.key]
+        block = (a if slot.which == "A" else b)[slot.rows, slot.cols]
+        if slot.which == "A":
+            block[:slot.rank].copy_(tensor)
+            block[slot.rank:].zero_()
         else:
-            row = sum(parts[:part])
-            block = b[row:row + parts[part], cols]
-            block.zero_()
-            block[:, :rank].copy_(tensor)
+            block[:, :slot.rank].copy_(tensor)
+            block[:, slot.rank:].zero_()
 
 
 def parse_name(name: str) -> tuple[int, str, str]:
@@ -210,7 +234,7 @@ class LoraLayers:
         self.exact = exact
         # exact: (layer, key) -> each part's (A [rank, in], B [out, rank]) and its scale
         self.modules: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.scale = 0.0
+        self.scale, self.rank = 0.0, 0
 
     def nbytes(self) -> int:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size()
@@ -232,15 +256,34 @@ class LoraLayers:
         self.scaling.fill_(adapter.scaling if adapter is not None else 0.0)
         self.tag = adapter.tag if adapter is not None else 0
         if self.exact:
-            self.modules = self._split(adapter) if adapter is not None else {}
+            self.modules = self._split(adapter, adapter.weights) if adapter is not None else {}
             self.scale = adapter.scaling if adapter is not None else 0.0
+            self.rank = adapter.rank if adapter is not None else 0
 
-    def _split(self, adapter: LoraAdapter) -> dict[tuple[int, str],
-                                                   list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Each part's A and B of `adapter` at its rank, contiguous on the device."""
+    @torch.no_grad()
+    def update(self, adapter: LoraAdapter, keys: set[tuple[int, str]]) -> None:
+        """`adapter` into buffers that hold it but for the fused linears `keys`, which alone
+        are copied (a sync's bucket; `load` otherwise)."""
+        for key in keys:
+            for dst, src in zip(self.weights[key], adapter.weights[key]):
+                dst.copy_(src, non_blocking=True)
+        self.scaling.fill_(adapter.scaling)
+        self.tag = adapter.tag
+        if self.exact:
+            if adapter.rank != self.rank:  # every module's copy is cut at the rank
+                self.modules, self.rank = self._split(adapter, adapter.weights), adapter.rank
+            else:
+                self.modules = {**self.modules, **self._split(adapter, keys)}
+            self.scale = adapter.scaling
+
+    def _split(self, adapter: LoraAdapter, keys: Iterable[tuple[int, str]]
+               ) -> dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Each part's A and B of `adapter`'s fused linears `keys` at its rank, contiguous on
+        the device."""
         R, r = self.shapes.max_rank, adapter.rank
         out = {}
-        for key, (a, b) in adapter.weights.items():
+        for key in keys:
+            a, b = adapter.weights[key]
             parts, rows = self.shapes.linears[key][0], 0
             out[key] = []
             for i, n in enumerate(parts):

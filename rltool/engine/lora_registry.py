@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from rltool.engine.lora import LoraAdapter, LoraLayers, LoraShapes, parse_name, read_adapter
+from rltool.engine.lora import LoraAdapter, LoraLayers, LoraShapes, locate, read_adapter
 from rltool.engine.model_spec import ModelSpec
 from rltool.errors import BadInputError
 
@@ -108,24 +108,27 @@ class LoraRegistry:
     def sync_policy(self, named: list[tuple[str, Any]]) -> int:
         """A LoRA weight sync from PEFT-named tensors (any subset, e.g. one bucket): each replaces
         its block of the policy adapter, whose scaling stays (DEFAULT_SCALING for a first one).
-        Every tensor is checked before any is copied."""
-        staged = LoraAdapter(name=POLICY, path=None, rank=0, scaling=DEFAULT_SCALING, tag=0)
+        Every tensor is checked before any is copied; each is then copied once, and when the
+        forward's buffers hold the policy only the fused linears the sync touched are uploaded
+        (else the whole policy adapter is)."""
+        slots = []
         for name, t in named:
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                 raise BadInputError(f"LoRA tensor {name!r} must be a floating-point tensor")
-            staged.put(name, t.to("cpu"), self.shapes, self.dtype)
-        policy = self.policy
-        if policy is None:
-            policy = staged
-        else:
-            for name, t in named:
-                policy.put(name, t.to("cpu"), self.shapes, self.dtype)
-        for name, t in named:
-            which = parse_name(name)[2]
-            policy.rank = max(policy.rank, t.shape[0] if which == "A" else t.shape[-1])
+            slots.append(locate(name, t, self.shapes))
+        old = self.policy
+        held = self.layers is not None and self.layers.tag == (old.tag if old else 0)
+        policy = old or LoraAdapter(name=POLICY, path=None, rank=0, scaling=DEFAULT_SCALING,
+                                    tag=0)
+        for slot, (_, t) in zip(slots, named):
+            policy.write(slot, t, self.shapes, self.dtype)
+            policy.rank = max(policy.rank, slot.rank)
         policy.tag, policy.path = next(self._tags), None
         self.policy = policy
-        self.activate(None)
+        if held:  # the rest of the policy (zeros before a first one) is in the buffers already
+            self.layers.update(policy, {slot.key for slot in slots})
+        else:
+            self.activate(None)
         return len(named)
 
     def describe(self) -> list[dict[str, Any]]:

@@ -200,6 +200,38 @@ def test_tensor_sync_equals_disk_sync_bitwise(tiny_model_dir, tmp_path):
     assert disk.model_path == tiny_model_dir  # the base weights stay
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_bucketed_tensor_sync_uploads_what_it_touches(tiny_model_dir, adapters, deterministic):
+    """A bucket uploads only the fused linears it touched into the buffers holding the policy
+    (the rest of it is there); one arriving while another adapter is in the buffers makes the
+    whole policy current. Either way the buffers and logits end up the disk sync's, bit for
+    bit."""
+    from safetensors.torch import load_file
+
+    path = adapters["full"][1]
+    named = sorted(load_file(str(path / "adapter_model.safetensors")).items())
+    disk = runner_of(tiny_model_dir, deterministic=deterministic)
+    tensor = runner_of(tiny_model_dir, deterministic=deterministic)
+    disk.load_weights(path)
+    layers, uploads = tensor.lora.layers, []
+    update = layers.update
+    layers.update = lambda adapter, keys: (uploads.append(keys), update(adapter, keys))[1]
+    q = [(n, t) for n, t in named if ".q_proj." in n]
+    tensor.load_named_tensors(q)
+    assert uploads == [{(i, "qkv") for i in range(tensor.spec.num_layers)}]
+    assert not any(b.any() for key, (a, b) in layers.weights.items() if key[1] != "qkv")
+    tensor.lora.load("qv", adapters["qv"][1])
+    tensor.use_lora("qv")
+    tensor.load_named_tensors([(n, t) for n, t in named if ".q_proj." not in n])
+    assert len(uploads) == 1 and layers.tag == tensor.lora.policy.tag
+    for key, (a, b) in disk.lora.layers.weights.items():
+        assert torch.equal(a, layers.weights[key][0]) and torch.equal(b, layers.weights[key][1])
+    ids = PROMPTS[1]
+    assert torch.equal(disk.full_pass_logits(ids, start=1), tensor.full_pass_logits(ids, start=1))
+    tensor.load_named_tensors(named[:2])  # held again: a bucket's upload
+    assert uploads[-1] == {(0, "down")} and layers.tag == tensor.lora.policy.tag
+
+
 def test_bad_adapters_and_syncs_are_refused(tiny_model_dir, adapters, tmp_path):
     runner = runner_of(tiny_model_dir)
     with pytest.raises(BadInputError, match="above --max-lora-rank"):
