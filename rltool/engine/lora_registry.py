@@ -105,6 +105,12 @@ class LoraRegistry:
         self.activate(None)
         return len(self.policy.weights)
 
+    def clear_policy(self) -> None:
+        """No policy adapter: requests without lora_path run the base model (a full weight load
+        from disk; named adapters stay)."""
+        self.policy = None
+        self.activate(None)
+
     def sync_policy(self, named: list[tuple[str, Any]]) -> int:
         """A LoRA weight sync from PEFT-named tensors (any subset, e.g. one bucket): each replaces
         its block of the policy adapter, whose scaling stays (DEFAULT_SCALING for a first one).

@@ -195,9 +195,10 @@ class PagedRunner:
     # ----- weights -------------------------------------------------------------------------
 
     def load_weights(self, path: str | Path) -> int:
-        """Copy a HF checkpoint's tensors into the live model, all or nothing (names, shapes);
-        a LoRA adapter directory replaces the policy adapter instead. Returns how many tensors
-        (fused linears for an adapter) were loaded."""
+        """Copy a HF checkpoint's tensors into the live model, all or nothing (names, shapes),
+        and drop the policy adapter (requests without lora_path run the new base); a LoRA
+        adapter directory replaces the policy adapter instead. Returns how many tensors (fused
+        linears for an adapter) were loaded."""
         if self.model is None:
             raise BadInputError("weights are released; call /resume_memory_occupation first")
         if is_adapter_dir(Path(path)):  # a LoRA sync: the policy adapter, never the base weights
@@ -207,6 +208,8 @@ class PagedRunner:
             return self.lora.install_policy(Path(path))
         n = load_checkpoint(self.model, Path(path),
                             before_copy=lambda: kill_point("engine.copy_param"))
+        if self.lora is not None:  # new base weights: the policy adapter trained on others goes
+            self.lora.clear_policy()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.model_path = Path(path)

@@ -232,6 +232,27 @@ def test_bucketed_tensor_sync_uploads_what_it_touches(tiny_model_dir, adapters, 
     assert uploads[-1] == {(0, "down")} and layers.tag == tensor.lora.policy.tag
 
 
+def test_full_weight_load_from_disk_drops_the_policy_adapter(tiny_model_dir, adapters):
+    """Base weights loaded from disk (the loop's version 0 on an engine that served an earlier
+    run's policy): requests without lora_path run the new base bit for bit, named adapters
+    stay."""
+    from safetensors.torch import load_file
+
+    runner, base = runner_of(tiny_model_dir), runner_of(tiny_model_dir)
+    runner.lora.load("qv", adapters["qv"][1])
+    runner.load_named_tensors(sorted(load_file(
+        str(adapters["full"][1] / "adapter_model.safetensors")).items()))
+    ids = PROMPTS[1]
+    want = base.full_pass_logits(ids, start=1)
+    assert not torch.equal(runner.full_pass_logits(ids, start=1), want)
+    runner.load_weights(tiny_model_dir)
+    assert runner.lora.policy is None
+    assert [a["name"] for a in runner.lora.describe()] == ["qv"]
+    assert torch.equal(runner.full_pass_logits(ids, start=1), want)
+    runner.use_lora("qv")
+    assert not torch.equal(runner.full_pass_logits(ids, start=1), want)
+
+
 def test_bad_adapters_and_syncs_are_refused(tiny_model_dir, adapters, tmp_path):
     runner = runner_of(tiny_model_dir)
     with pytest.raises(BadInputError, match="above --max-lora-rank"):
