@@ -274,6 +274,10 @@ class TensorMessage(BaseModel):
         return self
 
 
+LORA_CONFIG = ("rltool's: with LoRA tensors, the adapter's PEFT LoraConfig fields (r, lora_alpha, "
+               "target_modules, ...); the policy adapter's scale becomes lora_alpha / r")
+
+
 class UpdateWeightsFromTensorInput(_Body):
     """SGLang's body: one serialized message per tensor-parallel rank (the builtin engine has
     one); with load_format "rltool_shm" each is a `TensorMessage` as a JSON string."""
@@ -283,6 +287,7 @@ class UpdateWeightsFromTensorInput(_Body):
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None
+    lora_config: dict[str, Any] | None = Field(None, description=LORA_CONFIG)
 
 
 class InitWeightsUpdateGroupInput(_Body):
@@ -310,6 +315,7 @@ class UpdateWeightsFromDistributedInput(_Body):
     abort_all_requests: bool = False
     weight_version: str | None = None
     load_format: str | None = None
+    lora_config: dict[str, Any] | None = Field(None, description=LORA_CONFIG)
 
 
 class HiddenStatesInput(_Body):

@@ -22,6 +22,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -161,13 +162,19 @@ def parse_name(name: str) -> tuple[int, str, str]:
 
 
 def read_config(path: Path) -> tuple[int, float]:
-    """(rank, scaling) of an adapter directory's adapter_config.json, refusing what the engine
-    does not compute (DoRA, rsLoRA, per-module rank or alpha patterns, biases, fan-in-fan-out)."""
+    """(rank, scaling) of an adapter directory's adapter_config.json (`check_config`)."""
     where = path / CONFIG_FILE
     try:
         cfg = json.loads(where.read_text())
     except (OSError, ValueError) as e:
         raise BadInputError(f"{where}: not a readable adapter config ({e})") from e
+    return check_config(cfg, where=str(where))
+
+
+def check_config(cfg: Any, *, where: str) -> tuple[int, float]:
+    """(rank, scaling) of PEFT LoraConfig fields `cfg` (from disk, or a tensor sync's
+    lora_config), refusing what the engine does not compute (DoRA, rsLoRA, per-module rank or
+    alpha patterns, biases, fan-in-fan-out); the tensors say which modules it targets."""
     if not isinstance(cfg, dict) or cfg.get("peft_type", "LORA") != "LORA":
         raise BadInputError(f"{where}: peft_type must be LORA; save the adapter with PEFT's "
                             "LoraConfig")

@@ -19,13 +19,14 @@ from typing import Any
 
 import torch
 
-from rltool.engine.lora import LoraAdapter, LoraLayers, LoraShapes, locate, read_adapter
+from rltool.engine.lora import (LoraAdapter, LoraLayers, LoraShapes, check_config, locate,
+                               read_adapter)
 from rltool.engine.model_spec import ModelSpec
 from rltool.errors import BadInputError
 
 POLICY = "policy"  # how /get_server_info lists the policy adapter
-# A tensor sync into an engine whose policy adapter never came from disk: the trainer's default
-# lora_alpha (2 x rank), so scale 2.
+# A tensor sync without lora_config into an engine whose policy adapter never had a config (from
+# disk or an earlier sync's): the trainer's default lora_alpha (2 x rank), so scale 2.
 DEFAULT_SCALING = 2.0
 
 
@@ -111,17 +112,26 @@ class LoraRegistry:
         self.policy = None
         self.activate(None)
 
-    def sync_policy(self, named: list[tuple[str, Any]]) -> int:
+    def sync_policy(self, named: list[tuple[str, Any]], config: Any = None) -> int:
         """A LoRA weight sync from PEFT-named tensors (any subset, e.g. one bucket): each replaces
-        its block of the policy adapter, whose scaling stays (DEFAULT_SCALING for a first one).
-        Every tensor is checked before any is copied; each is then copied once, and when the
-        forward's buffers hold the policy only the fused linears the sync touched are uploaded
-        (else the whole policy adapter is)."""
+        its block of the policy adapter. `config`: the adapter's PEFT LoraConfig fields (r,
+        lora_alpha, ...; `check_config`), which set its scale lora_alpha / r; without one the
+        scale stays (DEFAULT_SCALING for a first adapter). Every tensor (and the config) is
+        checked before any is copied; each is then copied once, and when the forward's buffers
+        hold the policy only the fused linears the sync touched are uploaded (else the whole
+        policy adapter is)."""
         slots = []
         for name, t in named:
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                 raise BadInputError(f"LoRA tensor {name!r} must be a floating-point tensor")
             slots.append(locate(name, t, self.shapes))
+        scaling = None
+        if config is not None:
+            rank, scaling = check_config(config, where="lora_config")
+            odd = [name for (name, _), slot in zip(named, slots) if slot.rank != rank]
+            if odd:
+                raise BadInputError(f"LoRA tensor {odd[0]!r} is not of lora_config's rank r "
+                                    f"{rank}; send the adapter's own config")
         old = self.policy
         held = self.layers is not None and self.layers.tag == (old.tag if old else 0)
         policy = old or LoraAdapter(name=POLICY, path=None, rank=0, scaling=DEFAULT_SCALING,
@@ -129,6 +139,8 @@ class LoraRegistry:
         for slot, (_, t) in zip(slots, named):
             policy.write(slot, t, self.shapes, self.dtype)
             policy.rank = max(policy.rank, slot.rank)
+        if scaling is not None:
+            policy.scaling = scaling
         policy.tag, policy.path = next(self._tags), None
         self.policy = policy
         if held:  # the rest of the policy (zeros before a first one) is in the buffers already

@@ -215,10 +215,12 @@ class PagedRunner:
         self.model_path = Path(path)
         return n
 
-    def load_named_tensors(self, named: list[tuple[str, Any]], *, block: Any = None) -> int:
+    def load_named_tensors(self, named: list[tuple[str, Any]], *, block: Any = None,
+                           lora_config: Any = None) -> int:
         """Copy named HF tensors (any subset, e.g. a bucket of an in-memory update; with `block`,
         FP8 weights and their scales) into their slices of the fused layout after checking every
-        name, shape and dtype (all or nothing). Views of a sender's buffer are copied, not kept."""
+        name, shape and dtype (all or nothing). Views of a sender's buffer are copied, not kept.
+        `lora_config`: with LoRA tensors, the adapter's PEFT config (its scale)."""
         if self.model is None:
             raise BadInputError("weights are released; call /resume_memory_occupation first")
         lora = [is_lora_name(name) for name, _ in named]
@@ -226,7 +228,10 @@ class PagedRunner:
             if self.lora is None or not all(lora):
                 raise BadInputError("LoRA tensors (lora_A/lora_B) need an engine started with "
                                     "--enable-lora, in an update holding only LoRA tensors")
-            return self.lora.sync_policy(named)
+            return self.lora.sync_policy(named, lora_config)
+        if lora_config is not None:
+            raise BadInputError("lora_config comes with LoRA tensors (lora_A/lora_B); drop it "
+                                "from an update of base weights")
         named = named if block is None else quant.pair_scales(named, (block[0], block[1]))
         keep = self.model.checked_tensors(named, update_dtype=DTYPES[self.dtype])
         n = self.model.load_tensors(keep)

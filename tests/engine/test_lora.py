@@ -4,6 +4,7 @@ kept apart per adapter, weight syncs of the policy adapter, and the HTTP routes.
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -253,6 +254,31 @@ def test_full_weight_load_from_disk_drops_the_policy_adapter(tiny_model_dir, ada
     assert not torch.equal(runner.full_pass_logits(ids, start=1), want)
 
 
+def test_tensor_sync_with_lora_config_takes_its_scale(tiny_model_dir, tmp_path):
+    """lora_config with the tensors (lora_alpha 6, rank 4: scale 1.5, not the default 2): the
+    disk sync's logits bit for bit; a config refused (a rank other than the tensors', DoRA, with
+    base tensors) changes nothing."""
+    from safetensors.torch import load_file
+
+    _, path = make_adapter(tiny_model_dir, tiny_model_dir.parent / "lora-alpha6", r=4, alpha=6,
+                           targets=ALL, seed=5)
+    disk, tensor = runner_of(tiny_model_dir), runner_of(tiny_model_dir)
+    disk.load_weights(path)
+    named = sorted(load_file(str(path / "adapter_model.safetensors")).items())
+    config = json.loads((path / "adapter_config.json").read_text())
+    for bad, match in [({**config, "r": 8}, "lora_config's rank r 8"),
+                       ({**config, "use_dora": True}, "use_dora")]:
+        with pytest.raises(BadInputError, match=match):
+            tensor.load_named_tensors(named, lora_config=bad)
+    with pytest.raises(BadInputError, match="lora_config comes with LoRA tensors"):
+        tensor.load_named_tensors([("model.norm.weight", torch.ones(64))], lora_config=config)
+    assert tensor.lora.policy is None
+    tensor.load_named_tensors(named, lora_config={"r": 4, "lora_alpha": 6})
+    assert tensor.lora.policy.scaling == disk.lora.policy.scaling == 1.5
+    ids = PROMPTS[1]
+    assert torch.equal(disk.full_pass_logits(ids, start=1), tensor.full_pass_logits(ids, start=1))
+
+
 def test_bad_adapters_and_syncs_are_refused(tiny_model_dir, adapters, tmp_path):
     runner = runner_of(tiny_model_dir)
     with pytest.raises(BadInputError, match="above --max-lora-rank"):
@@ -348,6 +374,27 @@ def test_http_routes(tiny_model_dir, adapters, tmp_path):
         out = client.post("/generate", json=gen).json()
         assert out["output_ids"] == want[0].output_ids
         assert out["meta_info"]["weight_version"] == "7"
+
+        # An in-memory LoRA sync with the adapter's config: its scale lora_alpha / r.
+        from safetensors.torch import load_file
+
+        from rltool.delta import tensor_sync
+
+        named = sorted(load_file(str(adapters["full"][1] / "adapter_model.safetensors")).items())
+        with tensor_sync.ShmSegment(tensor_sync.segment_bytes(named, bucket_bytes=1 << 30)) as buf:
+            message = json.dumps(buf.write(named, dtype=None))
+            sync = client.post("/update_weights_from_tensor", headers=admin, json={
+                "serialized_named_tensors": [message], "load_format": "rltool_shm",
+                "lora_config": {"r": 4, "lora_alpha": 3}})
+        assert sync.status_code == 200, sync.text
+        assert client.get("/get_server_info").json()["lora_adapters"][0]["scaling"] == 0.75
+
+        # Base weights from disk drop the policy adapter.
+        base = client.post("/update_weights_from_disk", headers=admin,
+                           json={"model_path": str(tiny_model_dir)})
+        assert base.status_code == 200, base.text
+        assert [a["name"] for a in client.get("/get_server_info").json()["lora_adapters"]] \
+            == ["qv"]
 
 
 def runner_with(model_dir, name, path):

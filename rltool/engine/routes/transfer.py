@@ -73,7 +73,8 @@ def router(state: EngineState) -> APIRouter:
         if message.transport == "cuda_ipc":
             def load() -> None:
                 with tensor_sync.open_message(message, device=device) as named:
-                    runner.load_named_tensors(named, block=message.weight_block_size)
+                    runner.load_named_tensors(named, block=message.weight_block_size,
+                                              lora_config=body.lora_config)
 
             return await apply(load, abort_all=body.abort_all_requests,
                                weight_version=body.weight_version)
@@ -88,7 +89,8 @@ def router(state: EngineState) -> APIRouter:
 
             def load_copy() -> None:
                 runner.load_named_tensors(tensor_sync.unpack(buf, message),
-                                          block=message.weight_block_size)
+                                          block=message.weight_block_size,
+                                          lora_config=body.lora_config)
 
             return await apply(load_copy, abort_all=body.abort_all_requests,
                                weight_version=body.weight_version)
@@ -137,7 +139,7 @@ def router(state: EngineState) -> APIRouter:
         # Received off the scheduler thread (generation goes on), applied by the scheduler.
         await asyncio.to_thread(tensor_sync.broadcast, group, buffers)
         named = list(zip(body.names, buffers))
-        return await apply(lambda: runner.load_named_tensors(named),
+        return await apply(lambda: runner.load_named_tensors(named, lora_config=body.lora_config),
                            abort_all=body.abort_all_requests, weight_version=body.weight_version)
 
     return r
