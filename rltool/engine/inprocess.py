@@ -110,7 +110,8 @@ class InProcessEngine:
         self.scheduler.call(self.runner.resume).result()
 
     def load_tensors(self, named: list[tuple[str, Any]], *, weight_version: str,
-                     block: tuple[int, int] | None = None) -> None:
+                     block: tuple[int, int] | None = None,
+                     lora_config: dict[str, Any] | None = None) -> None:
         """Copy named tensors into the served model (cast to the engine's --dtype), after the requests that
         arrived before have finished; all or nothing (a wrong name or shape raises EngineError
         with status 400 and the weights stay)."""
@@ -120,7 +121,8 @@ class InProcessEngine:
         def apply() -> None:
             runner.load_named_tensors(named if block is not None else  # block FP8: as sent
                                       [(n, t.detach().to(dtype) if t.is_floating_point() else t)
-                                       for n, t in named], block=block)  # INT4 codes as sent
+                                       for n, t in named], block=block,  # INT4 codes as sent
+                                      lora_config=lora_config)
             runner.weight_version = weight_version
 
         try:

@@ -202,11 +202,13 @@ class EngineSet:
                               else "auto")
 
     def load_tensors(self, named: list[tuple[str, Any]], *, version: int,
-                     bucket_bytes: int, block: tuple[int, int] | None = None) -> float:
+                     bucket_bytes: int, block: tuple[int, int] | None = None,
+                     lora_config: dict[str, Any] | None = None) -> float:
         """Hand the weights to every engine a bucket at a time (/update_weights_from_tensor)
         through one buffer: a CUDA IPC device buffer when the engines serve on CUDA, else a
         shared-memory segment; the last bucket sets the version. `block`: `named` is block FP8
-        (rltool.delta.tensor_sync.quantize_named), sent as it is. Returns the seconds."""
+        (rltool.delta.tensor_sync.quantize_named), sent as it is. `lora_config`: sent with each
+        bucket of LoRA tensors (rltool.loop.lora_sync.tensor_config). Returns the seconds."""
         import json
 
         from rltool.delta import tensor_sync
@@ -227,13 +229,14 @@ class EngineSet:
                 message = json.dumps(message)
                 tag = str(version) if i == len(groups) - 1 else None
                 self._each(lambda c: c.update_weights_from_tensor(
-                    [message], load_format=fmt, weight_version=tag))
+                    [message], load_format=fmt, weight_version=tag, lora_config=lora_config))
         return time.perf_counter() - t0
 
     def load_distributed(self, named: list[tuple[str, Any]], *, version: int,
-                         bucket_bytes: int) -> float:
+                         bucket_bytes: int, lora_config: dict[str, Any] | None = None) -> float:
         """Broadcast the weights to every engine over a gloo process group (rank 0 is this
-        process, joined on first use), a bucket per /update_weights_from_distributed call."""
+        process, joined on first use), a bucket per /update_weights_from_distributed call
+        (with `lora_config`, as load_tensors)."""
         from rltool.delta import sync_group, tensor_sync
 
         t0 = time.perf_counter()
@@ -259,7 +262,8 @@ class EngineSet:
                     bucket = [(n, t.detach().to(dtype)) for n, t in bucket]
                     tag = str(version) if i == len(groups) - 1 else None
                     updates = asyncio.gather(*(c.update_weights_from_distributed(
-                        **tensor_sync.describe(bucket), weight_version=tag) for c in clients))
+                        **tensor_sync.describe(bucket), weight_version=tag,
+                        lora_config=lora_config) for c in clients))
                     await asyncio.to_thread(tensor_sync.broadcast, self._group,
                                             [t for _, t in bucket])
                     await updates

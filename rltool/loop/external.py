@@ -181,9 +181,10 @@ class ExternalEngines(EngineSet):
             return super().load_version(version, delta=delta)
 
     def load_distributed(self, named: list[tuple[str, Any]], *, version: int,
-                         bucket_bytes: int) -> float:
+                         bucket_bytes: int, lora_config: dict[str, Any] | None = None) -> float:
         with self._paused():
-            return super().load_distributed(named, version=version, bucket_bytes=bucket_bytes)
+            return super().load_distributed(named, version=version, bucket_bytes=bucket_bytes,
+                                            lora_config=lora_config)
 
 
 async def _gateway_workers(gateway: EngineClient) -> list[str]:

@@ -81,11 +81,13 @@ class InProcessEngines(EngineSet):
             self.engine.resume_memory()
 
     def load_tensors(self, named: list[tuple[str, Any]], *, version: int,
-                     bucket_bytes: int, block: tuple[int, int] | None = None) -> float:
+                     bucket_bytes: int, block: tuple[int, int] | None = None,
+                     lora_config: dict[str, Any] | None = None) -> float:
         """Copy the trainer's tensors into the engine (cast to its dtype); returns the seconds.
         One update for all of them: nothing crosses a process, so there are no buckets."""
         t0 = time.perf_counter()
         self.check_alive()
         with trace.span("weight_load", cat="weights", version=version):
-            self.engine.load_tensors(named, weight_version=str(version), block=block)
+            self.engine.load_tensors(named, weight_version=str(version), block=block,
+                                     lora_config=lora_config)
         return time.perf_counter() - t0

@@ -185,14 +185,16 @@ class EngineClient:
                                          load_format: str | None = api.SHM_FORMAT,
                                          weight_version: str | None = None,
                                          abort_all_requests: bool = False,
-                                         flush_cache: bool = True) -> dict[str, Any]:
+                                         flush_cache: bool = True,
+                                         lora_config: dict[str, Any] | None = None
+                                         ) -> dict[str, Any]:
         """Load named tensors handed over in memory (for the builtin engine: one JSON
         `api.TensorMessage` per rank, rltool.delta.tensor_sync); raises EngineError (400) when
-        the engine refuses them."""
+        the engine refuses them. `lora_config`: LoRA tensors' adapter config (its scale)."""
         body = api.UpdateWeightsFromTensorInput(
             serialized_named_tensors=serialized_named_tensors, load_format=load_format,
             weight_version=weight_version, abort_all_requests=abort_all_requests,
-            flush_cache=flush_cache)
+            flush_cache=flush_cache, lora_config=lora_config)
         answer = await self._json("POST", api.UPDATE_WEIGHTS_FROM_TENSOR, json=body.body())
         return api.UpdateWeightsResult.model_validate(answer).model_dump()
 
@@ -217,13 +219,15 @@ class EngineClient:
                                               group_name: str = "weight_update_group",
                                               weight_version: str | None = None,
                                               abort_all_requests: bool = False,
-                                              flush_cache: bool = True) -> dict[str, Any]:
+                                              flush_cache: bool = True,
+                                              lora_config: dict[str, Any] | None = None
+                                              ) -> dict[str, Any]:
         """Announce the tensors rank 0 broadcasts next over `group_name` (in this order); the
         caller broadcasts them while this call is in flight."""
         body = api.UpdateWeightsFromDistributedInput(
             names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
             weight_version=weight_version, abort_all_requests=abort_all_requests,
-            flush_cache=flush_cache)
+            flush_cache=flush_cache, lora_config=lora_config)
         answer = await self._json("POST", api.UPDATE_WEIGHTS_FROM_DISTRIBUTED, json=body.body())
         return api.UpdateWeightsResult.model_validate(answer).model_dump()
 
