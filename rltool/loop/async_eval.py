@@ -18,6 +18,7 @@ from typing import Any
 from rltool import atomic
 from rltool.data.shards import MANIFEST
 from rltool.errors import EngineError
+from rltool.loop import lora_sync
 from rltool.loop.config import LoopSettings
 from rltool.loop.engines import EngineSet
 from rltool.rundir import RunDir
@@ -85,9 +86,11 @@ class EvalWorker:
             self.engine.load_version(version, delta=version_mode(self.run.weight_version(version))
                                      == "delta")
         elif self.mode == "distributed":
-            self.engine.load_distributed(named, version=version, bucket_bytes=bucket)
+            self.engine.load_distributed(named, version=version, bucket_bytes=bucket,
+                                         lora_config=lora_sync.tensor_config(self.settings))
         else:
-            self.engine.load_tensors(named, version=version, bucket_bytes=bucket)
+            self.engine.load_tensors(named, version=version, bucket_bytes=bucket,
+                                     lora_config=lora_sync.tensor_config(self.settings))
         atomic.remove_stale_temporaries(self.run.eval)
         run_eval(self.settings.eval_config(self.run, step=version, urls=self.engine.urls,
                                            policy_version=version))

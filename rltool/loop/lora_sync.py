@@ -14,8 +14,8 @@ adapter, the one requests without `lora_path` run:
            no tensor with an adapter.
   tensor   the adapter's tensors under PEFT's names (`base_model.model.<module>.lora_A.weight`)
            through the in-memory transport (shared memory, CUDA IPC, a gloo broadcast or the
-           in-process engine's copy). The engine keeps the scale of an adapter synced by tensors
-           at 2 (the trainer's default lora_alpha = 2 x rank), so these need that alpha.
+           in-process engine's copy), each bucket with the adapter's config (`tensor_config`:
+           r, lora_alpha, target_modules), from which the engine takes the scale lora_alpha / r.
 """
 
 from __future__ import annotations
@@ -28,9 +28,6 @@ from rltool.errors import BadInputError, ConfigError
 
 if TYPE_CHECKING:
     from rltool.loop.config import LoopSettings
-
-ENGINE_TENSOR_SCALE = 2.0  # the scale an engine gives an adapter synced by tensors alone
-
 
 def is_adapter_run(settings: LoopSettings) -> bool:
     """Whether the run's versions are LoRA adapters (not merged full weights)."""
@@ -51,9 +48,8 @@ def engine_args(settings: LoopSettings, args: list[str]) -> list[str]:
     return out
 
 
-def check_settings(settings: LoopSettings, *, in_memory: bool) -> None:
-    """The loop-level refusals of an adapter run (ConfigError naming the fix). `in_memory`:
-    whether the versions after 0 reach the engines as tensors."""
+def check_settings(settings: LoopSettings) -> None:
+    """The loop-level refusals of an adapter run (ConfigError naming the fix)."""
     if not is_adapter_run(settings):
         return
     train, args = settings.train, list(settings.loop.engine_args)
@@ -66,11 +62,6 @@ def check_settings(settings: LoopSettings, *, in_memory: bool) -> None:
         raise ConfigError(f"[sync] precision {settings.sync.precision} quantizes full weights, "
                           "a LoRA version is its adapter: drop precision or set [train] "
                           "lora_merge_on_publish = true")
-    if in_memory and train.lora_alpha_value / rank != ENGINE_TENSOR_SCALE:
-        raise ConfigError(f"[train] lora_alpha {train.lora_alpha_value:g} with lora_rank {rank}: "
-                          "an adapter synced as tensors is served at scale 2 (alpha = 2 x rank); "
-                          f"set lora_alpha = {2 * rank} or use [sync] sync = \"full\" or "
-                          "\"delta\" (the adapter's config travels on disk)")
 
 
 def check_server_info(url: str, info: dict[str, Any], *, rank: int) -> None:
@@ -83,6 +74,18 @@ def check_server_info(url: str, info: dict[str, Any], *, rank: int) -> None:
     if not isinstance(served, int) or served < rank:
         raise BadInputError(f"engine {url} serves LoRA ranks up to {served}, [train] lora_rank "
                             f"is {rank}: restart it with --max-lora-rank {rank}")
+
+
+def tensor_config(settings: LoopSettings) -> dict[str, Any] | None:
+    """The adapter config an engine's LoRA tensor sync takes with the tensors (PEFT's
+    LoraConfig fields that set what it computes), None for a run whose versions are not
+    adapters."""
+    if not is_adapter_run(settings):
+        return None
+    train = settings.train
+    alpha = train.lora_alpha_value
+    return {"r": train.lora_rank, "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+            "target_modules": list(train.lora_target_modules)}
 
 
 def engine_tensors(trainer: Any) -> list[tuple[str, Any]]:

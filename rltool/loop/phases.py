@@ -352,7 +352,8 @@ def push_weights(ctx: StepContext, mode: str) -> float:
         ctx.state.publish["perf/update_weights_wire_bytes"] = lora_sync.tensor_bytes(
             named, ctx.engines.dtype)
         load = ctx.engines.load_tensors if mode == "tensor" else ctx.engines.load_distributed
-        return load(named, version=ctx.state.policy_version, bucket_bytes=bucket_bytes)
+        return load(named, version=ctx.state.policy_version, bucket_bytes=bucket_bytes,
+                    lora_config=lora_sync.tensor_config(ctx.settings))
     named = ctx.residency.engine_weights(resident_trainer(ctx), ctx.engines.dtype)
     if ctx.settings.sync.precision == "bf16":  # bf16 values, whatever dtype the engines hold
         named = [(n, t.to(torch.bfloat16)) for n, t in named]

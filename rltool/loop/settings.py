@@ -168,9 +168,8 @@ def check_settings(settings: LoopSettings) -> None:
     if loop.eval_interval is not None and settings.eval is None:
         raise ConfigError("[loop] eval_interval needs an [eval] table with prompts = FILE")
     from rltool.loop import lora_sync
-    from rltool.loop.phases import sync_mode
 
-    lora_sync.check_settings(settings, in_memory=sync_mode(settings) != "disk")
+    lora_sync.check_settings(settings)
 
 
 def validate(model: type[Any], values: dict[str, Any], section: str) -> Any:

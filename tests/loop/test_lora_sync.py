@@ -27,14 +27,16 @@ ADAPTER_FILES = {"adapter_config.json", "adapter_model.safetensors", "rltool_ver
 ALIGN = "train/train_rollout_logprob_abs_diff"
 
 
-def _tables(model: Path, root: Path, *, sync: str, engine: str = "serve") -> dict:
+def _tables(model: Path, root: Path, *, sync: str, engine: str = "serve",
+            alpha: float | None = None) -> dict:
     write_prompts(make_rows("reverse", num=8, seed=1), root / "rl.jsonl")
     return {
         "model": {"path": str(model)},
         "rollout": {"prompts": str(root / "rl.jsonl"), "reward": "reverse:partial",
                     "n_samples_per_prompt": 2, "rollout_batch_size": 2, "max_response_len": 6},
         # entropy: a gradient at every step, so every version's adapter differs from the last
-        "train": {"lr": 5e-2, "global_batch_size": 4, "lora_rank": RANK, "entropy_coef": 0.01},
+        "train": {"lr": 5e-2, "global_batch_size": 4, "lora_rank": RANK, "entropy_coef": 0.01,
+                  **({"lora_alpha": alpha} if alpha is not None else {})},
         "sync": {"sync": sync, "full_every": 10},
         "loop": {"num_steps": 2, "deterministic": True, "seed": 3, "engine": engine,
                  "align_gate": 1e-5},
@@ -102,27 +104,32 @@ def test_disk_and_delta_syncs_move_the_adapter_only(tiny_model_dir, tmp_path):
 
 
 def test_tensor_sync_moves_the_adapter_only(tiny_model_dir, tmp_path, monkeypatch):
-    """--sync tensor into the in-process engine: each sync hands over exactly the adapter's
-    tensors (PEFT names, their bytes, no base weight), the engine's logprobs match the
-    trainer's after it, and only the last step's checkpoint version is written (an adapter)."""
+    """--sync tensor into the in-process engine, lora_alpha 6 with rank 4 (scale 1.5): each sync
+    hands over exactly the adapter's tensors (PEFT names, their bytes, no base weight) with the
+    adapter's config, the engine's logprobs equal the trainer's after it (at the config's
+    scale), and only the last step's checkpoint version is written (an adapter)."""
     from rltool.engine.inprocess import InProcessEngine
     from rltool.loop.runner import start
 
     sent: list[list[tuple[str, int]]] = []
+    configs = []
     load = InProcessEngine.load_tensors
 
     def counting(self, named, **kwargs):
         sent.append([(n, t.numel() * t.element_size()) for n, t in named])
+        configs.append(kwargs.get("lora_config"))
         return load(self, named, **kwargs)
 
     monkeypatch.setattr(InProcessEngine, "load_tensors", counting)
     settings = LoopSettings.from_tables(_tables(tiny_model_dir, tmp_path, sync="tensor",
-                                                engine="inprocess"))
+                                                engine="inprocess", alpha=6.0))
     start(settings, tmp_path / "run")
     run = RunDir(tmp_path / "run")
     _check_aligned(run)
     names, nbytes = _adapter_tensor_bytes(run.ckpt_step(2) / "adapter")
     assert len(sent) == 2
+    assert configs == [{"r": RANK, "lora_alpha": 6, "target_modules": list(
+        settings.train.lora_target_modules)}] * 2
     for bucket in sent:
         assert {n for n, _ in bucket} == names
         assert sum(b for _, b in bucket) == nbytes
@@ -143,11 +150,10 @@ def test_adapter_runs_serve_lora_and_refuse_what_cannot_work(tiny_model_dir, tmp
     low = {**tables, "loop": {**tables["loop"], "engine_args": ["--max-lora-rank", "2"]}}
     with pytest.raises(ConfigError, match="--max-lora-rank 2 is below"):
         LoopSettings.from_tables(low)
-    alpha = {**tables, "train": {**tables["train"], "lora_alpha": 4.0},
-             "sync": {"sync": "tensor"}}
-    with pytest.raises(ConfigError, match="lora_alpha = 8"):
-        LoopSettings.from_tables(alpha)
-    LoopSettings.from_tables({**alpha, "sync": {"sync": "delta"}})  # the config goes on disk
+    alpha = {**tables, "train": {**tables["train"], "lora_alpha": 2.5},
+             "sync": {"sync": "tensor"}}  # the config travels with the tensors
+    assert lora_sync.tensor_config(LoopSettings.from_tables(alpha))["lora_alpha"] == 2.5
+    assert lora_sync.tensor_config(merged) is None
     fp8 = {**tables, "sync": {"sync": "full", "precision": "fp8"}}
     with pytest.raises(ConfigError, match="precision fp8"):
         LoopSettings.from_tables(fp8)
