@@ -225,11 +225,11 @@ class LoraLayers:
     --max-lora-rank, and its scaling; allocated once with the model, rewritten in place by
     `load` (zeros: the base model, whose outputs the zero update leaves bit for bit).
 
-    `exact` (the engine's deterministic mode): the forward computes each module's update apart,
-    as the trainer's PEFT-numerics hook does (rltool.train.lora), from per-module copies at the
-    adapter's own rank, so its outputs equal the trainer's bit for bit; a stacked A's GEMM
-    differs from the separate ones in the last bits. The default mode keeps the stacked pair,
-    one GEMM each, fixed buffers the CUDA graphs read."""
+    `exact` (the engine's deterministic mode without CUDA graphs): the forward computes each
+    module's update apart, as the trainer's PEFT-numerics hook does (rltool.train.lora), from
+    per-module copies at the adapter's own rank made at each switch, so its outputs equal the
+    trainer's bit for bit; a stacked A's GEMM differs from the separate ones in the last bits.
+    Otherwise the stacked pair, one GEMM each, in the fixed buffers the CUDA graphs read."""
 
     def __init__(self, shapes: LoraShapes, *, device: torch.device, dtype: torch.dtype,
                  exact: bool = False):

@@ -147,7 +147,8 @@ class PagedRunner:
         if self.deterministic:  # transformers' ops one by one (the trainer's), invariant kernels
             self.model.fused = False
         if self.lora is not None:  # before the graphs: they are captured with LoRA on
-            self.lora.attach(self.model, exact=self.deterministic)
+            # exact: per-module adapter tensors the forward re-reads, which graphs would not
+            self.lora.attach(self.model, exact=self.deterministic and not self._use_graphs)
             log.info("LoRA adapter buffers (rank %d): %.2f GiB", self.lora.shapes.max_rank,
                      self.lora.layers.nbytes() / 2**30)
         self.model.rope_table(self.context_length)
