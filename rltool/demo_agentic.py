@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from rltool.demo_common import TARGET, Clock, finish, fresh, summarize, window_mean
+from rltool.demo_common import TARGET, Clock, device_name, finish, fresh, summarize, window_mean
 from rltool.errors import BadInputError, RltoolError
 
 ENV = "calculator"
@@ -270,7 +270,6 @@ def run(root: Path, *, steps: int, seed: int, device: str,
 
     from rltool import atomic
     from rltool.data.models import init_model
-    from rltool.demo_gpu import _device_name
     from rltool.loop import runner
     from rltool.loop.config import LoopSettings
     from rltool.rundir import RunDir
@@ -316,7 +315,7 @@ def run(root: Path, *, steps: int, seed: int, device: str,
     evals = [r for r in table if r["eval_exact"] is not None]
     hit = next((r for r in evals if r["eval_exact"] >= TARGET), None)
     extra = {"env": ENV, "device": device, "preset": recipe.preset,
-             "device_name": _device_name(device), "recipe": asdict(recipe),
+             "device_name": device_name(device), "recipe": asdict(recipe),
              "target_eval_exact": TARGET, "eval_step_reaching_target": hit["step"] if hit else None,
              "seconds_to_target": hit["seconds"] if hit else None,  # since the demo began
              "final_eval_exact": evals[-1]["eval_exact"] if evals else None, "steps": table}

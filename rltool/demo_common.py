@@ -4,6 +4,7 @@ chunked supervised warm start."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -114,6 +115,15 @@ def summarize(root: Path, run_dir: Path, *, sft_steps: int, seed: int, started: 
 
     atomic.write_json(root / "summary.json", summary)
     return summary
+
+
+def device_name(device: str) -> str:
+    """The GPU's name on cuda, else the CPU core count (for a demo's summary)."""
+    import torch
+
+    if device == "cuda":
+        return str(torch.cuda.get_device_name())
+    return f"{os.cpu_count()} CPU cores"
 
 
 def fresh(root: Path) -> None:

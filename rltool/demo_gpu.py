@@ -20,7 +20,6 @@ runs the recipe on CPU. docs/loop.md, "The GPU demo".
 
 from __future__ import annotations
 
-import os
 import random
 import string
 import time
@@ -28,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rltool.demo_common import (HEADER, TARGET, Clock, finish, fresh, print_row, summarize,
-                                window_mean)
+from rltool.demo_common import (HEADER, TARGET, Clock, device_name, finish, fresh, print_row,
+                                summarize, window_mean)
 from rltool.errors import BadInputError
 
 KV_TOKENS = 65536  # the recipes' KV pool: 512 rollouts of at most ~40 tokens fit many times
@@ -254,7 +253,7 @@ def run_gpu_recipe(root: Path, *, steps: int, sft_steps: int | None, seed: int, 
     finish(root, clock)
     evals = [r for r in _rows(root, "loop") if "eval/mean_reward" in r]
     hit = next((r for r in evals if r["eval/mean_reward"] >= TARGET), None)
-    extra = {"device": device, "preset": preset, "device_name": _device_name(device),
+    extra = {"device": device, "preset": preset, "device_name": device_name(device),
              "rollout_precision": recipe.rollout_precision,
              "teacher_exact": recipe.teacher_exact, "rl_lr": recipe.rl_train["lr"],
              "lora_rank": recipe.lora_rank,
@@ -279,10 +278,3 @@ def _rows(root: Path, stage: str) -> list[dict[str, Any]]:
 
     return read_metrics(root / "run" / "metrics" / f"{stage}.jsonl")
 
-
-def _device_name(device: str) -> str:
-    import torch
-
-    if device == "cuda":
-        return str(torch.cuda.get_device_name())
-    return f"{os.cpu_count()} CPU cores"
