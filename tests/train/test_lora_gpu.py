@@ -12,10 +12,10 @@ import torch
 
 from rltool.data.models import init_model
 from rltool.train import lora, memfit
-from rltool.train.backend import MicroBatch, build_backend
+from rltool.train.backend import MicroBatch
 from rltool.train.config import LORA_DEFAULT_TARGETS, BackendConfig, TrainConfig
-from rltool.train.launch import process_group_scope
 from rltool.train.torch_backend import TorchBackend
+from tests.helpers.train_peak import measured_step_peak
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -82,23 +82,7 @@ def test_the_lora_plan_is_the_measured_peak(model_3b, extra):
     hf = json.loads((model_3b / "config.json").read_text())
     tokens = cfg.max_tokens_per_microbatch
     predicted = memfit.predictor(cfg, hf, world_size=1)(cfg.recompute, tokens)
-    gen = torch.Generator().manual_seed(0)
-    quarter = tokens // 4
-    batch = MicroBatch(list(range(4)), torch.randint(0, 151000, (4, quarter), generator=gen)
-                       .tolist(), [1] * 4)
-
-    def loss_fn(out, mb):
-        return -sum(lp.sum() for lp in out.logprobs) / tokens, {}
-
-    with process_group_scope():
-        backend = build_backend(model_3b, options=cfg)
-        backend.train_step([batch], loss_fn, temperature=1.0)  # Adam's state is allocated here
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        backend.train_step([batch], loss_fn, temperature=1.0)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        del backend
+    peak = measured_step_peak(model_3b, cfg)
     print(f"LoRA {extra}: recompute {cfg.recompute}, {tokens} tokens: measured "
           f"{peak / GIB:.2f} GiB, planned {predicted / GIB:.2f} GiB "
           f"({(peak - predicted) / predicted:+.1%})")

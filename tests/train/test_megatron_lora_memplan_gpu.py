@@ -14,9 +14,9 @@ import torch
 from rltool.data.models import init_model
 from rltool.train import megatron_memplan as mplan
 from rltool.train import memfit
-from rltool.train.backend import MicroBatch
 from rltool.train.config import BackendConfig, TrainConfig
 from rltool.train.launch import process_group_scope
+from tests.helpers.train_peak import measured_step_peak
 from tests.train.test_megatron_memplan import MB, _megatron_bytes, loss_fn
 from tests.train.test_memplan_gpu import MARGIN
 
@@ -57,25 +57,7 @@ def test_the_lora_plan_is_the_measured_peak(tmp_path):
     predicted = memfit.predictor(cfg, hf, world_size=1)(cfg.recompute, tokens)
     total = torch.cuda.get_device_properties(0).total_memory
     assert predicted <= memfit.room(total)
-    gen = torch.Generator().manual_seed(0)
-    quarter = tokens // 4
-    batch = MicroBatch(list(range(4)), torch.randint(0, 151000, (4, quarter), generator=gen)
-                       .tolist(), [1] * 4)
-
-    def lm_loss(out, mb):
-        return -sum(lp.sum() for lp in out.logprobs) / tokens, {}
-
-    from rltool.train.megatron_backend import MegatronBackend
-
-    with process_group_scope():
-        backend = MegatronBackend(model, options=cfg)
-        backend.train_step([batch], lm_loss, temperature=1.0)  # Adam's state is allocated here
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        backend.train_step([batch], lm_loss, temperature=1.0)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        del backend
+    peak = measured_step_peak(model, cfg)
     print(f"megatron LoRA r16: recompute {cfg.recompute}, {tokens} tokens, logprob chunks of "
           f"{cfg.logprob_chunk_tokens}: measured {peak / GIB:.2f} GiB, planned "
           f"{predicted / GIB:.2f} GiB ({(peak - predicted) / predicted:+.1%}); device "

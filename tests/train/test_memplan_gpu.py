@@ -17,9 +17,8 @@ import torch
 from rltool.data.models import init_model
 from rltool.train import memfit, memplan
 from rltool.train import megatron_memplan as mplan
-from rltool.train.backend import MicroBatch, build_backend
 from rltool.train.config import TrainConfig
-from rltool.train.launch import process_group_scope
+from tests.helpers.train_peak import measured_step_peak
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -57,23 +56,7 @@ def test_the_plan_is_the_measured_peak(model_3b, extra):
     tokens = cfg.max_tokens_per_microbatch
     predicted = _predicted(cfg, hf)
     assert predicted <= memfit.room(torch.cuda.get_device_properties(0).total_memory)
-    gen = torch.Generator().manual_seed(0)
-    quarter = tokens // 4
-    batch = MicroBatch(list(range(4)), torch.randint(0, 151000, (4, quarter), generator=gen)
-                       .tolist(), [1] * 4)
-
-    def loss_fn(out, mb):
-        return -sum(lp.sum() for lp in out.logprobs) / tokens, {}
-
-    with process_group_scope():
-        backend = build_backend(model_3b, options=cfg)
-        backend.train_step([batch], loss_fn, temperature=1.0)  # Adam's state is allocated here
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        backend.train_step([batch], loss_fn, temperature=1.0)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        del backend
+    peak = measured_step_peak(model_3b, cfg)
     print(f"{extra}: recompute {cfg.recompute}, {tokens} tokens: measured {peak / GIB:.2f} GiB, "
           f"planned {predicted / GIB:.2f} GiB ({(peak - predicted) / predicted:+.1%}); device "
           f"{torch.cuda.get_device_properties(0).total_memory / GIB:.1f} GiB, room "
