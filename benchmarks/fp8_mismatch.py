@@ -214,16 +214,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         raise BadInputError("nothing to measure; pass --presets or --model")
     if min(args.prompts, args.samples, args.prompt_len, args.new_tokens) < 1:
         raise BadInputError("--prompts, --samples, --prompt-len and --new-tokens must be >= 1")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise BadInputError("--device cuda but no CUDA device is visible; use --device cpu")
+    harness.require_device(args.device)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = parse(argv)
-    except BadInputError as e:
-        print(f"Error: {e}", file=sys.stderr)
+    args = harness.parse_or_report(parse, argv)
+    if args is None:
         return 2
     run = harness.Run("fp8_mismatch", device=args.device)
     rows = []

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from rltool import atomic
+from rltool.errors import BadInputError
 
 
 def gpu_name() -> str | None:
@@ -109,6 +110,24 @@ def median_s(fn: Callable[[], Any], *, repeats: int, device: Any = None,
              before: Callable[[], Any] | None = None) -> float:
     """The median of `timed`'s seconds."""
     return statistics.median(timed(fn, repeats=repeats, device=device, before=before)[0])
+
+
+def require_device(device: str) -> None:
+    """BadInputError when `device` is `cuda` and no CUDA device is visible."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise BadInputError("--device cuda but no CUDA device is visible; use --device cpu")
+
+
+def parse_or_report(parse: Callable[[list[str] | None], Any], argv: list[str] | None) -> Any:
+    """`parse(argv)`, or None after printing its BadInputError as one `Error: ...` line on stderr
+    (the caller then exits 2)."""
+    try:
+        return parse(argv)
+    except BadInputError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return None
 
 
 def progress(message: str) -> None:

@@ -141,16 +141,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         raise BadInputError(f"--lr must be > 0, got {args.lr}")
     if min(args.sft_steps, args.prompts, args.samples, args.new_tokens) < 1:
         raise BadInputError("--sft-steps, --prompts, --samples and --new-tokens must be >= 1")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise BadInputError("--device cuda but no CUDA device is visible; use --device cpu")
+    harness.require_device(args.device)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = parse(argv)
-    except BadInputError as e:
-        print(f"Error: {e}", file=sys.stderr)
+    args = harness.parse_or_report(parse, argv)
+    if args is None:
         return 2
     run = harness.Run("int4_mismatch", device=args.device)
     with tempfile.TemporaryDirectory() as tmp:

@@ -121,16 +121,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         raise BadInputError(f"unknown --preset {args.preset!r}; choose from {', '.join(PRESETS)}")
     if args.steps < 1:
         raise BadInputError(f"--steps must be >= 1, got {args.steps}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise BadInputError("--device cuda but no CUDA device is visible; use --device cpu")
+    harness.require_device(args.device)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = parse(argv)
-    except BadInputError as e:
-        print(f"Error: {e}", file=sys.stderr)
+    args = harness.parse_or_report(parse, argv)
+    if args is None:
         return 2
     run = harness.Run("int4_sync", device=args.device)
     with tempfile.TemporaryDirectory() as tmp:
