@@ -7,13 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rltool.data.models import PRESETS, init_model
+from rltool.data.models import PRESETS
 from rltool.errors import ConfigError
 from rltool.train import memfit
 from rltool.train.backend import MicroBatch
 from rltool.train.config import BackendConfig
 from rltool.train.memplan import Shape, plan
 from rltool.train.torch_backend import TorchBackend
+from tests.train.test_megatron_memplan import _nbytes
 
 MB = MicroBatch([0], [[3, 9, 4, 17, 22, 5]], [3])
 
@@ -21,22 +22,6 @@ MB = MicroBatch([0], [[3, 9, 4, 17, 22, 5]], [3])
 def _loss(out, mb):
     total = out.logprobs[0].sum()
     return total, {}
-
-
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    cache = {}
-
-    def get(arch: str, preset: str):
-        if (arch, preset) not in cache:
-            cache[arch, preset] = init_model(tmp_path_factory.mktemp(f"{arch}-{preset}") / "m",
-                                             arch=arch, preset=preset, seed=0)
-        return cache[arch, preset]
-    return get
 
 
 @pytest.mark.parametrize("arch,preset,targets", [

@@ -17,7 +17,7 @@ import torch
 from click.testing import CliRunner
 
 from rltool.cli import main
-from rltool.data.models import PRESETS, init_model
+from rltool.data.models import PRESETS
 from rltool.errors import ConfigError
 from rltool.train import megatron_memplan as mplan
 from rltool.train import memfit
@@ -33,19 +33,6 @@ MB = MicroBatch([0, 1], [[5, 6, 7, 8, 9, 10], [4, 3, 2, 1]], [2, 1])
 
 def loss_fn(out, mb):
     return sum(lp.sum() for lp in out.logprobs) / 7, {}
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """(arch, preset) -> model dir."""
-    cache = {}
-
-    def get(arch: str, preset: str):
-        if (arch, preset) not in cache:
-            cache[arch, preset] = init_model(tmp_path_factory.mktemp(f"{arch}-{preset}") / "m",
-                                             arch=arch, preset=preset, seed=0)
-        return cache[arch, preset]
-    return get
 
 
 def _nbytes(tensors) -> int:
