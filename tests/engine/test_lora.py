@@ -17,6 +17,7 @@ from rltool.engine.request import Request
 from rltool.engine.sampling import SamplingParams
 from rltool.errors import BadInputError
 from tests.helpers.lora_adapters import ALL_TARGETS as ALL, make_adapter
+from tests.helpers.scheduling import generate_once
 
 PROMPTS = [[5, 9, 13, 2, 7, 11, 3, 4, 8, 6], [12, 4, 4, 9, 1, 2, 3]]
 
@@ -40,25 +41,7 @@ def runner_of(model_dir, **kw):
 def greedy(runner, prompts, loras, *, new=6):
     """Greedy continuations of `prompts` under adapters `loras` (None: the policy adapter),
     submitted together to a scheduler over `runner`; the finished requests, in order."""
-    sched = PagedScheduler(runner, max_running=8, max_prefill_tokens=64)
-    done = threading.Event()
-    finished = []
-
-    def on_finish(req):
-        finished.append(req)
-        if len(finished) == len(prompts):
-            done.set()
-
-    reqs = [Request(rid=f"r{i}", prompt_ids=list(p), lora=lora, return_logprob=True,
-                    on_finish=on_finish,
-                    params=SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True))
-            for i, (p, lora) in enumerate(zip(prompts, loras))]
-    sched.start()
-    try:
-        sched.submit(reqs)
-        assert done.wait(120)
-    finally:
-        sched.stop()
+    reqs = generate_once(runner, prompts, loras, new=new, max_prefill_tokens=64)
     assert all(r.finish_reason["type"] == "length" for r in reqs), [r.finish_reason for r in reqs]
     return reqs
 

@@ -14,6 +14,7 @@ import torch
 
 from rltool.engine.paged_runner import PagedRunner
 from tests.helpers.lora_adapters import ALL_TARGETS, make_adapter
+from tests.helpers.scheduling import generate_once
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -104,31 +105,7 @@ def test_graph_replay_with_adapters_equals_eager(tiny_model_dir, adapter_dirs):
 def greedy(runner, prompts, loras, **options):
     """Greedy continuations (12 tokens) of `prompts` under adapters `loras`, all submitted at
     once to a scheduler over `runner` (overlapped decode, `options`); the finished requests."""
-    import threading
-
-    from rltool.engine.paged_scheduler import PagedScheduler
-    from rltool.engine.request import Request
-    from rltool.engine.sampling import SamplingParams
-
-    sched = PagedScheduler(runner, max_running=8, max_prefill_tokens=256, **options)
-    done, finished = threading.Event(), []
-
-    def on_finish(req):
-        finished.append(req)
-        if len(finished) == len(prompts):
-            done.set()
-
-    reqs = [Request(rid=f"g{i}", prompt_ids=list(p), lora=lora, return_logprob=True,
-                    on_finish=on_finish,
-                    params=SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
-            for i, (p, lora) in enumerate(zip(prompts, loras))]
-    sched.start()
-    try:
-        sched.submit(reqs)
-        assert done.wait(120)
-    finally:
-        sched.stop()
-    return reqs
+    return generate_once(runner, prompts, loras, new=12, max_prefill_tokens=256, **options)
 
 
 def test_mixed_adapter_requests_match_each_adapter_alone(tiny_model_dir, adapter_dirs):
