@@ -6,7 +6,6 @@ linear) against transformers; the one-line refusal of a request the pool can nev
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from rltool.engine.rope import read_rope_scaling, rope_frequencies
 from rltool.engine.sampling import SamplingParams, make_generator
 from rltool.errors import BadInputError, CheckpointError
 from tests.helpers.engines import serve_app
+from tests.helpers.scheduling import run_all
 
 CONTEXT = 8192
 
@@ -67,21 +67,7 @@ def _prompt(n: int, *, seed: int, vocab: int = 60) -> list[int]:
 
 
 def _run(sched: PagedScheduler, reqs: list[Request], *, timeout_s: float = 120) -> None:
-    done, finished = threading.Event(), []
-
-    def on_finish(req):
-        finished.append(req)
-        if len(finished) == len(reqs):
-            done.set()
-
-    for r in reqs:
-        r.on_finish = on_finish
-    sched.start()
-    try:
-        sched.submit(reqs)
-        assert done.wait(timeout_s)
-    finally:
-        sched.stop()
+    run_all(sched, reqs, wait=timeout_s)
     assert all(r.finish_reason["type"] == "length" for r in reqs), [r.finish_reason for r in reqs]
 
 

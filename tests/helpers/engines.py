@@ -47,34 +47,21 @@ def generate_deterministic(model_dir, prompts: list[list[int]], *, device: str, 
     with `prompts` submitted together, each sampled by its own seeded generator (7 for the first,
     100 + i for the others). Returns ((the first prompt's tokens, their logprobs), runner,
     scheduler)."""
-    import threading
-
     from rltool.engine.paged_runner import PagedRunner
     from rltool.engine.paged_scheduler import PagedScheduler
     from rltool.engine.request import Request
     from rltool.engine.sampling import SamplingParams, make_generator
+    from tests.helpers.scheduling import run_all
 
     runner = PagedRunner(model_dir, device=device, dtype=dtype, max_running=16, page_size=4,
                          max_total_tokens=max_total_tokens, cuda_graph_max_bs=16,
                          deterministic=True)
     sched = PagedScheduler(runner, max_running=16, max_prefill_tokens=max_prefill_tokens,
                            chunked_prefill_size=chunked_prefill_size, deterministic=True)
-    done, finished = threading.Event(), []
-
-    def on_finish(req):
-        finished.append(req)
-        if len(finished) == len(prompts):
-            done.set()
-
-    reqs = [Request(rid=f"r{i}", prompt_ids=p, return_logprob=True, on_finish=on_finish,
+    reqs = [Request(rid=f"r{i}", prompt_ids=p, return_logprob=True,
                     generator=make_generator(7 if i == 0 else 100 + i),
                     params=SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0,
                                           ignore_eos=True))
             for i, p in enumerate(prompts)]
-    sched.start()
-    try:
-        sched.submit(reqs)
-        assert done.wait(timeout_s)
-    finally:
-        sched.stop()
+    run_all(sched, reqs, wait=timeout_s)
     return (reqs[0].output_ids, reqs[0].output_logprobs), runner, sched

@@ -1,4 +1,4 @@
-"""Running requests through a started PagedScheduler from synchronous tests."""
+"""Running requests through a PagedScheduler from synchronous tests."""
 
 from __future__ import annotations
 
@@ -9,38 +9,60 @@ from rltool.engine.request import Request
 from rltool.engine.sampling import SamplingParams
 
 
-def generate(sched, prompts, tag, *, new=6, loras=None, wait=60):
-    """Submit one greedy request per prompt (rids tag0, tag1, ...; `new` tokens each, logprobs
-    returned; under adapter `loras[i]` where given, None being the policy's) and wait up to `wait`
-    seconds for all of them to finish; the requests."""
+def _all_finished(reqs) -> threading.Event:
+    """An event set once every request of `reqs` has finished (it takes their on_finish)."""
     done, finished = threading.Event(), []
 
     def on_finish(req):
         finished.append(req)
-        if len(finished) == len(prompts):
+        if len(finished) == len(reqs):
             done.set()
 
+    for r in reqs:
+        r.on_finish = on_finish
+    return done
+
+
+def greedy_requests(prompts, tag, *, new, loras=None) -> list[Request]:
+    """One greedy request per prompt (rids tag0, tag1, ...; `new` tokens each, logprobs returned;
+    under adapter `loras[i]` where given, None being the policy's)."""
     loras = [None] * len(prompts) if loras is None else loras
-    reqs = [Request(rid=f"{tag}{i}", prompt_ids=list(p), lora=lora, return_logprob=True,
-                    on_finish=on_finish,
+    return [Request(rid=f"{tag}{i}", prompt_ids=list(p), lora=lora, return_logprob=True,
                     params=SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True))
             for i, (p, lora) in enumerate(zip(prompts, loras))]
+
+
+def generate(sched, prompts, tag, *, new=6):
+    """Submit `greedy_requests` of `prompts` to the started `sched` and wait up to 60 s for all of
+    them to finish; the requests."""
+    reqs = greedy_requests(prompts, tag, new=new)
+    done = _all_finished(reqs)
     sched.submit(reqs)
-    assert done.wait(wait)
+    assert done.wait(60)
     return reqs
 
 
-def generate_once(runner, prompts, loras, *, new, max_prefill_tokens, **options):
-    """`generate` (rids r0, r1, ..., up to 120 s) through a PagedScheduler over `runner`
-    (max_running 8, `max_prefill_tokens`, `options`) started for these requests alone and
-    stopped after them; the requests."""
-    sched = PagedScheduler(runner, max_running=8, max_prefill_tokens=max_prefill_tokens,
-                           **options)
+def run_all(sched, reqs, *, wait=120) -> None:
+    """Start `sched`, submit `reqs` together, wait up to `wait` seconds for all of them to finish
+    (their on_finish is taken for that) and stop it."""
+    done = _all_finished(reqs)
     sched.start()
     try:
-        return generate(sched, prompts, "r", new=new, loras=loras, wait=120)
+        sched.submit(reqs)
+        assert done.wait(wait)
     finally:
         sched.stop()
+
+
+def generate_once(runner, prompts, loras, *, new, max_prefill_tokens, **options):
+    """`greedy_requests` of `prompts` under adapters `loras` (rids r0, r1, ...) run together
+    (`run_all`) through a PagedScheduler over `runner` (max_running 8, `max_prefill_tokens`,
+    `options`) made for them; the requests."""
+    sched = PagedScheduler(runner, max_running=8, max_prefill_tokens=max_prefill_tokens,
+                           **options)
+    reqs = greedy_requests(prompts, "r", new=new, loras=loras)
+    run_all(sched, reqs)
+    return reqs
 
 
 def run_in_two_waves(sched, reqs, done, *, first=3):
