@@ -33,6 +33,22 @@ def runner_for(model_dir, dtype, **kw):
     return PagedRunner(model_dir, **opts)
 
 
+def assert_teacher_forced(runner, ref, tol):
+    """`runner`'s log-softmax over SEQ within `tol` of `ref` (the reference's, on the same
+    device): a full pass, and a paged prefill of 12 tokens followed by graph-replayed decode
+    steps, teacher-forced."""
+    full = torch.log_softmax(runner.full_pass_logits(SEQ, start=1), -1)
+    assert (full - ref[:-1]).abs().max() <= tol
+    got = runner.prefill([("a", SEQ[:12], 0)], want=[True])
+    rows = [got[0]]
+    for t in range(12, len(SEQ) - 1):
+        # .clone(): the graph's output buffer is reused by the next step (and fp32 .float()
+        # would return the buffer itself).
+        rows.append(runner.decode(["a"], [SEQ[t]])[0].float().clone())
+    paged = torch.log_softmax(torch.stack(rows), -1)
+    assert (paged - ref[11:-1]).abs().max() <= tol
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama", "qwen3_moe"])
 def test_logprobs_match_transformers_on_the_gpu(arch, dtype, tiny_model_factory):
@@ -43,18 +59,7 @@ def test_logprobs_match_transformers_on_the_gpu(arch, dtype, tiny_model_factory)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch_dtype).cuda().eval()
     with torch.no_grad():
         ref = torch.log_softmax(hf(input_ids=torch.tensor([SEQ]).cuda()).logits[0].float(), -1)
-    runner = runner_for(model_dir, dtype)
-    full = torch.log_softmax(runner.full_pass_logits(SEQ, start=1), -1)
-    assert (full - ref[:-1]).abs().max() <= TOL[dtype]
-    # Paged prefill of 12 tokens, then graph-replayed decode steps, teacher-forced.
-    got = runner.prefill([("a", SEQ[:12], 0)], want=[True])
-    rows = [got[0]]
-    for t in range(12, len(SEQ) - 1):
-        # .clone(): the graph's output buffer is reused by the next step (and fp32 .float()
-        # would return the buffer itself).
-        rows.append(runner.decode(["a"], [SEQ[t]])[0].float().clone())
-    paged = torch.log_softmax(torch.stack(rows), -1).cpu()
-    assert (paged - ref[11:-1].cpu()).abs().max() <= TOL[dtype]
+    assert_teacher_forced(runner_for(model_dir, dtype), ref, TOL[dtype])
 
 
 def test_graph_replay_equals_eager_decode(tiny_model_dir):

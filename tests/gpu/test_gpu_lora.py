@@ -12,23 +12,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rltool.engine.paged_runner import PagedRunner
+from tests.gpu.test_gpu_engine import SEQ, TOL, assert_teacher_forced
+from tests.gpu.test_gpu_engine import runner_for as engine_runner
 from tests.helpers.lora_adapters import ALL_TARGETS, make_adapter
 from tests.helpers.scheduling import generate_once
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-SEQ = [3, 9, 4, 17, 22, 5, 8, 30, 11, 2, 7, 19, 25, 6, 13, 1, 28, 12, 15, 20]
-TOL = {"fp32": 1e-5, "bf16": 2e-2}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def runner_for(model_dir, dtype, **kw):
-    opts = dict(device="cuda", dtype=dtype, max_running=8, page_size=4, max_total_tokens=4096,
-                cuda_graph_max_bs=8, enable_lora=True, max_lora_rank=8)
-    opts.update(kw)
-    return PagedRunner(model_dir, **opts)
+    """test_gpu_engine's runner with --enable-lora (adapters up to rank 8) unless `kw` says
+    otherwise."""
+    return engine_runner(model_dir, dtype, **{"enable_lora": True, "max_lora_rank": 8, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +51,7 @@ def test_lora_logprobs_match_peft_on_the_gpu(tiny_model_dir, adapter_dirs, dtype
     assert runner.graphs
     runner.lora.load("full", adapter_dirs["full"])
     runner.use_lora("full")
-    full = torch.log_softmax(runner.full_pass_logits(SEQ, start=1), -1)
-    assert (full - ref[:-1]).abs().max() <= TOL[dtype]
-    got = runner.prefill([("a", SEQ[:12], 0)], want=[True])
-    rows = [got[0]]
-    for t in range(12, len(SEQ) - 1):
-        rows.append(runner.decode(["a"], [SEQ[t]])[0].float().clone())
-    paged = torch.log_softmax(torch.stack(rows), -1)
-    assert (paged - ref[11:-1]).abs().max() <= TOL[dtype]
+    assert_teacher_forced(runner, ref, TOL[dtype])
 
 
 def test_graph_replay_with_adapters_equals_eager(tiny_model_dir, adapter_dirs):
