@@ -202,6 +202,18 @@ class BatchBuilder:
         if not runner.has_free_pages(len(reqs)):  # at most one new page each; count exactly
             reqs.sort(key=lambda r: r.seq)
             need = sum(runner.extra_pages(r.rid, _kv_length(r, ahead + 1)) for r in reqs)
+            # --enable-lora: requests that hold pages and make no progress this step go back to
+            # the queue first, newest first: other adapters' running requests, and prefilling
+            # ones holding claimed or written pages (a retracted request admitted again)
+            decoding = {id(r) for r in reqs}
+            idle = sorted((r for r in itertools.chain(queue.running.values(), queue.prefilling)
+                           if id(r) not in decoding and (r.rid in queue.running or r.num_cached)),
+                          key=_seq) if self._lora_on else []
+            while need > runner.free_pages() and idle:
+                victim = idle.pop()
+                if victim.rid not in queue.running:
+                    queue.prefilling.remove(victim)
+                queue.retract(victim)
             while need > runner.free_pages() and len(reqs) > 1:
                 victim = reqs.pop()
                 need -= runner.extra_pages(victim.rid, _kv_length(victim, ahead + 1))

@@ -17,7 +17,7 @@ from rltool.engine.request import Request
 from rltool.engine.sampling import SamplingParams
 from rltool.errors import BadInputError
 from tests.helpers.lora_adapters import ALL_TARGETS as ALL, make_adapter
-from tests.helpers.scheduling import generate_once
+from tests.helpers.scheduling import generate_once, greedy_requests, run_all
 
 PROMPTS = [[5, 9, 13, 2, 7, 11, 3, 4, 8, 6], [12, 4, 4, 9, 1, 2, 3]]
 
@@ -34,8 +34,9 @@ def adapters(tiny_model_dir):
 
 
 def runner_of(model_dir, **kw):
+    kw.setdefault("max_total_tokens", 512)
     return PagedRunner(model_dir, device="cpu", dtype="fp32", max_running=8, page_size=4,
-                       max_total_tokens=512, enable_lora=True, max_lora_rank=8, **kw)
+                       enable_lora=True, max_lora_rank=8, **kw)
 
 
 def greedy(runner, prompts, loras, *, new=6):
@@ -493,3 +494,28 @@ def test_tensor_sync_over_http_installs_the_policy_adapter(tiny_model_dir, adapt
             assert torch.equal(a, runner.lora.policy.weights[key][0])
             assert torch.equal(b, runner.lora.policy.weights[key][1])
         assert torch.equal(runner.model.embed, embed)
+
+
+def test_two_adapters_under_kv_pressure_retract_instead_of_failing(tiny_model_dir, adapters):
+    """A pool too small for every request at once, requests of two adapters interleaved, the
+    oldest one short: once it ends, the oldest in flight is the other adapter's, whose requests
+    then decode while the first adapter's running ones wait holding pages (and retracted ones,
+    admitted again, claim cached pages while they wait to prefill). The page shortage of such a
+    step sends those idle requests back to the queue (newest first), so every request finishes
+    with the tokens it gets alone instead of the step running out of pages (500 for all)."""
+    prompts = [[(7 * i + 3 * j) % 50 + 1 for j in range(10)] for i in range(6)]  # no shared prefix
+    loras = ["full", "qv"] * 3
+    runner = runner_of(tiny_model_dir, max_total_tokens=64)
+    for name in ("full", "qv"):
+        runner.lora.load(name, adapters[name][1])
+    reqs = greedy_requests(prompts, "r", new=40, loras=loras)
+    reqs[0].params = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+    sched = PagedScheduler(runner, max_running=8, max_prefill_tokens=64)
+    run_all(sched, reqs)
+    assert all(r.finish_reason["type"] == "length" for r in reqs), [r.finish_reason for r in reqs]
+    assert sched.stats()["num_retractions"] > 0
+    for req, prompt, lora in zip(reqs, prompts, loras):
+        alone = runner_of(tiny_model_dir)
+        alone.lora.load(lora, adapters[lora][1])
+        new = req.params.max_new_tokens
+        assert req.output_ids == greedy(alone, [prompt], [lora], new=new)[0].output_ids
