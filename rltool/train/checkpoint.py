@@ -61,13 +61,18 @@ class LoadTarget:
 
 def resolve_load(path: str | os.PathLike, *, adapter: bool = False) -> LoadTarget:
     """Accept a HF weights dir, a checkpoint step-NNNNNN, or a --save dir (newest step wins);
-    with `adapter` (a caller that loads it: the train stage's --load) also a LoRA adapter
-    directory, which others refuse rather than read as its base."""
+    with `adapter` (a caller that loads it: the train stage's and the resident trainer's --load)
+    also a LoRA adapter directory and a LoRA checkpoint, which others refuse rather than read as
+    their base."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"--load {path}: no such directory")
     if (path / STATE_FILE).exists():
         state = read_trainer_state(path)
+        if not adapter and state.get("backend", {}).get("lora"):
+            raise CheckpointError(f"{path} is a LoRA checkpoint (an adapter over its base), not "
+                                  "full weights: pass weights published with "
+                                  "--lora-merge-on-publish, or the base")
         return LoadTarget(model_dir=_model_dir(path, state), ckpt_dir=path,
                           version=int(state["policy_version"]))
     if (path / "config.json").exists():

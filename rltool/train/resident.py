@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from rltool.errors import ConfigError
+from rltool.errors import CheckpointError, ConfigError
 from rltool.rundir import step_dir_name
 from rltool.train.backend import build_backend
 from rltool.train.checkpoint import read_trainer_state, resolve_load
@@ -32,7 +32,11 @@ class ResidentTrainer:
     """`load`: HF weights (version 0) or a checkpoint written by `save`."""
 
     def __init__(self, cfg: TrainConfig):
-        target = resolve_load(cfg.load)
+        target = resolve_load(cfg.load, adapter=True)
+        if target.adapter_dir is not None:
+            raise CheckpointError(f"--load {cfg.load}: a LoRA adapter directory starts a run of "
+                                  "rltool train, not of the loop's resident trainer; pass the "
+                                  "trainer checkpoint (step-NNNNNN) or the base")
         # the memory plan's recompute and micro-batch cap, kept for every set (rltool.train.memfit)
         self.fitted = fit(cfg, target.model_dir)
         cfg = cfg.model_copy(update=self.fitted)

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from rltool.cli import main
 from rltool.errors import CheckpointError, ConfigError
 from rltool.train import lora, run
+from rltool.train.checkpoint import resolve_load
 from rltool.train.backend import MicroBatch
 from rltool.train.config import LORA_DEFAULT_TARGETS, BackendConfig, TrainConfig
 from rltool.train.torch_backend import TorchBackend
@@ -216,6 +217,12 @@ def test_resume_under_other_adapters_is_refused(tiny_model_dir, train_shard, tmp
         _backend(tiny_model_dir, lora_rank=8).load(ckpt)
     with pytest.raises(CheckpointError, match="add --lora-rank|holds LoRA adapters"):
         _backend(tiny_model_dir).load(ckpt)
+    # a reader of full weights (--ref, --old-actor, teachers, recompute, align-gate --weights)
+    # refuses the LoRA checkpoint rather than read its base
+    for path in (ckpt, tmp_path / "a"):
+        with pytest.raises(CheckpointError, match="is a LoRA checkpoint"):
+            resolve_load(path)
+    assert resolve_load(ckpt, adapter=True).ckpt_dir == ckpt
 
 
 def test_merged_publish_is_base_plus_scaled_product(tiny_model_dir, train_shard, tmp_path):
