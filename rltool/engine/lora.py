@@ -205,9 +205,14 @@ def read_adapter(path: Path, *, name: str, tag: int, shapes: LoraShapes,
         raise BadInputError(f"{path} has no {WEIGHTS_FILE}; save the adapter with PEFT's "
                             "save_pretrained (safetensors)")
     adapter = LoraAdapter(name=name, path=str(path), rank=rank, scaling=scaling, tag=tag)
-    with safe_open(str(weights), framework="pt") as sf:
-        for key in sf.keys():
-            adapter.put(key, sf.get_tensor(key), shapes, dtype)
+    try:
+        with safe_open(str(weights), framework="pt") as sf:
+            tensors = {key: sf.get_tensor(key) for key in sf.keys()}
+    except Exception as e:  # safetensors' own error types: one line for the client
+        raise BadInputError(f"{weights}: unreadable adapter weights ({type(e).__name__}: {e}); "
+                            "write them again with PEFT's save_pretrained") from e
+    for key, tensor in tensors.items():
+        adapter.put(key, tensor, shapes, dtype)
     return adapter
 
 

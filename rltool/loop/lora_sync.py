@@ -66,6 +66,9 @@ def check_settings(settings: LoopSettings) -> None:
 
 def check_server_info(url: str, info: dict[str, Any], *, rank: int) -> None:
     """Refuse an external engine that cannot serve the run's adapters (BadInputError)."""
+    if info.get("engine") != "builtin":
+        raise BadInputError(f"engine {url} is not rltool's builtin engine, which alone takes an "
+                            "adapter by a weight sync: set [train] lora_merge_on_publish = true")
     if not info.get("enable_lora"):
         raise BadInputError(f"engine {url} serves without LoRA and [train] lora_rank is {rank}: "
                             f"restart it with --enable-lora --max-lora-rank {rank}, or set "

@@ -5,6 +5,7 @@ kept apart per adapter, weight syncs of the policy adapter, and the HTTP routes.
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from pathlib import Path
 
@@ -284,6 +285,12 @@ def test_bad_adapters_and_syncs_are_refused(tiny_model_dir, adapters, tmp_path):
         runner.lora.load("full", adapters["full"][1])
     with pytest.raises(BadInputError, match=r"loaded: full"):
         runner.lora.check_name("nope")
+    torn = tmp_path / "torn"  # a truncated weights file: one line, not a 500
+    shutil.copytree(adapters["full"][1], torn)
+    weights = torn / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(BadInputError, match="unreadable adapter weights"):
+        runner.lora.load("torn", torn)
 
 
 def test_serve_config_lora_flags(tiny_model_dir):

@@ -157,9 +157,14 @@ def test_adapter_runs_serve_lora_and_refuse_what_cannot_work(tiny_model_dir, tmp
     fp8 = {**tables, "sync": {"sync": "full", "precision": "fp8"}}
     with pytest.raises(ConfigError, match="precision fp8"):
         LoopSettings.from_tables(fp8)
+    builtin = {"engine": "builtin"}
+    with pytest.raises(BadInputError, match="not rltool's builtin engine"):
+        lora_sync.check_server_info("http://e", {"enable_lora": True, "max_lora_rank": 8},
+                                    rank=RANK)  # SGLang takes no adapter by a weight sync
     with pytest.raises(BadInputError, match="--enable-lora --max-lora-rank 4"):
-        lora_sync.check_server_info("http://e", {"enable_lora": False}, rank=RANK)
+        lora_sync.check_server_info("http://e", {**builtin, "enable_lora": False}, rank=RANK)
     with pytest.raises(BadInputError, match="--max-lora-rank 4"):
-        lora_sync.check_server_info("http://e", {"enable_lora": True, "max_lora_rank": 2},
-                                    rank=RANK)
-    lora_sync.check_server_info("http://e", {"enable_lora": True, "max_lora_rank": 8}, rank=RANK)
+        lora_sync.check_server_info("http://e", {**builtin, "enable_lora": True,
+                                                 "max_lora_rank": 2}, rank=RANK)
+    lora_sync.check_server_info("http://e", {**builtin, "enable_lora": True, "max_lora_rank": 8},
+                                rank=RANK)
