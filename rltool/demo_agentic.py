@@ -358,6 +358,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.quiet:
         logging.getLogger("rltool.progress").setLevel(logging.INFO)
     try:
+        if args.steps < 1:
+            raise BadInputError(f"--steps must be >= 1 (RL loop steps), got {args.steps}")
         base = GPU if args.device == "cuda" else CPU
         recipe = replace(base, **{k: v for k, v in vars(args).items()
                                   if k in base.__dataclass_fields__ and v is not None})

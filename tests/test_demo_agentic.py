@@ -72,6 +72,9 @@ def test_recipe_refuses_bad_values_before_writing(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         demo_agentic.main([str(tmp_path / "d"), "--call-rate", "1.5"])
     assert e.value.code == 2 and "--call-rate must be in [0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        demo_agentic.main([str(tmp_path / "d"), "--steps", "0"])
+    assert e.value.code == 2 and "--steps must be >= 1" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
     with pytest.raises(BadInputError, match="--min-digits"):
         demo_agentic.AgenticRecipe(preset="tiny", min_digits=4, max_digits=2, sft_steps=1,

@@ -43,9 +43,22 @@ def engine_args(settings: LoopSettings, args: list[str]) -> list[str]:
     out = list(args)
     if "--enable-lora" not in out:
         out.append("--enable-lora")
-    if "--max-lora-rank" not in out:
+    if _max_lora_rank(out) is None:
         out += ["--max-lora-rank", str(settings.train.lora_rank)]
     return out
+
+
+def _max_lora_rank(args: list[str]) -> int | None:
+    """The `--max-lora-rank N` (or `--max-lora-rank=N`) of engine arguments, None when absent."""
+    for i, arg in enumerate(args):
+        if arg == "--max-lora-rank" or arg.startswith("--max-lora-rank="):
+            value = arg.partition("=")[2] or (args[i + 1] if i + 1 < len(args) else "")
+            try:
+                return int(value)
+            except ValueError:
+                raise ConfigError(f"[loop] engine_args --max-lora-rank {value!r} is not an "
+                                  "integer: give the adapter rank the engines allow") from None
+    return None
 
 
 def check_settings(settings: LoopSettings) -> None:
@@ -54,9 +67,9 @@ def check_settings(settings: LoopSettings) -> None:
         return
     train, args = settings.train, list(settings.loop.engine_args)
     rank = train.lora_rank
-    if "--max-lora-rank" in args[:-1] and int(args[args.index("--max-lora-rank") + 1]) < rank:
-        raise ConfigError(f"[loop] engine_args --max-lora-rank "
-                          f"{args[args.index('--max-lora-rank') + 1]} is below [train] "
+    served = _max_lora_rank(args)
+    if served is not None and served < rank:
+        raise ConfigError(f"[loop] engine_args --max-lora-rank {served} is below [train] "
                           f"lora_rank {rank}: raise it to {rank} or drop it (the loop sets it)")
     if settings.sync.precision in ("fp8", "int4"):
         raise ConfigError(f"[sync] precision {settings.sync.precision} quantizes full weights, "

@@ -150,6 +150,15 @@ def test_adapter_runs_serve_lora_and_refuse_what_cannot_work(tiny_model_dir, tmp
     low = {**tables, "loop": {**tables["loop"], "engine_args": ["--max-lora-rank", "2"]}}
     with pytest.raises(ConfigError, match="--max-lora-rank 2 is below"):
         LoopSettings.from_tables(low)
+    low["loop"]["engine_args"] = ["--max-lora-rank=2"]
+    with pytest.raises(ConfigError, match="--max-lora-rank 2 is below"):
+        LoopSettings.from_tables(low)
+    low["loop"]["engine_args"] = ["--max-lora-rank", "x"]
+    with pytest.raises(ConfigError, match="'x' is not an integer"):
+        LoopSettings.from_tables(low)
+    wide = {**tables, "loop": {**tables["loop"], "engine_args": ["--max-lora-rank=16"]}}
+    args = LoopSettings.from_tables(wide).engine_args()
+    assert "--max-lora-rank=16" in args and "--max-lora-rank" not in args  # not added twice
     alpha = {**tables, "train": {**tables["train"], "lora_alpha": 2.5},
              "sync": {"sync": "tensor"}}  # the config travels with the tensors
     assert lora_sync.tensor_config(LoopSettings.from_tables(alpha))["lora_alpha"] == 2.5
