@@ -23,10 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # a torch without it: the masked SDPA path
-    varlen_attn = None
+from rltool import varlen
+
 
 
 @dataclass
@@ -44,7 +42,7 @@ class VarlenPlan:
 
 def can_flash(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `attend` runs torch's variable-length flash attention there."""
-    return (varlen_attn is not None and device.type == "cuda"
+    return (varlen.available() and device.type == "cuda"
             and dtype in (torch.bfloat16, torch.float16))
 
 
@@ -86,9 +84,7 @@ def attend(p: VarlenPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         k, v = torch.cat([k, pool_kv[0].to(k.dtype)]), torch.cat([v, pool_kv[1].to(v.dtype)])
     if p.mask is None:
         assert can_flash(q.device, q.dtype)
-        return varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), p.cu_q, p.cu_k,
-                           p.max_q, p.max_k, scale=scale, window_size=(-1, 0),
-                           enable_gqa=q.shape[1] != k.shape[1])
+        return varlen.causal(q, k, v, p.cu_q, p.cu_k, p.max_q, p.max_k, scale=scale)
     out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0),
                                          k.transpose(0, 1).unsqueeze(0),
                                          v.transpose(0, 1).unsqueeze(0), attn_mask=p.mask,

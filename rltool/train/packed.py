@@ -18,7 +18,6 @@ rltool.logprobs' convention (float32 log-softmax of the temperature-scaled logit
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 from collections.abc import Callable
@@ -30,18 +29,13 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from rltool.errors import ConfigError
+from rltool import varlen
 from rltool.logprobs import effective_temperature
 from rltool.train.backend import output_names, token_outputs
 
 ATTN_IMPLEMENTATION = "rltool_varlen"
 LogitsOf = Callable[[torch.Tensor], torch.Tensor]
 
-try:
-    from torch.nn.attention.varlen import varlen_attn
-    _VARLEN_ARGS = set(inspect.signature(varlen_attn).parameters)
-except ImportError:  # torch without variable-length flash attention: the per-sample path
-    varlen_attn = None
-    _VARLEN_ARGS = set()
 
 
 def register() -> str:
@@ -73,17 +67,6 @@ def hybrid_layout(model_dir: str | os.PathLike, layout: str) -> str | None:
                           "linear-attention layers (its recurrent state would cross samples); "
                           "use padded or auto")
     return "padded"
-
-
-def _repeat_kv(x: torch.Tensor, groups: int, dim: int) -> torch.Tensor:
-    """x with each head along `dim` repeated `groups` times in place (head h -> h*groups ...
-    h*groups + groups - 1): `repeat_interleave`'s values, as one copy (an expanded view made
-    contiguous; repeat_interleave costs several launches and index tensors per call)."""
-    if groups == 1:
-        return x
-    shape = list(x.shape)
-    expanded = x.unsqueeze(dim + 1).expand(*shape[:dim + 1], groups, *shape[dim + 1:])
-    return expanded.reshape(*shape[:dim], shape[dim] * groups, *shape[dim + 1:])
 
 
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -122,25 +105,15 @@ def causal_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.T
     On CUDA in bf16/fp16: one variable-length flash call (no host sync when `max_len` is given);
     elsewhere one causal SDPA call per sample."""
     groups = q.shape[1] // k.shape[1]
-    if varlen_attn is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+    if varlen.available() and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         cu32 = cu.to(device=q.device, dtype=torch.int32, non_blocking=True)
         if max_len is None:
             max_len = int((cu32[1:] - cu32[:-1]).max())
-        # The keyword names moved between torch releases: causal is `is_causal` in some and a
-        # window (-1, 0) in others; GQA and the scale are not accepted everywhere.
-        extra: dict = {"is_causal": True} if "is_causal" in _VARLEN_ARGS else {
-            "window_size": (-1, 0)}
-        if "enable_gqa" in _VARLEN_ARGS:
-            extra["enable_gqa"] = groups > 1
-        else:
-            k, v = _repeat_kv(k, groups, 1), _repeat_kv(v, groups, 1)
-        if "scale" in _VARLEN_ARGS:
-            extra["scale"] = scale
-        elif scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-12:
-            raise NotImplementedError("this torch's varlen_attn has no scale argument; use "
-                                      "--micro-batch-layout padded for this model")
-        return varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu32, cu32, max_len,
-                           max_len, **extra)
+        try:
+            return varlen.causal(q, k, v, cu32, cu32, max_len, max_len, scale=scale)
+        except NotImplementedError as e:
+            raise NotImplementedError(f"{e}; use --micro-batch-layout padded for this model"
+                                      ) from e
     bounds = cu.tolist()
     outs = [F.scaled_dot_product_attention(
                 *(x[s:e].transpose(0, 1).unsqueeze(0) for x in (q, k, v)), is_causal=True,

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from rltool.train import packed
+from rltool import varlen
 from rltool.train.backend import MicroBatch
 from rltool.train.config import BackendConfig
 from rltool.train.torch_backend import TorchBackend
@@ -18,14 +18,14 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_packed_bf16_on_cuda_matches_padded(tiny_model_factory, arch, monkeypatch):
-    assert packed.varlen_attn is not None, "this torch has no varlen_attn: packed runs per sample"
+    assert varlen.available(), "this torch has no varlen_attn: packed runs per sample"
     model_dir = tiny_model_factory(arch)
     rng = random.Random(0)
     tokens = [[rng.randrange(3, 40) for _ in range(rng.randint(5, 60))] for _ in range(6)]
     batch = MicroBatch(list(range(6)), tokens, [3] * 6)
     calls = []
-    real = packed.varlen_attn
-    monkeypatch.setattr(packed, "varlen_attn", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = varlen.varlen_attn
+    monkeypatch.setattr(varlen, "varlen_attn", lambda *a, **k: calls.append(1) or real(*a, **k))
     outs = {}
     for layout in ("padded", "packed"):
         backend = TorchBackend(model_dir, options=BackendConfig(
