@@ -228,10 +228,12 @@ class ServeConfig(StageConfig):
                              "drop --disable-radix-cache or --enable-hierarchical-cache")
         if not (is_loopback(self.host) or self.admin_api_key or self.allow_unauthenticated_admin):
             raise PydanticCustomError("insecure_host", INSECURE_HOST, {"host": self.host})
-        if (self.lora_paths or self.enable_lora) and not (self.enable_lora
-                                                         and self.engine == "builtin"):
-            raise ValueError("--lora-paths needs --enable-lora, and both the builtin engine "
-                             "(SGLang takes --sglang-enable-lora and --sglang-lora-paths)")
+        if (self.lora_paths or "max_lora_rank" in self.model_fields_set) and not self.enable_lora:
+            raise ValueError("--lora-paths and --max-lora-rank need --enable-lora: add it or "
+                             "drop them")
+        if self.enable_lora and self.engine != "builtin":
+            raise ValueError("--enable-lora is the builtin engine's (SGLang takes "
+                             "--sglang-enable-lora and --sglang-lora-paths)")
         self.lora_adapters()
         if self.engine == "builtin" and self.engine_device == "cuda":
             if self.enable_debug_endpoints:

@@ -93,7 +93,10 @@ class LoraRegistry:
         return adapter
 
     def unload(self, name: str) -> None:
-        self.check_name(name)
+        if name not in self.adapters:
+            loaded = ", ".join(sorted(self.adapters)) or "none"
+            raise BadInputError(f"lora_name {name!r} is not a loaded adapter (loaded: {loaded}); "
+                                "nothing to unload")
         self.adapters = {k: v for k, v in self.adapters.items() if k != name}
 
     # ----- weight syncs of the policy adapter -----------------------------------------------

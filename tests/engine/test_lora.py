@@ -299,8 +299,10 @@ def test_serve_config_lora_flags(tiny_model_dir):
     cfg = ServeConfig(model=tiny_model_dir, device="cpu", enable_lora=True,
                       lora_paths=[f"a={tiny_model_dir}"])
     assert cfg.lora_adapters() == {"a": tiny_model_dir}
-    with pytest.raises(ValueError, match="--lora-paths needs --enable-lora"):
+    with pytest.raises(ValueError, match="--lora-paths and --max-lora-rank need --enable-lora"):
         ServeConfig(model=tiny_model_dir, device="cpu", lora_paths=[f"a={tiny_model_dir}"])
+    with pytest.raises(ValueError, match="need --enable-lora"):
+        ServeConfig(model=tiny_model_dir, device="cpu", max_lora_rank=32)
     assert ServeConfig(model=tiny_model_dir, device="cpu", enable_lora=True,
                        lora_paths=["/x/a"]).lora_adapters() == {"/x/a": Path("/x/a")}
     with pytest.raises(ValueError, match="NAME=DIR"):
@@ -352,8 +354,8 @@ def test_http_routes(tiny_model_dir, adapters, tmp_path):
         gone = client.post("/unload_lora_adapter", headers=admin, json={"lora_name": "full"})
         assert gone.status_code == 200 and gone.json()["loaded_adapters"] == {
             "qv": str(adapters["qv"][1])}
-        assert client.post("/unload_lora_adapter", headers=admin,
-                           json={"lora_name": "full"}).status_code == 400
+        again = client.post("/unload_lora_adapter", headers=admin, json={"lora_name": "full"})
+        assert again.status_code == 400 and "nothing to unload" in again.json()["error_message"]
 
         # A LoRA weight sync from disk: the policy adapter, run by requests without lora_path.
         sync = client.post("/update_weights_from_disk", headers=admin,
