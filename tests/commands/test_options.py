@@ -98,6 +98,7 @@ COMPANIONS = {
     "opd_teacher_route": ["--opd-teacher", "a=x"],
     "opd_mode": ["--opd-teacher", "x"],
     ("serve", "lora_paths"): ["--enable-lora"],  # adapters at start need LoRA on
+    ("serve", "max_lora_rank"): ["--enable-lora"],  # the rank cap is LoRA's
     "admin_key_hosts": ["--router-url", "http://g:1"],  # the gateway's workers
     ("loop", "engine"): ["--sync", "auto"],  # the in-process engine takes in-memory sync only
     ("env", "host"): ["--api-key", "k"],  # a non-loopback host needs the key
