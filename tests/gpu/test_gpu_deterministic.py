@@ -37,32 +37,41 @@ def test_batch_invariant_and_repeatable(arch, dtype, tiny_model_factory):
     assert len(alone[0]) == 48
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_align_gate_is_exactly_zero_on_the_gpu(arch, dtype, tiny_model_factory, tmp_path):
-    """`rltool serve --device cuda --deterministic` samples a shard through the rollout stage;
-    `align-gate --device auto --deterministic` recomputes with the torch trainer on the same GPU
-    in the recorded dtype: every token's logprob equal."""
+def served_rollout_gate(model_dir, dtype: str, tmp_path, *, max_response_len: int,
+                        engine_args: tuple[str, ...] = ()):
+    """`rltool serve --device cuda --deterministic` (plus `engine_args`) on `model_dir` samples a
+    shard of 4 x 4 `reverse` prompts through the rollout stage; `align-gate --deterministic
+    --device auto --tol 0` recomputes it with the torch trainer on the same GPU: its result."""
     from rltool.align.config import AlignGateConfig
     from rltool.align.gate import run as gate
     from rltool.data.tasks import make_rows, write_prompts
     from rltool.rollout.launch import start_engine
     from rltool.rollout.stage import RolloutConfig, run as rollout
 
-    model_dir = tiny_model_factory(arch, 0)
     proc = start_engine(["--engine", "builtin", "--model", str(model_dir), "--device", "cuda",
-                         "--dtype", dtype, "--deterministic"],
+                         "--dtype", dtype, "--deterministic", *engine_args],
                         log_path=tmp_path / "engine.log", ready_timeout_s=300.0)
     try:
         prompts = write_prompts(make_rows("reverse", num=4, seed=3), tmp_path / "prompts.jsonl")
         out = tmp_path / "rollouts" / "step-000000"
         rollout(RolloutConfig(engines=[proc.url], prompts=str(prompts), out=str(out),
-                              n_samples_per_prompt=4, max_response_len=24, reward="reverse",
-                              rollout_batch_size=4, seed=7, temperature=1.0, quiet=True))
+                              n_samples_per_prompt=4, max_response_len=max_response_len,
+                              reward="reverse", rollout_batch_size=4, seed=7, temperature=1.0,
+                              quiet=True))
     finally:
         proc.stop()
-    result = gate(AlignGateConfig(rollouts=[str(out)], weights=str(model_dir), tol=0.0,
-                                  deterministic=True, device="auto"))
+    return gate(AlignGateConfig(rollouts=[str(out)], weights=str(model_dir), tol=0.0,
+                                deterministic=True, device="auto"))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_align_gate_is_exactly_zero_on_the_gpu(arch, dtype, tiny_model_factory, tmp_path):
+    """`rltool serve --device cuda --deterministic` samples a shard through the rollout stage;
+    `align-gate --device auto --deterministic` recomputes with the torch trainer on the same GPU
+    in the recorded dtype: every token's logprob equal."""
+    result = served_rollout_gate(tiny_model_factory(arch, 0), dtype, tmp_path,
+                                 max_response_len=24)
     assert result.config["device"] == "cuda" and result.config["dtype"] == dtype
     assert result.num_masked_tokens > 0
     assert result.max_abs_diff == 0.0 and result.passed, result.worst_positions
