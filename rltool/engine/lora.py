@@ -29,9 +29,9 @@ import torch.nn.functional as F
 
 from rltool.engine.model_spec import ModelSpec
 from rltool.errors import BadInputError
+from rltool.io.hf_dir import ADAPTER_CONFIG as CONFIG_FILE
+from rltool.io.hf_dir import ADAPTER_WEIGHTS as WEIGHTS_FILE
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 # transformers module name -> (the engine's fused linear, part index within it)
 MODULES = {"q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2),
            "o_proj": ("o", 0), "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1),

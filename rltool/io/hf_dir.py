@@ -21,6 +21,10 @@ from rltool.errors import CheckpointError
 from rltool.io.header import INDEX_NAME
 from rltool.rundir import VERSION_FILE
 
+# PEFT's LoRA adapter directory (docs/formats.md, "LoRA adapters"): its config and its weights
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_NAME = "config.json"
 # Weight files of a source model: a written directory gets its own weights instead.

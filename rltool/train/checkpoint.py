@@ -31,8 +31,8 @@ from typing import Any
 
 from rltool import __version__, atomic
 from rltool.errors import CheckpointError
+from rltool.io.hf_dir import ADAPTER_CONFIG, write_hf_dir
 from rltool.rundir import declared_version, parse_step_dir_name, read_json_file
-from rltool.io.hf_dir import write_hf_dir
 
 FORMAT = "rltool-trainer-checkpoint"
 FORMAT_VERSION = 1
@@ -44,7 +44,6 @@ DATA_FILE = "data.safetensors"
 VALUE_HEAD_FILE = "value_head.safetensors"
 DIST_DIR = "dist"
 ADAPTER_DIR = "adapter"
-ADAPTER_CONFIG = "adapter_config.json"  # rltool.train.lora.CONFIG_FILE (no torch import here)
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,10 @@ import torch
 
 from rltool import atomic
 from rltool.errors import CheckpointError, ConfigError
+from rltool.io.hf_dir import ADAPTER_CONFIG as CONFIG_FILE
+from rltool.io.hf_dir import ADAPTER_WEIGHTS as WEIGHTS_FILE
 
 ALL_LINEAR = "all-linear"
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
 SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 
