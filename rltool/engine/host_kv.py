@@ -21,9 +21,13 @@ work (building the next batch), and a reload with decode work already queued ahe
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import math
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,19 +37,93 @@ from rltool.errors import BadInputError
 GB = 10**9
 
 
+TTFT_WINDOW = 4096  # requests whose time to first token the percentiles are taken over
+
+
 @dataclass
 class TierStats:
-    """Counters of the prefix cache's two tiers (`/get_server_info` `hicache`)."""
+    """Counters of the prefix cache's two tiers and of what they save (`/get_server_info`
+    `hicache`): hits per tier, traffic and copy time each way, the tier's host-side bookkeeping,
+    prefill time per token and time to first token. Kept by the runner across release/resume."""
     device_hit_tokens: int = 0  # prompt tokens served from pages on the device
     host_hit_tokens: int = 0  # prompt tokens served from pages reloaded from the host tier
     bytes_to_host: int = 0
     bytes_to_device: int = 0
-    io_s: float = 0.0  # time the copies took (CUDA: measured with events on the side stream)
+    io_to_host_s: float = 0.0  # copy time (CUDA: events on the copy stream; CPU: wall)
+    io_to_device_s: float = 0.0
+    reloads: int = 0  # batched reloads (one per request that got host pages back)
+    book_s: float = 0.0  # host wall time of the tier's matching, moves and copy launches
     host_pages: int = 0  # the host pool's size
     host_pages_used: int = 0
+    requests: int = 0  # finished requests that got a first token
+    prompt_tokens: int = 0  # their prompt tokens
+    ttft_s: float = 0.0  # their summed time from arrival to first token
+    prefill_tokens: int = 0  # tokens prefilled (computed, not served from a cache)
+    prefill_s: float = 0.0  # time of those prefill forwards (CUDA: events; CPU: wall)
+    _ttfts: collections.deque = field(default_factory=lambda: collections.deque(
+        maxlen=TTFT_WINDOW), repr=False)
+    _timed: list = field(default_factory=list, repr=False)  # (start, end, counter) on CUDA
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        """The counters, with the derived `io_s`, `ttft_*_s` and `prefill_s_per_token`."""
+        self.settle()
+        with self._lock:
+            out = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+            ttfts = sorted(self._ttfts)
+        out.update(io_s=self.io_to_host_s + self.io_to_device_s,
+                   ttft_mean_s=self.ttft_s / self.requests if self.requests else None,
+                   ttft_p50_s=_percentile(ttfts, 0.50), ttft_p99_s=_percentile(ttfts, 0.99),
+                   prefill_s_per_token=(self.prefill_s / self.prefill_tokens
+                                        if self.prefill_tokens else None))
+        return out
+
+    def record_request(self, req: Any) -> None:
+        """Count a finished request (a rltool.engine.request.Request) that got a first token."""
+        if req.t_first_token is None:
+            return
+        ttft = req.t_first_token - req.t_arrival
+        with self._lock:
+            self.requests += 1
+            self.prompt_tokens += len(req.prompt_ids)
+            self.ttft_s += ttft
+            self._ttfts.append(ttft)
+
+    @contextlib.contextmanager
+    def timed(self, counter: str, device: torch.device | None) -> Iterator[None]:
+        """Add the time of the work the block queues to `counter`: on CUDA the time between two
+        events on the current stream (added by `settle` once they have passed), else wall."""
+        if device is None or device.type != "cuda":
+            t0 = time.perf_counter()
+            yield
+            setattr(self, counter, getattr(self, counter) + time.perf_counter() - t0)
+            return
+        self.settle()
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        with self._lock:
+            self._timed.append((start, end, counter))
+
+    def settle(self) -> None:
+        """Add the time of finished CUDA work to its counter (also called on the HTTP thread)."""
+        with self._lock:
+            pending = []
+            for start, end, counter in self._timed:
+                if end.query():
+                    setattr(self, counter, getattr(self, counter) + start.elapsed_time(end) / 1e3)
+                else:
+                    pending.append((start, end, counter))
+            self._timed = pending
+
+
+def _percentile(ordered: list[float], q: float) -> float | None:
+    """The nearest-rank `q` quantile of an ascending list (None when empty)."""
+    if not ordered:
+        return None
+    return ordered[min(len(ordered) - 1, max(math.ceil(q * len(ordered)) - 1, 0))]
 
 
 def host_pool_pages(*, device_pages: int, bytes_per_page: int, ratio: float,
@@ -103,36 +181,41 @@ class HostKV:
                                           pin_memory=self.cuda))
         self.bytes_per_page = sum(h[0].numel() * h.element_size() for h in self._host)
         self._stream = torch.cuda.Stream(device) if self.cuda else None
-        self._timed: list[tuple[Any, Any]] = []  # CUDA event pairs not yet added to io_s
-        self._lock = threading.Lock()  # settle also runs on the HTTP thread (server info)
 
     def _paged(self, t: torch.Tensor, d: int) -> torch.Tensor:
         return t.unflatten(d, (-1, self.page_size))
 
-    def to_host(self, copies: list[tuple[int, int]]) -> None:
+    def to_host(self, copies: list[tuple[int, int]]) -> float:
         """Copy device page -> host page for each pair, batched: one gather per tensor on the
-        device, then one copy per run of consecutive host pages."""
+        device, then one copy per run of consecutive host pages (the pairs taken in host-page
+        order, so pages demoted leaf first still make runs). Returns the host wall time the
+        copies took (0 on CUDA, where they run on the copy stream)."""
         if not copies:
-            return
+            return 0.0
+        copies = sorted(copies, key=lambda c: c[1])
         dev_pages = [c[0] for c in copies]
         host_pages = [c[1] for c in copies]
-        with self._side() as device:
+        t0 = time.perf_counter()
+        with self._side("io_to_host_s") as device:
             idx = torch.tensor(dev_pages, dtype=torch.long).to(device, non_blocking=True)
             for (t, d), h in zip(self._dev, self._host):
                 page_major = self._paged(t, d).index_select(d, idx).movedim(d, 0).contiguous()
                 for i, j, n in _runs(host_pages):
                     h[j:j + n].copy_(page_major[i:i + n], non_blocking=True)
         self.stats.bytes_to_host += len(copies) * self.bytes_per_page
+        return 0.0 if self.cuda else time.perf_counter() - t0
 
-    def to_device(self, copies: list[tuple[int, int]]) -> None:
+    def to_device(self, copies: list[tuple[int, int]]) -> float:
         """Copy host page -> device page for each pair (host page, device page), batched: one
-        copy per run of consecutive host pages into a device buffer, then one scatter per
-        tensor."""
+        copy per run of consecutive host pages (in host-page order) into a device buffer, then
+        one scatter per tensor. Returns the host wall time the copies took (0 on CUDA)."""
         if not copies:
-            return
+            return 0.0
+        copies = sorted(copies)
         host_pages = [c[0] for c in copies]
         dev_pages = [c[1] for c in copies]
-        with self._side() as device:
+        t0 = time.perf_counter()
+        with self._side("io_to_device_s") as device:
             idx = torch.tensor(dev_pages, dtype=torch.long).to(device, non_blocking=True)
             for (t, d), h in zip(self._dev, self._host):
                 staged = torch.empty((len(copies),) + tuple(h.shape[1:]), dtype=h.dtype,
@@ -141,6 +224,7 @@ class HostKV:
                     staged[i:i + n].copy_(h[j:j + n], non_blocking=True)
                 self._paged(t, d).index_copy_(d, idx, staged.movedim(0, d))
         self.stats.bytes_to_device += len(copies) * self.bytes_per_page
+        return 0.0 if self.cuda else time.perf_counter() - t0
 
     def page(self, host_page: int) -> list[torch.Tensor]:
         """The host copy of one page, per tensor (tests compare it with the device page)."""
@@ -149,51 +233,28 @@ class HostKV:
     def device_page(self, page: int) -> list[torch.Tensor]:
         return [self._paged(t, d).select(d, page) for t, d in self._dev]
 
-    def settle(self) -> None:
-        """Add the time of finished CUDA copies to `io_s`."""
-        with self._lock:
-            pending = []
-            for start, end in self._timed:
-                if end.query():
-                    self.stats.io_s += start.elapsed_time(end) / 1e3
-                else:
-                    pending.append((start, end))
-            self._timed = pending
-
-    def _side(self) -> "_Side":
-        return _Side(self)
-
-
-class _Side:
-    """Runs the copies of one batch on the side stream (CUDA) and times them."""
-
-    def __init__(self, host: HostKV):
-        self.host = host
-
-    def __enter__(self) -> torch.device:
-        host = self.host
-        if not host.cuda:
-            self.t0 = time.perf_counter()
-            return torch.device("cpu")
-        host.settle()
-        host._stream.wait_stream(torch.cuda.current_stream())
-        self.ctx = torch.cuda.stream(host._stream)
-        self.ctx.__enter__()
-        self.start = torch.cuda.Event(enable_timing=True)
-        self.start.record()
-        return host._dev[0][0].device
-
-    def __exit__(self, *exc: Any) -> None:
-        host = self.host
-        if not host.cuda:
-            host.stats.io_s += time.perf_counter() - self.t0
+    @contextlib.contextmanager
+    def _side(self, counter: str) -> Iterator[torch.device]:
+        """Run the block's copies on the copy stream (CUDA), timed into `counter`."""
+        if not self.cuda:
+            with self.stats.timed(counter, None):
+                yield torch.device("cpu")
             return
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        self.ctx.__exit__(*exc)
-        with host._lock:
-            host._timed.append((self.start, end))
-        torch.cuda.current_stream().wait_stream(host._stream)
+        device = self._dev[0][0].device
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream), self.stats.timed(counter, device):
+            yield device
+        torch.cuda.current_stream().wait_stream(self._stream)
+
+
+def write_back(table: Any, num_pages: int) -> list[int]:
+    """Demote `num_pages` device pages of `table`'s prefix cache (a PageTable's) to the host
+    tier, their copies queued before anything can write them; returns the device pages freed."""
+    t0 = time.perf_counter()
+    freed, copies = table.cache.demote(num_pages)
+    copy_s = table.host.to_host(copies)
+    table.stats.book_s += time.perf_counter() - t0 - copy_s
+    return freed
 
 
 def reload_prefix(table: Any, path: list, tokens: list[int], max_pages: int, *, tail: bool,
@@ -203,6 +264,7 @@ def reload_prefix(table: Any, path: list, tokens: list[int], max_pages: int, *, 
     beyond `spare`, in one batched copy. Returns them, locked, and, with `tail` (the reuse ends
     inside the next page), that page too if it was on the host: reloaded, not locked, for the
     caller's copy-on-write of its first tokens."""
+    t0 = time.perf_counter()
     cache = table.cache
     found = cache.match_host(path, tokens)[:max_pages + tail]
     cache.lock(found)  # not dropped from the host pool while room is made
@@ -210,11 +272,14 @@ def reload_prefix(table: Any, path: list, tokens: list[int], max_pages: int, *, 
     cache.unlock(found[room:])
     found = found[:room]
     if not found:
+        table.stats.book_s += time.perf_counter() - t0
         return [], None
-    table.host.to_device(cache.promote(found, table._alloc(len(found))))
+    copy_s = table.host.to_device(cache.promote(found, table._alloc(len(found))))
     shared, extra = found[:max_pages], found[max_pages:]
     cache.unlock(extra)  # attached: nothing to free
     table.stats.host_hit_tokens += len(shared) * table.page_size
+    table.stats.reloads += 1
+    table.stats.book_s += time.perf_counter() - t0 - copy_s
     return shared, extra[0] if extra else None
 
 

@@ -87,6 +87,23 @@ def test_evicted_pages_round_trip_through_the_host_tier_bit_exact(kv_cache_dtype
     assert table.free_pages == table.allocator.num_pages - 1
 
 
+def test_reload_in_any_page_order_lands_each_page_where_asked():
+    """Copies are made in host-page order (runs of consecutive host pages); each pair must
+    still land in its own device page, whatever order the caller lists them in."""
+    table, pool = host_table(num_pages=6, host_pages=8)
+    host = table.host
+    pairs = [(5, 1), (3, 2), (4, 3), (6, 4)]  # host pages 3..6: one run once sorted
+    host.to_host([(d, h) for h, d in pairs])
+    want = {d: [x.clone() for x in host.device_page(d)] for _, d in pairs}
+    for t in (pool.k, pool.v):
+        t.zero_()
+    moved = [(h, 5 - d) for h, d in pairs]  # each host page back into another device page
+    host.to_device(moved)
+    for (h, d_new), (_, d_old) in zip(moved, pairs):
+        assert all(torch.equal(a, b) for a, b in zip(host.device_page(d_new), want[d_old]))
+    assert table.stats.io_to_host_s > 0 and table.stats.io_to_device_s > 0
+
+
 def test_full_host_pool_drops_its_least_recently_used_pages():
     table, pool = host_table(num_pages=6, host_pages=2)
     for i, rid in enumerate("ab"):
@@ -177,6 +194,31 @@ def test_request_served_from_host_pages_matches_a_fresh_prefill(tiny_model_dir):
     assert from_host.output_logprobs == pytest.approx(want.output_logprobs, abs=1e-5)
     check_accounting(runner.table)
     assert runner.table.free_pages == runner.table.allocator.num_pages - 1
+
+
+def test_stats_count_requests_prefill_and_reloads(tiny_model_dir):
+    """The `hicache` counters of a run: one finished request each, their prompt tokens, the
+    tokens actually prefilled (prompts less what either tier served), a reload per request that
+    got host pages, and the time to first token's percentiles over them."""
+    runner, sched = engine(tiny_model_dir)
+    try:
+        reqs = generate(sched, [PROMPT], "a")
+        for i in range(5):
+            reqs += generate(sched, [[40 + i] + PROMPT[1:]], f"e{i}")
+        reqs += generate(sched, [PROMPT + [17]], "h")
+    finally:
+        sched.stop()
+    s = runner.cache_stats()
+    assert reqs[-1].cached_tokens == 12 and s["host_hit_tokens"] >= 12 and s["reloads"] >= 1
+    assert s["requests"] == len(reqs)
+    assert s["prompt_tokens"] == sum(len(r.prompt_ids) for r in reqs)
+    assert s["prefill_tokens"] == sum(len(r.prompt_ids) - r.cached_tokens for r in reqs)
+    assert s["prefill_s"] > 0 and s["prefill_s_per_token"] == s["prefill_s"] / s["prefill_tokens"]
+    ttfts = sorted(r.t_first_token - r.t_arrival for r in reqs)
+    assert s["ttft_p50_s"] == ttfts[len(ttfts) // 2 - 1 + len(ttfts) % 2]
+    assert s["ttft_p99_s"] == ttfts[-1]
+    assert s["ttft_mean_s"] == pytest.approx(sum(ttfts) / len(ttfts))
+    assert s["io_s"] == s["io_to_host_s"] + s["io_to_device_s"] and s["book_s"] > 0
 
 
 def test_weight_update_and_release_empty_both_tiers(tiny_model_dir, tiny_model_factory):
