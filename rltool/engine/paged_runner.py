@@ -313,11 +313,10 @@ class PagedRunner:
         self.table.cache_prefix(rid, self._cache_key(tokens, lora))
 
     def cache_stats(self) -> dict[str, Any]:
-        """Hits per tier (tokens), bytes moved each way and copy seconds (`host_pages` 0: no
-        host tier)."""
+        """Hits per tier (tokens), bytes and copy seconds each way, prefill seconds per token and
+        time to first token (rltool.engine.host_kv.TierStats; `host_pages` 0: no host tier)."""
         table = self.table
         if table is not None and table.host is not None:
-            table.host.settle()
             self.tier_stats.host_pages_used = table.cache.host_used
         return self.tier_stats.as_dict()
 
@@ -339,7 +338,8 @@ class PagedRunner:
                 ) -> torch.Tensor | None:
         """Write the KV of each chunk (rid, token ids, first position) into the pool in one packed
         forward. Returns float32 logits of the last token of each chunk with want[i], in order."""
-        with self.invariant():
+        self.tier_stats.prefill_tokens += sum(len(c[1]) for c in chunks)
+        with self.invariant(), self.tier_stats.timed("prefill_s", self.device):
             return self._forward.prefill(chunks, want=want)
 
     @torch.no_grad()
