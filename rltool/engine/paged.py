@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from rltool.convert.fp8 import E4M3_MAX, SCALE_FLOOR
-from rltool.engine.host_kv import HostKV, TierStats, reload_prefix
+from rltool.engine.host_kv import HostKV, TierStats, reload_prefix, write_back
 from rltool.engine.radix_cache import Node, RadixCache
 from rltool.errors import EngineError
 
@@ -108,9 +108,7 @@ class PageTable:
     def _alloc(self, n: int) -> list[int]:
         short = n - self.allocator.available
         if short > 0 and self.host is not None:
-            freed, copies = self.cache.demote(short)
-            self.host.to_host(copies)  # queued before anything can write the freed pages
-            self.allocator.free(freed)
+            self.allocator.free(write_back(self, short))
         elif short > 0 and self.cache is not None:
             self.allocator.free(self.cache.evict(short))
         return self.allocator.alloc(n)
