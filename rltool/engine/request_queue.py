@@ -332,6 +332,7 @@ class RequestQueue:
         text = self._decode_text(req)
         req.text = text if req.matched_stop_at is None else text[:req.matched_stop_at]
         req.t_finish = time.monotonic()
+        runner.tier_stats.record_request(req)
         if req.on_finish is not None:
             req.on_finish(req)
 
