@@ -4,7 +4,8 @@ DeltaNet layers (rltool.engine.linear_attention) interleaved with gated full-att
 It differs from the dense families (rltool.engine.dense_model, whose weight checks, loading and
 logits it shares) in: the GDN layers; attention whose q_proj also yields a sigmoid output gate
 per head, with RoPE on the first `rotary_dim` dims of each head only; and zero-centred RMS norms
-(scaled by 1 + weight). Torch ops on both devices (GPU kernels come later).
+(scaled by 1 + weight). The GDN recurrence runs through Triton kernels on CUDA
+(rltool.engine.gdn_kernels), in torch ops on the CPU and in the deterministic mode.
 
 Fused layouts: an attention layer's `qkv` stacks q_proj (query and gate interleaved per head, as
 HF stores them), k_proj and v_proj; a GDN layer's `gdn_in` stacks in_proj_qkv, in_proj_z,
@@ -21,6 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from rltool.batch_invariant import INTERPRETED
+from rltool.engine import gdn_kernels
 from rltool.engine.dense_model import Attend, DenseLM, apply_rope
 from rltool.engine.fused import store_kv
 from rltool.engine.linear_attention import (SSM_DTYPES, causal_conv, chunked_delta,
@@ -48,12 +51,14 @@ class HybridLM(DenseLM):
         self.spec = spec
         self.device = torch.device(device)
         self.dtype = dtype
-        # As for DenseLM, fused vs transformers' op sequence, but torch ops either way (DenseLM's
-        # Triton paths behind `fused` are in methods overridden here). True: the GDN layers'
-        # stacked input GEMM and the engine's chunk solve in every pass; False (the runner's
+        # As for DenseLM, fused vs transformers' op sequence (DenseLM's Triton paths behind
+        # `fused` are in methods overridden here). True: the GDN layers' stacked input GEMM and
+        # the engine's chunk solve in every pass, through the Triton kernels where
+        # `gdn_kernels` (CUDA; the CPU under TRITON_INTERPRET=1); False (the runner's
         # deterministic mode): the pass beside the pool runs them as transformers does
-        # (_gdn_as_trainer).
+        # (_gdn_as_trainer), the pool's passes in linear_attention's torch ops.
         self.fused = True
+        self.gdn_kernels = self.device.type == "cuda" or INTERPRETED
         self.fp8_keys: frozenset[tuple[int, str]] = frozenset()
         s, ls = spec, spec.linear
         q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -187,7 +192,23 @@ class HybridLM(DenseLM):
         """Gated DeltaNet layer `j` (among the GDN layers) over the packed stream."""
         ls, T = self.spec.linear, h.shape[0]
         hv, dv = ls.num_v_heads, ls.v_dim
-        mixed, z, b, a = linear(h, L["gdn_in"]).split([ls.conv_dim, hv * dv, hv, hv], dim=-1)
+        proj = linear(h, L["gdn_in"])
+        if self.fused and self.gdn_kernels:
+            out = self._gdn_kernels(j, L, proj, rec)
+        else:
+            out = self._gdn_torch(j, L, proj, rec)
+        z = proj[:, ls.conv_dim:ls.conv_dim + hv * dv]
+        y = gated_rms_norm(out.to(h.dtype), z.reshape(T, hv, dv), L["gdn_norm"],
+                           self.spec.rms_norm_eps)
+        return linear(y.reshape(T, hv * dv), L["out"])
+
+    def _gdn_torch(self, j: int, L: dict[str, torch.Tensor], proj: torch.Tensor,
+                   rec: Recurrence) -> torch.Tensor:
+        """The GDN recurrence of layer `j` in torch ops (linear_attention's reference): o [T, Hv,
+        Dv] in float32, the pool's states updated."""
+        ls, T = self.spec.linear, proj.shape[0]
+        hv, dv = ls.num_v_heads, ls.v_dim
+        mixed, _, b, a = proj.split([ls.conv_dim, hv * dv, hv, hv], dim=-1)
         beta = b.sigmoid()
         g = -L["A_log"].float().exp() * F.softplus(a.float() + L["dt_bias"])
         weight = L["conv"].squeeze(1)
@@ -199,24 +220,36 @@ class HybridLM(DenseLM):
             q, k, v = self._qkv(x[:, 0])
             out, state = recurrent_step(q, k, v, g, beta.float(), pool.ssm[j][slots].float())
             pool.ssm[j][slots] = state.to(pool.ssm.dtype)
-        else:
-            out = torch.empty(T, hv, dv, dtype=torch.float32, device=h.device)
-            for off, n, slot, fresh in rec.segments:
-                stored = pool is not None and not fresh
-                x, conv = causal_conv(mixed[off:off + n].unsqueeze(0), weight,
-                                      pool.conv[j][slot:slot + 1] if stored else None)
-                q, k, v = (t.transpose(0, 1) for t in self._qkv(x[0]))
-                state = (pool.ssm[j][slot].float() if stored else
-                         torch.zeros(hv, ls.k_dim, dv, dtype=torch.float32, device=h.device))
-                o, state = chunked_delta(q, k, v, g[off:off + n].T, beta[off:off + n].T.float(),
-                                         state)
-                out[off:off + n] = o.transpose(0, 1)
-                if pool is not None:
-                    pool.conv[j][slot] = conv[0].to(pool.conv.dtype)
-                    pool.ssm[j][slot] = state.to(pool.ssm.dtype)
-        y = gated_rms_norm(out.to(h.dtype), z.reshape(T, hv, dv), L["gdn_norm"],
-                           self.spec.rms_norm_eps)
-        return linear(y.reshape(T, hv * dv), L["out"])
+            return out
+        out = torch.empty(T, hv, dv, dtype=torch.float32, device=proj.device)
+        for off, n, slot, fresh in rec.segments:
+            stored = pool is not None and not fresh
+            x, conv = causal_conv(mixed[off:off + n].unsqueeze(0), weight,
+                                  pool.conv[j][slot:slot + 1] if stored else None)
+            q, k, v = (t.transpose(0, 1) for t in self._qkv(x[0]))
+            state = (pool.ssm[j][slot].float() if stored else
+                     torch.zeros(hv, ls.k_dim, dv, dtype=torch.float32, device=proj.device))
+            o, state = chunked_delta(q, k, v, g[off:off + n].T, beta[off:off + n].T.float(),
+                                     state)
+            out[off:off + n] = o.transpose(0, 1)
+            if pool is not None:
+                pool.conv[j][slot] = conv[0].to(pool.conv.dtype)
+                pool.ssm[j][slot] = state.to(pool.ssm.dtype)
+        return out
+
+    def _gdn_kernels(self, j: int, L: dict[str, torch.Tensor], proj: torch.Tensor,
+                     rec: Recurrence) -> torch.Tensor:
+        """The GDN recurrence of layer `j` through the Triton kernels (rltool.engine.gdn_kernels):
+        o [T, Hv, Dv] in the model dtype, the pool's states updated in place."""
+        layer = gdn_kernels.GdnLayer(spec=self.spec.linear, proj=proj,
+                                     conv_weight=L["conv"].squeeze(1), a_log=L["A_log"],
+                                     dt_bias=L["dt_bias"])
+        pool = rec.pool
+        if rec.segments is None:
+            return gdn_kernels.decode(layer, pool.conv[j], pool.ssm[j], rec.slots)
+        if pool is None:
+            return gdn_kernels.prefill(layer, None, None, rec.segments)
+        return gdn_kernels.prefill(layer, pool.conv[j], pool.ssm[j], rec.segments)
 
     def _gdn_as_trainer(self, L: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         """A GDN layer over one whole sequence as transformers' Qwen3_5GatedDeltaNet computes it

@@ -1,5 +1,6 @@
 """Gated DeltaNet (GDN), the linear-attention layer of hybrid models (Qwen3.5): its sizes read from
-config.json, and its math in torch (the CPU reference path; GPU kernels come later).
+config.json, and its math in torch (the CPU and deterministic path, and the reference the Triton
+kernels of rltool.engine.gdn_kernels are tested against).
 
 A GDN layer keeps, per sequence, a recurrent state S [value heads, key dim, value dim] and the
 last `kernel - 1` inputs of its causal depthwise convolution (the conv state). Per token t of a

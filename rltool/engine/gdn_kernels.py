@@ -1,0 +1,379 @@
+"""Triton kernels of the Gated DeltaNet layers (rltool.engine.linear_attention has the math and
+the torch reference they are tested against; rltool.engine.hybrid_model calls them on CUDA
+outside the deterministic mode).
+
+Each kernel reads the layer's fused input projection as the GEMM wrote it ([T, in_rows]: the conv
+channels, z, b, a) and does in registers what the torch path does in separate ops: the gates
+(g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)), the L2 norm of q and k per head
+(q also scaled by key_dim^-0.5) and the key head a value head reads (h // (Hv / Hk), no repeat).
+States live in the pool (rltool.engine.state_pool) and are read and written in place by slot
+index, in their storage dtype, with float32 math; a slot of a fresh sequence is zeroed first.
+
+- `causal_conv`: the depthwise causal convolution (SiLU) of packed sequences, its first inputs
+  taken from each sequence's conv state and the last kernel - 1 written back (decode: one token
+  per row, the slot indices read on the device).
+- `decode`: one recurrent step per row (program: row, value head, block of value dims).
+- `prefill`: the chunked delta rule over packed variable-length sequences, CHUNK tokens per
+  chunk, in three kernels (the WY form of the chunk, as in the Gated DeltaNet paper and FLA):
+  `_chunk_prep`, parallel over (chunk, head), builds T = (I + A)^-1 for the chunk's
+  A_ij = beta_i exp(G_i - G_j) k_i.k_j (j < i, forward substitution) and from it
+  W = T (beta exp(G) k) and U = T (beta v), so that the chunk's updates are U - W S0;
+  `_chunk_state`, sequential over a sequence's chunks (program: sequence, head, value block),
+  carries S across chunks and keeps each chunk's starting state and updates;
+  `_chunk_out`, parallel again, gives o = exp(G) q S0 + (q k^T * decay, causal) (U - W S0).
+
+Float32 models multiply in IEEE float32, bf16 ones in TF32 (its rounding is below bf16's);
+accumulation is float32 either way. No host synchronization in `causal_conv` and `decode`: the
+decode step is capturable in a CUDA graph. Tested on CPU under TRITON_INTERPRET=1
+(tests/engine/test_gdn_kernels.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from rltool.engine.linear_attention import CHUNK, LinearSpec
+
+DECODE_BV = 32  # value dims per decode program: B x Hv x Dv/32 programs fill the GPU at B >= 8
+STATE_BV = 32  # value dims per program of the sequential chunk pass (its only parallelism)
+
+
+@dataclass(frozen=True)
+class GdnLayer:
+    """One GDN layer's tensors as the kernels take them; `proj` [T, in_rows] is the fused input
+    projection's output (rows contiguous in their last dim)."""
+    spec: LinearSpec
+    proj: torch.Tensor
+    conv_weight: torch.Tensor  # [conv_dim, kernel]
+    a_log: torch.Tensor  # [Hv]
+    dt_bias: torch.Tensor  # [Hv]
+
+
+# ----- shared pieces ---------------------------------------------------------------------------
+
+@triton.jit
+def _mm(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee", out_dtype=tl.float32)
+    return tl.dot(a, b, input_precision="tf32", out_dtype=tl.float32)
+
+
+@triton.jit
+def _gates(Proj, rows, ok, stride_p, h, B_OFF, A_OFF, ALog, DtBias):
+    """g and beta of value head h at `rows` (0 where not ok)."""
+    b = tl.load(Proj + rows * stride_p + B_OFF + h, mask=ok, other=0.0).to(tl.float32)
+    a = tl.load(Proj + rows * stride_p + A_OFF + h, mask=ok, other=0.0).to(tl.float32)
+    x = a + tl.load(DtBias + h).to(tl.float32)
+    # torch's softplus: x itself past its threshold 20
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    g = -tl.exp(tl.load(ALog + h).to(tl.float32)) * softplus
+    return tl.where(ok, g, 0.0), tl.where(ok, tl.sigmoid(b), 0.0)
+
+
+@triton.jit
+def _unit(X, rows, ok, stride_x, col, offs_k, DK):
+    """The head vectors X[rows, col:col + DK] in float32, L2-normalised ([BT, BK])."""
+    mask = ok[:, None] & (offs_k < DK)[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + col + offs_k[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    return x * tl.rsqrt(tl.sum(x * x, 1) + 1e-6)[:, None]  # l2_normalize's eps
+
+
+# ----- causal convolution ----------------------------------------------------------------------
+
+@triton.jit
+def _conv(X, stride_x, Wt, Out, stride_o, State, stride_state, Starts, Ends, Slots, C,
+          KW: tl.constexpr, SEQ1: tl.constexpr, POOL: tl.constexpr, BT: tl.constexpr,
+          BC: tl.constexpr):
+    n = tl.program_id(0)
+    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
+    c_ok = offs_c < C
+    if SEQ1:
+        start = n
+        end = n + 1
+    else:
+        start = tl.load(Starts + n)
+        end = tl.load(Ends + n)
+    state = State + tl.load(Slots + n).to(tl.int64) * stride_state + offs_c * (KW - 1)
+    t = start
+    while t < end:
+        rows = t + tl.arange(0, BT)
+        ok = rows < end
+        acc = tl.zeros([BT, BC], dtype=tl.float32)
+        for w in tl.static_range(KW):
+            pos = rows - (KW - 1) + w
+            wt = tl.load(Wt + offs_c * KW + w, mask=c_ok, other=0.0).to(tl.float32)
+            mine = ok & (pos >= start)
+            x = tl.load(X + pos[:, None] * stride_x + offs_c[None, :],
+                        mask=mine[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+            if POOL:  # inputs before the sequence: its conv state (oldest first)
+                before = ok & (pos < start)
+                x += tl.load(state[None, :] + (KW - 1 + pos - start)[:, None],
+                             mask=before[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+            acc += x * wt[None, :]
+        y = acc * tl.sigmoid(acc)
+        tl.store(Out + rows[:, None] * stride_o + offs_c[None, :],
+                 y.to(Out.dtype.element_ty), mask=ok[:, None] & c_ok[None, :])
+        t += BT
+    if POOL:
+        # The last KW - 1 inputs, in order: entry i reads the old state's entry n + i > i - 1
+        # (n >= 1 tokens), never one this loop already overwrote.
+        for i in tl.static_range(KW - 1):
+            pos = end - (KW - 1) + i
+            if pos >= start:
+                x = tl.load(X + pos * stride_x + offs_c, mask=c_ok, other=0.0)
+            else:
+                x = tl.load(state + KW - 1 + pos - start, mask=c_ok, other=0.0)
+            tl.store(state + i, x.to(State.dtype.element_ty), mask=c_ok)
+
+
+def causal_conv(layer: GdnLayer, conv_state: torch.Tensor | None, slots: torch.Tensor, *,
+                bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The SiLU causal convolution of the conv channels of `layer.proj` ([T, conv_dim] in its
+    dtype). `bounds` (starts, ends: int32 [N] on the device): the sequences' token ranges; None:
+    one token per row (decode, N = T). `conv_state` [slots + 1, conv_dim, kernel - 1]: read at
+    `slots` [N] and updated in place; None: every sequence starts from zeros (nothing kept)."""
+    proj, spec = layer.proj, layer.spec
+    T, C, kw = proj.shape[0], spec.conv_dim, spec.conv_kernel
+    out = torch.empty(T, C, dtype=proj.dtype, device=proj.device)
+    n = T if bounds is None else bounds[0].numel()
+    pool = conv_state is not None
+    state = conv_state if pool else out
+    starts, ends = bounds if bounds is not None else (slots, slots)
+    bc = 128 if bounds is None else 64
+    _conv[(n, triton.cdiv(C, bc))](
+        proj, proj.stride(0), layer.conv_weight, out, out.stride(0), state,
+        state.stride(0) if pool else 0, starts, ends, slots, C, KW=kw, SEQ1=bounds is None,
+        POOL=pool, BT=1 if bounds is None else 16, BC=bc)
+    return out
+
+
+# ----- decode ------------------------------------------------------------------------------------
+
+@triton.jit
+def _decode(X, stride_x, Proj, stride_p, ALog, DtBias, State, stride_state, Slots, Out,
+            REP, K_OFF, V_OFF, B_OFF, A_OFF, scale, H: tl.constexpr, DK: tl.constexpr,
+            DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // REP
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
+    k_ok = offs_k < DK
+    v_ok = offs_v < DV
+    row = tl.full([1], 0, tl.int32) + b
+    yes = row >= 0
+    q = tl.sum(_unit(X, row, yes, stride_x, hk * DK, offs_k, DK), 0) * scale
+    k = tl.sum(_unit(X, row, yes, stride_x, K_OFF + hk * DK, offs_k, DK), 0)
+    v = tl.load(X + b * stride_x + V_OFF + h * DV + offs_v, mask=v_ok, other=0.0).to(tl.float32)
+    g, beta = _gates(Proj, row, yes, stride_p, h, B_OFF, A_OFF, ALog, DtBias)
+    ptr = (State + tl.load(Slots + b).to(tl.int64) * stride_state + h * DK * DV
+           + offs_k[:, None] * DV + offs_v[None, :])
+    mask = k_ok[:, None] & v_ok[None, :]
+    s = tl.load(ptr, mask=mask, other=0.0).to(tl.float32) * tl.exp(tl.sum(g, 0))
+    u = tl.sum(beta, 0) * (v - tl.sum(s * k[:, None], 0))
+    s += k[:, None] * u[None, :]
+    tl.store(ptr, s.to(State.dtype.element_ty), mask=mask)
+    o = tl.sum(s * q[:, None], 0)
+    tl.store(Out + (b * H + h) * DV + offs_v, o.to(Out.dtype.element_ty), mask=v_ok)
+
+
+def _offsets(spec: LinearSpec) -> dict[str, int]:
+    """Column offsets of k and v in the conv output, of b and a in the projection."""
+    kd, vd = spec.num_k_heads * spec.k_dim, spec.num_v_heads * spec.v_dim
+    return {"K_OFF": kd, "V_OFF": 2 * kd, "B_OFF": spec.conv_dim + vd,
+            "A_OFF": spec.conv_dim + vd + spec.num_v_heads}
+
+
+def decode(layer: GdnLayer, conv_state: torch.Tensor, ssm: torch.Tensor, slots: torch.Tensor
+           ) -> torch.Tensor:
+    """One token per row of B sequences whose states are at `slots` [B] (device) of this layer's
+    pool tensors (conv_state [slots + 1, conv_dim, kernel - 1], ssm [slots + 1, Hv, Dk, Dv]),
+    both updated in place. Returns o [B, Hv, Dv] in the projection's dtype."""
+    spec, proj = layer.spec, layer.proj
+    x = causal_conv(layer, conv_state, slots)
+    B, H, dv = proj.shape[0], spec.num_v_heads, spec.v_dim
+    out = torch.empty(B, H, dv, dtype=proj.dtype, device=proj.device)
+    bv = min(DECODE_BV, triton.next_power_of_2(dv))
+    _decode[(B, H, triton.cdiv(dv, bv))](
+        x, x.stride(0), proj, proj.stride(0), layer.a_log, layer.dt_bias, ssm, ssm.stride(0),
+        slots, out, H // spec.num_k_heads, scale=spec.k_dim ** -0.5, H=H, DK=spec.k_dim, DV=dv,
+        BK=_pow2(spec.k_dim), BV=bv, **_offsets(spec))
+    return out
+
+
+def _pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))  # tl.dot's smallest tile side
+
+
+# ----- chunked prefill ---------------------------------------------------------------------------
+
+@triton.jit
+def _chunk_prep(X, stride_x, Proj, stride_p, ALog, DtBias, ChunkStart, ChunkEnd, Wbuf, Ubuf,
+                Gbuf, REP, K_OFF, V_OFF, B_OFF, A_OFF, H: tl.constexpr, DK: tl.constexpr,
+                DV: tl.constexpr, IEEE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                BV: tl.constexpr):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    start = tl.load(ChunkStart + c)
+    rows = start + tl.arange(0, BT)
+    ok = rows < tl.load(ChunkEnd + c)
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.arange(0, BV)
+    idx = tl.arange(0, BT)
+    k = _unit(X, rows, ok, stride_x, K_OFF + (h // REP) * DK, offs_k, DK)
+    g, beta = _gates(Proj, rows, ok, stride_p, h, B_OFF, A_OFF, ALog, DtBias)
+    G = tl.cumsum(g, 0)
+    lower = idx[:, None] > idx[None, :]
+    decay = tl.exp(tl.where(lower, G[:, None] - G[None, :], float("-inf")))
+    A = _mm(k, tl.trans(k), IEEE) * decay * beta[:, None]
+    # T = (I + A)^-1 by forward substitution: row i is e_i - sum_{j<i} A_ij T_j
+    T = tl.where(idx[:, None] == idx[None, :], 1.0, 0.0)
+    for i in range(1, BT):
+        a_i = tl.sum(tl.where(idx[:, None] == i, A, 0.0), 0)
+        row_i = -tl.sum(a_i[:, None] * T, 0)
+        T = tl.where(idx[:, None] == i, row_i[None, :] + tl.where(idx == i, 1.0, 0.0)[None, :],
+                     T)
+    w = _mm(T, k * (beta * tl.exp(G))[:, None], IEEE)
+    v_mask = ok[:, None] & (offs_v < DV)[None, :]
+    v = tl.load(X + rows[:, None] * stride_x + V_OFF + h * DV + offs_v[None, :], mask=v_mask,
+                other=0.0).to(tl.float32)
+    u = _mm(T, v * beta[:, None], IEEE)
+    tl.store(Wbuf + (rows[:, None] * H + h) * DK + offs_k[None, :], w,
+             mask=ok[:, None] & (offs_k < DK)[None, :])
+    tl.store(Ubuf + (rows[:, None] * H + h) * DV + offs_v[None, :], u, mask=v_mask)
+    tl.store(Gbuf + rows * H + h, G, mask=ok)
+
+
+@triton.jit
+def _chunk_state(X, stride_x, State, stride_state, Starts, Ends, Chunk0, Slots, Wbuf, Ubuf,
+                 Gbuf, Hbuf, REP, K_OFF, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                 POOL: tl.constexpr, IEEE: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                 BV: tl.constexpr):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
+    k_ok = offs_k < DK
+    v_ok = offs_v < DV
+    kv_mask = k_ok[:, None] & v_ok[None, :]
+    kv_offs = offs_k[:, None] * DV + offs_v[None, :]
+    state = State + tl.load(Slots + n).to(tl.int64) * stride_state + h * DK * DV + kv_offs
+    if POOL:
+        s = tl.load(state, mask=kv_mask, other=0.0).to(tl.float32)
+    else:
+        s = tl.zeros([BK, BV], dtype=tl.float32)
+    t = tl.load(Starts + n)
+    end = tl.load(Ends + n)
+    c = tl.load(Chunk0 + n).to(tl.int64)
+    while t < end:
+        rows = t + tl.arange(0, BT)
+        ok = rows < end
+        last = tl.minimum(t + BT, end) - 1
+        tl.store(Hbuf + (c * H + h) * DK * DV + kv_offs, s, mask=kv_mask)
+        k = _unit(X, rows, ok, stride_x, K_OFF + (h // REP) * DK, offs_k, DK)
+        w = tl.load(Wbuf + (rows[:, None] * H + h) * DK + offs_k[None, :],
+                    mask=ok[:, None] & k_ok[None, :], other=0.0)
+        u_ptr = Ubuf + (rows[:, None] * H + h) * DV + offs_v[None, :]
+        u_mask = ok[:, None] & v_ok[None, :]
+        u = tl.load(u_ptr, mask=u_mask, other=0.0) - _mm(w, s, IEEE)
+        tl.store(u_ptr, u, mask=u_mask)  # the chunk's updates, for _chunk_out
+        G = tl.load(Gbuf + rows * H + h, mask=ok, other=0.0)
+        g_last = tl.load(Gbuf + last * H + h)
+        tail = tl.where(ok, tl.exp(g_last - G), 0.0)
+        s = tl.exp(g_last) * s + _mm(tl.trans(k * tail[:, None]), u, IEEE)
+        t += BT
+        c += 1
+    if POOL:
+        tl.store(state, s.to(State.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _chunk_out(X, stride_x, ChunkStart, ChunkEnd, Ubuf, Gbuf, Hbuf, Out, REP, K_OFF, scale,
+               H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, IEEE: tl.constexpr,
+               BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // REP
+    rows = tl.load(ChunkStart + c) + tl.arange(0, BT)
+    ok = rows < tl.load(ChunkEnd + c)
+    idx = tl.arange(0, BT)
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
+    v_ok = offs_v < DV
+    q = _unit(X, rows, ok, stride_x, hk * DK, offs_k, DK) * scale
+    k = _unit(X, rows, ok, stride_x, K_OFF + hk * DK, offs_k, DK)
+    G = tl.load(Gbuf + rows * H + h, mask=ok, other=0.0)
+    s = tl.load(Hbuf + (c.to(tl.int64) * H + h) * DK * DV + offs_k[:, None] * DV
+                + offs_v[None, :], mask=(offs_k < DK)[:, None] & v_ok[None, :], other=0.0)
+    u = tl.load(Ubuf + (rows[:, None] * H + h) * DV + offs_v[None, :],
+                mask=ok[:, None] & v_ok[None, :], other=0.0)
+    causal = idx[:, None] >= idx[None, :]
+    qk = _mm(q, tl.trans(k), IEEE) * tl.exp(tl.where(causal, G[:, None] - G[None, :],
+                                                     float("-inf")))
+    o = tl.exp(G)[:, None] * _mm(q, s, IEEE) + _mm(qk, u, IEEE)
+    tl.store(Out + (rows[:, None] * H + h) * DV + offs_v[None, :], o.to(Out.dtype.element_ty),
+             mask=ok[:, None] & v_ok[None, :])
+
+
+def plan_chunks(segments: list[tuple[int, int]], device: torch.device
+                ) -> tuple[torch.Tensor, ...]:
+    """The device index tensors of packed sequences [(offset, length)]: per sequence its start,
+    end and first chunk; per chunk its start and end (CHUNK tokens, the last one shorter). One
+    host-to-device copy."""
+    starts = [o for o, _ in segments]
+    ends = [o + n for o, n in segments]
+    chunk0, c_start, c_end = [], [], []
+    for o, n in segments:
+        chunk0.append(len(c_start))
+        c_start.extend(range(o, o + n, CHUNK))
+        c_end.extend(min(s + CHUNK, o + n) for s in range(o, o + n, CHUNK))
+    flat = torch.tensor(starts + ends + chunk0 + c_start + c_end, dtype=torch.int32)
+    n, m = len(segments), len(c_start)
+    return flat.to(device, non_blocking=True).split([n, n, n, m, m])
+
+
+def prefill(layer: GdnLayer, conv_state: torch.Tensor | None, ssm: torch.Tensor | None,
+            segments: list[tuple[int, int, int, bool]]) -> torch.Tensor:
+    """The GDN layer's recurrence over packed sequences [(offset, length, slot, fresh)] of
+    `layer.proj`. With the pool's tensors of this layer (conv_state, ssm: see `decode`) each
+    sequence starts from its slot's states (zeros if fresh) and leaves its final ones there;
+    without (None, None) every sequence starts from zeros and its states are dropped. Returns
+    o [T, Hv, Dv] in the projection's dtype."""
+    spec, proj = layer.spec, layer.proj
+    dev, pool = proj.device, ssm is not None
+    starts, ends, chunk0, c_start, c_end = plan_chunks([(o, n) for o, n, *_ in segments], dev)
+    slots = torch.tensor([s for *_, s, _ in segments], dtype=torch.int64).to(dev)
+    if pool:
+        fresh = [s for *_, s, f in segments if f]
+        if fresh:
+            idx = torch.tensor(fresh, dtype=torch.int64).to(dev)
+            conv_state[idx] = 0
+            ssm[idx] = 0
+    x = causal_conv(layer, conv_state, slots, bounds=(starts, ends))
+    T, H, dk, dv = proj.shape[0], spec.num_v_heads, spec.k_dim, spec.v_dim
+    f32 = dict(dtype=torch.float32, device=dev)
+    w, u, G = torch.empty(T, H, dk, **f32), torch.empty(T, H, dv, **f32), torch.empty(T, H, **f32)
+    hbuf = torch.empty(c_start.numel(), H, dk, dv, **f32)
+    out = torch.empty(T, H, dv, dtype=proj.dtype, device=dev)
+    off = _offsets(spec)
+    rep, ieee = H // spec.num_k_heads, proj.dtype == torch.float32
+    bk, bv = _pow2(dk), _pow2(dv)
+    sizes = dict(H=H, DK=dk, DV=dv, IEEE=ieee, BT=CHUNK, BK=bk)
+    _chunk_prep[(c_start.numel(), H)](x, x.stride(0), proj, proj.stride(0), layer.a_log,
+                                      layer.dt_bias, c_start, c_end, w, u, G, rep, **off,
+                                      BV=bv, **sizes)
+    sbv = min(STATE_BV, bv)
+    state = ssm if pool else hbuf
+    _chunk_state[(len(segments), H, triton.cdiv(dv, sbv))](
+        x, x.stride(0), state, state.stride(0) if pool else 0, starts, ends, chunk0, slots, w, u,
+        G, hbuf, rep, off["K_OFF"], POOL=pool, BV=sbv, **sizes)
+    obv = min(64, bv)
+    _chunk_out[(c_start.numel(), H, triton.cdiv(dv, obv))](
+        x, x.stride(0), c_start, c_end, u, G, hbuf, out, rep, off["K_OFF"], dk ** -0.5, BV=obv,
+        **sizes)
+    return out
