@@ -46,6 +46,9 @@ class PagedScheduler:
                                   num_continuous_decode_steps=num_continuous_decode_steps,
                                   enable_mixed_chunk=enable_mixed_chunk)
         self.counters = self.queue.counters
+        # Called on the scheduler thread after every iteration and once after shutting down:
+        # the scheduler process sends what the iteration produced (rltool.engine.scheduler_process).
+        self.on_iteration: Callable[[], None] | None = None
         self._thread: threading.Thread | None = None
         # torch's intra-op thread setting does not carry over to new threads in full: without
         # setting it again on the scheduler thread, small ops ran ~12x slower there (measured).
@@ -89,7 +92,11 @@ class PagedScheduler:
             except Exception as e:  # a failed forward must not kill the server silently
                 log.exception("scheduler step failed; aborting in-flight requests")
                 queue.fail_all(f"engine error: {e}", status_code=500, err_type=type(e).__name__)
+            if self.on_iteration is not None:
+                self.on_iteration()
         queue.shut_down()
+        if self.on_iteration is not None:
+            self.on_iteration()
 
     # ----- the calls other code makes -------------------------------------------------------
 
