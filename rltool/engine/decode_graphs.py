@@ -1,5 +1,7 @@
-"""The decode step as CUDA graphs: one per batch-size bucket, captured largest first in one memory
-pool, all reading their inputs from the columns of one device buffer.
+"""The decode step as CUDA graphs: per batch-size bucket, one of the forward alone and, where the
+step samples inside it, one of forward + sample + advance (rltool.engine.decode_sample); all
+captured largest first in one memory pool, all reading their inputs from the columns of one
+device buffer.
 
 A step's inputs are written on the host into one of two pinned staging buffers, used alternately,
 and copied to the device buffer in one contiguous (so asynchronous) copy: the host waits for the
@@ -16,39 +18,42 @@ import torch
 
 
 class DecodeGraphs:
-    """The captured graphs (`captured`: bucket -> (graph, its output)), the device input buffer
-    `meta` [rows, max_bs] they read, and its pinned staging buffers."""
+    """The captured graphs (`captured`: bucket -> (graph, its output), the forward alone;
+    `sampled`: the same for the steps that sample inside the graph), the device input buffer
+    `meta` [rows, max_bs] they read, and its pinned staging buffers. `initial` [rows] is a
+    padded column's value, which `meta` holds between captures."""
 
-    def __init__(self, device: torch.device, *, rows: int, max_bs: int):
+    def __init__(self, device: torch.device, *, initial: np.ndarray, max_bs: int):
         self.device = device
-        self.meta = torch.zeros(rows, max_bs, dtype=torch.long, device=device)
-        self.meta[3] = 1  # sequence lengths: padded rows attend to one junk token
-        self.captured: dict[int, tuple[Any, torch.Tensor]] = {}
+        rows = len(initial)
+        self._initial = torch.from_numpy(initial.astype(np.int64)).unsqueeze(1)
+        self.meta = self._initial.repeat(1, max_bs).to(device)
+        self.captured: dict[int, tuple[Any, Any]] = {}
+        self.sampled: dict[int, tuple[Any, Any]] = {}
+        self._pool = torch.cuda.graph_pool_handle()
         self._host = [(torch.zeros(rows, max_bs, dtype=torch.long, device="cpu").pin_memory(),
                        torch.cuda.Event()) for _ in range(2)]
         self._calls = 0
         self._current = self._host[0]
 
-    def capture(self, forward: Callable[[torch.Tensor], torch.Tensor],
-                buckets: list[int]) -> None:
-        """Capture `forward(meta columns)` for each bucket, largest first, in one memory pool."""
-        pool = torch.cuda.graph_pool_handle()
+    def capture(self, forward: Callable[[torch.Tensor], Any], buckets: list[int], *,
+                into: dict[int, tuple[Any, Any]]) -> None:
+        """Capture `forward(meta columns)` for each bucket, largest first, into `into`. The
+        warm-up runs may write `meta` (a step that advances its inputs): it is reset after."""
         stream = torch.cuda.Stream(self.device)
         for bs in reversed(buckets):
             meta = self.meta[:, :bs]
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                for _ in range(2):  # compiles the Triton kernel, warms cuBLAS
+                for _ in range(2):  # compiles the Triton kernels, warms cuBLAS
                     forward(meta)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
                 out = forward(meta)
-            self.captured[bs] = (graph, out)
+            into[bs] = (graph, out)
+            self.meta.copy_(self._initial.expand_as(self.meta))
         torch.cuda.synchronize(self.device)
-
-    def get(self, bucket: int | None) -> tuple[Any, torch.Tensor] | None:
-        return self.captured.get(bucket)
 
     def staging(self) -> np.ndarray:
         """The next pinned staging buffer, once the copy queued from it two steps ago has run."""

@@ -8,6 +8,12 @@ batch's DrawParams are built once, and each step's logits become the race's draw
 device, stop ids masked while a row's token index is below its min_new_tokens. Prefill, control
 operations and requests asking for top logprobs or the logprobs of given ids drain first (the
 batch builder, rltool.engine.batch_builder, decides).
+
+Where the runner samples inside its forward (`graph_sampling`), `prepare` hands it the batch's
+sampling rows before the block's first step, so each step's CUDA graph draws the tokens and
+advances the next step's inputs (rltool.engine.decode_sample): the host queues one replay per step
+and one copy back. A block whose batch needs draw logits (filters, logit_bias, stop ids still
+masked) samples after the forward as above; the counters say how many steps took each path.
 """
 
 from __future__ import annotations
@@ -20,10 +26,9 @@ import numpy as np
 import torch
 
 from rltool.engine.batch_sampling import DrawParams, draw_logits
+from rltool.engine.decode_sample import SEED_MODULUS, sample_rows_of
 from rltool.engine.request import Request
 from rltool.engine.request_queue import RequestQueue
-
-SEED_MODULUS = 2**31 - 1  # the sampling kernel's hash seeds are 31-bit here
 
 
 @dataclass
@@ -85,6 +90,7 @@ class _BatchConsts:
     greedy: np.ndarray  # int32
     min_new: np.ndarray  # int64: min_new_tokens
     draw: DrawParams | None  # None: the plain race
+    rows: np.ndarray  # the sampling rows of a step that samples in its forward
 
 
 class DecodeOverlap:
@@ -101,6 +107,11 @@ class DecodeOverlap:
         self._consts: _BatchConsts | None = None
         self.launches = 0  # blocks launched
         self.draw_launches = 0  # of them, blocks that sampled with DrawParams
+        self.forward_sampled_steps = 0  # decode steps whose forward drew the tokens
+        # the queue's counters: of those, the steps replayed from a CUDA graph
+        # (num_graph_sampled_steps), and the steps sampled after their forward
+        # (num_apart_sampled_steps)
+        self.counters = queue.counters
         cuda = runner.device.type == "cuda"
         self._buffers = ([_Buffers.make(max_running, steps_per_block, cuda) for _ in range(2)]
                          if enabled else [])
@@ -108,6 +119,19 @@ class DecodeOverlap:
     def same_batch(self, reqs: list[Request]) -> bool:
         """Whether `reqs` is the batch of the last launched block, in order."""
         return self._consts is not None and reqs == self._consts.reqs
+
+    def prepare(self, reqs: list[Request], *, ahead: int) -> None:
+        """Before the decode step of an overlapped block over `reqs` (none: a step that is not
+        overlapped): have the runner sample inside the step's forward when the batch races
+        plainly (no filter or bias, no stop id masked for any row from its first token)."""
+        runner = self.runner
+        rows = None
+        if reqs and runner.graph_sampling:
+            consts = self._consts_for(reqs, vocab=runner.vocab_size, device=runner.device)
+            drawn = np.array([len(r.output_ids) for r in reqs], dtype=np.int64)
+            if self._draw(consts, drawn + ahead) is None:
+                rows = consts.rows
+        runner.sample_next(rows)
 
     def launch(self, reqs: list[Request], logits: torch.Tensor, *, ahead: int,
                steps: int) -> None:
@@ -126,52 +150,80 @@ class DecodeOverlap:
 
     def _launch_block(self, reqs: list[Request], logits: torch.Tensor, *, ahead: int,
                       steps: int) -> Block:
-        """Sample the first step's logits, then run the rest of the block, each step fed the
-        last one's samples on the device; queue one copy of all the block's tokens back."""
-        from rltool.engine.sampling_kernel import sample_rows
-
+        """Sample the first step's logits (unless its forward sampled them), then run the rest of
+        the block, each step fed the last one's samples on the device; queue one copy of each
+        step's tokens and logprobs back."""
         B = len(reqs)
-        consts = self._consts
-        if consts is None or consts.reqs != reqs:
-            consts = self._consts = self._batch_consts(reqs, vocab=logits.shape[-1],
-                                                       device=logits.device)
-        drawn = np.array([len(r.output_ids) for r in reqs], dtype=np.int64)
+        consts = self._consts_for(reqs, vocab=logits.shape[-1], device=logits.device)
         self.launches += 1
         buf = self._buffers[self.launches % 2]
         buf.event.synchronize()  # the copies of the block that last used this buffer are done
+        sample = None if self.runner.sampled() is not None else self._sampler(
+            consts, np.array([len(r.output_ids) for r in reqs], dtype=np.int64) + ahead,
+            buf, steps=steps, device=logits.device)
+        tok = None
+        for i in range(steps):
+            if i:
+                logits = self.runner.decode_next(tok)
+            sampled = self.runner.sampled()
+            if sampled is None:
+                tok, lp = sample(logits, i)
+                self.counters.num_apart_sampled_steps += 1
+            else:
+                tok, lp, graphed = sampled
+                self.forward_sampled_steps += 1
+                self.counters.num_graph_sampled_steps += graphed
+            buf.tokens[i * B:(i + 1) * B].copy_(tok, non_blocking=True)
+            buf.logprobs[i * B:(i + 1) * B].copy_(lp, non_blocking=True)
+        buf.event.record()
+        return Block(reqs=reqs, tokens=tok, buf=buf, removals=self.queue.removals, steps=steps)
+
+    def _sampler(self, consts: _BatchConsts, index: np.ndarray, buf: _Buffers, *, steps: int,
+                 device: torch.device) -> Callable[[torch.Tensor, int], tuple]:
+        """Step i's sampling after its forward, as `sample(logits, i)`: the batch's temperatures,
+        greedy flags, each step's seeds and stop-id masks in one asynchronous copy (`index`: the
+        token index each row draws at the block's first step)."""
+        from rltool.engine.sampling_kernel import sample_rows
+
+        B = len(consts.reqs)
         host = buf.params.numpy()
         host[:B] = consts.temps.view(np.int32)
         host[B:2 * B] = consts.greedy
-        # A draw is keyed by (seed, token index): step i of the block draws token drawn + ahead + i.
-        index = drawn + ahead + np.arange(steps)[:, None]
+        # A draw is keyed by (seed, token index): step i of the block draws token index + i.
+        index = index + np.arange(steps)[:, None]
         host[2 * B:(2 + steps) * B].reshape(steps, B)[:] = (consts.seeds + index) % SEED_MODULUS
         host[(2 + steps) * B:(2 + 2 * steps) * B].reshape(steps, B)[:] = index < consts.min_new
-        draw = consts.draw
-        if draw is not None and draw.filtered is None and draw.bias_ids is None and (
-                drawn + ahead >= consts.min_new).all():
-            draw = None  # only stop ids to mask, and every row is past its min_new_tokens
+        draw = self._draw(consts, index[0])
         self.draw_launches += draw is not None
-        dev = buf.params[:(2 + 2 * steps) * B].to(logits.device, non_blocking=True)
+        dev = buf.params[:(2 + 2 * steps) * B].to(device, non_blocking=True)
         temps, greedy = dev[:B].view(torch.float32), dev[B:2 * B]
-        tokens, logprobs = [], []
-        for i in range(steps):
-            if i:
-                logits = self.runner.decode_next(tokens[-1])
+
+        def sample(logits: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
             race = None
             if draw is not None:
                 masked = dev[(2 + steps + i) * B:(3 + steps + i) * B] != 0
                 race = draw_logits(logits, draw, masked)
-            tok, lp = sample_rows(logits, temps, dev[(2 + i) * B:(3 + i) * B], greedy,
-                                  draw=race)
-            tokens.append(tok)
-            logprobs.append(lp)
-        last = tokens[-1]
-        if steps > 1:
-            tokens, logprobs = [torch.stack(tokens)], [torch.stack(logprobs)]
-        buf.tokens[:steps * B].copy_(tokens[0].view(-1), non_blocking=True)
-        buf.logprobs[:steps * B].copy_(logprobs[0].view(-1), non_blocking=True)
-        buf.event.record()
-        return Block(reqs=reqs, tokens=last, buf=buf, removals=self.queue.removals, steps=steps)
+            return sample_rows(logits, temps, dev[(2 + i) * B:(3 + i) * B], greedy, draw=race)
+
+        return sample
+
+    @staticmethod
+    def _draw(consts: _BatchConsts, index: np.ndarray) -> DrawParams | None:
+        """The batch's draw parameters for a block whose first step draws token `index` of each
+        row; None when the plain race suffices (only stop ids to mask, every row past its
+        min_new_tokens)."""
+        draw = consts.draw
+        if draw is not None and draw.filtered is None and draw.bias_ids is None and (
+                index >= consts.min_new).all():
+            return None
+        return draw
+
+    def _consts_for(self, reqs: list[Request], *, vocab: int,
+                    device: torch.device) -> _BatchConsts:
+        consts = self._consts
+        if consts is None or consts.reqs != reqs:
+            consts = self._consts = self._batch_consts(reqs, vocab=vocab, device=device)
+        return consts
 
     def _batch_consts(self, reqs: list[Request], *, vocab: int,
                       device: torch.device) -> _BatchConsts:
@@ -179,14 +231,16 @@ class DecodeOverlap:
         eos = self.runner.eos_token_ids
         stops = [sorted(eos | set(r.params.stop_token_ids)) if i[4] > 0 else []
                  for r, i in zip(reqs, infos)]
-        temps = [i[0] for i in infos]
+        temps = np.array([i[0] for i in infos], dtype=np.float32)
+        seeds = np.array([i[2] * 1_000_003 % SEED_MODULUS for i in infos], dtype=np.int64)
+        greedy = np.array([i[1] for i in infos], dtype=np.int32)
         return _BatchConsts(
-            reqs=reqs, temps=np.array(temps, dtype=np.float32),
-            seeds=np.array([i[2] * 1_000_003 % SEED_MODULUS for i in infos], dtype=np.int64),
-            greedy=np.array([i[1] for i in infos], dtype=np.int32),
+            reqs=reqs, temps=temps, seeds=seeds, greedy=greedy,
             min_new=np.array([i[4] for i in infos], dtype=np.int64),
-            draw=DrawParams.build([r.params for r in reqs], temps=temps, stop_ids=stops,
-                                  vocab=vocab, device=device))
+            draw=DrawParams.build([r.params for r in reqs], temps=temps.tolist(), stop_ids=stops,
+                                  vocab=vocab, device=device),
+            rows=sample_rows_of(temps, greedy, seeds,
+                                np.array([len(r.prompt_ids) for r in reqs], dtype=np.int64)))
 
     def _accept_block(self, block: Block) -> None:
         """Record a block's tokens step by step; a request's tokens after the one that stops it

@@ -6,7 +6,10 @@ whose positions, lengths and KV slots advance on the device.
 The inputs are one int64 array of META_ROWS rows by the padded batch: input ids, positions,
 page-table rows, sequence lengths, output KV slots, and the row of the previous step's sampled
 tokens each input id is taken from (when they stay on the device). Padded rows hold one junk
-token of the scratch page.
+token of the scratch page. A step handed the batch's sampling rows (`sample_next`) samples inside
+its forward: the rows go below those, in the same upload, and the step runs
+`decode_sample.sample_and_advance` after the forward, in the same graph (or eagerly, the same
+function), leaving its tokens and logprobs in `sampled` and the next step's inputs in place.
 """
 
 from __future__ import annotations
@@ -18,39 +21,67 @@ import torch
 
 from rltool import trace
 from rltool.engine.decode_graphs import DecodeGraphs
+from rltool.engine.decode_sample import PAD_COLUMN, SAMPLE_ROWS, sample_and_advance
 from rltool.engine.paged import PageTable
 from rltool.engine.paged_forward import PagedForward
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256,
                  320, 384, 448, 512)
 META_ROWS = 6
+# A padded column: input id 0 at position 0 of the scratch row, one junk token, its KV in slot 0.
+PAD_META = np.array([0, 0, 0, 1, 0, 0], dtype=np.int64)
 
 
 class Decoder:
     """Decode steps over one loaded model's pool (built with it). On CUDA a batch is padded to
     the smallest of `buckets` that holds it, eagerly too, so eager decode computes exactly what a
-    replay does; `capture_graphs` captures each bucket."""
+    replay does; `capture_graphs` captures each bucket. `sample`: steps may sample inside their
+    forward (and their graphs, captured beside the forward-only ones)."""
 
-    def __init__(self, forward: PagedForward, table: PageTable, *, max_bs: int):
+    def __init__(self, forward: PagedForward, table: PageTable, *, max_bs: int, sample: bool):
         self.forward = forward
         self.table = table
         self.max_bs = max_bs
+        self.sample = sample
         self.buckets = (sorted({b for b in GRAPH_BUCKETS if b <= max_bs} | {max_bs})
                         if forward.device.type == "cuda" else [])
         self.graphs: DecodeGraphs | None = None
+        self._pad = np.concatenate([PAD_META, PAD_COLUMN]) if sample else PAD_META
         self._max_len = 1
-        self._block: tuple | None = None  # (meta, B, graph, iterator of KV slots): `next`
+        self._rows: np.ndarray | None = None  # the next step's sampling rows (`sample_next`)
+        # (tokens [B], logprobs [B], whether a graph sampled them) of the last step, if it sampled
+        self.sampled: tuple[torch.Tensor, torch.Tensor, bool] | None = None
+        self._block: tuple | None = None  # (meta, B, graph, slots or None: sampled): `next`
 
     def capture_graphs(self) -> None:
         """Capture the step for each bucket (CUDA; in the caller's batch-invariant mode)."""
-        self.graphs = DecodeGraphs(self.forward.device, rows=META_ROWS, max_bs=self.max_bs)
-        self.graphs.capture(lambda meta: self.forward.decode(meta, max_len=self._max_len),
-                            self.buckets)
+        self.graphs = DecodeGraphs(self.forward.device, initial=self._pad, max_bs=self.max_bs)
+        self.graphs.capture(self._forward, self.buckets, into=self.graphs.captured)
+        if self.sample:
+            self.graphs.capture(self._forward_sample, self.buckets, into=self.graphs.sampled)
+
+    def sample_next(self, rows: np.ndarray | None) -> None:
+        """The next `step` samples inside its forward with these SAMPLE_ROWS x B rows
+        (decode_sample.sample_rows_of); None: it returns logits only. Ignored unless `sample`."""
+        self._rows = rows if self.sample else None
+
+    def _forward(self, meta: torch.Tensor) -> torch.Tensor:
+        return self.forward.decode(meta[:META_ROWS], max_len=self._max_len)
+
+    def _forward_sample(self, meta: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The body of a sampling graph: forward, sample, advance (also run eagerly)."""
+        logits = self._forward(meta)
+        table = self.table
+        tokens, logprobs = sample_and_advance(logits, meta, first=META_ROWS,
+                                              req_to_page=table.req_to_page,
+                                              page_size=table.page_size)
+        return logits, tokens, logprobs
 
     def step(self, rids: list[str], token_ids: list[int] | None, *,
              prev_tokens: torch.Tensor | None, src_rows: list[int] | None,
              steps: int) -> torch.Tensor:
         """One step (the first of a block of `steps`): see `PagedRunner.decode`."""
+        sample, self._rows = self._rows, None
         bucket = next((b for b in self.buckets if b >= len(rids)), None)
         table, B = self.table, len(rids)
         n = bucket or B
@@ -68,9 +99,11 @@ class Decoder:
             add_position(p)
             add_loc(entry.pages[p // ps] * ps + p % ps)
         table.flush()
-        graph = self.graphs.get(bucket) if self.graphs is not None else None
+        graph = None
+        if self.graphs is not None:
+            graph = (self.graphs.captured if sample is None else self.graphs.sampled).get(bucket)
         if graph is None:
-            host = np.empty((META_ROWS, n), dtype=np.int64)
+            host = np.empty((len(self._pad), n), dtype=np.int64)
         else:
             host = self.graphs.staging()
         host[0, :B] = token_ids if token_ids is not None else 0
@@ -79,8 +112,9 @@ class Decoder:
         np.add(host[1, :B], 1, out=host[3, :B])
         host[4, :B] = locs
         host[5, :B] = src_rows if src_rows is not None else np.arange(B)
-        host[:, B:n] = 0
-        host[3, B:n] = 1  # padded rows: one junk token of the scratch page
+        if sample is not None:
+            host[META_ROWS:META_ROWS + SAMPLE_ROWS, :B] = sample
+        host[:, B:n] = self._pad[:, None]  # padded rows: one junk token of the scratch page
         self._max_len = int(host[3, :B].max())
         if graph is None:
             meta = torch.from_numpy(host).to(self.forward.device)
@@ -90,26 +124,37 @@ class Decoder:
             meta = self.graphs.upload()
             if prev_tokens is not None:
                 torch.index_select(prev_tokens, 0, meta[5, :B], out=meta[0, :B])
-        self._block = (meta, B, graph, iter(table.block_slots(meta[2, :B], meta[1, :B], steps))
-                       ) if steps > 1 else None
-        return self._run(meta, B, graph)
+        slots = None
+        if steps > 1 and sample is None:
+            slots = iter(table.block_slots(meta[2, :B], meta[1, :B], steps))
+        self._block = (meta, B, n, graph, slots, sample is not None) if steps > 1 else None
+        return self._run(meta, B, n, graph, sample is not None)
 
     def next(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The next step of the block `step(steps=...)` began, fed `tokens` ([B], on device)."""
-        full, B, graph, slots = self._block  # positions, lengths and slots advance on the device
-        meta = full[:, :B]
-        meta[0].copy_(tokens)
-        meta[1:4:2] += 1  # positions and sequence lengths
-        meta[4].copy_(next(slots))
+        """The next step of the block `step(steps=...)` began, fed `tokens` ([B], on device; a
+        sampling step has advanced its inputs already)."""
+        full, B, n, graph, slots, sample = self._block
+        if not sample:  # positions, lengths and slots advance on the device
+            meta = full[:, :B]
+            meta[0].copy_(tokens)
+            meta[1:4:2] += 1  # positions and sequence lengths
+            meta[4].copy_(next(slots))
         self._max_len += 1
-        return self._run(full, B, graph)
+        return self._run(full, B, n, graph, sample)
 
-    def _run(self, meta: torch.Tensor, B: int, graph: tuple[Any, torch.Tensor] | None
-             ) -> torch.Tensor:
-        """The step's forward (its graph replayed, or eagerly): logits of the first B rows."""
+    def _run(self, meta: torch.Tensor, B: int, n: int, graph: tuple[Any, Any] | None,
+             sample: bool) -> torch.Tensor:
+        """The step's forward (its graph replayed, or eagerly): logits of the first B rows;
+        with `sample`, the tokens and logprobs in `sampled`."""
+        self.sampled = None
         with trace.span("decode.forward", cat="engine"):
             if graph is None:
-                return self.forward.decode(meta, max_len=self._max_len)[:B]
-            graph, out = graph
-            graph.replay()
+                out = (self._forward_sample if sample else self._forward)(meta[:, :n])
+            else:
+                graph, out = graph
+                graph.replay()
+        if not sample:
             return out[:B]
+        logits, tokens, logprobs = out
+        self.sampled = (tokens[:B], logprobs[:B], graph is not None)
+        return logits[:B]

@@ -60,7 +60,7 @@ class PagedRunner:
                  mamba_ssm_dtype: str | None = None, hicache: bool = False,
                  hicache_ratio: float = 2.0, hicache_size_gb: float = 0.0,
                  prefill_attention: str = "grouped", enable_lora: bool = False,
-                 max_lora_rank: int = 16):
+                 max_lora_rank: int = 16, graph_sampling: bool = True):
         if dtype not in DTYPES:
             raise BadInputError(f"unknown --dtype {dtype!r}; choose fp32 or bf16")
         if prefill_attention not in ("grouped", "varlen"):
@@ -105,6 +105,9 @@ class PagedRunner:
         self._use_graphs = (self.device.type == "cuda" and not disable_cuda_graph
                             and self.spec.moe is None and self.spec.linear is None)
         self._graph_max_bs = min(cuda_graph_max_bs, max_running)
+        # Overlapped decode steps sample inside their forward (and CUDA graph) where the Triton
+        # sampler runs; off: after it, as separate launches (the benchmarks' baseline).
+        self.graph_sampling = graph_sampling and self.triton_kernels
         self.model: DenseLM | None = None
         self.pool: KVPool | None = None
         self.table: PageTable | None = None
@@ -168,7 +171,8 @@ class PagedRunner:
         self._forward = PagedForward(self.model, self.pool, self.table,
                                      deterministic=self.deterministic, states=self.states,
                                      varlen=self.prefill_attention == "varlen")
-        self.decoder = Decoder(self._forward, self.table, max_bs=self._graph_max_bs)
+        self.decoder = Decoder(self._forward, self.table, max_bs=self._graph_max_bs,
+                               sample=self.graph_sampling)
         if self._use_graphs:
             with self.invariant():
                 self.decoder.capture_graphs()
@@ -363,6 +367,18 @@ class PagedRunner:
         """The next step of the block `decode(steps=...)` began, fed `tokens` ([B], on device)."""
         with self.invariant():
             return self.decoder.next(tokens)
+
+    def sample_next(self, rows: Any) -> None:
+        """The next `decode` (and the later steps of its block) samples inside its forward with
+        these sampling rows (rltool.engine.decode_sample.sample_rows_of), where `graph_sampling`
+        is on; None: it returns logits only."""
+        if self.decoder is not None:
+            self.decoder.sample_next(rows)
+
+    def sampled(self) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+        """(tokens [B], logprobs [B] on the device, whether a CUDA graph drew them) of the last
+        decode step, if it sampled inside its forward; None otherwise."""
+        return self.decoder.sampled if self.decoder is not None else None
 
     @torch.no_grad()
     def full_pass_logits(self, token_ids: list[int], *, start: int) -> torch.Tensor:
