@@ -25,6 +25,7 @@ import torch
 from rltool import trace
 from rltool.engine.batch_sampling import sample_batch
 from rltool.engine.decode_overlap import SEED_MODULUS, DecodeOverlap
+from rltool.engine.hybrid_prefix import snapshot_point
 from rltool.engine.request import Request
 from rltool.engine.request_queue import RequestQueue
 from rltool.errors import BadInputError
@@ -99,6 +100,10 @@ class BatchBuilder:
         chunk = self.chunked_prefill_size
         reserved = len(queue.running)  # a page per running request's next token
         ps = runner.page_size
+        # A hybrid's prefix cache snapshots each prompt's states at one point, where its chunk
+        # ends (rltool.engine.hybrid_prefix)
+        hybrid = runner.prefix_cache and runner.states is not None
+        snaps: list[tuple[Request, int]] = []  # (request, snapshot point) of chunks ending there
         # By length: prompt prefixes ending with the first uncached full page a request of this
         # step writes; a new request whose prompt starts with one waits a step to reuse it.
         filling: dict[int, set[tuple[int, ...]]] = {}
@@ -119,12 +124,19 @@ class BatchBuilder:
                 if not req.output_ids:
                     req.cached_tokens = req.num_cached
             start = req.num_cached
+            point = snapshot_point(len(req.prompt_ids), ps) if hybrid else 0
             # It writes full pages of its prompt that are not cached yet (a GRPO sample after
-            # the group's first writes only its partial last page: nobody waits for that).
-            if runner.prefix_cache and start < min(target - 1, len(req.prompt_ids) // ps * ps):
+            # the group's first writes only its partial last page: nobody waits for that); a
+            # hybrid's snapshot inside its last page reaches the cache with that page's end.
+            if runner.prefix_cache and (
+                    start < min(target - 1, len(req.prompt_ids) // ps * ps)
+                    or (start == point and point % ps and not req.output_ids
+                        and req.cached_tokens < point)):
                 n = (start // ps + 1) * ps
                 filling.setdefault(n, set()).add(tuple(req.prompt_ids[:n]))
             end = min(target, (start // chunk + 1) * chunk)
+            if start < point < end:
+                end = point
             if chunks and end - start > budget:
                 break
             if not runner.claim_state(req.rid):
@@ -137,6 +149,8 @@ class BatchBuilder:
             want.append(end == target and not req.output_ids)
             reqs.append(req)
             req.num_cached = end
+            if end == point:
+                snaps.append((req, point))
             budget -= end - start
             if end == target:
                 done.append(req)
@@ -173,6 +187,10 @@ class BatchBuilder:
                 counters.num_decode_rows += len(decoding)
             else:
                 counters.num_prefill_forwards += 1
+        for req, point in snaps:  # before any later forward changes the states
+            runner.table.snapshot(req.rid)
+            if point % ps == 0:  # its node is cached now, the snapshot with it
+                runner.cache_prefix(req.rid, req.prompt_ids[:point], lora=req.lora)
         for req in done:
             queue.prefilling.remove(req)
             runner.cache_prefix(req.rid, req.prompt_ids, lora=req.lora)
@@ -236,6 +254,7 @@ class BatchBuilder:
             for req in reqs:
                 self._sample_and_accept([req], runner.decode([req.rid], [req.output_ids[-1]]))
             return
+        blocks.prepare(reqs if overlap else [], ahead=ahead)  # the step may sample in its graph
         if prev is not None:
             src_rows = None  # the previous step's rows, in the same order
             if reqs != prev.reqs:  # some finished or were retracted
