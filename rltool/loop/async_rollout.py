@@ -159,7 +159,8 @@ class RolloutStream:
                               reward_fn=self.inputs.reward_fn,
                               reward_timeout_s=self.cfg.reward_timeout_s,
                               reward_workers=self.cfg.reward_workers,
-                              request_fields=self.cfg.request_fields())
+                              request_fields=self.cfg.request_fields(),
+                              samples_per_request=self.cfg.samples_per_request)
         tasks: set[asyncio.Task] = set()
         try:
             async with collector.streaming():

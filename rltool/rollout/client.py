@@ -42,15 +42,21 @@ def _ssl_context() -> ssl.SSLContext:
 
 
 class EngineClient:
-    """One engine (or gateway) URL. Use as `async with EngineClient(url) as c: ...`."""
+    """One engine (or gateway) URL. Use as `async with EngineClient(url) as c: ...`.
+
+    One connection pool for all its requests: `keepalive` connections stay open between
+    requests (the caller's concurrency, so a steady stream of requests never reconnects; httpx
+    keeps 20 by default and closes the rest), and no cap on open ones, so a control request
+    such as /abort_request is never queued behind the generations it is meant to stop."""
 
     def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 600.0,
-                 connect_timeout_s: float = 5.0, max_retries: int = 3):
+                 connect_timeout_s: float = 5.0, max_retries: int = 3, keepalive: int = 20):
         self.url = url.rstrip("/")
         self.max_retries = max_retries
         self._http = httpx.AsyncClient(
             base_url=self.url, headers=api.bearer(api_key), verify=_ssl_context(),
-            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s))
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=keepalive))
 
     async def __aenter__(self) -> "EngineClient":
         return self

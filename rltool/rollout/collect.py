@@ -12,6 +12,13 @@ advantage signal and are dropped; more prompts are started as groups are dropped
 holds `target` groups or the prompt budget is spent. Once the batch is full, groups still in
 flight are stopped: with `--partial` they are aborted on their engines (`/abort_request`; they
 return their partial tokens) and carried over; otherwise they are cancelled, counted and discarded.
+
+Requests: with the default single-turn function (and engines, not a gateway) the groups that
+start together go out as batched /generate bodies of up to `samples_per_request` samples
+(rltool.rollout.batching); with the dynamic filter, one body per group, since each group's
+rewards decide whether more prompts start and when the batch is full, and a body answers only
+once its last sample has finished. A custom generate function, and any behind a gateway, send
+one request per sample (smg takes one `sampling_params` object and one `rid` string per body).
 """
 
 from __future__ import annotations
@@ -22,15 +29,16 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from rltool import trace
 from rltool.errors import EngineError
-from rltool.rollout.generate import (STATUS_BY_FINISH, GenerateContext, GenerateFn, Sample,
-                                     SessionClient, finish_label, generate_single_turn)
+from rltool.rollout.batching import DEFAULT_SAMPLES_PER_REQUEST, batch_body, pack
+from rltool.rollout.generate import (GenerateContext, GenerateFn, Sample, SessionClient,
+                                     apply_single_turn, generate_single_turn, single_turn_request)
 
 log = logging.getLogger(__name__)
 ABORT_GRACE_S = 10.0  # after /abort_request, how long aborted requests get to come back
@@ -71,9 +79,11 @@ class Collector:
                  sampling: dict[str, Any], reward_fn: Callable[..., Any] | None,
                  reward_timeout_s: float,
                  reward_workers: int = 4, options: dict[str, Any] | None = None,
-                 progress: Any = None, request_fields: dict[str, Any] | None = None):
+                 progress: Any = None, request_fields: dict[str, Any] | None = None,
+                 samples_per_request: int = DEFAULT_SAMPLES_PER_REQUEST):
         """request_fields: added to every /generate body (e.g. return_routed_experts);
-        reward_fn None: the generate function sets each sample's reward (--env episodes)."""
+        reward_fn None: the generate function sets each sample's reward (--env episodes);
+        samples_per_request: the most samples of one batched /generate body."""
         self.router = router
         self.tokenizer = tokenizer
         self.generate_fn = generate_fn
@@ -84,6 +94,10 @@ class Collector:
         self.options = options or {}
         self.request_fields = request_fields or {}
         self.progress = progress
+        self.samples_per_request = samples_per_request
+        # Batched bodies need the default function (one prompt per request, all known up front)
+        # and engines that take per-prompt sampling_params (a gateway does not).
+        self.batches = generate_fn is generate_single_turn and not router.via_gateway
         self.output_tokens = 0
         self.reward_calls = 0
         self.reward_failures: list[str] = []  # finish_reason of each failed call, in order
@@ -116,42 +130,44 @@ class Collector:
 
     async def run_groups(self, groups: list[list[Sample]]) -> list[list[Sample]]:
         """Generate and reward groups that start together inside `streaming()`; each group's
-        samples, each finished. The fresh groups of the default single-turn function go to the
-        engine as one batch request (one HTTP round trip for all of them; the samples those
-        requests give, each with its own sampling seed), the others one group at a time.
+        samples, each finished. With the default single-turn function they go to the engines as
+        batched /generate bodies (see the module docstring), the others one request per sample.
         Members already finished (completed, truncated, failed) are kept as they are."""
         todo = [_Group(samples=samples) for samples in groups]
-        fresh = [self._batchable(g) for g in todo]
-        batch = [g for g, f in zip(todo, fresh) if f]
-        await asyncio.gather(*([self._run_groups_batched(batch)] if batch else []),
-                             *(self._run_group(g) for g, f in zip(todo, fresh) if not f))
+        await asyncio.gather(*(run for run, _ in self._launch(todo)))
         return [g.samples for g in todo]
 
     async def _run(self, source: Iterator[list[Sample]], *, target_groups: int,
                    carried: list[list[Sample]], dynamic_filter: bool, partial: bool,
                    over_sample_factor: float, start: float) -> CollectResult:
-        pending: dict[asyncio.Task, _Group] = {}
+        pending: dict[asyncio.Task, list[_Group]] = {}  # a request's task -> its groups
+        wave: list[_Group] = []  # groups to start together
         kept: list[_Group] = []
         carry: list[_Group] = []
         counts = {"fresh_groups": 0, "carried_in_groups": len(carried), "dropped_equal_reward": 0,
                   "aborted_extra_groups": 0, "over_sampled_groups": 0, "carried_out_groups": 0}
 
-        def submit(group: _Group) -> None:
-            pending[asyncio.create_task(self._run_group(group))] = group
+        def started() -> int:
+            return sum(map(len, pending.values())) + len(wave)
 
         def submit_fresh() -> bool:
             samples = next(source, None)
             if samples is None:
                 return False
             counts["fresh_groups"] += 1
-            submit(_Group(samples=samples))
+            wave.append(_Group(samples=samples))
             return True
 
-        for samples in carried:
-            submit(_Group(samples=samples, carried=True))
+        def dispatch() -> None:
+            for run, groups in self._launch(wave, one_per_group=dynamic_filter):
+                pending[asyncio.create_task(run)] = groups
+            wave.clear()
+
+        wave.extend(_Group(samples=samples, carried=True) for samples in carried)
         first = target_groups if not dynamic_filter else math.ceil(target_groups * over_sample_factor)
-        while len(pending) < first and submit_fresh():
+        while started() < first and submit_fresh():
             pass
+        dispatch()
 
         stopping = False
         while pending:
@@ -161,12 +177,13 @@ class Collector:
                 await self._cancel(pending)
                 done = set(pending)
             for task in done:
-                group = pending.pop(task)
+                groups = pending.pop(task)
                 if not task.cancelled():
                     task.result()
-                self._classify(group, kept=kept, carry=carry, counts=counts, stopping=stopping,
-                               dynamic_filter=dynamic_filter, partial=partial,
-                               target_groups=target_groups)
+                for group in groups:
+                    self._classify(group, kept=kept, carry=carry, counts=counts,
+                                   stopping=stopping, dynamic_filter=dynamic_filter,
+                                   partial=partial, target_groups=target_groups)
             if stopping:
                 continue
             if len(kept) >= target_groups:
@@ -174,8 +191,9 @@ class Collector:
                     stopping = True
                     await self._stop_extra(pending, partial=partial)
                 continue
-            while len(kept) + len(pending) < target_groups and submit_fresh():
+            while len(kept) + started() < target_groups and submit_fresh():
                 pass
+            dispatch()
         counts["carried_out_groups"] = len(carry)
         counts["reward_calls"] = self.reward_calls
         counts["failed_rewards"] = len(self.reward_failures)
@@ -206,93 +224,106 @@ class Collector:
         if self.progress is not None:
             self.progress.group_done()
 
-    async def _stop_extra(self, pending: dict[asyncio.Task, _Group], *, partial: bool) -> None:
+    async def _stop_extra(self, pending: dict[asyncio.Task, list[_Group]], *,
+                          partial: bool) -> None:
         """The batch is full: stop the groups still in flight.
 
         With partial rollout their tokens are worth keeping, so the engines abort them
         (`/abort_request`) and they come back with their partial output. Otherwise they would be
         discarded anyway, so they are only cancelled here (the engine finishes them unobserved)."""
-        sessions = [s for g in pending.values() for s in g.sessions]
+        groups = [g for gs in pending.values() for g in gs]
+        sessions = [s for g in groups for s in g.sessions]
         for session in sessions:
             session.aborted = True
         if partial:
             rids = {rid for s in sessions for rid in s.rids}
             aborted = await self.router.abort(rids)
             log.info("batch full; aborted %d in-flight requests of %d extra groups", aborted,
-                     len(pending))
+                     len(groups))
         else:
             await self._cancel(pending)
 
-    async def _cancel(self, pending: dict[asyncio.Task, _Group]) -> None:
+    async def _cancel(self, pending: dict[asyncio.Task, list[_Group]]) -> None:
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        for group in pending.values():
-            for s in group.samples:
+        for groups in pending.values():
+            for s in (s for g in groups for s in g.samples):
                 if not s.finished:
                     s.status, s.finish_reason = "aborted", "abort:cancelled"
 
+    def _launch(self, groups: list[_Group], *, one_per_group: bool = False
+                ) -> list[tuple[Coroutine[Any, Any, None], list[_Group]]]:
+        """The requests that run `groups` started together, each with the groups it finishes:
+        batched bodies (`samples_per_request`, or one per group) when the collector batches,
+        else each group on its own, one request per sample. A batch's request ids and sessions
+        are registered here, before anything is awaited, so an abort reaches every one."""
+        if not self.batches:
+            return [(self._run_group(g), [g]) for g in groups]
+        limit = 1 if one_per_group else self.samples_per_request  # 1: a group per body
+        requests = pack([len(g.samples) for g in groups], limit=limit,
+                        engines=len(self.router.alive))
+        return [(self._run_batch([groups[i] for i in r]), [groups[i] for i in r])
+                for r in requests]
+
     async def _run_group(self, group: _Group) -> None:
-        if self._batchable(group):
-            await self._run_groups_batched([group])
-            return
         results = await asyncio.gather(*(self._run_sample(s, group) for s in group.samples))
         _settle(group, [s for batch in results for s in batch])
-
-    async def _run_groups_batched(self, groups: list[_Group]) -> None:
-        """Fresh groups in one batch request; each gets its samples back in order."""
-        done = iter(await self._run_group_batched(groups))
-        for g in groups:
-            _settle(g, [next(done) for _ in g.samples])
-
-    def _batchable(self, group: _Group) -> bool:
-        """A fresh group of the default single-turn function goes to the engine as one batch
-        request: one HTTP round trip and one JSON body per group instead of per sample, with
-        each sample's own sampling seed, so the samples are the ones separate requests give."""
-        return (self.generate_fn is generate_single_turn and len(group.samples) > 1
-                and not getattr(self.router, "via_gateway", True)
-                and all(s.status == "pending" and not s.response_token_ids
-                        for s in group.samples))
 
     def _context(self, session: SessionClient) -> GenerateContext:
         return GenerateContext(client=session, sampling=self.sampling, tokenizer=self.tokenizer,
                                options=self.options)
 
-    async def _run_group_batched(self, groups: list[_Group]) -> list[Sample]:
-        """The groups' samples in one batch request, finished, in order."""
-        samples = [s for g in groups for s in g.samples]
-        sessions = [SessionClient(self.router, session_id=s.uid,
-                                  request_fields=self.request_fields) for s in samples]
-        at = 0
+    def _run_batch(self, groups: list[_Group]) -> Coroutine[Any, Any, None]:
+        """The groups' unfinished samples as one batched body (each from its own tokens, with
+        what is left of its budget, as the default function would send it); a coroutine that
+        sends it, applies the answers and rewards the samples. Members already finished are kept
+        as they are; a sample whose budget is spent is truncated without a request."""
+        todo: list[tuple[Sample, SessionClient, int]] = []
+        items: list[dict[str, Any]] = []
+        sent: list[tuple[Sample, SessionClient]] = []
+        batch_rid = uuid.uuid4().hex  # one per body; its samples' request ids add their index
         for g in groups:
-            g.sessions.extend(sessions[at:at + len(g.samples)])
-            at += len(g.samples)
-        budget = self.sampling["max_response_len"]
-        group_rid = uuid.uuid4().hex  # one per request; its samples' request ids add their index
-        payload = {**self.request_fields,
-                   "input_ids": [s.tokens for s in samples], "return_logprob": True,
-                   "sampling_params": [self._context(c).sampling_params(
-                       max_new_tokens=budget, turn=0, sample=s)
-                       for s, c in zip(samples, sessions)],
-                   "rid": [f"{group_rid}-{i}" for i in range(len(samples))]}
-        for session, rid in zip(sessions, payload["rid"]):
-            session.rids.append(rid)
-        try:
-            responses, url = await self.router.generate(payload)
-            if not isinstance(responses, list) or len(responses) != len(samples):
-                raise EngineError(f"engine {url} returned {len(responses)} outputs for a batch "
-                                  f"of {len(samples)}")
-            for s, session, response in zip(samples, sessions, responses):
-                session.engine_urls.append(url)
-                finish = s.append_engine_output(response)
-                s.status = STATUS_BY_FINISH.get(finish, "completed")
-                s.finish_reason = finish_label(finish, response)
-        except EngineError as e:
-            for s in samples:
-                s.fail(f"engine_error: {e}")
-        done = await asyncio.gather(*(self._finish_sample(s, [s], c, model_tokens_before=0)
-                                      for s, c in zip(samples, sessions)))
-        return [x for batch in done for x in batch]
+            for s in g.samples:
+                if s.status in ("completed", "truncated", "failed"):
+                    continue  # a finished member of a carried-over group
+                session = SessionClient(self.router, session_id=s.uid,
+                                        request_fields=self.request_fields)
+                g.sessions.append(session)
+                s.status = "pending"
+                todo.append((s, session, sum(s.loss_mask)))
+                item = single_turn_request(s, self._context(session))
+                if item is not None:
+                    session.rids.append(f"{batch_rid}-{len(items)}")
+                    items.append(item)
+                    sent.append((s, session))
+        payload = batch_body(items, rids=[c.rids[-1] for _, c in sent], fields=self.request_fields)
+        return self._send_batch(groups, payload, sent=sent, todo=todo)
+
+    async def _send_batch(self, groups: list[_Group], payload: dict[str, Any], *,
+                          sent: list[tuple[Sample, SessionClient]],
+                          todo: list[tuple[Sample, SessionClient, int]]) -> None:
+        if sent:
+            try:
+                responses, url = await self.router.generate(payload)
+                if not isinstance(responses, list) or len(responses) != len(sent):
+                    count = len(responses) if isinstance(responses, list) else 1
+                    raise EngineError(f"engine {url} returned {count} outputs for a batch of "
+                                      f"{len(sent)}")
+            except EngineError as e:
+                for s, _ in sent:
+                    s.fail(f"engine_error: {e}")
+            else:
+                for (s, session), response in zip(sent, responses):
+                    session.engine_urls.append(url)
+                    try:
+                        apply_single_turn(s, response)
+                    except EngineError as e:  # a malformed answer fails its own sample only
+                        s.fail(f"engine_error: {e}")
+        await asyncio.gather(*(self._finish_sample(s, [s], c, model_tokens_before=before)
+                               for s, c, before in todo))
+        for g in groups:
+            _settle(g, list(g.samples))
 
     async def _run_sample(self, sample: Sample, group: _Group) -> list[Sample]:
         if sample.status in ("completed", "truncated", "failed"):

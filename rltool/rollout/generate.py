@@ -224,15 +224,28 @@ def finish_label(finish_type: str, response: dict[str, Any]) -> str:
 
 async def generate_single_turn(sample: Sample, ctx: GenerateContext) -> Sample:
     """The default: one /generate call for the remaining response budget."""
+    payload = single_turn_request(sample, ctx)
+    if payload is None:
+        return sample
+    return apply_single_turn(sample, await ctx.client.generate(payload))
+
+
+def single_turn_request(sample: Sample, ctx: GenerateContext) -> dict[str, Any] | None:
+    """The /generate body of `generate_single_turn` for `sample` (one prompt; the batched path,
+    rltool.rollout.batching, sends many of these as one body); None when the response budget is
+    spent, the sample then marked truncated."""
     budget = ctx.sampling["max_response_len"] - len(sample.response_token_ids)
     if budget <= 0:
         sample.status, sample.finish_reason = "truncated", "length"
-        return sample
+        return None
     turn = len(ctx.client.rids)
-    payload = {"input_ids": sample.tokens, "return_logprob": True,
-               "sampling_params": ctx.sampling_params(max_new_tokens=budget, turn=turn,
-                                                      sample=sample)}
-    response = await ctx.client.generate(payload)
+    return {"input_ids": sample.tokens, "return_logprob": True,
+            "sampling_params": ctx.sampling_params(max_new_tokens=budget, turn=turn,
+                                                   sample=sample)}
+
+
+def apply_single_turn(sample: Sample, response: dict[str, Any]) -> Sample:
+    """`sample` with the engine's answer to its `single_turn_request` appended and its status set."""
     finish = sample.append_engine_output(response)
     sample.status = STATUS_BY_FINISH.get(finish, "completed")
     sample.finish_reason = finish_label(finish, response)

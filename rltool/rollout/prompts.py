@@ -237,3 +237,47 @@ def check_chat_template(tokenizer: Any, *, where: str) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise BadInputError(f"--tokenizer {where}: the tokenizer has no chat template; pass "
                             "--no-apply-chat-template to encode string prompts as they are")
+
+
+_TOKENIZER_CACHE: dict[tuple[Any, ...], tuple[Any, str]] = {}
+_PROMPTS_CACHE: dict[tuple[Any, ...],
+                     tuple[list[Prompt], dict[tuple[str, bool], dict[int, list[int]]]]] = {}
+
+
+def cached_prompts(path: str | Path, keys: PromptKeys
+                   ) -> tuple[list[Prompt], dict[tuple[str, bool], dict[int, list[int]]]]:
+    """(prompts of a file, their rendered token ids by (tokenizer hash, chat template) and row),
+    kept while the file is unchanged (size, mtime): the loop's rollout takes a step's prompts from
+    the same file every step, and reading and rendering it again was a fixed cost of every step.
+    A dataset directory is read every time (its own mtime does not follow its files)."""
+    root = Path(path).resolve()
+    if not root.is_file():
+        return load_prompts(path, keys), {}  # load_prompts reads a directory or names the error
+    stat = root.stat()
+    key = (str(root), stat.st_size, stat.st_mtime_ns, keys)
+    if key not in _PROMPTS_CACHE:
+        if len(_PROMPTS_CACHE) >= 2:  # the loop's rollout and eval files
+            _PROMPTS_CACHE.pop(next(iter(_PROMPTS_CACHE)))
+        _PROMPTS_CACHE[key] = (load_prompts(root, keys), {})
+    return _PROMPTS_CACHE[key]
+
+
+def cached_tokenizer(path: str | Path) -> tuple[Any, str]:
+    """(tokenizer, tokenizer hash) of a directory, kept while its files are unchanged (name, size,
+    mtime): a loop calls the stage every step with the same tokenizer, and loading it again cost
+    more than the batched generation of a demo step's requests."""
+    from rltool.data.tokenizer import tokenizer_hash
+
+    root = Path(path).resolve()
+    try:
+        key = (str(root), *sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                                  for p in root.iterdir() if p.is_file()))
+    except OSError:
+        key = None
+    if key is not None and key in _TOKENIZER_CACHE:
+        return _TOKENIZER_CACHE[key]
+    value = (load_tokenizer(root), tokenizer_hash(root))
+    if key is not None:
+        _TOKENIZER_CACHE.clear()  # one entry: the loop's tokenizer
+        _TOKENIZER_CACHE[key] = value
+    return value

@@ -20,10 +20,11 @@ from pydantic import Field, field_validator, model_validator
 from rltool import trace
 from rltool.config import StageConfig, cli, write_resolved
 from rltool.errors import BadInputError, EngineError, RewardError
+from rltool.rollout.batching import DEFAULT_SAMPLES_PER_REQUEST
 from rltool.rollout.client import engine_model_infos, tokenizer_path_of
 from rltool.rollout.generate import Sample, load_generate_fn, to_row
-from rltool.rollout.prompts import (Prompt, PromptKeys, check_chat_template, load_prompts,
-                                    load_tokenizer, prompt_at, render_prompt)
+from rltool.rollout.prompts import (Prompt, PromptKeys, cached_prompts, cached_tokenizer,
+                                    check_chat_template, prompt_at, render_prompt)
 
 log = logging.getLogger(__name__)
 PRODUCER = "rltool rollout"
@@ -85,6 +86,8 @@ class EngineStageConfig(StageConfig):
     tokenizer: str | None = Field(None, description="Tokenizer directory (default: the engine's "
                                   "tokenizer_path from /get_model_info).")
     concurrency: int = Field(32, ge=1, description="Most in-flight requests per engine.")
+    samples_per_request: int = Field(DEFAULT_SAMPLES_PER_REQUEST, ge=1, description="Most "
+                                     "samples in one batched /generate (a group is never split).")
     step: int = Field(0, ge=0, description="Step number: picks the prompts and goes in the metadata.")
     seed: int | None = Field(None, description="Base seed; each request gets sampling_seed derived "
                              "from it and the sample uid (reproducible with deterministic engines).")
@@ -284,7 +287,8 @@ class StageInputs:
         from rltool.rollout.router import Router
 
         clients = self.clients or {
-            url: EngineClient(url, api_key=cfg.api_key, timeout_s=cfg.request_timeout_s)
+            url: EngineClient(url, api_key=cfg.api_key, timeout_s=cfg.request_timeout_s,
+                              keepalive=cfg.concurrency)
             for url in self.urls}
         return Router(clients, concurrency=cfg.concurrency, via_gateway=self.via_gateway)
 
@@ -311,7 +315,8 @@ class StageInputs:
                                           reward_fn=self.reward_fn,
                                           reward_timeout_s=cfg.reward_timeout_s,
                                           reward_workers=cfg.reward_workers, progress=progress,
-                                          request_fields=cfg.request_fields())
+                                          request_fields=cfg.request_fields(),
+                                          samples_per_request=cfg.samples_per_request)
                     result = await collector.run(source, target_groups=target_groups, **run_kwargs)
                 out.append((result, router.stats()))
             finally:
@@ -346,50 +351,6 @@ class StageInputs:
         manifest = write_shard(cfg.out, [to_row(s) for g in groups for s in g], meta)
         write_resolved(cfg, Path(cfg.out) / config_name)
         return manifest
-
-
-_TOKENIZER_CACHE: dict[tuple[Any, ...], tuple[Any, str]] = {}
-_PROMPTS_CACHE: dict[tuple[Any, ...],
-                     tuple[list[Prompt], dict[tuple[str, bool], dict[int, list[int]]]]] = {}
-
-
-def cached_prompts(path: str | Path, keys: PromptKeys
-                   ) -> tuple[list[Prompt], dict[tuple[str, bool], dict[int, list[int]]]]:
-    """(prompts of a file, their rendered token ids by (tokenizer hash, chat template) and row),
-    kept while the file is unchanged (size, mtime): the loop's rollout takes a step's prompts from
-    the same file every step, and reading and rendering it again was a fixed cost of every step.
-    A dataset directory is read every time (its own mtime does not follow its files)."""
-    root = Path(path).resolve()
-    if not root.is_file():
-        return load_prompts(path, keys), {}  # load_prompts reads a directory or names the error
-    stat = root.stat()
-    key = (str(root), stat.st_size, stat.st_mtime_ns, keys)
-    if key not in _PROMPTS_CACHE:
-        if len(_PROMPTS_CACHE) >= 2:  # the loop's rollout and eval files
-            _PROMPTS_CACHE.pop(next(iter(_PROMPTS_CACHE)))
-        _PROMPTS_CACHE[key] = (load_prompts(root, keys), {})
-    return _PROMPTS_CACHE[key]
-
-
-def cached_tokenizer(path: str | Path) -> tuple[Any, str]:
-    """(tokenizer, tokenizer hash) of a directory, kept while its files are unchanged (name, size,
-    mtime): a loop calls the stage every step with the same tokenizer, and loading it again cost
-    more than the batched generation of a demo step's requests."""
-    from rltool.data.tokenizer import tokenizer_hash
-
-    root = Path(path).resolve()
-    try:
-        key = (str(root), *sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
-                                  for p in root.iterdir() if p.is_file()))
-    except OSError:
-        key = None
-    if key is not None and key in _TOKENIZER_CACHE:
-        return _TOKENIZER_CACHE[key]
-    value = (load_tokenizer(root), tokenizer_hash(root))
-    if key is not None:
-        _TOKENIZER_CACHE.clear()  # one entry: the loop's tokenizer
-        _TOKENIZER_CACHE[key] = value
-    return value
 
 
 def with_seed(cfg: EngineStageConfig) -> EngineStageConfig:

@@ -23,7 +23,8 @@ class FakeEngine:
         self.eos_prob = eos_prob
         self.spans = spans
         self.dead = False
-        self.requests: list[dict] = []
+        self.requests: list[dict] = []  # one per prompt (a batch's prompts each)
+        self.bodies: list[int] = []  # the prompts of each /generate call (HTTP request)
         self.keys: list[str | None] = []
         self.in_flight = 0
         self.max_in_flight = 0
@@ -31,7 +32,9 @@ class FakeEngine:
 
     async def generate(self, payload: dict, *, routing_key: str | None = None) -> dict | list:
         ids = payload["input_ids"]
-        if ids and isinstance(ids[0], list):  # a batch: one request per prompt, as engines do
+        batched = bool(ids) and isinstance(ids[0], list)
+        self.bodies.append(len(ids) if batched else 1)
+        if batched:  # one request per prompt, as engines do
             items = [{**payload, "input_ids": x, "sampling_params": p, "rid": r}
                      for x, p, r in zip(ids, payload["sampling_params"], payload["rid"])]
             return list(await asyncio.gather(*(self._one(x, routing_key) for x in items)))

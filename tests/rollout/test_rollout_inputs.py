@@ -74,7 +74,7 @@ def test_cached_prompts_reload_when_the_file_changes(tmp_path):
 
     from rltool.data.tasks import make_rows, write_prompts
     from rltool.rollout.prompts import PromptKeys
-    from rltool.rollout.stage import cached_prompts
+    from rltool.rollout.prompts import cached_prompts
 
     path = tmp_path / "p.jsonl"
     write_prompts(make_rows("copy", num=3, seed=1), path)
