@@ -26,7 +26,7 @@ import contextlib
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,15 +58,22 @@ class TierStats:
     requests: int = 0  # finished requests that got a first token
     prompt_tokens: int = 0  # their prompt tokens
     ttft_s: float = 0.0  # their summed time from arrival to first token
+    # Prefill forwards (CUDA: events; CPU: wall) and the sums a least-squares fit of their
+    # seconds against their tokens takes: its slope is the marginal prefill cost of a token,
+    # what a cache hit saves (the mean also carries each forward's fixed cost).
+    prefill_forwards: int = 0
     prefill_tokens: int = 0  # tokens prefilled (computed, not served from a cache)
-    prefill_s: float = 0.0  # time of those prefill forwards (CUDA: events; CPU: wall)
+    prefill_s: float = 0.0
+    prefill_tokens_sq: float = 0.0  # sum of tokens^2 over forwards
+    prefill_token_s: float = 0.0  # sum of tokens * seconds over forwards
     _ttfts: collections.deque = field(default_factory=lambda: collections.deque(
         maxlen=TTFT_WINDOW), repr=False)
-    _timed: list = field(default_factory=list, repr=False)  # (start, end, counter) on CUDA
+    _timed: list = field(default_factory=list, repr=False)  # (start, end, add) on CUDA
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
-        """The counters, with the derived `io_s`, `ttft_*_s` and `prefill_s_per_token`."""
+        """The counters, with the derived `io_s`, `ttft_*_s` and `prefill_s_per_token` (the
+        mean)."""
         self.settle()
         with self._lock:
             out = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
@@ -89,14 +96,30 @@ class TierStats:
             self.ttft_s += ttft
             self._ttfts.append(ttft)
 
+    def prefill(self, tokens: int, device: torch.device) -> contextlib.AbstractContextManager:
+        """Time one prefill forward of `tokens` tokens."""
+        self.prefill_forwards += 1
+        self.prefill_tokens += tokens
+        self.prefill_tokens_sq += tokens * tokens
+
+        def add(seconds: float) -> None:
+            self.prefill_s += seconds
+            self.prefill_token_s += seconds * tokens
+        return self.timed(device, add)
+
+    def adder(self, counter: str) -> Callable[[float], None]:
+        """A function adding its seconds to `counter`."""
+        return lambda seconds: setattr(self, counter, getattr(self, counter) + seconds)
+
     @contextlib.contextmanager
-    def timed(self, counter: str, device: torch.device | None) -> Iterator[None]:
-        """Add the time of the work the block queues to `counter`: on CUDA the time between two
-        events on the current stream (added by `settle` once they have passed), else wall."""
+    def timed(self, device: torch.device | None, add: Callable[[float], None]
+              ) -> Iterator[None]:
+        """Pass the time of the work the block queues to `add`: on CUDA the time between two
+        events on the current stream (passed by `settle` once they have passed), else wall."""
         if device is None or device.type != "cuda":
             t0 = time.perf_counter()
             yield
-            setattr(self, counter, getattr(self, counter) + time.perf_counter() - t0)
+            add(time.perf_counter() - t0)
             return
         self.settle()
         start = torch.cuda.Event(enable_timing=True)
@@ -105,17 +128,17 @@ class TierStats:
         end = torch.cuda.Event(enable_timing=True)
         end.record()
         with self._lock:
-            self._timed.append((start, end, counter))
+            self._timed.append((start, end, add))
 
     def settle(self) -> None:
         """Add the time of finished CUDA work to its counter (also called on the HTTP thread)."""
         with self._lock:
             pending = []
-            for start, end, counter in self._timed:
+            for start, end, add in self._timed:
                 if end.query():
-                    setattr(self, counter, getattr(self, counter) + start.elapsed_time(end) / 1e3)
+                    add(start.elapsed_time(end) / 1e3)
                 else:
-                    pending.append((start, end, counter))
+                    pending.append((start, end, add))
             self._timed = pending
 
 
@@ -237,12 +260,13 @@ class HostKV:
     def _side(self, counter: str) -> Iterator[torch.device]:
         """Run the block's copies on the copy stream (CUDA), timed into `counter`."""
         if not self.cuda:
-            with self.stats.timed(counter, None):
+            with self.stats.timed(None, self.stats.adder(counter)):
                 yield torch.device("cpu")
             return
         device = self._dev[0][0].device
         self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream), self.stats.timed(counter, device):
+        with torch.cuda.stream(self._stream), self.stats.timed(device,
+                                                               self.stats.adder(counter)):
             yield device
         torch.cuda.current_stream().wait_stream(self._stream)
 

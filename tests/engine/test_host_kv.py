@@ -214,6 +214,11 @@ def test_stats_count_requests_prefill_and_reloads(tiny_model_dir):
     assert s["prompt_tokens"] == sum(len(r.prompt_ids) for r in reqs)
     assert s["prefill_tokens"] == sum(len(r.prompt_ids) - r.cached_tokens for r in reqs)
     assert s["prefill_s"] > 0 and s["prefill_s_per_token"] == s["prefill_s"] / s["prefill_tokens"]
+    sizes = [len(r.prompt_ids) - r.cached_tokens for r in reqs]  # one at a time, chunks of 16
+    assert s["prefill_forwards"] == sum(-(-n // 16) for n in sizes)
+    chunks = [min(16, n - i) for n in sizes for i in range(0, n, 16)]
+    assert s["prefill_tokens_sq"] == sum(c * c for c in chunks)
+    assert 0 < s["prefill_token_s"] <= max(chunks) * s["prefill_s"]
     ttfts = sorted(r.t_first_token - r.t_arrival for r in reqs)
     assert s["ttft_p50_s"] == ttfts[len(ttfts) // 2 - 1 + len(ttfts) % 2]
     assert s["ttft_p99_s"] == ttfts[-1]
