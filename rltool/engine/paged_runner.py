@@ -342,18 +342,19 @@ class PagedRunner:
                 ) -> torch.Tensor | None:
         """Write the KV of each chunk (rid, token ids, first position) into the pool in one packed
         forward. Returns float32 logits of the last token of each chunk with want[i], in order."""
-        self.tier_stats.prefill_tokens += sum(len(c[1]) for c in chunks)
-        with self.invariant(), self.tier_stats.timed("prefill_s", self.device):
+        tokens = sum(len(c[1]) for c in chunks)
+        with self.invariant(), self.tier_stats.prefill(tokens, self.device):
             return self._forward.prefill(chunks, want=want)
 
     @torch.no_grad()
     def decode(self, rids: list[str], token_ids: list[int] | None, *,
                prev_tokens: torch.Tensor | None = None,
-               src_rows: list[int] | None = None, steps: int = 1) -> torch.Tensor:
+               src_rows: list[int] | None = None, steps: int = 1) -> torch.Tensor | None:
         """One decode step: token_ids[i] is fed to request rids[i] (its KV grows by one token), or,
         with `prev_tokens` (a device tensor of the last step's samples), prev_tokens[src_rows[i]],
         so the step can be queued before the host has seen those tokens. Returns logits [B, V]
-        (on CUDA in the model dtype, in a graph's output buffer: valid until the next call).
+        (on CUDA in the model dtype, in a graph's output buffer: valid until the next call), or
+        None after `sample_next` (the tokens are `sampled()`).
         `steps` > 1 starts a block of that many steps over the batch: the KV of all of them is
         reserved now (the caller checked the pages are free); `decode_next` runs the others.
         Nothing here waits for the device unless the host is two steps ahead (pinned host
@@ -363,7 +364,7 @@ class PagedRunner:
                                      src_rows=src_rows, steps=steps)
 
     @torch.no_grad()
-    def decode_next(self, tokens: torch.Tensor) -> torch.Tensor:
+    def decode_next(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """The next step of the block `decode(steps=...)` began, fed `tokens` ([B], on device)."""
         with self.invariant():
             return self.decoder.next(tokens)
