@@ -11,7 +11,10 @@ A hybrid model (Gated DeltaNet layers) also gets a recurrent-state pool of K slo
 (rltool.engine.state_pool). With `--mamba-full-memory-ratio r` the cache budget B (on CPU the
 KV of the default pool plus a slot per running request) splits into B/(1+r) for N tokens of KV
 (c_A bytes each) and rB/(1+r) for K slots (c_R bytes each), K at most `--max-running-requests`;
-on CUDA r defaults to SGLang's 0.9, on CPU without it K = --max-running-requests.
+on CUDA r defaults to SGLang's 0.9, on CPU without it K = --max-running-requests. With the
+prefix cache the K slots also hold its state snapshots (rltool.engine.hybrid_prefix) while
+running requests leave them free; the host tier is refused for a hybrid (its pages would go
+without their snapshots).
 
 With the prefix cache and `--enable-hierarchical-cache` the pages the prefix cache evicts move
 to a host pool (rltool.engine.host_kv) of `--hicache-ratio` times the device pool's pages, or
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from rltool.engine.host_kv import HostKV, TierStats, available_host_bytes, host_pool_pages
+from rltool.engine.hybrid_prefix import HybridPageTable
 from rltool.engine.linear_attention import SSM_DTYPES
 from rltool.engine.model_spec import ModelSpec
 from rltool.engine.moe import RoutedExperts
@@ -82,6 +86,10 @@ class KvMemory:
               ) -> tuple[KVPool, PageTable, StatePool | None]:
         """The pool and its page table, as large as the budget allows (an MoE model's routed
         expert ids take their bytes per token too), and a hybrid's state pool."""
+        if spec.linear is not None and self.hicache and self.prefix_cache:
+            raise BadInputError("--enable-hierarchical-cache moves KV pages to the host without "
+                                "the recurrent-state snapshots a hybrid linear-attention model's "
+                                "prefix needs; drop --enable-hierarchical-cache")
         per_token = self.bytes_per_token(spec, dtype) + RoutedExperts.bytes_per_token(spec.moe)
         per_slot = self.state_bytes(spec, dtype)
         ratio = self.mamba_full_memory_ratio
@@ -121,18 +129,20 @@ class KvMemory:
                                          bytes_per_page=per_token * self.page_size,
                                          size_gb=self.hicache_size_gb,
                                          available_bytes=available_host_bytes())
-        table = PageTable(num_pages=num_pages, page_size=self.page_size,
-                          max_requests=self.max_running,
-                          max_pages_per_request=-(-context_length // self.page_size),
-                          device=device, prefix_cache=self.prefix_cache,
-                          host_pages=host_pages, stats=stats)
+        states = None
+        if spec.linear is not None:
+            states = StatePool(spec.linear, num_slots=slots, max_requests=self.max_running,
+                               conv_dtype=dtype, ssm_dtype=self.ssm_dtype(spec), device=device)
+        sizes = dict(num_pages=num_pages, page_size=self.page_size, max_requests=self.max_running,
+                     max_pages_per_request=-(-context_length // self.page_size), device=device,
+                     stats=stats)
+        if states is not None and self.prefix_cache:
+            table: PageTable = HybridPageTable(states=states, **sizes)
+        else:
+            table = PageTable(prefix_cache=self.prefix_cache, host_pages=host_pages, **sizes)
         pool.routed = RoutedExperts.make(spec.moe, spec.num_layers,
                                          slots=num_pages * self.page_size, device=device)
         if host_pages:
             table.host = HostKV(pool, num_pages=host_pages, page_size=self.page_size,
                                 stats=table.stats)
-        states = None
-        if spec.linear is not None:
-            states = StatePool(spec.linear, num_slots=slots, max_requests=self.max_running,
-                               conv_dtype=dtype, ssm_dtype=self.ssm_dtype(spec), device=device)
         return pool, table, states

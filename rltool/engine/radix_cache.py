@@ -20,6 +20,11 @@ device match over host nodes, `promote` gives them device pages again (the calle
 and when the host pool is full its least recently used leaves are dropped. Every node carries
 `version`, the epoch (bumped by each weight update and flush) its KV was computed under; a
 match never returns a node of another version, and `clear` empties both tiers.
+
+A hybrid model's nodes may also hold a recurrent-state snapshot (rltool.engine.hybrid_prefix):
+`state`, a slot of its state pool, with the states after the node's first `state_len` tokens.
+The tree keeps the slots in `snapshots`; a node that leaves (evicted, demoted, cleared) gives
+its slot up, and `drain_states` hands the slots given up to the caller, which frees them.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ class Node:
     detached: bool = False
     host: int = -1  # host page id while the KV lives in the host tier (then page is -1)
     version: int = 0  # the cache's epoch when the KV was computed
+    state: int = -1  # a hybrid's recurrent-state snapshot slot (-1: none)
+    state_len: int = 0  # tokens of this node's page the snapshot has consumed (1..page_size)
 
 
 class RadixCache:
@@ -53,6 +60,8 @@ class RadixCache:
         self._clock = itertools.count(1)
         self.num_pages = 0  # pages held by attached nodes
         self.epoch = 0  # bumped by clear: KV written under an older epoch is never inserted
+        self.snapshots: dict[int, Node] = {}  # state slot -> the node holding it
+        self._dropped_states: list[int] = []  # slots of nodes that left, for drain_states
 
     def _keys(self, tokens: list[int]) -> list[tuple[int, ...]]:
         ps = self.page_size
@@ -188,6 +197,7 @@ class RadixCache:
             del parent.children[node.key]
             self.num_pages -= 1
             freed.append(node.page)
+            self._drop_state(node)
             if parent is not self.root and not parent.children and parent.refs == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
@@ -211,10 +221,12 @@ class RadixCache:
                 if not node.children:  # no host room (every host leaf locked): drop it
                     del node.parent.children[node.key]
                     node.detached = True
+                    self._drop_state(node)
                     freed.append(node.page)
                     self.num_pages -= 1
                 continue
             host = self._host_free.pop()
+            self._drop_state(node)  # a snapshot lives on the device, with its node's page
             copies[host] = node.page
             freed.append(node.page)
             node.page, node.host = -1, host
@@ -249,6 +261,7 @@ class RadixCache:
         """Drop every node; returns the pages free now (locked ones come back through unlock)."""
         freed = []
         for node in self._nodes():
+            self._drop_state(node)
             node.detached = True
             node.children = {}
             node.host = -1
@@ -259,6 +272,37 @@ class RadixCache:
         self.num_pages = 0
         self.epoch += 1
         return freed
+
+    # ----- recurrent-state snapshots (hybrid models) ----------------------------------------
+
+    def attach_state(self, node: Node, slot: int, length: int) -> bool:
+        """Give `node` the snapshot in `slot`, taken after the first `length` tokens of its
+        page; False (the caller keeps the slot) if it holds one already or has left the tree."""
+        if node.state >= 0 or node.detached or node.page < 0 or node.version != self.epoch:
+            return False
+        node.state, node.state_len = slot, length
+        self.snapshots[slot] = node
+        return True
+
+    def take_state(self, node: Node) -> int:
+        """Detach the node's snapshot; returns its slot, now the caller's."""
+        slot = node.state
+        del self.snapshots[slot]
+        node.state, node.state_len = -1, 0
+        return slot
+
+    def oldest_state(self) -> Node | None:
+        """The least recently used node holding a snapshot (None if none does)."""
+        return min(self.snapshots.values(), key=lambda n: n.last_access, default=None)
+
+    def drain_states(self) -> list[int]:
+        """Snapshot slots given up by nodes that left the tree since the last call."""
+        out, self._dropped_states = self._dropped_states, []
+        return out
+
+    def _drop_state(self, node: Node) -> None:
+        if node.state >= 0:
+            self._dropped_states.append(self.take_state(node))
 
     def _nodes(self) -> list[Node]:
         out, stack = [], list(self.root.children.values())

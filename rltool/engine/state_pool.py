@@ -12,10 +12,16 @@ step (or a block of them) finds its states without host work.
 Sizing follows SGLang's `--mamba-full-memory-ratio r`: a cache budget B splits into B/(1+r) for
 the attention KV and rB/(1+r) for the states, so B = N*c_A + K*c_R with c_A the KV bytes per
 token and c_R `LinearSpec.state_bytes` per slot (rltool.engine.kv_memory).
+
+With the prefix cache, slots that no request holds may keep snapshots of a prefix's states
+(rltool.engine.hybrid_prefix): `take` hands one out, `copy` fills it, `put` gives it back. They
+share the K slots with running requests, which come first: a claim that finds no free slot asks
+`reclaim` (set by the prefix cache) to give up its least recently used snapshot.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +45,7 @@ class StatePool:
         self.slot_of_row = torch.zeros(max_requests + 1, dtype=torch.long, device=device)
         self._free = list(range(num_slots, 0, -1))  # popped from the end: low slots first
         self.held: dict[str, int] = {}
+        self.reclaim: Callable[[], int | None] | None = None  # a snapshot's slot, given up
 
     @property
     def available(self) -> int:
@@ -51,14 +58,36 @@ class StatePool:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.conv, self.ssm))
 
+    @property
+    def num_snapshots(self) -> int:
+        """Slots neither free nor held by a request: the prefix cache's snapshots."""
+        return self.num_slots - len(self._free) - len(self.held)
+
     def claim(self, rid: str) -> bool:
-        """Give `rid` a slot unless it holds one; False when none is free."""
+        """Give `rid` a slot unless it holds one (a snapshot's, through `reclaim`, when none is
+        free); False when every slot is held by a request."""
         if rid in self.held:
             return True
-        if not self._free:
+        slot = self._free.pop() if self._free else self.reclaim() if self.reclaim else None
+        if slot is None:
             return False
-        self.held[rid] = self._free.pop()
+        self.held[rid] = slot
         return True
+
+    def take(self) -> int | None:
+        """A free slot for a snapshot (None when none is free; requests' slots are never
+        taken)."""
+        return self._free.pop() if self._free else None
+
+    def put(self, slot: int) -> None:
+        """Give back a snapshot's slot."""
+        self._free.append(slot)
+
+    def copy(self, src: int, dst: int) -> None:
+        """Copy the conv and recurrent states of slot `src` into slot `dst`, every GDN layer
+        (queued on the current stream: it lands before any later forward reads `dst`)."""
+        self.conv[:, dst] = self.conv[:, src]
+        self.ssm[:, dst] = self.ssm[:, src]
 
     def bind(self, rid: str, row: int) -> int:
         """The slot of `rid` (claimed now if it holds none), recorded for its page-table row."""
