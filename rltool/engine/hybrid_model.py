@@ -293,9 +293,9 @@ class HybridLM(DenseLM):
 
 def check_hybrid_flags(spec: ModelSpec, *, prefix_cache: bool, ratio: float | None,
                        ssm_dtype: str | None) -> None:
-    """Refuse, in one line naming the fix, what a served model cannot take: the hybrid flags for
-    a model without GDN layers, and the prefix cache for a hybrid (a cached prefix would need a
-    snapshot of each sequence's recurrent state at the prefix's end, which are not built)."""
+    """Refuse, in one line naming the fix, what a served model cannot take: bad hybrid flags, or
+    any for a model without GDN layers. `prefix_cache` is taken but refuses nothing: a hybrid's
+    prefix cache holds recurrent-state snapshots (rltool.engine.hybrid_prefix)."""
     if ssm_dtype is not None and ssm_dtype not in SSM_DTYPES:
         raise BadInputError(f"unknown --mamba-ssm-dtype {ssm_dtype!r}; choose fp32 or bf16")
     if ratio is not None and not ratio > 0:
@@ -307,11 +307,6 @@ def check_hybrid_flags(spec: ModelSpec, *, prefix_cache: bool, ratio: float | No
         if given:
             raise BadInputError(f"{' and '.join(given)} apply to hybrid linear-attention models "
                                 f"only; {spec.arch} has no recurrent state: drop them")
-        return
-    if prefix_cache:
-        raise BadInputError(f"{spec.arch} is a hybrid linear-attention model: the prefix cache "
-                            "would need recurrent-state snapshots, which the engine does not "
-                            "build; pass --disable-radix-cache")
 
 
 def load_hybrid(model_dir: str | Path, *, device: torch.device | str, dtype: torch.dtype,

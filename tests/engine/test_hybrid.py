@@ -275,16 +275,14 @@ def test_state_dtype_and_cache_sizes(hybrid_dir):
     assert r16.states.ssm.dtype == torch.bfloat16 and r16.states.conv.dtype == torch.float32
     assert r16.cache_sizes()["c_R"] == 3 * (ssm * 2 + conv * 4)
     assert r16.cache_sizes()["c_A"] == 2 * 1 * spec.num_kv_heads * (spec.head_dim + 4)
-    with pytest.raises(BadInputError, match="--disable-radix-cache"):
-        runner_of(hybrid_dir, prefix_cache=True)
 
 
-def test_cli_refuses_the_prefix_cache_and_bad_hybrid_flags(hybrid_dir, tiny_model_dir):
+def test_cli_refuses_the_host_tier_and_bad_hybrid_flags(hybrid_dir, tiny_model_dir):
     from click.testing import CliRunner
 
     from rltool.cli import main
 
-    cases = [([], "--disable-radix-cache"),
+    cases = [(["--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
              (["--disable-radix-cache", "--mamba-ssm-dtype", "fp16"], "mamba-ssm-dtype"),
              (["--disable-radix-cache", "--mamba-full-memory-ratio", "0"],
               "mamba-full-memory-ratio")]
