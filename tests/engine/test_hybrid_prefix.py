@@ -1,0 +1,255 @@
+"""The prefix cache of a hybrid linear-attention model (rltool.engine.hybrid_prefix): prompts that
+reuse a recurrent-state snapshot give the tokens and logprobs of a fresh prefill (a runner
+without the cache, the same seeds); a GRPO group computes its prompt about once; a second turn
+reuses the first turn's snapshot; snapshots leave with their nodes (KV eviction), give their
+slots to requests under slot pressure, and are dropped by a weight update and a flush; no slot
+is lost to retraction or abort. CPU, fp32, the tiny qwen3_5 (3 GDN layers, 1 attention layer)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from rltool.engine.hybrid_prefix import HybridPageTable, snapshot_point
+from rltool.engine.paged_runner import PagedRunner
+from rltool.engine.paged_scheduler import PagedScheduler
+from rltool.engine.radix_cache import RadixCache
+from rltool.engine.request import Request
+from rltool.engine.sampling import SamplingParams, make_generator
+from rltool.errors import BadInputError
+from tests.helpers.hybrid import make_hybrid
+
+PS = 4  # page size
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    return make_hybrid(tmp_path_factory.mktemp("hybrid_prefix") / "m", task=None)
+
+
+def runner_of(model_dir, **kw):
+    args = dict(device="cpu", dtype="fp32", max_running=8, page_size=PS, max_total_tokens=1024,
+                prefix_cache=True)
+    return PagedRunner(model_dir, **(args | kw))
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    return [(seed * 31 + 7 * i * i + 3 * i) % 53 + 2 for i in range(n)]  # vocab: 60
+
+
+def sampled(rid: str, prompt: list[int], *, seed: int, n: int = 6) -> Request:
+    return Request(rid=rid, prompt_ids=list(prompt), return_logprob=True,
+                   generator=make_generator(seed),
+                   params=SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True))
+
+
+def run(sched: PagedScheduler, reqs: list[Request], *, while_running=None) -> None:
+    done = threading.Semaphore(0)
+    for req in reqs:
+        req.on_finish = lambda r: done.release()
+    sched.submit(reqs)
+    if while_running is not None:
+        while_running()
+    for _ in reqs:
+        assert done.acquire(timeout=120)
+
+
+def serve(runner: PagedRunner, waves: list[list[Request]], **kw) -> PagedScheduler:
+    """Run each wave of requests to the end, one wave after the other."""
+    sched = PagedScheduler(runner, max_running=runner.kv.max_running, **kw)
+    sched.start()
+    try:
+        for wave in waves:
+            run(sched, wave)
+    finally:
+        sched.stop()
+    return sched
+
+
+def accounted(runner: PagedRunner) -> int:
+    """Slots free + held by requests + snapshots of nodes + snapshots waiting for their page,
+    which must be all of them."""
+    states, table = runner.states, runner.table
+    return (states.available + len(states.held) + len(table.cache.snapshots)
+            + len(table.pending))
+
+
+def assert_idle(runner: PagedRunner) -> None:
+    states = runner.states
+    assert not states.held and not runner.table.pending
+    assert accounted(runner) == states.num_slots
+    assert len(runner.table.cache.snapshots) == states.num_snapshots
+
+
+def test_snapshot_points():
+    assert [snapshot_point(n, 4) for n in (0, 1, 3, 4, 5, 8, 11, 12)] == [0, 0, 0, 3, 4, 7, 8, 11]
+
+
+@pytest.mark.parametrize("length", [11, 12, 23])
+def test_reuse_gives_the_tokens_and_logprobs_of_a_fresh_prefill(hybrid_dir, length):
+    """A prompt ending inside a page (11: snapshot at the page end, 8) or on a page end (12: at
+    11, inside the last page, whose head is copied); 23 under a 4-token prefill chunk that the
+    snapshot point (20) splits again. The second wave's requests start from the snapshot and
+    sample with the seeds of the reference run (no prefix cache)."""
+    prompt = prompt_of(length, seed=length)
+    chunk = {"chunked_prefill_size": 4, "max_prefill_tokens": 8} if length == 23 else {}
+    waves = [[sampled("a", prompt, seed=1)], [sampled(f"b{i}", prompt, seed=10 + i)
+                                              for i in range(3)]]
+    runner = runner_of(hybrid_dir)
+    serve(runner, waves, **chunk)
+    ref_runner = runner_of(hybrid_dir, prefix_cache=False)
+    refs = [[sampled(r.rid, prompt, seed=s)] for r, s in zip(waves[0] + waves[1], (1, 10, 11, 12))]
+    serve(ref_runner, refs, **chunk)
+    point = snapshot_point(length, PS)
+    assert waves[0][0].cached_tokens == 0
+    assert [r.cached_tokens for r in waves[1]] == [point] * 3
+    for req, (ref,) in zip(waves[0] + waves[1], refs):
+        assert req.output_ids == ref.output_ids, req.rid
+        assert req.output_logprobs == pytest.approx(ref.output_logprobs, abs=1e-5), req.rid
+    assert_idle(runner)
+    assert runner.states.num_snapshots == 1
+
+
+def test_a_grpo_group_computes_its_prompt_about_once(hybrid_dir):
+    """Two groups of 8 samples submitted at once: 128 tokens (a snapshot one token before the
+    end) and 130 (at the end of the last full page, 128): the other samples compute 1 and 2
+    prompt tokens each, within 1.15x of the unique prompt tokens; every slot comes back."""
+    prompts = [prompt_of(128, seed=1), prompt_of(130, seed=2)]
+    group = [sampled(f"g{p}-{i}", prompt, seed=100 * p + i, n=4)
+             for p, prompt in enumerate(prompts) for i in range(8)]
+    runner = runner_of(hybrid_dir, max_running=16, max_total_tokens=2048)
+    sched = serve(runner, [group], max_prefill_tokens=1024)
+    unique = sum(len(p) for p in prompts)
+    assert sched.num_prefill_tokens == unique + 7 * 1 + 7 * 2
+    assert sched.num_prefill_tokens <= 1.15 * unique
+    assert sorted(r.cached_tokens for r in group) == [0, 0] + [127] * 7 + [128] * 7
+    assert runner.tier_stats.device_hit_tokens == 7 * 127 + 7 * 128
+    assert_idle(runner)
+
+
+def test_a_second_turn_reuses_the_first_turns_snapshot(hybrid_dir):
+    """Turn 2's prompt is turn 1's prompt, its response and a new message: it starts from the
+    snapshot turn 1 took (19 of its 20 tokens) and samples what a fresh prefill does."""
+    first = prompt_of(20, seed=5)
+    turn1 = sampled("t1", first, seed=3)
+    runner = runner_of(hybrid_dir)
+    sched = PagedScheduler(runner, max_running=8)
+    sched.start()
+    try:
+        run(sched, [turn1])
+        second = first + turn1.output_ids + [9, 8, 7, 6, 5]
+        turn2 = sampled("t2", second, seed=4)
+        run(sched, [turn2])
+    finally:
+        sched.stop()
+    assert turn2.cached_tokens == snapshot_point(20, PS) == 19
+    ref = sampled("r2", second, seed=4)
+    serve(runner_of(hybrid_dir, prefix_cache=False), [[ref]])
+    assert turn2.output_ids == ref.output_ids
+    assert turn2.output_logprobs == pytest.approx(ref.output_logprobs, abs=1e-5)
+    assert_idle(runner)
+
+
+def test_snapshots_leave_with_their_nodes_and_yield_slots_to_requests(hybrid_dir):
+    """A 64-token KV pool: each new prompt evicts older cached pages, whose snapshots go back to
+    the pool; with 2 slots, a request that finds none free takes a snapshot's."""
+    runner = runner_of(hybrid_dir, max_running=2, max_total_tokens=64)
+    waves = [[sampled(f"p{i}", prompt_of(21, seed=i), seed=i, n=3)] for i in range(4)]
+    sched = PagedScheduler(runner, max_running=2)
+    sched.start()
+    seen = []
+    try:
+        for wave in waves:
+            run(sched, wave)
+            seen.append(sched.call(lambda: (runner.states.num_snapshots,
+                                            accounted(runner))).result(30))
+        # two at once: both slots go to requests, the snapshots give theirs up
+        pair = [sampled(f"q{i}", prompt_of(13, seed=50 + i), seed=i, n=3) for i in range(2)]
+        run(sched, pair)
+    finally:
+        sched.stop()
+    assert all(total == 2 for _, total in seen)
+    assert max(n for n, _ in seen) >= 1
+    cache = runner.table.cache
+    assert cache.num_pages * PS <= 64
+    live = {id(n) for n in cache._nodes()}
+    assert all(id(node) in live for node in cache.snapshots.values())
+    assert_idle(runner)
+
+
+def test_retraction_and_abort_free_every_slot(hybrid_dir):
+    """A 40-token KV pool with 3 requests decoding retracts some (their pending snapshots and
+    slots freed, recomputed from their cached prefix later); then an abort mid-decode."""
+    runner = runner_of(hybrid_dir, max_running=3, max_total_tokens=40)
+    prompt = prompt_of(12, seed=9)
+    reqs = [sampled(f"r{i}", prompt, seed=i, n=8) for i in range(3)]
+    sched = serve(runner, [reqs])
+    assert sched.num_retractions > 0
+    assert_idle(runner)
+    ref_runner = runner_of(hybrid_dir, prefix_cache=False)
+    refs = [[sampled(r.rid, prompt, seed=i, n=8)] for i, r in enumerate(reqs)]
+    serve(ref_runner, refs)
+    for req, (ref,) in zip(reqs, refs):
+        assert req.output_ids == ref.output_ids
+    runner = runner_of(hybrid_dir, max_running=3)
+    sched = PagedScheduler(runner, max_running=3)
+    sched.start()
+    try:
+        long = [sampled(f"l{i}", prompt, seed=i, n=300) for i in range(3)]
+
+        def abort():
+            while not all(r.output_ids for r in long):
+                threading.Event().wait(0.01)
+            sched.call(lambda: sched.abort(abort_all=True)).result(30)
+        run(sched, long, while_running=abort)
+        assert all(r.finish_reason["type"] == "abort" for r in long)
+        sched.call(lambda: assert_idle(runner)).result(30)
+    finally:
+        sched.stop()
+
+
+def test_a_weight_update_and_a_flush_drop_every_snapshot(hybrid_dir):
+    runner = runner_of(hybrid_dir)
+    prompt = prompt_of(14, seed=3)
+    sched = PagedScheduler(runner, max_running=8)
+    sched.start()
+    try:
+        first = [sampled("w0", prompt, seed=1)]
+        run(sched, first)
+        assert sched.call(lambda: runner.states.num_snapshots).result(30) == 1
+        sched.update_weights(lambda: runner.load_weights(hybrid_dir), abort_all=False).result(60)
+        assert sched.call(lambda: runner.states.num_snapshots).result(30) == 0
+        again = [sampled("w1", prompt, seed=1)]
+        run(sched, again)
+        assert again[0].cached_tokens == 0 and again[0].output_ids == first[0].output_ids
+        sched.call(sched.flush_cache).result(30)
+        assert sched.call(lambda: runner.states.num_snapshots).result(30) == 0
+        third = [sampled("w2", prompt, seed=1)]
+        run(sched, third)
+        assert third[0].cached_tokens == 0
+    finally:
+        sched.stop()
+    assert_idle(runner)
+
+
+def test_the_host_tier_is_refused_for_a_hybrid(hybrid_dir):
+    with pytest.raises(BadInputError, match="drop --enable-hierarchical-cache"):
+        runner_of(hybrid_dir, hicache=True)
+    assert isinstance(runner_of(hybrid_dir).table, HybridPageTable)
+
+
+def test_the_tree_gives_up_the_snapshots_of_nodes_that_leave():
+    """Evicted and cleared nodes hand their slots back through drain_states; a node holds one
+    snapshot; the least recently used one is offered first."""
+    cache = RadixCache(page_size=2)
+    path_a, _ = cache.insert([1, 2, 3, 4], [10, 11])
+    path_b, _ = cache.insert([5, 6], [12])
+    assert cache.attach_state(path_a[1], 7, 1) and not cache.attach_state(path_a[1], 8, 2)
+    assert cache.attach_state(path_b[0], 9, 2)
+    cache.match([1, 2, 3, 4])  # touches a's nodes: b's snapshot is the older
+    assert cache.oldest_state() is path_b[0]
+    assert sorted(cache.evict(1)) == [12] and cache.drain_states() == [9]
+    assert cache.drain_states() == []
+    cache.clear()
+    assert cache.drain_states() == [7] and cache.snapshots == {}
