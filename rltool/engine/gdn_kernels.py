@@ -220,8 +220,9 @@ def _chunk_prep(X, stride_x, Proj, stride_p, ALog, DtBias, ChunkStart, ChunkEnd,
     c = tl.program_id(0)
     h = tl.program_id(1)
     start = tl.load(ChunkStart + c)
+    end = tl.load(ChunkEnd + c)
     rows = start + tl.arange(0, BT)
-    ok = rows < tl.load(ChunkEnd + c)
+    ok = rows < end
     offs_k = tl.arange(0, BK)
     offs_v = tl.arange(0, BV)
     idx = tl.arange(0, BT)
@@ -231,13 +232,16 @@ def _chunk_prep(X, stride_x, Proj, stride_p, ALog, DtBias, ChunkStart, ChunkEnd,
     lower = idx[:, None] > idx[None, :]
     decay = tl.exp(tl.where(lower, G[:, None] - G[None, :], float("-inf")))
     A = _mm(k, tl.trans(k), IEEE) * decay * beta[:, None]
-    # T = (I + A)^-1 by forward substitution: row i is e_i - sum_{j<i} A_ij T_j
+    # T = (I + A)^-1 by forward substitution: row i is e_i - sum_{j<i} A_ij T_j (rows past the
+    # chunk's end stay e_i: their A rows are 0)
     T = tl.where(idx[:, None] == idx[None, :], 1.0, 0.0)
-    for i in range(1, BT):
+    i = 1
+    while i < end - start:
         a_i = tl.sum(tl.where(idx[:, None] == i, A, 0.0), 0)
         row_i = -tl.sum(a_i[:, None] * T, 0)
         T = tl.where(idx[:, None] == i, row_i[None, :] + tl.where(idx == i, 1.0, 0.0)[None, :],
                      T)
+        i += 1
     w = _mm(T, k * (beta * tl.exp(G))[:, None], IEEE)
     v_mask = ok[:, None] & (offs_v < DV)[None, :]
     v = tl.load(X + rows[:, None] * stride_x + V_OFF + h * DV + offs_v[None, :], mask=v_mask,
