@@ -45,6 +45,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2,
                          max_position_embeddings=32768, vocab_size=151936),
+    # A hybrid for GPU benchmarks with --arch qwen3_5 (~0.67B parameters, ~1.3 GB in bf16): 18
+    # Gated DeltaNet layers (4 key heads, 8 value heads, key and value dims 128, as Qwen3-Next's
+    # at half its width) and 6 attention layers, every fourth; Qwen2.5's vocabulary.
+    "hybrid-0.7b": dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+                        num_attention_heads=8, num_key_value_heads=2,
+                        max_position_embeddings=32768, vocab_size=151936),
     # Qwen2.5-3B's and Qwen2.5-7B's shapes (untied heads), for GPU benchmarks.
     "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
                        num_attention_heads=16, num_key_value_heads=2,
