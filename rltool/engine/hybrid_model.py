@@ -291,11 +291,10 @@ class HybridLM(DenseLM):
         return q * ls.k_dim ** -0.5, k, v.reshape(N, ls.num_v_heads, ls.v_dim)
 
 
-def check_hybrid_flags(spec: ModelSpec, *, prefix_cache: bool, ratio: float | None,
-                       ssm_dtype: str | None) -> None:
+def check_hybrid_flags(spec: ModelSpec, *, ratio: float | None, ssm_dtype: str | None) -> None:
     """Refuse, in one line naming the fix, what a served model cannot take: bad hybrid flags, or
-    any for a model without GDN layers. `prefix_cache` is taken but refuses nothing: a hybrid's
-    prefix cache holds recurrent-state snapshots (rltool.engine.hybrid_prefix)."""
+    any for a model without GDN layers. (A hybrid's prefix cache holds recurrent-state snapshots:
+    rltool.engine.hybrid_prefix.)"""
     if ssm_dtype is not None and ssm_dtype not in SSM_DTYPES:
         raise BadInputError(f"unknown --mamba-ssm-dtype {ssm_dtype!r}; choose fp32 or bf16")
     if ratio is not None and not ratio > 0:

@@ -77,8 +77,7 @@ class PagedRunner:
         self.weight_version = weight_version
         self.config_json = check_servable(self.model_path)
         self.spec = read_spec(self.model_path)
-        check_hybrid_flags(self.spec, prefix_cache=prefix_cache and not deterministic,
-                           ratio=mamba_full_memory_ratio, ssm_dtype=mamba_ssm_dtype)
+        check_hybrid_flags(self.spec, ratio=mamba_full_memory_ratio, ssm_dtype=mamba_ssm_dtype)
         # --enable-lora: the adapters (rltool.engine.lora_registry), None without LoRA
         self.lora = self._lora_registry(max_lora_rank) if enable_lora else None
         self.tokenizer = load_tokenizer(self.model_path)
