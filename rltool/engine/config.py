@@ -124,6 +124,10 @@ class ServeConfig(StageConfig):
                                                    "from one unpadded pass (trainer layout).")
     num_threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's "
                                                    "default (OMP_NUM_THREADS or the core count).")
+    frontend_process: bool | None = Field(
+        None, description="--engine builtin: the HTTP front end (parsing, tokenization, "
+        "responses, streaming) in a process of its own beside the scheduler's (model, KV cache, "
+        "decode loop); default: on with --device cuda, off on cpu (docs/serve.md).")
     weight_version: str = Field("default", description="Initial weight_version string.")
     served_model_name: str | None = Field(None, description="Name in /v1/models and model_info "
                                                             "(default: the model path).")
@@ -199,6 +203,13 @@ class ServeConfig(StageConfig):
     @property
     def engine_device(self) -> str:
         return resolve_device(self.device)
+
+    @property
+    def uses_frontend_process(self) -> bool:
+        """--frontend-process, or its default for the device."""
+        if self.frontend_process is None:
+            return self.engine_device == "cuda"
+        return self.frontend_process
 
     def weight_roots(self) -> list[Path]:
         assert self.model is not None

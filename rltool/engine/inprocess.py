@@ -84,10 +84,10 @@ class InProcessEngine:
             raise EngineError(f"{self.url}: the scheduler thread has stopped")
 
     async def abort_request(self, *, rid: str = "", abort_all: bool = False) -> None:
-        await self.state.on_thread(lambda: self.scheduler.abort(rid=rid, abort_all=abort_all))
+        await self.state.link.call("abort", rid=rid, abort_all=abort_all)
 
     async def get_model_info(self) -> dict[str, Any]:
-        return self.state.model_info()
+        return await self.state.model_info()
 
     async def aclose(self) -> None:
         """A client's close: the engine outlives the rollout stages that use it (see stop)."""

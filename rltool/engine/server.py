@@ -1,9 +1,16 @@
-"""Run the builtin engine: load the model, start the scheduler thread, serve HTTP with uvicorn.
+"""Run the builtin engine: load the model, start the scheduler, serve HTTP with uvicorn.
+
+Two layouts (docs/serve.md "Process layout", --frontend-process): the scheduler thread in this
+process beside uvicorn (`serve_one_process`), or the HTTP front end here and the scheduler in a
+process of its own (`serve_two_processes`, rltool.engine.scheduler_process), reached through
+rltool.engine.remote_link.
 
 `--port 0` binds a free port (the socket is bound here, before uvicorn starts, so the real port is
-known); once `/health_generate` answers, `--ready-file` is written atomically with {url, pid}. On
-SIGTERM/SIGINT uvicorn stops accepting, the scheduler aborts what is in flight, and the ready file
-is removed so nobody reads a stale URL.
+known); once `/health_generate` answers, `--ready-file` is written atomically with {url, pid} (this
+process's pid in either layout). On SIGTERM/SIGINT uvicorn stops accepting, the scheduler aborts
+what is in flight, and the ready file is removed so nobody reads a stale URL. A scheduler process
+that exits unasked ends the server too: requests waiting on it get 503, then serve raises
+EngineError (exit 3).
 """
 
 from __future__ import annotations
@@ -55,12 +62,12 @@ def _server_class() -> type:
         """Aborts in-flight generations as soon as a shutdown signal arrives, so handlers answer
         at once and the graceful shutdown does not wait for long generations."""
 
-        def __init__(self, scheduler: PagedScheduler, config: uvicorn.Config):
+        def __init__(self, link: Any, config: uvicorn.Config):
             super().__init__(config)
-            self.scheduler = scheduler
+            self.link = link
 
         def handle_exit(self, sig: int, frame: object) -> None:
-            self.scheduler.request_stop()
+            self.link.request_stop()
             super().handle_exit(sig, frame)
 
     return Server
@@ -99,10 +106,22 @@ def build_engine(cfg: ServeConfig) -> tuple[Any, PagedScheduler]:
 
 
 def serve(cfg: ServeConfig) -> None:
-    """Serve until SIGTERM/SIGINT (blocking)."""
+    """Serve until SIGTERM/SIGINT (blocking), in the layout --frontend-process picks."""
+    if cfg.uses_frontend_process:
+        serve_two_processes(cfg)
+    else:
+        serve_one_process(cfg)
+
+
+def _uvicorn_server(state: EngineState) -> Any:
     import uvicorn
 
-    _Server = _server_class()
+    config = uvicorn.Config(build_app(state), log_level=state.cfg.log_level, lifespan="off",
+                            timeout_graceful_shutdown=1, access_log=False)
+    return _server_class()(state.link, config)
+
+
+def serve_one_process(cfg: ServeConfig) -> None:
     if cfg.num_threads > 0:
         import torch
 
@@ -110,10 +129,8 @@ def serve(cfg: ServeConfig) -> None:
     runner, scheduler = build_engine(cfg)
     sock = bind_socket(cfg.host, cfg.port)
     url = api.url_of(cfg.host, sock.getsockname()[1])
-    app = build_app(EngineState(cfg=cfg, runner=runner, scheduler=scheduler,
-                                started=time.monotonic()))
-    server = _Server(scheduler, uvicorn.Config(app, log_level=cfg.log_level, lifespan="off",
-                                           timeout_graceful_shutdown=1, access_log=False))
+    server = _uvicorn_server(EngineState(cfg=cfg, runner=runner, scheduler=scheduler,
+                                         started=time.monotonic()))
     # The scheduler thread runs Python-heavy model code; a short GIL switch interval keeps the
     # event loop (HTTP parsing, SSE writes) responsive instead of waiting 5 ms per hand-over.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
@@ -130,6 +147,58 @@ def serve(cfg: ServeConfig) -> None:
         scheduler.stop()
         sock.close()
         withdraw_ready(cfg.ready_file)
+
+
+def serve_two_processes(cfg: ServeConfig) -> None:
+    """The front end here, the scheduler in its own process; both end on SIGTERM/SIGINT."""
+    from rltool.engine.remote_link import SchedulerChild
+
+    sock = bind_socket(cfg.host, cfg.port)
+    url = api.url_of(cfg.host, sock.getsockname()[1])
+    child = SchedulerChild(cfg)
+    previous = {sig: signal.signal(sig, _note_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    failure: str | None = None
+    try:
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner_:
+            failure = runner_.run(_run_front_end(cfg, child, sock, url))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        code = child.stop()
+        sock.close()
+        withdraw_ready(cfg.ready_file)
+    if failure is not None:
+        raise EngineError(f"{failure}; the front end stopped (scheduler exit status {code})")
+
+
+async def _run_front_end(cfg: ServeConfig, child: Any, sock: socket.socket,
+                         url: str) -> str | None:
+    """Serve over `child` until a signal or its exit; why it exited unasked, or None."""
+    loop = asyncio.get_running_loop()
+    connecting = asyncio.ensure_future(child.connect())
+    # While the scheduler process loads the model, a signal ends the wait (uvicorn's handlers
+    # take over once it serves).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, connecting.cancel)
+    try:
+        link, info = await connecting
+    except asyncio.CancelledError:
+        return None
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, _note_signal)
+    server = _uvicorn_server(EngineState(cfg=cfg, link=link, info=info,
+                                         started=time.monotonic()))
+
+    def on_exit() -> None:
+        server.should_exit = True
+
+    link.on_exit = on_exit
+    await _run(server, sock, url, cfg)
+    failure = link.exited if link.failed else None
+    link.request_stop()
+    return failure
 
 
 def _loop_factory() -> Any:

@@ -2,8 +2,9 @@
 body parsing and the error shapes.
 
 Handlers run on the event loop and never touch the model: generation requests go to the
-scheduler thread with completion callbacks, control operations run on that thread through
-`PagedScheduler.call` (`EngineState.on_thread`).
+scheduler through the state's link with completion callbacks, control operations are named calls
+of rltool.engine.ops.EngineOps (`EngineState.link.call`), run in this process or in the scheduler
+process (rltool.engine.link).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import functools
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -22,10 +23,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from rltool import trace
-from rltool.engine.api import GenerateInput, UpdateWeightsResult
+from rltool.engine.api import GenerateInput
 from rltool.engine.config import ServeConfig
 from rltool.engine.expand import expand_generate
+from rltool.engine.link import EngineInfo, LocalLink
+from rltool.engine.ops import EngineOps
 from rltool.engine.paged_runner import PagedRunner
 from rltool.engine.paged_scheduler import PagedScheduler
 from rltool.engine.request import Request, build_response
@@ -38,51 +40,56 @@ M = TypeVar("M", bound=BaseModel)
 
 @dataclass
 class EngineState:
+    """The routes' view of the engine: its config, facts (`info`) and `link`. Built from a runner
+    and scheduler of this process (one-process layout) or from a link to the scheduler process
+    and the facts it sent (rltool.engine.frontend)."""
+
     cfg: ServeConfig
-    runner: PagedRunner
-    scheduler: PagedScheduler
-    started: float  # time.monotonic() at start
+    runner: PagedRunner | None = None
+    scheduler: PagedScheduler | None = None
+    started: float = field(default_factory=time.monotonic)  # time.monotonic() at start
     started_wall_s: float = field(default_factory=time.time)
+    link: Any = None  # LocalLink or RemoteLink
+    info: EngineInfo | None = None
+
+    def __post_init__(self) -> None:
+        if self.link is None:
+            self.link = LocalLink(EngineOps(runner=self.runner, scheduler=self.scheduler,
+                                            max_running=self.cfg.max_running_requests,
+                                            allowed_sync_hosts=self.cfg.allowed_sync_hosts))
+        if self.info is None:
+            self.info = EngineInfo.of_runner(self.runner)
 
     @property
     def served_model_name(self) -> str:
         return self.cfg.served_model_name or str(self.cfg.model)
 
-    def model_info(self) -> dict[str, Any]:
+    @property
+    def weight_version(self) -> str:
+        return self.link.weight_version
+
+    async def model_info(self) -> dict[str, Any]:
         """SGLang's /get_model_info body (model and tokenizer paths, weight version, ...)."""
-        runner = self.runner
-        cfg_json = runner.config_json
-        return {"model_path": str(runner.model_path), "tokenizer_path": str(runner.tokenizer_path),
-                "is_generation": True, "preferred_sampling_params": None,
-                "weight_version": runner.weight_version, "has_image_understanding": False,
-                "has_audio_understanding": False, "model_type": cfg_json.get("model_type"),
-                "architectures": list(cfg_json.get("architectures") or []),
-                "device": runner.device.type, "dtype": runner.dtype, **runner.weight_info,
+        return {**await self.link.call("model_info"),
                 "served_model_name": self.served_model_name}
 
-    async def on_thread(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn` on the scheduler thread between steps and await its result."""
-        return await asyncio.wrap_future(self.scheduler.call(fn))
-
     def expand(self, body: GenerateInput) -> tuple[list[Request], bool]:
-        runner = self.runner
+        info = self.info
         try:
-            return expand_generate(body, tokenizer=runner.tokenizer,
-                                   context_length=runner.context_length,
-                                   vocab_size=runner.vocab_size,
+            return expand_generate(body, tokenizer=info.tokenizer,
+                                   context_length=info.context_length,
+                                   vocab_size=info.vocab_size,
                                    deterministic=self.cfg.deterministic,
-                                   moe=runner.spec.moe is not None, lora=runner.lora)
+                                   moe=info.moe, lora=self.link.lora_names)
         except ValidationError as e:  # sampling_params
             raise BadInputError(describe_errors(e.errors())) from e
 
     def respond(self, req: Request) -> dict[str, Any]:
-        return build_response(req, tokenizer=self.runner.tokenizer,
-                              weight_version=self.runner.weight_version)
+        return build_response(req, tokenizer=self.info.tokenizer,
+                              weight_version=self.link.weight_version)
 
     def _abort(self, reqs: list[Request]) -> None:
-        sched = self.scheduler
-        rids = [r.rid for r in reqs]
-        sched.call(lambda: [sched.abort(rid=rid) for rid in rids])
+        self.link.abort([r.rid for r in reqs])
 
     async def run(self, reqs: list[Request], *, client: HttpRequest | None = None
                   ) -> list[dict[str, Any]]:
@@ -108,16 +115,19 @@ class EngineState:
 
         for i, req in enumerate(reqs):
             req.on_finish = functools.partial(finished, i)
-        self.scheduler.submit(reqs)
+        self.link.submit(reqs, on_refused=lambda e: _resolve(done, e))
         watch = None if client is None else asyncio.ensure_future(self._abort_if_gone(client, reqs))
         try:
-            return list(await done)
+            result = await done
         except asyncio.CancelledError:  # client went away: free the engine
             self._abort(reqs)
             raise
         finally:
             if watch is not None:
                 watch.cancel()
+        if isinstance(result, Exception):
+            raise result
+        return list(result)
 
     async def _abort_if_gone(self, client: HttpRequest, reqs: list[Request]) -> None:
         # uvicorn does not cancel a handler whose client disconnected (a streamed response
@@ -137,48 +147,20 @@ class EngineState:
                 queue.put_nowait, (i, False, self.respond(r))))
             req.on_finish = (lambda r, i=i: loop.call_soon_threadsafe(
                 queue.put_nowait, (i, True, self.respond(r))))
-        self.scheduler.submit(reqs)
+        self.link.submit(reqs, on_refused=lambda e: loop.call_soon_threadsafe(
+            queue.put_nowait, e))
         remaining = len(reqs)
         try:
             while remaining:
-                i, final, event = await queue.get()
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                i, final, event = item
                 remaining -= final
                 yield i, final, event
         except (asyncio.CancelledError, GeneratorExit):  # the client went away
             self._abort(reqs)
             raise
-
-
-def refused_update(message: str, status_code: int = 400) -> JSONResponse:
-    """A weight update refused: SGLang's `{"success": false, "message"}`, with 400 unless told
-    otherwise (403 for a host it may not join, 504 past a join's timeout)."""
-    return JSONResponse(UpdateWeightsResult(success=False, message=message)
-                        .model_dump(exclude_none=True), status_code=status_code)
-
-
-async def apply_weight_update(state: EngineState, load: Callable[[], Any], *, abort_all: bool,
-                              weight_version: str | None) -> JSONResponse:
-    """Run `load` (which changes the weights, all or nothing) when the scheduler allows it (after
-    earlier requests, or at once while paused), then set the version; SGLang's answer."""
-    sched, runner = state.scheduler, state.runner
-
-    def run() -> int:
-        paused = len(sched.running) + len(sched.prefilling) if sched.paused else 0
-        with trace.span("weight_load", cat="weights"):
-            load()
-        if weight_version is not None:
-            runner.weight_version = weight_version
-        return paused
-
-    try:
-        paused = await asyncio.wrap_future(sched.update_weights(run, abort_all=abort_all))
-    except (BadInputError, EngineError) as e:
-        return refused_update(str(e))
-    message = "Succeeded to update model weights."
-    if weight_version is not None:
-        message += f" Weight version updated to {weight_version}."
-    return JSONResponse(UpdateWeightsResult(success=True, message=message,
-                                            num_paused_requests=paused).model_dump())
 
 
 def openai_error(message: str, status_code: int = 400) -> JSONResponse:

@@ -20,55 +20,46 @@ from rltool.errors import BadInputError
 
 def router(state: EngineState) -> APIRouter:
     r = APIRouter()
-    sched, runner, cfg = state.scheduler, state.runner, state.cfg
-    weight_roots = cfg.weight_roots()
+    link, enabled = state.link, state.info.lora_enabled
+    weight_roots = state.cfg.weight_roots()
 
-    def answer(status: int, error: str = "") -> JSONResponse:
-        loaded = ({name: a.path or "" for name, a in runner.lora.adapters.items()}
-                  if runner.lora is not None else {})
+    async def answer(status: int, error: str = "") -> JSONResponse:
+        loaded = await link.call("lora_adapters")
         return JSONResponse(api.LoraAdapterResult(success=not error, error_message=error,
                                                   loaded_adapters=loaded).model_dump(),
                             status_code=status)
 
-    def lora_off() -> JSONResponse:
-        return answer(400, "LoRA adapters need an engine started with --enable-lora")
+    async def lora_off() -> JSONResponse:
+        return await answer(400, "LoRA adapters need an engine started with --enable-lora")
 
     @r.post(api.LOAD_LORA_ADAPTER, dependencies=[ADMIN])
     async def load_lora_adapter(request: HttpRequest) -> JSONResponse:
         body = await parse_body(request, api.LoadLoraAdapterInput)
-        if runner.lora is None:
-            return lora_off()
+        if not enabled:
+            return await lora_off()
         try:
             path = confine(body.lora_path, weight_roots, what="lora_path")
         except BadInputError as e:
-            return answer(403, str(e))
+            return await answer(403, str(e))
         try:
-            await state.on_thread(lambda: runner.lora.load(body.lora_name, path))
+            await link.call("load_lora", name=body.lora_name, path=str(path))
         except BadInputError as e:
-            return answer(400, str(e))
-        return answer(200)
+            return await answer(400, str(e))
+        return await answer(200)
 
     @r.post(api.UNLOAD_LORA_ADAPTER, dependencies=[ADMIN])
     async def unload_lora_adapter(request: HttpRequest) -> JSONResponse:
         body = await parse_body(request, api.UnloadLoraAdapterInput)
-        if runner.lora is None:
-            return lora_off()
+        if not enabled:
+            return await lora_off()
         name = body.lora_name
-
-        def unload() -> int:
-            users = sum(r.lora == name for r in (*sched.waiting, *sched.prefilling,
-                                                  *sched.running.values()))
-            if not users:
-                runner.lora.unload(name)
-            return users
-
         try:
-            users = await state.on_thread(unload)
+            users = await link.call("unload_lora", name=name)
         except BadInputError as e:
-            return answer(400, str(e))
+            return await answer(400, str(e))
         if users:
-            return answer(409, f"adapter {name!r} is in use by {users} waiting or running "
+            return await answer(409, f"adapter {name!r} is in use by {users} waiting or running "
                                "requests; unload it once they have finished")
-        return answer(200)
+        return await answer(200)
 
     return r

@@ -60,7 +60,7 @@ class OpenAIRoutes:
         served = self.state.served_model_name
         return {"id": served, "object": "model", "created": int(self.state.started_wall_s),
                 "owned_by": "sglang", "root": served, "parent": None,
-                "max_model_len": self.state.runner.context_length}
+                "max_model_len": self.state.info.context_length}
 
     # ----- generation ------------------------------------------------------------------------
 
@@ -70,23 +70,23 @@ class OpenAIRoutes:
             body = parse_request(request, raw, CompletionRequest)
         except BadInputError as e:
             return openai_error(str(e))
-        tokenizer = self.state.runner.tokenizer
+        tokenizer = self.state.info.tokenizer
         prompt_texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in body.prompts]
         shape = CompletionShape(tokenizer, body=body, prompt_texts=prompt_texts)
         return await self.answer(request, body, body.to_generate(), shape)
 
     async def chat(self, request: HttpRequest) -> Response:
-        runner = self.state.runner
+        info = self.state.info
         raw = await read_body(request)
         try:
             body = parse_request(request, raw, ChatRequest)
             body.check_supported()
-            prompt_ids = body.prompt_ids(runner.tokenizer)
+            prompt_ids = body.prompt_ids(info.tokenizer)
         except BadInputError as e:
             return openai_error(str(e))
-        generate = body.to_generate(prompt_ids, context_length=min(runner.context_length,
-                                                                   runner.max_total_num_tokens))
-        return await self.answer(request, body, generate, ChatShape(runner.tokenizer, body=body))
+        generate = body.to_generate(prompt_ids, context_length=min(info.context_length,
+                                                                   info.max_total_num_tokens))
+        return await self.answer(request, body, generate, ChatShape(info.tokenizer, body=body))
 
     async def answer(self, request: HttpRequest, body: OpenAIRequest,
                      generate: api.GenerateInput, shape: Shape) -> Response:
@@ -108,7 +108,7 @@ class OpenAIRoutes:
         return JSONResponse({**head, "object": shape.object,
                              "choices": [shape.choice(i, out) for i, out in enumerate(outs)],
                              "usage": usage(outs, body.n),
-                             "metadata": {"weight_version": state.runner.weight_version}})
+                             "metadata": {"weight_version": state.weight_version}})
 
 
 async def stream_chunks(state: EngineState, reqs: list[Request], *, body: OpenAIRequest,

@@ -15,14 +15,14 @@ from fastapi import APIRouter, Request as HttpRequest
 from fastapi.responses import JSONResponse
 
 from rltool.engine import api
-from rltool.engine.routes.base import EngineState, apply_weight_update, parse_body
+from rltool.engine.routes.base import EngineState, parse_body
 from rltool.engine.security import ADMIN, confine, confine_local
 from rltool.errors import BadInputError
 
 
 def router(state: EngineState) -> APIRouter:
     r = APIRouter()
-    sched, runner, cfg = state.scheduler, state.runner, state.cfg
+    link, cfg = state.link, state.cfg
     weight_roots = cfg.weight_roots()
 
     def refused(result: type, message: str) -> JSONResponse:
@@ -37,23 +37,19 @@ def router(state: EngineState) -> APIRouter:
         except BadInputError as e:
             return refused(api.UpdateWeightsResult, str(e))
 
-        return await apply_weight_update(state, lambda: runner.load_weights(path),
+        status, answer = await link.call("update_weights_from_disk", model_path=str(path),
                                          abort_all=body.abort_all_requests,
                                          weight_version=body.weight_version)
+        return JSONResponse(answer, status_code=status)
 
     @r.post(api.UPDATE_WEIGHT_VERSION, dependencies=[ADMIN])
     async def update_weight_version(request: HttpRequest) -> JSONResponse:
         body = await parse_body(request, api.UpdateWeightVersionInput)
-        if body.abort_all_requests:
-            await state.on_thread(lambda: sched.abort(abort_all=True))
-        version = body.new_version
-
-        def set_version() -> None:
-            runner.weight_version = version
-
-        await state.on_thread(set_version)
+        await link.call("set_weight_version", version=body.new_version,
+                        abort_all=body.abort_all_requests)
         return JSONResponse(api.UpdateWeightVersionResult(
-            success=True, message="Weight version updated.", new_version=version).model_dump())
+            success=True, message="Weight version updated.",
+            new_version=body.new_version).model_dump())
 
     @r.post(api.PULL_WEIGHTS, dependencies=[ADMIN])
     async def pull_weights(request: HttpRequest) -> JSONResponse:

@@ -1,0 +1,236 @@
+"""The front end's side of the two-process layout (docs/serve.md "Process layout"): starting the
+scheduler process (`SchedulerChild`) and the link the routes use to reach it (`RemoteLink`, the
+twin of rltool.engine.link.LocalLink), over the channel of rltool.engine.ipc.
+
+Everything here runs on the front end's event loop: a step message is read once and fans out to
+the requests it names (their callbacks run on the loop thread). Streamed requests get their new
+tokens and the text decoded here, never on the scheduler; a finished request's response is built
+here from its final record. When the scheduler process exits, every request and call waiting on
+it ends with 503 ("the scheduler process exited") and `on_exit` tells the server to stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rltool.engine import ipc
+from rltool.engine.config import ServeConfig
+from rltool.engine.link import EngineInfo
+from rltool.engine.request import Request
+from rltool.errors import BadInputError, EngineError
+
+log = logging.getLogger(__name__)
+EXIT_POLL_S = 1.0  # how often the front end looks whether the scheduler process still runs
+STOP_TIMEOUT_S = 15.0  # how long a stopping scheduler process may take before it is killed
+
+
+class RemoteLink:
+    """Requests and named calls to the scheduler process. `submit` raises what the front end can
+    tell at once (a duplicate request id, the process gone); the scheduler's refusals arrive
+    later, through `on_refused`."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
+                 proc: subprocess.Popen, info: EngineInfo, weight_version: str):
+        self.reader, self.writer, self.proc = reader, writer, proc
+        self.tokenizer = info.tokenizer
+        self.weight_version = weight_version
+        # lora_path names are checked by the scheduler process at submit (it holds the adapters)
+        self.lora_names = _CheckedAtSubmit() if info.lora_enabled else None
+        self.pending: dict[str, tuple[Request, Callable[[Exception], None]]] = {}
+        self.calls: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self.exited: str | None = None  # why the channel closed
+        self.stopping = False
+        self.on_exit: Callable[[], None] = lambda: None
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self._watch())]
+
+    @property
+    def alive(self) -> bool:
+        return self.exited is None and not self.stopping
+
+    @property
+    def failed(self) -> bool:
+        """The scheduler process ended without being told to."""
+        return self.exited is not None and not self.stopping
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        if self.exited is not None:
+            raise EngineError(self.exited)
+        if self.stopping:
+            raise EngineError("the engine is shutting down")
+        self.writer.write(ipc.frame(msg))
+
+    def submit(self, reqs: list[Request], *, on_refused: Callable[[Exception], None]) -> None:
+        dup = next((r.rid for r in reqs if r.rid in self.pending), None)
+        if dup is not None:
+            raise BadInputError(f"duplicate request id {dup!r}")
+        self._send({"t": "submit", "reqs": [ipc.encode_request(r, stream=r.on_token is not None)
+                                             for r in reqs]})
+        for r in reqs:
+            self.pending[r.rid] = (r, on_refused)
+
+    def abort(self, rids: list[str]) -> None:
+        if self.alive:
+            self._send({"t": "abort", "rids": rids})
+
+    async def call(self, op: str, /, **kwargs: Any) -> Any:
+        call_id = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._send({"t": "call", "id": call_id, "op": op, "kw": kwargs})
+        self.calls[call_id] = future
+        return await future
+
+    def request_stop(self) -> None:
+        """Ask the scheduler process to stop: it aborts what is in flight (503) and exits."""
+        if self.alive:
+            self.writer.write(ipc.frame({"t": "stop"}))
+        self.stopping = True
+
+    # ----- what the scheduler process sends ------------------------------------------------
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                self._handle(await ipc.read_message(self.reader))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        except Exception:  # a malformed message: the channel cannot be trusted any more
+            log.exception("reading the scheduler channel failed")
+        self._close(f"the scheduler process exited (code {self.proc.poll()})")
+
+    async def _watch(self) -> None:
+        # EOF on the channel tells of the exit, unless a descendant of the scheduler process
+        # inherited the socket; the exit status says it in any case.
+        while self.proc.poll() is None:
+            await asyncio.sleep(EXIT_POLL_S)
+        await asyncio.sleep(EXIT_POLL_S)  # let the reader take the last messages first
+        self._close(f"the scheduler process exited (code {self.proc.returncode})")
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        kind = msg["t"]
+        if kind == "step":
+            self._step(msg)
+        elif kind == "reply":
+            future = self.calls.pop(msg["id"], None)
+            if future is not None and not future.done():
+                if "err" in msg:
+                    future.set_exception(ipc.error_from(msg["err"]))
+                else:
+                    future.set_result(msg["ok"])
+        elif kind == "refused":
+            callbacks = {}
+            for rid in msg["rids"]:
+                _, on_refused = self.pending.pop(rid, (None, None))
+                if on_refused is not None:
+                    callbacks[id(on_refused)] = on_refused
+            for on_refused in callbacks.values():
+                on_refused(ipc.error_from(msg["err"]))
+        else:
+            raise ValueError(f"unknown message {kind!r} from the scheduler process")
+
+    def _step(self, msg: dict[str, Any]) -> None:
+        version = self.weight_version = msg["v"]
+        decode = self.tokenizer.decode
+        for rid, ids, logprobs, tops, ids_lps in msg["tok"]:
+            entry = self.pending.get(rid)
+            if entry is None:
+                continue
+            req = entry[0]
+            for k, (token, logprob) in enumerate(zip(ids, logprobs)):
+                req.record_token(token, logprob, version=version,
+                                 top=None if tops is None else tops[k],
+                                 ids_lp=None if ids_lps is None else ids_lps[k])
+            req.text = decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
+            if req.on_token is not None:
+                req.on_token(req)
+        for final in msg["fin"]:
+            entry = self.pending.pop(final["rid"], None)
+            if entry is not None:
+                req = entry[0]
+                ipc.apply_final(req, final)
+                if req.on_finish is not None:
+                    req.on_finish(req)
+
+    def _close(self, reason: str) -> None:
+        if self.exited is not None:
+            return
+        self.exited = reason
+        if not self.stopping:
+            log.error("%s; answering 503 and shutting down", reason)
+        pending, self.pending = self.pending, {}
+        for req, _ in pending.values():
+            req.finish_reason = {"type": "abort", "status_code": 503,
+                                 "message": f"{reason}; the engine is shutting down"}
+            req.t_finish = time.monotonic()
+            if req.on_finish is not None:
+                req.on_finish(req)
+        calls, self.calls = self.calls, {}
+        for future in calls.values():
+            if not future.done():
+                future.set_exception(EngineError(reason))
+        self.on_exit()
+
+
+class _CheckedAtSubmit:
+    """The front end holds no adapters: the scheduler process checks lora_path names."""
+
+    def check_name(self, name: str | None) -> None:
+        return None
+
+
+class SchedulerChild:
+    """The scheduler process: started with one end of a socket pair, stopped in order."""
+
+    def __init__(self, cfg: ServeConfig):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock = ours
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "rltool.engine.scheduler_process", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()])
+        finally:
+            theirs.close()
+        # The config holds the API keys: it goes over the private socket, never argv or env.
+        ours.sendall(ipc.frame({"t": "config",
+                                "cfg": cfg.model_dump(mode="json", exclude_unset=True)}))
+
+    async def connect(self) -> tuple[RemoteLink, EngineInfo]:
+        """Wait until the scheduler process has built the engine; its link and facts."""
+        reader, writer = await asyncio.open_unix_connection(sock=self.sock)
+        try:
+            hello = await ipc.read_message(reader)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            raise EngineError(f"the scheduler process exited (code {self.proc.wait()}) before "
+                              "the engine was ready; its error is in the log above") from None
+        if hello["t"] == "fail":
+            raise EngineError(f"the scheduler process could not start the engine: "
+                              f"{hello['message']}")
+        info = EngineInfo.from_facts(hello["facts"])
+        link = RemoteLink(reader, writer, proc=self.proc, info=info,
+                          weight_version=hello["weight_version"])
+        link.start()
+        return link, info
+
+    def stop(self) -> int:
+        """Wait for the process to end (it was told to stop, or lost its channel); SIGTERM, then
+        SIGKILL past STOP_TIMEOUT_S. Its exit status."""
+        self.sock.close()  # its reader sees the end of the channel
+        for signal_it in (None, self.proc.terminate, self.proc.kill):
+            if signal_it is not None:
+                signal_it()
+            try:
+                return self.proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                continue
+        return self.proc.wait()

@@ -1,0 +1,195 @@
+"""The scheduler process of the two-process layout (docs/serve.md "Process layout"): the model,
+KV cache and decode loop, apart from the HTTP front end (rltool.engine.frontend), reached over
+the inherited socket of rltool.engine.ipc.
+
+Threads: the main thread reads the channel (submits and aborts go straight to the scheduler, a
+named call runs on the operations' event loop); the "rltool-ops" thread runs that loop
+(rltool.engine.ops.EngineOps, as the front end's loop runs them in one process); the scheduler
+thread runs the model and, after each iteration (`PagedScheduler.on_iteration`), sends ONE step
+message: the tokens new since the last message of every streamed request and the final record of
+every request that finished. Requests that are not streamed send nothing until they finish.
+
+The process ends when the front end says stop or closes its end (it exited): requests in flight
+are aborted (503), their final records sent while the channel is open. SIGINT is ignored (a
+terminal's Ctrl-C reaches the front end, which stops this process in order).
+
+Run as `python -m rltool.engine.scheduler_process FD` by the front end only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from typing import Any
+
+from rltool.engine import ipc
+from rltool.engine.config import ServeConfig
+from rltool.engine.link import EngineInfo
+from rltool.engine.ops import EngineOps
+from rltool.engine.request import Request
+from rltool.errors import BadInputError, EngineError
+
+log = logging.getLogger(__name__)
+
+
+class Outbox:
+    """What the scheduler thread sends after an iteration. `stream` is called from the channel's
+    reader thread; everything else runs on the scheduler thread."""
+
+    def __init__(self, channel: ipc.Channel, runner: Any):
+        self.channel = channel
+        self.runner = runner
+        self.finals: list[dict[str, Any]] = []
+        self.streams: dict[str, tuple[Request, list[int]]] = {}  # rid -> (request, [sent])
+        self._arrived: list[Request] = []
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def stream(self, req: Request) -> None:
+        with self._lock:
+            self._arrived.append(req)
+
+    def unstream(self, reqs: list[Request]) -> None:
+        with self._lock:
+            self._arrived = [r for r in self._arrived if r not in reqs]
+
+    def finished(self, req: Request) -> None:
+        self.finals.append(ipc.encode_final(req))
+        self.streams.pop(req.rid, None)
+
+    def flush(self) -> None:
+        with self._lock:
+            arrived, self._arrived = self._arrived, []
+        for req in arrived:
+            if not req.finished:
+                self.streams[req.rid] = (req, [0])
+        tokens = []
+        for rid, (req, sent) in self.streams.items():
+            n = len(req.output_ids)
+            if n > sent[0]:
+                s = sent[0]
+                tokens.append([rid, req.output_ids[s:], req.output_logprobs[s:],
+                               req.output_top_logprobs[s:] if req.top_logprobs_num else None,
+                               req.output_token_ids_logprobs[s:] if req.token_ids_logprob
+                               else None])
+                sent[0] = n
+        if not (tokens or self.finals) or self.closed:
+            self.finals = []
+            return
+        msg = {"t": "step", "v": self.runner.weight_version, "tok": tokens, "fin": self.finals}
+        self.finals = []
+        try:
+            self.channel.send(msg)
+        except OSError:  # the front end is gone; the reader thread ends the process
+            self.closed = True
+
+
+class SchedulerProcess:
+    """The engine behind one channel."""
+
+    def __init__(self, cfg: ServeConfig, channel: ipc.Channel, runner: Any, scheduler: Any):
+        self.channel = channel
+        self.runner = runner
+        self.sched = scheduler
+        self.ops = EngineOps(runner=runner, scheduler=scheduler,
+                             max_running=cfg.max_running_requests,
+                             allowed_sync_hosts=cfg.allowed_sync_hosts)
+        self.outbox = Outbox(channel, runner)
+        scheduler.on_iteration = self.outbox.flush
+        self.loop = asyncio.new_event_loop()
+
+    def run(self) -> None:
+        ops_thread = threading.Thread(target=self.loop.run_forever, name="rltool-ops",
+                                      daemon=True)
+        ops_thread.start()
+        self.sched.start()
+        self.channel.send({"t": "hello", "facts": EngineInfo.of_runner(self.runner).facts(),
+                           "weight_version": self.runner.weight_version, "pid": os.getpid()})
+        try:
+            while (msg := self.channel.recv()) is not None and msg["t"] != "stop":
+                self.dispatch(msg)
+        finally:
+            self.sched.stop()
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            ops_thread.join(timeout=5.0)
+
+    def dispatch(self, msg: dict[str, Any]) -> None:
+        kind = msg["t"]
+        if kind == "submit":
+            self.submit([ipc.decode_request(d) for d in msg["reqs"]],
+                        streamed={d["rid"] for d in msg["reqs"] if d["stream"]})
+        elif kind == "abort":
+            sched, rids = self.sched, msg["rids"]
+            if sched.alive:
+                sched.call(lambda: [sched.abort(rid=rid) for rid in rids])
+        elif kind == "call":
+            asyncio.run_coroutine_threadsafe(self.call(msg["id"], msg["op"], msg["kw"]),
+                                             self.loop)
+        else:
+            raise ValueError(f"unknown message {kind!r} on the scheduler channel")
+
+    def submit(self, reqs: list[Request], *, streamed: set[str]) -> None:
+        lora = self.runner.lora
+        for req in reqs:
+            req.on_finish = self.outbox.finished
+            if req.rid in streamed:
+                self.outbox.stream(req)
+        try:
+            if lora is not None:
+                for req in reqs:
+                    lora.check_name(req.lora)
+            self.sched.submit(reqs)
+        except Exception as e:  # noqa: BLE001 - refused: the front end answers the client
+            self.outbox.unstream(reqs)
+            self.channel.send({"t": "refused", "rids": [r.rid for r in reqs],
+                               "err": ipc.error_of(e)})
+
+    async def call(self, call_id: int, op: str, kwargs: dict[str, Any]) -> None:
+        try:
+            if op not in EngineOps.NAMES:
+                raise ValueError(f"unknown operation {op!r}")
+            reply = {"t": "reply", "id": call_id, "ok": await getattr(self.ops, op)(**kwargs)}
+        except Exception as e:
+            if not isinstance(e, (BadInputError, EngineError)):
+                log.exception("operation %s failed", op)
+            reply = {"t": "reply", "id": call_id, "err": ipc.error_of(e)}
+        try:
+            self.channel.send(reply)
+        except OSError:
+            pass  # the front end is gone
+
+
+def main(fd: int) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock = socket.socket(fileno=fd)
+    sock.set_inheritable(False)  # programs this process starts must not hold the channel open
+    channel = ipc.Channel(sock)
+    first = channel.recv()
+    if first is None or first["t"] != "config":
+        return 2
+    cfg = ServeConfig.model_validate(first["cfg"])
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format="%(asctime)s %(levelname)s [scheduler] %(name)s: %(message)s")
+    if cfg.num_threads > 0:
+        import torch
+
+        torch.set_num_threads(cfg.num_threads)
+    from rltool.engine.server import build_engine
+
+    try:
+        runner, scheduler = build_engine(cfg)
+    except Exception as e:
+        log.exception("building the engine failed")
+        channel.send({"t": "fail", "message": f"{type(e).__name__}: {e}"})
+        return 3
+    SchedulerProcess(cfg, channel, runner, scheduler).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1])))

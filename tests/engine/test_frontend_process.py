@@ -1,0 +1,201 @@
+"""The two-process layout of `rltool serve` (--frontend-process): the HTTP front end in one
+process, the scheduler in another, joined by rltool.engine.ipc's channel.
+
+Checked against the one-process session engine (`builtin_engine`, same model and flags but the
+layout): seeded and greedy requests give the same tokens, logprobs and text (stop strings,
+streamed or not); abort and pause reach the scheduler; a weight update runs through the control
+call; SIGTERM to the server ends both processes; a scheduler process that dies makes the front
+end answer 503 and exit non-zero instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+
+from rltool.engine import api
+
+TWO_PROCESS = ["--frontend-process", "--num-threads", "1"]
+
+
+def start(model_dir, tmp_path_factory, name: str, *extra: str):
+    from rltool.rollout.launch import start_engine
+
+    log_path = tmp_path_factory.mktemp("engine-logs") / f"{name}.log"
+    proc = start_engine(["--engine", "builtin", "--model", str(model_dir), *TWO_PROCESS, *extra],
+                        log_path=log_path, ready_timeout_s=120.0)
+    return proc, log_path
+
+
+@pytest.fixture(scope="module")
+def two_process_engine(tiny_model_dir, other_weights_dir, tmp_path_factory):
+    proc, log_path = start(tiny_model_dir, tmp_path_factory, "two-process",
+                           "--allowed-weight-root", str(tmp_path_factory.getbasetemp()))
+    yield proc
+    proc.stop()
+
+
+def post(url: str, path: str, body: dict, **kw) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=60.0, **kw)
+
+
+def scheduler_pid(url: str) -> int:
+    return httpx.get(url + api.SERVER_INFO, timeout=30.0).json()["scheduler_pid"]
+
+
+def stream_events(url: str, body: dict) -> list:
+    with httpx.stream("POST", url + api.GENERATE, json=body, timeout=60.0) as r:
+        assert r.status_code == 200
+        lines = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def test_layout_is_two_processes(two_process_engine):
+    info = httpx.get(two_process_engine.url + api.SERVER_INFO, timeout=30.0).json()
+    assert info["frontend_process"] is True
+    assert info["scheduler_pid"] != two_process_engine.pid
+
+
+@pytest.mark.parametrize("sampling", [
+    {"temperature": 1.0, "sampling_seed": 7},
+    {"temperature": 0.0, "stop": ["a", "b"]},
+    {"temperature": 0.8, "top_k": 5, "sampling_seed": 3, "stop_token_ids": [9]},
+])
+def test_same_answers_as_one_process(two_process_engine, builtin_engine, sampling):
+    """Tokens, recomputed logprobs (with top-k and input logprobs), text and finish reason are
+    the one-process engine's, plain and streamed."""
+    body = {"text": ["abcdef", "zyx"], "return_logprob": True, "top_logprobs_num": 2,
+            "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 20, **sampling}}
+    answers = []
+    for engine in (builtin_engine, two_process_engine):
+        r = post(engine.url, api.GENERATE, {**body, "rid": [uuid.uuid4().hex for _ in range(2)]})
+        assert r.status_code == 200, r.text
+        outs = r.json()
+        for out in outs:
+            del out["meta_info"]["id"], out["meta_info"]["e2e_latency"]
+        answers.append(outs)
+    assert answers[0] == answers[1]
+    for i, text in enumerate(body["text"]):
+        events = stream_events(two_process_engine.url, {
+            **body, "text": text, "stream": True})
+        final = events[-1]
+        assert final["output_ids"] == answers[1][i]["output_ids"]
+        assert final["text"] == answers[1][i]["text"]
+        assert final["meta_info"]["finish_reason"] == answers[1][i]["meta_info"]["finish_reason"]
+        assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
+        assert all(final["output_ids"][:len(e["output_ids"])] == e["output_ids"]
+                   for e in events)
+
+
+def test_openai_stream_matches_plain_answer(two_process_engine):
+    body = {"prompt": "hello", "max_tokens": 12, "temperature": 0.0, "stop": ["q"]}
+    plain = post(two_process_engine.url, api.OPENAI_COMPLETIONS, body).json()
+    with httpx.stream("POST", two_process_engine.url + api.OPENAI_COMPLETIONS,
+                      json={**body, "stream": True}, timeout=60.0) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == plain["choices"][0]["text"]
+
+
+def test_abort_pause_and_refusals_reach_the_scheduler(two_process_engine):
+    """Paused, the engine keeps a request waiting: no timing needed to abort it."""
+    url = two_process_engine.url
+    rid = uuid.uuid4().hex
+    result: dict = {}
+
+    def run() -> None:
+        result["r"] = post(url, api.GENERATE, {"input_ids": [5, 6], "rid": rid,
+                                               "sampling_params": {"max_new_tokens": 50}})
+
+    assert post(url, api.PAUSE_GENERATION, {"mode": "in_place"}).status_code == 200
+    assert httpx.get(url + api.READY).status_code == 503
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        for _ in range(100):  # until the request waits in the scheduler
+            state = httpx.get(url + api.SERVER_INFO).json()["internal_states"][0]
+            if state["num_waiting_reqs"]:
+                break
+            time.sleep(0.05)
+        dup = post(url, api.GENERATE, {"input_ids": [5], "rid": rid})
+        assert dup.status_code == 400 and "duplicate request id" in dup.text
+        assert post(url, api.ABORT_REQUEST, {"rid": rid}).status_code == 200
+        t.join(timeout=60)
+        assert result["r"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    finally:
+        assert post(url, api.CONTINUE_GENERATION, {}).status_code == 200
+    assert httpx.get(url + api.READY).status_code == 200
+    bad = post(url, api.PAUSE_GENERATION, {"mode": "nap"})
+    assert bad.status_code == 400 and "unknown pause mode" in bad.text
+
+
+def test_weight_update_through_the_control_call(two_process_engine, tiny_model_dir,
+                                                other_weights_dir, builtin_engine):
+    url = two_process_engine.url
+    body = {"input_ids": [4, 5, 6], "sampling_params": {"max_new_tokens": 8,
+                                                          "temperature": 0.0}}
+    before = post(url, api.GENERATE, body).json()
+    r = post(url, api.UPDATE_WEIGHTS_FROM_DISK, {"model_path": str(other_weights_dir),
+                                                 "weight_version": "v1"})
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert httpx.get(url + api.WEIGHT_VERSION).json()["weight_version"] == "v1"
+    after = post(url, api.GENERATE, body).json()
+    assert after["meta_info"]["weight_version"] == "v1"
+    assert after["output_ids"] != before["output_ids"]
+    outside = post(url, api.UPDATE_WEIGHTS_FROM_DISK, {"model_path": "/etc"})
+    assert outside.status_code == 400 and not outside.json()["success"]
+    r = post(url, api.UPDATE_WEIGHTS_FROM_DISK, {"model_path": str(tiny_model_dir),
+                                                 "weight_version": "v2"})
+    assert r.status_code == 200, r.text
+    assert post(url, api.GENERATE, body).json()["output_ids"] == before["output_ids"]
+
+
+def test_sigterm_stops_both_processes(tiny_model_dir, tmp_path_factory):
+    proc, _ = start(tiny_model_dir, tmp_path_factory, "sigterm")
+    child = scheduler_pid(proc.url)
+    assert proc.stop() == 0
+    for _ in range(100):
+        if not os.path.exists(f"/proc/{child}"):
+            break
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{child}")
+
+
+def test_scheduler_death_answers_503_and_exits_non_zero(tiny_model_dir, tmp_path_factory):
+    """The request waits (the engine is paused) when the scheduler process is killed."""
+    proc, log_path = start(tiny_model_dir, tmp_path_factory, "death")
+    result: dict = {}
+
+    def run() -> None:
+        result["r"] = post(proc.url, api.GENERATE, {
+            "input_ids": [5, 6], "sampling_params": {"max_new_tokens": 50}})
+
+    url = proc.url
+    pid = scheduler_pid(url)
+    assert post(url, api.PAUSE_GENERATION, {"mode": "in_place"}).status_code == 200
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        for _ in range(100):  # until the request waits in the scheduler
+            state = httpx.get(url + api.SERVER_INFO).json()["internal_states"][0]
+            if state["num_waiting_reqs"]:
+                break
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+        t.join(timeout=60)
+        assert result["r"].status_code == 503, result["r"].text
+        assert "scheduler process exited" in result["r"].json()["error"]["message"]
+        assert proc.popen.wait(timeout=60) == 3
+        assert "scheduler process exited" in log_path.read_text()
+    finally:
+        proc.stop()
