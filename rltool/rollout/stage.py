@@ -408,7 +408,8 @@ def _run(cfg: RolloutConfig, *, clients: dict[str, Any] | None) -> dict[str, Any
             [s for g in result.kept for s in g], specs=cfg.opd_teacher,
             route=cfg.opd_teacher_route, temperature=cfg.temperature,
             api_key=cfg.opd_teacher_api_key,
-            timeout_s=cfg.request_timeout_s, concurrency=cfg.concurrency)
+            timeout_s=cfg.request_timeout_s, concurrency=cfg.concurrency,
+            samples_per_request=cfg.samples_per_request)
     meta = inputs.shard_meta(cfg, producer=PRODUCER,
                              extra={"filter": cfg.filter, "partial": cfg.partial})
     carry_path = None

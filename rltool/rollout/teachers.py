@@ -1,9 +1,10 @@
 """Engine-mode on-policy distillation: teacher engines score the student's sampled tokens.
 
 Each finished sample's prompt + response goes to its teacher engine(s) (`--opd-teacher
-[NAME=]URL[@WEIGHT]`, routed by `--opd-teacher-route FIELD` or mixed by weight) as one
-`/generate` call with `max_new_tokens` 0, `return_logprob` and `logprob_start_len` = prompt
-length - 1: the engine's `input_token_logprobs` then hold, after SGLang's leading null, the
+[NAME=]URL[@WEIGHT]`, routed by `--opd-teacher-route FIELD` or mixed by weight) with
+`max_new_tokens` 0, `return_logprob` and `logprob_start_len` = prompt length - 1, up to
+`--samples-per-request` samples in one batched `/generate` (lists of input_ids, sampling_params
+and logprob_start_len): the engine's `input_token_logprobs` then hold, after SGLang's leading null, the
 teacher's log-probability of every response token at the sampling temperature (the
 rltool.logprobs convention). The mix sum_j w_j log q_j goes into the shard's `teacher_logprobs`.
 A teacher whose tokenizer (hash of the directory its /get_model_info names) differs from the
@@ -34,14 +35,23 @@ async def _tokenizer_hash(client: Any, spec: TeacherSpec) -> str:
     return tokenizer_hash(path)
 
 
-async def _score_one(client: Any, sample: Sample, *, temperature: float) -> list[float]:
-    n = len(sample.response_token_ids)
-    if n == 0:
-        return []
+async def _score_batch(client: Any, samples: list[Sample], *,
+                       temperature: float) -> list[list[float]]:
+    """The teacher's logprobs of each sample's response tokens (every sample has some), from one
+    batched /generate."""
     out = await client.generate({
-        "input_ids": sample.prompt_token_ids + sample.response_token_ids,
-        "sampling_params": {"max_new_tokens": 0, "temperature": temperature},
-        "return_logprob": True, "logprob_start_len": len(sample.prompt_token_ids) - 1})
+        "input_ids": [s.prompt_token_ids + s.response_token_ids for s in samples],
+        "sampling_params": [{"max_new_tokens": 0, "temperature": temperature}] * len(samples),
+        "return_logprob": True,
+        "logprob_start_len": [len(s.prompt_token_ids) - 1 for s in samples]})
+    if not isinstance(out, list) or len(out) != len(samples):
+        count = len(out) if isinstance(out, list) else 1
+        raise EngineError(f"teacher {client.url}: {count} outputs for a batch of {len(samples)}")
+    return [_response_logprobs(client, s, o) for s, o in zip(samples, out)]
+
+
+def _response_logprobs(client: Any, sample: Sample, out: dict[str, Any]) -> list[float]:
+    n = len(sample.response_token_ids)
     entries = out.get("meta_info", {}).get("input_token_logprobs") or []
     values = [e[0] for e in entries[1:]]
     if len(values) != n or any(v is None for v in values):
@@ -79,31 +89,37 @@ def check_teachers(specs: list[str], *, route: str | None, prompts: list[Any],
 
 def score_samples(samples: list[Sample], *, specs: list[str], route: str | None,
                   temperature: float, api_key: str | None, timeout_s: float,
-                  concurrency: int) -> dict[str, float]:
+                  concurrency: int, samples_per_request: int) -> dict[str, float]:
     """Set every sample's teacher_logprobs; returns `opd/reverse_kl/NAME` per teacher and
-    `opd/reverse_kl` (masked mean of rollout - teacher logprob: the sampled estimate)."""
+    `opd/reverse_kl` (masked mean of rollout - teacher logprob: the sampled estimate).
+    At most `concurrency` bodies of `samples_per_request` samples in flight per teacher."""
     from rltool.rollout.client import EngineClient
 
     teachers = parse_teacher_specs(specs)
     plans = [assignments(teachers, route, s.metadata, uid=s.uid) for s in samples]
 
     async def main() -> dict[str, list[list[float] | None]]:
-        clients = {t.name: EngineClient(t.location, api_key=api_key, timeout_s=timeout_s)
-                   for t in teachers}
+        clients = {t.name: EngineClient(t.location, api_key=api_key, timeout_s=timeout_s,
+                                        keepalive=concurrency) for t in teachers}
         try:
             gate = asyncio.Semaphore(concurrency * len(teachers))
 
-            async def one(name: str, sample: Sample) -> list[float]:
+            async def batch(name: str, chunk: list[Sample]) -> list[list[float]]:
                 async with gate:
-                    return await _score_one(clients[name], sample, temperature=temperature)
+                    return await _score_batch(clients[name], chunk, temperature=temperature)
 
             per_teacher: dict[str, list[list[float] | None]] = {}
             for t in teachers:
                 wanted = [any(x.name == t.name for x, _ in plan) for plan in plans]
-                scored = await asyncio.gather(*(one(t.name, s) for s, w in zip(samples, wanted)
-                                                if w))
-                it = iter(scored)
-                per_teacher[t.name] = [next(it) if w else None for w in wanted]
+                todo = [i for i, (s, w) in enumerate(zip(samples, wanted))
+                        if w and s.response_token_ids]
+                chunks = [todo[k:k + samples_per_request]
+                          for k in range(0, len(todo), samples_per_request)]
+                scored = await asyncio.gather(*(batch(t.name, [samples[i] for i in c])
+                                                for c in chunks))
+                got = {i: lp for c, lps in zip(chunks, scored) for i, lp in zip(c, lps)}
+                per_teacher[t.name] = [got.get(i, []) if w else None
+                                       for i, w in enumerate(wanted)]
             return per_teacher
         finally:
             for c in clients.values():
