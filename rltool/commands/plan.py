@@ -27,8 +27,16 @@ def _input_options(fn):
 @click.option("--check-engine", "check_engine", default=None, metavar="URL",
               help="A live builtin engine: the hybrid-cache model's c_A, c_R, K slots and N "
                    "tokens against what it allocated (exit 1 past 2%).")
+@click.option("--baseline-engine", "baseline_engine", default=None, metavar="URL",
+              help="With --check-engine (an engine with the host KV tier): an engine without it "
+                   "that served the same workload; checks the HiCache model instead (predicted "
+                   "vs measured time-to-first-token saving; given HiCache inputs such as "
+                   "--b-io-gbps replace measured ones).")
+@click.option("--tolerance", "tolerance", type=float, default=None,
+              help="Relative error past which a --check-engine check fails [default: 0.02 "
+                   "hybrid cache, 0.2 HiCache].")
 @click.option("--api-key", "api_key", default=None, envvar="RLTOOL_API_KEY",
-              help="Bearer token for --check-engine.")
+              help="Bearer token for --check-engine and --baseline-engine.")
 @click.option("--emit-sglang-config", "emit", type=click.Path(dir_okay=False), default=None,
               help="Write prefill/decode server groups in slime's --sglang-config YAML format, "
                    "and serving-reference.sh beside it.")
@@ -41,22 +49,35 @@ def _input_options(fn):
               help="External engine addresses (refused with --emit-sglang-config).")
 @_input_options
 @command_options("json")
-def command(model, from_profile, check_run, check_engine, api_key, emit, prefill_engines, hicache,
-            engine_urls, as_json, **values):
+def command(model, from_profile, check_run, check_engine, baseline_engine, tolerance, api_key,
+            emit, prefill_engines, hicache, engine_urls, as_json, **values):
     """Cost models for a model config and cluster: placement and memory, weight sync,
     async, precision, hybrid cache, prefill/decode disaggregation, HiCache.
 
     Example:
       rltool plan --model Qwen3-8B/config.json --gpus 16 --tp 2 --engine-tp 2
       rltool plan --check-engine http://127.0.0.1:30000
+      rltool plan --check-engine http://127.0.0.1:30000 --baseline-engine http://127.0.0.1:30001
     """
     from rltool.errors import BadInputError
     from rltool.profile import plan as planner
 
+    if baseline_engine and not check_engine:
+        raise BadInputError("--baseline-engine needs --check-engine URL (the engine with the "
+                            "host KV tier)")
+    if tolerance is not None and not (tolerance >= 0 and check_engine):
+        raise BadInputError(f"--tolerance {tolerance:g}: give a value >= 0, with --check-engine")
+    if baseline_engine:
+        _check_hicache(check_engine, baseline_engine, api_key=api_key, model=model,
+                       tolerance=tolerance, as_json=as_json,
+                       overrides={k: v for k, v in values.items() if v is not None})
+        return
     if check_engine:
+        from rltool.profile.engine_check import TOLERANCE
         from rltool.profile.engine_check import check_engine as check_live
 
-        result = check_live(_server_info(check_engine, api_key), url=check_engine, model=model)
+        result = check_live(_server_info(check_engine, api_key), url=check_engine, model=model,
+                            tolerance=TOLERANCE if tolerance is None else tolerance)
         if as_json:
             echo_json(result)
         else:
@@ -103,6 +124,37 @@ def command(model, from_profile, check_run, check_engine, api_key, emit, prefill
     from rltool.commands.tables import print_plan
 
     print_plan(result)
+
+
+def _check_hicache(url, baseline_url, *, api_key, model, tolerance, as_json, overrides):
+    """The HiCache model against the tiered engine at `url` and the baseline at `baseline_url`:
+    a table (or --json), one verdict line on stderr, exit 1 past the tolerance."""
+    from rltool.profile.serving_check import HICACHE_TOLERANCE, hicache_check
+
+    check = hicache_check(_server_info(url, api_key), _server_info(baseline_url, api_key),
+                          overrides=overrides, model=model,
+                          tolerance=HICACHE_TOLERANCE if tolerance is None else tolerance)
+    if as_json:
+        echo_json({"engine": url, "baseline_engine": baseline_url, **check.as_dict()})
+    else:
+        from rltool.commands.tables import print_rows
+
+        rows = [{"quantity": q.name, "value": q.value, "from": q.source} for q in check.inputs]
+        rows += [{"quantity": f"{q.name} {what}", "value": q.value, "from": q.source}
+                 for what, q in (("predicted", check.predicted), ("measured", check.measured))]
+        print_rows(f"plan --check-engine {url} --baseline-engine {baseline_url} (HiCache)", rows)
+    p, m = check.predicted.value, check.measured.value
+    verdict = (f"hicache: predicted saving {p * 1e3:.3f} ms per request, measured "
+               f"{m * 1e3:.3f} ms: {check.relative_error:+.1%} (tolerance "
+               f"{check.tolerance:.0%})")
+    if not check.passed:
+        import sys
+
+        from rltool.errors import EXIT_CHECK_FAILED
+
+        click.echo(f"Error: {verdict}: past the tolerance", err=True)
+        sys.exit(EXIT_CHECK_FAILED)
+    click.echo(verdict, err=True)
 
 
 def _server_info(url, api_key):

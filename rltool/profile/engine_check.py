@@ -34,8 +34,15 @@ def _bits(name: str | None, what: str) -> int:
     return _BITS[name]
 
 
-def check_engine(info: dict[str, Any], *, url: str,
-                 model: str | Path | None = None) -> dict[str, Any]:
+def kv_bits(info: dict[str, Any]) -> int:
+    """Bits per element of the KV pool of the engine whose /get_server_info answered `info`."""
+    if info.get("kv_cache_dtype") == "fp8_e4m3":
+        return 8
+    return _bits(info.get("dtype") or info.get("weight_dtype"), "dtype")
+
+
+def check_engine(info: dict[str, Any], *, url: str, model: str | Path | None = None,
+                 tolerance: float = TOLERANCE) -> dict[str, Any]:
     """Each hybrid-cache prediction for the engine at `url`, whose /get_server_info answered
     `info`, against what it allocated; `model`: the config.json (or its folder) to plan from
     (default: the engine's model_path)."""
@@ -50,12 +57,12 @@ def check_engine(info: dict[str, Any], *, url: str,
     config = model_dir / "config.json" if model_dir.is_dir() else model_dir
     ssm = info.get("mamba_ssm_dtype") or json.loads(config.read_text()).get("mamba_ssm_dtype")
     dtype_bits = _bits(info.get("dtype") or info.get("weight_dtype"), "dtype")
-    kv_bits = 8 if info.get("kv_cache_dtype") == "fp8_e4m3" else dtype_bits
+    kv = kv_bits(info)
     ssm_bits = _bits(ssm or "fp32", "mamba_ssm_dtype")
     max_running = int(info["max_running_requests"])
     ratio = info.get("mamba_full_memory_ratio")
     cpu = info.get("device") == "cpu"
-    probe = hybrid_cache(shape, tokens=0, sequences=0, pool_gib=1.0, ratio=1.0, kv_bits=kv_bits,
+    probe = hybrid_cache(shape, tokens=0, sequences=0, pool_gib=1.0, ratio=1.0, kv_bits=kv,
                          ssm_bits=ssm_bits, conv_bits=dtype_bits)["rows"][0]
     c_a, c_r = probe["c_A_bytes_per_token"], probe["c_R_bytes_per_sequence"]
     if cpu:
@@ -69,27 +76,27 @@ def check_engine(info: dict[str, Any], *, url: str,
         basis = "cuda: B = N*c_A*(1+r), the engine's KV pool taken as B/(1+r)"
     if c_r and ratio is not None:
         row = hybrid_cache(shape, tokens=tokens, sequences=max_running, pool_gib=budget / GIB,
-                           ratio=ratio, kv_bits=kv_bits, ssm_bits=ssm_bits,
+                           ratio=ratio, kv_bits=kv, ssm_bits=ssm_bits,
                            conv_bits=dtype_bits)["rows"][0]
         n, k = min(tokens, row["max_tokens"]), min(max_running, row["max_sequences"])
     else:  # cpu without a ratio (or no recurrent state): the asked pool and a slot per request
         n, k = tokens, max_running if c_r else 0
-    checks = [_row("c_A (KV bytes per token)", c_a, sizes["c_A"]),
-              _row("c_R (state bytes per sequence)", c_r, sizes["c_R"]),
-              _row("K (state slots)", k, sizes["K"]),
+    checks = [_row("c_A (KV bytes per token)", c_a, sizes["c_A"], tolerance),
+              _row("c_R (state bytes per sequence)", c_r, sizes["c_R"], tolerance),
+              _row("K (state slots)", k, sizes["K"], tolerance),
               _row("B_cache = N*c_A + K*c_R (bytes)", n * c_a + k * c_r,
-                   sizes["N"] * sizes["c_A"] + sizes["K"] * sizes["c_R"])]
+                   sizes["N"] * sizes["c_A"] + sizes["K"] * sizes["c_R"], tolerance)]
     if cpu:
-        checks.insert(3, _row("N (KV tokens)", n, sizes["N"]))
+        checks.insert(3, _row("N (KV tokens)", n, sizes["N"], tolerance))
     return {"engine": url, "model_config": str(config), "budget_basis": basis,
-            "ratio_r": ratio, "budget_bytes": budget, "tolerance": TOLERANCE, "checks": checks,
+            "ratio_r": ratio, "budget_bytes": budget, "tolerance": tolerance, "checks": checks,
             "passed": all(c["within_tolerance"] for c in checks)}
 
 
-def _row(name: str, predicted: float, measured: float) -> dict[str, Any]:
+def _row(name: str, predicted: float, measured: float, tolerance: float) -> dict[str, Any]:
     if measured:
         rel = (predicted - measured) / measured
     else:
         rel = 0.0 if predicted == measured else float("inf")
     return {"prediction": name, "predicted": predicted, "measured": measured,
-            "relative_error": rel, "within_tolerance": abs(rel) <= TOLERANCE}
+            "relative_error": rel, "within_tolerance": abs(rel) <= tolerance}
