@@ -316,7 +316,7 @@ def _chunk_out(X, stride_x, ChunkStart, ChunkEnd, Ubuf, Gbuf, Hbuf, Out, REP, K_
                 + offs_v[None, :], mask=(offs_k < DK)[:, None] & v_ok[None, :], other=0.0)
     u = tl.load(Ubuf + (rows[:, None] * H + h) * DV + offs_v[None, :],
                 mask=ok[:, None] & v_ok[None, :], other=0.0)
-    causal = idx[:, None] >= idx[None, :]
+    causal = (idx[:, None] >= idx[None, :]) & ok[:, None]  # rows past the end: G 0, no exp
     qk = _mm(q, tl.trans(k), IEEE) * tl.exp(tl.where(causal, G[:, None] - G[None, :],
                                                      float("-inf")))
     o = tl.exp(G)[:, None] * _mm(q, s, IEEE) + _mm(qk, u, IEEE)
