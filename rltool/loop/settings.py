@@ -37,8 +37,8 @@ OWNED = {
 # [eval] keys that default to [rollout]'s value when the [eval] table leaves them out.
 EVAL_INHERITS = ("reward", "max_response_len", "temperature", "top_p", "top_k", "seed",
                  "generate_fn", "api_key", "request_timeout_s", "reward_timeout_s",
-                 "reward_workers", "concurrency", "input_key", "label_key", "metadata_key",
-                 "apply_chat_template")
+                 "reward_workers", "concurrency", "samples_per_request", "input_key",
+                 "label_key", "metadata_key", "apply_chat_template")
 # The per-step keys' stand-ins until a step fills them.
 PLACEHOLDER_URL = "http://127.0.0.1:1"
 PLACEHOLDER_RUN = RunDir("/nonexistent-run")
