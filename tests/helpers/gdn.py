@@ -59,14 +59,15 @@ def reference_prefill(layer: GdnLayer, conv: torch.Tensor | None, ssm: torch.Ten
     spec, T = layer.spec, layer.proj.shape[0]
     mixed = layer.proj[:, :spec.conv_dim].float()
     g, beta = _gates(layer)
-    out = torch.empty(T, spec.num_v_heads, spec.v_dim)
+    dev = layer.proj.device
+    out = torch.empty(T, spec.num_v_heads, spec.v_dim, device=dev)
     for off, n, slot, fresh in segments:
         stored = ssm is not None and not fresh
         x, c = causal_conv(mixed[off:off + n].unsqueeze(0), layer.conv_weight.float(),
                            conv[slot:slot + 1].float() if stored else None)
         q, k, v = (t.transpose(0, 1) for t in _qkv(spec, x[0]))
         state = (ssm[slot].float() if stored else
-                 torch.zeros(spec.num_v_heads, spec.k_dim, spec.v_dim))
+                 torch.zeros(spec.num_v_heads, spec.k_dim, spec.v_dim, device=dev))
         o, state = chunked_delta(q, k, v, g[off:off + n].T, beta[off:off + n].T, state)
         out[off:off + n] = o.transpose(0, 1)
         if ssm is not None:
