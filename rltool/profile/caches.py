@@ -96,4 +96,6 @@ def hicache(shape: ModelShape, *, hit_rate: float, prompt_tokens: int, t_prefill
         [{"t_io_s": t_io, "saved_per_request_s": dt, "worth_it": dt > 0,
           "validity_window_s": version_lifetime_s}],
         ["cached KV is valid only under the weights that computed it: every weight update "
-         "ends the window (flush the cache on update); not checkable here (no SGLang)"])
+         "ends the window (flush the cache on update); checked against a builtin engine with "
+         "the host KV tier and one without by `rltool plan --check-engine URL "
+         "--baseline-engine URL`"])

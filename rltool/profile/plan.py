@@ -186,7 +186,9 @@ def check(run: str | Path, *, model: str | Path | None = None) -> dict[str, Any]
     out.append(_error("t_sync (step seconds; the async speedup's numerator)",
                       sync_step["t_sync_s"], wall))
     return {"run": str(run), "calibration_steps": half, "checked_steps": len(held),
-            "checks": out, "not_checkable": ["prefill_decode", "hicache",
+            "checks": out, "not_checkable": ["prefill_decode",
+                                             "hicache (two live engines: --check-engine URL "
+                                             "--baseline-engine URL)",
                                              "hybrid_cache (a live engine's pools: "
                                              "--check-engine URL)",
                                              "async speedup (it compares a sync and an "
