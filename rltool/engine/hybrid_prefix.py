@@ -18,7 +18,8 @@ to it shared, the head of a node's page copied when the snapshot lies inside it,
 slot starting as a copy of the snapshot (or taking the snapshot's slot when none other is
 free); a match is cut back to that node. A node holds at most one snapshot (the first taken).
 Snapshots leave with their nodes (eviction, a flush or weight update: `clear`), and give their
-slots up, least recently used first, when a request needs a slot and none is free.
+slots up when a request needs a slot and none is free: least recently used first among those a
+request has started from, then the others (RadixCache.oldest_state).
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ class HybridPageTable(PageTable):
             self.states.put(snap)
 
     def _reclaim(self) -> int | None:
-        """The slot of the least recently used snapshot, taken from its node."""
+        """The slot of the snapshot that goes first (RadixCache.oldest_state), taken from its
+        node."""
         node = self.cache.oldest_state()
         return self.cache.take_state(node) if node is not None else None
 
@@ -124,11 +126,13 @@ class HybridPageTable(PageTable):
         length, i = best
         node = nodes[i]
         src, within = node.state, node.state_len
-        # With no free slot the claim takes the least recently used snapshot's, maybe this one's:
-        # then the request's slot holds the snapshot already.
+        # With no free slot the claim takes a snapshot's slot, maybe this one's: then the
+        # request's slot holds the snapshot already.
         if not self.states.claim(rid):
             return 0
         slot = self.states.held[rid]
+        if node.state == src:  # still the node's (not given to this request)
+            node.state_used = True
         shared = nodes[:i + 1] if within == ps else nodes[:i]
         page = self._alloc(1)[0] if within < ps else None
         entry = self.add(rid)

@@ -47,6 +47,7 @@ class Node:
     version: int = 0  # the cache's epoch when the KV was computed
     state: int = -1  # a hybrid's recurrent-state snapshot slot (-1: none)
     state_len: int = 0  # tokens of this node's page the snapshot has consumed (1..page_size)
+    state_used: bool = False  # whether a request has started from the snapshot
 
 
 class RadixCache:
@@ -288,12 +289,16 @@ class RadixCache:
         """Detach the node's snapshot; returns its slot, now the caller's."""
         slot = node.state
         del self.snapshots[slot]
-        node.state, node.state_len = -1, 0
+        node.state, node.state_len, node.state_used = -1, 0, False
         return slot
 
     def oldest_state(self) -> Node | None:
-        """The least recently used node holding a snapshot (None if none does)."""
-        return min(self.snapshots.values(), key=lambda n: n.last_access, default=None)
+        """The node whose snapshot goes first (None if none holds one): the least recently used
+        of those some request has started from, else of the others. A snapshot no request has
+        used yet is what the requests held back while it was taken wait for (a GRPO group's
+        other samples), so it goes last."""
+        return min(self.snapshots.values(), key=lambda n: (not n.state_used, n.last_access),
+                   default=None)
 
     def drain_states(self) -> list[int]:
         """Snapshot slots given up by nodes that left the tree since the last call."""

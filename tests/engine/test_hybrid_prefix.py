@@ -2,8 +2,8 @@
 reuse a recurrent-state snapshot give the tokens and logprobs of a fresh prefill (a runner
 without the cache, the same seeds); a GRPO group computes its prompt about once; a second turn
 reuses the first turn's snapshot; snapshots leave with their nodes (KV eviction), give their
-slots to requests under slot pressure, and are dropped by a weight update and a flush; no slot
-is lost to retraction or abort. CPU, fp32, the tiny qwen3_5 (3 GDN layers, 1 attention layer)."""
+slots to requests under slot pressure (used ones first), and are dropped by a weight update and
+a flush; no slot is lost to retraction or abort. CPU, fp32, the tiny qwen3_5 (3 GDN layers, 1 attention layer)."""
 
 from __future__ import annotations
 
@@ -128,6 +128,21 @@ def test_a_grpo_group_computes_its_prompt_about_once(hybrid_dir):
     assert_idle(runner)
 
 
+def test_unused_snapshots_outlast_used_ones_when_slots_run_out(hybrid_dir):
+    """4 groups of 4 samples on 16 slots: the first samples and their snapshots take 8, so the
+    last siblings to start find no free slot. They take the slots of snapshots their own group's
+    samples already started from, never one a group still waits for (the last group's, the least
+    recently used)."""
+    prompts = [prompt_of(13, seed=20 + p) for p in range(4)]
+    groups = [sampled(f"u{p}-{i}", prompt, seed=i, n=3) for p, prompt in enumerate(prompts)
+              for i in range(4)]
+    runner = runner_of(hybrid_dir, max_running=16)
+    sched = serve(runner, [groups])
+    assert sorted(r.cached_tokens for r in groups) == [0] * 4 + [12] * 12
+    assert sched.num_prefill_tokens == 4 * 13 + 12 * 1
+    assert_idle(runner)
+
+
 def test_a_second_turn_reuses_the_first_turns_snapshot(hybrid_dir):
     """Turn 2's prompt is turn 1's prompt, its response and a new message: it starts from the
     snapshot turn 1 took (19 of its 20 tokens) and samples what a fresh prefill does."""
@@ -241,7 +256,7 @@ def test_the_host_tier_is_refused_for_a_hybrid(hybrid_dir):
 
 def test_the_tree_gives_up_the_snapshots_of_nodes_that_leave():
     """Evicted and cleared nodes hand their slots back through drain_states; a node holds one
-    snapshot; the least recently used one is offered first."""
+    snapshot; a used one is offered before an unused one, the least recently used first."""
     cache = RadixCache(page_size=2)
     path_a, _ = cache.insert([1, 2, 3, 4], [10, 11])
     path_b, _ = cache.insert([5, 6], [12])
@@ -249,6 +264,9 @@ def test_the_tree_gives_up_the_snapshots_of_nodes_that_leave():
     assert cache.attach_state(path_b[0], 9, 2)
     cache.match([1, 2, 3, 4])  # touches a's nodes: b's snapshot is the older
     assert cache.oldest_state() is path_b[0]
+    path_a[1].state_used = True  # a request started from a's: it goes before unused ones
+    assert cache.oldest_state() is path_a[1]
+    path_a[1].state_used = False
     assert sorted(cache.evict(1)) == [12] and cache.drain_states() == [9]
     assert cache.drain_states() == []
     cache.clear()
