@@ -17,6 +17,12 @@ reused, must land first); the current stream then waits for the copies before it
 reads or overwrites those pages. Both directions share the side stream, so a reload reading host
 page h lands before a later eviction writes h. What overlaps: the copies with the host's own
 work (building the next batch), and a reload with decode work already queued ahead of it.
+
+Metrics (`TierStats`, `/get_server_info` `hicache`): hits per tier, bytes and copy time each way
+(CUDA events on the copy stream, read once they have passed; wall time on CPU), the tier's host
+bookkeeping, and what a cost model of the tier needs from the rest of the engine: time to first
+token per request and each prefill forward's time against its tokens (rltool.profile
+.serving_check checks the HiCache model with them).
 """
 
 from __future__ import annotations
@@ -35,8 +41,6 @@ import torch
 from rltool.errors import BadInputError
 
 GB = 10**9
-
-
 TTFT_WINDOW = 4096  # requests whose time to first token the percentiles are taken over
 
 
