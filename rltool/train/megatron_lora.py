@@ -224,7 +224,11 @@ class MegatronLoRA(lora.LoRA):
     torch one hooks nn.Linear modules where this one wraps megatron's parallel linears."""
 
     def __init__(self, model: Any, *, rank: int, alpha: float, dropout: float,
-                 targets: list[str], seed: int):
+                 targets: list[str], seed: int, recompute: bool = False):
+        """`recompute`: the layers rerun their forward in backward (megatron's reentrant
+        checkpoint), whose output needs a gradient only if its input does: with the whole base
+        frozen the first layer's input needs none, so the embedding's output is made to need one
+        (as PEFT's enable_input_require_grads), else no adapter inside a checkpoint would train."""
         from megatron.core import parallel_state as ps
 
         self.rank, self.alpha, self.dropout = rank, alpha, dropout
@@ -242,6 +246,8 @@ class MegatronLoRA(lora.LoRA):
                        if p.name in wanted
                        for kind, shape in (("lora_A", (rank, p.in_features)),
                                            ("lora_B", (p.out_features, rank)))}
+        if recompute and getattr(model, "embedding", None) is not None:
+            model.embedding.register_forward_hook(_output_needs_grad)
         tp = ps.get_tensor_model_parallel_world_size()
         for layer in model.decoder.layers:
             index = layer.layer_number - 1  # global (megatron counts from 1)
@@ -274,6 +280,11 @@ class MegatronLoRA(lora.LoRA):
                         params[name].copy_(linear.shard(full, kind))
 
 
+def _output_needs_grad(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
+    if torch.is_grad_enabled():
+        output.requires_grad_(True)
+
+
 def _layer_parts(config: Any) -> dict[str, list[Part]]:
     """The HF modules of each adaptable linear of a layer, with their full shapes."""
     hidden, ffn = config.hidden_size, config.ffn_hidden_size
@@ -294,7 +305,7 @@ def for_backend(model: Any, options: Any) -> MegatronLoRA | None:
         return None
     return MegatronLoRA(model, rank=options.lora_rank, alpha=options.lora_alpha_value,
                         dropout=options.lora_dropout, targets=list(options.lora_target_modules),
-                        seed=options.seed)
+                        seed=options.seed, recompute=options.recompute != "none")
 
 
 def adapter_tensors(slots: Mapping[tuple[str, tuple[int, ...]], torch.Tensor]

@@ -76,6 +76,10 @@ def device_bytes(options: Any) -> int | None:
     return int(torch.cuda.get_device_properties(local).total_memory)
 
 
+# The linears of a decoder layer whose input is a normed hidden state (fp32 under autocast).
+NORMED_INPUTS = frozenset({"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"})
+
+
 def torch_state(n: int, options: Any, *, lora: int = 0) -> tuple[dict[str, int], dict[str, int]]:
     """(device, host) bytes of the torch backend's state for `n` parameters: parameters (fp32, or
     bf16 with `--param-dtype bf16`), fp32 gradients (the main gradients with bf16 parameters),
@@ -143,12 +147,27 @@ def torch_activations(shape: memplan.Shape, options: Any, *, recompute: str, tok
                       chunk: int | None = None) -> dict[str, int]:
     """The torch backend's activations (rltool.train.memplan's estimate); fp32 parameters under
     bf16 autocast without recompute add the bf16 copy of every weight that the forward casts and
-    keeps for the backward pass (recomputed layers drop theirs)."""
+    keeps for the backward pass (recomputed layers drop theirs).
+
+    Under LoRA without recompute the layers keep what their forward saves once: memplan's layer
+    term counts as much again for full training, which a LoRA step does not reach (measured on
+    the Qwen2.5-3B shapes, one H100, 2026-12-07: 134 kB per layer and token with bf16 parameters
+    against the single term's 126 kB). With fp32 parameters under bf16 autocast each linear that
+    reads a normed (fp32) hidden state casts it to bf16 on its own and keeps that copy: the base
+    projections and each adapter on them, beyond the two copies the layer term counts."""
     out = memplan.activation_bytes(shape, tokens=tokens, compute_dtype=options.dtype,
                                    recompute=recompute == "full",
                                    logprob_chunk_tokens=chunk or options.logprob_chunk_tokens)
-    if options.dtype == "bf16" and options.param_dtype == "fp32" and recompute != "full":
+    autocast = options.dtype == "bf16" and options.param_dtype == "fp32"
+    if autocast and recompute != "full":
         out["autocast_weights"] = 2 * shape.params
+    if options.lora_rank and recompute == "none":
+        out["layers"] //= 2
+        if autocast:
+            targets = shape.linears() if list(options.lora_target_modules) == ["all-linear"] \
+                else options.lora_target_modules
+            casts = len(NORMED_INPUTS) + len(NORMED_INPUTS.intersection(targets)) - 2
+            out["autocast_inputs"] = casts * 2 * shape.hidden * tokens * shape.layers
     return out
 
 

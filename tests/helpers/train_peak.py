@@ -15,8 +15,10 @@ from rltool.train.launch import process_group_scope
 
 def measured_step_peak(model_dir: Path, cfg: TrainConfig) -> int:
     """`torch.cuda.max_memory_allocated` over the second of two optimizer steps (the first
-    allocates Adam's state) of the backend `cfg` names, on one micro-batch of
-    `cfg.max_tokens_per_microbatch` random tokens in four sequences."""
+    allocates Adam's state) of the backend `cfg` names, each of two micro-batches of
+    `cfg.max_tokens_per_microbatch` random tokens in four sequences: the second micro-batch's
+    activations meet the gradients the first left, as in every step of more than one (the torch
+    backend frees its gradients after each step, so one micro-batch would never hold both)."""
     tokens = cfg.max_tokens_per_microbatch
     gen = torch.Generator().manual_seed(0)
     quarter = tokens // 4
@@ -28,10 +30,10 @@ def measured_step_peak(model_dir: Path, cfg: TrainConfig) -> int:
 
     with process_group_scope():
         backend = build_backend(model_dir, options=cfg)
-        backend.train_step([batch], loss_fn, temperature=1.0)
+        backend.train_step([batch, batch], loss_fn, temperature=1.0)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        backend.train_step([batch], loss_fn, temperature=1.0)
+        backend.train_step([batch, batch], loss_fn, temperature=1.0)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         del backend
