@@ -131,7 +131,7 @@ class PagedScheduler:
         self.queue.retract_all()
 
     def stats(self) -> dict[str, Any]:
-        return self.queue.stats()
+        return {**self.queue.stats(), **self.batch.blocks.stats()}
 
     @property
     def running(self) -> dict[str, Request]:

@@ -44,8 +44,6 @@ class Counters:
     num_prefill_tokens: int = 0  # prompt tokens whose KV a prefill forward computed
     total_output_tokens: int = 0
     num_retractions: int = 0
-    num_graph_sampled_steps: int = 0  # overlapped decode steps whose CUDA graph drew the tokens
-    num_apart_sampled_steps: int = 0  # overlapped decode steps sampled after their forward
 
 
 def _abort(message: str, status_code: int | None = None, err_type: str | None = None
@@ -199,8 +197,6 @@ class RequestQueue:
             "num_prefill_forwards": c.num_prefill_forwards,
             "num_prefill_tokens": c.num_prefill_tokens,
             "num_retractions": c.num_retractions,
-            "num_graph_sampled_steps": c.num_graph_sampled_steps,
-            "num_apart_sampled_steps": c.num_apart_sampled_steps,
             "paused": self.paused,
             "deterministic": self.deterministic,
             "weights_released": self.runner.released,
