@@ -108,13 +108,16 @@ class DecodeOverlap:
         self.launches = 0  # blocks launched
         self.draw_launches = 0  # of them, blocks that sampled with DrawParams
         self.forward_sampled_steps = 0  # decode steps whose forward drew the tokens
-        # the queue's counters: of those, the steps replayed from a CUDA graph
-        # (num_graph_sampled_steps), and the steps sampled after their forward
-        # (num_apart_sampled_steps)
-        self.counters = queue.counters
+        self.graph_sampled_steps = 0  # of them, those replayed from a CUDA graph
+        self.apart_sampled_steps = 0  # the others: the sampler launched after the forward
         cuda = runner.device.type == "cuda"
         self._buffers = ([_Buffers.make(max_running, steps_per_block, cuda) for _ in range(2)]
                          if enabled else [])
+
+    def stats(self) -> dict[str, int]:
+        """The engine stats' counts of overlapped decode steps by where they sampled."""
+        return {"num_graph_sampled_steps": self.graph_sampled_steps,
+                "num_apart_sampled_steps": self.apart_sampled_steps}
 
     def same_batch(self, reqs: list[Request]) -> bool:
         """Whether `reqs` is the batch of the last launched block, in order."""
@@ -133,10 +136,10 @@ class DecodeOverlap:
                 rows = consts.rows
         runner.sample_next(rows)
 
-    def launch(self, reqs: list[Request], logits: torch.Tensor, *, ahead: int,
+    def launch(self, reqs: list[Request], logits: torch.Tensor | None, *, ahead: int,
                steps: int) -> None:
-        """Queue the next block from the first step's logits, then record the block in flight
-        (its tokens are on the host by now or soon)."""
+        """Queue the next block from the first step's logits (None: its forward sampled), then
+        record the block in flight (its tokens are on the host by now or soon)."""
         prev = self.inflight
         self.inflight = self._launch_block(reqs, logits, ahead=ahead, steps=steps)
         if prev is not None:
@@ -148,31 +151,32 @@ class DecodeOverlap:
         if block is not None:
             self._accept_block(block)
 
-    def _launch_block(self, reqs: list[Request], logits: torch.Tensor, *, ahead: int,
+    def _launch_block(self, reqs: list[Request], logits: torch.Tensor | None, *, ahead: int,
                       steps: int) -> Block:
         """Sample the first step's logits (unless its forward sampled them), then run the rest of
         the block, each step fed the last one's samples on the device; queue one copy of each
         step's tokens and logprobs back."""
         B = len(reqs)
-        consts = self._consts_for(reqs, vocab=logits.shape[-1], device=logits.device)
+        runner = self.runner
+        consts = self._consts_for(reqs, vocab=runner.vocab_size, device=runner.device)
         self.launches += 1
         buf = self._buffers[self.launches % 2]
         buf.event.synchronize()  # the copies of the block that last used this buffer are done
-        sample = None if self.runner.sampled() is not None else self._sampler(
+        sample = None if logits is None else self._sampler(
             consts, np.array([len(r.output_ids) for r in reqs], dtype=np.int64) + ahead,
-            buf, steps=steps, device=logits.device)
+            buf, steps=steps, device=runner.device)
         tok = None
         for i in range(steps):
             if i:
-                logits = self.runner.decode_next(tok)
-            sampled = self.runner.sampled()
+                logits = runner.decode_next(tok)
+            sampled = runner.sampled()
             if sampled is None:
                 tok, lp = sample(logits, i)
-                self.counters.num_apart_sampled_steps += 1
+                self.apart_sampled_steps += 1
             else:
                 tok, lp, graphed = sampled
                 self.forward_sampled_steps += 1
-                self.counters.num_graph_sampled_steps += graphed
+                self.graph_sampled_steps += graphed
             buf.tokens[i * B:(i + 1) * B].copy_(tok, non_blocking=True)
             buf.logprobs[i * B:(i + 1) * B].copy_(lp, non_blocking=True)
         buf.event.record()

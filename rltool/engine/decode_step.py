@@ -66,20 +66,20 @@ class Decoder:
         self._rows = rows if self.sample else None
 
     def _forward(self, meta: torch.Tensor) -> torch.Tensor:
-        return self.forward.decode(meta[:META_ROWS], max_len=self._max_len)
+        with trace.span("decode.forward", cat="engine"):
+            return self.forward.decode(meta[:META_ROWS], max_len=self._max_len)
 
     def _forward_sample(self, meta: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The body of a sampling graph: forward, sample, advance (also run eagerly)."""
-        logits = self._forward(meta)
+        """The body of a sampling graph: forward, sample, advance (also run eagerly; then the
+        forward and the sampler are a span each). Its logits are no output: their memory is the
+        graphs' pool's again after the capture."""
         table = self.table
-        tokens, logprobs = sample_and_advance(logits, meta, first=META_ROWS,
-                                              req_to_page=table.req_to_page,
-                                              page_size=table.page_size)
-        return logits, tokens, logprobs
+        return sample_and_advance(self._forward(meta), meta, first=META_ROWS,
+                                  req_to_page=table.req_to_page, page_size=table.page_size)
 
     def step(self, rids: list[str], token_ids: list[int] | None, *,
              prev_tokens: torch.Tensor | None, src_rows: list[int] | None,
-             steps: int) -> torch.Tensor:
+             steps: int) -> torch.Tensor | None:
         """One step (the first of a block of `steps`): see `PagedRunner.decode`."""
         sample, self._rows = self._rows, None
         bucket = next((b for b in self.buckets if b >= len(rids)), None)
@@ -130,7 +130,7 @@ class Decoder:
         self._block = (meta, B, n, graph, slots, sample is not None) if steps > 1 else None
         return self._run(meta, B, n, graph, sample is not None)
 
-    def next(self, tokens: torch.Tensor) -> torch.Tensor:
+    def next(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """The next step of the block `step(steps=...)` began, fed `tokens` ([B], on device; a
         sampling step has advanced its inputs already)."""
         full, B, n, graph, slots, sample = self._block
@@ -143,18 +143,18 @@ class Decoder:
         return self._run(full, B, n, graph, sample)
 
     def _run(self, meta: torch.Tensor, B: int, n: int, graph: tuple[Any, Any] | None,
-             sample: bool) -> torch.Tensor:
+             sample: bool) -> torch.Tensor | None:
         """The step's forward (its graph replayed, or eagerly): logits of the first B rows;
-        with `sample`, the tokens and logprobs in `sampled`."""
+        with `sample`, None, and the tokens and logprobs in `sampled`."""
         self.sampled = None
-        with trace.span("decode.forward", cat="engine"):
-            if graph is None:
-                out = (self._forward_sample if sample else self._forward)(meta[:, :n])
-            else:
-                graph, out = graph
+        if graph is None:
+            out = (self._forward_sample if sample else self._forward)(meta[:, :n])
+        else:
+            graph, out = graph
+            with trace.span("decode.forward", cat="engine"):
                 graph.replay()
         if not sample:
             return out[:B]
-        logits, tokens, logprobs = out
+        tokens, logprobs = out
         self.sampled = (tokens[:B], logprobs[:B], graph is not None)
-        return logits[:B]
+        return None

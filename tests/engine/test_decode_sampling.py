@@ -6,15 +6,14 @@ test_sampling_fused does) and each test checks the child's outcome."""
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
 
 from rltool.engine.decode_sample import SEED_MODULUS, sample_rows_of
-from rltool.engine.sampling import SamplingParams, make_generator
+from rltool.engine.sampling import SamplingParams
 from tests.helpers import triton_child
+from tests.helpers.graph_sampling import serve_seeded
 from tests.helpers.triton_child import ran_in_child
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -43,7 +42,8 @@ def test_the_step_body_draws_what_the_sampler_draws_after_the_forward(request, t
     """Batches of several makeups and sizes, each step decoded by a runner that samples inside
     the forward and by one that returns logits, which the kernel then samples with the seeds
     the overlapped block computes on the host: (mixed seed + token index) mod 2^31 - 1, the
-    index counted from the prompt. Same logits, same tokens, logprobs within 1e-6."""
+    index counted from the prompt. Same tokens, logprobs within 1e-6; the fused step returns
+    no logits."""
     if ran_in_child(request):
         return
     from rltool.engine.sampling_kernel import sample_rows
@@ -59,7 +59,7 @@ def test_the_step_body_draws_what_the_sampler_draws_after_the_forward(request, t
         prompt_lens = np.array([len(PROMPTS[r]) for r in rids], dtype=np.int64)
         feed = [last[r] for r in rids]
         fused.sample_next(sample_rows_of(temps, greedy, seeds, prompt_lens))
-        logits = fused.decode(rids, feed)
+        assert fused.decode(rids, feed) is None
         tokens, logprobs, graphed = fused.sampled()
         want_logits = plain.decode(rids, feed)
         assert plain.sampled() is None and not graphed
@@ -69,7 +69,6 @@ def test_the_step_body_draws_what_the_sampler_draws_after_the_forward(request, t
             want_logits, torch.from_numpy(temps).to(dev),
             torch.from_numpy(((seeds + index) % SEED_MODULUS).astype(np.int32)).to(dev),
             torch.from_numpy(greedy).to(dev))
-        assert torch.equal(logits, want_logits)
         assert tokens.tolist() == want_tokens.tolist(), rids
         assert torch.allclose(logprobs, want_lps, atol=1e-6, rtol=0)
         for r, t in zip(rids, tokens.tolist()):
@@ -113,51 +112,29 @@ PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.6),
           SamplingParams(temperature=0.0), SamplingParams(temperature=1.3)]
 
 
-def _serve(model_dir, params: list[SamplingParams], *, graph_sampling: bool, steps: int):
-    """Seeded requests through a paged scheduler, submitted together, of 6, 8, 10 and 12 tokens
-    (the batch shrinks as they finish): ([(ids, logprobs)] per request, its DecodeOverlap)."""
-    from rltool.engine.paged_runner import PagedRunner
-    from rltool.engine.paged_scheduler import PagedScheduler
-    from rltool.engine.request import Request
-
-    runner = PagedRunner(model_dir, device=DEV, dtype="fp32", max_running=4, page_size=4,
-                         max_total_tokens=256, disable_cuda_graph=True,
-                         graph_sampling=graph_sampling)
-    sched = PagedScheduler(runner, max_running=4, num_continuous_decode_steps=steps)
-    done = threading.Event()
-    reqs = [Request(rid=f"r{i}", prompt_ids=[5 + i, 9, 3, 12][:2 + i], return_logprob=True,
-                    params=p.model_copy(update={"max_new_tokens": 6 + 2 * i, "ignore_eos": True}),
-                    generator=make_generator(40 + i),
-                    on_finish=lambda r: all(x.finished for x in reqs) and done.set())
-            for i, p in enumerate(params)]
-    sched.start()
-    try:
-        sched.submit(reqs)
-        assert done.wait(300), "the scheduler did not finish the requests"
-    finally:
-        sched.stop()
-    return [(r.output_ids, r.output_logprobs) for r in reqs], sched.batch.blocks
-
-
 @pytest.mark.parametrize("steps", [1, 3])
 def test_seeded_requests_draw_the_same_tokens_sampled_in_the_forward(request, tiny_model_dir,
                                                                     steps):
     """The engine with sampling in the decode forward and without: the same tokens and logprobs
     (within 1e-6) for seeded requests of several temperatures and prompt lengths, greedy
-    included, as the batch shrinks; the counters say which path sampled. A batch with a top-p request samples after the
-    forward (draw logits) and still matches."""
+    included, as the batch shrinks; the counters say which path sampled. A batch with a top-p
+    request samples after the forward (draw logits) and still matches."""
     if ran_in_child(request):
         return
     for params in (PARAMS, PARAMS[:3] + [SamplingParams(top_p=0.8)]):
-        got, blocks = _serve(tiny_model_dir, params, graph_sampling=True, steps=steps)
-        want, base = _serve(tiny_model_dir, params, graph_sampling=False, steps=steps)
+        got, sched = serve_seeded(tiny_model_dir, params, device=DEV, graph_sampling=True,
+                                  steps=steps)
+        want, base = serve_seeded(tiny_model_dir, params, device=DEV, graph_sampling=False,
+                                  steps=steps)
         for (toks, lps), (want_toks, want_lps) in zip(got, want):
             assert toks == want_toks
             assert np.allclose(lps, want_lps, atol=1e-6, rtol=0)
-        assert base.forward_sampled_steps == 0 and base.counters.num_apart_sampled_steps > 0
-        assert blocks.counters.num_graph_sampled_steps == 0  # eager: no graphs here
+        stats, base_stats = sched.stats(), base.stats()
+        assert base.batch.blocks.forward_sampled_steps == 0
+        assert base_stats["num_apart_sampled_steps"] > 0
+        assert stats["num_graph_sampled_steps"] == 0  # eager: no graphs here
         if params is PARAMS:
-            assert blocks.forward_sampled_steps > 0
-            assert blocks.counters.num_apart_sampled_steps == 0
+            assert sched.batch.blocks.forward_sampled_steps > 0
+            assert stats["num_apart_sampled_steps"] == 0
         else:
-            assert blocks.counters.num_apart_sampled_steps > 0
+            assert stats["num_apart_sampled_steps"] > 0

@@ -134,3 +134,71 @@ def test_decode_overlap_stays_on_with_filtered_sampling_on_cuda(tiny_model_dir):
         assert np.allclose(lps, want_lps, atol=1e-4)
     biased = overlapped[2][0]
     assert len(biased) == 4 and STOP not in biased[:3] and biased[3] == STOP, biased
+
+
+GRAPH_PARAMS = {  # name: the four requests' params (rltool.engine.decode_sample's test cases)
+    "plain": [SamplingParams(temperature=t) for t in (1.0, 0.6, 0.0, 1.3)],
+    "mixed": [SamplingParams(), SamplingParams(temperature=0.0), SamplingParams(top_k=20),
+              SamplingParams(top_p=0.7, min_p=0.05, temperature=0.8)],
+    "bias_min_new": [SamplingParams(), SamplingParams(logit_bias={"3": 4.0}),
+                     SamplingParams(min_new_tokens=3, temperature=0.7), SamplingParams()],
+}
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+@pytest.mark.parametrize("case", sorted(GRAPH_PARAMS))
+def test_sampling_in_the_decode_graph_draws_the_eager_tokens(tiny_model_dir, case, steps):
+    """Seeded requests with every sampling parameter: sampled inside the decode CUDA graph,
+    inside the eager forward (the same body, no graphs) and after the graph's forward (the
+    separate sampler launch) give the same tokens and logprobs; the engine's counters say the
+    plain batches' steps were graphed and that a filtered or biased batch fell back."""
+    from tests.helpers.graph_sampling import serve_seeded
+
+    params = GRAPH_PARAMS[case]
+    runs = {name: serve_seeded(tiny_model_dir, params, device="cuda", steps=steps, **kw)
+            for name, kw in {"graph": dict(graph_sampling=True, cuda_graph=True),
+                             "eager": dict(graph_sampling=True, cuda_graph=False),
+                             "apart": dict(graph_sampling=False, cuda_graph=True)}.items()}
+    want = runs["apart"][0]
+    for name in ("graph", "eager"):
+        for (toks, lps), (want_toks, want_lps) in zip(runs[name][0], want):
+            assert toks == want_toks, (name, toks, want_toks)
+            assert np.allclose(lps, want_lps, atol=1e-6, rtol=0), name
+    graphed = runs["graph"][1].stats()
+    assert runs["apart"][1].stats()["num_graph_sampled_steps"] == 0
+    assert runs["eager"][1].stats()["num_graph_sampled_steps"] == 0
+    if case == "plain":
+        assert graphed["num_graph_sampled_steps"] > 0 and graphed["num_apart_sampled_steps"] == 0
+    else:
+        assert graphed["num_apart_sampled_steps"] > 0
+
+
+def test_a_steady_decode_step_does_not_synchronize(tiny_model_dir):
+    """The scheduler's decode steps (overlapped, sampled inside the CUDA graph) run with
+    torch.cuda.set_sync_debug_mode("error") once the batch is steady: no step waits for the
+    device through an implicit synchronisation (a .item(), a pageable copy)."""
+    from rltool.engine.paged_runner import PagedRunner
+    from rltool.engine.paged_scheduler import PagedScheduler
+    from rltool.engine.request import Request
+
+    runner = PagedRunner(tiny_model_dir, device="cuda", dtype="fp32", max_running=4,
+                         page_size=4, max_total_tokens=1024)
+    sched = PagedScheduler(runner, max_running=4, num_continuous_decode_steps=2)
+    reqs = [Request(rid=f"s{i}", prompt_ids=[3 + i, 8, 1], return_logprob=True,
+                    params=SamplingParams(temperature=1.0, max_new_tokens=100,
+                                          ignore_eos=True))
+            for i in range(4)]
+    sched.submit(reqs)
+    sched.queue.wait_for_work(sched.batch.can_step)  # the arrivals join `waiting`
+    for _ in range(4):  # admission, prefill, the first blocks
+        sched.batch.step()
+    before = sched.stats()["num_graph_sampled_steps"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(8):
+            sched.batch.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert sched.stats()["num_graph_sampled_steps"] - before == 16
+    assert all(len(r.output_ids) >= 16 and not r.finished for r in reqs)
+    sched.batch.blocks.drain()
