@@ -188,9 +188,9 @@ class BatchBuilder:
             else:
                 counters.num_prefill_forwards += 1
         for req, point in snaps:  # before any later forward changes the states
-            runner.table.snapshot(req.rid)
             if point % ps == 0:  # its node is cached now, the snapshot with it
                 runner.cache_prefix(req.rid, req.prompt_ids[:point], lora=req.lora)
+            runner.table.snapshot(req.rid)
         for req in done:
             queue.prefilling.remove(req)
             runner.cache_prefix(req.rid, req.prompt_ids, lora=req.lora)

@@ -8,10 +8,11 @@ a reuse stops at least one token before the prompt's end (that token's logits st
 and shares only what full cached pages hold. So for L not a multiple of the page size, s is the
 end of the prompt's last full page; for a multiple, s = L - 1, one token before the end of its
 last page, whose first page_size - 1 tokens a later request copies into a page of its own (as
-dense models' partial pages): a GRPO group's other samples then compute one prompt token each. The batch builder ends a prefill chunk at s and calls
-`snapshot`, which copies the request's states into a free slot of the state pool; the snapshot
-goes to the radix node of the page holding token s - 1 once that page is cached (at once when s
-is a page end, else when the prompt's prefill ends), and is freed with its request otherwise.
+dense models' partial pages): a GRPO group's other samples then compute one prompt token each.
+The batch builder ends a prefill chunk at s and calls `snapshot`, which copies the request's
+states into a free slot of the state pool; the snapshot goes to the radix node of the page
+holding token s - 1 once that page is cached (at once when s is a page end, else when the
+prompt's prefill ends), and is freed with its request otherwise.
 
 A later request (`reuse_prefix`) uses the deepest matched node holding a snapshot: the pages up
 to it shared, the head of a node's page copied when the snapshot lies inside it, and its state
@@ -47,10 +48,14 @@ class HybridPageTable(PageTable):
 
     def snapshot(self, rid: str) -> None:
         """Snapshot the states of `rid` after its KV length (its last prefill chunk ended
-        there) for the prefix cache; skipped when no slot is free or held by a snapshot."""
+        there) for the prefix cache; skipped when the node of that page (if cached) holds one
+        already, or when no slot is free or held by a snapshot."""
         entry, slot = self.entries.get(rid), self.states.held.get(rid)
         if entry is None or slot is None or entry.epoch != self.cache.epoch:
             return
+        index = (entry.length - 1) // self.page_size
+        if index < len(entry.shared) and entry.shared[index].state >= 0:
+            return  # its node holds one already
         snap = self.states.take()
         if snap is None:
             snap = self._reclaim()

@@ -166,6 +166,25 @@ def test_a_second_turn_reuses_the_first_turns_snapshot(hybrid_dir):
     assert_idle(runner)
 
 
+def test_a_node_keeps_its_first_snapshot(hybrid_dir):
+    """A request that computes a cached prompt's first 8 tokens again (the runner driven by
+    hand, every slot taken) takes no second snapshot for the node that holds one: the other
+    prompt's snapshot, the least recently used, is not given up for it."""
+    runner = runner_of(hybrid_dir, max_running=3)
+    other, prompt = prompt_of(11, seed=6), prompt_of(11, seed=4)
+    serve(runner, [[sampled("b", other, seed=1)], [sampled("a", prompt, seed=1)]])
+    cache = runner.table.cache
+    mine, theirs = cache.match(prompt)[1], cache.match(other)[1]
+    assert runner.states.num_snapshots == 2 and mine.state >= 0 and theirs.state >= 0
+    assert runner.claim_state("x") and runner.states.available == 0
+    runner.prefill([("x", prompt[:8], 0)], want=[False])
+    runner.cache_prefix("x", prompt[:8])
+    runner.table.snapshot("x")
+    assert theirs.state >= 0 and mine.state >= 0 and runner.states.num_snapshots == 2
+    runner.remove("x")
+    assert_idle(runner)
+
+
 def test_snapshots_leave_with_their_nodes_and_yield_slots_to_requests(hybrid_dir):
     """A 64-token KV pool: each new prompt evicts older cached pages, whose snapshots go back to
     the pool; with 2 slots, a request that finds none free takes a snapshot's."""
