@@ -125,9 +125,9 @@ def _conv(X, stride_x, Wt, Out, stride_o, State, stride_state, Starts, Ends, Slo
         for i in tl.static_range(KW - 1):
             pos = end - (KW - 1) + i
             if pos >= start:
-                x = tl.load(X + pos * stride_x + offs_c, mask=c_ok, other=0.0)
+                x = tl.load(X + pos * stride_x + offs_c, mask=c_ok, other=0.0).to(tl.float32)
             else:
-                x = tl.load(state + KW - 1 + pos - start, mask=c_ok, other=0.0)
+                x = tl.load(state + KW - 1 + pos - start, mask=c_ok, other=0.0).to(tl.float32)
             tl.store(state + i, x.to(State.dtype.element_ty), mask=c_ok)
 
 
@@ -235,7 +235,7 @@ def _chunk_prep(X, stride_x, Proj, stride_p, ALog, DtBias, ChunkStart, ChunkEnd,
     # T = (I + A)^-1 by forward substitution: row i is e_i - sum_{j<i} A_ij T_j (rows past the
     # chunk's end stay e_i: their A rows are 0)
     T = tl.where(idx[:, None] == idx[None, :], 1.0, 0.0)
-    i = 1
+    i = start * 0 + 1  # a tensor: a loop may not reassign a constexpr
     while i < end - start:
         a_i = tl.sum(tl.where(idx[:, None] == i, A, 0.0), 0)
         row_i = -tl.sum(a_i[:, None] * T, 0)
@@ -370,14 +370,14 @@ def prefill(layer: GdnLayer, conv_state: torch.Tensor | None, ssm: torch.Tensor 
     sizes = dict(H=H, DK=dk, DV=dv, IEEE=ieee, BT=CHUNK, BK=bk)
     _chunk_prep[(c_start.numel(), H)](x, x.stride(0), proj, proj.stride(0), layer.a_log,
                                       layer.dt_bias, c_start, c_end, w, u, G, rep, **off,
-                                      BV=bv, **sizes)
+                                      BV=bv, num_warps=8, **sizes)
     sbv = min(STATE_BV, bv)
     state = ssm if pool else hbuf
     _chunk_state[(len(segments), H, triton.cdiv(dv, sbv))](
         x, x.stride(0), state, state.stride(0) if pool else 0, starts, ends, chunk0, slots, w, u,
-        G, hbuf, rep, off["K_OFF"], POOL=pool, BV=sbv, **sizes)
+        G, hbuf, rep, off["K_OFF"], POOL=pool, BV=sbv, num_warps=8, **sizes)
     obv = min(64, bv)
     _chunk_out[(c_start.numel(), H, triton.cdiv(dv, obv))](
         x, x.stride(0), c_start, c_end, u, G, hbuf, out, rep, off["K_OFF"], dk ** -0.5, BV=obv,
-        **sizes)
+        num_warps=8, **sizes)
     return out
