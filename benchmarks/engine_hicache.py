@@ -2,25 +2,28 @@
 whose shared histories exceed the device pool, against the same engine without the tier, in one
 run.
 
-Workload: C conversations of T turns on a random-init checkpoint of `--preset`. Conversation c
-opens with S system tokens of its own; turn t sends the history (system, then each earlier turn's
-U user tokens and R reply tokens) and the turn's U user tokens, for one output token (greedy),
-so a request's latency is its time to first token. The replies are scripted (drawn with the prompts, not the engine's output), so both
-engines get the same tokens. Turns go round the conversations (turn 1 of every conversation,
-then turn 2, ...) one request at a time, alternating engines request by request (so load
-drifts reach both alike). The device pool is capped with --max-total-tokens far below the
-C histories, so by the time a conversation comes back its history has been evicted: the
+Workload: C conversations of T turns on a random-init checkpoint (FULL: the Qwen2.5-0.5B
+shapes in bf16; QUICK: the `small` preset in fp32). Conversation c opens with S system tokens of
+its own; turn t sends the history (system, then each earlier turn's U user tokens and R reply
+tokens) and the turn's U user tokens, for one output token (greedy), so a request's latency is
+its time to first token. The replies are scripted (drawn with the prompts, not the engine's
+output), so both engines get the same tokens. Turns go round the conversations (turn 1 of every
+conversation, then turn 2, ...) one request at a time, alternating engines request by request
+(so load drifts reach both alike). The device pool is capped with --max-total-tokens far below
+the C histories, so by the time a conversation comes back its history has been evicted: the
 baseline prefills it again, the tiered engine reloads it from host memory.
 
-Arms (two `rltool serve` engines, started together, each warmed up on other prompts first):
+Arms (two `rltool serve` engines serving side by side, each warmed up on other prompts and
+flushed first):
   baseline   the prefix cache alone
   tiered     --enable-hierarchical-cache, a host pool large enough for every history
 Per arm: median and p99 time to first token (the client's request latency), the engine's mean
 TTFT, prompt+output tokens per second of request time, prefix hits per tier. For the tiered
 arm: bytes reloaded per second of reload copy time against a pinned host-to-device copy measured
-here (CUDA), and the hits after a weight update (a disk sync of the same checkpoint; must be 0).
-Then `rltool plan`'s HiCache check (rltool.profile.serving_check) on the two engines' counters:
-its prediction of the saving per request against the measured difference of mean TTFT.
+here (CUDA), and the hits after a weight update (a disk sync of the same checkpoint; any hit
+makes the exit code 1). Then `rltool plan`'s HiCache check (rltool.profile.serving_check) on the
+two engines' counters over the workload: its prediction of the saving per request against the
+measured difference of mean TTFT.
 
 Usage: python -m benchmarks.engine_hicache [--device cuda] [--quick] [--out DIR]
 """
@@ -137,7 +140,10 @@ def pinned_bandwidth() -> float | None:
         dev.copy_(host, non_blocking=True)
     end.record()
     torch.cuda.synchronize()
-    return 10 * host.numel() / (start.elapsed_time(end) / 1e3)
+    bandwidth = 10 * host.numel() / (start.elapsed_time(end) / 1e3)
+    del host, dev
+    torch.cuda.empty_cache()  # the engines share the card
+    return bandwidth
 
 
 def engine_args(model: Path, w: Workload, *, device: str, tiered: bool) -> list[str]:
@@ -281,6 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         "rows": list(rows.values()), "after_update": result["after_update"],
         "plan_check": check}
     run.finish(fields, out=args.out)
+    stale = result["after_update"]
+    if stale["host_hit_tokens"] or stale["device_hit_tokens"] or stale["cached_tokens"]:
+        print(f"Error: the tiered engine served {stale['cached_tokens']} cached tokens computed "
+              "under the weights before the update", file=sys.stderr)
+        return 1
     return 0
 
 
