@@ -119,7 +119,7 @@ class Collector:
 
     @contextlib.asynccontextmanager
     async def streaming(self) -> AsyncIterator["Collector"]:
-        """Open the reward threads for `run_group` calls of a continuous producer (the
+        """Open the reward threads for `run_groups` calls of a continuous producer (the
         asynchronous loop), which has no batch to collect."""
         self._pool = ThreadPoolExecutor(max_workers=self.reward_workers,
                                         thread_name_prefix="rltool-reward")
