@@ -290,3 +290,26 @@ def test_the_tree_gives_up_the_snapshots_of_nodes_that_leave():
     assert cache.drain_states() == []
     cache.clear()
     assert cache.drain_states() == [7] and cache.snapshots == {}
+
+
+def test_the_http_engine_serves_a_hybrid_with_the_prefix_cache(hybrid_dir):
+    """`rltool serve`'s config with its defaults (prefix cache on): the same prompt twice over
+    /generate, the second reusing the first's snapshot (meta_info's cached_tokens) with the same
+    greedy tokens; /flush_cache drops the snapshot."""
+    from rltool.engine.config import ServeConfig
+    from tests.helpers.engines import serve_app
+
+    prompt = prompt_of(40, seed=8)
+    cfg = ServeConfig(model=hybrid_dir, device="cpu", max_running_requests=4)
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 5, "temperature": 0.0,
+                                                     "ignore_eos": True}}
+    with serve_app(cfg) as (client, runner):
+        first = client.post("/generate", json=body).json()
+        second = client.post("/generate", json=body).json()
+        assert first["meta_info"]["cached_tokens"] == 0
+        point = snapshot_point(40, runner.page_size)
+        assert point > 0 and second["meta_info"]["cached_tokens"] == point
+        assert second["output_ids"] == first["output_ids"]
+        assert client.post("/flush_cache").status_code == 200
+        assert runner.states.num_snapshots == 0
+    assert not runner.states.held
