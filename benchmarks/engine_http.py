@@ -35,8 +35,17 @@ after the last answer, so a run's counts can be off by a step or two); the CPU s
 With `--device cuda`, transformers `generate` on uniform-64's first round beside them (one
 left-padded batch of 64, sampling, static cache).
 
+`--layouts one,two` times the server in both layouts (docs/serve.md "Process layout") one after
+the other: arm `http` with --no-frontend-process (the scheduler thread beside uvicorn), arm
+`http_two_process` with --frontend-process (the scheduler in a process of its own; the server's
+CPU seconds include it), and records `two_over_one_process` per workload.
+
 GPU (one command, sized to fit 8 minutes on one H100 or H200; not yet run on a GPU):
   python -m benchmarks.engine_http --device cuda --preset qwen2.5-0.5b --out benchmarks/results
+Both layouts (the in-process arm, then each server, three workloads; not yet run):
+  python -m benchmarks.engine_http --device cuda --preset qwen2.5-0.5b --layouts one,two
+      --skip-hf --workloads uniform-64,uniform-256,stream-64 --out benchmarks/results
+  (one command line)
 CPU smoke (tiny model, short runs, well under a minute on 2 cores):
   python -m benchmarks.engine_http --quick --out /tmp/engine-http
 Prints a table and, last, one JSON line; `--out DIR` writes DIR/engine_http-DATE-DEVICE.json
@@ -62,6 +71,10 @@ from typing import Any
 from benchmarks import harness
 
 LOGNORMAL_SIGMA = 0.8
+TWO_PROCESS_ARM = "http_two_process"
+# --layouts: the arm's name and the `rltool serve` flag that picks the layout
+LAYOUTS = {"one": ("http", "--no-frontend-process"),
+           "two": (TWO_PROCESS_ARM, "--frontend-process")}
 WARMUP_SEED = 10_000  # warm-up rounds draw their prompts from other seeds than the timed ones
 
 
@@ -166,15 +179,16 @@ class InProcessArm:
 
 
 class HttpArm:
-    """`rltool serve` in its own process, called over loopback."""
+    """`rltool serve` in its own process (and its scheduler process, in the two-process
+    layout), called over loopback."""
 
-    name = "http"
-
-    def __init__(self, cfg_args: list[str], *, log_path: Path, max_in_flight: int):
+    def __init__(self, cfg_args: list[str], *, log_path: Path, max_in_flight: int,
+                 name: str = "http"):
         import psutil
 
         from rltool.rollout.launch import start_engine
 
+        self.name = name
         self.proc = start_engine(["--engine", "builtin", *cfg_args], log_path=log_path,
                                  ready_timeout_s=900.0)
         self.url = self.proc.url
@@ -267,8 +281,12 @@ class HttpArm:
         return info["internal_states"][0]
 
     def cpu_s(self) -> float:
-        t = self.server.cpu_times()
-        return t.user + t.system
+        """The server's CPU seconds, its scheduler process's included."""
+        total = 0.0
+        for proc in [self.server, *self.server.children(recursive=True)]:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        return total
 
     def stop(self) -> None:
         self.proc.stop()
@@ -405,11 +423,10 @@ def flags(settings: dict[str, Any]) -> list[str]:
     return [x for k, v in settings.items() for x in (f"--{k.replace('_', '-')}", str(v))]
 
 
-def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """HTTP tokens/s over in-process tokens/s per workload."""
+def ratios(rows: list[dict[str, Any]], arm: str, base: str) -> dict[str, float]:
+    """`arm`'s tokens/s over `base`'s per workload."""
     by = {(r["workload"], r["arm"]): r["tokens_per_s"] for r in rows}
-    return {w: by[(w, "http")] / by[(w, "in_process")]
-            for w, arm in by if arm == "http" and (w, "in_process") in by}
+    return {w: by[(w, arm)] / by[(w, base)] for w, a in by if a == arm and (w, base) in by}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -426,8 +443,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--skip-hf", action="store_true", help="No transformers baseline.")
     parser.add_argument("--mem-fraction-static", type=float, default=0.8)
     parser.add_argument("--num-threads", type=int, default=1, help="cpu: torch threads.")
+    parser.add_argument("--layouts", default="one",
+                        help="Comma-separated server layouts to time: one (the scheduler thread "
+                             "beside uvicorn, arm http), two (--frontend-process, arm "
+                             f"{TWO_PROCESS_ARM}).")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    layouts = args.layouts.split(",")
+    if not layouts or set(layouts) - set(LAYOUTS):
+        parser.error(f"--layouts {args.layouts!r}: choose from {sorted(LAYOUTS)}")
     if args.quick:
         args.device, args.preset = "cpu", "tiny"
     min_seconds = args.min_seconds if args.min_seconds is not None else (
@@ -477,29 +501,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.out:
         run.write(run.record(fields), args.out, variant=variant)
 
-    http = HttpArm(["--model", str(model_dir), *flags(settings), "--log-level", "warning"],
-                   log_path=tmp / "serve.log", max_in_flight=max(w.in_flight for w in ws))
-    fields["settings"]["http_client"] = http.client
-    try:
-        fields["results"] += asyncio.run(run_http(http, ws, **kw))
-    finally:
-        http.stop()
-    fields["http_over_in_process"] = ratios(fields["results"])
-    if args.out:
-        run.write(run.record(fields), args.out, variant=variant)
+    for layout in layouts:
+        arm_name, flag = LAYOUTS[layout]
+        http = HttpArm(["--model", str(model_dir), *flags(settings), flag,
+                        "--log-level", "warning"], log_path=tmp / f"serve-{layout}.log",
+                       max_in_flight=max(w.in_flight for w in ws), name=arm_name)
+        fields["settings"]["http_client"] = http.client
+        try:
+            fields["results"] += asyncio.run(run_http(http, ws, **kw))
+        finally:
+            http.stop()
+        fields[f"{arm_name}_over_in_process"] = ratios(fields["results"], arm_name, "in_process")
+        if args.out:
+            run.write(run.record(fields), args.out, variant=variant)
+    if len(layouts) == 2:
+        fields["two_over_one_process"] = ratios(fields["results"], TWO_PROCESS_ARM, "http")
 
     uniform = [w for w in ws if w.name.startswith("uniform")]
     if args.device == "cuda" and not args.skip_hf and uniform:
         harness.progress("transformers generate")
         fields["hf_generate"] = hf_baseline(model_dir, uniform[0], vocab=vocab)
 
-    ratio = fields["http_over_in_process"]
+    inproc_tps = {r["workload"]: r["tokens_per_s"] for r in fields["results"]
+                  if r["arm"] == "in_process"}
     harness.print_table(
         ["workload", "arm", "in flight", "calls", "s", "out tok/s", "http/inproc",
          "TTFT p50 ms", "TTFT p99 ms", "prefill fw", "decode fw", "mean decode B",
          "cpu s (here)", "cpu s (server)"],
         [[r["workload"], r["arm"], r["in_flight"], r["calls"], r["seconds"], r["tokens_per_s"],
-          ratio.get(r["workload"]) if r["arm"] == "http" else None,
+          (r["tokens_per_s"] / inproc_tps[r["workload"]]
+           if r["arm"] != "in_process" and r["workload"] in inproc_tps else None),
           r["ttft_p50_ms"], r["ttft_p99_ms"], r["prefill_forwards"], r["decode_forwards"],
           r["mean_decode_batch"], r["this_process_cpu_s"], r["server_cpu_s"]]
          for r in sorted(fields["results"], key=lambda r: (r["workload"], r["arm"]))])

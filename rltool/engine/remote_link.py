@@ -195,6 +195,7 @@ class SchedulerChild:
     def __init__(self, cfg: ServeConfig):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock = ours
+        self.connected = False
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "rltool.engine.scheduler_process", str(theirs.fileno())],
@@ -213,20 +214,25 @@ class SchedulerChild:
         except (asyncio.IncompleteReadError, ConnectionError):
             raise EngineError(f"the scheduler process exited (code {self.proc.wait()}) before "
                               "the engine was ready; its error is in the log above") from None
-        if hello["t"] == "fail":
-            raise EngineError(f"the scheduler process could not start the engine: "
-                              f"{hello['message']}")
+        if hello["t"] == "fail":  # raised as one process raises it (a bad checkpoint: exit 2)
+            error = ipc.error_from(hello["err"])
+            if isinstance(error, RuntimeError):
+                raise EngineError(f"the scheduler process could not start the engine: {error}")
+            raise error
         info = EngineInfo.from_facts(hello["facts"])
         link = RemoteLink(reader, writer, proc=self.proc, info=info,
                           weight_version=hello["weight_version"])
         link.start()
+        self.connected = True
         return link, info
 
     def stop(self) -> int:
         """Wait for the process to end (it was told to stop, or lost its channel); SIGTERM, then
-        SIGKILL past STOP_TIMEOUT_S. Its exit status."""
+        SIGKILL past STOP_TIMEOUT_S. One still loading the model (it reads the channel only once
+        it serves) gets SIGTERM at once. Its exit status."""
         self.sock.close()  # its reader sees the end of the channel
-        for signal_it in (None, self.proc.terminate, self.proc.kill):
+        steps = (None, self.proc.terminate, self.proc.kill)
+        for signal_it in steps if self.connected else steps[1:]:
             if signal_it is not None:
                 signal_it()
             try:

@@ -32,7 +32,7 @@ from rltool.engine.config import ServeConfig
 from rltool.engine.link import EngineInfo
 from rltool.engine.ops import EngineOps
 from rltool.engine.request import Request
-from rltool.errors import BadInputError, EngineError
+from rltool.errors import BadInputError, EngineError, RltoolError
 
 log = logging.getLogger(__name__)
 
@@ -184,8 +184,9 @@ def main(fd: int) -> int:
     try:
         runner, scheduler = build_engine(cfg)
     except Exception as e:
-        log.exception("building the engine failed")
-        channel.send({"t": "fail", "message": f"{type(e).__name__}: {e}"})
+        if not isinstance(e, RltoolError):  # a typed error is one line, told by the front end
+            log.exception("building the engine failed")
+        channel.send({"t": "fail", "err": ipc.error_of(e)})
         return 3
     SchedulerProcess(cfg, channel, runner, scheduler).run()
     return 0

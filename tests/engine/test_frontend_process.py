@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -35,7 +38,7 @@ def start(model_dir, tmp_path_factory, name: str, *extra: str):
 
 
 @pytest.fixture(scope="module")
-def two_process_engine(tiny_model_dir, other_weights_dir, tmp_path_factory):
+def two_process_engine(tiny_model_dir, tmp_path_factory):
     proc, log_path = start(tiny_model_dir, tmp_path_factory, "two-process",
                            "--allowed-weight-root", str(tmp_path_factory.getbasetemp()))
     yield proc
@@ -160,8 +163,9 @@ def test_weight_update_through_the_control_call(two_process_engine, tiny_model_d
     assert post(url, api.GENERATE, body).json()["output_ids"] == before["output_ids"]
 
 
-def test_sigterm_stops_both_processes(tiny_model_dir, tmp_path_factory):
-    proc, _ = start(tiny_model_dir, tmp_path_factory, "sigterm")
+def test_sigterm_stops_both_processes(two_process_engine):
+    """The module engine's last test: it ends the engine (the fixture's stop is then a no-op)."""
+    proc = two_process_engine
     child = scheduler_pid(proc.url)
     assert proc.stop() == 0
     for _ in range(100):
@@ -199,3 +203,20 @@ def test_scheduler_death_answers_503_and_exits_non_zero(tiny_model_dir, tmp_path
         assert "scheduler process exited" in log_path.read_text()
     finally:
         proc.stop()
+
+
+@pytest.mark.slow  # two interpreters load torch only to fail: ~25 s on a busy 2-core machine
+def test_a_checkpoint_the_scheduler_cannot_load_exits_as_in_one_process(tiny_model_dir,
+                                                                        tmp_path):
+    """The scheduler process's typed error comes back to the front end: one line, exit 2."""
+    model = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "config.json").write_text("{not json")
+    ready = tmp_path / "ready.json"
+    proc = subprocess.run([sys.executable, "-m", "rltool", "serve", "--model", str(model),
+                           *TWO_PROCESS, "--port", "0", "--ready-file", str(ready)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "is not valid JSON" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not ready.exists()

@@ -65,18 +65,21 @@ class Outcome:
     ids: list[str] = field(default_factory=list)  # response / request ids seen
 
 
-@pytest.fixture(scope="module")
-def load_engine(tiny_model_dir, tmp_path_factory):
-    """An engine of its own (the storm would disturb the session engine's other tests)."""
+@pytest.fixture(scope="module", params=["one-process", "two-process"])
+def load_engine(request, tiny_model_dir, tmp_path_factory):
+    """An engine of its own (the storm would disturb the session engine's other tests), in
+    either layout (docs/serve.md "Process layout"); the two-process one gets fewer rounds."""
     from rltool.rollout.launch import start_engine
 
-    log_path = tmp_path_factory.mktemp("engine-logs") / "load.log"
+    two = request.param == "two-process"
+    log_path = tmp_path_factory.mktemp("engine-logs") / f"load-{request.param}.log"
     proc = start_engine(["--engine", "builtin", "--model", str(tiny_model_dir),
                          "--num-threads", "1", "--max-running-requests", str(MAX_RUNNING),
                          "--max-queued-requests", str(MAX_QUEUED),
-                         "--max-request-bytes", str(MAX_REQUEST_BYTES), "--log-level", "warning"],
+                         "--max-request-bytes", str(MAX_REQUEST_BYTES), "--log-level", "warning",
+                         "--frontend-process" if two else "--no-frontend-process"],
                         log_path=log_path, ready_timeout_s=120.0)
-    yield proc, log_path
+    yield proc, log_path, MEASURED_SEEDS[:1] if two else MEASURED_SEEDS
     proc.stop()
 
 
@@ -469,13 +472,13 @@ def run_round(url: str, seed: int) -> list[Outcome]:
 
 @pytest.mark.timeout(400)
 def test_http_server_survives_abuse_without_losing_or_duplicating(load_engine):
-    proc, log_path = load_engine
+    proc, log_path, seeds = load_engine
     url = proc.url
 
     run_round(url, WARMUP_SEED)  # same mix: the allocator's growth settles
     rss_warm = rss_bytes(proc.pid)
 
-    outcomes = [o for seed in MEASURED_SEEDS for o in run_round(url, seed)]
+    outcomes = [o for seed in seeds for o in run_round(url, seed)]
     kinds = {o.kind.split(":")[0] for o in outcomes}
     assert kinds == set(KINDS), set(KINDS) - kinds  # the mix really ran
     statuses = {o.status for o in outcomes}
@@ -504,7 +507,7 @@ def test_a_plain_request_whose_client_went_away_is_aborted(load_engine):
     nobody, and a client that retried after a timeout made the engine do the work twice.
 
     The engine is paused first, so the request waits in the queue: the test needs no timing."""
-    proc, _ = load_engine
+    proc, _, _ = load_engine
     url = proc.url
     wait_idle(url)
     assert httpx.post(url + api.PAUSE_GENERATION, json={"mode": "abort"},
