@@ -13,8 +13,8 @@ index, in their storage dtype, with float32 math; a slot of a fresh sequence is 
   taken from each sequence's conv state and the last kernel - 1 written back (decode: one token
   per row, the slot indices read on the device).
 - `decode`: one recurrent step per row (program: row, value head, block of value dims).
-- `prefill`: the chunked delta rule over packed variable-length sequences, CHUNK tokens per
-  chunk, in three kernels (the WY form of the chunk, as in the Gated DeltaNet paper and FLA):
+- `prefill`: the chunked delta rule over packed variable-length sequences (a `PrefillPlan`,
+  built once per forward for every GDN layer), CHUNK tokens per chunk, in three kernels (the WY form of the chunk, as in the Gated DeltaNet paper and FLA):
   `_chunk_prep`, parallel over (chunk, head), builds T = (I + A)^-1 for the chunk's
   A_ij = beta_i exp(G_i - G_j) k_i.k_j (j < i, forward substitution) and from it
   W = T (beta exp(G) k) and U = T (beta v), so that the chunk's updates are U - W S0;
@@ -324,41 +324,53 @@ def _chunk_out(X, stride_x, ChunkStart, ChunkEnd, Ubuf, Gbuf, Hbuf, Out, REP, K_
              mask=ok[:, None] & v_ok[None, :])
 
 
-def plan_chunks(segments: list[tuple[int, int]], device: torch.device
-                ) -> tuple[torch.Tensor, ...]:
-    """The device index tensors of packed sequences [(offset, length)]: per sequence its start,
-    end and first chunk; per chunk its start and end (CHUNK tokens, the last one shorter). One
-    host-to-device copy."""
-    starts = [o for o, _ in segments]
-    ends = [o + n for o, n in segments]
-    chunk0, c_start, c_end = [], [], []
-    for o, n in segments:
-        chunk0.append(len(c_start))
-        c_start.extend(range(o, o + n, CHUNK))
-        c_end.extend(min(s + CHUNK, o + n) for s in range(o, o + n, CHUNK))
-    flat = torch.tensor(starts + ends + chunk0 + c_start + c_end, dtype=torch.int32)
-    n, m = len(segments), len(c_start)
-    return flat.to(device, non_blocking=True).split([n, n, n, m, m])
+@dataclass(frozen=True)
+class PrefillPlan:
+    """The device index tensors of a packed prefill, shared by its GDN layers: per sequence its
+    start, end, first chunk and state slot (int64); per chunk its start and end (CHUNK tokens,
+    the last of a sequence shorter); the slots of the fresh sequences (int64)."""
+    starts: torch.Tensor
+    ends: torch.Tensor
+    chunk0: torch.Tensor
+    chunk_start: torch.Tensor
+    chunk_end: torch.Tensor
+    slots: torch.Tensor
+    fresh: torch.Tensor
+
+    @staticmethod
+    def of(segments: list[tuple[int, int, int, bool]], device: torch.device) -> "PrefillPlan":
+        """The plan of packed sequences [(offset, length, slot, fresh)]: one host-to-device
+        copy."""
+        starts = [o for o, *_ in segments]
+        ends = [o + n for o, n, *_ in segments]
+        chunk0, c_start, c_end = [], [], []
+        for o, n, *_ in segments:
+            chunk0.append(len(c_start))
+            c_start.extend(range(o, o + n, CHUNK))
+            c_end.extend(min(s + CHUNK, o + n) for s in range(o, o + n, CHUNK))
+        slots = [s for *_, s, _ in segments]
+        fresh = [s for *_, s, f in segments if f]
+        flat = torch.tensor(starts + ends + chunk0 + c_start + c_end + slots + fresh,
+                            dtype=torch.int64).to(device, non_blocking=True)
+        n, m = len(segments), len(c_start)
+        parts = flat.split([n, n, n, m, m, n, len(fresh)])
+        return PrefillPlan(*(t.to(torch.int32) for t in parts[:5]), *parts[5:])
 
 
 def prefill(layer: GdnLayer, conv_state: torch.Tensor | None, ssm: torch.Tensor | None,
-            segments: list[tuple[int, int, int, bool]]) -> torch.Tensor:
-    """The GDN layer's recurrence over packed sequences [(offset, length, slot, fresh)] of
-    `layer.proj`. With the pool's tensors of this layer (conv_state, ssm: see `decode`) each
-    sequence starts from its slot's states (zeros if fresh) and leaves its final ones there;
-    without (None, None) every sequence starts from zeros and its states are dropped. Returns
-    o [T, Hv, Dv] in the projection's dtype."""
+            plan: PrefillPlan) -> torch.Tensor:
+    """The GDN layer's recurrence over the packed sequences of `plan` in `layer.proj`. With the
+    pool's tensors of this layer (conv_state, ssm: see `decode`) each sequence starts from its
+    slot's states (zeros if fresh) and leaves its final ones there; without (None, None) every
+    sequence starts from zeros and its states are dropped. Returns o [T, Hv, Dv] in the
+    projection's dtype."""
     spec, proj = layer.spec, layer.proj
     dev, pool = proj.device, ssm is not None
-    starts, ends, chunk0, c_start, c_end = plan_chunks([(o, n) for o, n, *_ in segments], dev)
-    slots = torch.tensor([s for *_, s, _ in segments], dtype=torch.int64).to(dev)
-    if pool:
-        fresh = [s for *_, s, f in segments if f]
-        if fresh:
-            idx = torch.tensor(fresh, dtype=torch.int64).to(dev)
-            conv_state[idx] = 0
-            ssm[idx] = 0
-    x = causal_conv(layer, conv_state, slots, bounds=(starts, ends))
+    c_start, c_end = plan.chunk_start, plan.chunk_end
+    if pool and plan.fresh.numel():
+        conv_state[plan.fresh] = 0
+        ssm[plan.fresh] = 0
+    x = causal_conv(layer, conv_state, plan.slots, bounds=(plan.starts, plan.ends))
     T, H, dk, dv = proj.shape[0], spec.num_v_heads, spec.k_dim, spec.v_dim
     f32 = dict(dtype=torch.float32, device=dev)
     w, u, G = torch.empty(T, H, dk, **f32), torch.empty(T, H, dv, **f32), torch.empty(T, H, **f32)
@@ -373,9 +385,9 @@ def prefill(layer: GdnLayer, conv_state: torch.Tensor | None, ssm: torch.Tensor 
                                       BV=bv, num_warps=8, **sizes)
     sbv = min(STATE_BV, bv)
     state = ssm if pool else hbuf
-    _chunk_state[(len(segments), H, triton.cdiv(dv, sbv))](
-        x, x.stride(0), state, state.stride(0) if pool else 0, starts, ends, chunk0, slots, w, u,
-        G, hbuf, rep, off["K_OFF"], POOL=pool, BV=sbv, num_warps=8, **sizes)
+    _chunk_state[(plan.starts.numel(), H, triton.cdiv(dv, sbv))](
+        x, x.stride(0), state, state.stride(0) if pool else 0, plan.starts, plan.ends,
+        plan.chunk0, plan.slots, w, u, G, hbuf, rep, off["K_OFF"], POOL=pool, BV=sbv, num_warps=8, **sizes)
     obv = min(64, bv)
     _chunk_out[(c_start.numel(), H, triton.cdiv(dv, obv))](
         x, x.stride(0), c_start, c_end, u, G, hbuf, out, rep, off["K_OFF"], dk ** -0.5, BV=obv,

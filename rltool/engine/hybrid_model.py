@@ -152,6 +152,8 @@ class HybridLM(DenseLM):
         `recurrence`: the GDN layers' sequences and states (default: one fresh sequence)."""
         s = self.spec
         rec = recurrence if recurrence is not None else Recurrence.alone(len(input_ids))
+        plan = (gdn_kernels.PrefillPlan.of(rec.segments, self.device)
+                if self.fused and self.gdn_kernels and rec.segments is not None else None)
         x = F.embedding(input_ids, self.embed)
         if collect is not None:
             collect.append(x)
@@ -160,7 +162,7 @@ class HybridLM(DenseLM):
             if "gdn_in" in L and rec.pool is None and not self.fused:
                 x = x + self._gdn_as_trainer(L, h)
             elif "gdn_in" in L:
-                x = x + self._gdn(self._gdn_index[i], L, h, rec)
+                x = x + self._gdn(self._gdn_index[i], L, h, rec, plan)
             else:
                 x = x + self._attention(i, L, h, attend)
             h = zero_centred_norm(x, L["ln2"], s.rms_norm_eps)
@@ -187,14 +189,15 @@ class HybridLM(DenseLM):
         a = attend(i, q, k, v.reshape(T, s.num_kv_heads, s.head_dim)).reshape(T, q_size)
         return linear(a * torch.sigmoid(gate.reshape(T, q_size)), L["o"])
 
-    def _gdn(self, j: int, L: dict[str, torch.Tensor], h: torch.Tensor,
-             rec: Recurrence) -> torch.Tensor:
-        """Gated DeltaNet layer `j` (among the GDN layers) over the packed stream."""
+    def _gdn(self, j: int, L: dict[str, torch.Tensor], h: torch.Tensor, rec: Recurrence,
+             plan: gdn_kernels.PrefillPlan | None) -> torch.Tensor:
+        """Gated DeltaNet layer `j` (among the GDN layers) over the packed stream; `plan`: the
+        kernels' index tensors of a prefill."""
         ls, T = self.spec.linear, h.shape[0]
         hv, dv = ls.num_v_heads, ls.v_dim
         proj = linear(h, L["gdn_in"])
         if self.fused and self.gdn_kernels:
-            out = self._gdn_kernels(j, L, proj, rec)
+            out = self._gdn_kernels(j, L, proj, rec, plan)
         else:
             out = self._gdn_torch(j, L, proj, rec)
         z = proj[:, ls.conv_dim:ls.conv_dim + hv * dv]
@@ -238,7 +241,7 @@ class HybridLM(DenseLM):
         return out
 
     def _gdn_kernels(self, j: int, L: dict[str, torch.Tensor], proj: torch.Tensor,
-                     rec: Recurrence) -> torch.Tensor:
+                     rec: Recurrence, plan: gdn_kernels.PrefillPlan | None) -> torch.Tensor:
         """The GDN recurrence of layer `j` through the Triton kernels (rltool.engine.gdn_kernels):
         o [T, Hv, Dv] in the model dtype, the pool's states updated in place."""
         layer = gdn_kernels.GdnLayer(spec=self.spec.linear, proj=proj,
@@ -248,8 +251,8 @@ class HybridLM(DenseLM):
         if rec.segments is None:
             return gdn_kernels.decode(layer, pool.conv[j], pool.ssm[j], rec.slots)
         if pool is None:
-            return gdn_kernels.prefill(layer, None, None, rec.segments)
-        return gdn_kernels.prefill(layer, pool.conv[j], pool.ssm[j], rec.segments)
+            return gdn_kernels.prefill(layer, None, None, plan)
+        return gdn_kernels.prefill(layer, pool.conv[j], pool.ssm[j], plan)
 
     def _gdn_as_trainer(self, L: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         """A GDN layer over one whole sequence as transformers' Qwen3_5GatedDeltaNet computes it

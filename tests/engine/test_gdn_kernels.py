@@ -46,7 +46,7 @@ def test_prefill_matches_the_reference_from_stored_and_fresh_states(request):
     layer = random_layer(SPEC, 220, gen=gen, device=DEV)
     conv, ssm = random_states(SPEC, 8, gen=gen, device=DEV)
     conv_ref, ssm_ref = conv.clone(), ssm.clone()
-    o = gdn_kernels.prefill(layer, conv, ssm, SEGMENTS)
+    o = gdn_kernels.prefill(layer, conv, ssm, gdn_kernels.PrefillPlan.of(SEGMENTS, DEV))
     ref = reference_prefill(layer, conv_ref, ssm_ref, SEGMENTS)
     assert o.dtype == torch.float32 and o.shape == (220, 2, 16)
     close(o, ref, 1e-4)
@@ -67,7 +67,7 @@ def test_prefill_without_a_pool_starts_from_zeros(request):
     gen = torch.Generator().manual_seed(2)
     layer = random_layer(SPEC, 100, gen=gen, device=DEV)
     segments = [(0, 67, 0, True), (67, 33, 0, True)]
-    close(gdn_kernels.prefill(layer, None, None, segments),
+    close(gdn_kernels.prefill(layer, None, None, gdn_kernels.PrefillPlan.of(segments, DEV)),
           reference_prefill(layer, None, None, segments), 1e-4)
 
 

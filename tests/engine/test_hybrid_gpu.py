@@ -58,7 +58,7 @@ def test_gdn_kernels_match_the_reference_at_real_sizes_in_bf16(ssm_dtype):
         err = (got.float() - ref.float()).abs().max().item()
         assert err <= 3e-2 * ref.float().abs().max().item(), err
 
-    close(gdn_kernels.prefill(layer, conv, ssm, segments),
+    close(gdn_kernels.prefill(layer, conv, ssm, gdn_kernels.PrefillPlan.of(segments, "cuda")),
           reference_prefill(layer, conv_ref, ssm_ref, segments))
     close(ssm, ssm_ref)
     close(conv, conv_ref)
