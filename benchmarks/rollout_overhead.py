@@ -18,7 +18,8 @@ Per round, alternating (so a change in the machine's load hits every variant):
 Prints each variant's median seconds, its ratio to `engine` and its output tokens/s (the tokens
 of its last round over its median), then one JSON line; `--out DIR` also writes it as
 DIR/rollout_overhead-DATE-DEVICE.json. On cuda the three engines (in-process scheduler, served
-engine, in-process engine) share the device, each with a quarter of its memory.
+engine, in-process engine) share the device, each with about 30% of its memory (started in that
+order with --mem-fraction-static 0.3, 0.6, 0.9: the fraction is what an engine leaves free).
 
 Examples:
   OMP_NUM_THREADS=1 python -m benchmarks.rollout_overhead --rounds 5
@@ -42,7 +43,7 @@ from benchmarks import harness
 
 VARIANTS = ("engine", "per-sample", "per-group", "batched", "stage-per-group", "stage",
             "stage-inprocess")
-CUDA_MEM_FRACTION = 0.25
+CUDA_MEM_FRACTIONS = (0.3, 0.6, 0.9)  # the scheduler's, the served engine's, the local one's
 
 
 def sampling(i: int, max_new: int) -> dict[str, Any]:
@@ -132,8 +133,10 @@ def main() -> None:
     load = [harness.load_average()]
     serve = {"device": args.device, "max_running_requests": args.max_running_requests,
              "max_queued_requests": max(4096, 2 * num * samples)}
+    fractions: list[dict[str, Any]] = [{}, {}, {}]
     if args.device == "cuda":
-        serve |= {"mem_fraction_static": CUDA_MEM_FRACTION, "dtype": "bf16"}
+        serve["dtype"] = "bf16"
+        fractions = [{"mem_fraction_static": f} for f in CUDA_MEM_FRACTIONS]
     with tempfile.TemporaryDirectory(prefix="rltool-rollout-overhead-") as tmp:
         root = Path(tmp)
         model = init_model(root / "model", arch="qwen2", preset=args.preset, task="copy", seed=0,
@@ -143,12 +146,13 @@ def main() -> None:
         write_prompts(make_rows("copy", num=num, seed=1), root / "rl.jsonl")
         tok = load_tokenizer(str(model))
         prompts = [render_prompt(tok, p) for p in load_prompts(str(root / "rl.jsonl"))][:num]
-        runner, sched = build_engine(ServeConfig(model=model, **serve))
+        runner, sched = build_engine(ServeConfig(model=model, **serve, **fractions[0]))
         sched.start()
         engine = start_engine(["--engine", "builtin", "--model", str(model),
-                               *(f"--{k.replace('_', '-')}={v}" for k, v in serve.items())],
+                               *(f"--{k.replace('_', '-')}={v}"
+                                 for k, v in (serve | fractions[1]).items())],
                               log_path=root / "engine.log", ready_timeout_s=600)
-        local = InProcessEngine(ServeConfig(model=model, **serve))
+        local = InProcessEngine(ServeConfig(model=model, **serve, **fractions[2]))
 
         def stage(name: str, url: str, clients: dict[str, Any] | None,
                   per_request: int = DEFAULT_SAMPLES_PER_REQUEST) -> tuple[float, int]:
