@@ -127,26 +127,32 @@ def command(model, from_profile, check_run, check_engine, baseline_engine, toler
 
 
 def _check_hicache(url, baseline_url, *, api_key, model, tolerance, as_json, overrides):
-    """The HiCache model against the tiered engine at `url` and the baseline at `baseline_url`:
-    a table (or --json), one verdict line on stderr, exit 1 past the tolerance."""
+    """The HiCache model against the tiered engine at `url` and the baseline at
+    `baseline_url`."""
     from rltool.profile.serving_check import HICACHE_TOLERANCE, hicache_check
 
     check = hicache_check(_server_info(url, api_key), _server_info(baseline_url, api_key),
                           overrides=overrides, model=model,
                           tolerance=HICACHE_TOLERANCE if tolerance is None else tolerance)
+    _report_check(check, title=f"plan --check-engine {url} --baseline-engine {baseline_url}",
+                  engines={"engine": url, "baseline_engine": baseline_url}, as_json=as_json)
+
+
+def _report_check(check, *, title, engines, as_json):
+    """Any serving-model check (rltool.profile.serving_check.ModelCheck): a table of its inputs
+    and outcomes (or --json), one verdict line on stderr, exit 1 past the tolerance."""
     if as_json:
-        echo_json({"engine": url, "baseline_engine": baseline_url, **check.as_dict()})
+        echo_json({**engines, **check.as_dict()})
     else:
         from rltool.commands.tables import print_rows
 
         rows = [{"quantity": q.name, "value": q.value, "from": q.source} for q in check.inputs]
         rows += [{"quantity": f"{q.name} {what}", "value": q.value, "from": q.source}
                  for what, q in (("predicted", check.predicted), ("measured", check.measured))]
-        print_rows(f"plan --check-engine {url} --baseline-engine {baseline_url} (HiCache)", rows)
-    p, m = check.predicted.value, check.measured.value
-    verdict = (f"hicache: predicted saving {p * 1e3:.3f} ms per request, measured "
-               f"{m * 1e3:.3f} ms: {check.relative_error:+.1%} (tolerance "
-               f"{check.tolerance:.0%})")
+        print_rows(f"{title} ({check.model})", rows)
+    p, m = check.predicted, check.measured
+    verdict = (f"{check.model}: predicted {p.name} {p.value:.6g}, measured {m.value:.6g}: "
+               f"{check.relative_error:+.1%} (tolerance {check.tolerance:.0%})")
     if not check.passed:
         import sys
 

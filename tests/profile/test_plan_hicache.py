@@ -92,7 +92,7 @@ def test_the_check_reports_the_model_from_the_engines_counters(engines):
     table = check(urls)
     assert table.exit_code == result.exit_code
     assert "B_io_GBps" in table.stdout and "dt_s measured" in table.stdout
-    assert table.stderr.count("\n") == 1 and "hicache: predicted saving" in table.stderr
+    assert table.stderr.count("\n") == 1 and "hicache: predicted dt_s " in table.stderr
 
 
 def test_a_wrong_bandwidth_fails_the_check_in_one_line(engines):
@@ -100,7 +100,7 @@ def test_a_wrong_bandwidth_fails_the_check_in_one_line(engines):
     result = check(urls, "--b-io-gbps", "1e-6")  # 1 kB/s: reloading would take minutes
     assert result.exit_code == 1, result.output
     assert result.stderr.count("\n") == 1
-    assert result.stderr.startswith("Error: hicache: predicted saving -")
+    assert result.stderr.startswith("Error: hicache: predicted dt_s -")
     assert "past the tolerance" in result.stderr
     wide = check(urls, "--b-io-gbps", "1e-6", "--tolerance", "1e12", "--json")
     assert wide.exit_code == 0, wide.output
