@@ -1,7 +1,7 @@
 """`rltool rollout` against a live deterministic builtin engine behind a counting proxy: how many
 /generate requests the engine receives for G groups x n samples (one batched body, one per group
 with --samples-per-request n, one per sample with a custom generate function), and that the
-seeded shards those give are identical."""
+seeded shards those give are identical; teacher scoring (--opd-teacher) batches the same way."""
 
 from __future__ import annotations
 
@@ -29,10 +29,12 @@ async def per_sample(sample, ctx):
 
 
 class CountingProxy:
-    """Forwards every request to `upstream` and records each POST /generate's prompt count."""
+    """Forwards every request to `upstream` and records each POST /generate's prompt count
+    (`bodies`; `scoring`: those of bodies that generate nothing, a teacher's)."""
 
     def __init__(self, upstream: str):
         self.bodies: list[int] = []
+        self.scoring: list[int] = []
         client = httpx.Client(base_url=upstream, timeout=120)
         proxy = self
 
@@ -41,8 +43,11 @@ class CountingProxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 if self.command == "POST" and self.path == "/generate":
-                    ids = json.loads(body)["input_ids"]
-                    proxy.bodies.append(len(ids) if isinstance(ids[0], list) else 1)
+                    sent = json.loads(body)
+                    ids, params = sent["input_ids"], sent["sampling_params"]
+                    first = params[0] if isinstance(params, list) else params
+                    into = proxy.scoring if first.get("max_new_tokens") == 0 else proxy.bodies
+                    into.append(len(ids) if isinstance(ids[0], list) else 1)
                 headers = {k: v for k, v in self.headers.items()
                            if k.lower() in ("content-type", "authorization")}
                 answer = client.request(self.command, self.path, content=body, headers=headers)
@@ -108,3 +113,13 @@ def test_requests_per_rollout_and_identical_seeded_shards(proxy, prompts, tmp_pa
     data = sorted(p.name for p in (tmp_path / "batched").iterdir() if p.suffix == ".parquet")
     assert data and all((tmp_path / "batched" / name).read_bytes()
                         == (tmp_path / "per-group" / name).read_bytes() for name in data)
+
+
+def test_teacher_scoring_is_batched(proxy, prompts, tmp_path):
+    before = len(proxy.scoring)
+    sent = rollout(proxy, prompts, tmp_path / "opd", "--opd-teacher", proxy.url,
+                   "--samples-per-request", 2 * N)
+    assert sent == [2 * N] * (GROUPS // 2)
+    assert proxy.scoring[before:] == [2 * N] * (GROUPS // 2)
+    rows = list(open_shard(tmp_path / "opd").rows())
+    assert all(len(r["teacher_logprobs"]) == len(r["response_token_ids"]) for r in rows)
