@@ -6,11 +6,12 @@ frames of a 4-byte little-endian length and a JSON object. No pickle crosses it.
 Messages, by `t`:
   front end -> scheduler: config {cfg}; submit {reqs: [request]}; abort {rids}; call {id, op, kw};
                           stop {}
-  scheduler -> front end: hello {facts, weight_version, pid}; fail {message};
+  scheduler -> front end: hello {facts, weight_version, pid}; fail {err};
                           step {v, tok: [[rid, ids, logprobs, top|null, ids_logprobs|null]],
                                 fin: [final]}; refused {rids, err}; reply {id, ok | err}
 A step message is what one scheduler iteration produced: the new tokens of the streamed
-requests and the final record of every request that finished (rltool.engine.scheduler_process).
+requests and the final record of every request that finished (rltool.engine.scheduler_process),
+whose output ids and logprobs travel packed (`pack`: int32 and float64 arrays in base64).
 An error travels as [kind, message]; `kind` is the nearest of ERROR_KINDS in its class's MRO.
 """
 
@@ -108,15 +109,24 @@ def decode_request(d: dict[str, Any]) -> Request:
 
 # ----- results -------------------------------------------------------------------------------
 
+def pack(values: Any, dtype: str) -> str:
+    """A list of numbers as base64 of a little-endian array: float64 keeps every Python float
+    exactly, and packing 65k logprobs took a quarter of json.dumps's time (measured)."""
+    return base64.b64encode(np.asarray(values, dtype=dtype).tobytes()).decode("ascii")
+
+
+def unpack(data: str, dtype: str) -> list:
+    return np.frombuffer(base64.b64decode(data), dtype=dtype).tolist()
+
+
 def encode_final(r: Request) -> dict[str, Any]:
-    """Everything a finished request's response is built from (rltool.engine.request)."""
+    """Everything a finished request's response is built from (rltool.engine.request); the
+    output's ids and logprobs packed (`pack`)."""
     routed = r.routed_experts
-    return {"rid": r.rid, "out": r.output_ids, "lp": r.output_logprobs,
+    return {"rid": r.rid, "out": pack(r.output_ids, "<i4"), "lp": pack(r.output_logprobs, "<f8"),
             "top": r.output_top_logprobs, "idl": r.output_token_ids_logprobs,
             "inlp": r.input_logprobs, "intop": r.input_top_logprobs,
-            "routed": None if routed is None else
-            [base64.b64encode(routed.astype("<i4", copy=False).tobytes()).decode("ascii"),
-             list(routed.shape)],
+            "routed": None if routed is None else [pack(routed, "<i4"), list(routed.shape)],
             "spans": r.spans, "reason": r.finish_reason, "stop_at": r.matched_stop_at,
             "cached": r.cached_tokens, "text": r.text, "t1": r.t_first_token,
             "t2": r.t_finish}
@@ -124,8 +134,8 @@ def encode_final(r: Request) -> dict[str, Any]:
 
 def apply_final(r: Request, d: dict[str, Any]) -> None:
     """Fill the front end's copy of a request from its final record."""
-    r.output_ids = d["out"]
-    r.output_logprobs = d["lp"]
+    r.output_ids = unpack(d["out"], "<i4")
+    r.output_logprobs = unpack(d["lp"], "<f8")
     r.output_top_logprobs = d["top"]
     r.output_token_ids_logprobs = d["idl"]
     r.input_logprobs = d["inlp"]
