@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import math
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -260,9 +261,13 @@ def main(argv: list[str] | None = None) -> int:
                                          log_path=root / f"{role}.log", ready_timeout_s=300.0)
         result = asyncio.run(measure(model, w, {r: e.url for r, e in engines.items()},
                                      vocab=vocab))
+    except BaseException:
+        harness.progress(f"the engines' logs are in {root}")
+        raise
     finally:
         for e in engines.values():
             e.stop()
+    shutil.rmtree(root)  # the checkpoint (1 GB for the full workload) and the engine logs
     rows, check = result["rows"], result["check"]
     base, tier = rows["baseline"], rows["tiered"]
     harness.print_table(
