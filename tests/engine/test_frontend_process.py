@@ -220,3 +220,40 @@ def test_a_checkpoint_the_scheduler_cannot_load_exits_as_in_one_process(tiny_mod
     assert "is not valid JSON" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not ready.exists()
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA GPU")
+def test_cuda_layouts_give_the_same_answers(tiny_model_dir, tmp_path_factory):
+    """On CUDA (where two processes are the default), deterministic seeded sampling gives the
+    same tokens, logprobs and text in both layouts, plain and streamed."""
+    from rltool.rollout.launch import start_engine
+
+    body = {"input_ids": [[5, 6, 7, 8], [9, 10]], "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 24, "temperature": 1.0, "sampling_seed": 5,
+                                "ignore_eos": True}}
+    answers = []
+    for flag in ("--no-frontend-process", "--frontend-process"):
+        log_path = tmp_path_factory.mktemp("engine-logs") / f"cuda{flag}.log"
+        proc = start_engine(["--engine", "builtin", "--model", str(tiny_model_dir), "--device",
+                             "cuda", "--deterministic", flag], log_path=log_path,
+                            ready_timeout_s=300.0)
+        try:
+            info = httpx.get(proc.url + api.SERVER_INFO, timeout=30.0).json()
+            assert info["frontend_process"] is (flag == "--frontend-process")
+            outs = post(proc.url, api.GENERATE, body).json()
+            streamed = stream_events(proc.url, {**body, "input_ids": body["input_ids"][0],
+                                                "stream": True})[-1]
+        finally:
+            proc.stop()
+        for out in outs:
+            del out["meta_info"]["id"], out["meta_info"]["e2e_latency"]
+        assert streamed["output_ids"] == outs[0]["output_ids"]
+        answers.append(outs)
+    assert answers[0] == answers[1]
