@@ -21,6 +21,7 @@ index, in their storage dtype, with float32 math; a slot of a fresh sequence is 
   `_chunk_state`, sequential over a sequence's chunks (program: sequence, head, value block),
   carries S across chunks and keeps each chunk's starting state and updates;
   `_chunk_out`, parallel again, gives o = exp(G) q S0 + (q k^T * decay, causal) (U - W S0).
+- `gated_norm`: the output's RMS norm over each head, times SiLU(z), in one kernel.
 
 Float32 models multiply in IEEE float32, bf16 ones in TF32 (its rounding is below bf16's);
 accumulation is float32 either way. No host synchronization in `causal_conv` and `decode`: the
@@ -208,6 +209,41 @@ def decode(layer: GdnLayer, conv_state: torch.Tensor, ssm: torch.Tensor, slots: 
 
 def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))  # tl.dot's smallest tile side
+
+
+# ----- gated RMS norm -----------------------------------------------------------------------------
+
+@triton.jit
+def _gated_norm(O, Proj, stride_p, Wt, Y, T, eps, Z_OFF, H: tl.constexpr, DV: tl.constexpr,
+                BR: tl.constexpr, BV: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    h = tl.program_id(1)
+    offs = tl.arange(0, BV)
+    mask = (rows < T)[:, None] & (offs < DV)[None, :]
+    at = (rows[:, None] * H + h) * DV + offs[None, :]
+    o = tl.load(O + at, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(Proj + rows[:, None] * stride_p + Z_OFF + h * DV + offs[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    w = tl.load(Wt + offs, mask=offs < DV, other=0.0)
+    # linear_attention.gated_rms_norm's roundings: the normed value and its product with the
+    # weight in the model dtype, the SiLU gate in float32
+    normed = (o * tl.rsqrt(tl.sum(o * o, 1) / DV + eps)[:, None]).to(w.dtype)
+    scaled = (w[None, :].to(tl.float32) * normed.to(tl.float32)).to(w.dtype).to(tl.float32)
+    tl.store(Y + at, (scaled * z * tl.sigmoid(z)).to(Y.dtype.element_ty), mask=mask)
+
+
+def gated_norm(layer: GdnLayer, o: torch.Tensor, weight: torch.Tensor, eps: float
+               ) -> torch.Tensor:
+    """linear_attention.gated_rms_norm of o [T, Hv, Dv] (the model dtype) gated by the z columns
+    of `layer.proj`, in one kernel: [T, Hv * Dv]."""
+    spec, proj = layer.spec, layer.proj
+    T, H, dv = o.shape
+    y = torch.empty(T, H * dv, dtype=o.dtype, device=o.device)
+    br = 16
+    _gated_norm[(triton.cdiv(T, br), H)](o, proj, proj.stride(0), weight, y, T, eps,
+                                         spec.conv_dim, H=H, DV=dv, BR=br,
+                                         BV=triton.next_power_of_2(dv))
+    return y
 
 
 # ----- chunked prefill ---------------------------------------------------------------------------

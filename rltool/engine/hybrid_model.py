@@ -196,13 +196,15 @@ class HybridLM(DenseLM):
         ls, T = self.spec.linear, h.shape[0]
         hv, dv = ls.num_v_heads, ls.v_dim
         proj = linear(h, L["gdn_in"])
+        eps = self.spec.rms_norm_eps
         if self.fused and self.gdn_kernels:
-            out = self._gdn_kernels(j, L, proj, rec, plan)
-        else:
-            out = self._gdn_torch(j, L, proj, rec)
+            layer = gdn_kernels.GdnLayer(spec=ls, proj=proj, conv_weight=L["conv"].squeeze(1),
+                                         a_log=L["A_log"], dt_bias=L["dt_bias"])
+            out = self._gdn_kernels(j, layer, rec, plan)
+            return linear(gdn_kernels.gated_norm(layer, out, L["gdn_norm"], eps), L["out"])
+        out = self._gdn_torch(j, L, proj, rec)
         z = proj[:, ls.conv_dim:ls.conv_dim + hv * dv]
-        y = gated_rms_norm(out.to(h.dtype), z.reshape(T, hv, dv), L["gdn_norm"],
-                           self.spec.rms_norm_eps)
+        y = gated_rms_norm(out.to(h.dtype), z.reshape(T, hv, dv), L["gdn_norm"], eps)
         return linear(y.reshape(T, hv * dv), L["out"])
 
     def _gdn_torch(self, j: int, L: dict[str, torch.Tensor], proj: torch.Tensor,
@@ -240,13 +242,11 @@ class HybridLM(DenseLM):
                 pool.ssm[j][slot] = state.to(pool.ssm.dtype)
         return out
 
-    def _gdn_kernels(self, j: int, L: dict[str, torch.Tensor], proj: torch.Tensor,
-                     rec: Recurrence, plan: gdn_kernels.PrefillPlan | None) -> torch.Tensor:
+    @staticmethod
+    def _gdn_kernels(j: int, layer: gdn_kernels.GdnLayer, rec: Recurrence,
+                     plan: gdn_kernels.PrefillPlan | None) -> torch.Tensor:
         """The GDN recurrence of layer `j` through the Triton kernels (rltool.engine.gdn_kernels):
         o [T, Hv, Dv] in the model dtype, the pool's states updated in place."""
-        layer = gdn_kernels.GdnLayer(spec=self.spec.linear, proj=proj,
-                                     conv_weight=L["conv"].squeeze(1), a_log=L["A_log"],
-                                     dt_bias=L["dt_bias"])
         pool = rec.pool
         if rec.segments is None:
             return gdn_kernels.decode(layer, pool.conv[j], pool.ssm[j], rec.slots)

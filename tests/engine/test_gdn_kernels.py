@@ -1,9 +1,9 @@
 """The Gated DeltaNet Triton kernels (rltool.engine.gdn_kernels) against the torch reference of
 rltool.engine.linear_attention in float32: packed prefill of sequences of different lengths (one
 token, under and over a chunk, several chunks) from fresh and stored states, decode steps by slot,
-bf16 state storage, and the tiny hybrid served through them against transformers. Compiled on a
-CUDA machine, elsewhere run by Triton's interpreter on CPU in a child process started with
-TRITON_INTERPRET=1 (see tests/helpers/triton_child.py)."""
+bf16 state storage, the gated RMS norm, and the tiny hybrid served through them against
+transformers. Compiled on a CUDA machine, elsewhere run by Triton's interpreter on CPU in a child
+process started with TRITON_INTERPRET=1 (see tests/helpers/triton_child.py)."""
 
 from __future__ import annotations
 
@@ -94,6 +94,27 @@ def test_decode_steps_update_the_states_at_their_slots(request, ssm_dtype):
     # bf16: the two paths may round an entry apart, then carry it (a few bf16 ulps)
     close(ssm[real], ssm_ref[real], 1e-4 if ssm_dtype == torch.float32 else 3e-2)
     assert torch.equal(ssm[[4, 6, 8]], ssm_ref[[4, 6, 8]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_norm_matches_the_reference(request, dtype):
+    """The output's RMS norm per head times SiLU(z) in one kernel against
+    linear_attention.gated_rms_norm: float32 within 1e-5; bf16 within a few of its ulps (the
+    same roundings, the float32 sums in another order)."""
+    if ran_in_child(request):
+        return
+    from rltool.engine import gdn_kernels
+    from rltool.engine.linear_attention import gated_rms_norm
+
+    gen = torch.Generator().manual_seed(4)
+    layer = random_layer(SPEC, 37, gen=gen, dtype=dtype, device=DEV)
+    o = torch.randn(37, 2, 16, generator=gen).to(dtype).to(DEV)
+    weight = (1 + 0.3 * torch.randn(16, generator=gen)).to(dtype).to(DEV)
+    z = layer.proj[:, SPEC.conv_dim:SPEC.conv_dim + 32].reshape(37, 2, 16)
+    ref = gated_rms_norm(o, z, weight, 1e-6).reshape(37, 32)
+    got = gdn_kernels.gated_norm(layer, o, weight, 1e-6)
+    assert got.dtype == dtype and got.shape == (37, 32)
+    close(got, ref, 1e-5 if dtype == torch.float32 else 2e-2)
 
 
 def test_tiny_hybrid_through_the_kernels_matches_transformers(request, tmp_path):
