@@ -4,8 +4,8 @@ twin of rltool.engine.link.LocalLink), over the channel of rltool.engine.ipc.
 
 Everything here runs on the front end's event loop: a step message is read once and fans out to
 the requests it names (their callbacks run on the loop thread). Streamed requests get their new
-tokens and the text decoded here, never on the scheduler; a finished request's response is built
-here from its final record. When the scheduler process exits, every request and call waiting on
+tokens here and their text decoded here, incrementally (`StreamedText`), never on the
+scheduler; a finished request's response is built here from its final record. When the scheduler process exits, every request and call waiting on
 it ends with 503 ("the scheduler process exited") and `on_exit` tells the server to stop.
 """
 
@@ -45,6 +45,7 @@ class RemoteLink:
         # lora_path names are checked by the scheduler process at submit (it holds the adapters)
         self.lora_names = _CheckedAtSubmit() if info.lora_enabled else None
         self.pending: dict[str, tuple[Request, Callable[[Exception], None]]] = {}
+        self.texts: dict[str, StreamedText] = {}  # rid -> its text so far (streamed requests)
         self.calls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
         self.exited: str | None = None  # why the channel closed
@@ -79,6 +80,8 @@ class RemoteLink:
                                              for r in reqs]})
         for r in reqs:
             self.pending[r.rid] = (r, on_refused)
+            if r.on_token is not None:
+                self.texts[r.rid] = StreamedText(self.tokenizer, r.params.skip_special_tokens)
 
     def abort(self, rids: list[str]) -> None:
         if self.alive:
@@ -131,6 +134,7 @@ class RemoteLink:
         elif kind == "refused":
             callbacks = {}
             for rid in msg["rids"]:
+                self.texts.pop(rid, None)
                 _, on_refused = self.pending.pop(rid, (None, None))
                 if on_refused is not None:
                     callbacks[id(on_refused)] = on_refused
@@ -141,7 +145,6 @@ class RemoteLink:
 
     def _step(self, msg: dict[str, Any]) -> None:
         version = self.weight_version = msg["v"]
-        decode = self.tokenizer.decode
         for rid, ids, logprobs, tops, ids_lps in msg["tok"]:
             entry = self.pending.get(rid)
             if entry is None:
@@ -151,10 +154,13 @@ class RemoteLink:
                 req.record_token(token, logprob, version=version,
                                  top=None if tops is None else tops[k],
                                  ids_lp=None if ids_lps is None else ids_lps[k])
-            req.text = decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
+            text = self.texts.get(rid)
+            if text is not None:
+                req.text = text.update(req.output_ids)
             if req.on_token is not None:
                 req.on_token(req)
         for final in msg["fin"]:
+            self.texts.pop(final["rid"], None)
             entry = self.pending.pop(final["rid"], None)
             if entry is not None:
                 req = entry[0]
@@ -169,6 +175,7 @@ class RemoteLink:
         if not self.stopping:
             log.error("%s; answering 503 and shutting down", reason)
         pending, self.pending = self.pending, {}
+        self.texts.clear()
         for req, _ in pending.values():
             req.finish_reason = {"type": "abort", "status_code": 503,
                                  "message": f"{reason}; the engine is shutting down"}
@@ -180,6 +187,31 @@ class RemoteLink:
             if not future.done():
                 future.set_exception(EngineError(reason))
         self.on_exit()
+
+
+class StreamedText:
+    """The text of a streamed request's output so far, decoding only the tokens since the last
+    whole characters (as SGLang's detokenizer does): the tokens from `prefix` to `read` were
+    decoded last time; decoding from `prefix` again with the new ones and keeping what lies
+    past that earlier decode gets a tokenizer's leading-space rules right at the seam. Text
+    ending in U+FFFD (a character whose bytes are not all out yet) waits for the next tokens.
+    The final text is the scheduler's (a decode of the whole output)."""
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.text = ""
+        self.prefix = 0
+        self.read = 0
+
+    def update(self, ids: list[int]) -> str:
+        decode = self.tokenizer.decode
+        before = decode(ids[self.prefix:self.read], skip_special_tokens=self.skip)
+        after = decode(ids[self.prefix:], skip_special_tokens=self.skip)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self.prefix, self.read = self.read, len(ids)
+        return self.text
 
 
 class _CheckedAtSubmit:

@@ -257,3 +257,33 @@ def test_cuda_layouts_give_the_same_answers(tiny_model_dir, tmp_path_factory):
         assert streamed["output_ids"] == outs[0]["output_ids"]
         answers.append(outs)
     assert answers[0] == answers[1]
+
+
+def test_streamed_text_decodes_only_new_tokens_and_matches_a_whole_decode(tiny_model_dir):
+    """`StreamedText` fed random outputs in random steps gives, after every step, the decode of
+    the whole output so far (the tiny model's tokenizer has no partial characters), and decodes
+    at most the tokens since the previous step's seam each time."""
+    import random
+
+    from rltool.engine.loading import load_tokenizer
+    from rltool.engine.remote_link import StreamedText
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    calls: list[int] = []
+
+    class Counting:
+        def decode(self, ids, **kw):
+            calls.append(len(ids))
+            return tokenizer.decode(ids, **kw)
+
+    rng = random.Random(0)
+    for _ in range(20):
+        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 60))]
+        text, n = StreamedText(Counting(), True), 0
+        while n < len(ids):
+            step = rng.randint(1, 4)
+            calls.clear()
+            got = text.update(ids[:n + step])
+            n = min(n + step, len(ids))
+            assert got == tokenizer.decode(ids[:n], skip_special_tokens=True)
+            assert max(calls) <= 8  # the last seam's tokens and the new ones
