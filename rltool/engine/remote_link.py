@@ -145,20 +145,9 @@ class RemoteLink:
 
     def _step(self, msg: dict[str, Any]) -> None:
         version = self.weight_version = msg["v"]
-        for rid, ids, logprobs, tops, ids_lps in msg["tok"]:
-            entry = self.pending.get(rid)
-            if entry is None:
-                continue
-            req = entry[0]
-            for k, (token, logprob) in enumerate(zip(ids, logprobs)):
-                req.record_token(token, logprob, version=version,
-                                 top=None if tops is None else tops[k],
-                                 ids_lp=None if ids_lps is None else ids_lps[k])
-            text = self.texts.get(rid)
-            if text is not None:
-                req.text = text.update(req.output_ids)
-            if req.on_token is not None:
-                req.on_token(req)
+        tok = msg["tok"]
+        if tok is not None:
+            self._tokens(tok, version)
         for final in msg["fin"]:
             self.texts.pop(final["rid"], None)
             entry = self.pending.pop(final["rid"], None)
@@ -167,6 +156,29 @@ class RemoteLink:
                 ipc.apply_final(req, final)
                 if req.on_finish is not None:
                     req.on_finish(req)
+
+    def _tokens(self, tok: dict[str, Any], version: str) -> None:
+        """The streamed rows' new tokens: counts, ids and logprobs packed row after row."""
+        counts = ipc.unpack(tok["n"], "<i4")
+        ids, logprobs = ipc.unpack(tok["ids"], "<i4"), ipc.unpack(tok["lp"], "<f8")
+        extra = {row: (tops, ids_lps) for row, tops, ids_lps in tok["extra"]}
+        start = 0
+        for row, (rid, count) in enumerate(zip(tok["rids"], counts)):
+            end = start + count
+            entry = self.pending.get(rid)
+            if entry is not None:
+                req = entry[0]
+                tops, ids_lps = extra.get(row, (None, None))
+                for k in range(count):
+                    req.record_token(ids[start + k], logprobs[start + k], version=version,
+                                     top=None if tops is None else tops[k],
+                                     ids_lp=None if ids_lps is None else ids_lps[k])
+                text = self.texts.get(rid)
+                if text is not None:
+                    req.text = text.update(req.output_ids)
+                if req.on_token is not None:
+                    req.on_token(req)
+            start = end
 
     def _close(self, reason: str) -> None:
         if self.exited is not None:

@@ -68,16 +68,27 @@ class Outbox:
         for req in arrived:
             if not req.finished:
                 self.streams[req.rid] = (req, [0])
-        tokens = []
+        rids: list[str] = []
+        counts: list[int] = []
+        ids: list[int] = []
+        logprobs: list[float] = []
+        extra = []  # [row, top logprobs, token_ids logprobs] of the rows that asked for them
         for rid, (req, sent) in self.streams.items():
-            n = len(req.output_ids)
-            if n > sent[0]:
-                s = sent[0]
-                tokens.append([rid, req.output_ids[s:], req.output_logprobs[s:],
-                               req.output_top_logprobs[s:] if req.top_logprobs_num else None,
-                               req.output_token_ids_logprobs[s:] if req.token_ids_logprob
-                               else None])
+            n, s = len(req.output_ids), sent[0]
+            if n > s:
+                if req.top_logprobs_num or req.token_ids_logprob:
+                    extra.append([len(rids),
+                                  req.output_top_logprobs[s:] if req.top_logprobs_num else None,
+                                  req.output_token_ids_logprobs[s:] if req.token_ids_logprob
+                                  else None])
+                rids.append(rid)
+                counts.append(n - s)
+                ids += req.output_ids[s:]
+                logprobs += req.output_logprobs[s:]
                 sent[0] = n
+        tokens = None if not rids else {
+            "rids": rids, "n": ipc.pack(counts, "<i4"), "ids": ipc.pack(ids, "<i4"),
+            "lp": ipc.pack(logprobs, "<f8"), "extra": extra}
         if not (tokens or self.finals) or self.closed:
             self.finals = []
             return
