@@ -1,6 +1,6 @@
 """The hybrid (Gated DeltaNet + attention) engine on one GPU: its GDN layers through the Triton
-kernels (rltool.engine.gdn_kernels) against the torch reference path (linear_attention), in the
-same run on the same runner.
+kernels (rltool.engine.gdn_kernels, gdn_prefill) against the torch reference path
+(linear_attention), in the same run on the same runner.
 
 Model: a random-init bf16 `rltool init-model --arch qwen3_5 --preset hybrid-0.7b` (18 GDN layers,
 6 attention layers, ~0.67B parameters), drawn on the GPU. One paged runner (no prefix cache,

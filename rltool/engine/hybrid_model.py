@@ -5,7 +5,8 @@ It differs from the dense families (rltool.engine.dense_model, whose weight chec
 logits it shares) in: the GDN layers; attention whose q_proj also yields a sigmoid output gate
 per head, with RoPE on the first `rotary_dim` dims of each head only; and zero-centred RMS norms
 (scaled by 1 + weight). The GDN recurrence runs through Triton kernels on CUDA
-(rltool.engine.gdn_kernels), in torch ops on the CPU and in the deterministic mode.
+(rltool.engine.gdn_kernels, gdn_prefill), in torch ops on the CPU and in the deterministic
+mode.
 
 Fused layouts: an attention layer's `qkv` stacks q_proj (query and gate interleaved per head, as
 HF stores them), k_proj and v_proj; a GDN layer's `gdn_in` stacks in_proj_qkv, in_proj_z,
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from rltool.batch_invariant import INTERPRETED
-from rltool.engine import gdn_kernels
+from rltool.engine import gdn_kernels, gdn_prefill
 from rltool.engine.dense_model import Attend, DenseLM, apply_rope
 from rltool.engine.fused import store_kv
 from rltool.engine.linear_attention import (SSM_DTYPES, causal_conv, chunked_delta,
@@ -152,7 +153,7 @@ class HybridLM(DenseLM):
         `recurrence`: the GDN layers' sequences and states (default: one fresh sequence)."""
         s = self.spec
         rec = recurrence if recurrence is not None else Recurrence.alone(len(input_ids))
-        plan = (gdn_kernels.PrefillPlan.of(rec.segments, self.device)
+        plan = (gdn_prefill.PrefillPlan.of(rec.segments, self.device)
                 if self.fused and self.gdn_kernels and rec.segments is not None else None)
         x = F.embedding(input_ids, self.embed)
         if collect is not None:
@@ -190,7 +191,7 @@ class HybridLM(DenseLM):
         return linear(a * torch.sigmoid(gate.reshape(T, q_size)), L["o"])
 
     def _gdn(self, j: int, L: dict[str, torch.Tensor], h: torch.Tensor, rec: Recurrence,
-             plan: gdn_kernels.PrefillPlan | None) -> torch.Tensor:
+             plan: gdn_prefill.PrefillPlan | None) -> torch.Tensor:
         """Gated DeltaNet layer `j` (among the GDN layers) over the packed stream; `plan`: the
         kernels' index tensors of a prefill."""
         ls, T = self.spec.linear, h.shape[0]
@@ -244,15 +245,16 @@ class HybridLM(DenseLM):
 
     @staticmethod
     def _gdn_kernels(j: int, layer: gdn_kernels.GdnLayer, rec: Recurrence,
-                     plan: gdn_kernels.PrefillPlan | None) -> torch.Tensor:
-        """The GDN recurrence of layer `j` through the Triton kernels (rltool.engine.gdn_kernels):
+                     plan: gdn_prefill.PrefillPlan | None) -> torch.Tensor:
+        """The GDN recurrence of layer `j` through the Triton kernels (rltool.engine.gdn_kernels,
+        gdn_prefill):
         o [T, Hv, Dv] in the model dtype, the pool's states updated in place."""
         pool = rec.pool
         if rec.segments is None:
             return gdn_kernels.decode(layer, pool.conv[j], pool.ssm[j], rec.slots)
         if pool is None:
-            return gdn_kernels.prefill(layer, None, None, plan)
-        return gdn_kernels.prefill(layer, pool.conv[j], pool.ssm[j], plan)
+            return gdn_prefill.prefill(layer, None, None, plan)
+        return gdn_prefill.prefill(layer, pool.conv[j], pool.ssm[j], plan)
 
     def _gdn_as_trainer(self, L: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
         """A GDN layer over one whole sequence as transformers' Qwen3_5GatedDeltaNet computes it

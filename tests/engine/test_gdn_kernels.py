@@ -1,5 +1,5 @@
-"""The Gated DeltaNet Triton kernels (rltool.engine.gdn_kernels) against the torch reference of
-rltool.engine.linear_attention in float32: packed prefill of sequences of different lengths (one
+"""The Gated DeltaNet Triton kernels (rltool.engine.gdn_kernels, gdn_prefill) against the torch
+reference of rltool.engine.linear_attention in float32: packed prefill of sequences of different lengths (one
 token, under and over a chunk, several chunks) from fresh and stored states, decode steps by slot,
 bf16 state storage, the gated RMS norm, and the tiny hybrid served through them against
 transformers. Compiled on a CUDA machine, elsewhere run by Triton's interpreter on CPU in a child
@@ -40,13 +40,13 @@ def test_prefill_matches_the_reference_from_stored_and_fresh_states(request):
     of no sequence untouched."""
     if ran_in_child(request):
         return
-    from rltool.engine import gdn_kernels
+    from rltool.engine import gdn_prefill
 
     gen = torch.Generator().manual_seed(1)
     layer = random_layer(SPEC, 220, gen=gen, device=DEV)
     conv, ssm = random_states(SPEC, 8, gen=gen, device=DEV)
     conv_ref, ssm_ref = conv.clone(), ssm.clone()
-    o = gdn_kernels.prefill(layer, conv, ssm, gdn_kernels.PrefillPlan.of(SEGMENTS, DEV))
+    o = gdn_prefill.prefill(layer, conv, ssm, gdn_prefill.PrefillPlan.of(SEGMENTS, DEV))
     ref = reference_prefill(layer, conv_ref, ssm_ref, SEGMENTS)
     assert o.dtype == torch.float32 and o.shape == (220, 2, 16)
     close(o, ref, 1e-4)
@@ -62,12 +62,12 @@ def test_prefill_without_a_pool_starts_from_zeros(request):
     """A pass beside the pool (no conv or recurrent state): every sequence from zeros."""
     if ran_in_child(request):
         return
-    from rltool.engine import gdn_kernels
+    from rltool.engine import gdn_prefill
 
     gen = torch.Generator().manual_seed(2)
     layer = random_layer(SPEC, 100, gen=gen, device=DEV)
     segments = [(0, 67, 0, True), (67, 33, 0, True)]
-    close(gdn_kernels.prefill(layer, None, None, gdn_kernels.PrefillPlan.of(segments, DEV)),
+    close(gdn_prefill.prefill(layer, None, None, gdn_prefill.PrefillPlan.of(segments, DEV)),
           reference_prefill(layer, None, None, segments), 1e-4)
 
 

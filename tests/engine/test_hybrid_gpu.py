@@ -1,7 +1,7 @@
 """The tiny qwen3_5 hybrid on a CUDA GPU in deterministic mode: the engine's recomputing full pass
 (each GDN layer through transformers' own functions, HybridLM._gdn_as_trainer) against the torch
 trainer on the same GPU, through the align gate, in fp32 and bf16; and the Gated DeltaNet Triton
-kernels (rltool.engine.gdn_kernels) against the torch reference at a real model's layer sizes in
+kernels (rltool.engine.gdn_kernels, gdn_prefill) against the torch reference at a real model's layer sizes in
 bf16.
 
 Skips only when `torch.cuda.is_available()` is false (the CI machines have none)."""
@@ -38,7 +38,7 @@ def test_gdn_kernels_match_the_reference_at_real_sizes_in_bf16(ssm_dtype):
     prompt, prompts continuing stored states and short ones, then decode steps at B=256, against
     the torch reference computed in float32 from the same bf16 inputs; within 3% of the largest
     value (bf16 conv outputs, outputs and states; TF32 products: ~1% at small sizes)."""
-    from rltool.engine import gdn_kernels
+    from rltool.engine import gdn_kernels, gdn_prefill
     from tests.helpers.gdn import (random_layer, random_states, reference_decode,
                                    reference_prefill, spec_of)
 
@@ -58,7 +58,7 @@ def test_gdn_kernels_match_the_reference_at_real_sizes_in_bf16(ssm_dtype):
         err = (got.float() - ref.float()).abs().max().item()
         assert err <= 3e-2 * ref.float().abs().max().item(), err
 
-    close(gdn_kernels.prefill(layer, conv, ssm, gdn_kernels.PrefillPlan.of(segments, "cuda")),
+    close(gdn_prefill.prefill(layer, conv, ssm, gdn_prefill.PrefillPlan.of(segments, "cuda")),
           reference_prefill(layer, conv_ref, ssm_ref, segments))
     close(ssm, ssm_ref)
     close(conv, conv_ref)

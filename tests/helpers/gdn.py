@@ -1,6 +1,6 @@
 """Random inputs of one Gated DeltaNet layer and the torch reference of its recurrence
 (rltool.engine.linear_attention's functions, as HybridLM._gdn_torch calls them), for the tests of
-the Triton kernels (rltool.engine.gdn_kernels)."""
+the Triton kernels (rltool.engine.gdn_kernels, gdn_prefill)."""
 
 from __future__ import annotations
 
