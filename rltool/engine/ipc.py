@@ -13,8 +13,7 @@ A step message is what one scheduler iteration produced: the new tokens of the s
 requests (their ids, the count of new tokens of each, and all new ids and logprobs row after
 row, packed; top logprobs in `extra` for the rows that asked) and the final record of every
 request that finished (rltool.engine.scheduler_process), whose output ids and logprobs travel
-packed too. `pack`: int32 and float64 arrays in base64, exact, and a 256-row streamed step
-costs about a quarter of what the same numbers cost as JSON lists (measured).
+packed too (`pack`: int32 and float64 arrays in base64).
 An error travels as [kind, message]; `kind` is the nearest of ERROR_KINDS in its class's MRO.
 """
 
@@ -114,7 +113,7 @@ def decode_request(d: dict[str, Any]) -> Request:
 
 def pack(values: Any, dtype: str) -> str:
     """A list of numbers as base64 of a little-endian array: float64 keeps every Python float
-    exactly, and packing 65k logprobs took a quarter of json.dumps's time (measured)."""
+    exactly, and it is far cheaper to encode and parse than JSON numbers."""
     return base64.b64encode(np.asarray(values, dtype=dtype).tobytes()).decode("ascii")
 
 
