@@ -136,8 +136,10 @@ class SchedulerProcess:
                         streamed={d["rid"] for d in msg["reqs"] if d["stream"]})
         elif kind == "abort":
             sched, rids = self.sched, msg["rids"]
-            if sched.alive:
+            try:
                 sched.call(lambda: [sched.abort(rid=rid) for rid in rids])
+            except EngineError:  # shutting down: every request is being aborted anyway
+                pass
         elif kind == "call":
             asyncio.run_coroutine_threadsafe(self.call(msg["id"], msg["op"], msg["kw"]),
                                              self.loop)
