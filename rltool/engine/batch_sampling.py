@@ -53,9 +53,7 @@ class DrawParams:
     def build(params: list[SamplingParams], *, temps: list[float], stop_ids: list[list[int]],
               vocab: int, device: torch.device) -> "DrawParams | None":
         """None when no row filters, biases or masks a token (the plain race suffices)."""
-        biases = [[(int(t), b) for t, b in (p.logit_bias or {}).items() if 0 <= int(t) < vocab]
-                  for p in params]
-        stops = [[t for t in ids if 0 <= t < vocab] for ids in stop_ids]
+        biases, stops = draw_lists(params, stop_ids=stop_ids, vocab=vocab)
         filtered = [p.needs_filter for p in params]
         if not any(filtered) and not any(biases) and not any(stops):
             return None
@@ -86,6 +84,15 @@ class DrawParams:
                                torch.int64)
             out.stop_rows = dev([bool(s) for s in stops], torch.bool)
         return out
+
+
+def draw_lists(params: list[SamplingParams], *, stop_ids: list[list[int]], vocab: int
+               ) -> tuple[list[list[tuple[int, float]]], list[list[int]]]:
+    """Per row, the (token id, bias) pairs of its logit_bias and the stop ids to mask, ids
+    outside the vocabulary dropped."""
+    biases = [[(int(t), b) for t, b in (p.logit_bias or {}).items() if 0 <= int(t) < vocab]
+              for p in params]
+    return biases, [[t for t in ids if 0 <= t < vocab] for ids in stop_ids]
 
 
 def draw_logits(logits: torch.Tensor, params: DrawParams,

@@ -1,7 +1,7 @@
 """The decode step as CUDA graphs: per batch-size bucket, one of the forward alone and, where the
-step samples inside it, one of forward + sample + advance (rltool.engine.decode_sample); all
-captured largest first in one memory pool, all reading their inputs from the columns of one
-device buffer.
+step samples inside it, two of forward + sample + advance (rltool.engine.decode_sample: the plain
+race, and the race over draw logits); all captured largest first in one memory pool, all reading
+their inputs from the columns of one device buffer.
 
 A step's inputs are written on the host into one of two pinned staging buffers, used alternately,
 and copied to the device buffer in one contiguous (so asynchronous) copy: the host waits for the
@@ -19,9 +19,9 @@ import torch
 
 class DecodeGraphs:
     """The captured graphs (`captured`: bucket -> (graph, its output), the forward alone;
-    `sampled`: the same for the steps that sample inside the graph), the device input buffer
-    `meta` [rows, max_bs] they read, and its pinned staging buffers. `initial` [rows] is a
-    padded column's value, which `meta` holds between captures."""
+    `sampled[draw]`: the same for the steps that sample inside the graph, without and with draw
+    logits), the device input buffer `meta` [rows, max_bs] they read, and its pinned staging
+    buffers. `initial` [rows] is a padded column's value, which `meta` holds between captures."""
 
     def __init__(self, device: torch.device, *, initial: np.ndarray, max_bs: int):
         self.device = device
@@ -29,7 +29,7 @@ class DecodeGraphs:
         self._initial = torch.from_numpy(initial.astype(np.int64)).unsqueeze(1)
         self.meta = self._initial.repeat(1, max_bs).to(device)
         self.captured: dict[int, tuple[Any, Any]] = {}
-        self.sampled: dict[int, tuple[Any, Any]] = {}
+        self.sampled: dict[bool, dict[int, tuple[Any, Any]]] = {False: {}, True: {}}
         self._pool = torch.cuda.graph_pool_handle()
         self._host = [(torch.zeros(rows, max_bs, dtype=torch.long, device="cpu").pin_memory(),
                        torch.cuda.Event()) for _ in range(2)]
@@ -62,10 +62,10 @@ class DecodeGraphs:
         self._current[1].synchronize()
         return self._current[0].numpy()
 
-    def upload(self) -> torch.Tensor:
-        """The whole staging buffer copied to `meta`, asynchronously: the graphs read their
-        bucket's columns, nothing reads the others."""
+    def upload(self, rows: int) -> torch.Tensor:
+        """The staging buffer's first `rows` rows copied to `meta`, asynchronously (contiguous:
+        whole rows): the graphs read their bucket's columns, nothing reads the others."""
         staging, copied = self._current
-        self.meta.copy_(staging, non_blocking=True)
+        self.meta[:rows].copy_(staging[:rows], non_blocking=True)
         copied.record()
         return self.meta

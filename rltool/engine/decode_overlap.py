@@ -12,8 +12,9 @@ batch builder, rltool.engine.batch_builder, decides).
 Where the runner samples inside its forward (`graph_sampling`), `prepare` hands it the batch's
 sampling rows before the block's first step, so each step's CUDA graph draws the tokens and
 advances the next step's inputs (rltool.engine.decode_sample): the host queues one replay per step
-and one copy back. A block whose batch needs draw logits (filters, logit_bias, stop ids still
-masked) samples after the forward as above; the counters say how many steps took each path.
+and one copy back. logit_bias and stop ids still masked go with them (the draw rows) up to
+decode_sample's limits; a batch with top-k / top-p / min-p, or past those limits, samples after
+the forward as above; the counters say how many steps took each path.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from rltool.engine.batch_sampling import DrawParams, draw_logits
-from rltool.engine.decode_sample import SEED_MODULUS, sample_rows_of
+from rltool.engine.batch_sampling import DrawParams, draw_lists, draw_logits
+from rltool.engine.decode_sample import SEED_MODULUS, draw_rows_of, sample_rows_of
 from rltool.engine.request import Request
 from rltool.engine.request_queue import RequestQueue
 
@@ -91,6 +92,7 @@ class _BatchConsts:
     min_new: np.ndarray  # int64: min_new_tokens
     draw: DrawParams | None  # None: the plain race
     rows: np.ndarray  # the sampling rows of a step that samples in its forward
+    draw_rows: np.ndarray | None  # the same with the draw rows (None: they do not fit)
 
 
 class DecodeOverlap:
@@ -126,14 +128,16 @@ class DecodeOverlap:
     def prepare(self, reqs: list[Request], *, ahead: int) -> None:
         """Before the decode step of an overlapped block over `reqs` (none: a step that is not
         overlapped): have the runner sample inside the step's forward when the batch races
-        plainly (no filter or bias, no stop id masked for any row from its first token)."""
+        plainly or over draw logits that fit the draw rows (logit_bias, stop ids masked before
+        min_new_tokens; no top-k / top-p / min-p)."""
         runner = self.runner
         rows = None
         if reqs and runner.graph_sampling:
             consts = self._consts_for(reqs, vocab=runner.vocab_size, device=runner.device)
             drawn = np.array([len(r.output_ids) for r in reqs], dtype=np.int64)
-            if self._draw(consts, drawn + ahead) is None:
-                rows = consts.rows
+            draw = self._draw(consts, drawn + ahead)
+            rows = consts.rows if draw is None else (
+                consts.draw_rows if draw.filtered is None else None)
         runner.sample_next(rows)
 
     def launch(self, reqs: list[Request], logits: torch.Tensor | None, *, ahead: int,
@@ -238,13 +242,20 @@ class DecodeOverlap:
         temps = np.array([i[0] for i in infos], dtype=np.float32)
         seeds = np.array([i[2] * 1_000_003 % SEED_MODULUS for i in infos], dtype=np.int64)
         greedy = np.array([i[1] for i in infos], dtype=np.int32)
+        min_new = np.array([i[4] for i in infos], dtype=np.int64)
+        params = [r.params for r in reqs]
+        rows = sample_rows_of(temps, greedy, seeds,
+                              np.array([len(r.prompt_ids) for r in reqs], dtype=np.int64))
+        draw_rows = None
+        if not any(p.needs_filter for p in params):
+            biases, in_vocab = draw_lists(params, stop_ids=stops, vocab=vocab)
+            extra = draw_rows_of(min_new, in_vocab, biases)
+            draw_rows = None if extra is None else np.concatenate([rows, extra])
         return _BatchConsts(
-            reqs=reqs, temps=temps, seeds=seeds, greedy=greedy,
-            min_new=np.array([i[4] for i in infos], dtype=np.int64),
-            draw=DrawParams.build([r.params for r in reqs], temps=temps.tolist(), stop_ids=stops,
-                                  vocab=vocab, device=device),
-            rows=sample_rows_of(temps, greedy, seeds,
-                                np.array([len(r.prompt_ids) for r in reqs], dtype=np.int64)))
+            reqs=reqs, temps=temps, seeds=seeds, greedy=greedy, min_new=min_new,
+            draw=DrawParams.build(params, temps=temps.tolist(), stop_ids=stops, vocab=vocab,
+                                  device=device),
+            rows=rows, draw_rows=draw_rows)
 
     def _accept_block(self, block: Block) -> None:
         """Record a block's tokens step by step; a request's tokens after the one that stops it

@@ -10,10 +10,13 @@ token of the scratch page. A step handed the batch's sampling rows (`sample_next
 its forward: the rows go below those, in the same upload, and the step runs
 `decode_sample.sample_and_advance` after the forward, in the same graph (or eagerly, the same
 function), leaving its tokens and logprobs in `sampled` and the next step's inputs in place.
+Sampling rows with the draw rows (logit_bias, stop ids) pick the graph that races over draw
+logits.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -58,23 +61,26 @@ class Decoder:
         self.graphs = DecodeGraphs(self.forward.device, initial=self._pad, max_bs=self.max_bs)
         self.graphs.capture(self._forward, self.buckets, into=self.graphs.captured)
         if self.sample:
-            self.graphs.capture(self._forward_sample, self.buckets, into=self.graphs.sampled)
+            for draw, graphs in self.graphs.sampled.items():
+                self.graphs.capture(functools.partial(self._forward_sample, draw=draw),
+                                    self.buckets, into=graphs)
 
     def sample_next(self, rows: np.ndarray | None) -> None:
         """The next `step` samples inside its forward with these SAMPLE_ROWS x B rows
-        (decode_sample.sample_rows_of); None: it returns logits only. Ignored unless `sample`."""
+        (decode_sample.sample_rows_of), followed by the draw rows (draw_rows_of) to race over
+        draw logits; None: it returns logits only. Ignored unless `sample`."""
         self._rows = rows if self.sample else None
 
     def _forward(self, meta: torch.Tensor) -> torch.Tensor:
         with trace.span("decode.forward", cat="engine"):
             return self.forward.decode(meta[:META_ROWS], max_len=self._max_len)
 
-    def _forward_sample(self, meta: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _forward_sample(self, meta: torch.Tensor, *, draw: bool) -> tuple[torch.Tensor, ...]:
         """The body of a sampling graph: forward, sample, advance (also run eagerly; then the
         forward and the sampler are a span each). Its logits are no output: their memory is the
         graphs' pool's again after the capture."""
         table = self.table
-        return sample_and_advance(self._forward(meta), meta, first=META_ROWS,
+        return sample_and_advance(self._forward(meta), meta, first=META_ROWS, draw=draw,
                                   req_to_page=table.req_to_page, page_size=table.page_size)
 
     def step(self, rids: list[str], token_ids: list[int] | None, *,
@@ -82,6 +88,8 @@ class Decoder:
              steps: int) -> torch.Tensor | None:
         """One step (the first of a block of `steps`): see `PagedRunner.decode`."""
         sample, self._rows = self._rows, None
+        draw = sample is not None and len(sample) > SAMPLE_ROWS
+        used = META_ROWS + (0 if sample is None else len(sample))  # rows the step reads
         bucket = next((b for b in self.buckets if b >= len(rids)), None)
         table, B = self.table, len(rids)
         n = bucket or B
@@ -101,9 +109,10 @@ class Decoder:
         table.flush()
         graph = None
         if self.graphs is not None:
-            graph = (self.graphs.captured if sample is None else self.graphs.sampled).get(bucket)
+            graph = (self.graphs.captured if sample is None
+                     else self.graphs.sampled[draw]).get(bucket)
         if graph is None:
-            host = np.empty((len(self._pad), n), dtype=np.int64)
+            host = np.empty((used, n), dtype=np.int64)
         else:
             host = self.graphs.staging()
         host[0, :B] = token_ids if token_ids is not None else 0
@@ -113,47 +122,50 @@ class Decoder:
         host[4, :B] = locs
         host[5, :B] = src_rows if src_rows is not None else np.arange(B)
         if sample is not None:
-            host[META_ROWS:META_ROWS + SAMPLE_ROWS, :B] = sample
-        host[:, B:n] = self._pad[:, None]  # padded rows: one junk token of the scratch page
+            host[META_ROWS:used, :B] = sample
+        host[:used, B:n] = self._pad[:used, None]  # padded rows: a junk token of the scratch page
         self._max_len = int(host[3, :B].max())
         if graph is None:
             meta = torch.from_numpy(host).to(self.forward.device)
             if prev_tokens is not None:
                 meta[0, :B] = prev_tokens[meta[5, :B]]
         else:
-            meta = self.graphs.upload()
+            meta = self.graphs.upload(used)
             if prev_tokens is not None:
                 torch.index_select(prev_tokens, 0, meta[5, :B], out=meta[0, :B])
         slots = None
         if steps > 1 and sample is None:
             slots = iter(table.block_slots(meta[2, :B], meta[1, :B], steps))
-        self._block = (meta, B, n, graph, slots, sample is not None) if steps > 1 else None
-        return self._run(meta, B, n, graph, sample is not None)
+        mode = None if sample is None else draw
+        self._block = (meta, B, n, graph, slots, mode) if steps > 1 else None
+        return self._run(meta, B, n, graph, mode)
 
     def next(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """The next step of the block `step(steps=...)` began, fed `tokens` ([B], on device; a
         sampling step has advanced its inputs already)."""
-        full, B, n, graph, slots, sample = self._block
-        if not sample:  # positions, lengths and slots advance on the device
+        full, B, n, graph, slots, mode = self._block
+        if mode is None:  # positions, lengths and slots advance on the device
             meta = full[:, :B]
             meta[0].copy_(tokens)
             meta[1:4:2] += 1  # positions and sequence lengths
             meta[4].copy_(next(slots))
         self._max_len += 1
-        return self._run(full, B, n, graph, sample)
+        return self._run(full, B, n, graph, mode)
 
     def _run(self, meta: torch.Tensor, B: int, n: int, graph: tuple[Any, Any] | None,
-             sample: bool) -> torch.Tensor | None:
+             mode: bool | None) -> torch.Tensor | None:
         """The step's forward (its graph replayed, or eagerly): logits of the first B rows;
-        with `sample`, None, and the tokens and logprobs in `sampled`."""
+        sampling inside it (`mode`: whether over draw logits), None, and the tokens and logprobs
+        in `sampled`."""
         self.sampled = None
         if graph is None:
-            out = (self._forward_sample if sample else self._forward)(meta[:, :n])
+            out = (self._forward(meta[:, :n]) if mode is None
+                   else self._forward_sample(meta[:, :n], draw=mode))
         else:
             graph, out = graph
             with trace.span("decode.forward", cat="engine"):
                 graph.replay()
-        if not sample:
+        if mode is None:
             return out[:B]
         tokens, logprobs = out
         self.sampled = (tokens[:B], logprobs[:B], graph is not None)

@@ -110,6 +110,11 @@ def test_a_block_advances_its_inputs_on_the_device(request, tiny_model_dir):
 
 PARAMS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.6),
           SamplingParams(temperature=0.0), SamplingParams(temperature=1.3)]
+DRAWN = [SamplingParams(logit_bias={"3": 2.5, "17": -1.0}), SamplingParams(temperature=0.0),
+         SamplingParams(min_new_tokens=4, temperature=0.8, stop_token_ids=[5, 9, 30],
+                        logit_bias={"30": 50.0}),
+         SamplingParams(logit_bias={"8": 1.5}, min_new_tokens=2)]
+FILTERED = PARAMS[:3] + [SamplingParams(top_p=0.8)]
 
 
 @pytest.mark.parametrize("steps", [1, 3])
@@ -117,11 +122,13 @@ def test_seeded_requests_draw_the_same_tokens_sampled_in_the_forward(request, ti
                                                                     steps):
     """The engine with sampling in the decode forward and without: the same tokens and logprobs
     (within 1e-6) for seeded requests of several temperatures and prompt lengths, greedy
-    included, as the batch shrinks; the counters say which path sampled. A batch with a top-p
-    request samples after the forward (draw logits) and still matches."""
+    included, as the batch shrinks, and with logit_bias and stop ids masked before
+    min_new_tokens (draw logits in the forward: a stop id biased to win is masked for 4 tokens,
+    then ends its request); the counters say which path sampled. A batch with a top-p request
+    samples after the forward and still matches."""
     if ran_in_child(request):
         return
-    for params in (PARAMS, PARAMS[:3] + [SamplingParams(top_p=0.8)]):
+    for params in (PARAMS, DRAWN, FILTERED):
         got, sched = serve_seeded(tiny_model_dir, params, device=DEV, graph_sampling=True,
                                   steps=steps)
         want, base = serve_seeded(tiny_model_dir, params, device=DEV, graph_sampling=False,
@@ -133,7 +140,10 @@ def test_seeded_requests_draw_the_same_tokens_sampled_in_the_forward(request, ti
         assert base.batch.blocks.forward_sampled_steps == 0
         assert base_stats["num_apart_sampled_steps"] > 0
         assert stats["num_graph_sampled_steps"] == 0  # eager: no graphs here
-        if params is PARAMS:
+        if params is DRAWN:
+            stopped = got[2][0]
+            assert len(stopped) == 5 and stopped[-1] == 30 and 30 not in stopped[:4], stopped
+        if params is not FILTERED:
             assert sched.batch.blocks.forward_sampled_steps > 0
             assert stats["num_apart_sampled_steps"] == 0
         else:

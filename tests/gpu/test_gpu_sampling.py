@@ -140,8 +140,9 @@ GRAPH_PARAMS = {  # name: the four requests' params (rltool.engine.decode_sample
     "plain": [SamplingParams(temperature=t) for t in (1.0, 0.6, 0.0, 1.3)],
     "mixed": [SamplingParams(), SamplingParams(temperature=0.0), SamplingParams(top_k=20),
               SamplingParams(top_p=0.7, min_p=0.05, temperature=0.8)],
-    "bias_min_new": [SamplingParams(), SamplingParams(logit_bias={"3": 4.0}),
-                     SamplingParams(min_new_tokens=3, temperature=0.7), SamplingParams()],
+    "bias_min_new": [SamplingParams(), SamplingParams(logit_bias={"3": 4.0, "20": -2.0}),
+                     SamplingParams(min_new_tokens=3, temperature=0.7, stop_token_ids=[4, 9]),
+                     SamplingParams(temperature=0.0, logit_bias={"7": 1.0})],
 }
 
 
@@ -151,7 +152,8 @@ def test_sampling_in_the_decode_graph_draws_the_eager_tokens(tiny_model_dir, cas
     """Seeded requests with every sampling parameter: sampled inside the decode CUDA graph,
     inside the eager forward (the same body, no graphs) and after the graph's forward (the
     separate sampler launch) give the same tokens and logprobs; the engine's counters say the
-    plain batches' steps were graphed and that a filtered or biased batch fell back."""
+    plain and the biased / min_new_tokens batches' steps were graphed and that a batch with
+    top-k / top-p / min-p fell back."""
     from tests.helpers.graph_sampling import serve_seeded
 
     params = GRAPH_PARAMS[case]
@@ -167,7 +169,7 @@ def test_sampling_in_the_decode_graph_draws_the_eager_tokens(tiny_model_dir, cas
     graphed = runs["graph"][1].stats()
     assert runs["apart"][1].stats()["num_graph_sampled_steps"] == 0
     assert runs["eager"][1].stats()["num_graph_sampled_steps"] == 0
-    if case == "plain":
+    if case != "mixed":
         assert graphed["num_graph_sampled_steps"] > 0 and graphed["num_apart_sampled_steps"] == 0
     else:
         assert graphed["num_apart_sampled_steps"] > 0
