@@ -73,7 +73,7 @@ def gpu_step_us(runner: PagedRunner, batch: int) -> float:
     seeds = torch.arange(batch, dtype=torch.int32, device=dev)
     greedy = torch.zeros(batch, dtype=torch.int32, device=dev)
     if runner.graph_sampling:
-        graph = graphs.sampled[bucket][0]
+        graph = graphs.sampled[False][bucket][0]  # the plain race
         step = graph.replay
     else:
         graph, logits = graphs.captured[bucket]

@@ -134,8 +134,10 @@ class DecodeOverlap:
         rows = None
         if reqs and runner.graph_sampling:
             consts = self._consts_for(reqs, vocab=runner.vocab_size, device=runner.device)
-            drawn = np.array([len(r.output_ids) for r in reqs], dtype=np.int64)
-            draw = self._draw(consts, drawn + ahead)
+            draw = consts.draw
+            if draw is not None:  # stop ids to mask only while a row is below its minimum
+                drawn = np.array([len(r.output_ids) for r in reqs], dtype=np.int64)
+                draw = self._draw(consts, drawn + ahead)
             rows = consts.rows if draw is None else (
                 consts.draw_rows if draw.filtered is None else None)
         runner.sample_next(rows)

@@ -54,7 +54,8 @@ class Decoder:
         self._rows: np.ndarray | None = None  # the next step's sampling rows (`sample_next`)
         # (tokens [B], logprobs [B], whether a graph sampled them) of the last step, if it sampled
         self.sampled: tuple[torch.Tensor, torch.Tensor, bool] | None = None
-        self._block: tuple | None = None  # (meta, B, graph, slots or None: sampled): `next`
+        # (meta, B, padded batch, graph, KV slots, sampling mode as `_run` takes it): `next`
+        self._block: tuple | None = None
 
     def capture_graphs(self) -> None:
         """Capture the step for each bucket (CUDA; in the caller's batch-invariant mode)."""
