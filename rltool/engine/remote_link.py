@@ -26,6 +26,7 @@ from rltool.engine.config import ServeConfig
 from rltool.engine.link import EngineInfo
 from rltool.engine.request import Request
 from rltool.errors import BadInputError, EngineError
+from rltool.supervisor import _parent_death_signal
 
 log = logging.getLogger(__name__)
 EXIT_POLL_S = 1.0  # how often the front end looks whether the scheduler process still runs
@@ -241,9 +242,10 @@ class SchedulerChild:
         self.sock = ours
         self.connected = False
         try:
+            # Killed with the front end (SIGKILL included), which holds the channel and the port.
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "rltool.engine.scheduler_process", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()])
+                pass_fds=[theirs.fileno()], preexec_fn=_parent_death_signal)
         finally:
             theirs.close()
         # The config holds the API keys: it goes over the private socket, never argv or env.
