@@ -287,3 +287,38 @@ def test_streamed_text_decodes_only_new_tokens_and_matches_a_whole_decode(tiny_m
             n = min(n + step, len(ids))
             assert got == tokenizer.decode(ids[:n], skip_special_tokens=True)
             assert max(calls) <= 8  # the last seam's tokens and the new ones
+
+
+def test_lora_adapters_through_the_scheduler_process(tiny_model_dir, tmp_path_factory):
+    """Adapter names are checked where the adapters live (the scheduler process): an unknown
+    lora_path is refused 400 naming the loaded ones; load, generate and unload work as in one
+    process, the adapter's greedy tokens those of a runner holding it."""
+    from rltool.engine.paged_runner import PagedRunner
+    from tests.helpers.lora_adapters import ALL_TARGETS, make_adapter
+    from tests.helpers.scheduling import generate_once
+
+    root = tmp_path_factory.mktemp("lora-root")
+    model = root / "model"
+    shutil.copytree(tiny_model_dir, model)
+    full = make_adapter(model, root / "lora-full", r=4, alpha=8, targets=ALL_TARGETS,
+                        seed=1)[1]
+    proc, _ = start(model, tmp_path_factory, "lora", "--enable-lora", "--max-lora-rank", "8")
+    try:
+        url = proc.url
+        gen = {"input_ids": [5, 9, 13, 2], "sampling_params": {"max_new_tokens": 4,
+                                                               "temperature": 0.0}}
+        unknown = post(url, api.GENERATE, {**gen, "lora_path": "full"})
+        assert unknown.status_code == 400 and "loaded: none" in unknown.text, unknown.text
+        r = post(url, api.LOAD_LORA_ADAPTER, {"lora_name": "full", "lora_path": str(full)})
+        assert r.status_code == 200 and r.json()["loaded_adapters"] == {"full": str(full)}
+        out = post(url, api.GENERATE, {**gen, "lora_path": "full"}).json()
+        runner = PagedRunner(model, device="cpu", dtype="fp32", max_running=8, page_size=4,
+                             max_total_tokens=512, enable_lora=True, max_lora_rank=8)
+        runner.lora.load("full", full)
+        [want] = generate_once(runner, [gen["input_ids"]], ["full"], new=4,
+                               max_prefill_tokens=64)
+        assert out["output_ids"] == want.output_ids
+        r = post(url, api.UNLOAD_LORA_ADAPTER, {"lora_name": "full"})
+        assert r.status_code == 200 and r.json()["loaded_adapters"] == {}
+    finally:
+        proc.stop()
