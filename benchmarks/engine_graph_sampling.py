@@ -65,7 +65,9 @@ def gpu_step_us(runner: PagedRunner, batch: int) -> float:
     rows = sample_rows_of(np.ones(batch, dtype=np.float32), np.zeros(batch, dtype=np.int32),
                           np.arange(batch, dtype=np.int64), np.full(batch, 128, dtype=np.int64))
     runner.sample_next(rows)
-    runner.decode(rids, [1] * batch)  # the step's inputs (and sampling rows) in the buffer
+    # The step's inputs (and sampling rows) in the buffer, and the KV pages of every replay
+    # below reserved: a graph that samples advances its inputs by a token per replay.
+    runner.decode(rids, [1] * batch, steps=1 + 6 * GPU_STEPS)
     graphs = runner.decoder.graphs
     bucket = next(b for b in runner.decoder.buckets if b >= batch)
     dev = runner.device
@@ -82,7 +84,7 @@ def gpu_step_us(runner: PagedRunner, batch: int) -> float:
             graph.replay()
             sample_rows(logits[:batch], temps, seeds, greedy)
 
-    for _ in range(3):
+    for _ in range(5):  # warm
         step()
     times = []
     for _ in range(3):
