@@ -5,7 +5,7 @@ reference is linear_attention.chunked_delta).
 The sequences are a `PrefillPlan`, built once per forward for every GDN layer; CHUNK tokens per
 chunk, in three kernels (the WY form of the chunk, as in the Gated DeltaNet paper and FLA):
 `_chunk_prep`, parallel over (chunk, head), builds T = (I + A)^-1 for the chunk's
-A_ij = beta_i exp(G_i - G_j) k_i.k_j (j < i, forward substitution) and from it
+A_ij = beta_i exp(G_i - G_j) k_i.k_j (j < i; `_unit_lower_inverse`) and from it
 W = T (beta exp(G) k) and U = T (beta v), so that the chunk's updates are U - W S0;
 `_chunk_state`, sequential over a sequence's chunks (program: sequence, head, value block),
 carries S across chunks and keeps each chunk's starting state and updates; `_chunk_out`,
@@ -30,6 +30,7 @@ from rltool.engine.gdn_kernels import (GdnLayer, causal_conv, column_offsets, ga
 from rltool.engine.linear_attention import CHUNK
 
 STATE_BV = 32  # value dims per program of the sequential chunk pass (its only parallelism)
+SUB = tl.constexpr(16)  # rows per diagonal block of the chunk's triangular inverse (CHUNK / 4)
 
 
 @triton.jit
@@ -37,6 +38,26 @@ def _mm(a, b, IEEE: tl.constexpr):
     if IEEE:
         return tl.dot(a, b, input_precision="ieee", out_dtype=tl.float32)
     return tl.dot(a, b, input_precision="tf32", out_dtype=tl.float32)
+
+
+@triton.jit
+def _unit_lower_inverse(A, idx, IEEE: tl.constexpr, BT: tl.constexpr):
+    """(I + A)^-1 for A [BT, BT] strictly lower triangular, in blocks of SUB rows: D, the inverse
+    of the block diagonal, by forward substitution in all blocks at once (row i of each block is
+    e_i - sum_{j<i} A_ij D_j: SUB - 1 steps, not BT - 1); then, with N = D A_o (A_o: A below the
+    diagonal blocks, so N is nilpotent of degree BT / SUB), (I + A)^-1 = (I + N)^-1 D =
+    (I - N + N^2 - N^3) D. Rows past a chunk's end have A rows of 0 and come out as e_i."""
+    eye = tl.where(idx[:, None] == idx[None, :], 1.0, 0.0)
+    same = (idx // SUB)[:, None] == (idx // SUB)[None, :]
+    diag = tl.where(same, A, 0.0)
+    D = eye
+    for i in range(1, SUB):
+        sel = (idx % SUB) == i
+        D = tl.where(sel[:, None], eye - _mm(tl.where(sel[:, None], diag, 0.0), D, IEEE), D)
+    N = _mm(D, tl.where(same, 0.0, A), IEEE)
+    N2 = _mm(N, N, IEEE)
+    series = eye - N + N2 - _mm(N2, N, IEEE)
+    return _mm(series, D, IEEE)
 
 
 @triton.jit
@@ -53,29 +74,23 @@ def _chunk_prep(X, stride_x, Proj, stride_p, ALog, DtBias, ChunkStart, ChunkEnd,
     offs_k = tl.arange(0, BK)
     offs_v = tl.arange(0, BV)
     idx = tl.arange(0, BT)
-    k = unit_rows(X, rows, ok, stride_x, K_OFF + (h // REP) * DK, offs_k, DK)
+    col_k = K_OFF + (h // REP) * DK
+    k = unit_rows(X, rows, ok, stride_x, col_k, offs_k, DK)
     g, beta = gates(Proj, rows, ok, stride_p, h, B_OFF, A_OFF, ALog, DtBias)
     G = tl.cumsum(g, 0)
     lower = idx[:, None] > idx[None, :]
     decay = tl.exp(tl.where(lower, G[:, None] - G[None, :], float("-inf")))
     A = _mm(k, tl.trans(k), IEEE) * decay * beta[:, None]
-    # T = (I + A)^-1 by forward substitution: row i is e_i - sum_{j<i} A_ij T_j (rows past the
-    # chunk's end stay e_i: their A rows are 0)
-    T = tl.where(idx[:, None] == idx[None, :], 1.0, 0.0)
-    i = start * 0 + 1  # a tensor: a loop may not reassign a constexpr
-    while i < end - start:
-        a_i = tl.sum(tl.where(idx[:, None] == i, A, 0.0), 0)
-        row_i = -tl.sum(a_i[:, None] * T, 0)
-        T = tl.where(idx[:, None] == i, row_i[None, :] + tl.where(idx == i, 1.0, 0.0)[None, :],
-                     T)
-        i += 1
+    T = _unit_lower_inverse(A, idx, IEEE, BT)
+    # k again from memory rather than held through the inverse (registers: ptxas spilled)
+    k = unit_rows(X, rows, ok, stride_x, col_k, offs_k, DK)
     w = _mm(T, k * (beta * tl.exp(G))[:, None], IEEE)
+    tl.store(Wbuf + (rows[:, None] * H + h) * DK + offs_k[None, :], w,
+             mask=ok[:, None] & (offs_k < DK)[None, :])
     v_mask = ok[:, None] & (offs_v < DV)[None, :]
     v = tl.load(X + rows[:, None] * stride_x + V_OFF + h * DV + offs_v[None, :], mask=v_mask,
                 other=0.0).to(tl.float32)
     u = _mm(T, v * beta[:, None], IEEE)
-    tl.store(Wbuf + (rows[:, None] * H + h) * DK + offs_k[None, :], w,
-             mask=ok[:, None] & (offs_k < DK)[None, :])
     tl.store(Ubuf + (rows[:, None] * H + h) * DV + offs_v[None, :], u, mask=v_mask)
     tl.store(Gbuf + rows * H + h, G, mask=ok)
 
