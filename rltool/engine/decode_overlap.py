@@ -111,15 +111,16 @@ class DecodeOverlap:
         self.draw_launches = 0  # of them, blocks that sampled with DrawParams
         self.forward_sampled_steps = 0  # decode steps whose forward drew the tokens
         self.graph_sampled_steps = 0  # of them, those replayed from a CUDA graph
-        self.apart_sampled_steps = 0  # the others: the sampler launched after the forward
+        self.eager_sampled_steps = 0  # the others (and those sampled after their forward)
         cuda = runner.device.type == "cuda"
         self._buffers = ([_Buffers.make(max_running, steps_per_block, cuda) for _ in range(2)]
                          if enabled else [])
 
     def stats(self) -> dict[str, int]:
-        """The engine stats' counts of overlapped decode steps by where they sampled."""
+        """The engine stats' counts of overlapped decode steps whose tokens a CUDA graph drew
+        and of the others (no graph for the batch, or the sampler launched after the forward)."""
         return {"num_graph_sampled_steps": self.graph_sampled_steps,
-                "num_apart_sampled_steps": self.apart_sampled_steps}
+                "num_eager_sampled_steps": self.eager_sampled_steps}
 
     def same_batch(self, reqs: list[Request]) -> bool:
         """Whether `reqs` is the batch of the last launched block, in order."""
@@ -178,11 +179,12 @@ class DecodeOverlap:
             sampled = runner.sampled()
             if sampled is None:
                 tok, lp = sample(logits, i)
-                self.apart_sampled_steps += 1
+                self.eager_sampled_steps += 1
             else:
                 tok, lp, graphed = sampled
                 self.forward_sampled_steps += 1
                 self.graph_sampled_steps += graphed
+                self.eager_sampled_steps += not graphed
             buf.tokens[i * B:(i + 1) * B].copy_(tok, non_blocking=True)
             buf.logprobs[i * B:(i + 1) * B].copy_(lp, non_blocking=True)
         buf.event.record()

@@ -170,9 +170,9 @@ def test_sampling_in_the_decode_graph_draws_the_eager_tokens(tiny_model_dir, cas
     assert runs["apart"][1].stats()["num_graph_sampled_steps"] == 0
     assert runs["eager"][1].stats()["num_graph_sampled_steps"] == 0
     if case != "mixed":
-        assert graphed["num_graph_sampled_steps"] > 0 and graphed["num_apart_sampled_steps"] == 0
+        assert graphed["num_graph_sampled_steps"] > 0 and graphed["num_eager_sampled_steps"] == 0
     else:
-        assert graphed["num_apart_sampled_steps"] > 0
+        assert graphed["num_eager_sampled_steps"] > 0
 
 
 def test_a_steady_decode_step_does_not_synchronize(tiny_model_dir):
