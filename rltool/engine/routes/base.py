@@ -14,7 +14,7 @@ import functools
 import json
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -97,7 +97,7 @@ class EngineState:
         request whose body has been read, they are aborted if its client goes away first (they
         finish as aborted, so the answer still comes back, to nobody). Raises QueueFullError /
         BadInputError / EngineError if the scheduler refuses them."""
-        loop = asyncio.get_running_loop()
+        loop, here = asyncio.get_running_loop(), threading.get_ident()
         done = loop.create_future()
         responses: list[Any] = [None] * len(reqs)
         left = [len(reqs)]
@@ -111,7 +111,7 @@ class EngineState:
                 left[0] -= 1
                 last = left[0] == 0
             if last:
-                loop.call_soon_threadsafe(_resolve, done, responses)
+                _on_loop(loop, here, _resolve, done, responses)
 
         for i, req in enumerate(reqs):
             req.on_finish = functools.partial(finished, i)
@@ -140,15 +140,14 @@ class EngineState:
                       ) -> AsyncIterator[tuple[int, bool, dict[str, Any]]]:
         """Submit `reqs`; yield (index, finished, cumulative response) after every new token.
         Raises QueueFullError / BadInputError / EngineError if the scheduler refuses them."""
-        loop = asyncio.get_running_loop()
+        loop, here = asyncio.get_running_loop(), threading.get_ident()
         queue: asyncio.Queue = asyncio.Queue()
         for i, req in enumerate(reqs):
-            req.on_token = (lambda r, i=i: loop.call_soon_threadsafe(
-                queue.put_nowait, (i, False, self.respond(r))))
-            req.on_finish = (lambda r, i=i: loop.call_soon_threadsafe(
-                queue.put_nowait, (i, True, self.respond(r))))
-        self.link.submit(reqs, on_refused=lambda e: loop.call_soon_threadsafe(
-            queue.put_nowait, e))
+            req.on_token = (lambda r, i=i: _on_loop(
+                loop, here, queue.put_nowait, (i, False, self.respond(r))))
+            req.on_finish = (lambda r, i=i: _on_loop(
+                loop, here, queue.put_nowait, (i, True, self.respond(r))))
+        self.link.submit(reqs, on_refused=lambda e: _on_loop(loop, here, queue.put_nowait, e))
         remaining = len(reqs)
         try:
             while remaining:
@@ -235,6 +234,17 @@ async def sse_stream(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[byt
         yield _sse({"error": {"message": str(e), "type": "invalid_request_error", "code": code,
                               "retryable": code == 429}})
     yield b"data: [DONE]\n\n"
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, loop_thread: int, fn: Callable[..., Any],
+             *args: Any) -> None:
+    """Call `fn` on `loop`, whose thread is `loop_thread`: at once from that thread (the
+    two-process link calls back there), else scheduled from the scheduler thread (a wake-up of
+    the loop each)."""
+    if threading.get_ident() == loop_thread:
+        fn(*args)
+    else:
+        loop.call_soon_threadsafe(fn, *args)
 
 
 def _resolve(future: asyncio.Future, value: Any) -> None:
