@@ -247,8 +247,7 @@ class HybridLM(DenseLM):
     def _gdn_kernels(j: int, layer: gdn_kernels.GdnLayer, rec: Recurrence,
                      plan: gdn_prefill.PrefillPlan | None) -> torch.Tensor:
         """The GDN recurrence of layer `j` through the Triton kernels (rltool.engine.gdn_kernels,
-        gdn_prefill):
-        o [T, Hv, Dv] in the model dtype, the pool's states updated in place."""
+        gdn_prefill): o [T, Hv, Dv] in the model dtype, the pool's states updated in place."""
         pool = rec.pool
         if rec.segments is None:
             return gdn_kernels.decode(layer, pool.conv[j], pool.ssm[j], rec.slots)
