@@ -1,8 +1,8 @@
 """Overlapped decoding (CUDA, the Triton sampler): step N + 1 is queued on the device, fed straight
 from step N's sampled tokens, before the host reads step N's tokens back; the host's per-request
 work then runs while the device computes. A block may hold several decode steps
-(--num-continuous-decode-steps), each fed the last one's samples on the device, with one copy of
-all its tokens back. A request that stops at step N has computed one extra token, which is
+(--num-continuous-decode-steps), each fed the last one's samples on the device, its tokens and
+logprobs copied into pinned memory as each step is queued and read once per block. A request that stops at step N has computed one extra token, which is
 dropped. Top-k / top-p / min-p, logit_bias and min_new_tokens are sampled inside a block: the
 batch's DrawParams are built once, and each step's logits become the race's draw logits on the
 device, stop ids masked while a row's token index is below its min_new_tokens. Prefill, control
@@ -11,8 +11,8 @@ batch builder, rltool.engine.batch_builder, decides).
 
 Where the runner samples inside its forward (`graph_sampling`), `prepare` hands it the batch's
 sampling rows before the block's first step, so each step's CUDA graph draws the tokens and
-advances the next step's inputs (rltool.engine.decode_sample): the host queues one replay per step
-and one copy back. logit_bias and stop ids still masked go with them (the draw rows) up to
+advances the next step's inputs (rltool.engine.decode_sample): the host queues a replay and the
+copies of its tokens and logprobs per step. logit_bias and stop ids still masked go with them (the draw rows) up to
 decode_sample's limits; a batch with top-k / top-p / min-p, or past those limits, samples after
 the forward as above; the counters say how many steps took each path.
 """
