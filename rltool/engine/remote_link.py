@@ -53,6 +53,7 @@ class RemoteLink:
         self.stopping = False
         self.on_exit: Callable[[], None] = lambda: None
         self._tasks: list[asyncio.Task] = []
+        self._out: list[bytes] = []  # frames waiting for the end of this turn of the loop
 
     def start(self) -> None:
         self._tasks = [asyncio.ensure_future(self._read()), asyncio.ensure_future(self._watch())]
@@ -71,7 +72,16 @@ class RemoteLink:
             raise EngineError(self.exited)
         if self.stopping:
             raise EngineError("the engine is shutting down")
-        self.writer.write(ipc.frame(msg))
+        # Frames of one turn of the event loop go out in one write, in order (a burst of
+        # requests arriving together costs the scheduler process one wake-up).
+        self._out.append(ipc.frame(msg))
+        if len(self._out) == 1:
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        data, self._out = b"".join(self._out), []
+        if self.exited is None and data:
+            self.writer.write(data)
 
     def submit(self, reqs: list[Request], *, on_refused: Callable[[Exception], None]) -> None:
         dup = next((r.rid for r in reqs if r.rid in self.pending), None)
@@ -98,7 +108,8 @@ class RemoteLink:
     def request_stop(self) -> None:
         """Ask the scheduler process to stop: it aborts what is in flight (503) and exits."""
         if self.alive:
-            self.writer.write(ipc.frame({"t": "stop"}))
+            self._out.append(ipc.frame({"t": "stop"}))
+            self._flush()
         self.stopping = True
 
     # ----- what the scheduler process sends ------------------------------------------------
