@@ -8,6 +8,9 @@ of a cached prefix as decode rows (DECODE_QUERIES), or, with --prefill-attention
 chunk in one variable-length call per layer (rltool.engine.varlen_attention). Decode attends
 each row of the batch over the pool: on CUDA with the Triton split-KV kernel (its output written already quantized for an FP8
 o_proj), on CPU with the torch reference attention (rltool.engine.decode_rows).
+
+Each prefill step notes its attention calls' shapes in the runner's compile watch
+(rltool.engine.compile_watch); `warm_up` runs every path once at build, before the watch's mark.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 import torch
 
 from rltool.engine import varlen_attention
+from rltool.engine.compile_watch import CompileWatch
 from rltool.engine.decode_rows import paged_attention, per_request_attention
 from rltool.engine.dense_model import DenseLM, fp8_input
 from rltool.engine.moe import RoutedExperts
@@ -28,6 +32,9 @@ from rltool.engine.state_pool import Recurrence, StatePool
 DETERMINISTIC_SPLITS = 8
 # Chunks of at most this many tokens over a cached prefix attend as decode rows, all in one call;
 DECODE_QUERIES = 64  # longer ones (chunked prefill) gather their prefix for an SDPA of their own
+# The warm-up's chunks: (fresh length, continuation length) per request; the continuations cover
+# both ways a chunk over a cached prefix attends (decode rows, gathered prefix)
+WARMUP_CHUNKS = ((40, DECODE_QUERIES // 4), (96, DECODE_QUERIES + 16))
 
 
 class PagedForward:
@@ -36,10 +43,14 @@ class PagedForward:
     change a request's numbers."""
 
     def __init__(self, model: DenseLM, pool: KVPool, table: PageTable, *, deterministic: bool,
-                 states: StatePool | None = None, varlen: bool = False):
+                 states: StatePool | None = None, varlen: bool = False,
+                 watch: CompileWatch | None = None):
         """`states`: a hybrid model's recurrent-state pool (rltool.engine.state_pool); `varlen`:
-        prefill attention in one variable-length call per layer (ignored when deterministic)."""
+        prefill attention in one variable-length call per layer (ignored when deterministic);
+        `watch`: where the prefill notes its attention shapes (the runner's, kept across
+        release and resume)."""
         self.varlen = varlen
+        self.watch = watch if watch is not None else CompileWatch()
         self.model = model
         self.pool = pool
         self.table = table
@@ -96,6 +107,7 @@ class PagedForward:
         plan = (varlen_attention.plan(varlen, num_tokens=len(ids), device=dev,
                                       flash=varlen_attention.can_flash(dev, model.dtype))
                 if varlen is not None else None)
+        self.watch.note_shapes(attention_shapes(groups, cont, plan))
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kc, vc, ks, vs = pool.layer(layer)  # fresh chunks attend to their own k, v
@@ -131,6 +143,41 @@ class PagedForward:
         if not rows:
             return None
         return self.model.logits(hidden[torch.tensor(rows).to(dev)])
+
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """On CUDA, run every prefill attention path and an eager decode step once over
+        scratch requests (freed after), so that serving compiles no Triton kernel and meets no
+        attention shape of these paths first; then mark the watch's baseline. Skipped where the
+        pool lacks the pages or rows."""
+        table = self.table
+        rids = [f"warmup-{i}" for i in range(len(WARMUP_CHUNKS))]
+        pages = [table.pages_for(a + b + 1) for a, b in WARMUP_CHUNKS]
+        free_rows = table.req_to_page.shape[0] - 1 - len(table.entries)  # row 0: scratch
+        if (self.device.type == "cuda" and table.has_free(sum(pages)) and len(rids) <= free_rows
+                and max(pages) <= table.max_pages_per_request):
+            try:
+                self.prefill([(r, [1] * a, 0) for r, (a, _) in zip(rids, WARMUP_CHUNKS)],
+                             want=[True] * len(rids))
+                self.prefill([(r, [1] * b, a) for r, (a, b) in zip(rids, WARMUP_CHUNKS)],
+                             want=[True] * len(rids))
+                lengths = [a + b for a, b in WARMUP_CHUNKS]
+                for r, n in zip(rids, lengths):
+                    table.extend(r, n + 1)
+                table.flush()
+                meta = host_tensor([[1] * len(rids), lengths,
+                                    [table.entries[r].row for r in rids],
+                                    [n + 1 for n in lengths],
+                                    [table.slots(r, n, n + 1)[0] for r, n in zip(rids, lengths)],
+                                    [0] * len(rids)]).to(self.device)
+                self.decode(meta, max_len=max(lengths) + 1)
+                torch.cuda.synchronize(self.device)
+            finally:
+                for r in rids:
+                    table.remove(r)
+                    if self.states is not None:
+                        self.states.free(r)
+        self.watch.mark_warm()
 
     def decode(self, meta: torch.Tensor, *, max_len: int) -> torch.Tensor:
         """Logits [N, V] of one decode step over the batch that `meta` describes (the rows of
@@ -184,3 +231,17 @@ class PagedForward:
                          scale=self.scale).squeeze(0)
 
         return self.model.hidden(ids, attend, collect=collect)
+
+
+def attention_shapes(groups: list[tuple[int, int, int]],
+                     cont: list[tuple[int, int, int, list[int]]],
+                     plan: varlen_attention.VarlenPlan | None) -> list[tuple]:
+    """The (kind, shape) keys of one prefill step's attention calls (CompileWatch.note_shapes):
+    grouped fresh chunks (count, length), a long continuation (length, key length), the masked
+    varlen call (queries, keys). The flash varlen call has one key: it takes any segments."""
+    if plan is not None:
+        if plan.mask is None:
+            return [("varlen",)]
+        return [("sdpa-mask", *plan.mask.shape)]
+    return ([("sdpa-causal", c, n) for _, c, n in groups]
+            + [("sdpa-prefix", n, s + n) for _, n, s, _ in cont])
