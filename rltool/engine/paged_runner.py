@@ -27,6 +27,7 @@ import torch
 
 from rltool import batch_invariant
 from rltool.engine import quant
+from rltool.engine.compile_watch import CompileWatch
 from rltool.engine.decode_step import Decoder
 from rltool.engine.dense_model import DenseLM, load_model
 from rltool.engine.host_kv import TierStats
@@ -113,6 +114,7 @@ class PagedRunner:
         self.states: StatePool | None = None  # a hybrid model's recurrent states
         self._forward: PagedForward | None = None
         self.decoder: Decoder | None = None
+        self.compiles = CompileWatch()  # compilations since the warm-up of each build
         self._build()
 
     @property
@@ -167,14 +169,15 @@ class PagedRunner:
             log.info("recurrent-state pool: %d slots of %d bytes (%.2f GiB)",
                      self.states.num_slots, self.states.bytes_per_slot,
                      self.states.nbytes() / 2**30)
-        self._forward = PagedForward(self.model, self.pool, self.table,
+        self._forward = PagedForward(self.model, self.pool, self.table, watch=self.compiles,
                                      deterministic=self.deterministic, states=self.states,
                                      varlen=self.prefill_attention == "varlen")
         self.decoder = Decoder(self._forward, self.table, max_bs=self._graph_max_bs,
                                sample=self.graph_sampling)
-        if self._use_graphs:
-            with self.invariant():
+        with self.invariant():
+            if self._use_graphs:
                 self.decoder.capture_graphs()
+            self._forward.warm_up()
 
     @property
     def released(self) -> bool:

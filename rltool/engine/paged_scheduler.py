@@ -131,7 +131,8 @@ class PagedScheduler:
         self.queue.retract_all()
 
     def stats(self) -> dict[str, Any]:
-        return {**self.queue.stats(), **self.batch.blocks.stats()}
+        return {**self.queue.stats(), **self.batch.blocks.stats(),
+                "compiles_since_warmup": self.runner.compiles.since_warmup()}
 
     @property
     def running(self) -> dict[str, Request]:
