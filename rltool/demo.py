@@ -13,14 +13,15 @@ stated: `--seed S` seeds the model init, both trainers and the engine's sampling
 seed gives every sample its own `sampling_seed`, from S and its uid); the prompt sets keep their
 own seeds, so every seed learns the same task. The measured curves are in docs/loop.md.
 
-`--device cuda` is the GPU counterpart: 3-digit addition (or, `--task reverse`, reversing 8-12
-digit strings) on the Qwen2.5-0.5B shapes (rltool.demo_gpu, which also holds
-`--rollout-precision fp8`); `--out-json FILE` writes the summary. `--task add --preset tiny`
-runs that recipe on CPU.
+`--device cuda` is the GPU counterpart: reversing 8-12 digit strings (or, `--task add`, 3-digit
+addition) on the Qwen2.5-0.5B shapes, or with `--arch qwen3_5` on the hybrid-0.7b Gated DeltaNet
+hybrid (rltool.demo_gpu, which also holds `--rollout-precision fp8`); `--out-json FILE` writes
+the summary. `--task add --preset tiny` (`--arch qwen3_5`: tiny-4l) runs that recipe on CPU.
+The copy demo is the tiny qwen2 only: its recipe is tuned to it.
 
-Run: `python -m rltool.demo [DIR] [--device cpu|cuda] [--task copy|add|reverse] [--preset P]
-[--seed S] [--steps N] [--sft-steps N] [--rollout-precision bf16|fp8] [--out-json FILE] [-q]`
-(default DIR `demo-run`).
+Run: `python -m rltool.demo [DIR] [--device cpu|cuda] [--task copy|add|reverse]
+[--arch qwen2|qwen3_5] [--preset P] [--seed S] [--steps N] [--sft-steps N]
+[--rollout-precision bf16|fp8] [--out-json FILE] [-q]` (default DIR `demo-run`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from typing import Any
 
 from rltool.demo_common import (HEADER, TARGET, WINDOW, Clock, chunked_warm_start, finish,
                                 fresh, print_row, summarize, window_mean)
-from rltool.demo_gpu import PRECISIONS, TASKS, GpuRecipe, run_gpu_recipe
+from rltool.demo_gpu import (ARCH_PRESETS, PRECISIONS, SSM_DTYPES, TASKS, recipe_for,
+                             run_gpu_recipe)
 from rltool.errors import BadInputError, RltoolError
 
 TASK = "copy"
@@ -173,30 +175,35 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--task", choices=("copy", *TASKS), default=None, help="copy (the CPU "
                         "demo; default on cpu), reverse (8-12 digit strings reversed, exact "
                         "match; default on cuda) or add (3-digit sums, exact match).")
+    parser.add_argument("--arch", choices=tuple(ARCH_PRESETS), default="qwen2",
+                        help="add/reverse: qwen2 (dense) or qwen3_5 (the Gated DeltaNet hybrid: "
+                        "preset hybrid-0.7b on cuda, tiny-4l on cpu).")
     parser.add_argument("--preset", default=None, help="add/reverse: the model shapes "
-                        "(default qwen2.5-0.5b on cuda, tiny on cpu).")
+                        "(default qwen2.5-0.5b on cuda, tiny on cpu; see --arch).")
+    parser.add_argument("--mamba-ssm-dtype", choices=SSM_DTYPES, default=None,
+                        help="--arch qwen3_5: the engine's recurrent-state dtype (default fp32).")
     parser.add_argument("--steps", type=int, default=None, help="Most RL loop steps (copy: 150, "
                         f"stops once the {WINDOW}-step mean reward reaches {TARGET}; "
                         f"add/reverse: 200, stops once the eval exact match reaches {TARGET} or at the time "
                         "budget).")
     parser.add_argument("--sft-steps", type=int, default=None, help="Supervised warm-start "
                         "steps (copy: 60, 0 is pure RL; add/reverse: 500 / 200).")
-    parser.add_argument("--teacher-exact", type=float, default=GpuRecipe.teacher_exact,
+    parser.add_argument("--teacher-exact", type=float, default=None,
                         help="add/reverse: how often the warm start's demonstrator answers "
                         "whole and right (1 is clean demonstrations).")
-    parser.add_argument("--rl-lr", type=float, default=GpuRecipe.rl_lr,
+    parser.add_argument("--rl-lr", type=float, default=None,
                         help="add/reverse: the GRPO learning rate.")
-    parser.add_argument("--rollout-batch-size", type=int, default=GpuRecipe.rollout_batch_size,
+    parser.add_argument("--rollout-batch-size", type=int, default=None,
                         help="add/reverse: prompts per RL step.")
     parser.add_argument("--n-samples-per-prompt", type=int,
-                        default=GpuRecipe.n_samples_per_prompt,
+                        default=None,
                         help="add/reverse: samples per prompt (the GRPO group).")
-    parser.add_argument("--eval-prompts", type=int, default=GpuRecipe.eval_prompts,
+    parser.add_argument("--eval-prompts", type=int, default=None,
                         help="add/reverse: held-out eval prompts.")
-    parser.add_argument("--sft-prompts", type=int, default=GpuRecipe.sft_prompts,
+    parser.add_argument("--sft-prompts", type=int, default=None,
                         help="add/reverse: SFT prompts drawn (those equal to an RL or eval prompt "
                         "are left out).")
-    parser.add_argument("--time-budget-s", type=float, default=GpuRecipe.time_budget_s,
+    parser.add_argument("--time-budget-s", type=float, default=None,
                         help="add/reverse: stop RL once this many seconds have passed since "
                         "the demo began.")
     parser.add_argument("--rollout-precision", choices=PRECISIONS, default="bf16",
@@ -222,26 +229,27 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if task == "copy":
             if (args.device != "cpu" or args.preset not in (None, "tiny")
-                    or args.rollout_precision != "bf16" or args.lora_rank):
-                raise BadInputError("--task copy is the CPU demo (tiny model on the CPU); use "
-                                    "--task add or reverse with --device cuda, --preset, "
-                                    "--rollout-precision or --lora-rank")
+                    or args.rollout_precision != "bf16" or args.lora_rank
+                    or args.arch != "qwen2" or args.mamba_ssm_dtype):
+                raise BadInputError("--task copy is the CPU demo (tiny qwen2 model on the CPU); "
+                                    "use --task add or reverse with --device cuda, --arch, "
+                                    "--preset, --rollout-precision or --lora-rank")
             summary = run(Path(args.dir), steps=150 if args.steps is None else args.steps,
                           sft_steps=60 if args.sft_steps is None else args.sft_steps,
                           seed=args.seed)
         else:
-            recipe = GpuRecipe(task=task, rollout_batch_size=args.rollout_batch_size,
-                               n_samples_per_prompt=args.n_samples_per_prompt,
-                               eval_prompts=args.eval_prompts, sft_prompts=args.sft_prompts,
-                               time_budget_s=args.time_budget_s,
-                               rollout_precision=args.rollout_precision,
-                               teacher_exact=args.teacher_exact, rl_lr=args.rl_lr,
-                               lora_rank=args.lora_rank, lora_lr=args.lora_lr)
+            recipe = recipe_for(
+                args.arch, task=task, rollout_batch_size=args.rollout_batch_size,
+                n_samples_per_prompt=args.n_samples_per_prompt, eval_prompts=args.eval_prompts,
+                sft_prompts=args.sft_prompts, time_budget_s=args.time_budget_s,
+                rollout_precision=args.rollout_precision, teacher_exact=args.teacher_exact,
+                rl_lr=args.rl_lr, lora_rank=args.lora_rank, lora_lr=args.lora_lr,
+                mamba_ssm_dtype=args.mamba_ssm_dtype,
+                preset=args.preset or (None if args.device == "cuda"
+                                       else ARCH_PRESETS[args.arch]))
             summary = run_gpu_recipe(
                 Path(args.dir), steps=200 if args.steps is None else args.steps,
-                sft_steps=args.sft_steps, seed=args.seed, device=args.device,
-                recipe=recipe, preset=args.preset or ("qwen2.5-0.5b" if args.device == "cuda"
-                                                      else "tiny"))
+                sft_steps=args.sft_steps, seed=args.seed, device=args.device, recipe=recipe)
     except RltoolError as e:
         print(f"Error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)

@@ -14,8 +14,11 @@ rollouts from block-FP8 weights requantized at every sync (`[sync] precision = "
 corrects the train/rollout mismatch with token-level truncated importance sampling (`[train]
 tis_mode = "truncate"`). `--lora-rank R` keeps the full-parameter warm start and runs the RL phase
 as LoRA on its frozen result (`[train] lora_rank`, alpha 2 x R, at `--lora-lr`, default 10 x
-`--rl-lr`): every sync hands the engine the adapter alone (rltool.loop.lora_sync). Each step prints reward, eval reward and phase times; `--preset tiny`
-runs the recipe on CPU. docs/loop.md, "The GPU demo".
+`--rl-lr`): every sync hands the engine the adapter alone (rltool.loop.lora_sync). `--arch
+qwen3_5` runs the same recipe on a Qwen3.5-style hybrid (Gated DeltaNet layers with attention
+every fourth layer, preset hybrid-0.7b; `RECIPES["qwen3_5"]`), its engine keeping fp32 recurrent
+states unless `--mamba-ssm-dtype bf16`. Each step prints reward, eval reward and phase times;
+`--preset tiny` (a hybrid: tiny-4l) runs the recipe on CPU. docs/loop.md, "The GPU demo".
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import random
 import string
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,10 @@ PRECISIONS = ("bf16", "fp8")  # --rollout-precision: the weights the engine serv
 LORA_LR_FACTOR = 10.0  # --lora-lr's default, times --rl-lr (GpuRecipe.lora_lr)
 MISMATCH_KEYS = ("train/train_rollout_logprob_abs_diff", "train/mismatch_kl",
                  "train/mismatch_k3_kl", "train/tis_clipfrac")
+# The CPU shapes of each arch's recipe (`--preset` on cpu by default): tiny's widths, and for the
+# hybrid 4 layers, so that it has 3 Gated DeltaNet layers and 1 attention layer.
+ARCH_PRESETS = {"qwen2": "tiny", "qwen3_5": "tiny-4l"}
+SSM_DTYPES = ("fp32", "bf16")  # --mamba-ssm-dtype
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,11 @@ TASKS = {
     # at 75)
     "reverse": TaskSpec(8, 12, 16, 200),
 }
+
+
+def check_teacher_exact(teacher_exact: float) -> None:
+    if not 0.0 < teacher_exact <= 1.0:
+        raise BadInputError(f"--teacher-exact must be in (0, 1], got {teacher_exact:g}")
 
 
 @dataclass(frozen=True)
@@ -81,8 +93,20 @@ class GpuRecipe:
     # the model through a rank-R update: on the CPU the trainer's LoRA needed about 10x the full
     # fine-tuning rate for the same progress per step)
     lora_lr: float | None = None
+    arch: str = "qwen2"  # or qwen3_5, the hybrid (ARCH_PRESETS)
+    preset: str = "qwen2.5-0.5b"  # the model shapes (the CLI's default on cpu: ARCH_PRESETS)
+    # qwen3_5: the engine's recurrent-state dtype (--mamba-ssm-dtype); None for qwen2
+    mamba_ssm_dtype: str | None = None
 
     def __post_init__(self) -> None:  # before the demo writes anything
+        if self.arch not in ARCH_PRESETS:
+            raise BadInputError(f"unknown --arch {self.arch!r}; choose one of "
+                                f"{', '.join(ARCH_PRESETS)}")
+        hybrid = self.arch == "qwen3_5"
+        if hybrid != (self.mamba_ssm_dtype is not None) or self.mamba_ssm_dtype not in (
+                None, *SSM_DTYPES):
+            raise BadInputError("--mamba-ssm-dtype (fp32 or bf16) is the hybrid's recurrent "
+                                "state: use it with --arch qwen3_5 only")
         if not self.rl_lr > 0:
             raise BadInputError(f"--rl-lr must be > 0, got {self.rl_lr:g}")
         if self.lora_rank < 0 or (self.lora_lr is not None and not self.lora_lr > 0):
@@ -101,6 +125,27 @@ class GpuRecipe:
             return {"lr": self.rl_lr}
         lr = self.lora_lr if self.lora_lr is not None else LORA_LR_FACTOR * self.rl_lr
         return {"lr": lr, "lora_rank": self.lora_rank}
+
+
+RECIPES = {
+    "qwen2": GpuRecipe(),
+    # The hybrid on the dense recipe's settings: hybrid-0.7b with the task vocabulary has ~0.37B
+    # parameters (24 layers of width 1024 against the 0.5B shapes' 24 of 896, about as many),
+    # so the warm start's 200 steps cost about the dense model's (~127 s on the H200) plus the
+    # trainer's torch Gated DeltaNet (transformers' chunked path: one 64-token chunk per row
+    # here, a triangular solve per layer), and 5 RL steps reached the target on the dense model.
+    # The engine decodes it eagerly (no CUDA graphs for hybrids); 512 rollouts of <= 16 tokens
+    # take 16 decode steps. fp32 recurrent states: the engine's default, stated so the run's
+    # config records it (benchmarks/hybrid_mismatch.py measures bf16 against it).
+    "qwen3_5": GpuRecipe(arch="qwen3_5", preset="hybrid-0.7b", mamba_ssm_dtype="fp32"),
+}
+
+
+def recipe_for(arch: str, **overrides: Any) -> GpuRecipe:
+    """`RECIPES[arch]` with the settings given (None: the recipe's own)."""
+    if arch not in RECIPES:
+        raise BadInputError(f"unknown --arch {arch!r}; choose one of {', '.join(RECIPES)}")
+    return replace(RECIPES[arch], **{k: v for k, v in overrides.items() if v is not None})
 
 
 def gpu_loop_tables(root: Path, *, model: Path, steps: int, seed: int, device: str,
@@ -138,7 +183,9 @@ def gpu_loop_tables(root: Path, *, model: Path, steps: int, seed: int, device: s
                  "save_interval": max(steps, 1), "offload": "none",
                  "engine_args": ["--max-running-requests", str(rollouts),
                                  "--cuda-graph-max-bs", str(rollouts),
-                                 "--max-total-tokens", str(KV_TOKENS)]},
+                                 "--max-total-tokens", str(KV_TOKENS),
+                                 *(["--mamba-ssm-dtype", recipe.mamba_ssm_dtype]
+                                   if recipe.mamba_ssm_dtype else [])]},
     }
 
 
@@ -162,11 +209,6 @@ def make_task_data(root: Path, clock: Clock, recipe: GpuRecipe) -> int:
               f"(seed 3), {len(sft)} SFT prompts (seed 2) none of which is an RL or eval prompt, "
               f"their answers from a demonstrator right {recipe.teacher_exact:g} of the time")
     return len(sft)
-
-
-def check_teacher_exact(teacher_exact: float) -> None:
-    if not 0.0 < teacher_exact <= 1.0:
-        raise BadInputError(f"--teacher-exact must be in (0, 1], got {teacher_exact:g}")
 
 
 def noisy_demonstrations(rows: list[dict[str, Any]], *, teacher_exact: float,
@@ -209,7 +251,7 @@ def gpu_warm_start(root: Path, model: Path, *, steps: int, sft_prompts: int, see
 
 
 def run_gpu_recipe(root: Path, *, steps: int, sft_steps: int | None, seed: int, device: str,
-                   preset: str, recipe: GpuRecipe) -> dict[str, Any]:
+                   recipe: GpuRecipe) -> dict[str, Any]:
     """The GPU recipe (`--task add|reverse`; `--device cuda` runs reverse by default): see the
     module docstring."""
     import tomli_w
@@ -221,9 +263,11 @@ def run_gpu_recipe(root: Path, *, steps: int, sft_steps: int | None, seed: int, 
 
     fresh(root)
     clock = Clock()
-    model = init_model(root / "model", arch="qwen2", preset=preset, task=recipe.task, seed=seed,
-                       fit_vocab=True)
-    clock.say(f"rltool init-model --preset {preset} --task {recipe.task} --seed {seed} "
+    preset = recipe.preset
+    model = init_model(root / "model", arch=recipe.arch, preset=preset, task=recipe.task,
+                       seed=seed, fit_vocab=True)
+    clock.say(f"rltool init-model --arch {recipe.arch} --preset {preset} --task {recipe.task} "
+              f"--seed {seed} "
               f"(vocabulary of the task tokenizer): random-init model {model}")
     sft_prompts = make_task_data(root, clock, recipe)
     sft_steps = TASKS[recipe.task].sft_steps if sft_steps is None else sft_steps
@@ -253,7 +297,8 @@ def run_gpu_recipe(root: Path, *, steps: int, sft_steps: int | None, seed: int, 
     finish(root, clock)
     evals = [r for r in _rows(root, "loop") if "eval/mean_reward" in r]
     hit = next((r for r in evals if r["eval/mean_reward"] >= TARGET), None)
-    extra = {"device": device, "preset": preset, "device_name": device_name(device),
+    extra = {"device": device, "arch": recipe.arch, "preset": preset,
+             "mamba_ssm_dtype": recipe.mamba_ssm_dtype, "device_name": device_name(device),
              "rollout_precision": recipe.rollout_precision,
              "teacher_exact": recipe.teacher_exact, "rl_lr": recipe.rl_train["lr"],
              "lora_rank": recipe.lora_rank,

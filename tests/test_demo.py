@@ -131,3 +131,53 @@ def test_gpu_recipe_refuses_a_bad_learning_rate_before_writing(tmp_path, capsys)
         demo.main([str(tmp_path / "d"), "--task", "reverse", "--preset", "tiny", "--rl-lr", "0"])
     assert e.value.code != 0 and "--rl-lr must be > 0" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
+
+
+def test_hybrid_recipe_runs_on_cpu(tmp_path, capsys):
+    """`--arch qwen3_5` on CPU: the reversal recipe on the tiny-4l hybrid (3 Gated DeltaNet
+    layers, 1 attention layer), two RL steps with bf16 recurrent states in the engine; the
+    summary records the arch, preset and state dtype, and the loop's engine got the flag."""
+    root, out = tmp_path / "demo-run", tmp_path / "result.json"
+    demo.main([str(root), "--task", "reverse", "--arch", "qwen3_5", "--mamba-ssm-dtype", "bf16",
+               "--steps", "2", "--sft-steps", "2", "--rollout-batch-size", "2",
+               "--n-samples-per-prompt", "4", "--eval-prompts", "4", "--sft-prompts", "32",
+               "--out-json", str(out), "-q"])
+    assert "rltool init-model --arch qwen3_5 --preset tiny-4l" in capsys.readouterr().out
+    summary = json.loads(out.read_text())
+    assert (summary["arch"], summary["preset"], summary["mamba_ssm_dtype"]) == (
+        "qwen3_5", "tiny-4l", "bf16")
+    assert summary["rl_steps"] == 2 and summary["final_eval_reward"] is not None
+    config = json.loads((root / "model" / "config.json").read_text())
+    assert config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    import tomllib
+
+    engine_args = tomllib.loads((root / "run.toml").read_text())["loop"]["engine_args"]
+    assert engine_args[engine_args.index("--mamba-ssm-dtype") + 1] == "bf16"
+    # engine (bf16 states) and trainer (fp32) sample the same policy: a small, nonzero gap
+    assert 0 < summary["mismatch_means"]["train/train_rollout_logprob_abs_diff"] < 0.05
+
+
+def test_hybrid_recipe_choices_and_refusals(tmp_path, capsys):
+    """The hybrid's recipe is the dense one on hybrid-0.7b with fp32 recurrent states; the copy
+    demo (tuned to the tiny qwen2) refuses --arch qwen3_5, and --mamba-ssm-dtype without the
+    hybrid is refused, both before anything is written."""
+    from dataclasses import replace
+
+    from rltool.demo_gpu import RECIPES, recipe_for
+
+    hybrid = recipe_for("qwen3_5")
+    assert (hybrid.arch, hybrid.preset, hybrid.mamba_ssm_dtype) == (
+        "qwen3_5", "hybrid-0.7b", "fp32")
+    assert replace(hybrid, arch="qwen2", preset="qwen2.5-0.5b", mamba_ssm_dtype=None) \
+        == RECIPES["qwen2"]
+    assert recipe_for("qwen3_5", rl_lr=1e-4, preset=None).rl_lr == 1e-4
+    with pytest.raises(BadInputError, match="unknown --arch 'llama'"):
+        recipe_for("llama")
+    for argv, message in (
+            (["--arch", "qwen3_5"], "--task copy is the CPU demo (tiny qwen2 model"),
+            (["--task", "reverse", "--mamba-ssm-dtype", "bf16"],
+             "--mamba-ssm-dtype (fp32 or bf16) is the hybrid's recurrent state")):
+        with pytest.raises(SystemExit) as e:
+            demo.main([str(tmp_path / "d"), *argv])
+        assert e.value.code == 2 and message in capsys.readouterr().err
+        assert not (tmp_path / "d").exists()
