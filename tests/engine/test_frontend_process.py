@@ -322,3 +322,53 @@ def test_lora_adapters_through_the_scheduler_process(tiny_model_dir, tmp_path_fa
         assert r.status_code == 200 and r.json()["loaded_adapters"] == {}
     finally:
         proc.stop()
+
+
+def test_channel_records_round_trip_exactly(tiny_model_dir):
+    """A request sent to the scheduler process is the request expanded in the front end (its
+    seeded generator too), and a final record rebuilds the response the scheduler's own request
+    gives (logprobs to the last bit, top and input logprobs, routed experts, weight spans)."""
+    import numpy as np
+    import torch
+
+    from rltool.engine import ipc
+    from rltool.engine.loading import load_tokenizer
+    from rltool.engine.request import Request, build_response
+    from rltool.engine.sampling import SamplingParams, make_generator
+
+    def request() -> Request:
+        return Request(rid="r-1", prompt_ids=[4, 5, 6, 7],
+                       params=SamplingParams(max_new_tokens=5, temperature=0.7, top_k=3,
+                                             stop=["ab"], logit_bias={"4": -1.5}),
+                       lora=None, return_logprob=True, logprob_start_len=1,
+                       top_logprobs_num=2, token_ids_logprob=[4, 9],
+                       return_text_in_logprobs=True, return_routed_experts=True,
+                       generator=make_generator(1234))
+
+    sent = request()
+    got = ipc.decode_request(json.loads(json.dumps(ipc.encode_request(sent, stream=True))))
+    for name in ("rid", "prompt_ids", "params", "lora", "return_logprob", "logprob_start_len",
+                 "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs",
+                 "return_routed_experts"):
+        assert getattr(got, name) == getattr(sent, name), name
+    assert torch.equal(torch.rand(8, generator=got.generator),
+                       torch.rand(8, generator=sent.generator))
+
+    done = request()
+    done.output_ids = [9, 10, 11]
+    done.output_logprobs = [-0.1, float("-inf"), -1e-300]
+    done.output_top_logprobs = [[(-0.1, 9), (-2.5, 3)]] * 3
+    done.output_token_ids_logprobs = [[(-1.25, 4), (-7.0, 9)]] * 3
+    done.input_logprobs = [None, -0.75, -3.5]
+    done.input_top_logprobs = [None, [(-0.75, 5), (-1.0, 8)], [(-3.5, 6), (-0.5, 2)]]
+    done.routed_experts = np.arange(24, dtype=np.int32).reshape(6, 2, 2)
+    done.spans = [("v0", 0), ("v1", 2)]
+    done.finish_reason = {"type": "stop", "matched": "ab"}
+    done.matched_stop_at, done.cached_tokens, done.text = 3, 2, "xyz"
+    done.t_first_token, done.t_finish = done.t_arrival + 0.5, done.t_arrival + 1.5
+    mirror = request()
+    mirror.t_arrival = done.t_arrival
+    ipc.apply_final(mirror, json.loads(ipc.frame({"fin": [ipc.encode_final(done)]})[4:])["fin"][0])
+    tokenizer = load_tokenizer(tiny_model_dir)
+    assert (build_response(mirror, tokenizer=tokenizer, weight_version="v1")
+            == build_response(done, tokenizer=tokenizer, weight_version="v1"))
