@@ -79,13 +79,14 @@ def file_prompt_ids(path: Path, model: Path, *, prompts: int) -> list[list[int]]
 
 
 def sample(model: Path, prompts: list[list[int]], *, weights: str, kv: str, device: str,
-           samples: int, new_tokens: int, seed: int,
-           ignore_eos: bool) -> tuple[list[Sample], float]:
-    """Every prompt `samples` times from an in-process engine serving `model`; (samples, s)."""
+           samples: int, new_tokens: int, seed: int, ignore_eos: bool,
+           **serve: Any) -> tuple[list[Sample], float]:
+    """Every prompt `samples` times from an in-process engine serving `model` (`serve`: more
+    ServeConfig fields); (samples, s)."""
     n = len(prompts) * samples
     cfg = ServeConfig(model=model, device=device, dtype="bf16", kv_cache_dtype=kv,
                       max_running_requests=n, cuda_graph_max_bs=n,
-                      max_total_tokens=n * (max(map(len, prompts)) + new_tokens + 16))
+                      max_total_tokens=n * (max(map(len, prompts)) + new_tokens + 16), **serve)
     engine = InProcessEngine(cfg, name=f"{weights}-{kv}")
     ids = [p for p in prompts for _ in range(samples)]
     payload = {"input_ids": ids, "return_logprob": True,
