@@ -1,0 +1,77 @@
+"""No compilation inside a serving run once the engine has warmed up: twenty arrival patterns
+(benchmarks.engine_arrivals: 1 to 64 requests, prompts of 17 to 1500 tokens, with and without a
+cached prefix, arriving in waves) through a bf16 engine on the GPU, per prefill attention.
+
+Every test skips only when `torch.cuda.is_available()` is false (the CI machines have none)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from benchmarks.engine_arrivals import arrival_patterns, run_pattern
+from rltool.engine.compile_watch import CompileWatch
+from rltool.engine.paged_runner import PagedRunner
+from rltool.engine.paged_scheduler import PagedScheduler
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    """The `small` preset (context 2048) in bf16, drawn on the GPU."""
+    from rltool.data.models import init_model
+
+    return init_model(tmp_path_factory.mktemp("models") / "small", preset="small",
+                      task="reverse", dtype="bf16", device="cuda")
+
+
+def triton_variants() -> int:
+    """Kernel variants Triton holds for every Triton kernel of rltool's loaded modules (an
+    autotuned or heuristic kernel through the function it wraps)."""
+    from triton.runtime.jit import JITFunction
+
+    kernels = set()
+    for name, module in list(sys.modules.items()):
+        if name.startswith("rltool") and module is not None:
+            for value in vars(module).values():
+                fn = value
+                while not isinstance(fn, JITFunction) and hasattr(fn, "fn"):
+                    fn = fn.fn
+                if isinstance(fn, JITFunction):
+                    kernels.add(fn)
+    return sum(len(cache[0]) for fn in kernels for cache in fn.device_caches.values())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("attention", ["varlen", "grouped"])
+def test_twenty_arrival_patterns_compile_nothing_after_warmup(small_model, attention,
+                                                              record_property):
+    """The engine's reported `compiles_since_warmup` equals a watch of the test's own and the
+    variants Triton's kernels gained: zero Triton compilations and dynamo graphs for either
+    attention, and for varlen no new SDPA shape either (one flash call takes any segments); the
+    grouped path's new SDPA shapes are reported (`record_property`), not asserted."""
+    runner = PagedRunner(small_model, device="cuda", dtype="bf16", max_running=64,
+                         cuda_graph_max_bs=64, max_total_tokens=200_000,
+                         prefill_attention=attention)
+    own = CompileWatch()  # created after the engine's warm-up: counts from here
+    variants = triton_variants()
+    sched = PagedScheduler(runner, max_running=64, max_prefill_tokens=16384,
+                           chunked_prefill_size=8192)
+    sched.start()
+    try:
+        for i, waves in enumerate(arrival_patterns(runner.vocab_size, seed=1)):
+            run_pattern(sched, waves, tag=f"{attention}{i}", new_tokens=4, timeout_s=60)
+        reported = sched.stats()["compiles_since_warmup"]
+    finally:
+        sched.stop()
+        runner.release()
+    record_property("compiles_since_warmup", reported)
+    print(attention, reported)
+    assert reported["triton"] == own.since_warmup()["triton"] == triton_variants() - variants
+    assert reported["triton"] == 0 and reported["dynamo"] == 0, reported
+    if attention == "varlen":
+        assert reported["total"] == 0, reported
