@@ -4,9 +4,10 @@ recurrent state in fp32 vs bf16 (`--mamba-ssm-dtype`), its attention KV in bf16 
 
 One trainer (the torch backend, `--dtype bf16`: bf16 compute over fp32 master weights; its GDN
 layers are transformers' torch chunked path) holds a random-init `--arch qwen3_5` preset
-(`rltool.data.models.init_model`, bf16, seed 0) or `--model DIR`. For each of four engine configs
-an in-process builtin engine (`InProcessEngine`, `--dtype bf16`, on cuda the Triton GDN kernels,
-on cpu the torch reference) serving those same weights samples the same seeded prompts:
+(`rltool.data.models.init_model`, bf16, seed 0, drawn on `--device`) or `--model DIR`. For each
+of four engine configs an in-process builtin engine (`InProcessEngine`, `--dtype bf16`, on cuda
+the Triton GDN kernels, on cpu the torch reference) serving those same weights samples the same
+seeded prompts:
   fp32/bf16  fp32 recurrent state, bf16 KV (the engine's default)
   bf16/bf16  --mamba-ssm-dtype bf16
   fp32/fp8   --kv-cache-dtype fp8_e4m3 (the KV of the attention layers only: the recurrent state
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             name = args.preset
             model = init_model(Path(tmp) / args.preset, arch="qwen3_5", preset=args.preset,
-                               dtype="bf16", seed=args.seed)
+                               dtype="bf16", seed=args.seed, device=args.device)
         rows = bench(name, model, device=args.device, args=args)
     harness.print_table(
         ("model", "ssm", "kv", "trainer", "|dlogp| mean", "x default", "max", "KL k1", "KL k3",
