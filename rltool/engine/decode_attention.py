@@ -31,18 +31,24 @@ from rltool.engine.fp8_gemm import Fp8Activations, empty_activations
 from rltool.engine.fp8_kernels import store_quantized
 
 BLOCK_N = 32
+# The most splits a call takes. The number of splits follows the batch (num_splits_for), so it
+# is a run-time argument of both stages (a constexpr would compile them again for each), and
+# stage 2 reads a fixed MAX_SPLITS lanes, those past the call's masked off.
+MAX_SPLITS = 32
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-# Not specialized on per-batch values (see rltool.engine.fused): index rows, placeholder scales.
-@triton.jit(do_not_specialize_on_alignment=["KScale", "VScale", "Rows", "SeqLens"])
+# Not specialized on per-batch values (see rltool.engine.fused): index rows, placeholder scales,
+# the number of splits.
+@triton.jit(do_not_specialize=["NUM_SPLITS"],
+            do_not_specialize_on_alignment=["KScale", "VScale", "Rows", "SeqLens"])
 def _stage1(Q, K, V, KScale, VScale, ReqToPage, Rows, SeqLens, MidO, MidLse,
             stride_qb, stride_qh, stride_kt, stride_kh, stride_st, stride_rp,
             stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
             sm_scale,
             GROUP: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
+            NUM_SPLITS, PRECISION: tl.constexpr, FP8: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -95,9 +101,9 @@ def _stage1(Q, K, V, KScale, VScale, ReqToPage, Rows, SeqLens, MidO, MidLse,
     tl.store(MidLse + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
 
 
-@triton.jit(do_not_specialize=["B", "ROWS"])
+@triton.jit(do_not_specialize=["B", "ROWS", "NUM_SPLITS"])
 def _stage2(MidO, MidLse, Out, Q, S, B, ROWS, stride_ob, stride_oh, stride_os, stride_lb,
-            stride_lh, stride_xb, stride_xh, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+            stride_lh, stride_xb, stride_xh, NUM_SPLITS, BLOCK_S: tl.constexpr,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr,
             QUANT: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
     """Row r's head h: the splits merged, rounded to DTYPE, stored into Out, or with QUANT
@@ -130,7 +136,7 @@ def num_splits_for(batch: int, num_kv_heads: int, *, max_len: int = 1 << 30,
                    target_programs: int = 264) -> int:
     """Enough splits for ~2 programs per SM of an H100/H200, never a split shorter than a block."""
     want = max(1, -(-target_programs // max(batch * num_kv_heads, 1)))
-    return int(max(1, min(want, 32, -(-max_len // BLOCK_N))))
+    return int(max(1, min(want, MAX_SPLITS, -(-max_len // BLOCK_N))))
 
 
 def quantizes(head_dim: int, block_k: int) -> bool:
@@ -150,6 +156,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     dtype; with `block_k` (the K-block of an FP8 o_proj) where `quantizes(D, block_k)`, the
     output as o_proj's input [B, H * D] quantized for it (fp8_gemm.Fp8Activations: the bytes and
     scales fp8_gemm's quantization kernel writes from the q-dtype output)."""
+    assert 1 <= num_splits <= MAX_SPLITS, num_splits
     B, H, D = q.shape
     kvh = k_cache.shape[1]
     group = H // kvh
@@ -178,7 +185,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         mid_o, mid_lse, dest, fp8_q, fp8_s, B, dest.shape[0], mid_o.stride(0), mid_o.stride(1),
         mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), dest.stride(0), dest.stride(1),
         NUM_SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=D,
+        BLOCK_S=MAX_SPLITS, HEAD_DIM=D,
         BLOCK_D=triton.next_power_of_2(D), DTYPE=TL_DTYPES[q.dtype], QUANT=quant,
         BLOCK_K=block_k if quant else D, EMULATE=INTERPRETED, num_warps=2)
     return out

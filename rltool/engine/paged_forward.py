@@ -32,9 +32,11 @@ from rltool.engine.state_pool import Recurrence, StatePool
 DETERMINISTIC_SPLITS = 8
 # Chunks of at most this many tokens over a cached prefix attend as decode rows, all in one call;
 DECODE_QUERIES = 64  # longer ones (chunked prefill) gather their prefix for an SDPA of their own
-# The warm-up's chunks: (fresh length, continuation length) per request; the continuations cover
-# both ways a chunk over a cached prefix attends (decode rows, gathered prefix)
+# The warm-up's chunks: (fresh length, continuation length) per request, the continuations in
+# both ways a chunk over a cached prefix attends (decode rows, gathered prefix); then the first
+# request's WARMUP_TAIL more tokens alone, a step of 17..32 rows (the GEMMs' middle row block)
 WARMUP_CHUNKS = ((40, DECODE_QUERIES // 4), (96, DECODE_QUERIES + 16))
+WARMUP_TAIL = 24
 
 
 class PagedForward:
@@ -146,22 +148,25 @@ class PagedForward:
 
     @torch.no_grad()
     def warm_up(self) -> None:
-        """On CUDA, run every prefill attention path and an eager decode step once over
-        scratch requests (freed after), so that serving compiles no Triton kernel and meets no
-        attention shape of these paths first; then mark the watch's baseline. Skipped where the
-        pool lacks the pages or rows."""
+        """On CUDA, run every prefill attention path, an eager decode step and the sampler on
+        both steps' logits once over scratch requests (freed after), so that serving compiles
+        no Triton kernel and meets no attention shape of these paths first; then mark the
+        watch's baseline. Skipped where the pool lacks the pages or rows."""
         table = self.table
         rids = [f"warmup-{i}" for i in range(len(WARMUP_CHUNKS))]
-        pages = [table.pages_for(a + b + 1) for a, b in WARMUP_CHUNKS]
+        lengths = [a + b + (WARMUP_TAIL if i == 0 else 0)
+                   for i, (a, b) in enumerate(WARMUP_CHUNKS)]
+        pages = [table.pages_for(n + 1) for n in lengths]
         free_rows = table.req_to_page.shape[0] - 1 - len(table.entries)  # row 0: scratch
         if (self.device.type == "cuda" and table.has_free(sum(pages)) and len(rids) <= free_rows
                 and max(pages) <= table.max_pages_per_request):
             try:
                 self.prefill([(r, [1] * a, 0) for r, (a, _) in zip(rids, WARMUP_CHUNKS)],
                              want=[True] * len(rids))
-                self.prefill([(r, [1] * b, a) for r, (a, b) in zip(rids, WARMUP_CHUNKS)],
-                             want=[True] * len(rids))
-                lengths = [a + b for a, b in WARMUP_CHUNKS]
+                prefilled = self.prefill([(r, [1] * b, a)
+                                          for r, (a, b) in zip(rids, WARMUP_CHUNKS)],
+                                         want=[True] * len(rids))
+                self.prefill([(rids[0], [1] * WARMUP_TAIL, sum(WARMUP_CHUNKS[0]))], want=[True])
                 for r, n in zip(rids, lengths):
                     table.extend(r, n + 1)
                 table.flush()
@@ -170,7 +175,8 @@ class PagedForward:
                                     [n + 1 for n in lengths],
                                     [table.slots(r, n, n + 1)[0] for r, n in zip(rids, lengths)],
                                     [0] * len(rids)]).to(self.device)
-                self.decode(meta, max_len=max(lengths) + 1)
+                decoded = self.decode(meta, max_len=max(lengths) + 1)
+                warm_up_sampler([prefilled, decoded])
                 torch.cuda.synchronize(self.device)
             finally:
                 for r in rids:
@@ -245,3 +251,16 @@ def attention_shapes(groups: list[tuple[int, int, int]],
         return [("sdpa-mask", *plan.mask.shape)]
     return ([("sdpa-causal", c, n) for _, c, n in groups]
             + [("sdpa-prefix", n, s + n) for _, n, s, _ in cont])
+
+
+def warm_up_sampler(logits: list[torch.Tensor]) -> None:
+    """The Triton sampler (rltool.engine.sampling_kernel) once on each of these logits (a
+    prefill's float32 rows, a decode step's in the model dtype), with and without the float32
+    logits a batch with logit_bias, stop ids or filters races over."""
+    from rltool.engine.sampling_kernel import sample_rows
+
+    for rows in logits:
+        n, dev = rows.shape[0], rows.device
+        temps, zeros = torch.ones(n, device=dev), torch.zeros(n, dtype=torch.int32, device=dev)
+        for draw in (None, rows.float().clone()):
+            sample_rows(rows, temps, zeros, zeros, draw=draw)
