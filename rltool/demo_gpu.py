@@ -113,6 +113,9 @@ class GpuRecipe:
             raise BadInputError("--lora-rank must be >= 0 and --lora-lr > 0")
         if self.lora_lr is not None and not self.lora_rank:
             raise BadInputError("--lora-lr is the LoRA RL rate: add --lora-rank R (>= 1)")
+        if self.lora_rank and hybrid:
+            raise BadInputError("--lora-rank: the engine serves no LoRA adapter on a hybrid "
+                                "linear-attention model; drop --lora-rank with --arch qwen3_5")
         if self.lora_rank and self.rollout_precision != "bf16":
             raise BadInputError("--lora-rank serves the adapter over bf16 weights: drop "
                                 "--rollout-precision fp8 (the engine serves no LoRA over FP8)")

@@ -50,7 +50,7 @@ def test_demo_refuses_a_foreign_directory(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize(("task", "precision"), [("add", "bf16"), ("reverse", "fp8")])
 def test_gpu_recipes_run_on_cpu(tmp_path, capsys, task, precision):
-    """The GPU demo's recipes (`--device cuda` defaults to add) with the tiny shapes, two RL
+    """The GPU demo's recipes (`--device cuda` defaults to reverse) with the tiny shapes, two RL
     steps: the model's vocabulary is the tokenizer's, the SFT prompts are disjoint from the RL
     and eval prompts, every step prints its phase times, and the summary JSON carries the phase
     means, the eval reward and where it was measured. With FP8 rollouts the engine serves
@@ -159,8 +159,9 @@ def test_hybrid_recipe_runs_on_cpu(tmp_path, capsys):
 
 def test_hybrid_recipe_choices_and_refusals(tmp_path, capsys):
     """The hybrid's recipe is the dense one on hybrid-0.7b with fp32 recurrent states; the copy
-    demo (tuned to the tiny qwen2) refuses --arch qwen3_5, and --mamba-ssm-dtype without the
-    hybrid is refused, both before anything is written."""
+    demo (tuned to the tiny qwen2) refuses --arch qwen3_5, --mamba-ssm-dtype without the hybrid
+    is refused, and so is LoRA on the hybrid (the engine serves no adapter on it), each before
+    anything is written."""
     from dataclasses import replace
 
     from rltool.demo_gpu import RECIPES, recipe_for
@@ -176,7 +177,9 @@ def test_hybrid_recipe_choices_and_refusals(tmp_path, capsys):
     for argv, message in (
             (["--arch", "qwen3_5"], "--task copy is the CPU demo (tiny qwen2 model"),
             (["--task", "reverse", "--mamba-ssm-dtype", "bf16"],
-             "--mamba-ssm-dtype (fp32 or bf16) is the hybrid's recurrent state")):
+             "--mamba-ssm-dtype (fp32 or bf16) is the hybrid's recurrent state"),
+            (["--task", "reverse", "--arch", "qwen3_5", "--lora-rank", "8"],
+             "the engine serves no LoRA adapter on a hybrid")):
         with pytest.raises(SystemExit) as e:
             demo.main([str(tmp_path / "d"), *argv])
         assert e.value.code == 2 and message in capsys.readouterr().err
