@@ -75,3 +75,33 @@ def test_twenty_arrival_patterns_compile_nothing_after_warmup(small_model, atten
     assert reported["triton"] == 0 and reported["dynamo"] == 0, reported
     if attention == "varlen":
         assert reported["total"] == 0, reported
+
+
+def test_decode_attention_compiles_once_for_any_number_of_splits():
+    """Batches of 1 to 64 decode rows (as a prefill's continuation tokens or an eager decode
+    step have them) take as many splits as `num_splits_for` gives: the two stages compile once."""
+    from rltool.engine.decode_attention import _stage1, _stage2, decode_attention, num_splits_for
+    from rltool.engine.paged import PageTable
+
+    heads, kvh, d, page = 4, 2, 64, 16
+    table = PageTable(num_pages=512, page_size=page, max_requests=64, max_pages_per_request=8,
+                      device="cuda")
+    for i in range(64):
+        table.add(f"r{i}")
+        table.extend(f"r{i}", 100)
+    table.flush()
+    k_cache, v_cache = (torch.randn(512 * page, kvh, d, device="cuda", dtype=torch.bfloat16)
+                        for _ in range(2))
+    counts, splits = [], set()
+    for t in (1, 3, 5, 9, 17, 33, 64):
+        splits.add(num_splits_for(t, kvh))
+        rows = torch.tensor([table.entries[f"r{i}"].row for i in range(t)], device="cuda")
+        decode_attention(torch.randn(t, heads, d, device="cuda", dtype=torch.bfloat16), k_cache,
+                         v_cache, req_to_page=table.req_to_page, rows=rows,
+                         seq_lens=torch.full((t,), 100, device="cuda"), page_size=page,
+                         scale=d ** -0.5, num_splits=num_splits_for(t, kvh))
+        torch.cuda.synchronize()
+        counts.append([sum(len(c[0]) for c in k.device_caches.values())
+                       for k in (_stage1, _stage2)])
+    assert len(splits) > 3, splits
+    assert all(c == counts[0] for c in counts), counts
