@@ -181,15 +181,15 @@ class RemoteLink:
             if entry is not None:
                 req = entry[0]
                 tops, ids_lps = extra.get(row, (None, None))
-                for k in range(count):
+                text = self.texts.get(rid)
+                for k in range(count):  # an update per token, as the scheduler thread gives
                     req.record_token(ids[start + k], logprobs[start + k], version=version,
                                      top=None if tops is None else tops[k],
                                      ids_lp=None if ids_lps is None else ids_lps[k])
-                text = self.texts.get(rid)
-                if text is not None:
-                    req.text = text.update(req.output_ids)
-                if req.on_token is not None:
-                    req.on_token(req)
+                    if text is not None:
+                        req.text = text.update(req.output_ids)
+                    if req.on_token is not None:
+                        req.on_token(req)
             start = end
 
     def _close(self, reason: str) -> None:

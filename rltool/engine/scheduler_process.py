@@ -37,30 +37,74 @@ from rltool.errors import BadInputError, EngineError, RltoolError
 log = logging.getLogger(__name__)
 
 
+class Columns:
+    """The new tokens of a step's streamed rows, column-wise: row ids, per-row counts, and all
+    ids and logprobs row after row (packed); top logprobs only for the rows that asked."""
+
+    def __init__(self) -> None:
+        self.rids: list[str] = []
+        self.counts: list[int] = []
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.extra: list[list[Any]] = []  # [row, top logprobs, token_ids logprobs]
+
+    def add(self, req: Request, start: int, end: int) -> None:
+        """Output tokens [start, end) of `req`, if any."""
+        if end <= start:
+            return
+        if req.top_logprobs_num or req.token_ids_logprob:
+            self.extra.append([len(self.rids),
+                               req.output_top_logprobs[start:end] if req.top_logprobs_num
+                               else None,
+                               req.output_token_ids_logprobs[start:end] if req.token_ids_logprob
+                               else None])
+        self.rids.append(req.rid)
+        self.counts.append(end - start)
+        self.ids += req.output_ids[start:end]
+        self.logprobs += req.output_logprobs[start:end]
+
+    def message(self) -> dict[str, Any] | None:
+        if not self.rids:
+            return None
+        return {"rids": self.rids, "n": ipc.pack(self.counts, "<i4"),
+                "ids": ipc.pack(self.ids, "<i4"), "lp": ipc.pack(self.logprobs, "<f8"),
+                "extra": self.extra}
+
+
 class Outbox:
-    """What the scheduler thread sends after an iteration. `stream` is called from the channel's
-    reader thread; everything else runs on the scheduler thread."""
+    """What the scheduler thread sends after an iteration. `stream` and `unstream` are called
+    from the channel's reader thread; everything else runs on the scheduler thread."""
 
     def __init__(self, channel: ipc.Channel, runner: Any):
         self.channel = channel
         self.runner = runner
         self.finals: list[dict[str, Any]] = []
         self.streams: dict[str, tuple[Request, list[int]]] = {}  # rid -> (request, [sent])
+        # Streamed requests that finished: (request, tokens sent, tokens before the last).
+        self.tails: list[tuple[Request, int, int]] = []
         self._arrived: list[Request] = []
+        self._streamed: set[str] = set()
         self._lock = threading.Lock()
         self.closed = False
 
     def stream(self, req: Request) -> None:
         with self._lock:
             self._arrived.append(req)
+            self._streamed.add(req.rid)
 
     def unstream(self, reqs: list[Request]) -> None:
         with self._lock:
             self._arrived = [r for r in self._arrived if r not in reqs]
+            self._streamed.difference_update(r.rid for r in reqs)
 
     def finished(self, req: Request) -> None:
+        entry = self.streams.pop(req.rid, None)
+        with self._lock:
+            streamed = req.rid in self._streamed
+            self._streamed.discard(req.rid)
+        if streamed:  # every token but the one that ended it gets an update, as in one process
+            self.tails.append((req, entry[1][0] if entry else 0, len(req.output_ids) - 1))
         self.finals.append(ipc.encode_final(req))
-        self.streams.pop(req.rid, None)
 
     def flush(self) -> None:
         with self._lock:
@@ -68,34 +112,20 @@ class Outbox:
         for req in arrived:
             if not req.finished:
                 self.streams[req.rid] = (req, [0])
-        rids: list[str] = []
-        counts: list[int] = []
-        ids: list[int] = []
-        logprobs: list[float] = []
-        extra = []  # [row, top logprobs, token_ids logprobs] of the rows that asked for them
-        for rid, (req, sent) in self.streams.items():
-            n, s = len(req.output_ids), sent[0]
-            if n > s:
-                if req.top_logprobs_num or req.token_ids_logprob:
-                    extra.append([len(rids),
-                                  req.output_top_logprobs[s:] if req.top_logprobs_num else None,
-                                  req.output_token_ids_logprobs[s:] if req.token_ids_logprob
-                                  else None])
-                rids.append(rid)
-                counts.append(n - s)
-                ids += req.output_ids[s:]
-                logprobs += req.output_logprobs[s:]
-                sent[0] = n
-        tokens = None if not rids else {
-            "rids": rids, "n": ipc.pack(counts, "<i4"), "ids": ipc.pack(ids, "<i4"),
-            "lp": ipc.pack(logprobs, "<f8"), "extra": extra}
-        if not (tokens or self.finals) or self.closed:
-            self.finals = []
+        columns = Columns()
+        for req, start, end in self.tails:
+            columns.add(req, start, end)
+        for req, sent in self.streams.values():
+            n = len(req.output_ids)
+            columns.add(req, sent[0], n)
+            sent[0] = n
+        tokens, finals = columns.message(), self.finals
+        self.tails, self.finals = [], []
+        if (tokens is None and not finals) or self.closed:
             return
-        msg = {"t": "step", "v": self.runner.weight_version, "tok": tokens, "fin": self.finals}
-        self.finals = []
         try:
-            self.channel.send(msg)
+            self.channel.send({"t": "step", "v": self.runner.weight_version, "tok": tokens,
+                               "fin": finals})
         except OSError:  # the front end is gone; the reader thread ends the process
             self.closed = True
 

@@ -110,6 +110,38 @@ def test_openai_stream_matches_plain_answer(two_process_engine):
     assert text == plain["choices"][0]["text"]
 
 
+# The one-process session engine's live checks, run against the two-process engine (before
+# this module changes its weights: they expect version "default").
+LIVE_CHECKS = [("test_server", name) for name in (
+    "test_generate_single_shape_and_logprobs", "test_batch_and_n_return_prompt_major_lists",
+    "test_input_and_top_logprobs", "test_stop_string_stop_token_and_eos",
+    "test_concurrent_requests_share_decode_batches", "test_many_concurrent_requests_all_complete",
+    "test_sampling_seed_is_honoured_outside_deterministic_mode",
+    "test_streaming_is_cumulative_and_ends_with_done", "test_info_routes")] + [
+    ("test_openai", name) for name in (
+        "test_models_card", "test_completions_shape_logprobs_and_n",
+        "test_chat_matches_native_generate_and_stream", "test_openai_errors_use_the_error_object")]
+
+
+@pytest.mark.parametrize(("module", "name"), LIVE_CHECKS, ids=[n for _, n in LIVE_CHECKS])
+def test_one_process_checks_pass_in_two_processes(two_process_engine, tiny_model_dir, module,
+                                                  name):
+    import importlib
+    import inspect
+
+    check = getattr(importlib.import_module(f"tests.engine.{module}"), name)
+    given = {"builtin_engine": two_process_engine, "tiny_model_dir": tiny_model_dir}
+    check(**{p: given[p] for p in inspect.signature(check).parameters})
+
+
+def test_bad_requests_get_4xx_in_two_processes(two_process_engine):
+    from tests.engine import test_server
+
+    for path, body in test_server.BAD_REQUESTS:
+        test_server.test_bad_requests_get_4xx_and_server_keeps_serving(two_process_engine,
+                                                                       path, body)
+
+
 def test_abort_pause_and_refusals_reach_the_scheduler(two_process_engine):
     """Paused, the engine keeps a request waiting: no timing needed to abort it."""
     url = two_process_engine.url
