@@ -100,3 +100,32 @@ def test_engine_counts_new_prefill_shapes_and_reports_them(tiny_model_dir, atten
     runner.release()
     runner.resume()  # a rebuild warms up again: the baseline restarts
     assert sched.stats()["compiles_since_warmup"]["total"] == 0
+
+
+def test_varlen_step_is_one_attention_call_per_layer(tiny_model_dir, monkeypatch):
+    """A step of fresh chunks of three lengths, a short continuation (decode rows under grouped)
+    and a long one (a gathered prefix under grouped): with varlen every layer makes one
+    attention call and none of the grouped path's."""
+    from rltool.engine import paged_forward, varlen_attention
+
+    runner = PagedRunner(tiny_model_dir, device="cpu", dtype="fp32", max_running=8,
+                         page_size=4, max_total_tokens=2048, prefill_attention="varlen")
+    runner.prefill([("a", [5] * 30, 0), ("b", [6] * 20, 0)], want=[False, False])
+    calls = {"varlen": 0, "grouped": 0}
+    attend = varlen_attention.attend
+
+    def counted(*args, **kw):
+        calls["varlen"] += 1
+        return attend(*args, **kw)
+
+    def grouped(*args, **kw):
+        calls["grouped"] += 1
+        raise AssertionError("a grouped-path attention call in a varlen step")
+
+    monkeypatch.setattr(varlen_attention, "attend", counted)
+    monkeypatch.setattr(paged_forward, "sdpa", grouped)
+    monkeypatch.setattr(paged_forward, "paged_attention", grouped)
+    runner.prefill([("c", [7] * 9, 0), ("a", [8] * 3, 30), ("d", [9] * 9, 0),
+                    ("b", [4] * (paged_forward.DECODE_QUERIES + 5), 20), ("e", [3] * 17, 0)],
+                   want=[True] * 5)
+    assert calls == {"varlen": runner.spec.num_layers, "grouped": 0}
