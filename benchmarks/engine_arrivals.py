@@ -14,6 +14,7 @@ engine's `compiles_since_warmup` (rltool.engine.compile_watch: Triton variants J
 graphs, new SDPA shapes as a proxy for attention plans), with the varlen/grouped ratios.
 
 Usage: python -m benchmarks.engine_arrivals [--preset qwen2.5-0.5b] [--new-tokens 32] [--out DIR]
+(on a CUDA GPU; without one it exits 2 with one line)
 Prints a table and, last, one JSON line.
 """
 
@@ -28,6 +29,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from rltool.errors import BadInputError
 
 from benchmarks import harness
 
@@ -144,15 +147,21 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--new-tokens must be at least 1")
     if (args.arm is None) != (args.model is None):
         ap.error("--arm and --model go together (the parent process passes both)")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise BadInputError("engine_arrivals runs on a CUDA GPU and none is visible; run it on "
+                            "a GPU host")
     return args
 
 
-def main(argv: list[str] | None = None) -> dict | None:
-    args = parse(argv)
+def main(argv: list[str] | None = None) -> int:
+    args = harness.parse_or_report(parse, argv)
+    if args is None:
+        return 2
     if args.arm is not None:
         print(json.dumps(run_arm(Path(args.model), args.arm, new_tokens=args.new_tokens)))
-        return None
-    harness.require_device("cuda")
+        return 0
     from benchmarks.engine_common import random_checkpoint
 
     run = harness.Run("engine_arrivals", device="cuda")
@@ -173,9 +182,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     ratios = {f"pass{p}": arms["grouped"]["passes"][p]["seconds"]
               / arms["varlen"]["passes"][p]["seconds"] for p in range(2)}
     print(f"varlen speed-up over grouped (seconds ratio): {ratios}", file=sys.stderr)
-    return run.finish({"preset": args.preset, "new_tokens": args.new_tokens, "arms": arms,
-                       "varlen_speedup": ratios}, out=args.out)
+    run.finish({"preset": args.preset, "new_tokens": args.new_tokens, "arms": arms,
+                "varlen_speedup": ratios}, out=args.out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

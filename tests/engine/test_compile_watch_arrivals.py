@@ -40,3 +40,13 @@ def test_bad_flags_exit_2(argv, capsys):
         main(argv)
     assert e.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_no_gpu_is_one_line_and_exit_2(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main([]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["Error: engine_arrivals runs on a CUDA GPU and none is visible; run it on a "
+                   "GPU host"]
