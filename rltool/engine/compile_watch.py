@@ -19,10 +19,13 @@ answers the counts past it. Shapes seen before the mark stay known: their plans 
 from __future__ import annotations
 
 import collections
+import logging
 import sys
 import threading
 import weakref
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 _LOCK = threading.Lock()
 _WATCHES: weakref.WeakSet[CompileWatch] = weakref.WeakSet()
@@ -57,9 +60,11 @@ def install_triton_hook() -> bool:
             return True
         try:
             from triton import knobs
-        except ImportError:  # Triton < 3.4 (or none): no compilation is counted
-            return False
-        if not hasattr(knobs.runtime, "jit_post_compile_hook"):
+        except ImportError:
+            knobs = None
+        if knobs is None or not hasattr(knobs.runtime, "jit_post_compile_hook"):
+            log.warning("this Triton has no post-compile hook (Triton >= 3.4 has): "
+                        "compiles_since_warmup counts no Triton compilation")
             return False
         _chained = knobs.runtime.jit_post_compile_hook
         knobs.runtime.jit_post_compile_hook = _on_triton_compile

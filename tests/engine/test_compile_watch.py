@@ -129,3 +129,15 @@ def test_varlen_step_is_one_attention_call_per_layer(tiny_model_dir, monkeypatch
                     ("b", [4] * (paged_forward.DECODE_QUERIES + 5), 20), ("e", [3] * 17, 0)],
                    want=[True] * 5)
     assert calls == {"varlen": runner.spec.num_layers, "grouped": 0}
+
+
+def test_dynamo_graphs_count_past_the_mark():
+    """A torch.compile'd function (eager backend: dynamo only) and its recompilation for a new
+    shape count as two graphs since the mark."""
+    watch = CompileWatch()
+    watch.mark_warm()
+    double = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False)
+    double(torch.ones(3))
+    double(torch.ones(5))
+    got = watch.since_warmup()
+    assert got["dynamo"] == 2 and got["total"] == 2, got
