@@ -32,7 +32,7 @@ from rltool.engine.config import ServeConfig
 from rltool.engine.link import EngineInfo
 from rltool.engine.ops import EngineOps
 from rltool.engine.request import Request
-from rltool.errors import BadInputError, EngineError, RltoolError
+from rltool.errors import EXIT_RUNTIME, BadInputError, EngineError, RltoolError
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +141,17 @@ class SchedulerProcess:
                              max_running=cfg.max_running_requests,
                              allowed_sync_hosts=cfg.allowed_sync_hosts)
         self.outbox = Outbox(channel, runner)
-        scheduler.on_iteration = self.outbox.flush
+        scheduler.on_iteration = self.flush
         self.loop = asyncio.new_event_loop()
+
+    def flush(self) -> None:
+        """The outbox's flush; a failure ends the process (the front end then answers 503 and
+        exits) rather than leaving the scheduler thread dead and every request waiting."""
+        try:
+            self.outbox.flush()
+        except Exception:
+            log.exception("sending a step's results failed; the scheduler process exits")
+            os._exit(EXIT_RUNTIME)
 
     def run(self) -> None:
         ops_thread = threading.Thread(target=self.loop.run_forever, name="rltool-ops",
