@@ -83,6 +83,7 @@ class Outbox:
         # Streamed requests that finished: (request, tokens sent, tokens before the last).
         self.tails: list[tuple[Request, int, int]] = []
         self._arrived: list[Request] = []
+        self._refused: list[Request] = []  # refused after a flush may have taken them in
         self._streamed: set[str] = set()
         self._lock = threading.Lock()
         self.closed = False
@@ -96,6 +97,7 @@ class Outbox:
         with self._lock:
             self._arrived = [r for r in self._arrived if r not in reqs]
             self._streamed.difference_update(r.rid for r in reqs)
+            self._refused += reqs
 
     def finished(self, req: Request) -> None:
         entry = self.streams.pop(req.rid, None)
@@ -109,6 +111,10 @@ class Outbox:
     def flush(self) -> None:
         with self._lock:
             arrived, self._arrived = self._arrived, []
+            refused, self._refused = self._refused, []
+        for req in refused:
+            if self.streams.get(req.rid, (None,))[0] is req:
+                del self.streams[req.rid]
         for req in arrived:
             if not req.finished:
                 self.streams[req.rid] = (req, [0])

@@ -404,3 +404,35 @@ def test_channel_records_round_trip_exactly(tiny_model_dir):
     tokenizer = load_tokenizer(tiny_model_dir)
     assert (build_response(mirror, tokenizer=tokenizer, weight_version="v1")
             == build_response(done, tokenizer=tokenizer, weight_version="v1"))
+
+
+def test_a_refused_streamed_request_leaves_no_stream_behind():
+    """A streamed request the scheduler refuses (a full queue) is forgotten by the outbox even
+    when a step's flush took it in between its arrival and the refusal (the reader thread
+    registers it before submitting it; the scheduler thread flushes after every iteration)."""
+    from rltool.engine.request import Request
+    from rltool.engine.sampling import SamplingParams
+    from rltool.engine.scheduler_process import Outbox
+
+    class Runner:
+        weight_version = "v0"
+
+    class Channel:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, msg):
+            self.sent.append(msg)
+
+    channel = Channel()
+    outbox = Outbox(channel, Runner())
+    refused = Request(rid="r-refused", prompt_ids=[1, 2], params=SamplingParams())
+    kept = Request(rid="r-kept", prompt_ids=[1, 2], params=SamplingParams())
+    outbox.stream(refused)
+    outbox.stream(kept)
+    outbox.flush()  # the scheduler thread's flush, between arrival and refusal
+    outbox.unstream([refused])
+    kept.record_token(7, -0.5, version="v0")
+    outbox.flush()
+    assert set(outbox.streams) == {"r-kept"}
+    assert [m["tok"]["rids"] for m in channel.sent] == [["r-kept"]]
