@@ -151,15 +151,17 @@ class PagedForward:
         """On CUDA, run every prefill attention path, an eager decode step and the sampler on
         both steps' logits once over scratch requests (freed after), so that serving compiles
         no Triton kernel and meets no attention shape of these paths first; then mark the
-        watch's baseline. Skipped where the pool lacks the pages or rows."""
+        watch's baseline. Skipped where the pool lacks the pages, rows or (a hybrid's) state
+        slots."""
         table = self.table
         rids = [f"warmup-{i}" for i in range(len(WARMUP_CHUNKS))]
         lengths = [a + b + (WARMUP_TAIL if i == 0 else 0)
                    for i, (a, b) in enumerate(WARMUP_CHUNKS)]
         pages = [table.pages_for(n + 1) for n in lengths]
         free_rows = table.req_to_page.shape[0] - 1 - len(table.entries)  # row 0: scratch
+        slots = self.states.available if self.states is not None else len(rids)
         if (self.device.type == "cuda" and table.has_free(sum(pages)) and len(rids) <= free_rows
-                and max(pages) <= table.max_pages_per_request):
+                and max(pages) <= table.max_pages_per_request and len(rids) <= slots):
             try:
                 self.prefill([(r, [1] * a, 0) for r, (a, _) in zip(rids, WARMUP_CHUNKS)],
                              want=[True] * len(rids))

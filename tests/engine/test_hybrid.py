@@ -383,3 +383,17 @@ def test_http_routes_serve_the_hybrid_and_report_its_cache(hybrid_dir):
         assert again["output_ids"] == first["output_ids"]
         assert first["output_ids"] == hf_greedy(hybrid_dir, PROMPTS[0], NEW)[0]
     assert not runner.states.held
+
+
+def test_the_warm_up_is_skipped_where_the_state_pool_lacks_its_slots(hybrid_dir, monkeypatch):
+    """The engine's warm-up (PagedForward.warm_up, CUDA only) prefills two scratch requests,
+    each holding a recurrent-state slot: with one slot (a small --mamba-full-memory-ratio) it is
+    skipped, as where pages or rows are short, instead of failing the engine's start; nothing
+    is left held. The forward is told it runs on CUDA: the skip happens before any device work."""
+    runner = runner_of(hybrid_dir, mamba_full_memory_ratio=0.12)
+    assert runner.states.num_slots == 1
+    forward = runner._forward
+    monkeypatch.setattr(forward, "device", torch.device("cuda"))
+    forward.warm_up()
+    assert runner.states.available == 1 and not runner.states.held
+    assert not runner.table.entries
