@@ -19,6 +19,7 @@ Run as `python -m rltool.engine.scheduler_process FD` by the front end only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -220,6 +221,10 @@ class SchedulerProcess:
             self.channel.send(reply)
         except OSError:
             pass  # the front end is gone
+        except Exception as e:  # an answer JSON does not take: the caller gets the error
+            log.exception("the answer of operation %s cannot be sent", op)
+            with contextlib.suppress(OSError):
+                self.channel.send({"t": "reply", "id": call_id, "err": ipc.error_of(e)})
 
 
 def main(fd: int) -> int:

@@ -436,3 +436,33 @@ def test_a_refused_streamed_request_leaves_no_stream_behind():
     outbox.flush()
     assert set(outbox.streams) == {"r-kept"}
     assert [m["tok"]["rids"] for m in channel.sent] == [["r-kept"]]
+
+
+def test_an_answer_that_cannot_be_sent_answers_an_error():
+    """A named call whose answer cannot be framed (a value JSON does not take) gets an error
+    reply (the front end answers 500) instead of no reply, which left its HTTP request waiting
+    for good."""
+    import asyncio
+
+    import numpy as np
+
+    from rltool.engine import ipc
+    from rltool.engine.scheduler_process import SchedulerProcess
+
+    class Ops:
+        async def loads(self):
+            return {"num_running_reqs": np.int64(3)}
+
+    class Channel:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, msg):
+            self.sent.append(json.loads(ipc.frame(msg)[ipc.HEADER.size:]))
+
+    proc = SchedulerProcess.__new__(SchedulerProcess)
+    proc.ops, proc.channel = Ops(), Channel()
+    asyncio.run(proc.call(7, "loads", {}))
+    [reply] = proc.channel.sent
+    assert reply["id"] == 7 and "ok" not in reply
+    assert reply["err"][0] == "TypeError" and "int64" in reply["err"][1]
