@@ -1,5 +1,5 @@
 """The scheduler process of the two-process layout (docs/serve.md "Process layout"): the model,
-KV cache and decode loop, apart from the HTTP front end (rltool.engine.frontend), reached over
+KV cache and decode loop, apart from the HTTP front end (rltool.engine.server), reached over
 the inherited socket of rltool.engine.ipc.
 
 Threads: the main thread reads the channel (submits and aborts go straight to the scheduler, a

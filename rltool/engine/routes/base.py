@@ -42,7 +42,7 @@ M = TypeVar("M", bound=BaseModel)
 class EngineState:
     """The routes' view of the engine: its config, facts (`info`) and `link`. Built from a runner
     and scheduler of this process (one-process layout) or from a link to the scheduler process
-    and the facts it sent (rltool.engine.frontend)."""
+    and the facts it sent (rltool.engine.remote_link)."""
 
     cfg: ServeConfig
     runner: PagedRunner | None = None
