@@ -152,6 +152,41 @@ def test_remove_and_clear_mid_reload_leak_no_page():
     assert table.allocator.available == table.allocator.num_pages - 1
 
 
+def test_a_reload_that_writes_back_counts_the_write_back_once(monkeypatch):
+    """book_s: a reload whose page allocation demotes other cached pages to make room adds the
+    reload's own bookkeeping; the write-back's time is counted by the write-back alone. A fake
+    clock that only a demotion advances (10 s each) makes the sums exact."""
+    import time
+
+    table, pool = host_table(num_pages=6, host_pages=8)
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    demote = table.cache.demote
+
+    def slow_demote(n):
+        now[0] += 10.0
+        return demote(n)
+
+    monkeypatch.setattr(table.cache, "demote", slow_demote)
+    table.add("a")
+    table.extend("a", 12)
+    table.cache_prefix("a", PROMPT)
+    table.remove("a")
+    table.add("x")
+    table.extend("x", 20)  # PROMPT's 3 pages demoted to the host
+    table.remove("x")
+    other = [100 + j for j in range(16)]
+    table.add("c")
+    table.extend("c", 16)
+    table.cache_prefix("c", other)  # 4 device pages cached, 1 free
+    table.remove("c")
+    assert table.stats.book_s == 10.0
+    assert table.reuse_prefix("b", PROMPT, max_tokens=12, pool=pool) == 12
+    assert table.cache.host_used == 2  # the reload's 3 pages took 1 free and 2 of c's
+    assert table.stats.book_s == 20.0
+    check_accounting(table)
+
+
 def engine(model_dir, *, hicache=True, prefix_cache=True, max_total_tokens=40):
     runner = PagedRunner(model_dir, device="cpu", dtype="fp32", max_running=2, page_size=PS,
                          max_total_tokens=max_total_tokens, prefix_cache=prefix_cache,
