@@ -23,7 +23,7 @@ class EngineOps(WeightOps):
     """One engine's operations; `NAMES` are those a channel may call."""
 
     NAMES = frozenset({
-        "alive", "readiness", "loads", "model_info", "engine_info", "weight_version",
+        "readiness", "loads", "model_info", "engine_info", "weight_version",
         "flush_if_idle", "pause", "resume_generation", "abort", "release_memory",
         "resume_memory", "set_weight_version", "load_lora", "unload_lora", "lora_adapters",
         "hidden_states", "update_weights_from_disk", "update_weights_from_tensor",
@@ -40,9 +40,6 @@ class EngineOps(WeightOps):
         return await asyncio.wrap_future(self.sched.call(fn))
 
     # ----- information -----------------------------------------------------------------------
-
-    async def alive(self) -> bool:
-        return self.sched.alive
 
     async def readiness(self) -> bool:
         """Serving: alive, not paused, weights in memory."""
