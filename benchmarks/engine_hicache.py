@@ -217,23 +217,10 @@ async def measure(model: Path, w: Workload, urls: dict[str, str], *, vocab: int
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine_hicache",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"The smoke workload ({QUICK.conversations} conversations x "
-                             f"{QUICK.turns} turns on the {QUICK.preset} preset); the only "
-                             "one on the CPU.")
-    parser.add_argument("--out", default=None,
-                        help="Write the record to DIR/engine_hicache-DATE-DEVICE.json.")
-    args = parser.parse_args(argv)
-    harness.require_device(args.device)
-    if args.device == "cpu" and not args.quick:
-        from rltool.errors import BadInputError
-
-        raise BadInputError("--device cpu runs the --quick workload only (the full one needs a "
-                            "GPU); add --quick")
-    return args
+    return harness.parse_quick_workload(
+        argv, name="engine_hicache", doc=__doc__,
+        quick_help=f"The smoke workload ({QUICK.conversations} conversations x {QUICK.turns} "
+                   f"turns on the {QUICK.preset} preset)")
 
 
 def main(argv: list[str] | None = None) -> int:

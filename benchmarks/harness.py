@@ -120,6 +120,28 @@ def require_device(device: str) -> None:
         raise BadInputError("--device cuda but no CUDA device is visible; use --device cpu")
 
 
+def parse_quick_workload(argv: list[str] | None, *, name: str, doc: str,
+                         quick_help: str) -> Any:
+    """The options of a benchmark with a full (GPU) and a `--quick` workload: `--device`,
+    `--quick` (helped by `quick_help`), `--out`. BadInputError for `--device cuda` without a CUDA
+    device, and for `--device cpu` without `--quick` (the full workload needs a GPU)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}",
+                                     description=doc.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{quick_help}; the only one on the CPU.")
+    parser.add_argument("--out", default=None,
+                        help=f"Write the record to DIR/{name}-DATE-DEVICE.json.")
+    args = parser.parse_args(argv)
+    require_device(args.device)
+    if args.device == "cpu" and not args.quick:
+        raise BadInputError("--device cpu runs the --quick workload only (the full one needs a "
+                            "GPU); add --quick")
+    return args
+
+
 def parse_or_report(parse: Callable[[list[str] | None], Any], argv: list[str] | None) -> Any:
     """`parse(argv)`, or None after printing its BadInputError as one `Error: ...` line on stderr
     (the caller then exits 2)."""
