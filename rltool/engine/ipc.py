@@ -7,11 +7,12 @@ Messages, by `t`:
   front end -> scheduler: config {cfg}; submit {reqs: [request]}; abort {rids}; call {id, op, kw};
                           stop {}
   scheduler -> front end: hello {facts, weight_version, pid}; fail {err};
-                          step {v, tok: {rids, n, ids, lp, extra} | null, fin: [final]};
+                          step {v, tok: {rids, n, ids, lp, extra, spans} | null, fin: [final]};
                           refused {rids, err}; reply {id, ok | err}
 A step message is what one scheduler iteration produced: the new tokens of the streamed
 requests (their ids, the count of new tokens of each, and all new ids and logprobs row after
-row, packed; top logprobs in `extra` for the rows that asked) and the final record of every
+row, packed; top logprobs in `extra` for the rows that asked; in `spans` the weight-version
+spans of the rows whose new tokens are not all of version `v`) and the final record of every
 request that finished (rltool.engine.scheduler_process), whose output ids and logprobs travel
 packed too (`pack`: int32 and float64 arrays in base64).
 An error travels as [kind, message]; `kind` is the nearest of ERROR_KINDS in its class's MRO.

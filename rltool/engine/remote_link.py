@@ -174,6 +174,7 @@ class RemoteLink:
         counts = ipc.unpack(tok["n"], "<i4")
         ids, logprobs = ipc.unpack(tok["ids"], "<i4"), ipc.unpack(tok["lp"], "<f8")
         extra = {row: (tops, ids_lps) for row, tops, ids_lps in tok["extra"]}
+        spans = {row: row_spans for row, row_spans in tok["spans"]}
         start = 0
         for row, (rid, count) in enumerate(zip(tok["rids"], counts)):
             end = start + count
@@ -182,8 +183,14 @@ class RemoteLink:
                 req = entry[0]
                 tops, ids_lps = extra.get(row, (None, None))
                 text = self.texts.get(rid)
+                row_spans = spans.get(row)
                 for k in range(count):  # an update per token, as the scheduler thread gives
-                    req.record_token(ids[start + k], logprobs[start + k], version=version,
+                    sampled_with = version
+                    if row_spans is not None:  # a weight update fell among or after the tokens
+                        at = len(req.output_ids)
+                        sampled_with = next((v for v, i in reversed(row_spans) if i <= at),
+                                            version)
+                    req.record_token(ids[start + k], logprobs[start + k], version=sampled_with,
                                      top=None if tops is None else tops[k],
                                      ids_lp=None if ids_lps is None else ids_lps[k])
                     if text is not None:

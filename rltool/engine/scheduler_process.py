@@ -40,14 +40,18 @@ log = logging.getLogger(__name__)
 
 class Columns:
     """The new tokens of a step's streamed rows, column-wise: row ids, per-row counts, and all
-    ids and logprobs row after row (packed); top logprobs only for the rows that asked."""
+    ids and logprobs row after row (packed); top logprobs only for the rows that asked; the
+    weight-version spans only of the rows whose new tokens are not all of `version` (a weight
+    update fell among them, or came after them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, version: str) -> None:
+        self.version = version
         self.rids: list[str] = []
         self.counts: list[int] = []
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.extra: list[list[Any]] = []  # [row, top logprobs, token_ids logprobs]
+        self.spans: list[list[Any]] = []  # [row, the request's spans]
 
     def add(self, req: Request, start: int, end: int) -> None:
         """Output tokens [start, end) of `req`, if any."""
@@ -59,6 +63,9 @@ class Columns:
                                else None,
                                req.output_token_ids_logprobs[start:end] if req.token_ids_logprob
                                else None])
+        spans = req.spans
+        if spans and (spans[-1][1] > start or spans[-1][0] != self.version):
+            self.spans.append([len(self.rids), spans])
         self.rids.append(req.rid)
         self.counts.append(end - start)
         self.ids += req.output_ids[start:end]
@@ -69,7 +76,7 @@ class Columns:
             return None
         return {"rids": self.rids, "n": ipc.pack(self.counts, "<i4"),
                 "ids": ipc.pack(self.ids, "<i4"), "lp": ipc.pack(self.logprobs, "<f8"),
-                "extra": self.extra}
+                "extra": self.extra, "spans": self.spans}
 
 
 class Outbox:
@@ -119,7 +126,8 @@ class Outbox:
         for req in arrived:
             if not req.finished:
                 self.streams[req.rid] = (req, [0])
-        columns = Columns()
+        version = self.runner.weight_version
+        columns = Columns(version)
         for req, start, end in self.tails:
             columns.add(req, start, end)
         for req, sent in self.streams.values():
@@ -131,7 +139,7 @@ class Outbox:
         if (tokens is None and not finals) or self.closed:
             return
         try:
-            self.channel.send({"t": "step", "v": self.runner.weight_version, "tok": tokens,
+            self.channel.send({"t": "step", "v": version, "tok": tokens,
                                "fin": finals})
         except OSError:  # the front end is gone; the reader thread ends the process
             self.closed = True

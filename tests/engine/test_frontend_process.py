@@ -466,3 +466,67 @@ def test_an_answer_that_cannot_be_sent_answers_an_error():
     [reply] = proc.channel.sent
     assert reply["id"] == 7 and "ok" not in reply
     assert reply["err"][0] == "TypeError" and "int64" in reply["err"][1]
+
+
+def test_streamed_tokens_keep_the_weight_version_they_were_sampled_with(tiny_model_dir):
+    """A step whose message holds tokens sampled before and after a weight update (the tokens
+    drained before the update, then the step's) gives the front end's copies of streamed
+    requests the scheduler's weight-version spans, not the version at the time of the message."""
+    from rltool.engine import ipc
+    from rltool.engine.loading import load_tokenizer
+    from rltool.engine.remote_link import RemoteLink
+    from rltool.engine.request import Request
+    from rltool.engine.sampling import SamplingParams
+    from rltool.engine.scheduler_process import Outbox
+
+    class Runner:
+        weight_version = "v0"
+
+    class Channel:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, msg):
+            self.sent.append(json.loads(ipc.frame(msg)[ipc.HEADER.size:]))
+
+    def request(rid: str) -> Request:
+        return Request(rid=rid, prompt_ids=[4, 5], params=SamplingParams())
+
+    runner, channel = Runner(), Channel()
+    outbox = Outbox(channel, runner)
+    a, b = request("a"), request("b")
+    outbox.stream(a)
+    outbox.stream(b)
+    a.record_token(7, -0.5, version="v0")
+    outbox.flush()
+    a.record_token(8, -0.25, version="v0")  # drained before the update
+    runner.weight_version = "v1"
+    b.record_token(3, -0.5, version="v1")  # a row after one of the old version
+    outbox.flush()
+    a.record_token(9, -0.125, version="v1")
+    a.record_token(10, -1.0, version="v1")
+    runner.weight_version = "v2"  # an update between a row's tokens
+    a.record_token(11, -2.0, version="v2")
+    outbox.flush()
+    runner.weight_version = "v3"  # a version set with no token since
+    outbox.flush()
+    a.record_token(12, -0.5, version="v3")
+    b.record_token(4, -0.5, version="v3")
+    outbox.flush()
+
+    link = RemoteLink.__new__(RemoteLink)
+    copies = {"a": request("a"), "b": request("b")}
+    updates = []
+    for copy in copies.values():
+        copy.on_token = lambda r: updates.append(r.rid)
+    link.pending, link.texts = {rid: (copy, None) for rid, copy in copies.items()}, {}
+    link.tokenizer = load_tokenizer(tiny_model_dir)
+    for msg in channel.sent:
+        link._handle(msg)
+    for sched_req in (a, b):
+        copy = copies[sched_req.rid]
+        assert copy.output_ids == sched_req.output_ids
+        assert copy.spans == sched_req.spans
+    assert a.spans == [("v0", 0), ("v1", 2), ("v2", 4), ("v3", 5)]
+    assert b.spans == [("v1", 0), ("v3", 1)]
+    assert updates.count("a") == 6 and updates.count("b") == 2
