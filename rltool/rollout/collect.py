@@ -311,8 +311,12 @@ class Collector:
                     raise EngineError(f"engine {url} returned {count} outputs for a batch of "
                                       f"{len(sent)}")
             except EngineError as e:
-                for s, _ in sent:
-                    s.fail(f"engine_error: {e}")
+                if e.status_code == 400 and len(sent) > 1:  # an item refuses the whole body
+                    await asyncio.gather(*(self._send_alone(payload, j, s, session)
+                                           for j, (s, session) in enumerate(sent)))
+                else:
+                    for s, _ in sent:
+                        s.fail(f"engine_error: {e}")
             else:
                 for (s, session), response in zip(sent, responses):
                     session.engine_urls.append(url)
@@ -324,6 +328,19 @@ class Collector:
                                for s, c, before in todo))
         for g in groups:
             _settle(g, list(g.samples))
+
+    async def _send_alone(self, payload: dict[str, Any], j: int, sample: Sample,
+                          session: SessionClient) -> None:
+        """Item `j` of a body the engine refused as bad input (400: a prompt too long for the
+        context, say) as a request of its own, so only the samples at fault fail."""
+        item = {**payload, "input_ids": payload["input_ids"][j],
+                "sampling_params": payload["sampling_params"][j], "rid": payload["rid"][j]}
+        try:
+            response, url = await self.router.generate(item)
+            session.engine_urls.append(url)
+            apply_single_turn(sample, response)
+        except EngineError as e:
+            sample.fail(f"engine_error: {e}")
 
     async def _run_sample(self, sample: Sample, group: _Group) -> list[Sample]:
         if sample.status in ("completed", "truncated", "failed"):

@@ -12,7 +12,7 @@ import pytest
 from rltool.errors import EngineError
 from rltool.rollout.batching import pack
 from rltool.rollout.collect import Collector
-from rltool.rollout.generate import generate_single_turn, to_row
+from rltool.rollout.generate import derive_seed, generate_single_turn, to_row
 from rltool.rollout.rewards import RewardResult
 from rltool.rollout.router import Router
 from tests.helpers.rollout_fakes import FakeEngine, FakeTokenizer
@@ -153,6 +153,37 @@ def test_a_refused_or_short_batch_fails_its_samples_and_a_malformed_item_only_it
     samples = [s for g in collect([engine], groups_source(2, 4), target_groups=2).kept for s in g]
     failed = [s.uid for s in samples if s.status == "failed"]
     assert failed == ["g0-1"] and "logprobs" in samples[1].finish_reason
+
+
+class OneTooLong(FakeEngine):
+    """Refuses with 400 every body that holds sample g1-2, as the engine refuses a body one of
+    whose prompts does not fit its context."""
+
+    bad_seed = derive_seed(SAMPLING["seed"], "g1-2", 0)
+
+    async def generate(self, payload: dict, *, routing_key: str | None = None):
+        params = payload["sampling_params"]
+        seeds = [p["sampling_seed"] for p in (params if isinstance(params, list) else [params])]
+        if self.bad_seed in seeds:
+            self.bodies.append(len(seeds))
+            raise EngineError("POST http://l/generate answered 400: the prompt is too long",
+                              status_code=400)
+        return await super().generate(payload, routing_key=routing_key)
+
+    async def health(self) -> bool:
+        return True
+
+
+def test_a_body_refused_as_bad_input_fails_only_the_samples_at_fault():
+    """A 400 for a body is sent again one sample per request: only the sample the engine
+    refuses fails, as it would without batching."""
+    engine = OneTooLong("http://l")
+    samples = [s for g in collect([engine], groups_source(2, 4), target_groups=2).kept for s in g]
+    assert [s.uid for s in samples if s.status == "failed"] == ["g1-2"]
+    assert "too long" in samples[6].finish_reason
+    assert all(s.status in ("completed", "truncated") and s.engine_urls == ["http://l"]
+               for s in samples if s.uid != "g1-2")
+    assert engine.bodies[0] == 8 and sorted(engine.bodies[1:]) == [1] * 8
 
 
 def test_a_dead_engines_body_is_redispatched_whole():
