@@ -213,8 +213,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                             "file (JSONL)")
     if not args.preset_list and args.model is None:
         raise BadInputError("nothing to measure; pass --presets or --model")
-    if min(args.prompts, args.samples, args.prompt_len, args.new_tokens) < 1:
-        raise BadInputError("--prompts, --samples, --prompt-len and --new-tokens must be >= 1")
+    harness.require_positive(args, "--prompts", "--samples", "--prompt-len", "--new-tokens")
     harness.require_device(args.device)
     return args
 

@@ -120,6 +120,15 @@ def require_device(device: str) -> None:
         raise BadInputError("--device cuda but no CUDA device is visible; use --device cpu")
 
 
+def require_positive(args: Any, *flags: str) -> None:
+    """BadInputError naming the first of `flags` (`--new-tokens` reads `args.new_tokens`) whose
+    value is below 1."""
+    for flag in flags:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value < 1:
+            raise BadInputError(f"{flag} must be >= 1, got {value}")
+
+
 def parse_quick_workload(argv: list[str] | None, *, name: str, doc: str,
                          quick_help: str) -> Any:
     """The options of a benchmark with a full (GPU) and a `--quick` workload: `--device`,

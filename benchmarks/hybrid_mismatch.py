@@ -115,8 +115,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if args.model is not None and not has_linear_attention(args.model):
         raise BadInputError(f"--model {args.model} is not a hybrid (its config.json names no "
                             "linear_attention layer); pass an --arch qwen3_5 checkpoint")
-    if min(args.prompts, args.samples, args.prompt_len, args.new_tokens) < 1:
-        raise BadInputError("--prompts, --samples, --prompt-len and --new-tokens must be >= 1")
+    harness.require_positive(args, "--prompts", "--samples", "--prompt-len", "--new-tokens")
     harness.require_device(args.device)
     return args
 

@@ -139,8 +139,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         raise BadInputError(f"unknown preset {args.preset!r}; choose from {', '.join(PRESETS)}")
     if not args.lr > 0:
         raise BadInputError(f"--lr must be > 0, got {args.lr}")
-    if min(args.sft_steps, args.prompts, args.samples, args.new_tokens) < 1:
-        raise BadInputError("--sft-steps, --prompts, --samples and --new-tokens must be >= 1")
+    harness.require_positive(args, "--sft-steps", "--prompts", "--samples", "--new-tokens")
     harness.require_device(args.device)
     return args
 

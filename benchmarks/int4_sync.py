@@ -119,8 +119,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.preset not in PRESETS:
         raise BadInputError(f"unknown --preset {args.preset!r}; choose from {', '.join(PRESETS)}")
-    if args.steps < 1:
-        raise BadInputError(f"--steps must be >= 1, got {args.steps}")
+    harness.require_positive(args, "--steps")
     harness.require_device(args.device)
     return args
 
