@@ -126,7 +126,7 @@ def test_tiny_hybrid_through_the_kernels_matches_transformers(request, tmp_path)
     from transformers import AutoModelForCausalLM
 
     from rltool.engine.paged_runner import PagedRunner
-    from tests.helpers.hybrid import make_hybrid
+    from tests.helpers.hybrid import make_hybrid, prefill_in_chunks
 
     model_dir = make_hybrid(tmp_path / "m", task=None)
     seqs = [[3, 9, 4, 17, 22, 5, 8, 30, 11, 2, 7, 19], [4, 4, 9, 1, 2, 14, 20, 21, 5]]
@@ -137,18 +137,8 @@ def test_tiny_hybrid_through_the_kernels_matches_transformers(request, tmp_path)
     runner = PagedRunner(model_dir, device=DEV, dtype="fp32", max_running=4, page_size=4,
                          max_total_tokens=256, prefix_cache=False, disable_cuda_graph=True)
     assert runner.model.gdn_kernels and runner.model.fused
-    done = [0, 0]
-    while any(d < n for d, n in zip(done, prompt)):
-        chunks = [(f"r{i}", seqs[i][d:min(d + 5, n)], d)
-                  for i, (d, n) in enumerate(zip(done, prompt)) if d < n]
-        want = [c[2] + len(c[1]) == prompt[int(c[0][1])] for c in chunks]
-        logits = runner.prefill(chunks, want=want)
-        got = iter(logits) if logits is not None else iter(())
-        for (rid, toks, start), w in zip(chunks, want):
-            i = int(rid[1])
-            done[i] = start + len(toks)
-            if w:
-                close(next(got), refs[i][done[i] - 1], 1e-4)
+    for i, row in enumerate(prefill_in_chunks(runner, seqs, prompt, chunk=5)):
+        close(row, refs[i][prompt[i] - 1], 1e-4)
     for t in range(3):
         logits = runner.decode(["r0", "r1"], [seqs[i][prompt[i] + t] for i in range(2)])
         for i in range(2):

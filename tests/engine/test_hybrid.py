@@ -25,7 +25,7 @@ from rltool.engine.sampling import SamplingParams
 from rltool.errors import BadInputError, CheckpointError
 from tests.helpers.engines import serve_app
 from tests.helpers.hf_reference import hf_greedy
-from tests.helpers.hybrid import make_hybrid
+from tests.helpers.hybrid import make_hybrid, prefill_in_chunks
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [10, 11, 3], [12, 13, 14, 15, 16, 17, 18],
            [3, 3, 3, 4, 9, 2]]
@@ -124,18 +124,8 @@ def test_logits_match_transformers_over_chunks_and_decode(hybrid_dir):
     runner = runner_of(hybrid_dir)
     full = runner.full_pass_logits(seqs[0], start=1)
     assert torch.allclose(full, refs[0][:-1], atol=1e-5, rtol=0)
-    done = [0, 0, 0]
-    while any(d < n for d, n in zip(done, prompt)):
-        chunks = [(f"r{i}", seqs[i][d:min(d + 4, n)], d)
-                  for i, (d, n) in enumerate(zip(done, prompt)) if d < n]
-        want = [c[2] + len(c[1]) == prompt[int(c[0][1])] for c in chunks]
-        logits = runner.prefill(chunks, want=want)
-        got = iter(logits) if logits is not None else iter(())
-        for (rid, toks, start), w in zip(chunks, want):
-            i = int(rid[1])
-            done[i] = start + len(toks)
-            if w:
-                assert torch.allclose(next(got), refs[i][done[i] - 1], atol=1e-5, rtol=0)
+    for i, row in enumerate(prefill_in_chunks(runner, seqs, prompt, chunk=4)):
+        assert torch.allclose(row, refs[i][prompt[i] - 1], atol=1e-5, rtol=0), i
     assert runner.states.available == runner.states.num_slots - 3
     for t in range(5):  # the shortest sequence's last token is at prompt + 4
         logits = runner.decode(["r0", "r1", "r2"], [seqs[i][prompt[i] + t] for i in range(3)])

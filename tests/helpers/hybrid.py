@@ -43,3 +43,25 @@ def engine_logprobs(runner, tokens: list[int], start: int, *, temperature: float
 
     logits = runner.full_pass_logits(tokens, start=start)
     return logits_to_logprobs(logits, torch.tensor(tokens[start:]), temperature=temperature)
+
+
+def prefill_in_chunks(runner, seqs: list[list[int]], prompt_lens: list[int], *,
+                      chunk: int) -> list[torch.Tensor]:
+    """Prefill request `r{i}` with seqs[i][:prompt_lens[i]] in chunks of at most `chunk` tokens,
+    several requests per packed pass, each chunk continuing its request's states; the logits row
+    of each request's last prompt token, in request order."""
+    done = [0] * len(seqs)
+    last: list[torch.Tensor | None] = [None] * len(seqs)
+    while any(d < n for d, n in zip(done, prompt_lens)):
+        pending = [i for i, (d, n) in enumerate(zip(done, prompt_lens)) if d < n]
+        chunks = [(f"r{i}", seqs[i][done[i]:min(done[i] + chunk, prompt_lens[i])], done[i])
+                  for i in pending]
+        want = [start + len(toks) == prompt_lens[i]
+                for i, (_, toks, start) in zip(pending, chunks)]
+        logits = runner.prefill(chunks, want=want)
+        got = iter(logits) if logits is not None else iter(())
+        for i, (_, toks, start), w in zip(pending, chunks, want):
+            done[i] = start + len(toks)
+            if w:
+                last[i] = next(got)
+    return last
