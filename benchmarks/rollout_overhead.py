@@ -19,7 +19,8 @@ Prints each variant's median seconds, its ratio to `engine` and its output token
 of its last round over its median), then one JSON line; `--out DIR` also writes it as
 DIR/rollout_overhead-DATE-DEVICE.json. On cuda the three engines (in-process scheduler, served
 engine, in-process engine) share the device, each with about 30% of its memory (started in that
-order with --mem-fraction-static 0.3, 0.6, 0.9: the fraction is what an engine leaves free).
+order with --mem-fraction-static 0.3, 0.6, 0.9: an engine fills the device's memory up to
+that fraction of it, leaving the rest free, so each adds about 30%).
 
 Examples:
   OMP_NUM_THREADS=1 python -m benchmarks.rollout_overhead --rounds 5
