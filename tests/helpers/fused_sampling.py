@@ -6,13 +6,13 @@ a scheduler run of filtered requests."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import numpy as np
 
 from rltool.engine.sampling import SamplingParams, make_generator
 from rltool.logprobs import effective_temperature
+from tests.helpers.scheduling import run_all
 
 M32 = 0xFFFF_FFFF
 STOP = 17  # the stop id the min_new_tokens request of `decode_filtered` biases to win
@@ -89,15 +89,8 @@ def decode_filtered(model_dir: Path, *, device: str, overlap: bool, steps: int,
                          max_total_tokens=256, disable_cuda_graph=not cuda_graph)
     sched = PagedScheduler(runner, max_running=4, overlap=overlap,
                            num_continuous_decode_steps=steps)
-    done = threading.Event()
     reqs = [Request(rid=f"r{i}", prompt_ids=[5 + i, 9, 3, 12], params=p, return_logprob=True,
-                    generator=make_generator(40 + i),
-                    on_finish=lambda r: all(x.finished for x in reqs) and done.set())
+                    generator=make_generator(40 + i))
             for i, p in enumerate(FILTERED_PARAMS)]
-    sched.start()
-    try:
-        sched.submit(reqs)
-        assert done.wait(300), "the scheduler did not finish the requests"
-    finally:
-        sched.stop()
+    run_all(sched, reqs, wait=300)
     return [(r.output_ids, r.output_logprobs) for r in reqs], sched.batch.blocks

@@ -3,10 +3,10 @@ for the CPU and GPU tests of rltool.engine.decode_sample."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 from rltool.engine.sampling import SamplingParams, make_generator
+from tests.helpers.scheduling import run_all
 
 
 def serve_seeded(model_dir: Path, params: list[SamplingParams], *, device: str,
@@ -22,16 +22,9 @@ def serve_seeded(model_dir: Path, params: list[SamplingParams], *, device: str,
                          max_total_tokens=256, disable_cuda_graph=not cuda_graph,
                          graph_sampling=graph_sampling)
     sched = PagedScheduler(runner, max_running=4, num_continuous_decode_steps=steps)
-    done = threading.Event()
     reqs = [Request(rid=f"r{i}", prompt_ids=[5 + i, 9, 3, 12, 7, 1][:2 + i], return_logprob=True,
                     params=p.model_copy(update={"max_new_tokens": 6 + 2 * i, "ignore_eos": True}),
-                    generator=make_generator(40 + i),
-                    on_finish=lambda r: all(x.finished for x in reqs) and done.set())
+                    generator=make_generator(40 + i))
             for i, p in enumerate(params)]
-    sched.start()
-    try:
-        sched.submit(reqs)
-        assert done.wait(300), "the scheduler did not finish the requests"
-    finally:
-        sched.stop()
+    run_all(sched, reqs, wait=300)
     return [(r.output_ids, r.output_logprobs) for r in reqs], sched
