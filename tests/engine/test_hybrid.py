@@ -8,7 +8,6 @@ or a weight update)."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import pytest
@@ -26,6 +25,7 @@ from rltool.errors import BadInputError, CheckpointError
 from tests.helpers.engines import serve_app
 from tests.helpers.hf_reference import hf_greedy
 from tests.helpers.hybrid import make_hybrid, prefill_in_chunks
+from tests.helpers.scheduling import submit_and_wait
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [10, 11, 3], [12, 13, 14, 15, 16, 17, 18],
            [3, 3, 3, 4, 9, 2]]
@@ -153,17 +153,6 @@ def test_deterministic_full_pass_is_transformers_bit_for_bit(hybrid_dir):
     assert torch.equal(runner.full_pass_logits(ids, start=5), want.logits[0][4:-1])
 
 
-def run_requests(sched, reqs, *, before_wait=None, timeout_s=120):
-    done = threading.Semaphore(0)
-    for req in reqs:
-        req.on_finish = lambda r: done.release()
-    sched.submit(reqs)
-    if before_wait is not None:
-        before_wait()
-    for _ in reqs:
-        assert done.acquire(timeout=timeout_s)
-
-
 def greedy(rid, prompt, n=NEW):
     return Request(rid=rid, prompt_ids=prompt, return_logprob=True,
                    params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
@@ -188,7 +177,7 @@ def test_scheduler_greedy_matches_transformers_and_frees_every_slot(hybrid_dir, 
     reqs = [greedy(f"g{i}", p) for i, p in enumerate(PROMPTS)]
     sched.start()
     try:
-        run_requests(sched, reqs)
+        submit_and_wait(sched, reqs)
     finally:
         sched.stop()
     for req, prompt in zip(reqs, PROMPTS):
@@ -217,7 +206,7 @@ def test_no_slot_is_held_after_abort_release_resume_and_a_weight_update(hybrid_d
                 sched.abort(abort_all=True)
                 return held
             assert sched.call(abort).result(30) == 3  # each running request held a slot
-        run_requests(sched, long, before_wait=abort_while_decoding)
+        submit_and_wait(sched, long, while_running=abort_while_decoding)
         assert all(r.finish_reason["type"] == "abort" for r in long)
         assert sched.call(lambda: dict(runner.states.held)).result(30) == {}
         # release with requests in flight: retracted (slots freed), the pool rebuilt on resume,
@@ -237,13 +226,13 @@ def test_no_slot_is_held_after_abort_release_resume_and_a_weight_update(hybrid_d
                 return before, after
             assert sched.call(release).result(30) == (2, {})
             sched.call(runner.resume).result(60)
-        run_requests(sched, reqs, before_wait=release_and_resume)
+        submit_and_wait(sched, reqs, while_running=release_and_resume)
         for req, prompt in zip(reqs, PROMPTS):
             assert req.output_ids == hf_greedy(hybrid_dir, prompt, 30)[0]
         # a weight update from disk (the same checkpoint) between requests
         sched.update_weights(lambda: runner.load_weights(hybrid_dir), abort_all=False).result(60)
         again = [greedy("w0", PROMPTS[0])]
-        run_requests(sched, again)
+        submit_and_wait(sched, again)
         assert again[0].output_ids == reqs[0].output_ids[:NEW]
         assert sched.call(lambda: dict(runner.states.held)).result(30) == {}
     finally:

@@ -19,6 +19,7 @@ from rltool.engine.request import Request
 from rltool.engine.sampling import SamplingParams, make_generator
 from rltool.errors import BadInputError
 from tests.helpers.hybrid import make_hybrid
+from tests.helpers.scheduling import submit_and_wait
 
 PS = 4  # page size
 
@@ -44,24 +45,13 @@ def sampled(rid: str, prompt: list[int], *, seed: int, n: int = 6) -> Request:
                    params=SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True))
 
 
-def run(sched: PagedScheduler, reqs: list[Request], *, while_running=None) -> None:
-    done = threading.Semaphore(0)
-    for req in reqs:
-        req.on_finish = lambda r: done.release()
-    sched.submit(reqs)
-    if while_running is not None:
-        while_running()
-    for _ in reqs:
-        assert done.acquire(timeout=120)
-
-
 def serve(runner: PagedRunner, waves: list[list[Request]], **kw) -> PagedScheduler:
     """Run each wave of requests to the end, one wave after the other."""
     sched = PagedScheduler(runner, max_running=runner.kv.max_running, **kw)
     sched.start()
     try:
         for wave in waves:
-            run(sched, wave)
+            submit_and_wait(sched, wave)
     finally:
         sched.stop()
     return sched
@@ -152,10 +142,10 @@ def test_a_second_turn_reuses_the_first_turns_snapshot(hybrid_dir):
     sched = PagedScheduler(runner, max_running=8)
     sched.start()
     try:
-        run(sched, [turn1])
+        submit_and_wait(sched, [turn1])
         second = first + turn1.output_ids + [9, 8, 7, 6, 5]
         turn2 = sampled("t2", second, seed=4)
-        run(sched, [turn2])
+        submit_and_wait(sched, [turn2])
     finally:
         sched.stop()
     assert turn2.cached_tokens == snapshot_point(20, PS) == 19
@@ -195,12 +185,12 @@ def test_snapshots_leave_with_their_nodes_and_yield_slots_to_requests(hybrid_dir
     seen = []
     try:
         for wave in waves:
-            run(sched, wave)
+            submit_and_wait(sched, wave)
             seen.append(sched.call(lambda: (runner.states.num_snapshots,
                                             accounted(runner))).result(30))
         # two at once: both slots go to requests, the snapshots give theirs up
         pair = [sampled(f"q{i}", prompt_of(13, seed=50 + i), seed=i, n=3) for i in range(2)]
-        run(sched, pair)
+        submit_and_wait(sched, pair)
     finally:
         sched.stop()
     assert all(total == 2 for _, total in seen)
@@ -236,7 +226,7 @@ def test_retraction_and_abort_free_every_slot(hybrid_dir):
             while not all(r.output_ids for r in long):
                 threading.Event().wait(0.01)
             sched.call(lambda: sched.abort(abort_all=True)).result(30)
-        run(sched, long, while_running=abort)
+        submit_and_wait(sched, long, while_running=abort)
         assert all(r.finish_reason["type"] == "abort" for r in long)
         sched.call(lambda: assert_idle(runner)).result(30)
     finally:
@@ -250,17 +240,17 @@ def test_a_weight_update_and_a_flush_drop_every_snapshot(hybrid_dir):
     sched.start()
     try:
         first = [sampled("w0", prompt, seed=1)]
-        run(sched, first)
+        submit_and_wait(sched, first)
         assert sched.call(lambda: runner.states.num_snapshots).result(30) == 1
         sched.update_weights(lambda: runner.load_weights(hybrid_dir), abort_all=False).result(60)
         assert sched.call(lambda: runner.states.num_snapshots).result(30) == 0
         again = [sampled("w1", prompt, seed=1)]
-        run(sched, again)
+        submit_and_wait(sched, again)
         assert again[0].cached_tokens == 0 and again[0].output_ids == first[0].output_ids
         sched.call(sched.flush_cache).result(30)
         assert sched.call(lambda: runner.states.num_snapshots).result(30) == 0
         third = [sampled("w2", prompt, seed=1)]
-        run(sched, third)
+        submit_and_wait(sched, third)
         assert third[0].cached_tokens == 0
     finally:
         sched.stop()

@@ -42,6 +42,16 @@ def generate(sched, prompts, tag, *, new=6):
     return reqs
 
 
+def submit_and_wait(sched, reqs, *, while_running=None, wait=120) -> None:
+    """Submit `reqs` to the started `sched`, call `while_running()` (when given) and wait up to
+    `wait` seconds for all of them to finish (their on_finish is taken for that)."""
+    done = _all_finished(reqs)
+    sched.submit(reqs)
+    if while_running is not None:
+        while_running()
+    assert done.wait(wait)
+
+
 def run_all(sched, reqs, *, wait=120) -> None:
     """Start `sched`, submit `reqs` together, wait up to `wait` seconds for all of them to finish
     (their on_finish is taken for that) and stop it."""
