@@ -6,27 +6,19 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
+from functools import partial
 
 import pytest
 
 from benchmarks.engine_hicache import FULL, QUICK, conversation_prompts
+from tests.helpers.benchmarks import record_of, run_benchmark
 
-ROOT = Path(__file__).resolve().parents[2]
-ENV = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-
-
-def _bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "benchmarks.engine_hicache", *args], cwd=ROOT,
-                          env=ENV, capture_output=True, text=True, timeout=300)
+bench = partial(run_benchmark, "engine_hicache", timeout_s=300)
 
 
 def test_quick_cpu_run_compares_the_tier_with_the_baseline(tmp_path):
-    proc = _bench("--device", "cpu", "--quick", "--out", str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    printed = json.loads(proc.stdout.strip().splitlines()[-1])
+    proc = bench("--device", "cpu", "--quick", "--out", str(tmp_path))
+    printed = record_of(proc)
     [written] = tmp_path.iterdir()
     assert written.name.startswith("engine_hicache-") and written.name.endswith("-cpu"
                                                                                 f"{os.cpu_count()}.json")
@@ -68,6 +60,6 @@ def test_the_workload_shares_each_conversations_history():
 
 
 def test_cpu_without_quick_is_refused():
-    proc = _bench("--device", "cpu")
+    proc = bench("--device", "cpu")
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "add --quick" in proc.stderr

@@ -7,26 +7,16 @@ the CPU."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from functools import partial
 
 from benchmarks.engine_hybrid_prefix import QUICK
+from tests.helpers.benchmarks import record_of, run_benchmark
 
-ROOT = Path(__file__).resolve().parents[2]
-ENV = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-
-
-def _bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "benchmarks.engine_hybrid_prefix", *args],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+bench = partial(run_benchmark, "engine_hybrid_prefix", timeout_s=300)
 
 
 def test_quick_cpu_run_counts_the_prefill_of_both_arms(tmp_path):
-    proc = _bench("--device", "cpu", "--quick", "--out", str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    printed = json.loads(proc.stdout.strip().splitlines()[-1])
+    printed = record_of(bench("--device", "cpu", "--quick", "--out", str(tmp_path)))
     [written] = tmp_path.iterdir()
     assert written.name.startswith("engine_hybrid_prefix-")
     assert json.loads(written.read_text()) == printed
@@ -42,5 +32,5 @@ def test_quick_cpu_run_counts_the_prefill_of_both_arms(tmp_path):
 
 
 def test_the_full_workload_is_refused_on_the_cpu():
-    proc = _bench("--device", "cpu")
+    proc = bench("--device", "cpu")
     assert proc.returncode == 2 and "add --quick" in proc.stderr

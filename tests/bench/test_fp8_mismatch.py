@@ -7,29 +7,17 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from datetime import datetime, timezone
-from pathlib import Path
+from functools import partial
 
 from rltool.data.models import PRESETS
+from tests.helpers.benchmarks import record_of, run_benchmark
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def bench(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, "-m", "benchmarks.fp8_mismatch", *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
-
-
-def last_line(proc: subprocess.CompletedProcess) -> dict:
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+bench = partial(run_benchmark, "fp8_mismatch")
 
 
 def test_tiny_model_four_configs_and_floor(tmp_path, tiny_model_dir):
-    printed = last_line(bench("--device", "cpu", "--presets", "", "--model",
+    printed = record_of(bench("--device", "cpu", "--presets", "", "--model",
                               str(tiny_model_dir), "--prompts", "4", "--samples", "2",
                               "--prompt-len", "16", "--new-tokens", "8", "--out-dir",
                               str(tmp_path)))
@@ -59,7 +47,7 @@ def test_prompt_file_prompts_end_at_eos(tmp_path, tiny_model_dir):
                                   f"cpu{os.cpu_count()}.json")
     out.parent.mkdir()
     out.write_text(json.dumps({"rows": [{"model": "other"}, {"model": "reverse-tiny"}]}))
-    record = last_line(bench("--device", "cpu", "--presets", "", "--model",
+    record = record_of(bench("--device", "cpu", "--presets", "", "--model",
                              str(tiny_model_dir), "--model-name", "reverse-tiny",
                              "--prompt-file", str(tmp_path / "p.jsonl"), "--prompts", "2",
                              "--samples", "1", "--new-tokens", "4", "--out-dir",

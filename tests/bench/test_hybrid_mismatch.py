@@ -7,24 +7,16 @@ unknown preset), each one line, exit 2, nothing written."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from functools import partial
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.benchmarks import record_of, run_benchmark
 
-
-def bench(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, "-m", "benchmarks.hybrid_mismatch", *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+bench = partial(run_benchmark, "hybrid_mismatch")
 
 
 def test_quick_run_four_configs_and_floor(tmp_path):
     proc = bench("--device", "cpu", "--quick", "--out-dir", str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    printed = json.loads(proc.stdout.strip().splitlines()[-1])
+    printed = record_of(proc)
     [written] = tmp_path.glob("hybrid_mismatch-*-cpu*.json")
     assert json.loads(written.read_text()) == printed
     assert (printed["prompts"], printed["samples"], printed["new_tokens"]) == (4, 2, 8)

@@ -6,27 +6,18 @@ down (it computes with the very weights the engine dequantizes)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from functools import partial
 
 from rltool.data.models import PRESETS
+from tests.helpers.benchmarks import record_of, run_benchmark
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def bench(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, "-m", "benchmarks.int4_mismatch", *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+bench = partial(run_benchmark, "int4_mismatch")
 
 
 def test_tiny_run_four_rows_and_qat_reduction(tmp_path):
     proc = bench("--preset", "tiny", "--sft-steps", "3", "--prompts", "4", "--samples", "2",
                  "--new-tokens", "8", "--out-dir", str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    printed = json.loads(proc.stdout.strip().splitlines()[-1])
+    printed = record_of(proc)
     [written] = tmp_path.glob("int4_mismatch-*-cpu*.json")
     assert json.loads(written.read_text()) == printed
     assert (printed["sft_steps"], printed["prompts"], printed["samples"],
