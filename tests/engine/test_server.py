@@ -243,24 +243,30 @@ def test_bad_requests_get_4xx_and_server_keeps_serving(builtin_engine, path, bod
 
 
 def test_duplicate_rid_in_flight_is_refused(builtin_engine):
+    """The engine is paused, so the first request surely waits in flight when its duplicate
+    arrives (a running 150-token request could finish first on a loaded machine)."""
+    url = builtin_engine.url
     rid = f"dup-{uuid.uuid4().hex[:6]}"
     result = {}
 
-    def long():
-        result["r"] = post(builtin_engine.url, "/generate",
-                           {"text": "a", "rid": rid,
-                            "sampling_params": {"max_new_tokens": 150, "ignore_eos": True}})
+    def first():
+        result["r"] = post(url, "/generate", {"text": "a", "rid": rid,
+                                              "sampling_params": {"max_new_tokens": 8}})
 
-    t = threading.Thread(target=long)
+    assert post(url, "/pause_generation", {"mode": "in_place"}).status_code == 200
+    t = threading.Thread(target=first)
     t.start()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        st = httpx.get(builtin_engine.url + "/server_info").json()["internal_states"][0]
-        if st["num_running_reqs"] > 0:  # the long request is in flight
-            break
-        time.sleep(0.01)
-    dup = post(builtin_engine.url, "/generate", {"text": "b", "rid": rid})
-    t.join()
+    try:
+        for _ in range(600):  # until the scheduler holds the request
+            if httpx.get(url + "/server_info").json()["internal_states"][0]["num_waiting_reqs"]:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the first request never reached the scheduler")
+        dup = post(url, "/generate", {"text": "b", "rid": rid})
+    finally:
+        assert post(url, "/continue_generation", {}).status_code == 200
+        t.join()
     assert dup.status_code == 400 and "duplicate" in dup.json()["error"]["message"]
     assert result["r"].status_code == 200
 
