@@ -20,7 +20,6 @@ Usage: python -m benchmarks.engine_lora [--preset qwen2.5-0.5b] [--batches 64] [
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import threading
 import time
@@ -28,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-from rltool.engine.model_spec import read_spec
 from rltool.engine.request import Request
 from rltool.engine.sampling import SamplingParams
 
@@ -38,31 +36,24 @@ from benchmarks.engine_common import (OUTPUT_LEN, fresh_engine, prompts_for, ran
 
 
 def random_adapter(model_dir: Path, out: Path, *, rank: int, seed: int) -> Path:
-    """A PEFT-layout adapter of rank `rank` on every linear of the model, random A and B
-    (alpha 2 x rank)."""
-    from safetensors.torch import save_file
+    """The trainer's rank-`rank` LoRA (rltool.train.lora.LoRA, alpha 2 x rank) on every linear
+    of the model, random A and B, written as the trainer publishes one (`write_adapter`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    s = read_spec(model_dir)
-    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    h, inter = s.hidden_size, s.intermediate_size
-    dims = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
-            "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
-            "mlp.down_proj": (inter, h)}
+    from rltool.train.config import LORA_DEFAULT_TARGETS
+    from rltool.train.lora import LoRA, is_adapter_key, write_adapter
+
+    with torch.device("meta"):  # the linears' shapes only: the adapters live on the host
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)))
+    lora = LoRA(model, rank=rank, alpha=2 * rank, dropout=0.0,
+                targets=list(LORA_DEFAULT_TARGETS), seed=seed)
     gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for i in range(s.num_layers):
-        for module, (fan_in, fan_out) in dims.items():
-            p = f"base_model.model.model.layers.{i}.{module}"
-            tensors[p + ".lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) / fan_in**0.5
-            tensors[p + ".lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * 0.01
+    tensors = {k: v for k, v in model.state_dict().items() if is_adapter_key(k)}
+    for key, t in tensors.items():
+        if key.endswith(".lora_B.weight"):  # the trainer starts B at zero: the base's outputs
+            t.copy_(torch.randn(t.shape, generator=gen) * 0.01)
     out.mkdir(parents=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    targets = sorted(m.split(".")[1] for m in dims)
-    (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
-        "lora_dropout": 0.0, "target_modules": targets, "bias": "none",
-        "fan_in_fan_out": False, "use_rslora": False,
-        "base_model_name_or_path": str(model_dir)}))
+    write_adapter(out, tensors=tensors, config=lora.peft_config(model_dir))
     return out
 
 
