@@ -23,6 +23,7 @@ from typing import Any
 
 from rltool.engine import ipc
 from rltool.engine.config import ServeConfig
+from rltool.engine.detokenize import StreamedText
 from rltool.engine.link import EngineInfo
 from rltool.engine.request import Request
 from rltool.errors import BadInputError, EngineError
@@ -218,31 +219,6 @@ class RemoteLink:
             if not future.done():
                 future.set_exception(EngineError(reason))
         self.on_exit()
-
-
-class StreamedText:
-    """The text of a streamed request's output so far, decoding only the tokens since the last
-    whole characters (as SGLang's detokenizer does): the tokens from `prefix` to `read` were
-    decoded last time; decoding from `prefix` again with the new ones and keeping what lies
-    past that earlier decode gets a tokenizer's leading-space rules right at the seam. Text
-    ending in U+FFFD (a character whose bytes are not all out yet) waits for the next tokens.
-    The final text is the scheduler's (a decode of the whole output)."""
-
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool):
-        self.tokenizer = tokenizer
-        self.skip = skip_special_tokens
-        self.text = ""
-        self.prefix = 0
-        self.read = 0
-
-    def update(self, ids: list[int]) -> str:
-        decode = self.tokenizer.decode
-        before = decode(ids[self.prefix:self.read], skip_special_tokens=self.skip)
-        after = decode(ids[self.prefix:], skip_special_tokens=self.skip)
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.text += after[len(before):]
-            self.prefix, self.read = self.read, len(ids)
-        return self.text
 
 
 class _CheckedAtSubmit:

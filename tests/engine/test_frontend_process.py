@@ -298,7 +298,7 @@ def test_streamed_text_decodes_only_new_tokens_and_matches_a_whole_decode(tiny_m
     import random
 
     from rltool.engine.loading import load_tokenizer
-    from rltool.engine.remote_link import StreamedText
+    from rltool.engine.detokenize import StreamedText
 
     tokenizer = load_tokenizer(tiny_model_dir)
     calls: list[int] = []
