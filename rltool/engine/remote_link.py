@@ -5,8 +5,11 @@ twin of rltool.engine.link.LocalLink), over the channel of rltool.engine.ipc.
 Everything here runs on the front end's event loop: a step message is read once and fans out to
 the requests it names (their callbacks run on the loop thread). Streamed requests get their new
 tokens here and their text decoded here, incrementally (`StreamedText`), never on the
-scheduler; a finished request's response is built here from its final record. When the scheduler process exits, every request and call waiting on
-it ends with 503 ("the scheduler process exited") and `on_exit` tells the server to stop.
+scheduler; a finished request's response is built here from its final record. A failure while
+handling one request's part of a message (its text, its response) ends only that request, with
+500, as a failed step does in one process. When the channel breaks (the scheduler process
+exits, a frame cannot be read), every request and call waiting on it ends with 503 ("the
+scheduler process exited") and `on_exit` tells the server to stop.
 """
 
 from __future__ import annotations
@@ -166,9 +169,12 @@ class RemoteLink:
             entry = self.pending.pop(final["rid"], None)
             if entry is not None:
                 req = entry[0]
-                ipc.apply_final(req, final)
-                if req.on_finish is not None:
-                    req.on_finish(req)
+                try:
+                    ipc.apply_final(req, final)
+                    if req.on_finish is not None:
+                        req.on_finish(req)
+                except Exception as e:  # noqa: BLE001 - this request's failure, not the channel's
+                    self._fail(req, e, running=False)
 
     def _tokens(self, tok: dict[str, Any], version: str) -> None:
         """The streamed rows' new tokens: counts, ids and logprobs packed row after row."""
@@ -181,24 +187,48 @@ class RemoteLink:
             end = start + count
             entry = self.pending.get(rid)
             if entry is not None:
-                req = entry[0]
-                tops, ids_lps = extra.get(row, (None, None))
-                text = self.texts.get(rid)
-                row_spans = spans.get(row)
-                for k in range(count):  # an update per token, as the scheduler thread gives
-                    sampled_with = version
-                    if row_spans is not None:  # a weight update fell among or after the tokens
-                        at = len(req.output_ids)
-                        sampled_with = next((v for v, i in reversed(row_spans) if i <= at),
-                                            version)
-                    req.record_token(ids[start + k], logprobs[start + k], version=sampled_with,
-                                     top=None if tops is None else tops[k],
-                                     ids_lp=None if ids_lps is None else ids_lps[k])
-                    if text is not None:
-                        req.text = text.update(req.output_ids)
-                    if req.on_token is not None:
-                        req.on_token(req)
+                try:
+                    self._row(entry[0], ids[start:end], logprobs[start:end],
+                              *extra.get(row, (None, None)), spans.get(row), version)
+                except Exception as e:  # noqa: BLE001 - this request's failure, not the channel's
+                    self._fail(entry[0], e, running=True)
             start = end
+
+    def _row(self, req: Request, ids: list[int], logprobs: list[float], tops: Any, ids_lps: Any,
+             row_spans: Any, version: str) -> None:
+        """One streamed request's new tokens: an update per token, as the scheduler thread
+        gives."""
+        text = self.texts.get(req.rid)
+        for k, (token, logprob) in enumerate(zip(ids, logprobs)):
+            sampled_with = version
+            if row_spans is not None:  # a weight update fell among or after the tokens
+                at = len(req.output_ids)
+                sampled_with = next((v for v, i in reversed(row_spans) if i <= at), version)
+            req.record_token(token, logprob, version=sampled_with,
+                             top=None if tops is None else tops[k],
+                             ids_lp=None if ids_lps is None else ids_lps[k])
+            if text is not None:
+                req.text = text.update(req.output_ids)
+            if req.on_token is not None:
+                req.on_token(req)
+
+    def _fail(self, req: Request, error: Exception, *, running: bool) -> None:
+        """Handling one request's message here failed (its response or text): that request
+        ends with 500, as a failed step ends it in one process (a route answers its status or
+        ends its stream with an error event), and the scheduler aborts it if `running`. The
+        channel and every other request go on."""
+        log.exception("handling request %s failed; it ends with 500", req.rid)
+        self.texts.pop(req.rid, None)
+        if self.pending.pop(req.rid, None) is not None and running:
+            self.abort([req.rid])
+        # A blank copy: the response of what was received may be what failed.
+        failed = Request(rid=req.rid, prompt_ids=req.prompt_ids, params=req.params,
+                         finish_reason={"type": "abort", "status_code": 500,
+                                        "message": f"internal error: {type(error).__name__}: "
+                                                   f"{error}"},
+                         t_arrival=req.t_arrival, t_finish=time.monotonic())
+        if req.on_finish is not None:
+            req.on_finish(failed)
 
     def _close(self, reason: str) -> None:
         if self.exited is not None:

@@ -530,3 +530,77 @@ def test_streamed_tokens_keep_the_weight_version_they_were_sampled_with(tiny_mod
     assert a.spans == [("v0", 0), ("v1", 2), ("v2", 4), ("v3", 5)]
     assert b.spans == [("v1", 0), ("v3", 1)]
     assert updates.count("a") == 6 and updates.count("b") == 2
+
+
+def test_a_failure_handling_one_request_fails_only_that_request():
+    """A request whose message the front end cannot handle (decoding its streamed text fails)
+    ends with 500 and is aborted in the scheduler; the channel stays up and the next message
+    still answers another request. The front end used to take any such error for a broken
+    channel: every request got 503 and the server exited."""
+    import asyncio
+
+    from rltool.engine import ipc
+    from rltool.engine.link import EngineInfo
+    from rltool.engine.remote_link import RemoteLink
+    from rltool.engine.request import Request
+    from rltool.engine.sampling import SamplingParams
+
+    class Tokenizer:
+        def decode(self, ids, skip_special_tokens):
+            raise ValueError("cannot decode token 3")
+
+    class Proc:
+        def poll(self):
+            return None
+
+    class Writer:
+        def __init__(self):
+            self.data = b""
+
+        def write(self, data):
+            self.data += data
+
+    info = EngineInfo(tokenizer=Tokenizer(), model_path="m", tokenizer_path="m",
+                      context_length=64, vocab_size=32, max_total_num_tokens=256, moe=False,
+                      lora_enabled=False)
+    done_b = Request(rid="b", prompt_ids=[4, 5], params=SamplingParams(), text="xy")
+    done_b.record_token(6, -0.5, version="v0")
+    done_b.finish_reason = {"type": "length", "length": 1}
+    step_a = {"t": "step", "v": "v0", "fin": [], "tok": {
+        "rids": ["a"], "n": ipc.pack([1], "<i4"), "ids": ipc.pack([3], "<i4"),
+        "lp": ipc.pack([-0.25], "<f8"), "extra": [], "spans": []}}
+    step_b = {"t": "step", "v": "v0", "tok": None, "fin": [ipc.encode_final(done_b)]}
+
+    async def serve() -> tuple[dict, list, bytes]:
+        reader, writer = asyncio.StreamReader(), Writer()
+        link = RemoteLink(reader, writer, proc=Proc(), info=info, weight_version="v0")
+        finished, refused = {}, []
+        reqs = [Request(rid=rid, prompt_ids=[4, 5], params=SamplingParams()) for rid in "ab"]
+        for req in reqs:
+            req.on_finish = lambda r: finished.setdefault(r.rid, r)
+        reqs[0].on_token = lambda r: None
+        link.submit(reqs, on_refused=refused.append)
+        reader.feed_data(ipc.frame(step_a) + ipc.frame(step_b))
+        reading = asyncio.ensure_future(link._read())
+        while "b" not in finished:
+            await asyncio.sleep(0)
+        await asyncio.sleep(0)  # the frames of this turn go out
+        assert link.exited is None
+        reader.feed_eof()
+        await reading
+        return finished, refused, writer.data
+
+    finished, refused, sent = asyncio.run(serve())
+    assert not refused
+    reason = finished["a"].finish_reason
+    assert reason["status_code"] == 500 and reason["type"] == "abort"
+    assert reason["message"] == "internal error: ValueError: cannot decode token 3"
+    assert finished["b"].finish_reason == {"type": "length", "length": 1}
+    assert finished["b"].output_ids == [6] and finished["b"].text == "xy"
+    frames, at = [], 0
+    while at < len(sent):
+        (size,) = ipc.HEADER.unpack_from(sent, at)
+        frames.append(json.loads(sent[at + ipc.HEADER.size:at + ipc.HEADER.size + size]))
+        at += ipc.HEADER.size + size
+    assert [f["t"] for f in frames] == ["submit", "abort"]
+    assert frames[1]["rids"] == ["a"]
