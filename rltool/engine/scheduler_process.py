@@ -10,7 +10,9 @@ message: the tokens new since the last message of every streamed request and the
 every request that finished. Requests that are not streamed send nothing until they finish.
 
 The process ends when the front end says stop or closes its end (it exited): requests in flight
-are aborted (503), their final records sent while the channel is open. SIGINT is ignored (a
+are aborted (503), their final records sent while the channel is open. A scheduler thread that
+dies unasked, or a step's results that cannot be sent, end it at once with EXIT_RUNTIME (the
+front end then answers 503 and stops). SIGINT is ignored (a
 terminal's Ctrl-C reaches the front end, which stops this process in order).
 
 Run as `python -m rltool.engine.scheduler_process FD` by the front end only.
@@ -36,6 +38,7 @@ from rltool.engine.request import Request
 from rltool.errors import EXIT_RUNTIME, BadInputError, EngineError, RltoolError
 
 log = logging.getLogger(__name__)
+THREAD_POLL_S = 1.0  # how often the process looks whether its scheduler thread still runs
 
 
 class Columns:
@@ -158,6 +161,7 @@ class SchedulerProcess:
         self.outbox = Outbox(channel, runner)
         scheduler.on_iteration = self.flush
         self.loop = asyncio.new_event_loop()
+        self.stopping = threading.Event()
 
     def flush(self) -> None:
         """The outbox's flush; a failure ends the process (the front end then answers 503 and
@@ -168,17 +172,28 @@ class SchedulerProcess:
             log.exception("sending a step's results failed; the scheduler process exits")
             os._exit(EXIT_RUNTIME)
 
+    def watch_scheduler(self) -> None:
+        """End the process (EXIT_RUNTIME) once the scheduler thread has died unasked (an error
+        outside a step's handling): the front end then answers 503 and stops, as one process
+        answers 503, instead of a server whose requests all wait."""
+        while not self.stopping.wait(THREAD_POLL_S):
+            if not self.sched.alive and not self.stopping.is_set():
+                log.error("the scheduler thread died; the scheduler process exits")
+                os._exit(EXIT_RUNTIME)
+
     def run(self) -> None:
         ops_thread = threading.Thread(target=self.loop.run_forever, name="rltool-ops",
                                       daemon=True)
         ops_thread.start()
         self.sched.start()
+        threading.Thread(target=self.watch_scheduler, name="rltool-watch", daemon=True).start()
         self.channel.send({"t": "hello", "facts": EngineInfo.of_runner(self.runner).facts(),
                            "weight_version": self.runner.weight_version, "pid": os.getpid()})
         try:
             while (msg := self.channel.recv()) is not None and msg["t"] != "stop":
                 self.dispatch(msg)
         finally:
+            self.stopping.set()  # before the stop, which the watch must not take for a death
             self.sched.stop()
             self.loop.call_soon_threadsafe(self.loop.stop)
             ops_thread.join(timeout=5.0)

@@ -604,3 +604,39 @@ def test_a_failure_handling_one_request_fails_only_that_request():
         at += ipc.HEADER.size + size
     assert [f["t"] for f in frames] == ["submit", "abort"]
     assert frames[1]["rids"] == ["a"]
+
+
+def test_a_dead_scheduler_thread_ends_the_scheduler_process(monkeypatch):
+    """A scheduler thread that ended unasked (an error outside a step's handling) makes the
+    scheduler process exit with EXIT_RUNTIME, so the front end answers 503 and stops; the
+    process used to stay up with the thread dead, its /health 200 and every request waiting.
+    A thread ended by the process's own stop is no death."""
+    from rltool.engine import scheduler_process
+    from rltool.engine.scheduler_process import SchedulerProcess
+    from rltool.errors import EXIT_RUNTIME
+
+    class Exited(Exception):
+        pass
+
+    def exit_(code):
+        raise Exited(code)
+
+    class Scheduler:
+        def __init__(self):
+            self.thread = threading.Thread(target=lambda: None)
+            self.thread.start()
+            self.thread.join()
+
+        @property
+        def alive(self):
+            return self.thread.is_alive()
+
+    monkeypatch.setattr(scheduler_process, "THREAD_POLL_S", 0.01)
+    monkeypatch.setattr(os, "_exit", exit_)
+    proc = SchedulerProcess.__new__(SchedulerProcess)
+    proc.sched, proc.stopping = Scheduler(), threading.Event()
+    with pytest.raises(Exited) as exited:
+        proc.watch_scheduler()
+    assert exited.value.args == (EXIT_RUNTIME,)
+    proc.stopping.set()
+    proc.watch_scheduler()  # returns: the process is stopping
