@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from rltool.engine.sampling import SamplingParams
-from rltool.engine.stop_rule import StopRule
+from rltool.engine.stop_rule import StopRule, StopText
 
 
 @dataclass(eq=False)
@@ -56,6 +56,7 @@ class Request:
     num_cached: int = 0  # tokens whose KV is in the cache
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     stop_rule: StopRule | None = None  # set by the request queue at admission
+    stop_text: StopText | None = None  # likewise, for a request with stop strings or patterns
     # Set by the batch builder when it first samples the request, kept while it is retracted:
     # (temperature, greedy, base seed, plain, min new tokens).
     sampling_consts: tuple[float, bool, int, bool, int] | None = None

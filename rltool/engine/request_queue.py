@@ -25,7 +25,7 @@ from rltool.engine.kv_memory import check_fits
 from rltool.engine.request import Request
 from rltool.engine.schedule_policy import SCHEDULE_POLICIES, ordered
 from rltool.engine.scheduler import PAUSE_MODES, THROUGHPUT_WINDOW_S, QueueFullError
-from rltool.engine.stop_rule import StopRule
+from rltool.engine.stop_rule import StopRule, StopText
 from rltool.errors import BadInputError, EngineError
 
 log = logging.getLogger(__name__)
@@ -248,6 +248,7 @@ class RequestQueue:
                 req.stop_rule = StopRule.for_request(
                     req.params, prompt_len=len(req.prompt_ids),
                     eos_token_ids=runner.eos_token_ids, context_length=runner.context_length)
+                req.stop_text = StopText(runner.tokenizer, req.params.skip_special_tokens)
                 self.prefilling.append(req)
 
     def prefill_order(self) -> list[Request]:
@@ -285,11 +286,10 @@ class RequestQueue:
 
     def after_token(self, req: Request, token: int) -> None:
         """Finish the request if `token` stops it, else hand the new token to a streaming caller."""
-        stop = req.stop_rule.reason(len(req.output_ids), token, lambda: self._decode_text(req))
+        stop = req.stop_rule.reason(len(req.output_ids), token,
+                                    lambda: req.stop_text.read(req.output_ids))
         if stop is not None:
-            reason, cut_at = stop
-            if cut_at is not None:
-                req.matched_stop_at = cut_at
+            reason, req.matched_stop_at = stop
             self.finish(req, reason)
         elif req.on_token is not None:
             req.text = self._decode_text(req)

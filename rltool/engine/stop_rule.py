@@ -2,6 +2,13 @@
 limit (max_new_tokens, capped by what is left of the context), min_new_tokens, and its stop strings
 and patterns. Built once at admission; `may_stop` is the per-token test of the decode loop (a few
 comparisons), `reason` the decision and the finish reason SGLang reports.
+
+Stop strings are checked on new text only: `StopText` decodes the tokens since the last whole
+characters (`StreamedText`), and each string is searched from `len(stop) - 1` characters before
+the text that is new since the previous check (an earlier match would have stopped the request
+then). Patterns are searched in the whole text: a regular expression's match may start anywhere
+before the new text (`a.*b`) or depend on what follows it (`a(?=b)`, `$`), and the search costs
+little next to decoding.
 """
 
 from __future__ import annotations
@@ -10,6 +17,8 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from rltool.engine.detokenize import StreamedText
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,16 +48,17 @@ class StopRule:
         return num_out >= self.max_new_tokens or (
             num_out >= self.min_new_tokens and (self.checks_text or token in self.stop_ids))
 
-    def reason(self, num_out: int, token: int, text: Callable[[], str]
+    def reason(self, num_out: int, token: int, text: Callable[[], tuple[str, int]]
                ) -> tuple[dict[str, Any], int | None] | None:
         """The finish reason if `token`, output token number `num_out`, stops the request, and
         where its text is cut (after a matched stop string; None: not cut); None if it goes on.
-        `text` decodes the output so far (called only when stop strings are checked)."""
+        `text` gives the output text so far and how many of its first characters earlier checks
+        searched (a `StopText`; called only when stop strings are checked)."""
         if num_out >= self.min_new_tokens:
             if token in self.stop_ids:
                 return {"type": "stop", "matched": token}, None
             if self.checks_text:
-                found = self.match(text())
+                found = self.match(*text())
                 if found is not None:
                     matched, cut_at = found
                     return {"type": "stop", "matched": matched}, cut_at
@@ -56,12 +66,13 @@ class StopRule:
             return {"type": "length", "length": num_out}, None
         return None
 
-    def match(self, text: str) -> tuple[str, int] | None:
+    def match(self, text: str, searched: int = 0) -> tuple[str, int] | None:
         """The stop string or pattern that occurs first in `text` (a string before a pattern at
-        the same offset) and where the text is cut for it."""
+        the same offset) and where the text is cut for it. Its first `searched` characters held
+        no match of a string: one can start only where it reaches past them."""
         best: tuple[int, int, str] | None = None  # (start, length, what matched)
         for stop in self.strings:
-            at = text.find(stop)
+            at = text.find(stop, max(searched - len(stop) + 1, 0))
             if at >= 0 and (best is None or at < best[0]):
                 best = (at, len(stop), stop)
         for pattern in self.patterns:
@@ -72,3 +83,28 @@ class StopRule:
             return None
         at, length, matched = best
         return matched, at + length if self.keep_matched else at
+
+
+class StopText:
+    """The output text of a request with stop strings, for `StopRule.reason`: each call decodes
+    only the tokens since the last whole characters and says how much of the text the previous
+    call had final (searched then, without a match). A tokenizer that cleans up spaces
+    (clean_up_tokenization_spaces) may change text across a seam: its whole output is decoded
+    and searched at every call."""
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.stream = (None if getattr(tokenizer, "clean_up_tokenization_spaces", False)
+                       else StreamedText(tokenizer, skip_special_tokens))
+        self.searched = 0
+
+    def read(self, ids: list[int]) -> tuple[str, int]:
+        """The decode of `ids` (the output so far, grown since the previous call) and how many
+        of its first characters the previous call searched."""
+        if self.stream is None:
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip), 0
+        searched = self.searched
+        final = self.stream.update(ids)
+        self.searched = len(final)
+        return final + self.stream.pending, searched

@@ -52,14 +52,14 @@ def test_a_stop_token_at_the_length_limit_reports_stop():
 def test_stop_strings_cut_the_text_unless_kept(keep):
     r = rule(max_new_tokens=50, stop=["END", "b"], no_stop_trim=keep)
     assert r.checks_text and r.may_stop(1, 9)  # every token needs the text checked
-    assert r.reason(1, 9, lambda: "aaa") is None
-    reason, cut = r.reason(4, 9, lambda: "aaENDb")
+    assert r.reason(1, 9, lambda: ("aaa", 0)) is None
+    reason, cut = r.reason(4, 9, lambda: ("aaENDb", 0))
     assert reason == {"type": "stop", "matched": "END"}  # the earliest match wins
     assert cut == (5 if keep else 2)
 
 
 def test_a_string_wins_over_a_pattern_at_the_same_offset_and_min_new_tokens_holds_both():
     r = rule(max_new_tokens=50, stop=["ab"], stop_regex=["a+b"], min_new_tokens=3)
-    assert r.reason(2, 9, lambda: "xab") is None
-    assert r.reason(3, 9, lambda: "xab") == ({"type": "stop", "matched": "ab"}, 1)
-    assert r.reason(3, 9, lambda: "aab") == ({"type": "stop", "matched": "a+b"}, 0)
+    assert r.reason(2, 9, lambda: ("xab", 0)) is None
+    assert r.reason(3, 9, lambda: ("xab", 0)) == ({"type": "stop", "matched": "ab"}, 1)
+    assert r.reason(3, 9, lambda: ("aab", 0)) == ({"type": "stop", "matched": "a+b"}, 0)
