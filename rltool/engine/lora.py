@@ -130,6 +130,7 @@ class LoraAdapter:
     scaling: float
     tag: int
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    cover: tuple[int, Any] | None = None  # `coverage` of the config it came with (None: none)
 
     def put(self, name: str, tensor: torch.Tensor, shapes: LoraShapes, dtype: torch.dtype) -> None:
         """Check one PEFT tensor (`locate`) and copy it into its block."""
@@ -161,14 +162,13 @@ def parse_name(name: str) -> tuple[int, str, str]:
     return int(m.group(1)), m.group(2), m.group(3)
 
 
-def read_config(path: Path) -> tuple[int, float]:
-    """(rank, scaling) of an adapter directory's adapter_config.json (`check_config`)."""
+def read_config(path: Path) -> Any:
+    """The JSON of an adapter directory's adapter_config.json (unchecked: `check_config`)."""
     where = path / CONFIG_FILE
     try:
-        cfg = json.loads(where.read_text())
+        return json.loads(where.read_text())
     except (OSError, ValueError) as e:
         raise BadInputError(f"{where}: not a readable adapter config ({e})") from e
-    return check_config(cfg, where=str(where))
 
 
 def check_config(cfg: Any, *, where: str) -> tuple[int, float]:
@@ -191,12 +191,22 @@ def check_config(cfg: Any, *, where: str) -> tuple[int, float]:
     return r, alpha / r
 
 
+def coverage(cfg: dict[str, Any]) -> tuple[int, Any]:
+    """What of the model an adapter of checked config `cfg` covers: its rank and target modules
+    (a list in any order, or PEFT's regular expression). Adapters of one coverage fill the same
+    blocks of the fused layout, so one replaces another block by block."""
+    targets = cfg.get("target_modules")
+    return cfg["r"], tuple(sorted(targets)) if isinstance(targets, list) else targets
+
+
 def read_adapter(path: Path, *, name: str, tag: int, shapes: LoraShapes,
                  dtype: torch.dtype) -> LoraAdapter:
-    """An adapter directory read into the fused layout, every tensor checked before it is kept."""
+    """An adapter directory read into the fused layout, every tensor checked before it is kept;
+    on any thread (it touches nothing the forward reads)."""
     from safetensors import safe_open
 
-    rank, scaling = read_config(path)
+    cfg = read_config(path)
+    rank, scaling = check_config(cfg, where=str(path / CONFIG_FILE))
     if rank > shapes.max_rank:
         raise BadInputError(f"{path}: adapter rank {rank} is above --max-lora-rank "
                             f"{shapes.max_rank}; restart the engine with --max-lora-rank {rank}")
@@ -204,7 +214,8 @@ def read_adapter(path: Path, *, name: str, tag: int, shapes: LoraShapes,
     if not weights.is_file():
         raise BadInputError(f"{path} has no {WEIGHTS_FILE}; save the adapter with PEFT's "
                             "save_pretrained (safetensors)")
-    adapter = LoraAdapter(name=name, path=str(path), rank=rank, scaling=scaling, tag=tag)
+    adapter = LoraAdapter(name=name, path=str(path), rank=rank, scaling=scaling, tag=tag,
+                          cover=coverage(cfg))
     try:
         with safe_open(str(weights), framework="pt") as sf:
             tensors = {key: sf.get_tensor(key) for key in sf.keys()}

@@ -9,6 +9,8 @@ copied again and never shares prefix-cache entries with the one it replaced.
 
 Every method that changes adapters runs on the scheduler thread; `adapters` is replaced, never
 changed in place, so the routes read it from the event loop (request checks, server info) safely.
+`read` alone runs anywhere: /load_lora_adapter reads and checks the files on a worker thread, and
+the scheduler thread only adds what it read (`add`), so generation goes on during the read.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from typing import Any
 
 import torch
 
-from rltool.engine.lora import (LoraAdapter, LoraLayers, LoraShapes, check_config, locate,
-                               read_adapter)
+from rltool.engine.lora import (LoraAdapter, LoraLayers, LoraShapes, check_config, coverage,
+                               locate, read_adapter)
 from rltool.engine.model_spec import ModelSpec
 from rltool.errors import BadInputError
 
@@ -84,13 +86,25 @@ class LoraRegistry:
     # ----- named adapters -------------------------------------------------------------------
 
     def load(self, name: str, path: Path) -> LoraAdapter:
+        """Read adapter `path` and hold it as `name` (at start, --lora-paths)."""
+        return self.add(self.read(name, path))
+
+    def read(self, name: str, path: Path) -> LoraAdapter:
+        """Adapter `path` read and checked for `name`, not yet held (any thread)."""
+        self.check_new(name)
+        return read_adapter(path, name=name, tag=next(self._tags), shapes=self.shapes,
+                            dtype=self.dtype)
+
+    def add(self, adapter: LoraAdapter) -> LoraAdapter:
+        """Hold adapter `read` gave, unless its name was taken meanwhile."""
+        self.check_new(adapter.name)
+        self.adapters = {**self.adapters, adapter.name: adapter}
+        return adapter
+
+    def check_new(self, name: str) -> None:
         if not name or name in self.adapters:
             raise BadInputError(f"lora_name {name!r} is empty or already loaded; unload it "
                                 "first or choose another name")
-        adapter = read_adapter(path, name=name, tag=next(self._tags), shapes=self.shapes,
-                               dtype=self.dtype)
-        self.adapters = {**self.adapters, name: adapter}
-        return adapter
 
     def unload(self, name: str) -> None:
         if name not in self.adapters:
@@ -118,27 +132,36 @@ class LoraRegistry:
     def sync_policy(self, named: list[tuple[str, Any]], config: Any = None) -> int:
         """A LoRA weight sync from PEFT-named tensors (any subset, e.g. one bucket): each replaces
         its block of the policy adapter. `config`: the adapter's PEFT LoraConfig fields (r,
-        lora_alpha, ...; `check_config`), which set its scale lora_alpha / r; without one the
-        scale stays (DEFAULT_SCALING for a first adapter). Every tensor (and the config) is
-        checked before any is copied; each is then copied once, and when the forward's buffers
-        hold the policy only the fused linears the sync touched are uploaded (else the whole
-        policy adapter is)."""
+        lora_alpha, target_modules, ...; `check_config`), which set its scale lora_alpha / r;
+        without one the scale stays (DEFAULT_SCALING for a first adapter). A config of another
+        `coverage` (rank, target modules) than the policy adapter's starts the policy afresh
+        from zeros, so once every bucket is in it is exactly the adapter sent (what that one
+        lacks, zero); one of the same coverage fills the same blocks, each bucket its own.
+        Every tensor (and the config) is checked before any is copied; each is then copied
+        once, and when the forward's buffers hold the policy only the fused linears the sync
+        touched are uploaded (else the whole policy adapter is)."""
         slots = []
         for name, t in named:
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
                 raise BadInputError(f"LoRA tensor {name!r} must be a floating-point tensor")
             slots.append(locate(name, t, self.shapes))
-        scaling = None
+        scaling = cover = None
         if config is not None:
             rank, scaling = check_config(config, where="lora_config")
             odd = [name for (name, _), slot in zip(named, slots) if slot.rank != rank]
             if odd:
                 raise BadInputError(f"LoRA tensor {odd[0]!r} is not of lora_config's rank r "
                                     f"{rank}; send the adapter's own config")
+            cover = coverage(config)
         old = self.policy
         held = self.layers is not None and self.layers.tag == (old.tag if old else 0)
-        policy = old or LoraAdapter(name=POLICY, path=None, rank=0, scaling=DEFAULT_SCALING,
-                                    tag=0)
+        if old is None or (cover is not None and cover != old.cover):
+            # another rank or other modules: nothing of the old adapter stays
+            held = held and old is None
+            policy = LoraAdapter(name=POLICY, path=None, rank=0, tag=0, cover=cover,
+                                 scaling=DEFAULT_SCALING if old is None else old.scaling)
+        else:
+            policy = old
         for slot, (_, t) in zip(slots, named):
             policy.write(slot, t, self.shapes, self.dtype)
             policy.rank = max(policy.rank, slot.rank)
