@@ -143,9 +143,13 @@ class EngineOps(WeightOps):
         return {} if lora is None else {name: a.path or "" for name, a in lora.adapters.items()}
 
     async def load_lora(self, *, name: str, path: str) -> None:
+        """Read and check the adapter's files on a worker thread (generation goes on), then hold
+        it, on the scheduler thread."""
         from pathlib import Path
 
-        await self.on_thread(lambda: self.runner.lora.load(name, Path(path)))
+        lora = self.runner.lora
+        adapter = await asyncio.to_thread(lora.read, name, Path(path))
+        await self.on_thread(lambda: lora.add(adapter))
 
     async def unload_lora(self, *, name: str) -> int:
         """Unload `name` unless waiting or running requests use it; answers how many do."""
