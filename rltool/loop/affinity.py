@@ -2,8 +2,9 @@
 
 Linux keeps an affinity mask per thread, and `os.sched_setaffinity(pid)` sets only the thread
 whose id is `pid`; a process that already runs threads (an engine's scheduler, torch's pool) is
-pinned by setting every thread in /proc/PID/task. Threads started later inherit the mask of the
-thread that starts them.
+pinned by setting every thread in /proc/PID/task. Threads and processes started later inherit
+the mask of the thread that starts them. An engine is pinned with its descendants (`pin_tree`):
+the builtin engine's two-process layout runs its scheduler in a child process.
 """
 
 from __future__ import annotations
@@ -32,3 +33,21 @@ def pin(pid: int, cores: list[int]) -> None:
             os.sched_setaffinity(tid, set(cores))
         except ProcessLookupError:  # a thread that ended meanwhile
             continue
+
+
+def pin_tree(pid: int, cores: list[int]) -> None:
+    """Pin process `pid` and every process descended from it (`pin`)."""
+    pin(pid, cores)
+    for child in _children(pid):
+        pin_tree(child, cores)
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of `pid` (the children of each of its threads; none once it ended)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            children += [int(c) for c in task.read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            continue
+    return children

@@ -74,11 +74,11 @@ class EvalWorker:
         from rltool.rollout.eval import run as run_eval
 
         if not self.engine.procs:
-            from rltool.loop.affinity import pin
+            from rltool.loop.affinity import pin_tree
 
             self.engine.start(self.run.weight_version(0))
             if self.settings.loop.engine_cores:
-                pin(self.engine.procs[0].pid, self.settings.loop.engine_cores)
+                pin_tree(self.engine.procs[0].pid, self.settings.loop.engine_cores)
         bucket = self.settings.sync.tensor_bucket_mb << 20
         if named is None:
             from rltool.loop.phases import version_mode

@@ -21,7 +21,7 @@ from rltool import atomic, trace, tracking
 from rltool.errors import BadInputError
 from rltool.faults import kill_point
 from rltool.loop import phases
-from rltool.loop.affinity import pin
+from rltool.loop.affinity import pin, pin_tree
 from rltool.loop.config import LoopSettings
 from rltool.loop.engines import ChildRegistry, EngineSet, end_orphans
 from rltool.loop.state import LoopState
@@ -103,7 +103,7 @@ def _run(run: RunDir, settings: LoopSettings, *, on_step: StepCallback | None,
         engines.start(run.weight_version(0))
         if settings.loop.engine_cores:
             for proc in engines.procs:
-                pin(proc.pid, settings.loop.engine_cores)
+                pin_tree(proc.pid, settings.loop.engine_cores)
         mode = phases.sync_mode(settings)
         served = max(list_versions(run.weights), default=0)
         if mode != "disk" and state.policy_version > 0:

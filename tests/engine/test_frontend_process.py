@@ -195,6 +195,25 @@ def test_weight_update_through_the_control_call(two_process_engine, tiny_model_d
     assert post(url, api.GENERATE, body).json()["output_ids"] == before["output_ids"]
 
 
+def test_pinning_an_engine_pins_its_scheduler_process(two_process_engine):
+    """The loop's `engine_cores` reach the scheduler process (every thread), not only the front
+    end whose pid the loop holds; pinning the front end alone left the model's process on
+    every core."""
+    from rltool.loop.affinity import pin_tree
+
+    proc = two_process_engine
+    child = scheduler_pid(proc.url)
+    before = os.sched_getaffinity(child)
+    core = min(before)
+    try:
+        pin_tree(proc.pid, [core])
+        for pid in (proc.pid, child):
+            threads = os.listdir(f"/proc/{pid}/task")
+            assert all(os.sched_getaffinity(int(tid)) == {core} for tid in threads)
+    finally:
+        pin_tree(proc.pid, sorted(before))
+
+
 def test_sigterm_stops_both_processes(two_process_engine):
     """The module engine's last test: it ends the engine (the fixture's stop is then a no-op)."""
     proc = two_process_engine
