@@ -15,7 +15,12 @@ adapter, the one requests without `lora_path` run:
   tensor   the adapter's tensors under PEFT's names (`base_model.model.<module>.lora_A.weight`)
            through the in-memory transport (shared memory, CUDA IPC, a gloo broadcast or the
            in-process engine's copy), each bucket with the adapter's config (`tensor_config`:
-           r, lora_alpha, target_modules), from which the engine takes the scale lora_alpha / r.
+           r, lora_alpha, target_modules), from which the engine takes the scale lora_alpha / r
+           and, when r or target_modules differ from its policy adapter's (an engine that served
+           another run), starts that adapter afresh.
+
+Every mode replaces the engine's policy adapter exactly: nothing of an adapter of a larger rank or
+more target modules stays (docs/serve.md, "LoRA adapters").
 """
 
 from __future__ import annotations
