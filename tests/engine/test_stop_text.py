@@ -1,6 +1,7 @@
 """Stop strings checked on new text only (`StopText`): at every step the incremental check gives
 the decision of a search of the whole decoded output (same finish reason, matched string and cut
-position), and decodes only the tokens since the last whole characters."""
+position) and its text is the whole decode, for a byte-level (Qwen) and a byte-fallback (Llama)
+tokenizer, and it decodes only the tokens since the last whole characters."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from rltool.engine.stop_rule import StopRule, StopText
 # give invalid and cut-off UTF-8 (decoded as U+FFFD).
 HIGH_BYTES = "".join(chr(b) for b in range(0x80, 0x100))
 WORDS = ["a", "ab", "é", "中", "中文", "😀", " ", "\n", "end", "x=1", "ß", "ünï", ".", "?!"]
-SPECIAL_IDS = [0, 1, 2, 3]  # <|endoftext|>, <|im_start|>, <|im_end|>, <unk>
+SPECIAL_IDS = [0, 1, 2]  # special tokens of both tokenizers
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +27,29 @@ def tokenizer(tmp_path_factory):
     out = tmp_path_factory.mktemp("byte-tokenizer")
     build_tokenizer(out, charset=CHARSET + HIGH_BYTES)
     return load_tokenizer(out)
+
+
+def byte_fallback_tokenizer():
+    """A Llama-style SentencePiece BPE: "▁" pieces, a leading space stripped, characters outside
+    its vocabulary as byte tokens (<0xNN>) that decode a run together (all U+FFFD when the run
+    is not valid UTF-8), special tokens that skip_special_tokens drops from within a run."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for piece in ["▁", "a", "b", "▁a", "▁ab", "ab", "é", "▁é", "x", "=", "1", "▁x", "中", "end"]:
+        vocab.setdefault(piece, len(vocab))
+    merges = [("▁", "a"), ("▁a", "b"), ("a", "b"), ("▁", "x"), ("▁", "é")]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True,
+                               fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                           normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
 
 
 class Counting:
@@ -74,8 +98,11 @@ def random_stops(rng: random.Random, text: str) -> tuple[list[str], list[str]]:
     return strings, patterns
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_incremental_check_decides_as_a_whole_text_search_at_every_step(tokenizer, seed):
+@pytest.mark.parametrize("kind", ["byte-level", "byte-fallback"])
+@pytest.mark.parametrize("seed", range(3))
+def test_incremental_check_decides_as_a_whole_text_search_at_every_step(tokenizer, kind, seed):
+    if kind == "byte-fallback":
+        tokenizer = byte_fallback_tokenizer()
     rng = random.Random(seed)
     for _ in range(60):
         ids = random_output(rng, tokenizer)
