@@ -7,7 +7,8 @@ named call runs on the operations' event loop); the "rltool-ops" thread runs tha
 (rltool.engine.ops.EngineOps, as the front end's loop runs them in one process); the scheduler
 thread runs the model and, after each iteration (`PagedScheduler.on_iteration`), sends ONE step
 message: the tokens new since the last message of every streamed request and the final record of
-every request that finished. Requests that are not streamed send nothing until they finish.
+every request that finished. Requests that are not streamed send nothing until they finish. An
+operation that runs on the scheduler thread answers after that message (`StepOrderedOps`).
 
 The process ends when the front end says stop or closes its end (it exited): requests in flight
 are aborted (503), their final records sent while the channel is open. A scheduler thread that
@@ -21,6 +22,7 @@ Run as `python -m rltool.engine.scheduler_process FD` by the front end only.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -28,6 +30,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from rltool.engine import ipc
@@ -98,6 +101,9 @@ class Outbox:
         self._streamed: set[str] = set()
         self._lock = threading.Lock()
         self.closed = False
+        # (future, result, error) of operations that ran this iteration, resolved after its
+        # step message: a call's reply never overtakes the final records it made (an abort's).
+        self.answers: list[tuple[concurrent.futures.Future, Any, Exception | None]] = []
 
     def stream(self, req: Request) -> None:
         with self._lock:
@@ -139,13 +145,42 @@ class Outbox:
             sent[0] = n
         tokens, finals = columns.message(), self.finals
         self.tails, self.finals = [], []
-        if (tokens is None and not finals) or self.closed:
-            return
-        try:
-            self.channel.send({"t": "step", "v": version, "tok": tokens,
-                               "fin": finals})
-        except OSError:  # the front end is gone; the reader thread ends the process
-            self.closed = True
+        if (tokens is not None or finals) and not self.closed:
+            try:
+                self.channel.send({"t": "step", "v": version, "tok": tokens,
+                                   "fin": finals})
+            except OSError:  # the front end is gone; the reader thread ends the process
+                self.closed = True
+        answers, self.answers = self.answers, []
+        for future, result, error in answers:
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
+
+
+class StepOrderedOps(EngineOps):
+    """The operations as the scheduler process runs them: what runs on the scheduler thread
+    answers once the iteration that ran it has sent its step message, so the front end has
+    ended the requests an abort finished before the abort's reply comes (and an aborted id
+    is free again when the client hears of the abort, as in one process)."""
+
+    def __init__(self, *, outbox: Outbox, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.outbox = outbox
+
+    async def on_thread(self, fn: Callable[[], Any]) -> Any:
+        answered: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                result, error = fn(), None
+            except Exception as e:  # noqa: BLE001 - handed to the caller through the future
+                result, error = None, e
+            self.outbox.answers.append((answered, result, error))
+
+        self.sched.call(run)
+        return await asyncio.wrap_future(answered)
 
 
 class SchedulerProcess:
@@ -155,10 +190,10 @@ class SchedulerProcess:
         self.channel = channel
         self.runner = runner
         self.sched = scheduler
-        self.ops = EngineOps(runner=runner, scheduler=scheduler,
-                             max_running=cfg.max_running_requests,
-                             allowed_sync_hosts=cfg.allowed_sync_hosts)
         self.outbox = Outbox(channel, runner)
+        self.ops = StepOrderedOps(outbox=self.outbox, runner=runner, scheduler=scheduler,
+                                  max_running=cfg.max_running_requests,
+                                  allowed_sync_hosts=cfg.allowed_sync_hosts)
         scheduler.on_iteration = self.flush
         self.loop = asyncio.new_event_loop()
         self.stopping = threading.Event()

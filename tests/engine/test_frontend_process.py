@@ -659,3 +659,78 @@ def test_a_dead_scheduler_thread_ends_the_scheduler_process(monkeypatch):
     assert exited.value.args == (EXIT_RUNTIME,)
     proc.stopping.set()
     proc.watch_scheduler()  # returns: the process is stopping
+
+
+def test_an_abort_answers_after_the_final_records_it_made():
+    """The reply to an abort comes after the step message with the final records of the
+    requests it ended, so the front end has freed their ids when the client hears of it (a
+    request id reused at once is no duplicate, as in one process). The reply came as soon as
+    the scheduler thread had run the abort, often before that step message."""
+    import asyncio
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    from rltool.engine.request import Request
+    from rltool.engine.sampling import SamplingParams
+    from rltool.engine.scheduler_process import SchedulerProcess
+
+    class Runner:
+        weight_version = "v0"
+
+    class Channel:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, msg):
+            self.sent.append(msg)
+
+    class Scheduler:
+        """Runs operations when the test says (as the scheduler thread between steps)."""
+
+        on_iteration = None
+
+        def __init__(self):
+            self.queued, self.running = [], {}
+
+        def call(self, fn):
+            future = concurrent.futures.Future()
+
+            def op():
+                future.set_result(fn())
+
+            self.queued.append(op)
+            return future
+
+        def abort(self, *, rid, abort_all):
+            req = self.running.pop(rid)
+            req.finish_reason = {"type": "abort", "message": "Aborted by /abort_request."}
+            req.on_finish(req)
+            return 1
+
+        def run_ops(self):
+            ops, self.queued = self.queued, []
+            for op in ops:
+                op()
+
+    cfg = SimpleNamespace(max_running_requests=4, allowed_sync_hosts=[])
+    sched, channel = Scheduler(), Channel()
+    proc = SchedulerProcess(cfg, channel, Runner(), sched)
+    req = Request(rid="r1", prompt_ids=[4, 5], params=SamplingParams())
+    req.on_finish = proc.outbox.finished
+    sched.running["r1"] = req
+
+    async def abort() -> int:
+        aborting = asyncio.ensure_future(proc.ops.abort(rid="r1"))
+        while not sched.queued:
+            await asyncio.sleep(0)
+        sched.run_ops()  # the iteration's operations: the abort ends r1
+        for _ in range(10):  # turns of the loop enough for an answer to arrive
+            await asyncio.sleep(0)
+        assert not aborting.done() and not channel.sent
+        sched.on_iteration()  # the end of the iteration: its step message goes out
+        assert [(m["t"], [f["rid"] for f in m["fin"]]) for m in channel.sent] == [
+            ("step", ["r1"])]
+        return await aborting
+
+    assert asyncio.run(abort()) == 1
+    proc.loop.close()
