@@ -10,7 +10,7 @@ there too.
 One iteration of the thread: wait for work; record any decode block still in flight if control
 operations are queued; run them; apply a pending weight update once nothing it waits for is in
 flight; run a step. A failed step aborts every request in flight (HTTP 500) and the thread goes
-on; stopping aborts what is in flight or queued (503).
+on; stopping aborts what is in flight or queued and fails the operations not run (503).
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ class RequestQueue:
         self.counters = Counters()
         self._cond = threading.Condition()
         self._incoming: list[Request] = []
-        self._ops: list[Callable[[], None]] = []
+        self._ops: list[tuple[Callable[[], None], concurrent.futures.Future]] = []
         self._seq = 0
         self.stopping = False
         # Owned by the scheduler thread:
@@ -116,7 +116,7 @@ class RequestQueue:
                 except Exception as e:  # noqa: BLE001 - handed to the caller through the future
                     future.set_exception(e)
 
-        self._enqueue_op(op)
+        self._enqueue_op(op, future)
         return future
 
     def update_weights(self, apply: Callable[[], Any], *, abort_all: bool
@@ -145,14 +145,14 @@ class RequestQueue:
                 self.abort(abort_all=True)
             self._pending_update = (cutoff, run, future)
 
-        self._enqueue_op(op)
+        self._enqueue_op(op, future)
         return future
 
-    def _enqueue_op(self, op: Callable[[], None]) -> None:
+    def _enqueue_op(self, op: Callable[[], None], future: concurrent.futures.Future) -> None:
         with self._cond:
             if self.stopping:
                 raise EngineError("the engine is shutting down")
-            self._ops.append(op)
+            self._ops.append((op, future))
             self._cond.notify_all()
 
     def next_seq(self) -> int:
@@ -176,7 +176,7 @@ class RequestQueue:
             for req in self._incoming:
                 bisect.insort(self.waiting, req, key=lambda r: r.seq)
             self._incoming.clear()
-            ops, self._ops = self._ops, []
+            ops, self._ops = [op for op, _ in self._ops], []
             return ops
 
     def stats(self) -> dict[str, Any]:
@@ -342,15 +342,15 @@ class RequestQueue:
             self.finish(req, _abort(message, status_code, err_type))
 
     def shut_down(self) -> None:
-        """After the loop: abort what is in flight or queued and the pending update (503)."""
+        """After the loop: abort what is in flight or queued; fail the operations not run (503)."""
         with self._cond:
-            pending = self._incoming
-            self._incoming = []
+            pending, self._incoming = self._incoming, []
+            ops, self._ops = self._ops, []
         for req in self.in_flight() + pending:
             self.finish(req, _abort("The engine is shutting down.", 503))
-        if self._pending_update is not None:
-            self._pending_update[2].set_exception(EngineError("the engine shut down before the "
-                                                              "weight update could run"))
+        for future in [f for _, f in ops] + [u[2] for u in [self._pending_update] if u]:
+            if future.set_running_or_notify_cancel():  # not given up by its caller
+                future.set_exception(EngineError("the engine is shutting down"))
 
     # ----- control operations (scheduler thread) -------------------------------------------
 

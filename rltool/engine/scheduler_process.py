@@ -161,15 +161,25 @@ class Outbox:
 
 class StepOrderedOps(EngineOps):
     """The operations as the scheduler process runs them: what runs on the scheduler thread
-    answers once the iteration that ran it has sent its step message, so the front end has
-    ended the requests an abort finished before the abort's reply comes (and an aborted id
-    is free again when the client hears of the abort, as in one process)."""
+    (a call or a weight update) answers once the iteration that ran it has sent its step
+    message, so the front end has ended the requests an abort (or an update's abort_all)
+    finished before the reply comes (and an aborted id is free again when the client hears of
+    the abort, as in one process). One the scheduler never runs (it stopped) fails at once."""
 
     def __init__(self, *, outbox: Outbox, **kwargs: Any):
         super().__init__(**kwargs)
         self.outbox = outbox
 
     async def on_thread(self, fn: Callable[[], Any]) -> Any:
+        return await self.after_step(fn, self.sched.call)
+
+    async def on_update(self, apply: Callable[[], Any], *, abort_all: bool) -> Any:
+        return await self.after_step(
+            apply, lambda run: self.sched.update_weights(run, abort_all=abort_all))
+
+    async def after_step(self, fn: Callable[[], Any],
+                         queue: Callable[[Callable[[], None]], concurrent.futures.Future]) -> Any:
+        """Queue `fn` with `queue` and await its result, handed over after the step message."""
         answered: concurrent.futures.Future = concurrent.futures.Future()
 
         def run() -> None:
@@ -179,7 +189,11 @@ class StepOrderedOps(EngineOps):
                 result, error = None, e
             self.outbox.answers.append((answered, result, error))
 
-        self.sched.call(run)
+        def never_ran(queued: concurrent.futures.Future) -> None:
+            if queued.exception() is not None:  # refused or dropped by the scheduler
+                answered.set_exception(queued.exception())
+
+        queue(run).add_done_callback(never_ran)
         return await asyncio.wrap_future(answered)
 
 

@@ -32,7 +32,7 @@ Answer = tuple[int, dict[str, Any]]
 
 def refused(message: str, status_code: int = 400) -> Answer:
     """A weight update refused: `{"success": false, "message"}`, 400 unless told otherwise (403
-    for a host it may not join, 504 past a join's timeout)."""
+    for a host it may not join, 504 past a join's timeout, 503 while the engine stops)."""
     return status_code, api.UpdateWeightsResult(success=False,
                                                  message=message).model_dump(exclude_none=True)
 
@@ -63,14 +63,19 @@ class WeightOps:
             return paused
 
         try:
-            paused = await asyncio.wrap_future(sched.update_weights(run, abort_all=abort_all))
+            paused = await self.on_update(run, abort_all=abort_all)
         except (BadInputError, EngineError) as e:
-            return refused(str(e))
+            return refused(str(e), 400 if sched.alive else 503)  # 503: the engine is stopping
         message = "Succeeded to update model weights."
         if weight_version is not None:
             message += f" Weight version updated to {weight_version}."
         return 200, api.UpdateWeightsResult(success=True, message=message,
                                             num_paused_requests=paused).model_dump()
+
+    async def on_update(self, apply: Callable[[], Any], *, abort_all: bool) -> Any:
+        """Run `apply` as the scheduler's weight update (`PagedScheduler.update_weights`) and
+        await its result."""
+        return await asyncio.wrap_future(self.sched.update_weights(apply, abort_all=abort_all))
 
     async def update_weights_from_disk(self, *, model_path: str, abort_all: bool,
                                        weight_version: str | None) -> Answer:

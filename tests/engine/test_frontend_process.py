@@ -661,76 +661,114 @@ def test_a_dead_scheduler_thread_ends_the_scheduler_process(monkeypatch):
     proc.watch_scheduler()  # returns: the process is stopping
 
 
-def test_an_abort_answers_after_the_final_records_it_made():
-    """The reply to an abort comes after the step message with the final records of the
-    requests it ended, so the front end has freed their ids when the client hears of it (a
-    request id reused at once is no duplicate, as in one process). The reply came as soon as
-    the scheduler thread had run the abort, often before that step message."""
+class _StepRunner:
+    weight_version = "v0"
+
+
+class _SentChannel:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, msg):
+        self.sent.append(msg)
+
+
+class _StepScheduler:
+    """Runs operations when the test says (as the scheduler thread between steps); a weight
+    update runs as the scheduler runs one while paused or idle: abort_all first, then at once."""
+
+    on_iteration = None
+    paused = None
+
+    def __init__(self):
+        self.queued, self.running, self.prefilling = [], {}, []
+
+    def call(self, fn):
+        import concurrent.futures
+
+        future = concurrent.futures.Future()
+
+        def op():
+            future.set_result(fn())
+
+        self.queued.append(op)
+        return future
+
+    def update_weights(self, apply, *, abort_all):
+        def update():
+            if abort_all:
+                for rid in list(self.running):
+                    self.abort(rid=rid, abort_all=False)
+            return apply()
+
+        return self.call(update)
+
+    def abort(self, *, rid, abort_all):
+        req = self.running.pop(rid)
+        req.finish_reason = {"type": "abort", "message": "Aborted by /abort_request."}
+        req.on_finish(req)
+        return 1
+
+    def run_ops(self):
+        ops, self.queued = self.queued, []
+        for op in ops:
+            op()
+
+
+def _answers_after_the_step_message(operation) -> object:
+    """Run `operation(proc)` (an operation of a scheduler process over `_StepScheduler`, that
+    ends the running request r1) and check its answer comes only after the iteration's step
+    message, which carries r1's final record; returns the answer."""
     import asyncio
-    import concurrent.futures
     from types import SimpleNamespace
 
     from rltool.engine.request import Request
     from rltool.engine.sampling import SamplingParams
     from rltool.engine.scheduler_process import SchedulerProcess
 
-    class Runner:
-        weight_version = "v0"
-
-    class Channel:
-        def __init__(self):
-            self.sent = []
-
-        def send(self, msg):
-            self.sent.append(msg)
-
-    class Scheduler:
-        """Runs operations when the test says (as the scheduler thread between steps)."""
-
-        on_iteration = None
-
-        def __init__(self):
-            self.queued, self.running = [], {}
-
-        def call(self, fn):
-            future = concurrent.futures.Future()
-
-            def op():
-                future.set_result(fn())
-
-            self.queued.append(op)
-            return future
-
-        def abort(self, *, rid, abort_all):
-            req = self.running.pop(rid)
-            req.finish_reason = {"type": "abort", "message": "Aborted by /abort_request."}
-            req.on_finish(req)
-            return 1
-
-        def run_ops(self):
-            ops, self.queued = self.queued, []
-            for op in ops:
-                op()
-
     cfg = SimpleNamespace(max_running_requests=4, allowed_sync_hosts=[])
-    sched, channel = Scheduler(), Channel()
-    proc = SchedulerProcess(cfg, channel, Runner(), sched)
+    sched, channel = _StepScheduler(), _SentChannel()
+    proc = SchedulerProcess(cfg, channel, _StepRunner(), sched)
     req = Request(rid="r1", prompt_ids=[4, 5], params=SamplingParams())
     req.on_finish = proc.outbox.finished
     sched.running["r1"] = req
 
-    async def abort() -> int:
-        aborting = asyncio.ensure_future(proc.ops.abort(rid="r1"))
+    async def run() -> object:
+        answering = asyncio.ensure_future(operation(proc))
         while not sched.queued:
             await asyncio.sleep(0)
-        sched.run_ops()  # the iteration's operations: the abort ends r1
+        sched.run_ops()  # the iteration's operations: they end r1
         for _ in range(10):  # turns of the loop enough for an answer to arrive
             await asyncio.sleep(0)
-        assert not aborting.done() and not channel.sent
+        assert not answering.done() and not channel.sent
         sched.on_iteration()  # the end of the iteration: its step message goes out
         assert [(m["t"], [f["rid"] for f in m["fin"]]) for m in channel.sent] == [
             ("step", ["r1"])]
-        return await aborting
+        return await answering
 
-    assert asyncio.run(abort()) == 1
-    proc.loop.close()
+    try:
+        return asyncio.run(run())
+    finally:
+        proc.loop.close()
+
+
+def test_an_abort_answers_after_the_final_records_it_made():
+    """The reply to an abort comes after the step message with the final records of the
+    requests it ended, so the front end has freed their ids when the client hears of it (a
+    request id reused at once is no duplicate, as in one process). The reply came as soon as
+    the scheduler thread had run the abort, often before that step message."""
+    assert _answers_after_the_step_message(lambda proc: proc.ops.abort(rid="r1")) == 1
+
+
+def test_a_weight_update_with_abort_all_answers_after_the_final_records_it_made():
+    """A weight update with abort_all answers after the step message with the final records of
+    the requests it aborted, as /abort_request does (an aborted id reused at once is no
+    duplicate). Its answer came as soon as the scheduler thread had applied it."""
+    loaded = []
+
+    def update(proc):
+        return proc.ops.apply(lambda: loaded.append(True), abort_all=True,
+                              weight_version="v1")
+
+    status, body = _answers_after_the_step_message(update)
+    assert (status, body["success"], loaded) == (200, True, [True])

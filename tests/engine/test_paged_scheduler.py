@@ -165,3 +165,57 @@ def test_each_decode_step_is_a_trace_span(tiny_model_dir, tmp_path):
     # the first token of each comes from the prefill, the other NEW - 1 from decode steps
     assert [e["args"] for e in steps] == [{"batch": 2, "steps": 1}] * (NEW - 1)
     assert sched.num_decode_forwards == NEW - 1
+
+
+@pytest.mark.parametrize("layout", ["one process", "two processes"])
+def test_operations_queued_when_the_scheduler_stops_fail_with_503(layout):
+    """An operation still queued when the scheduler stops, or asked for after, fails with the
+    engine shutting down (a route answers 503) in either layout's operations; it used to wait
+    forever, its route never answering."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from rltool.engine.ops import EngineOps
+    from rltool.engine.scheduler_process import Outbox, StepOrderedOps
+    from rltool.errors import EngineError
+
+    class Channel:
+        def send(self, msg):
+            pass
+
+    runner = SimpleNamespace(device=torch.device("cpu"), triton_kernels=False,
+                             invariant_kernels=False, released=False, weight_version="v0")
+    sched = PagedScheduler(runner, overlap=False)
+    kw = {"runner": runner, "scheduler": sched, "max_running": 4, "allowed_sync_hosts": []}
+    if layout == "one process":
+        ops = EngineOps(**kw)
+    else:
+        ops = StepOrderedOps(outbox=Outbox(Channel(), runner), **kw)
+        sched.on_iteration = ops.outbox.flush
+    sched.start()
+    busy, release = threading.Event(), threading.Event()
+    sched.call(lambda: (busy.set(), release.wait(10.0)))
+    assert busy.wait(10.0)  # the scheduler thread runs an operation: the next ones queue
+
+    async def stop_with_queued_operations() -> None:
+        flush = asyncio.ensure_future(ops.flush_if_idle())
+        update = asyncio.ensure_future(ops.update_weights_from_disk(
+            model_path="unused", abort_all=True, weight_version=None))
+        for _ in range(5):  # both reach the scheduler's queue
+            await asyncio.sleep(0)
+        assert not flush.done() and not update.done()
+        sched.request_stop()
+        release.set()
+        with pytest.raises(EngineError, match="the engine is shutting down"):
+            await asyncio.wait_for(flush, 10.0)
+        status, body = await asyncio.wait_for(update, 10.0)
+        assert (status, body["success"], body["message"]) == (
+            503, False, "the engine is shutting down")
+        with pytest.raises(EngineError, match="the engine is shutting down"):
+            await ops.pause(mode="abort")
+
+    try:
+        asyncio.run(stop_with_queued_operations())
+    finally:
+        release.set()
+        sched.stop()
