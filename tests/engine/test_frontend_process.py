@@ -433,18 +433,8 @@ def test_a_refused_streamed_request_leaves_no_stream_behind():
     from rltool.engine.sampling import SamplingParams
     from rltool.engine.scheduler_process import Outbox
 
-    class Runner:
-        weight_version = "v0"
-
-    class Channel:
-        def __init__(self):
-            self.sent = []
-
-        def send(self, msg):
-            self.sent.append(msg)
-
-    channel = Channel()
-    outbox = Outbox(channel, Runner())
+    channel = _SentChannel()
+    outbox = Outbox(channel, _StepRunner())
     refused = Request(rid="r-refused", prompt_ids=[1, 2], params=SamplingParams())
     kept = Request(rid="r-kept", prompt_ids=[1, 2], params=SamplingParams())
     outbox.stream(refused)
@@ -465,22 +455,14 @@ def test_an_answer_that_cannot_be_sent_answers_an_error():
 
     import numpy as np
 
-    from rltool.engine import ipc
     from rltool.engine.scheduler_process import SchedulerProcess
 
     class Ops:
         async def loads(self):
             return {"num_running_reqs": np.int64(3)}
 
-    class Channel:
-        def __init__(self):
-            self.sent = []
-
-        def send(self, msg):
-            self.sent.append(json.loads(ipc.frame(msg)[ipc.HEADER.size:]))
-
     proc = SchedulerProcess.__new__(SchedulerProcess)
-    proc.ops, proc.channel = Ops(), Channel()
+    proc.ops, proc.channel = Ops(), _SentChannel(framed=True)
     asyncio.run(proc.call(7, "loads", {}))
     [reply] = proc.channel.sent
     assert reply["id"] == 7 and "ok" not in reply
@@ -491,27 +473,16 @@ def test_streamed_tokens_keep_the_weight_version_they_were_sampled_with(tiny_mod
     """A step whose message holds tokens sampled before and after a weight update (the tokens
     drained before the update, then the step's) gives the front end's copies of streamed
     requests the scheduler's weight-version spans, not the version at the time of the message."""
-    from rltool.engine import ipc
     from rltool.engine.loading import load_tokenizer
     from rltool.engine.remote_link import RemoteLink
     from rltool.engine.request import Request
     from rltool.engine.sampling import SamplingParams
     from rltool.engine.scheduler_process import Outbox
 
-    class Runner:
-        weight_version = "v0"
-
-    class Channel:
-        def __init__(self):
-            self.sent = []
-
-        def send(self, msg):
-            self.sent.append(json.loads(ipc.frame(msg)[ipc.HEADER.size:]))
-
     def request(rid: str) -> Request:
         return Request(rid=rid, prompt_ids=[4, 5], params=SamplingParams())
 
-    runner, channel = Runner(), Channel()
+    runner, channel = _StepRunner(), _SentChannel(framed=True)
     outbox = Outbox(channel, runner)
     a, b = request("a"), request("b")
     outbox.stream(a)
@@ -666,10 +637,18 @@ class _StepRunner:
 
 
 class _SentChannel:
-    def __init__(self):
+    """What a scheduler process sends, kept: the messages, or with `framed` each as the front
+    end reads it back (framed by rltool.engine.ipc, then decoded)."""
+
+    def __init__(self, framed: bool = False):
+        self.framed = framed
         self.sent = []
 
     def send(self, msg):
+        if self.framed:
+            from rltool.engine import ipc
+
+            msg = json.loads(ipc.frame(msg)[ipc.HEADER.size:])
         self.sent.append(msg)
 
 
