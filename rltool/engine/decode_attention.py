@@ -39,8 +39,9 @@ TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 
 
 # Not specialized on per-batch values (see rltool.engine.fused): index rows, placeholder scales,
-# the number of splits.
-@triton.jit(do_not_specialize=["NUM_SPLITS"],
+# the number of splits and the strides of the split buffers, which follow it (a stride of 1 or a
+# multiple of 16 would otherwise be a variant of its own).
+@triton.jit(do_not_specialize=["NUM_SPLITS", "stride_ob", "stride_oh", "stride_lb", "stride_lh"],
             do_not_specialize_on_alignment=["KScale", "VScale", "Rows", "SeqLens"])
 def _stage1(Q, K, V, KScale, VScale, ReqToPage, Rows, SeqLens, MidO, MidLse,
             stride_qb, stride_qh, stride_kt, stride_kh, stride_st, stride_rp,
@@ -101,7 +102,8 @@ def _stage1(Q, K, V, KScale, VScale, ReqToPage, Rows, SeqLens, MidO, MidLse,
     tl.store(MidLse + b * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
 
 
-@triton.jit(do_not_specialize=["B", "ROWS", "NUM_SPLITS"])
+@triton.jit(do_not_specialize=["B", "ROWS", "NUM_SPLITS", "stride_ob", "stride_oh", "stride_lb",
+                               "stride_lh"])
 def _stage2(MidO, MidLse, Out, Q, S, B, ROWS, stride_ob, stride_oh, stride_os, stride_lb,
             stride_lh, stride_xb, stride_xh, NUM_SPLITS, BLOCK_S: tl.constexpr,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr,

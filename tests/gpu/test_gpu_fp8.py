@@ -216,7 +216,9 @@ def test_fp8_engine_decode_unchanged_by_fused_o_proj_quantization(tmp_path, monk
             out = r.decode(rids, tokens[-1].tolist()).float().clone()
             rows.append(out)
             tokens.append(out.argmax(-1))
-        assert set(kinds) == {"Fp8Activations" if fused else "Tensor"}, kinds
+        # the capture and the warm-up's decode step; the warm-up's short continuation chunk (a
+        # prefill's decode rows: no o_proj input to write) returns a tensor either way
+        assert ("Fp8Activations" in kinds) == fused and "Tensor" in kinds, kinds
         runs.append((torch.stack(tokens), torch.stack(rows)))
         del r
     assert torch.equal(runs[0][0], runs[1][0])

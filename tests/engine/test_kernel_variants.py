@@ -1,0 +1,73 @@
+"""The engine's Triton kernels compile one variant whatever the batch: the specialization Triton
+derives from a launch's arguments (an integer equal to 1 or a multiple of 16, a pointer's
+alignment) is the same for every batch size a serving run meets. Checked on CPU by binding each
+launch's arguments with Triton's own binder, as its JIT does before it looks up or compiles a
+variant; the kernels do not run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton.backends.compiler import BaseBackend
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+from rltool.engine import decode_attention as attention
+from rltool.engine import sampling_kernel
+from rltool.engine.paged import PageTable
+
+BATCHES = (1, 3, 5, 9, 16, 17, 33, 48, 64, 256)
+
+
+def launch_keys(monkeypatch, module, names: list[str]) -> dict[str, set[tuple[str, ...]]]:
+    """Replace the kernels `names` of `module` by recorders of the specialization key of each
+    launch (the kernel does not run): {kernel name: the distinct keys seen}."""
+    keys: dict[str, set[tuple[str, ...]]] = {}
+    for name in names:
+        kernel = getattr(module, name)
+        assert isinstance(kernel, JITFunction), f"{name}: not a compiled Triton kernel"
+        bind = create_function_from_signature(kernel.signature, kernel.params, BaseBackend)
+
+        def launch(grid, name=name, bind=bind):
+            def record(*args, **kwargs):
+                keys.setdefault(name, set()).add(tuple(map(str, bind(*args, **kwargs)[1])))
+            return record
+
+        monkeypatch.setattr(module, name, type(name, (), {"__getitem__": staticmethod(launch)})())
+    return keys
+
+
+@pytest.mark.parametrize("fp8_o_proj", [False, True])
+def test_decode_attention_is_one_variant_for_any_batch(monkeypatch, fp8_o_proj):
+    """Both stages for 1 to 256 rows, each with the split count `num_splits_for` gives (1 to 32:
+    the split buffers' strides follow it), plain and writing o_proj's FP8 input."""
+    keys = launch_keys(monkeypatch, attention, ["_stage1", "_stage2"])
+    heads, kvh, d, page = 4, 2, 64, 16
+    table = PageTable(num_pages=2048, page_size=page, max_requests=256, max_pages_per_request=8,
+                      device="cpu")
+    for i in range(256):
+        table.add(f"r{i}")
+        table.extend(f"r{i}", 100)
+    table.flush()
+    k_cache = v_cache = torch.zeros(2048 * page, kvh, d, dtype=torch.bfloat16)
+    splits = set()
+    for b in BATCHES:
+        splits.add(attention.num_splits_for(b, kvh))
+        attention.decode_attention(
+            torch.zeros(b, heads, d, dtype=torch.bfloat16), k_cache, v_cache,
+            req_to_page=table.req_to_page, rows=torch.arange(1, b + 1),
+            seq_lens=torch.full((b,), 100), page_size=page, scale=d ** -0.5,
+            num_splits=attention.num_splits_for(b, kvh), block_k=64 if fp8_o_proj else None)
+    assert len(splits) > 4 and 1 in splits and attention.MAX_SPLITS in splits, splits
+    assert {name: len(seen) for name, seen in keys.items()} == {"_stage1": 1, "_stage2": 1}, keys
+
+
+def test_sampler_is_one_variant_for_any_batch(monkeypatch):
+    """The sampler's two kernels for 1 to 256 rows of a 151,936-token vocabulary."""
+    keys = launch_keys(monkeypatch, sampling_kernel, ["_partial", "_combine"])
+    vocab = 151_936
+    for b in BATCHES:
+        ones = torch.ones(b)
+        zeros = torch.zeros(b, dtype=torch.int32)
+        sampling_kernel.sample_rows(torch.zeros(b, vocab, dtype=torch.bfloat16), ones, zeros,
+                                    zeros)
+    assert {name: len(seen) for name, seen in keys.items()} == {"_partial": 1, "_combine": 1}, keys
