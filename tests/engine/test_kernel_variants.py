@@ -71,3 +71,28 @@ def test_sampler_is_one_variant_for_any_batch(monkeypatch):
         sampling_kernel.sample_rows(torch.zeros(b, vocab, dtype=torch.bfloat16), ones, zeros,
                                     zeros)
     assert {name: len(seen) for name, seen in keys.items()} == {"_partial": 1, "_combine": 1}, keys
+
+
+@pytest.mark.parametrize("block_k", [None, 128])
+def test_norm_rope_and_silu_are_one_variant_for_any_token_count(monkeypatch, block_k):
+    """The fused norm, RoPE + KV write and SiLU kernels (rltool.engine.fused) over 1 to 256
+    tokens at the 0.5B shapes, q, k, v as views of one fused projection, unquantized and
+    writing FP8 activations."""
+    from rltool.engine import fused
+
+    keys = launch_keys(monkeypatch, fused, ["_add_rms_norm", "_rope_store", "_silu_mul"])
+    hidden, heads, kvh, d, inter = 896, 14, 2, 64, 4864
+    k_cache = v_cache = torch.zeros(4096, kvh, d, dtype=torch.bfloat16)
+    cos = sin = torch.zeros(4096, d // 2)
+    weight = torch.ones(hidden, dtype=torch.bfloat16)
+    for t in BATCHES:
+        x = torch.zeros(t, hidden, dtype=torch.bfloat16)
+        fused.add_rms_norm(x, x.clone(), weight, 1e-6, block_k=block_k)
+        qkv = torch.zeros(t, (heads + 2 * kvh) * d, dtype=torch.bfloat16)
+        q, k, v = qkv.split([heads * d, kvh * d, kvh * d], dim=-1)
+        fused.rope_store(q.view(t, heads, d), k.view(t, kvh, d), v.view(t, kvh, d), cos, sin,
+                         torch.arange(t), k_cache=k_cache, v_cache=v_cache,
+                         loc=torch.arange(t))
+        fused.silu_mul(torch.zeros(t, 2 * inter, dtype=torch.bfloat16), block_k=block_k)
+    assert {name: len(seen) for name, seen in keys.items()} == {
+        "_add_rms_norm": 1, "_rope_store": 1, "_silu_mul": 1}, keys
