@@ -100,10 +100,11 @@ class PagedRunner:
         self.tier_stats = TierStats()  # the prefix cache's tiers, kept across release/resume
         self.kv_bytes_per_token = self.kv.bytes_per_token(self.spec, DTYPES[dtype])
         self.state_bytes_per_slot = self.kv.state_bytes(self.spec, DTYPES[dtype])
-        # An MoE layer sizes its expert GEMMs on the host (rltool.engine.moe), a hybrid's GDN
-        # layers index their states by slot in torch ops: no graph capture for either.
+        # An MoE layer sizes its expert GEMMs on the host (rltool.engine.moe): no graph capture.
+        # A hybrid's GDN layers find each row's state slot on the device (slot_of_row), so its
+        # decode replays like a dense model's.
         self._use_graphs = (self.device.type == "cuda" and not disable_cuda_graph
-                            and self.spec.moe is None and self.spec.linear is None)
+                            and self.spec.moe is None)
         self._graph_max_bs = min(cuda_graph_max_bs, max_running)
         # Overlapped decode steps sample inside their forward (and CUDA graph) where the Triton
         # sampler runs; off: after it, as separate launches (the benchmarks' baseline).

@@ -74,18 +74,15 @@ def test_gdn_kernels_match_the_reference_at_real_sizes_in_bf16(ssm_dtype):
 def test_hybrid_decode_graph_replay_equals_eager(deterministic, tmp_path):
     """The tiny hybrid's decode steps replayed from CUDA graphs equal eager ones bit for bit,
     with the GDN layers on the Triton kernels (reading each row's state slot through the decode
-    meta's page-table rows on the device) and, deterministic, on the torch path. The engine
-    captures no graph for hybrids (paged_runner's `_use_graphs`); this captures them by hand,
-    the evidence for lifting that exclusion."""
+    meta's page-table rows on the device) and, deterministic, on the torch path: the engine's
+    own capture against an engine built with `disable_cuda_graph`."""
     from rltool.engine.paged_runner import PagedRunner
 
     model_dir = make_hybrid(tmp_path / "m", task=None)
     opts = dict(device="cuda", dtype="bf16", max_running=8, page_size=4, max_total_tokens=4096,
-                cuda_graph_max_bs=8, prefix_cache=False, disable_cuda_graph=True,
-                deterministic=deterministic)
-    graphed, eager = PagedRunner(model_dir, **opts), PagedRunner(model_dir, **opts)
-    with graphed.invariant():
-        graphed.decoder.capture_graphs()
+                cuda_graph_max_bs=8, prefix_cache=False, deterministic=deterministic)
+    graphed = PagedRunner(model_dir, **opts)
+    eager = PagedRunner(model_dir, **opts, disable_cuda_graph=True)
     assert graphed.graphs and not eager.graphs
     assert graphed.model.gdn_kernels and graphed.model.fused != deterministic
     seq = [3, 9, 4, 17, 22, 5, 8, 30, 11, 2, 7, 19, 25, 6, 13, 1, 28, 12, 15, 20]
