@@ -139,8 +139,8 @@ class HybridPageTable(PageTable):
         if node.state == src:  # still the node's (not given to this request)
             node.state_used = True
         shared = nodes[:i + 1] if within == ps else nodes[:i]
+        entry = self.add(rid)  # first: a refusal (no free row) must not strand the copy's page
         page = self._alloc(1)[0] if within < ps else None
-        entry = self.add(rid)
         self.cache.lock(shared)
         entry.shared = shared
         for shared_node in shared:

@@ -15,7 +15,9 @@ OpenAI routes), stream, or load weights from disk after start.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from pydantic import ValidationError
@@ -63,15 +65,13 @@ class InProcessEngine:
         """/generate's answer for a payload (a list for a batch or n > 1). The errors the route
         answers with a status are raised as EngineError with that status."""
         try:
-            reqs, as_list = self.state.expand(GenerateInput.model_validate(payload))
-            outs = await self.state.run(reqs)
+            body = GenerateInput.model_validate(payload)
         except ValidationError as e:
             raise EngineError(f"{self.url}: bad generate body: {describe_errors(e.errors())}",
                               status_code=400) from e
-        except BadInputError as e:
-            raise EngineError(f"{self.url}: {e}", status_code=400) from e
-        except QueueFullError as e:
-            raise EngineError(f"{self.url}: {e}", status_code=429) from e
+        with self._refusals():
+            reqs, as_list = self.state.expand(body)
+            outs = await self.state.run(reqs)
         for out in outs:
             reason = out["meta_info"]["finish_reason"] or {}
             if reason.get("type") == "abort" and reason.get("status_code"):
@@ -84,7 +84,8 @@ class InProcessEngine:
             raise EngineError(f"{self.url}: the scheduler thread has stopped")
 
     async def abort_request(self, *, rid: str = "", abort_all: bool = False) -> None:
-        await self.state.link.call("abort", rid=rid, abort_all=abort_all)
+        with self._refusals():
+            await self.state.link.call("abort", rid=rid, abort_all=abort_all)
 
     async def get_model_info(self) -> dict[str, Any]:
         return await self.state.model_info()
@@ -102,19 +103,21 @@ class InProcessEngine:
             scheduler.retract_for_release()
             runner.release()
 
-        scheduler.call(release).result()
+        with self._refusals():
+            scheduler.call(release).result()
 
     def resume_memory(self) -> None:
         """Rebuild what release_memory freed (the weights of the checkpoint loaded at start: a
         weight update follows)."""
-        self.scheduler.call(self.runner.resume).result()
+        with self._refusals():
+            self.scheduler.call(self.runner.resume).result()
 
     def load_tensors(self, named: list[tuple[str, Any]], *, weight_version: str,
                      block: tuple[int, int] | None = None,
                      lora_config: dict[str, Any] | None = None) -> None:
         """Copy named tensors into the served model (cast to the engine's --dtype), after the requests that
         arrived before have finished; all or nothing (a wrong name or shape raises EngineError
-        with status 400 and the weights stay)."""
+        with status 400 and the weights stay; a stopping engine, status 503)."""
         runner = self.runner
         dtype = dtype_of(torch_dtype_name(self.state.cfg.dtype))
 
@@ -125,7 +128,18 @@ class InProcessEngine:
                                       lora_config=lora_config)
             runner.weight_version = weight_version
 
-        try:
+        with self._refusals("weight update refused: "):
             self.scheduler.update_weights(apply, abort_all=False).result()
+
+    @contextlib.contextmanager
+    def _refusals(self, what: str = "") -> Iterator[None]:
+        """Raise the engine's refusals as EngineError with the status the routes answer: 429 a
+        full queue, 400 bad input, 503 any other EngineError (the engine shutting down)."""
+        try:
+            yield
+        except QueueFullError as e:
+            raise EngineError(f"{self.url}: {what}{e}", status_code=429) from e
         except BadInputError as e:
-            raise EngineError(f"{self.url}: weight update refused: {e}", status_code=400) from e
+            raise EngineError(f"{self.url}: {what}{e}", status_code=400) from e
+        except EngineError as e:
+            raise EngineError(f"{self.url}: {what}{e}", status_code=503) from e

@@ -17,7 +17,7 @@ from rltool.engine.paged_scheduler import PagedScheduler
 from rltool.engine.radix_cache import RadixCache
 from rltool.engine.request import Request
 from rltool.engine.sampling import SamplingParams, make_generator
-from rltool.errors import BadInputError
+from rltool.errors import BadInputError, EngineError
 from tests.helpers.hybrid import make_hybrid
 from tests.helpers.scheduling import submit_and_wait
 
@@ -153,6 +153,32 @@ def test_a_second_turn_reuses_the_first_turns_snapshot(hybrid_dir):
     serve(runner_of(hybrid_dir, prefix_cache=False), [[ref]])
     assert turn2.output_ids == ref.output_ids
     assert turn2.output_logprobs == pytest.approx(ref.output_logprobs, abs=1e-5)
+    assert_idle(runner)
+
+
+def test_a_reuse_refused_a_row_keeps_no_page(hybrid_dir, monkeypatch):
+    """A reuse that copies the head of the snapshot's page (a 12-token prompt: snapshot at 11)
+    whose request gets no page-table row leaves the free pages as they were (the copy's page was
+    taken before the row and lost)."""
+    runner = runner_of(hybrid_dir)
+    prompt = prompt_of(12, seed=12)
+    serve(runner, [[sampled("a", prompt, seed=1)]])
+    table = runner.table
+    free = table.allocator.available
+
+    def no_row(rid: str) -> None:
+        raise EngineError("no free page-table row; more requests than --max-running-requests")
+
+    monkeypatch.setattr(table, "add", no_row)
+    with pytest.raises(EngineError, match="no free page-table row"):
+        table.reuse_prefix("b", prompt, max_tokens=11, pool=runner.pool)
+    assert table.allocator.available == free
+    runner.remove("b")  # as the scheduler does with a request whose step failed
+    monkeypatch.undo()
+    assert table.reuse_prefix("b", prompt, max_tokens=11, pool=runner.pool) == 11
+    assert table.allocator.available == free - 1  # its copy of the last page's head
+    runner.remove("b")
+    assert table.allocator.available == free
     assert_idle(runner)
 
 

@@ -5,6 +5,7 @@ raised as EngineError with the route's status."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -88,3 +89,45 @@ def test_release_and_resume_memory(engine):
     assert not engine.runner.released
     after = asyncio.run(engine.generate(PAYLOAD))
     assert [o["output_ids"] for o in after] == [o["output_ids"] for o in before]
+
+
+def test_calls_on_a_stopped_engine_fail_with_503(engine):
+    """A stopped engine's scheduler refuses every call with 'the engine is shutting down': each
+    is raised with the 503 the routes answer, as is a weight update queued while the engine
+    stopped (they were raised with no status, which callers took for neither bad input nor a
+    stopping engine)."""
+    gate, entered = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        gate.wait(30)
+
+    held = engine.scheduler.call(hold)
+    assert entered.wait(30)
+    waited: list[BaseException] = []
+
+    def update() -> None:
+        try:
+            engine.load_tensors([], weight_version="1")
+        except EngineError as e:
+            waited.append(e)
+
+    thread = threading.Thread(target=update)
+    thread.start()
+    engine.scheduler.request_stop()
+    gate.set()
+    held.result(30)
+    thread.join(30)
+    engine.stop()
+    calls = {"load_tensors": lambda: engine.load_tensors([], weight_version="2"),
+             "release_memory": engine.release_memory,
+             "resume_memory": engine.resume_memory,
+             "abort_request": lambda: asyncio.run(engine.abort_request(abort_all=True)),
+             "generate": lambda: asyncio.run(engine.generate(PAYLOAD))}
+    for name, call in calls.items():
+        with pytest.raises(EngineError) as err:
+            call()
+        assert err.value.status_code == 503, name
+        assert "the engine is shutting down" in str(err.value), name
+    assert len(waited) == 1 and waited[0].status_code == 503
+    assert "the engine is shutting down" in str(waited[0])
