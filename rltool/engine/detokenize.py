@@ -1,6 +1,7 @@
 """Incremental detokenization: the text of a growing output, decoding only the tokens since the
-last whole characters (as SGLang's detokenizer does). The HTTP front end streams it; the stop
-check searches it (rltool/engine/stop_text.py).
+last whole characters (as SGLang's detokenizer does). A streamed request's text is this in
+either layout (decoded by the scheduler thread in one process, by the HTTP front end in two); the
+stop check searches it (rltool/engine/stop_rule.py).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rltool.engine.detokenize import StreamedText
 from rltool.engine.final_logprobs import recompute_logprobs
 from rltool.engine.kv_memory import check_fits
 from rltool.engine.request import Request
@@ -78,6 +79,8 @@ class RequestQueue:
         self._pending_update: (tuple[int, Callable[[], None], concurrent.futures.Future]
                                | None) = None
         self._rids: set[str] = set()
+        # rid -> the text so far of a streamed request, kept across retraction (its output is)
+        self._texts: dict[str, StreamedText] = {}
         self._token_times: collections.deque[tuple[float, int]] = collections.deque()
 
     # ----- called from other threads -------------------------------------------------------
@@ -249,6 +252,9 @@ class RequestQueue:
                     req.params, prompt_len=len(req.prompt_ids),
                     eos_token_ids=runner.eos_token_ids, context_length=runner.context_length)
                 req.stop_text = StopText(runner.tokenizer, req.params.skip_special_tokens)
+                if req.on_token is not None and req.rid not in self._texts:
+                    self._texts[req.rid] = StreamedText(runner.tokenizer,
+                                                        req.params.skip_special_tokens)
                 self.prefilling.append(req)
 
     def prefill_order(self) -> list[Request]:
@@ -285,19 +291,17 @@ class RequestQueue:
             self._token_times.popleft()
 
     def after_token(self, req: Request, token: int) -> None:
-        """Finish the request if `token` stops it, else hand the new token to a streaming caller."""
+        """Finish the request if `token` stops it, else hand the new token to a streaming caller
+        with its text so far, decoded incrementally (`StreamedText`, as the two-process front end
+        does): the whole characters out so far, never the whole output per token."""
         stop = req.stop_rule.reason(len(req.output_ids), token,
                                     lambda: req.stop_text.read(req.output_ids))
         if stop is not None:
             reason, req.matched_stop_at = stop
             self.finish(req, reason)
         elif req.on_token is not None:
-            req.text = self._decode_text(req)
+            req.text = self._texts[req.rid].update(req.output_ids)
             req.on_token(req)
-
-    def _decode_text(self, req: Request) -> str:
-        return self.runner.tokenizer.decode(
-            req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
 
     def finish(self, req: Request, reason: dict[str, Any]) -> None:
         """End the request: free its KV, fill in its logprobs and text, call its on_finish."""
@@ -318,6 +322,7 @@ class RequestQueue:
         req.finish_reason = reason
         req.reset_cache()
         self._rids.discard(req.rid)
+        self._texts.pop(req.rid, None)
         if reason.get("status_code") is None:  # a request failing anyway needs no logprobs
             try:
                 with runner.invariant():  # the log-softmax too, as the trainer computes it
@@ -329,7 +334,8 @@ class RequestQueue:
                 req.finish_reason = {"type": "abort", "status_code": 500,
                                      "message": f"logprob recompute failed: {type(e).__name__}: "
                                                 f"{e}", "err_type": type(e).__name__}
-        text = self._decode_text(req)
+        text = runner.tokenizer.decode(req.output_ids,
+                                       skip_special_tokens=req.params.skip_special_tokens)
         req.text = text if req.matched_stop_at is None else text[:req.matched_stop_at]
         req.t_finish = time.monotonic()
         runner.tier_stats.record_request(req)
