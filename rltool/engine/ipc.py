@@ -25,12 +25,12 @@ import json
 import socket
 import struct
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rltool.engine.request import Request
-from rltool.engine.sampling import SamplingParams, make_generator
+if TYPE_CHECKING:  # the front end's scheduler_child frames the config before it imports torch
+    from rltool.engine.request import Request
 from rltool.engine.scheduler import QueueFullError
 from rltool.errors import BadInputError, EngineError
 
@@ -103,6 +103,9 @@ def encode_request(r: Request, *, stream: bool) -> dict[str, Any]:
 
 
 def decode_request(d: dict[str, Any]) -> Request:
+    from rltool.engine.request import Request
+    from rltool.engine.sampling import SamplingParams, make_generator
+
     return Request(rid=d["rid"], prompt_ids=d["prompt"], params=SamplingParams(**d["params"]),
                    lora=d["lora"], return_logprob=d["logprob"], logprob_start_len=d["start"],
                    top_logprobs_num=d["top"], token_ids_logprob=d["ids"],

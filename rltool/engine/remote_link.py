@@ -1,6 +1,7 @@
-"""The front end's side of the two-process layout (docs/serve.md "Process layout"): starting the
-scheduler process (`SchedulerChild`) and the link the routes use to reach it (`RemoteLink`, the
-twin of rltool.engine.link.LocalLink), over the channel of rltool.engine.ipc.
+"""The front end's side of the two-process layout (docs/serve.md "Process layout"): the link the
+routes use to reach the scheduler process (`RemoteLink`, the twin of rltool.engine.link.LocalLink),
+over the channel of rltool.engine.ipc (the process itself is started by
+rltool.engine.scheduler_child).
 
 Everything here runs on the front end's event loop: a step message is read once and fans out to
 the requests it names (their callbacks run on the loop thread). Streamed requests get their new
@@ -17,26 +18,19 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 from rltool.engine import ipc
-from rltool.engine.config import ServeConfig
 from rltool.engine.detokenize import StreamedText
 from rltool.engine.link import EngineInfo
 from rltool.engine.request import Request
 from rltool.errors import BadInputError, EngineError
-from rltool.supervisor import _parent_death_signal
 
 log = logging.getLogger(__name__)
 EXIT_POLL_S = 1.0  # how often the front end looks whether the scheduler process still runs
-STOP_TIMEOUT_S = 15.0  # how long a stopping scheduler process may take before it is killed
-
-
 class RemoteLink:
     """Requests and named calls to the scheduler process. `submit` raises what the front end can
     tell at once (a duplicate request id, the process gone); the scheduler's refusals arrive
@@ -256,57 +250,3 @@ class _CheckedAtSubmit:
 
     def check_name(self, name: str | None) -> None:
         return None
-
-
-class SchedulerChild:
-    """The scheduler process: started with one end of a socket pair, stopped in order."""
-
-    def __init__(self, cfg: ServeConfig):
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock = ours
-        self.connected = False
-        try:
-            # Killed with the front end (SIGKILL included), which holds the channel and the port.
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "rltool.engine.scheduler_process", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()], preexec_fn=_parent_death_signal)
-        finally:
-            theirs.close()
-        # The config holds the API keys: it goes over the private socket, never argv or env.
-        ours.sendall(ipc.frame({"t": "config",
-                                "cfg": cfg.model_dump(mode="json", exclude_unset=True)}))
-
-    async def connect(self) -> tuple[RemoteLink, EngineInfo]:
-        """Wait until the scheduler process has built the engine; its link and facts."""
-        reader, writer = await asyncio.open_unix_connection(sock=self.sock)
-        try:
-            hello = await ipc.read_message(reader)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            raise EngineError(f"the scheduler process exited (code {self.proc.wait()}) before "
-                              "the engine was ready; its error is in the log above") from None
-        if hello["t"] == "fail":  # raised as one process raises it (a bad checkpoint: exit 2)
-            error = ipc.error_from(hello["err"])
-            if isinstance(error, RuntimeError):
-                raise EngineError(f"the scheduler process could not start the engine: {error}")
-            raise error
-        info = EngineInfo.from_facts(hello["facts"])
-        link = RemoteLink(reader, writer, proc=self.proc, info=info,
-                          weight_version=hello["weight_version"])
-        link.start()
-        self.connected = True
-        return link, info
-
-    def stop(self) -> int:
-        """Wait for the process to end (it was told to stop, or lost its channel); SIGTERM, then
-        SIGKILL past STOP_TIMEOUT_S. One still loading the model (it reads the channel only once
-        it serves) gets SIGTERM at once. Its exit status."""
-        self.sock.close()  # its reader sees the end of the channel
-        steps = (None, self.proc.terminate, self.proc.kill)
-        for signal_it in steps if self.connected else steps[1:]:
-            if signal_it is not None:
-                signal_it()
-            try:
-                return self.proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                continue
-        return self.proc.wait()

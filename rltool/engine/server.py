@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 from rltool.engine import api
 from rltool.errors import EngineError
-from rltool.engine.app import EngineState, build_app
 from rltool.engine.config import ServeConfig
 from rltool.supervisor import announce_ready, withdraw_ready
 
 if TYPE_CHECKING:
+    from rltool.engine.app import EngineState
     from rltool.engine.paged_scheduler import PagedScheduler
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,8 @@ def serve(cfg: ServeConfig) -> None:
 def _uvicorn_server(state: EngineState) -> Any:
     import uvicorn
 
+    from rltool.engine.app import build_app
+
     config = uvicorn.Config(build_app(state), log_level=state.cfg.log_level, lifespan="off",
                             timeout_graceful_shutdown=1, access_log=False)
     return _server_class()(state.link, config)
@@ -126,6 +128,8 @@ def serve_one_process(cfg: ServeConfig) -> None:
         import torch
 
         torch.set_num_threads(cfg.num_threads)
+    from rltool.engine.app import EngineState
+
     runner, scheduler = build_engine(cfg)
     sock = bind_socket(cfg.host, cfg.port)
     url = api.url_of(cfg.host, sock.getsockname()[1])
@@ -150,8 +154,9 @@ def serve_one_process(cfg: ServeConfig) -> None:
 
 
 def serve_two_processes(cfg: ServeConfig) -> None:
-    """The front end here, the scheduler in its own process; both end on SIGTERM/SIGINT."""
-    from rltool.engine.remote_link import SchedulerChild
+    """The front end here, the scheduler in its own process; both end on SIGTERM/SIGINT. The
+    process starts first: it loads the model while this one imports the HTTP app."""
+    from rltool.engine.scheduler_child import SchedulerChild
 
     sock = bind_socket(cfg.host, cfg.port)
     url = api.url_of(cfg.host, sock.getsockname()[1])
@@ -176,6 +181,8 @@ async def _run_front_end(cfg: ServeConfig, child: Any, sock: socket.socket,
     """Serve over `child` until a signal or its exit; why it exited unasked, or None."""
     loop = asyncio.get_running_loop()
     connecting = asyncio.ensure_future(child.connect())
+    from rltool.engine.app import EngineState  # while the scheduler process loads the model
+
     # While the scheduler process loads the model, a signal ends the wait (uvicorn's handlers
     # take over once it serves).
     for sig in (signal.SIGTERM, signal.SIGINT):
