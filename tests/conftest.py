@@ -15,6 +15,11 @@ import gc
 import pytest
 
 GPU_LEAK_BYTES = 256 << 20  # a gpu test may leave at most this much more CUDA memory allocated
+_interrupted: list[bool] = []  # set on Ctrl-C / SIGINT: the test torn down then was cut short
+
+
+def pytest_keyboard_interrupt(excinfo):
+    _interrupted.append(True)
 
 
 def pytest_configure(config):
@@ -52,7 +57,9 @@ def gpu_test_releases_what_it_holds(request):
     if grown > GPU_LEAK_BYTES:
         problems.append(f"{grown / 2**20:.0f} MiB more CUDA memory allocated than before the test")
     torch.cuda.empty_cache()
-    assert not problems, "the test did not release what it held: " + "; ".join(problems)
+    # A test cut short by an interrupt holds what it held; failing its teardown would end the
+    # session before pytest prints the failures of the tests before it.
+    assert not problems or _interrupted, "the test did not release what it held: " + "; ".join(problems)
 
 
 @pytest.fixture(scope="session")
