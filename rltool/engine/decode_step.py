@@ -66,6 +66,12 @@ class Decoder:
                 self.graphs.capture(functools.partial(self._forward_sample, draw=draw),
                                     self.buckets, into=graphs)
 
+    def num_graphs(self) -> int:
+        """The CUDA graphs captured (plain and sampling ones, every bucket)."""
+        if self.graphs is None:
+            return 0
+        return len(self.graphs.captured) + sum(map(len, self.graphs.sampled.values()))
+
     def sample_next(self, rows: np.ndarray | None) -> None:
         """The next `step` samples inside its forward with these SAMPLE_ROWS x B rows
         (decode_sample.sample_rows_of), followed by the draw rows (draw_rows_of) to race over

@@ -20,6 +20,7 @@ import contextlib
 import functools
 import gc
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +144,9 @@ class PagedRunner:
     # ----- memory --------------------------------------------------------------------------
 
     def _build(self) -> None:
+        """Load the weights, build the KV pool, capture the decode graphs and warm up; one log
+        line gives each phase's seconds (where an engine's start goes)."""
+        t0 = time.perf_counter()
         load = load_hybrid if self.spec.linear is not None else functools.partial(
             load_model, fp8_resident=self.device.type == "cuda" and not self.deterministic)
         self.model = loading(self.model_path, "model", lambda: load(
@@ -157,6 +161,7 @@ class PagedRunner:
             log.info("LoRA adapter buffers (rank %d): %.2f GiB", self.lora.shapes.max_rank,
                      self.lora.layers.nbytes() / 2**30)
         self.model.rope_table(self.context_length)
+        t_weights = time.perf_counter()
         self.pool, self.table, self.states = self.kv.build(self.spec, device=self.device,
                                                            dtype=DTYPES[self.dtype],
                                                            context_length=self.context_length,
@@ -175,10 +180,16 @@ class PagedRunner:
                                      varlen=self.prefill_attention == "varlen")
         self.decoder = Decoder(self._forward, self.table, max_bs=self._graph_max_bs,
                                sample=self.graph_sampling)
+        t_pool = time.perf_counter()
         with self.invariant():
             if self._use_graphs:
                 self.decoder.capture_graphs()
+            t_graphs = time.perf_counter()
             self._forward.warm_up()
+        t_end = time.perf_counter()
+        log.info("engine built in %.2f s: weights %.2f s, KV pool %.2f s, %d decode graphs "
+                 "%.2f s, warm-up %.2f s", t_end - t0, t_weights - t0, t_pool - t_weights,
+                 self.decoder.num_graphs(), t_graphs - t_pool, t_end - t_graphs)
 
     @property
     def released(self) -> bool:
