@@ -275,9 +275,13 @@ class HybridLM(DenseLM):
         mixed = causal_conv1d_fn(mixed, L["conv"].squeeze(1), None, activation="silu")
         q, k, v = mixed.transpose(1, 2).split([kd, kd, hv * dv], dim=-1)
         g = -L["A_log"].float().exp() * F.softplus(a.float() + L["dt_bias"])
+        # key heads repeated for their value heads here, as the layer does in transformers
+        # releases whose delta rule takes equal head counts (later ones repeat inside it: a no-op
+        # on heads already repeated)
+        rep = hv // ls.num_k_heads
+        q, k = (t.reshape(1, T, -1, ls.k_dim).repeat_interleave(rep, dim=2) for t in (q, k))
         out, _ = torch_chunk_gated_delta_rule(
-            q.reshape(1, T, -1, ls.k_dim), k.reshape(1, T, -1, ls.k_dim),
-            v.reshape(1, T, -1, dv), g=g, beta=b.sigmoid(), initial_state=None,
+            q, k, v.reshape(1, T, -1, dv), g=g, beta=b.sigmoid(), initial_state=None,
             output_final_state=False, use_qk_l2norm_in_kernel=True)
         y = gated_rms_norm(out.reshape(-1, dv), z.reshape(-1, dv), L["gdn_norm"],
                            self.spec.rms_norm_eps)

@@ -153,6 +153,27 @@ def test_deterministic_full_pass_is_transformers_bit_for_bit(hybrid_dir):
     assert torch.equal(runner.full_pass_logits(ids, start=5), want.logits[0][4:-1])
 
 
+def test_deterministic_full_pass_with_a_delta_rule_of_equal_head_counts(hybrid_dir, monkeypatch):
+    """transformers releases differ in who repeats the key heads for the value heads: some
+    layers repeat them before calling `torch_chunk_gated_delta_rule`, whose query and key must
+    then have as many heads as the value (others repeat inside it). The engine repeats them
+    itself, so its pass is the same under either contract."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
+
+    ids = [(5 * i * i + i) % 57 + 3 for i in range(70)]
+    runner = runner_of(hybrid_dir, deterministic=True)
+    want = runner.full_pass_logits(ids, start=3)
+    plain = qwen3_5.torch_chunk_gated_delta_rule
+
+    def equal_heads(query, key, value, **kw):
+        assert query.shape[2] == key.shape[2] == value.shape[2], (query.shape, value.shape)
+        return plain(query, key, value, **kw)
+
+    monkeypatch.setattr(qwen3_5, "torch_chunk_gated_delta_rule", equal_heads)
+    assert runner.spec.linear.num_k_heads < runner.spec.linear.num_v_heads
+    assert torch.equal(runner.full_pass_logits(ids, start=3), want)
+
+
 def greedy(rid, prompt, n=NEW):
     return Request(rid=rid, prompt_ids=prompt, return_logprob=True,
                    params=SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
