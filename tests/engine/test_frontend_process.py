@@ -61,6 +61,15 @@ def stream_events(url: str, body: dict) -> list:
     return [json.loads(x) for x in lines[:-1]]
 
 
+def openai_stream_text(url: str, body: dict) -> str:
+    """The text of a streamed OpenAI completion of `body`: its chunks' texts joined."""
+    with httpx.stream("POST", url + api.OPENAI_COMPLETIONS, json={**body, "stream": True},
+                      timeout=60.0) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+
+
 def test_layout_is_two_processes(two_process_engine):
     info = httpx.get(two_process_engine.url + api.SERVER_INFO, timeout=30.0).json()
     assert info["frontend_process"] is True
@@ -102,12 +111,7 @@ def test_same_answers_as_one_process(two_process_engine, builtin_engine, samplin
 def test_openai_stream_matches_plain_answer(two_process_engine):
     body = {"prompt": "hello", "max_tokens": 12, "temperature": 0.0, "stop": ["q"]}
     plain = post(two_process_engine.url, api.OPENAI_COMPLETIONS, body).json()
-    with httpx.stream("POST", two_process_engine.url + api.OPENAI_COMPLETIONS,
-                      json={**body, "stream": True}, timeout=60.0) as r:
-        chunks = [json.loads(line[6:]) for line in r.iter_lines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
-    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-    assert text == plain["choices"][0]["text"]
+    assert openai_stream_text(two_process_engine.url, body) == plain["choices"][0]["text"]
 
 
 # The one-process session engine's live checks, run against the two-process engine (before

@@ -13,7 +13,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from rltool.engine import decode_attention as attention
 from rltool.engine import sampling_kernel
-from rltool.engine.paged import PageTable
+from tests.helpers.engines import filled_page_table
 
 BATCHES = (1, 3, 5, 9, 16, 17, 33, 48, 64, 256)
 
@@ -42,12 +42,7 @@ def test_decode_attention_is_one_variant_for_any_batch(monkeypatch, fp8_o_proj):
     the split buffers' strides follow it), plain and writing o_proj's FP8 input."""
     keys = launch_keys(monkeypatch, attention, ["_stage1", "_stage2"])
     heads, kvh, d, page = 4, 2, 64, 16
-    table = PageTable(num_pages=2048, page_size=page, max_requests=256, max_pages_per_request=8,
-                      device="cpu")
-    for i in range(256):
-        table.add(f"r{i}")
-        table.extend(f"r{i}", 100)
-    table.flush()
+    table = filled_page_table(256, 100, num_pages=2048, page_size=page, device="cpu")
     k_cache = v_cache = torch.zeros(2048 * page, kvh, d, dtype=torch.bfloat16)
     splits = set()
     for b in BATCHES:

@@ -20,7 +20,7 @@ from rltool.engine.config import ServeConfig
 from rltool.engine.loading import load_tokenizer
 from rltool.engine.paged_runner import PagedRunner
 from rltool.engine.paged_scheduler import PagedScheduler
-from tests.engine.test_frontend_process import stream_events
+from tests.engine.test_frontend_process import openai_stream_text, stream_events
 
 NUM_STREAMED = 300
 # Lead bytes and continuation bytes of é, 中, 文, 😀 and µ in place of CHARSET's last sixteen
@@ -122,9 +122,4 @@ def test_openai_stream_of_split_characters_adds_up_to_the_plain_text(both_layout
             "ignore_eos": True}
     for engine in both_layouts:
         plain = httpx.post(engine.url + api.OPENAI_COMPLETIONS, json=body, timeout=60.0).json()
-        with httpx.stream("POST", engine.url + api.OPENAI_COMPLETIONS,
-                          json={**body, "stream": True}, timeout=60.0) as r:
-            chunks = [json.loads(x[6:]) for x in r.iter_lines()
-                      if x.startswith("data: ") and x != "data: [DONE]"]
-        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-        assert text == plain["choices"][0]["text"]
+        assert openai_stream_text(engine.url, body) == plain["choices"][0]["text"]

@@ -81,15 +81,10 @@ def test_decode_attention_compiles_once_for_any_number_of_splits():
     """Batches of 1 to 64 decode rows (as a prefill's continuation tokens or an eager decode
     step have them) take as many splits as `num_splits_for` gives: the two stages compile once."""
     from rltool.engine.decode_attention import _stage1, _stage2, decode_attention, num_splits_for
-    from rltool.engine.paged import PageTable
+    from tests.helpers.engines import filled_page_table
 
     heads, kvh, d, page = 4, 2, 64, 16
-    table = PageTable(num_pages=512, page_size=page, max_requests=64, max_pages_per_request=8,
-                      device="cuda")
-    for i in range(64):
-        table.add(f"r{i}")
-        table.extend(f"r{i}", 100)
-    table.flush()
+    table = filled_page_table(64, 100, num_pages=512, page_size=page, device="cuda")
     k_cache, v_cache = (torch.randn(512 * page, kvh, d, device="cuda", dtype=torch.bfloat16)
                         for _ in range(2))
     counts, splits = [], set()

@@ -20,6 +20,20 @@ def engine_call(url: str, method: str, *args, **kwargs):
     return asyncio.run(go())
 
 
+def filled_page_table(rows: int, length: int, *, num_pages: int, page_size: int, device: str):
+    """A PageTable of `rows` requests r0, r1, ... of `length` tokens each, flushed to `device`
+    (for calling decode attention directly)."""
+    from rltool.engine.paged import PageTable
+
+    table = PageTable(num_pages=num_pages, page_size=page_size, max_requests=rows,
+                      max_pages_per_request=-(-length // page_size), device=device)
+    for i in range(rows):
+        table.add(f"r{i}")
+        table.extend(f"r{i}", length)
+    table.flush()
+    return table
+
+
 @contextmanager
 def serve_app(cfg) -> Iterator:
     """The engine `rltool serve` builds from `cfg`, its scheduler started, behind the app in a
