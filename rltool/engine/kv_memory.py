@@ -24,6 +24,7 @@ to a host pool (rltool.engine.host_kv) of `--hicache-ratio` times the device poo
 from __future__ import annotations
 
 import gc
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,7 @@ from rltool.engine.paged import KVPool, PageTable
 from rltool.engine.state_pool import StatePool
 from rltool.errors import BadInputError, EngineError
 
+log = logging.getLogger(__name__)
 CUDA_MAMBA_FULL_MEMORY_RATIO = 0.9  # SGLang's default
 
 
@@ -145,4 +147,9 @@ class KvMemory:
         if host_pages:
             table.host = HostKV(pool, num_pages=host_pages, page_size=self.page_size,
                                 stats=table.stats)
+        log.info("KV pool: %d pages of %d tokens (%.2f GiB)", num_pages, self.page_size,
+                 pool.nbytes() / 2**30)
+        if states is not None:
+            log.info("recurrent-state pool: %d slots of %d bytes (%.2f GiB)", states.num_slots,
+                     states.bytes_per_slot, states.nbytes() / 2**30)
         return pool, table, states

@@ -34,7 +34,16 @@ DEFAULT_SCALING = 2.0
 
 class LoraRegistry:
     def __init__(self, spec: ModelSpec, *, max_rank: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, quantized: bool = False):
+        """Refused where the adapter compute is not there: hybrid models' layers, FP8 and INT4
+        linears (`quantized`)."""
+        if spec.linear is not None:
+            raise BadInputError("--enable-lora serves dense and MoE models; drop --enable-lora to "
+                                "serve this hybrid linear-attention model")
+        if quantized:
+            raise BadInputError("--enable-lora computes adapters over bf16/fp32 linears; drop "
+                                "--enable-lora or serve a checkpoint `rltool convert dequant` "
+                                "wrote")
         if max_rank < 1:
             raise BadInputError(f"--max-lora-rank {max_rank}: must be at least 1")
         sparse = frozenset(spec.moe.sparse_layers) if spec.moe is not None else frozenset()

@@ -81,7 +81,10 @@ class PagedRunner:
         self.spec = read_spec(self.model_path)
         check_hybrid_flags(self.spec, ratio=mamba_full_memory_ratio, ssm_dtype=mamba_ssm_dtype)
         # --enable-lora: the adapters (rltool.engine.lora_registry), None without LoRA
-        self.lora = self._lora_registry(max_lora_rank) if enable_lora else None
+        self.lora = LoraRegistry(self.spec, max_rank=max_lora_rank, dtype=DTYPES[dtype],
+                                 device=self.device, quantized=quant.read_format(
+                                     self.config_json, where=str(self.model_path)) is not None
+                                 ) if enable_lora else None
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = eos_token_ids(self.model_path, self.config_json, self.tokenizer)
         self.deterministic = deterministic
@@ -166,15 +169,8 @@ class PagedRunner:
                                                            dtype=DTYPES[self.dtype],
                                                            context_length=self.context_length,
                                                            stats=self.tier_stats)
-        num_pages = self.table.allocator.num_pages
-        self.max_total_num_tokens = (num_pages - 1) * self.page_size
+        self.max_total_num_tokens = (self.table.allocator.num_pages - 1) * self.page_size
         self.num_state_slots = self.states.num_slots if self.states is not None else 0
-        log.info("KV pool: %d pages of %d tokens (%.2f GiB); weights %.2f GiB", num_pages,
-                 self.page_size, self.pool.nbytes() / 2**30, self.model.nbytes() / 2**30)
-        if self.states is not None:
-            log.info("recurrent-state pool: %d slots of %d bytes (%.2f GiB)",
-                     self.states.num_slots, self.states.bytes_per_slot,
-                     self.states.nbytes() / 2**30)
         self._forward = PagedForward(self.model, self.pool, self.table, watch=self.compiles,
                                      deterministic=self.deterministic, states=self.states,
                                      varlen=self.prefill_attention == "varlen")
@@ -187,9 +183,10 @@ class PagedRunner:
             t_graphs = time.perf_counter()
             self._forward.warm_up()
         t_end = time.perf_counter()
-        log.info("engine built in %.2f s: weights %.2f s, KV pool %.2f s, %d decode graphs "
-                 "%.2f s, warm-up %.2f s", t_end - t0, t_weights - t0, t_pool - t_weights,
-                 self.decoder.num_graphs(), t_graphs - t_pool, t_end - t_graphs)
+        log.info("engine built in %.2f s: weights (%.2f GiB) %.2f s, KV pool %.2f s, %d decode "
+                 "graphs %.2f s, warm-up %.2f s", t_end - t0, self.model.nbytes() / 2**30,
+                 t_weights - t0, t_pool - t_weights, self.decoder.num_graphs(),
+                 t_graphs - t_pool, t_end - t_graphs)
 
     @property
     def released(self) -> bool:
@@ -257,19 +254,6 @@ class PagedRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the sender may reuse its buffer after we answer
         return n
-
-    def _lora_registry(self, max_rank: int) -> LoraRegistry:
-        """The adapters of an engine started with --enable-lora, refused where the adapter
-        compute is not there (hybrid models' layers, FP8 and INT4 linears)."""
-        if self.spec.linear is not None:
-            raise BadInputError("--enable-lora serves dense and MoE models; drop --enable-lora to "
-                                "serve this hybrid linear-attention model")
-        if quant.read_format(self.config_json, where=str(self.model_path)) is not None:
-            raise BadInputError("--enable-lora computes adapters over bf16/fp32 linears; drop "
-                                "--enable-lora or serve a checkpoint `rltool convert dequant` "
-                                "wrote")
-        return LoraRegistry(self.spec, max_rank=max_rank, dtype=DTYPES[self.dtype],
-                            device=self.device)
 
     def use_lora(self, name: str | None) -> None:
         """Run the next forwards with adapter `name` (None: the policy adapter)."""

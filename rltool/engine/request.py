@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rltool.engine.detokenize import StreamedText
 from rltool.engine.sampling import SamplingParams
 from rltool.engine.stop_rule import StopRule, StopText
 
@@ -57,6 +58,8 @@ class Request:
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     stop_rule: StopRule | None = None  # set by the request queue at admission
     stop_text: StopText | None = None  # likewise, for a request with stop strings or patterns
+    # a streamed request's text so far (set at admission, kept while it is retracted)
+    streamed: StreamedText | None = None
     # Set by the batch builder when it first samples the request, kept while it is retracted:
     # (temperature, greedy, base seed, plain, min new tokens).
     sampling_consts: tuple[float, bool, int, bool, int] | None = None

@@ -79,8 +79,6 @@ class RequestQueue:
         self._pending_update: (tuple[int, Callable[[], None], concurrent.futures.Future]
                                | None) = None
         self._rids: set[str] = set()
-        # rid -> the text so far of a streamed request, kept across retraction (its output is)
-        self._texts: dict[str, StreamedText] = {}
         self._token_times: collections.deque[tuple[float, int]] = collections.deque()
 
     # ----- called from other threads -------------------------------------------------------
@@ -252,9 +250,8 @@ class RequestQueue:
                     req.params, prompt_len=len(req.prompt_ids),
                     eos_token_ids=runner.eos_token_ids, context_length=runner.context_length)
                 req.stop_text = StopText(runner.tokenizer, req.params.skip_special_tokens)
-                if req.on_token is not None and req.rid not in self._texts:
-                    self._texts[req.rid] = StreamedText(runner.tokenizer,
-                                                        req.params.skip_special_tokens)
+                if req.on_token is not None and req.streamed is None:
+                    req.streamed = StreamedText(runner.tokenizer, req.params.skip_special_tokens)
                 self.prefilling.append(req)
 
     def prefill_order(self) -> list[Request]:
@@ -292,15 +289,14 @@ class RequestQueue:
 
     def after_token(self, req: Request, token: int) -> None:
         """Finish the request if `token` stops it, else hand the new token to a streaming caller
-        with its text so far, decoded incrementally (`StreamedText`, as the two-process front end
-        does): the whole characters out so far, never the whole output per token."""
+        with its text so far (its whole characters, decoded incrementally: `req.streamed`)."""
         stop = req.stop_rule.reason(len(req.output_ids), token,
                                     lambda: req.stop_text.read(req.output_ids))
         if stop is not None:
             reason, req.matched_stop_at = stop
             self.finish(req, reason)
         elif req.on_token is not None:
-            req.text = self._texts[req.rid].update(req.output_ids)
+            req.text = req.streamed.update(req.output_ids)
             req.on_token(req)
 
     def finish(self, req: Request, reason: dict[str, Any]) -> None:
@@ -322,7 +318,6 @@ class RequestQueue:
         req.finish_reason = reason
         req.reset_cache()
         self._rids.discard(req.rid)
-        self._texts.pop(req.rid, None)
         if reason.get("status_code") is None:  # a request failing anyway needs no logprobs
             try:
                 with runner.invariant():  # the log-softmax too, as the trainer computes it
