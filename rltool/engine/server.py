@@ -181,12 +181,12 @@ async def _run_front_end(cfg: ServeConfig, child: Any, sock: socket.socket,
     """Serve over `child` until a signal or its exit; why it exited unasked, or None."""
     loop = asyncio.get_running_loop()
     connecting = asyncio.ensure_future(child.connect())
-    from rltool.engine.app import EngineState  # while the scheduler process loads the model
-
     # While the scheduler process loads the model, a signal ends the wait (uvicorn's handlers
-    # take over once it serves).
+    # take over once it serves); one during the import below is handled once it is done.
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, connecting.cancel)
+    from rltool.engine.app import EngineState  # while the scheduler process loads the model
+
     try:
         link, info = await connecting
     except asyncio.CancelledError:
