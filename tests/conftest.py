@@ -59,7 +59,18 @@ def gpu_test_releases_what_it_holds(request):
     torch.cuda.empty_cache()
     # A test cut short by an interrupt holds what it held; failing its teardown would end the
     # session before pytest prints the failures of the tests before it.
-    assert not problems or _interrupted, "the test did not release what it held: " + "; ".join(problems)
+    assert not problems or _interrupted, ("the test did not release what it held: "
+                                          + "; ".join(problems))
+
+
+@pytest.fixture(scope="session")
+def model_3b(tmp_path_factory):
+    """The Qwen2.5-3B shapes, random init in bf16, drawn on the GPU: one checkpoint (~6 GB) for
+    every memory-plan test of the session."""
+    from rltool.data.models import init_model
+
+    return init_model(tmp_path_factory.mktemp("m") / "qwen2.5-3b", preset="qwen2.5-3b",
+                      dtype="bf16", device="cuda")
 
 
 @pytest.fixture(scope="session")

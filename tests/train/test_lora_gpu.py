@@ -10,7 +10,6 @@ import json
 import pytest
 import torch
 
-from rltool.data.models import init_model
 from rltool.train import lora, memfit
 from rltool.train.backend import MicroBatch
 from rltool.train.config import LORA_DEFAULT_TARGETS, BackendConfig, TrainConfig
@@ -66,12 +65,6 @@ def test_a_bf16_step_moves_only_the_adapters(tiny_model_dir):
     for key, value in before.items():
         assert torch.equal(value, after[key]) != lora.is_adapter_key(key), key
     assert all(v.dtype == torch.bfloat16 for v in after.values())
-
-
-@pytest.fixture(scope="module")
-def model_3b(tmp_path_factory):
-    return init_model(tmp_path_factory.mktemp("m") / "qwen2.5-3b", preset="qwen2.5-3b",
-                      dtype="bf16", device="cuda")
 
 
 @pytest.mark.parametrize("extra", [dict(), dict(param_dtype="bf16")],

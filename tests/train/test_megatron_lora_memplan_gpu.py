@@ -11,7 +11,6 @@ import json
 import pytest
 import torch
 
-from rltool.data.models import init_model
 from rltool.train import megatron_memplan as mplan
 from rltool.train import memfit
 from rltool.train.config import BackendConfig, TrainConfig
@@ -45,19 +44,17 @@ def test_bf16_lora_state_bytes_are_the_real_tensors(tiny_model_factory, distribu
                       "optimizer": real["optimizer"]}
 
 
-def test_the_lora_plan_is_the_measured_peak(tmp_path):
-    model = init_model(tmp_path / "qwen2.5-3b", preset="qwen2.5-3b", dtype="bf16",
-                       device="cuda")
-    cfg = TrainConfig(rollouts=["unused"], load=str(model), backend="megatron", dtype="bf16",
+def test_the_lora_plan_is_the_measured_peak(model_3b):
+    cfg = TrainConfig(rollouts=["unused"], load=str(model_3b), backend="megatron", dtype="bf16",
                       device="cuda", lr=1e-6, recompute="auto", max_tokens_per_microbatch=0,
                       use_distributed_optimizer=True, lora_rank=16)
-    cfg = cfg.model_copy(update=memfit.fit(cfg, model, longest=1))
-    hf = json.loads((model / "config.json").read_text())
+    cfg = cfg.model_copy(update=memfit.fit(cfg, model_3b, longest=1))
+    hf = json.loads((model_3b / "config.json").read_text())
     tokens = cfg.max_tokens_per_microbatch
     predicted = memfit.predictor(cfg, hf, world_size=1)(cfg.recompute, tokens)
     total = torch.cuda.get_device_properties(0).total_memory
     assert predicted <= memfit.room(total)
-    peak = measured_step_peak(model, cfg)
+    peak = measured_step_peak(model_3b, cfg)
     print(f"megatron LoRA r16: recompute {cfg.recompute}, {tokens} tokens, logprob chunks of "
           f"{cfg.logprob_chunk_tokens}: measured {peak / GIB:.2f} GiB, planned "
           f"{predicted / GIB:.2f} GiB ({(peak - predicted) / predicted:+.1%}); device "

@@ -15,7 +15,6 @@ import json
 import pytest
 import torch
 
-from rltool.data.models import init_model
 from rltool.train import memfit, memplan
 from rltool.train import megatron_memplan as mplan
 from rltool.train.config import TrainConfig
@@ -25,12 +24,6 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 GIB = float(1 << 30)
 MARGIN = 0.05
-
-
-@pytest.fixture(scope="module")
-def model_3b(tmp_path_factory):
-    return init_model(tmp_path_factory.mktemp("m") / "qwen2.5-3b", preset="qwen2.5-3b",
-                      dtype="bf16", device="cuda")
 
 
 def _predicted(cfg: TrainConfig, hf: dict) -> int:
