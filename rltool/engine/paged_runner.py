@@ -81,10 +81,11 @@ class PagedRunner:
         self.spec = read_spec(self.model_path)
         check_hybrid_flags(self.spec, ratio=mamba_full_memory_ratio, ssm_dtype=mamba_ssm_dtype)
         # --enable-lora: the adapters (rltool.engine.lora_registry), None without LoRA
-        self.lora = LoraRegistry(self.spec, max_rank=max_lora_rank, dtype=DTYPES[dtype],
-                                 device=self.device, quantized=quant.read_format(
-                                     self.config_json, where=str(self.model_path)) is not None
-                                 ) if enable_lora else None
+        self.lora = None
+        if enable_lora:
+            fmt = quant.read_format(self.config_json, where=str(self.model_path))
+            self.lora = LoraRegistry(self.spec, max_rank=max_lora_rank, dtype=DTYPES[dtype],
+                                     device=self.device, quantized=fmt is not None)
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = eos_token_ids(self.model_path, self.config_json, self.tokenizer)
         self.deterministic = deterministic

@@ -31,6 +31,8 @@ from rltool.errors import BadInputError, EngineError
 
 log = logging.getLogger(__name__)
 EXIT_POLL_S = 1.0  # how often the front end looks whether the scheduler process still runs
+
+
 class RemoteLink:
     """Requests and named calls to the scheduler process. `submit` raises what the front end can
     tell at once (a duplicate request id, the process gone); the scheduler's refusals arrive
