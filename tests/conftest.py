@@ -55,7 +55,10 @@ def gpu_test_releases_what_it_holds(request):
     torch.cuda.synchronize()
     grown = torch.cuda.memory_allocated() - before
     if grown > GPU_LEAK_BYTES:
-        problems.append(f"{grown / 2**20:.0f} MiB more CUDA memory allocated than before the test")
+        from tests.helpers.leaks import describe
+
+        problems.append(f"{grown / 2**20:.0f} MiB more CUDA memory allocated than before the test; "
+                        f"the largest CUDA tensors alive now:\n{describe('cuda')}")
     torch.cuda.empty_cache()
     # A test cut short by an interrupt holds what it held; failing its teardown would end the
     # session before pytest prints the failures of the tests before it.

@@ -14,7 +14,7 @@ AdamW's moments and the step in host memory).
 - Clipping: the global norm of the main gradients (torch's `get_total_norm`), then the masters'
   gradients scaled as `clip_grad_norm_` does (`clip_grads_with_norm_`). With fp32 parameters
   every operation is the plain path's on the same values, so the offloaded step is bit-identical
-  to it (tests/train/test_master_weights.py).
+  to it (tests/train/test_optimizer_offload.py).
 - State by parameter name, in the layout `get_optimizer_state_dict(full_state_dict=True)` gives
   the plain optimizer (rltool.train.checkpoint stores it unchanged): checkpoints move between
   this optimizer and the plain one. The masters are the checkpoint's weights.
@@ -24,6 +24,7 @@ One process (no DDP or FSDP), refused under torchrun by the backend.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -54,10 +55,13 @@ class MasterWeights:
             self.masters = [m.pin_memory() for m in self.masters]
         self._host_grads: list[torch.Tensor | None] = [None] * len(self.params)
         self._main: dict[torch.nn.Parameter, torch.Tensor] = {}
+        # The hook lives in the tensor's C++ autograd state, where the garbage collector cannot
+        # see it: a hook holding this object would keep it (masters, moments) alive for good.
+        me = weakref.ref(self)
         for p in self.params:
             p.data = p.data.to(param_dtype)
             if param_dtype != torch.float32:
-                p.register_post_accumulate_grad_hook(self._accumulate)
+                p.register_post_accumulate_grad_hook(lambda param: me()._accumulate(param))
         self.optimizer = make_optimizer(self.masters)
 
     def _accumulate(self, param: torch.nn.Parameter) -> None:

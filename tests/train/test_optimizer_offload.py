@@ -7,6 +7,9 @@ checkpoint of each gives the uninterrupted run's weights bit for bit."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -129,3 +132,21 @@ def test_master_weight_options_are_checked(tiny_model_dir, train_shard):
         TrainConfig(**base, backend="megatron", dtype="bf16", param_dtype="bf16")
     with pytest.raises(ConfigError, match="--optimizer-offload-fraction is a megatron option"):
         TrainConfig(**base, optimizer_cpu_offload=True, optimizer_offload_fraction=0.5)
+
+
+def test_bf16_parameters_release_their_masters_with_the_model():
+    """The main-gradient hook lives in each parameter's C++ autograd state, out of the garbage
+    collector's sight: holding the optimizer there kept its fp32 masters and moments alive after
+    the model was gone (a GPU leak of a whole model's masters per trainer)."""
+    from rltool.train.master_weights import MasterWeights
+
+    model = torch.nn.Linear(8, 8)
+    opt = MasterWeights(list(model.named_parameters()), lambda ms: torch.optim.AdamW(ms),
+                        param_dtype=torch.bfloat16, host=False)
+    model(torch.ones(2, 8, dtype=torch.bfloat16)).sum().backward()
+    opt.clip_grad_norm(1.0, foreach=None)
+    opt.step()
+    held = [weakref.ref(opt), weakref.ref(opt.masters[0]), weakref.ref(model.weight)]
+    del model, opt
+    gc.collect()
+    assert [ref() for ref in held] == [None, None, None]

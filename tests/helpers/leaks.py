@@ -1,0 +1,95 @@
+"""What holds device memory after a test: the largest live tensors of a device and, for each, the
+chain of Python objects that keeps it alive (attribute and key names), for the GPU suite's
+release check to print beside its figure."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import types
+from typing import Any
+
+import torch
+
+SKIP_TYPES = (types.CellType, types.FrameType, types.FunctionType, types.MethodType,
+              types.ModuleType)
+
+
+def live_tensors(device_type: str) -> list[tuple[int, torch.Tensor]]:
+    """(storage bytes, tensor) of every gc-visible tensor on `device_type`, one per storage,
+    largest first."""
+    seen: dict[int, tuple[int, torch.Tensor]] = {}
+    for obj in gc.get_objects():
+        try:
+            if not issubclass(type(obj), torch.Tensor) or obj.device.type != device_type:
+                continue
+            storage = obj.untyped_storage()
+        except (RuntimeError, ReferenceError):  # meta, sparse or half-torn-down objects
+            continue
+        key = storage.data_ptr()
+        if key and key not in seen:
+            seen[key] = (storage.nbytes(), obj)
+    return sorted(seen.values(), key=lambda item: -item[0])
+
+
+def _edge(holder: Any, held: Any) -> str:
+    """How `holder` refers to `held`: 'Owner.name', '[key]', '[i]' or the holder's type."""
+    if isinstance(holder, dict):
+        for key, value in holder.items():
+            if value is held:
+                return f"[{key!r}]"[:60]
+    if isinstance(holder, (list, tuple)):
+        for i, value in enumerate(holder):
+            if value is held:
+                return f"[{i}]"
+    for name, value in getattr(holder, "__dict__", {}).items():
+        if value is held:
+            return f"{type(holder).__name__}.{name}"
+    return f"<{type(holder).__name__}>"
+
+
+def holder_chain(obj: Any, depth: int = 6, ignore: set[int] | None = None) -> str:
+    """One path of referrers from `obj` outwards, e.g. "['kv'] <- Cache.buffers <- Engine.cache".
+
+    An instance's __dict__ is folded into the instance ('Owner.attr'). Frames, cells and
+    functions are not followed (the test's own locals are gone by teardown); `ignore`: ids of the
+    caller's own containers."""
+    ignore = {id(sys._getframe()), *(ignore or ())}
+
+    def referrers(target: Any) -> list[Any]:
+        found = gc.get_referrers(target)
+        kept = [r for r in found if id(r) not in ignore and not isinstance(r, SKIP_TYPES)]
+        ignore.update((id(found), id(kept)))
+        return kept
+
+    parts, current = [], obj
+    ignore.add(id(obj))
+    for _ in range(depth):
+        candidates = referrers(current)
+        if not candidates:
+            break
+        holder = candidates[0]
+        edge = _edge(holder, current)
+        if isinstance(holder, dict):
+            owner = next((o for o in referrers(holder)
+                          if getattr(o, "__dict__", None) is holder), None)
+            if owner is not None:
+                ignore.add(id(holder))
+                name = edge[2:-2] if edge.startswith("['") else edge
+                holder, edge = owner, f"{type(owner).__name__}.{name}"
+        parts.append(edge)
+        ignore.add(id(holder))
+        current = holder
+    return " <- ".join(parts) or "no Python referrer (held from C++: a graph pool, autograd)"
+
+
+def describe(device_type: str, limit: int = 5) -> str:
+    """The `limit` largest live tensors of `device_type` with their holder chains, one per line."""
+    gc.collect()
+    found = live_tensors(device_type)[:limit]
+    own = {id(found), *(id(item) for item in found)}
+    lines = []
+    for nbytes, tensor in found:
+        lines.append(f"{nbytes / 2**20:.1f} MiB {tuple(tensor.shape)} {tensor.dtype}: "
+                     f"{holder_chain(tensor, ignore=own)}")
+    return "\n".join(lines) or f"no gc-visible {device_type} tensor"
