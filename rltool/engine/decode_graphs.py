@@ -6,10 +6,16 @@ their inputs from the columns of one device buffer.
 A step's inputs are written on the host into one of two pinned staging buffers, used alternately,
 and copied to the device buffer in one contiguous (so asynchronous) copy: the host waits for the
 device only when it is two steps ahead.
+
+Every capture of the process runs on one side stream per device (`capture_stream`): cuBLAS keeps a
+workspace (32 MiB on Hopper) for each stream it has run on until the process ends, and torch's
+`Stream()` hands out the next of 32 pooled streams on each call, so a stream per capture (every
+engine build, and every resume after a release) left up to 1 GiB allocated behind.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +46,7 @@ class DecodeGraphs:
                 into: dict[int, tuple[Any, Any]]) -> None:
         """Capture `forward(meta columns)` for each bucket, largest first, into `into`. The
         warm-up runs may write `meta` (a step that advances its inputs): it is reset after."""
-        stream = torch.cuda.Stream(self.device)
+        stream = capture_stream(self.device)
         for bs in reversed(buckets):
             meta = self.meta[:, :bs]
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -69,3 +75,14 @@ class DecodeGraphs:
         self.meta[:rows].copy_(staging[:rows], non_blocking=True)
         copied.record()
         return self.meta
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one stream every graph capture on `device` runs on (see the module docstring)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capture_stream(index)
+
+
+@functools.cache
+def _capture_stream(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(index)
