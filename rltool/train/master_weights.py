@@ -58,10 +58,15 @@ class MasterWeights:
         # The hook lives in the tensor's C++ autograd state, where the garbage collector cannot
         # see it: a hook holding this object would keep it (masters, moments) alive for good.
         me = weakref.ref(self)
+
+        def accumulate(param: torch.nn.Parameter) -> None:
+            if (optimizer := me()) is not None:  # gone: its gradients stay on the parameter
+                optimizer._accumulate(param)
+
         for p in self.params:
             p.data = p.data.to(param_dtype)
             if param_dtype != torch.float32:
-                p.register_post_accumulate_grad_hook(lambda param: me()._accumulate(param))
+                p.register_post_accumulate_grad_hook(accumulate)
         self.optimizer = make_optimizer(self.masters)
 
     def _accumulate(self, param: torch.nn.Parameter) -> None:
