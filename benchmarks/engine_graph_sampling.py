@@ -12,6 +12,12 @@ The GPU time per step is the median of back-to-back steps on the device alone, b
 events: the bucket's graph replayed (and, for `apart`, the sampler launched after it), so the
 host never sets the pace there. wall / GPU near 1 means the GPU sets the pace.
 
+Then, per engine and batch, one more run of the workload under torch.profiler
+(rltool.profile.torch_trace.profiled, `profile` in the JSON): the device's busy fraction of the
+unprofiled run's seconds, the idle gaps between device work (the host setting the pace) and the
+kernel before the longest, device time per kernel kind (GEMM, attention, sampling, ...) and the
+top kernels, and every synchronizing CUDA call any thread made, by the line that made it.
+
 Usage: python -m benchmarks.engine_graph_sampling [--presets qwen2.5-0.5b,qwen2.5-7b]
        [--batches 64,256] [--repeats 3] [--num-continuous-decode-steps 1] [--out DIR]
 Prints a table and, last, one JSON line.
@@ -33,6 +39,7 @@ from rltool.engine.paged_runner import PagedRunner
 from rltool.engine.paged_scheduler import PagedScheduler
 from rltool.profile.engine_steps import decode_steps
 from rltool.profile.events import read_events
+from rltool.profile.torch_trace import profiled
 
 from benchmarks import harness
 from benchmarks.engine_common import prompts_for, random_checkpoint, run_batch, warm_up
@@ -114,9 +121,12 @@ def measure(model_dir: Path, batches: list[int], *, graph_sampling: bool, steps:
         for b in batches:
             runs = [traced_run(sched, b, seed=3 + b + 1000 * k, trace_root=trace_root)
                     for k in range(repeats)]
+            seconds = statistics.median(r["seconds"] for r in runs)
+            prompts = prompts_for(b, runner.vocab_size, 5 + b)
             out[b] = {"wall_us": statistics.median(r["wall_us"] for r in runs),
                       "wall_us_runs": [round(r["wall_us"], 1) for r in runs],
-                      "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs)}
+                      "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+                      "profile": profiled(lambda: run_batch(sched, prompts), seconds)}
         out["counters"] = sched.batch.blocks.stats()
     finally:
         sched.stop()
@@ -155,11 +165,13 @@ def main(argv: list[str] | None = None) -> None:
                 base = results[preset]["apart"][b]
                 for arm in ARMS:
                     r = results[preset][arm][b]
+                    prof = r["profile"]
                     table.append([preset, b, arm, r["tokens_per_s"], r["wall_us"] / 1e3,
                                   r["gpu_us"] / 1e3, r["wall_us"] / r["gpu_us"],
-                                  r["wall_us"] / base["wall_us"]])
+                                  r["wall_us"] / base["wall_us"], prof["gpu_busy_fraction"],
+                                  prof["host_syncs"]["count"], prof["limit"]])
     harness.print_table(["model", "B", "sampling", "tok/s", "wall ms/step", "GPU ms/step",
-                         "wall/GPU", "wall vs apart"], table)
+                         "wall/GPU", "wall vs apart", "GPU busy", "syncs", "limit"], table)
     bench.finish({"num_continuous_decode_steps": args.num_continuous_decode_steps,
                   "repeats": args.repeats, "clock": "wall: decode.step trace spans; GPU: "
                   "CUDA events over back-to-back device steps", "results": results},

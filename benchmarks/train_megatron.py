@@ -80,7 +80,6 @@ import statistics
 import tempfile
 import time
 import traceback
-import warnings
 from pathlib import Path
 
 # read when torch first allocates CUDA memory, so set before anything does
@@ -88,13 +87,12 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch
 
-from rltool import atomic
 from rltool.data.models import init_model
 from rltool.train.backend import MicroBatch
 from rltool.train.backend import build_backend
 from rltool.train import memfit
 from rltool.train.config import BackendConfig
-from rltool.profile.torch_trace import sync_sites, trace_summary
+from rltool.profile.torch_trace import profiled
 
 from benchmarks import harness
 from benchmarks.harness import progress
@@ -251,41 +249,11 @@ def best_run(name: str, model_dir: Path, samples: list[list[int]], args: argpars
 
 
 def profile_step(backend, mbs: list[MicroBatch], path: Path, step_s: float) -> dict:
-    """One more step under torch.profiler: its operator table to `path`, and a summary: the top
-    host operators by self CPU time and, on CUDA, `trace_summary` against the unprofiled median
-    step time `step_s` (the profiler's own host overhead would inflate the profiled step) and
-    `host_syncs`, the step's synchronizing calls (`sync_sites`)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = torch.cuda.is_available()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof, warnings.catch_warnings(record=True) as caught:
-        # every sync debug warning, not only the first per line (other warnings as before)
-        warnings.filterwarnings("always", message=".*synchroniz")
-        start = time.perf_counter()
-        if cuda:
-            torch.cuda.set_sync_debug_mode("warn")
-        try:
-            backend.train_step(mbs, loss_fn, temperature=1.0)
-        finally:
-            if cuda:
-                torch.cuda.set_sync_debug_mode("default")
-        harness.sync()
-        profiled_s = time.perf_counter() - start
-    averages = prof.key_averages()
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    atomic.write_text(path, averages.table(sort_by=key, row_limit=25))
-    host = sorted(averages, key=lambda e: -e.self_cpu_time_total)[:5]
-    summary = {"table": str(path), "profiled_step_s": profiled_s,
-               "host_top_ops": [{"name": e.key[:80], "self_cpu_ms": e.self_cpu_time_total / 1e3,
-                                 "calls": e.count} for e in host]}
-    if cuda:
-        with tempfile.TemporaryDirectory() as tmp:
-            trace = Path(tmp) / "trace.json"
-            prof.export_chrome_trace(str(trace))
-            events = json.loads(trace.read_text())["traceEvents"]
-        summary.update(trace_summary(events, step_s))
-        summary["host_syncs"] = sync_sites(caught)
+    """One more step under torch.profiler (rltool.profile.torch_trace.profiled): its operator
+    table to `path`; on CUDA the device's share against the unprofiled median step `step_s`."""
+    summary = profiled(lambda: backend.train_step(mbs, loss_fn, temperature=1.0), step_s,
+                       table=path)
+    summary["profiled_step_s"] = summary.pop("profiled_s")
     return summary
 
 

@@ -3,25 +3,40 @@ between its kernels, device time per kernel kind, the top kernels, and the calls
 host wait for the device (torch's CUDA sync debug mode warnings), by the line that made them.
 
 Input is the profiler's chrome trace (`prof.export_chrome_trace`: device events have `cat` in
-DEVICE_EVENTS and `ts`/`dur` in microseconds); benchmarks/train_megatron.py summarises its
-profiled step with it.
+DEVICE_EVENTS and `ts`/`dur` in microseconds). `profiled` runs a call under the profiler and
+returns all of it: benchmarks/train_megatron.py profiles a train step with it, and
+benchmarks/engine_graph_sampling.py a batch the engine's scheduler thread decodes.
 """
 
 from __future__ import annotations
 
+import json
 import re
+import tempfile
+import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# Device kernels by what they compute, for the profile summary (first match wins).
+import torch
+
+from rltool import atomic
+
+# Device kernels by what they compute, for the profile summary (first match wins). The engine's
+# own Triton kernels go by their function names: decode attention's two stages, the sampler's
+# two passes, the Gated DeltaNet kernels, the fused RoPE + KV store.
 KERNEL_KINDS = (
-    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|gmma|wgmma", re.I)),
-    ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn", re.I)),
+    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|gmma|wgmma|matmul|^_w4a16$", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn|^_stage[12]$", re.I)),
+    ("sampling", re.compile(r"^_partial$|^_combine$|sampling|multinomial|gumbel", re.I)),
+    ("linear attention", re.compile(r"^_conv$|^_decode$|^_gated_norm$|^_chunk_", re.I)),
+    ("rope and kv store", re.compile(r"^_rope_store$|rotary", re.I)),
     ("softmax", re.compile(r"softmax|logsumexp|cross_entropy", re.I)),
     ("reduction", re.compile(r"reduce|norm", re.I)),
-    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|pointwise|index|cat|fill", re.I)),
+    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|pointwise|index|cat|fill|"
+                               r"silu|quantize", re.I)),
 )
 DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -97,3 +112,48 @@ def sync_sites(caught: list[warnings.WarningMessage], *, top: int = 8) -> dict[s
                     for w in caught if "synchroniz" in str(w.message))
     return {"count": sum(sites.values()),
             "sites": [{"at": at, "calls": n} for at, n in sites.most_common(top)]}
+
+
+def profiled(fn: Callable[[], Any], step_s: float | None = None, *,
+             table: Path | None = None) -> dict[str, Any]:
+    """Run `fn` once under torch.profiler (CUDA's synchronizing calls recorded as warnings, from
+    every thread); its operator table to `table` if given, and a summary: the top host
+    operators by self CPU time and, on CUDA, `trace_summary` against `step_s` (the unprofiled
+    time of the work, since the profiler's host overhead inflates it; the profiled seconds if
+    None) and `host_syncs` (`sync_sites`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof, warnings.catch_warnings(record=True) as caught:
+        # every sync debug warning, not only the first per line (other warnings as before)
+        warnings.filterwarnings("always", message=".*synchroniz")
+        start = time.perf_counter()
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+                torch.cuda.synchronize()
+        profiled_s = time.perf_counter() - start
+    averages = prof.key_averages()
+    if table is not None:
+        key = "self_device_time_total" if cuda else "self_cpu_time_total"
+        atomic.write_text(table, averages.table(sort_by=key, row_limit=25))
+    host = sorted(averages, key=lambda e: -e.self_cpu_time_total)[:5]
+    summary: dict[str, Any] = {
+        "profiled_s": profiled_s,
+        "host_top_ops": [{"name": e.key[:80], "self_cpu_ms": e.self_cpu_time_total / 1e3,
+                          "calls": e.count} for e in host]}
+    if table is not None:
+        summary["table"] = str(table)
+    if cuda:
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(trace))
+            events = json.loads(trace.read_text())["traceEvents"]
+        summary.update(trace_summary(events, step_s or profiled_s))
+        summary["host_syncs"] = sync_sites(caught)
+    return summary

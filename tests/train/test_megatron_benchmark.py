@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from rltool.profile.torch_trace import kernel_kind, sync_sites, trace_summary
+from rltool.profile.torch_trace import kernel_kind, profiled, sync_sites, trace_summary
 
 
 def kernel(name: str, ts: float, dur: float, cat: str = "kernel") -> dict:
@@ -56,6 +56,28 @@ def test_kernel_kinds_read_the_name_before_template_arguments():
                        "kernel") == "softmax"
     assert kernel_kind("Memset (Device)", "gpu_memset") == "memset"
     assert kernel_kind("some_custom_kernel", "kernel") == "other"
+
+
+def test_the_engines_triton_kernels_have_their_kinds():
+    kinds = {"_stage1": "attention", "_stage2": "attention", "_partial": "sampling",
+             "_combine": "sampling", "_decode": "linear attention",
+             "_gated_norm": "linear attention", "_chunk_state": "linear attention",
+             "_rope_store": "rope and kv store", "_w4a16": "gemm", "block_fp8_gemm": "gemm",
+             "_matmul": "gemm", "_add_rms_norm": "reduction", "_silu_mul": "elementwise",
+             "quantize_rows": "elementwise"}
+    assert {name: kernel_kind(name, "kernel") for name in kinds} == kinds
+
+
+def test_profiled_runs_the_call_once_and_names_its_host_operators(tmp_path):
+    import torch
+
+    calls = []
+    summary = profiled(lambda: calls.append(torch.ones(64, 64) @ torch.ones(64, 64)),
+                       table=tmp_path / "ops.txt")
+    assert len(calls) == 1 and summary["profiled_s"] > 0
+    assert "aten::mm" in [op["name"] for op in summary["host_top_ops"]]
+    assert "aten::mm" in (tmp_path / "ops.txt").read_text()
+    assert summary["table"] == str(tmp_path / "ops.txt")
 
 
 def test_sync_sites_count_the_sync_warnings_by_the_line_that_made_them():
