@@ -176,8 +176,14 @@ def checkpoints(preset: str) -> tuple[Path, Path]:
     return model_dir, fp8_dir
 
 
-def first_batches(model_dir: Path, batches: list[int], repeats: int, label: str) -> list[dict]:
-    """The warm-up, then each batch size `repeats` times, on a fresh engine: a row per run."""
+def first_batches(model_dir: Path, batches: list[int], repeats: int, label: str, *,
+                  profile_first: bool = False) -> list[dict]:
+    """The warm-up, then each batch size `repeats` times, on a fresh engine: a row per run.
+    `profile_first`: each batch size's first run runs under torch.profiler (its row's
+    `profile`: rltool.profile.torch_trace.profiled, whose longest device idle gaps name the
+    kernel that waited), the figures of that run including the profiler's overhead."""
+    from rltool.profile.torch_trace import profiled
+
     rows = []
     with fresh_engine(model_dir, batches) as (runner, sched):
         runs = [("warm-up", 0, lambda: warm_up(sched, batches, runner.vocab_size) or {})]
@@ -186,10 +192,16 @@ def first_batches(model_dir: Path, batches: list[int], repeats: int, label: str)
             for b in batches for i in range(repeats)]
         for name, batch, fn in runs:
             before = compiled_kernels()
-            result = fn()
+            profile = None
+            if profile_first and name.endswith(" #1"):
+                box: dict = {}
+                profile = profiled(lambda fn=fn: box.update(fn()))
+                result = box
+            else:
+                result = fn()
             new = sorted(compiled_kernels() - before)
             rows.append({"engine": label, "run": name, "batch": batch, **result,
-                         "compiled": new})
+                         "compiled": new, **({"profile": profile} if profile else {})})
             shown = {k: round(v, 3) for k, v in result.items()
                      if k in ("seconds", "tokens_per_s", "mean_ttft_s", "max_ttft_s")}
             print(f"{label:5} {name:12} {shown} compiled {len(new)}: {new}", flush=True)

@@ -25,7 +25,9 @@ One script, one mode per run (`--mode`, default throughput):
                       the warm-up, then each batch size `--repeats` times with new prompts; per
                       run its seconds, tokens/s, time to first token and the kernel variants
                       Triton compiled during it (a compile stalls the engine for about a second;
-                      once warm a run should compile nothing)
+                      once warm a run should compile nothing); `--profile-first`: each batch
+                      size's first run under torch.profiler (device idle gaps and the kernel
+                      after each, synchronizing calls)
   long-context        decode at 16k and 32k tokens per sequence, B = 8 and 32 (7B: 8 and 16),
                       beside the bytes roofline (benchmarks/engine_long.py says how); `--device
                       cpu --quick`: the tiny preset's smoke rows
@@ -69,7 +71,7 @@ Usage: python -m benchmarks.engine_gpu [--presets qwen2.5-0.5b,qwen2.5-7b] [--ba
        [--tensor-sync qwen2.5-0.5b,qwen2.5-7b] [--bucket-mib 512] [--device cuda|cpu]
        [--grpo-prompts 64 --grpo-samples 8 --grpo-prompt-len 512 --grpo-max-output 2048]
        python -m benchmarks.engine_gpu --mode first-batches [--preset qwen2.5-7b]
-       [--batches 64,256] [--repeats 3] [--out DIR]
+       [--batches 64,256] [--repeats 3] [--profile-first] [--out DIR]
        python -m benchmarks.engine_gpu --mode long-context
        [--presets qwen2.5-0.5b,qwen2.5-3b,qwen2.5-7b] [--device cpu --quick] [--out DIR]
 `--out DIR` writes DIR/engine_gpu[-MODE]-DATE-DEVICE.json. Prints a table and, last, one JSON
@@ -390,7 +392,8 @@ def first_batches_mode(args: argparse.Namespace) -> dict:
     model_dir, fp8_dir = checkpoints(args.preset)
     return {"preset": args.preset,
             "rows": [row for label, d in (("bf16", model_dir), ("fp8", fp8_dir))
-                     for row in first_batches(d, batches, args.repeats, label)]}
+                     for row in first_batches(d, batches, args.repeats, label,
+                                              profile_first=args.profile_first)]}
 
 
 def per_preset(fn) -> Callable[[argparse.Namespace], dict]:
@@ -459,6 +462,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     only.add_argument("--engines-only", action="store_true",
                       help="fp8-quick, int4: without the GEMM rates")
     ap.add_argument("--repeats", type=int, default=3, help="first-batches: runs per batch size")
+    ap.add_argument("--profile-first", action="store_true",
+                    help="first-batches: each batch size's first run under torch.profiler")
     ap.add_argument("--out", default=None, help="directory (or .json file) for the record")
     args = ap.parse_args(argv)
     implied = ("rl" if args.grpo or args.tensor_sync else "fp8" if args.precision

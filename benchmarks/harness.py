@@ -67,11 +67,14 @@ def machine() -> dict[str, Any]:
     import torch
 
     gpu = gpu_name()
-    return {"platform": platform.platform(), "cpu": cpu_model(),
+    info = {"platform": platform.platform(), "cpu": cpu_model(),
             "cores": os.cpu_count(), "gpu": gpu,
             "gpus": torch.cuda.device_count() if gpu else 0,
             "python": platform.python_version(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads()}
+    if gpu:  # cuDNN's version decides whether torch's SDPA tries cuDNN attention first
+        info.update(cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version())
+    return info
 
 
 def load_average() -> list[float]:
