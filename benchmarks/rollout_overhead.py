@@ -117,6 +117,8 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny", help="Model shapes (rltool.data.models).")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.device == "cuda" and harness.gpu_name() is None:
+        parser.error("--device cuda but no CUDA device is visible; use --device cpu")
     from rltool.data.models import init_model
     from rltool.data.tasks import make_rows, write_prompts
     from rltool.engine.config import ServeConfig
