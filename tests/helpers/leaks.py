@@ -55,10 +55,12 @@ def holder_chain(obj: Any, depth: int = 6, ignore: set[int] | None = None) -> st
     functions are not followed (the test's own locals are gone by teardown); `ignore`: ids of the
     caller's own containers."""
     ignore = {id(sys._getframe()), *(ignore or ())}
+    lists: list[list[Any]] = []  # this function's own lists, alive so that no id is reused
 
     def referrers(target: Any) -> list[Any]:
         found = gc.get_referrers(target)
         kept = [r for r in found if id(r) not in ignore and not isinstance(r, SKIP_TYPES)]
+        lists.extend((found, kept))
         ignore.update((id(found), id(kept)))
         return kept
 
