@@ -15,7 +15,7 @@ host never sets the pace there. wall / GPU near 1 means the GPU sets the pace.
 Then, per engine and batch, one more run of the workload under torch.profiler
 (rltool.profile.torch_trace.profiled, `profile` in the JSON): the device's busy fraction of the
 unprofiled run's seconds, the idle gaps between device work (the host setting the pace) and the
-kernel before the longest, device time per kernel kind (GEMM, attention, sampling, ...) and the
+kernel that followed each of the longest, device time per kernel kind (GEMM, attention, ...) and the
 top kernels, and every synchronizing CUDA call any thread made, by the line that made it.
 
 Usage: python -m benchmarks.engine_graph_sampling [--presets qwen2.5-0.5b,qwen2.5-7b]
