@@ -238,6 +238,9 @@ def main(argv: list[str] | None = None) -> None:
                           sft_steps=60 if args.sft_steps is None else args.sft_steps,
                           seed=args.seed)
         else:
+            from rltool.data.models import parse_device
+
+            parse_device(args.device)  # before the demo directory is recreated
             recipe = recipe_for(
                 args.arch, task=task, rollout_batch_size=args.rollout_batch_size,
                 n_samples_per_prompt=args.n_samples_per_prompt, eval_prompts=args.eval_prompts,

@@ -358,6 +358,9 @@ def main(argv: list[str] | None = None) -> None:
     if not args.quiet:
         logging.getLogger("rltool.progress").setLevel(logging.INFO)
     try:
+        from rltool.data.models import parse_device
+
+        parse_device(args.device)  # before the demo directory is recreated
         if args.steps < 1:
             raise BadInputError(f"--steps must be >= 1 (RL loop steps), got {args.steps}")
         base = GPU if args.device == "cuda" else CPU

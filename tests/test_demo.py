@@ -126,6 +126,14 @@ def test_noisy_demonstrator_is_right_as_often_as_asked_at_every_length():
         noisy_demonstrations(add, teacher_exact=0.0, seed=2)
 
 
+def test_gpu_demo_without_a_gpu_exits_2_before_writing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        demo.main([str(tmp_path / "d"), "--device", "cuda", "--arch", "qwen3_5"])
+    assert e.value.code == 2 and "torch sees no CUDA GPU" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
+
+
 def test_gpu_recipe_refuses_a_bad_learning_rate_before_writing(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         demo.main([str(tmp_path / "d"), "--task", "reverse", "--preset", "tiny", "--rl-lr", "0"])

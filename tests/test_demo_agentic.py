@@ -68,13 +68,18 @@ def test_demonstrations_are_the_chat_of_the_episode(tokenizer):
     assert 0.12 <= exact <= 0.18, exact  # 0.3 x 0.5; a made-up answer is seldom the product
 
 
-def test_recipe_refuses_bad_values_before_writing(tmp_path, capsys):
+def test_recipe_refuses_bad_values_before_writing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(SystemExit) as e:
         demo_agentic.main([str(tmp_path / "d"), "--call-rate", "1.5"])
     assert e.value.code == 2 and "--call-rate must be in [0, 1]" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         demo_agentic.main([str(tmp_path / "d"), "--steps", "0"])
     assert e.value.code == 2 and "--steps must be >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
+    with pytest.raises(SystemExit) as e:
+        demo_agentic.main([str(tmp_path / "d"), "--device", "cuda"])
+    assert e.value.code == 2 and "torch sees no CUDA GPU" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
     with pytest.raises(BadInputError, match="--min-digits"):
         demo_agentic.AgenticRecipe(preset="tiny", min_digits=4, max_digits=2, sft_steps=1,

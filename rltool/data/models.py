@@ -144,7 +144,7 @@ def init_model(out: str | os.PathLike, *, arch: str = "qwen2", preset: str = "ti
     dtype = DTYPE_ALIASES.mapping.get(dtype, dtype)
     if dtype not in ("fp32", "bf16"):
         raise BadInputError(f"unknown --dtype {dtype!r}; choose fp32 or bf16")
-    where = _init_device(device)
+    where = parse_device(device)
     with atomic.publish_dir(out, marker=VERSION_FILE, marker_content={"version": 0}) as tmp:
         build_tokenizer(tmp)
         tok = AutoTokenizer.from_pretrained(str(tmp))
@@ -159,8 +159,9 @@ def init_model(out: str | os.PathLike, *, arch: str = "qwen2", preset: str = "ti
     return out
 
 
-def _init_device(device: str) -> Any:
-    """`device` as a torch.device; one-line errors for a malformed or absent device."""
+def parse_device(device: str) -> Any:
+    """`device` as a torch.device; one-line errors for a malformed or absent device (commands
+    check it before they write anything)."""
     import torch
 
     try:
