@@ -24,11 +24,11 @@ def live_tensors(device_type: str) -> list[tuple[int, torch.Tensor]]:
             if not issubclass(type(obj), torch.Tensor) or obj.device.type != device_type:
                 continue
             storage = obj.untyped_storage()
-        except (RuntimeError, ReferenceError):  # meta, sparse or half-torn-down objects
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+        except Exception:  # noqa: BLE001 (any object of the process: fake, traced, torn down)
             continue
-        key = storage.data_ptr()
         if key and key not in seen:
-            seen[key] = (storage.nbytes(), obj)
+            seen[key] = (nbytes, obj)
     return sorted(seen.values(), key=lambda item: -item[0])
 
 
@@ -92,6 +92,9 @@ def describe(device_type: str, limit: int = 5) -> str:
     own = {id(found), *(id(item) for item in found)}
     lines = []
     for nbytes, tensor in found:
-        lines.append(f"{nbytes / 2**20:.1f} MiB {tuple(tensor.shape)} {tensor.dtype}: "
-                     f"{holder_chain(tensor, ignore=own)}")
+        try:
+            chain = holder_chain(tensor, ignore=own)
+        except Exception as e:  # noqa: BLE001 (a report must not fail on an odd referrer)
+            chain = f"(its holders could not be read: {type(e).__name__}: {e})"
+        lines.append(f"{nbytes / 2**20:.1f} MiB {tuple(tensor.shape)} {tensor.dtype}: {chain}")
     return "\n".join(lines) or f"no gc-visible {device_type} tensor"
