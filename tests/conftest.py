@@ -58,7 +58,7 @@ def gpu_test_releases_what_it_holds(request):
         from tests.helpers.leaks import describe
 
         problems.append(f"{grown / 2**20:.0f} MiB more CUDA memory allocated than before the test; "
-                        f"the largest CUDA tensors alive now:\n{describe('cuda')}")
+                        f"the largest CUDA tensors alive now:\n{describe('cuda', limit=10)}")
     torch.cuda.empty_cache()
     # A test cut short by an interrupt holds what it held; failing its teardown would end the
     # session before pytest prints the failures of the tests before it.
