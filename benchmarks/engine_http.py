@@ -68,6 +68,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from rltool.errors import BadInputError
+
 from benchmarks import harness
 
 LOGNORMAL_SIGMA = 0.8
@@ -454,8 +456,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"--layouts {args.layouts!r}: choose from {sorted(LAYOUTS)}")
     if args.quick:
         args.device, args.preset = "cpu", "tiny"
-    if args.device == "cuda" and harness.gpu_name() is None:
-        parser.error("--device cuda but no CUDA device is visible; use --device cpu")
+    try:
+        harness.require_device(args.device)
+    except BadInputError as e:
+        parser.error(str(e))
     min_seconds = args.min_seconds if args.min_seconds is not None else (
         1.0 if args.quick else 5.0)
     ws = workloads(args.quick)

@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rltool.errors import BadInputError
+
 from benchmarks import harness
 
 VARIANTS = ("engine", "per-sample", "per-group", "batched", "stage-per-group", "stage",
@@ -117,8 +119,10 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny", help="Model shapes (rltool.data.models).")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if args.device == "cuda" and harness.gpu_name() is None:
-        parser.error("--device cuda but no CUDA device is visible; use --device cpu")
+    try:
+        harness.require_device(args.device)
+    except BadInputError as e:
+        parser.error(str(e))
     from rltool.data.models import init_model
     from rltool.data.tasks import make_rows, write_prompts
     from rltool.engine.config import ServeConfig

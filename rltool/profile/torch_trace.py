@@ -139,15 +139,14 @@ def profiled(fn: Callable[[], Any], step_s: float | None = None, *,
                 torch.cuda.synchronize()
         profiled_s = time.perf_counter() - start
     averages = prof.key_averages()
-    if table is not None:
-        key = "self_device_time_total" if cuda else "self_cpu_time_total"
-        atomic.write_text(table, averages.table(sort_by=key, row_limit=25))
     host = sorted(averages, key=lambda e: -e.self_cpu_time_total)[:5]
     summary: dict[str, Any] = {
         "profiled_s": profiled_s,
         "host_top_ops": [{"name": e.key[:80], "self_cpu_ms": e.self_cpu_time_total / 1e3,
                           "calls": e.count} for e in host]}
     if table is not None:
+        key = "self_device_time_total" if cuda else "self_cpu_time_total"
+        atomic.write_text(table, averages.table(sort_by=key, row_limit=25))
         summary["table"] = str(table)
     if cuda:
         with tempfile.TemporaryDirectory() as tmp:

@@ -77,8 +77,7 @@ def holder_chain(obj: Any, depth: int = 6, ignore: set[int] | None = None) -> st
                           if getattr(o, "__dict__", None) is holder), None)
             if owner is not None:
                 ignore.add(id(holder))
-                name = edge[2:-2] if edge.startswith("['") else edge
-                holder, edge = owner, f"{type(owner).__name__}.{name}"
+                holder, edge = owner, _edge(owner, current)
         parts.append(edge)
         ignore.add(id(holder))
         current = holder
