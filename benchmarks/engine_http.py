@@ -69,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from rltool.errors import BadInputError
+from rltool.supervisor import log_tail
 
 from benchmarks import harness
 
@@ -515,6 +516,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         fields["settings"]["http_client"] = http.client
         try:
             fields["results"] += asyncio.run(run_http(http, ws, **kw))
+        except Exception:
+            harness.progress(f"{arm_name} failed; the server's log ends:\n"
+                             + log_tail(tmp / f"serve-{layout}.log"))
+            raise
         finally:
             http.stop()
         fields[f"{arm_name}_over_in_process"] = ratios(fields["results"], arm_name, "in_process")

@@ -113,13 +113,21 @@ def serve(cfg: ServeConfig) -> None:
         serve_one_process(cfg)
 
 
+# An idle keep-alive connection is closed after this long. It must outlast the idle expiry of
+# clients' connection pools (aiohttp keeps one 15 s, httpx 5 s): with uvicorn's default of 5 s, a
+# client could send a request on a pooled connection in the moment the server closed it, and the
+# request failed with "Server disconnected" (seen under load with 256 aiohttp connections).
+KEEP_ALIVE_S = 75
+
+
 def _uvicorn_server(state: EngineState) -> Any:
     import uvicorn
 
     from rltool.engine.app import build_app
 
     config = uvicorn.Config(build_app(state), log_level=state.cfg.log_level, lifespan="off",
-                            timeout_graceful_shutdown=1, access_log=False)
+                            timeout_graceful_shutdown=1, access_log=False,
+                            timeout_keep_alive=KEEP_ALIVE_S)
     return _server_class()(state.link, config)
 
 

@@ -289,3 +289,24 @@ def test_listener_disables_nagle_and_fast_http_stack_is_installed():
 
     assert _loop_factory() is uvloop.new_event_loop
     assert AutoHTTPProtocol.__name__ == "HttpToolsProtocol"
+
+
+def test_an_idle_connection_is_kept_past_client_pool_expiries(builtin_engine):
+    """A keep-alive connection idle for longer than uvicorn's default 5 s still serves the next
+    request: clients pool connections longer than that (aiohttp 15 s), and a server closing them
+    sooner races the client's next request on them."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    from rltool.engine.server import KEEP_ALIVE_S
+
+    host, port = urlsplit(builtin_engine.url).hostname, urlsplit(builtin_engine.url).port
+    request = f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    with socket.create_connection((host, port), timeout=30) as sock:
+        for _ in range(2):
+            sock.sendall(request)
+            head = sock.recv(4096)
+            assert head.startswith(b"HTTP/1.1 200"), head
+            time.sleep(5.5)  # past uvicorn's default keep-alive, well inside KEEP_ALIVE_S
+    assert KEEP_ALIVE_S > 15
