@@ -6,21 +6,29 @@ layout (rltool.train.packed) and the engine's prefill (rltool.engine.varlen_atte
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections.abc import Callable
 
 import torch
 
-try:
-    from torch.nn.attention.varlen import varlen_attn
-    _ARGS = set(inspect.signature(varlen_attn).parameters)
-except ImportError:  # a torch without it: callers take their per-sample or masked path
-    varlen_attn = None
-    _ARGS = set()
+
+@functools.cache
+def kernel() -> tuple[Callable | None, frozenset[str]]:
+    """torch's varlen_attn and its keywords, imported on first use: its module imports torch's
+    compiler stack (about 1.4 s of start-up on a CPU), which a process that never runs it (the
+    engine with grouped prefill, the front end, a CPU trainer) should not pay. (None, {}) for a
+    torch without it: callers take their per-sample or masked path."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, frozenset()
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def available() -> bool:
     """Whether this torch has variable-length flash attention."""
-    return varlen_attn is not None
+    return kernel()[0] is not None
 
 
 def repeat_kv(x: torch.Tensor, groups: int, dim: int) -> torch.Tensor:
@@ -41,13 +49,14 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor
     `cu_q`/`cu_k` [N + 1] int32 segment offsets on q's device; a segment's queries are its last
     keys' positions (a continuation attends to its cached prefix). -> [T, H, D]. Raises
     NotImplementedError for a non-default `scale` where this torch takes none."""
+    varlen_attn, args = kernel()
     groups = q.shape[1] // k.shape[1]
-    extra: dict = {"is_causal": True} if "is_causal" in _ARGS else {"window_size": (-1, 0)}
-    if "enable_gqa" in _ARGS:
+    extra: dict = {"is_causal": True} if "is_causal" in args else {"window_size": (-1, 0)}
+    if "enable_gqa" in args:
         extra["enable_gqa"] = groups > 1
     else:
         k, v = repeat_kv(k, groups, 1), repeat_kv(v, groups, 1)
-    if "scale" in _ARGS:
+    if "scale" in args:
         extra["scale"] = scale
     elif scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-12:
         raise NotImplementedError("this torch's varlen_attn takes no scale argument")

@@ -42,12 +42,15 @@ class EngineInfo:
         return {k: v for k, v in self.__dict__.items() if k != "tokenizer"}
 
     @classmethod
-    def from_facts(cls, facts: dict[str, Any]) -> EngineInfo:
+    def from_facts(cls, facts: dict[str, Any], *, tokenizer: Any = None) -> EngineInfo:
+        """`tokenizer`: the one of facts' tokenizer_path, loaded already (else loaded here)."""
         from pathlib import Path
 
         from rltool.engine.loading import load_tokenizer
 
-        return cls(tokenizer=load_tokenizer(Path(facts["tokenizer_path"])), **facts)
+        if tokenizer is None:
+            tokenizer = load_tokenizer(Path(facts["tokenizer_path"]))
+        return cls(tokenizer=tokenizer, **facts)
 
 
 class LocalLink:

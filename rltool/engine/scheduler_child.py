@@ -8,7 +8,8 @@ import asyncio
 import socket
 import subprocess
 import sys
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any
 
 from rltool.engine import ipc
 from rltool.engine.config import ServeConfig
@@ -40,8 +41,10 @@ class SchedulerChild:
         ours.sendall(ipc.frame({"t": "config",
                                 "cfg": cfg.model_dump(mode="json", exclude_unset=True)}))
 
-    async def connect(self) -> tuple[RemoteLink, EngineInfo]:
-        """Wait until the scheduler process has built the engine; its link and facts."""
+    async def connect(self, tokenizer: Awaitable[tuple[str, Any]] | None = None
+                      ) -> tuple[RemoteLink, EngineInfo]:
+        """Wait until the scheduler process has built the engine; its link and facts.
+        `tokenizer`: (path, tokenizer) loaded meanwhile, used if the engine's is that path."""
         from rltool.engine.link import EngineInfo
         from rltool.engine.remote_link import RemoteLink
 
@@ -56,7 +59,11 @@ class SchedulerChild:
             if isinstance(error, RuntimeError):
                 raise EngineError(f"the scheduler process could not start the engine: {error}")
             raise error
-        info = EngineInfo.from_facts(hello["facts"])
+        facts, preloaded = hello["facts"], None
+        if tokenizer is not None:
+            path, loaded = await tokenizer
+            preloaded = loaded if path == facts["tokenizer_path"] else None
+        info = EngineInfo.from_facts(facts, tokenizer=preloaded)
         link = RemoteLink(reader, writer, proc=self.proc, info=info,
                           weight_version=hello["weight_version"])
         link.start()

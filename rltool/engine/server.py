@@ -188,7 +188,11 @@ async def _run_front_end(cfg: ServeConfig, child: Any, sock: socket.socket,
                          url: str) -> str | None:
     """Serve over `child` until a signal or its exit; why it exited unasked, or None."""
     loop = asyncio.get_running_loop()
-    connecting = asyncio.ensure_future(child.connect())
+    # The tokenizer loads beside the app's import, while the scheduler process loads the model
+    # (after it, it was the last step before serving: seconds where transformers imports slowly).
+    tokenizer = loop.run_in_executor(None, _load_tokenizer, cfg.model)
+    tokenizer.add_done_callback(lambda f: f.cancelled() or f.exception())  # read if unused
+    connecting = asyncio.ensure_future(child.connect(tokenizer))
     # While the scheduler process loads the model, a signal ends the wait (uvicorn's handlers
     # take over once it serves); one during the import below is handled once it is done.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -214,6 +218,14 @@ async def _run_front_end(cfg: ServeConfig, child: Any, sock: socket.socket,
     failure = link.exited if link.failed else None
     link.request_stop()
     return failure
+
+
+def _load_tokenizer(model: str) -> tuple[str, Any]:
+    from pathlib import Path
+
+    from rltool.engine.loading import load_tokenizer
+
+    return str(Path(model)), load_tokenizer(Path(model))
 
 
 def _loop_factory() -> Any:

@@ -42,8 +42,8 @@ class VarlenPlan:
 
 def can_flash(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `attend` runs torch's variable-length flash attention there."""
-    return (varlen.available() and device.type == "cuda"
-            and dtype in (torch.bfloat16, torch.float16))
+    return (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and varlen.available())
 
 
 def plan(chunks: list[tuple[int, int, int, list[int] | None]], *, num_tokens: int,

@@ -105,7 +105,7 @@ def causal_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.T
     On CUDA in bf16/fp16: one variable-length flash call (no host sync when `max_len` is given);
     elsewhere one causal SDPA call per sample."""
     groups = q.shape[1] // k.shape[1]
-    if varlen.available() and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and varlen.available():
         cu32 = cu.to(device=q.device, dtype=torch.int32, non_blocking=True)
         if max_len is None:
             max_len = int((cu32[1:] - cu32[:-1]).max())

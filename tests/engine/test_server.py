@@ -310,3 +310,19 @@ def test_an_idle_connection_is_kept_past_client_pool_expiries(builtin_engine):
             assert head.startswith(b"HTTP/1.1 200"), head
             time.sleep(idle_s)
     assert KEEP_ALIVE_S > 15
+
+
+def test_serving_modules_leave_torch_compiler_stack_unimported():
+    """The engine's processes start without importing torch's compiler stack (about 1.4 s on a
+    CPU, more where many packages are installed): torch's varlen attention, whose module imports
+    it, loads on first use only."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import rltool.engine.app, rltool.engine.server, "
+            "rltool.engine.scheduler_process, rltool.engine.paged_runner, rltool.train.packed, "
+            "rltool.train.torch_backend; from rltool import varlen; "
+            "print('torch._dynamo' in sys.modules, end=' '); varlen.available(); "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"], out.stdout + out.stderr
