@@ -40,7 +40,7 @@ the other: arm `http` with --no-frontend-process (the scheduler thread beside uv
 `http_two_process` with --frontend-process (the scheduler in a process of its own; the server's
 CPU seconds include it), and records `two_over_one_process` per workload.
 
-GPU (one command, sized to fit 8 minutes on one H100 or H200; not yet run on a GPU):
+GPU (one command, sized to fit 8 minutes on one H100 or H200; figures in docs/benchmarks.md):
   python -m benchmarks.engine_http --device cuda --preset qwen2.5-0.5b --out benchmarks/results
 Both layouts (the in-process arm, then each server, three workloads; not yet run):
   python -m benchmarks.engine_http --device cuda --preset qwen2.5-0.5b --layouts one,two
@@ -49,8 +49,8 @@ Both layouts (the in-process arm, then each server, three workloads; not yet run
 CPU smoke (tiny model, short runs, well under a minute on 2 cores):
   python -m benchmarks.engine_http --quick --out /tmp/engine-http
 Prints a table and, last, one JSON line; `--out DIR` writes DIR/engine_http-DATE-DEVICE.json
-(`engine_http-quick-...` with --quick; after each arm too, so a run cut short keeps the arms it
-finished).
+(`engine_http-quick-...` with --quick; after each timed workload too, so a run cut short keeps
+the workloads it finished).
 """
 
 from __future__ import annotations
@@ -362,26 +362,26 @@ async def timed_run(arm: Any, w: Workload, *, vocab: int, min_seconds: float, se
             "server_cpu_s": None if server0 is None else server1 - server0}
 
 
-async def run_arm(arm: Any, ws: list[Workload], *, vocab: int, min_seconds: float
-                  ) -> list[dict[str, Any]]:
-    """Warm every workload up (other prompts, short outputs), then time each."""
+async def run_arm(arm: Any, ws: list[Workload], *, vocab: int, min_seconds: float,
+                  rows: list[dict[str, Any]], saved: Callable[[], None]) -> None:
+    """Warm every workload up (other prompts, short outputs), then time each: its row appended
+    to `rows`, then `saved()` (so a run cut short keeps the workloads it finished)."""
     for i, w in enumerate(ws):
         harness.progress(f"{arm.name}: warm-up {w.name}")
         await run_round(arm.call, round_bodies(w, seed=WARMUP_SEED + 100 * i, vocab=vocab,
                                                output_scale=1 / 8), w.in_flight)
-    rows = []
     for i, w in enumerate(ws):
         row = await timed_run(arm, w, vocab=vocab, min_seconds=min_seconds, seed=1000 * (i + 1))
         harness.progress(f"{arm.name}: {w.name} {row['tokens_per_s']:.0f} tok/s over "
                          f"{row['seconds']:.1f} s ({row['rounds']} rounds)")
         rows.append(row)
-    return rows
+        saved()
 
 
-async def run_http(arm: HttpArm, ws: list[Workload], **kw: Any) -> list[dict[str, Any]]:
+async def run_http(arm: HttpArm, ws: list[Workload], **kw: Any) -> None:
     await arm.open()
     try:
-        return await run_arm(arm, ws, **kw)
+        await run_arm(arm, ws, **kw)
     finally:
         await arm.close()
 
@@ -495,18 +495,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                            "serve": settings, "quick": args.quick,
                                            "lognormal_sigma": LOGNORMAL_SIGMA},
                               "workloads": [asdict(w) for w in ws], "results": []}
-    kw = dict(vocab=vocab, min_seconds=min_seconds)
 
+    def saved() -> None:
+        if args.out:
+            run.write(run.record(fields), args.out, variant=variant)
+
+    kw = dict(vocab=vocab, min_seconds=min_seconds, rows=fields["results"], saved=saved)
     inproc = InProcessArm(ServeConfig(model=model_dir, **settings))
     try:
-        fields["results"] += asyncio.run(run_arm(inproc, ws, **kw))
+        asyncio.run(run_arm(inproc, ws, **kw))
     finally:
         inproc.stop()
         del inproc
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    if args.out:
-        run.write(run.record(fields), args.out, variant=variant)
 
     for layout in layouts:
         arm_name, flag = LAYOUTS[layout]
@@ -515,7 +517,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        max_in_flight=max(w.in_flight for w in ws), name=arm_name)
         fields["settings"]["http_client"] = http.client
         try:
-            fields["results"] += asyncio.run(run_http(http, ws, **kw))
+            asyncio.run(run_http(http, ws, **kw))
         except Exception:
             harness.progress(f"{arm_name} failed; the server's log ends:\n"
                              + log_tail(tmp / f"serve-{layout}.log"))
@@ -523,8 +525,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         finally:
             http.stop()
         fields[f"{arm_name}_over_in_process"] = ratios(fields["results"], arm_name, "in_process")
-        if args.out:
-            run.write(run.record(fields), args.out, variant=variant)
+        saved()
     if len(layouts) == 2:
         fields["two_over_one_process"] = ratios(fields["results"], TWO_PROCESS_ARM, "http")
 
