@@ -188,16 +188,20 @@ async def _run_front_end(cfg: ServeConfig, child: Any, sock: socket.socket,
                          url: str) -> str | None:
     """Serve over `child` until a signal or its exit; why it exited unasked, or None."""
     loop = asyncio.get_running_loop()
-    # The tokenizer loads beside the app's import, while the scheduler process loads the model
-    # (after it, it was the last step before serving: seconds where transformers imports slowly).
-    tokenizer = loop.run_in_executor(None, _load_tokenizer, cfg.model)
+    tokenizer: asyncio.Future = loop.create_future()
     tokenizer.add_done_callback(lambda f: f.cancelled() or f.exception())  # read if unused
     connecting = asyncio.ensure_future(child.connect(tokenizer))
     # While the scheduler process loads the model, a signal ends the wait (uvicorn's handlers
-    # take over once it serves); one during the import below is handled once it is done.
+    # take over once it serves); one during the imports below is handled once they are done.
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, connecting.cancel)
-    from rltool.engine.app import EngineState  # while the scheduler process loads the model
+    # While the scheduler process loads the model: the HTTP app, and the tokenizer (loaded after
+    # the model, it was the last step before serving: seconds where transformers imports slowly).
+    from rltool.engine.app import EngineState
+    try:
+        tokenizer.set_result(_load_tokenizer(cfg.model))
+    except Exception as e:  # noqa: BLE001 - raised once the scheduler is ready: its error first
+        tokenizer.set_exception(e)
 
     try:
         link, info = await connecting
