@@ -46,6 +46,10 @@ Both layouts (the in-process arm, then each server, three workloads; not yet run
   python -m benchmarks.engine_http --device cuda --preset qwen2.5-0.5b --layouts one,two
       --skip-hf --workloads uniform-64,uniform-256,stream-64 --out benchmarks/results
   (one command line)
+The mixed workload with varlen prefill (one attention call per layer for every prompt length,
+where grouped prefill meets a new attention shape per length):
+  python -m benchmarks.engine_http --device cuda --preset qwen2.5-0.5b --layouts two --skip-hf
+      --workloads mixed-256 --prefill-attention varlen --out benchmarks/results
 CPU smoke (tiny model, short runs, well under a minute on 2 cores):
   python -m benchmarks.engine_http --quick --out /tmp/engine-http
 Prints a table and, last, one JSON line; `--out DIR` writes DIR/engine_http-DATE-DEVICE.json
@@ -419,6 +423,8 @@ def serve_settings(args: argparse.Namespace, ws: list[Workload]) -> dict[str, An
                      "mem_fraction_static": args.mem_fraction_static}
     else:
         settings |= {"dtype": "fp32", "num_threads": args.num_threads}
+    if args.prefill_attention:
+        settings["prefill_attention"] = args.prefill_attention
     return settings
 
 
@@ -450,6 +456,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="Comma-separated server layouts to time: one (the scheduler thread "
                              "beside uvicorn, arm http), two (--frontend-process, arm "
                              f"{TWO_PROCESS_ARM}).")
+    parser.add_argument("--prefill-attention", choices=("grouped", "varlen"), default=None,
+                        help="Both arms' engines' prefill attention (serve's "
+                             "--prefill-attention; default the engine's); named in the results' "
+                             "file name.")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     layouts = args.layouts.split(",")
@@ -480,7 +490,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.device == "cpu":
         torch.set_num_threads(args.num_threads)  # the server gets the same (--num-threads)
     run = harness.Run("engine_http", device=args.device)
-    variant = "quick" if args.quick else ""
+    variant = "-".join(v for v in ("quick" if args.quick else "", args.prefill_attention or "")
+                       if v)
     tmp = Path(tempfile.mkdtemp(prefix="rltool-engine-http-"))
     harness.progress(f"model {args.preset} on {args.device}")
     if args.device == "cuda":
