@@ -31,7 +31,10 @@ first token; plain runs over HTTP: not observable, the answer carries no first-t
 prefill and decode forwards and the mean decode batch (output tokens not sampled by a prefill,
 over decode forwards) from the engine's counters (`PagedScheduler.stats()`, over HTTP
 /get_server_info, read at the run's ends: in process the last step's counts may land a moment
-after the last answer, so a run's counts can be off by a step or two); the CPU seconds of this process and, over HTTP, of the server process.
+after the last answer, so a run's counts can be off by a step or two); the compilations in the run
+(`compiles`: Triton builds, dynamo graphs and new prefill attention shapes, a proxy for cuDNN
+plan builds, from `compiles_since_warmup`, rltool.engine.compile_watch); the CPU seconds of this
+process and, over HTTP, of the server process.
 With `--device cuda`, transformers `generate` on uniform-64's first round beside them (one
 left-padded batch of 64, sampling, static cache).
 
@@ -348,6 +351,8 @@ async def timed_run(arm: Any, w: Workload, *, vocab: int, min_seconds: float, se
     after = await arm.stats()
     delta = {k: after[k] - before[k] for k in ("total_output_tokens", "num_decode_forwards",
                                                "num_prefill_forwards", "num_prefill_tokens")}
+    compiles = {k: after["compiles_since_warmup"][k] - before["compiles_since_warmup"][k]
+                for k in ("triton", "dynamo", "sdpa_shapes")}
     tokens = sum(t for t, _ in results)
     sequences = len(results) * w.n
     ttfts = [x for _, xs in results for x in xs]
@@ -362,7 +367,7 @@ async def timed_run(arm: Any, w: Workload, *, vocab: int, min_seconds: float, se
             "prefill_forwards": delta["num_prefill_forwards"],
             "prefill_tokens": delta["num_prefill_tokens"], "decode_forwards": decode_fw,
             "mean_decode_batch": (tokens - sequences) / decode_fw if decode_fw else None,
-            "this_process_cpu_s": cpu,
+            "compiles": compiles, "this_process_cpu_s": cpu,
             "server_cpu_s": None if server0 is None else server1 - server0}
 
 
@@ -550,12 +555,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     harness.print_table(
         ["workload", "arm", "in flight", "calls", "s", "out tok/s", "http/inproc",
          "TTFT p50 ms", "TTFT p99 ms", "prefill fw", "decode fw", "mean decode B",
-         "cpu s (here)", "cpu s (server)"],
+         "compiles", "cpu s (here)", "cpu s (server)"],
         [[r["workload"], r["arm"], r["in_flight"], r["calls"], r["seconds"], r["tokens_per_s"],
           (r["tokens_per_s"] / inproc_tps[r["workload"]]
            if r["arm"] != "in_process" and r["workload"] in inproc_tps else None),
           r["ttft_p50_ms"], r["ttft_p99_ms"], r["prefill_forwards"], r["decode_forwards"],
-          r["mean_decode_batch"], r["this_process_cpu_s"], r["server_cpu_s"]]
+          r["mean_decode_batch"], sum(r["compiles"].values()), r["this_process_cpu_s"],
+          r["server_cpu_s"]]
          for r in sorted(fields["results"], key=lambda r: (r["workload"], r["arm"]))])
     if "hf_generate" in fields:
         hf = fields["hf_generate"]
