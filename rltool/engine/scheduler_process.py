@@ -327,5 +327,15 @@ def main(fd: int) -> int:
     return 0
 
 
+def exit_now(code: int) -> None:
+    """End the process without Python's teardown of its modules (with torch and CUDA loaded,
+    seconds that every stop of the server waited for): the engine is stopped, its channel
+    closed, and nothing it holds outlives the process; the log is flushed first."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1])))
+    exit_now(main(int(sys.argv[1])))

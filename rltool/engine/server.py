@@ -73,11 +73,19 @@ def _server_class() -> type:
     return Server
 
 
+def process_age_s() -> float:
+    """Seconds since this process started: its interpreter start and imports included."""
+    import psutil
+
+    return time.time() - psutil.Process().create_time()
+
+
 def build_engine(cfg: ServeConfig) -> tuple[Any, PagedScheduler]:
     """The paged runner and scheduler on the configured device (one code path for CPU and CUDA)."""
     from rltool.engine.paged_runner import PagedRunner
     from rltool.engine.paged_scheduler import PagedScheduler
 
+    imported_s = process_age_s()
     runner = PagedRunner(cfg.model, device=cfg.engine_device, dtype=cfg.dtype,
                          weight_version=cfg.weight_version,
                          max_running=cfg.max_running_requests, page_size=cfg.page_size,
@@ -95,6 +103,8 @@ def build_engine(cfg: ServeConfig) -> tuple[Any, PagedScheduler]:
                          max_lora_rank=cfg.max_lora_rank)
     for name, path in cfg.lora_adapters().items():
         runner.lora.load(name, path)
+    log.info("engine loaded %.2f s after its process started (modules imported after %.2f s)",
+             process_age_s(), imported_s)
     return runner, PagedScheduler(runner, max_running=cfg.max_running_requests,
                                   max_queued=cfg.max_queued_requests,
                                   max_prefill_tokens=cfg.max_prefill_tokens,
@@ -202,6 +212,8 @@ async def _run_front_end(cfg: ServeConfig, child: Any, sock: socket.socket,
         tokenizer.set_result(_load_tokenizer(cfg.model))
     except Exception as e:  # noqa: BLE001 - raised once the scheduler is ready: its error first
         tokenizer.set_exception(e)
+    log.info("front end loaded (HTTP app, tokenizer) %.2f s after the process started",
+             process_age_s())
 
     try:
         link, info = await connecting
