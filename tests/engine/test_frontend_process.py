@@ -285,33 +285,41 @@ def _cuda_available() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA GPU")
-def test_cuda_layouts_give_the_same_answers(tiny_model_dir, tmp_path_factory):
-    """On CUDA (where two processes are the default), deterministic seeded sampling gives the
-    same tokens, logprobs and text in both layouts, plain and streamed."""
+def test_cuda_two_processes_answer_as_the_engine_in_process(tiny_model_dir, tmp_path_factory):
+    """On CUDA (where two processes are the default), deterministic seeded sampling through the
+    two-process server gives the tokens, logprobs and text of the same engine driven in process
+    (rltool.engine.inprocess: the scheduler thread and response building of one process, without
+    a served start), plain and streamed."""
+    import asyncio
+
+    from rltool.engine.config import ServeConfig
+    from rltool.engine.inprocess import InProcessEngine
     from rltool.rollout.launch import start_engine
 
     body = {"input_ids": [[5, 6, 7, 8], [9, 10]], "return_logprob": True,
             "sampling_params": {"max_new_tokens": 24, "temperature": 1.0, "sampling_seed": 5,
                                 "ignore_eos": True}}
-    answers = []
-    for flag in ("--no-frontend-process", "--frontend-process"):
-        log_path = tmp_path_factory.mktemp("engine-logs") / f"cuda{flag}.log"
-        proc = start_engine(["--engine", "builtin", "--model", str(tiny_model_dir), "--device",
-                             "cuda", "--deterministic", flag], log_path=log_path,
-                            ready_timeout_s=300.0)
-        try:
-            info = httpx.get(proc.url + api.SERVER_INFO, timeout=30.0).json()
-            assert info["frontend_process"] is (flag == "--frontend-process")
-            outs = post(proc.url, api.GENERATE, body).json()
-            streamed = stream_events(proc.url, {**body, "input_ids": body["input_ids"][0],
-                                                "stream": True})[-1]
-        finally:
-            proc.stop()
-        for out in outs:
-            del out["meta_info"]["id"], out["meta_info"]["e2e_latency"]
-        assert streamed["output_ids"] == outs[0]["output_ids"]
-        answers.append(outs)
-    assert answers[0] == answers[1]
+    engine = InProcessEngine(ServeConfig(model=tiny_model_dir, device="cuda",
+                                         deterministic=True))
+    try:
+        expected = asyncio.run(engine.generate(body))
+    finally:
+        engine.stop()
+    log_path = tmp_path_factory.mktemp("engine-logs") / "cuda-two-processes.log"
+    proc = start_engine(["--engine", "builtin", "--model", str(tiny_model_dir), "--device",
+                         "cuda", "--deterministic", "--frontend-process"], log_path=log_path,
+                        ready_timeout_s=300.0)
+    try:
+        assert httpx.get(proc.url + api.SERVER_INFO, timeout=30.0).json()["frontend_process"]
+        outs = post(proc.url, api.GENERATE, body).json()
+        streamed = stream_events(proc.url, {**body, "input_ids": body["input_ids"][0],
+                                            "stream": True})[-1]
+    finally:
+        proc.stop()
+    for out in (*expected, *outs):
+        del out["meta_info"]["id"], out["meta_info"]["e2e_latency"]
+    assert streamed["output_ids"] == outs[0]["output_ids"]
+    assert outs == expected
 
 
 def test_streamed_text_decodes_only_new_tokens_and_matches_a_whole_decode(tiny_model_dir):
