@@ -430,11 +430,16 @@ def serve_settings(args: argparse.Namespace, ws: list[Workload]) -> dict[str, An
         settings |= {"dtype": "fp32", "num_threads": args.num_threads}
     if args.prefill_attention:
         settings["prefill_attention"] = args.prefill_attention
+    if args.enable_mixed_chunk:
+        settings["enable_mixed_chunk"] = True
     return settings
 
 
 def flags(settings: dict[str, Any]) -> list[str]:
-    return [x for k, v in settings.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    """`rltool serve`'s flags for the settings (a True field is its bare flag)."""
+    return [x for k, v in settings.items()
+            for x in ((f"--{k.replace('_', '-')}",) if v is True
+                      else (f"--{k.replace('_', '-')}", str(v)))]
 
 
 def ratios(rows: list[dict[str, Any]], arm: str, base: str) -> dict[str, float]:
@@ -465,6 +470,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="Both arms' engines' prefill attention (serve's "
                              "--prefill-attention; default the engine's); named in the results' "
                              "file name.")
+    parser.add_argument("--enable-mixed-chunk", action="store_true",
+                        help="Both arms' engines prefill in the decode forwards (serve's "
+                             "--enable-mixed-chunk); named in the results' file name.")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     layouts = args.layouts.split(",")
@@ -495,8 +503,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.device == "cpu":
         torch.set_num_threads(args.num_threads)  # the server gets the same (--num-threads)
     run = harness.Run("engine_http", device=args.device)
-    variant = "-".join(v for v in ("quick" if args.quick else "", args.prefill_attention or "")
-                       if v)
+    variant = "-".join(v for v in ("quick" if args.quick else "", args.prefill_attention or "",
+                                   "mixed" if args.enable_mixed_chunk else "") if v)
     tmp = Path(tempfile.mkdtemp(prefix="rltool-engine-http-"))
     harness.progress(f"model {args.preset} on {args.device}")
     if args.device == "cuda":
