@@ -39,6 +39,7 @@ from rltool.engine.link import EngineInfo
 from rltool.engine.ops import EngineOps
 from rltool.engine.request import Request
 from rltool.errors import EXIT_RUNTIME, BadInputError, EngineError, RltoolError
+from rltool.supervisor import exit_now
 
 log = logging.getLogger(__name__)
 THREAD_POLL_S = 1.0  # how often the process looks whether its scheduler thread still runs
@@ -325,16 +326,6 @@ def main(fd: int) -> int:
         return 3
     SchedulerProcess(cfg, channel, runner, scheduler).run()
     return 0
-
-
-def exit_now(code: int) -> None:
-    """End the process without Python's teardown of its modules (with torch and CUDA loaded,
-    seconds that every stop of the server waited for): the engine is stopped, its channel
-    closed, and nothing it holds outlives the process; the log is flushed first."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":
