@@ -25,10 +25,8 @@ def command(**_):
                        extra={"sglang_args": list(ctx.args)} if ctx.args else None)
     if cfg.engine == "builtin":
         from rltool.engine.server import serve
-        from rltool.supervisor import exit_now
 
         serve(cfg)
-        exit_now(0)  # stopped cleanly: skip the seconds of module teardown
     elif cfg.engine == "sglang":
         from rltool.rollout.sglang_server import serve_sglang
 

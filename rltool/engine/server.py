@@ -22,12 +22,12 @@ import signal
 import socket
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from rltool.engine import api
 from rltool.errors import EngineError
 from rltool.engine.config import ServeConfig
-from rltool.supervisor import announce_ready, withdraw_ready
+from rltool.supervisor import announce_ready, exit_now, withdraw_ready
 
 if TYPE_CHECKING:
     from rltool.engine.app import EngineState
@@ -115,12 +115,15 @@ def build_engine(cfg: ServeConfig) -> tuple[Any, PagedScheduler]:
                                   enable_mixed_chunk=cfg.enable_mixed_chunk)
 
 
-def serve(cfg: ServeConfig) -> None:
-    """Serve until SIGTERM/SIGINT (blocking), in the layout --frontend-process picks."""
+def serve(cfg: ServeConfig) -> NoReturn:
+    """Serve until SIGTERM/SIGINT (blocking), in the layout --frontend-process picks; once
+    stopped cleanly the process ends at once (rltool.supervisor.exit_now: the seconds of Python's
+    module teardown skipped). A failure raises."""
     if cfg.uses_frontend_process:
         serve_two_processes(cfg)
     else:
         serve_one_process(cfg)
+    exit_now(0)
 
 
 # An idle keep-alive connection is closed after this long. It must outlast the idle expiry of
