@@ -437,9 +437,10 @@ def serve_settings(args: argparse.Namespace, ws: list[Workload]) -> dict[str, An
 
 def flags(settings: dict[str, Any]) -> list[str]:
     """`rltool serve`'s flags for the settings (a True field is its bare flag)."""
-    return [x for k, v in settings.items()
-            for x in ((f"--{k.replace('_', '-')}",) if v is True
-                      else (f"--{k.replace('_', '-')}", str(v)))]
+    out: list[str] = []
+    for k, v in settings.items():
+        out += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+    return out
 
 
 def ratios(rows: list[dict[str, Any]], arm: str, base: str) -> dict[str, float]:

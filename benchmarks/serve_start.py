@@ -93,6 +93,12 @@ def one_round(model_dir: Path, device: str, layout: str, log_path: Path,
     return row
 
 
+def median_phases(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Each phase's median over the rounds (None for a phase a layout does not have)."""
+    values = {p: [r[p] for r in rows] for p in PHASES}
+    return {p: None if None in xs else statistics.median(xs) for p, xs in values.items()}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
@@ -122,9 +128,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     extra = ["--num-threads", "1"] if args.device == "cpu" else []
     rows = [one_round(model_dir, args.device, layout, tmp / f"serve-{layout}-{i}.log", extra)
             for i in range(args.rounds) for layout in layouts]
-    medians = {layout: {p: statistics.median(r[p] for r in rows if r["layout"] == layout)
-                        if all(r[p] is not None for r in rows if r["layout"] == layout) else None
-                        for p in PHASES} for layout in layouts}
+    medians = {layout: median_phases([r for r in rows if r["layout"] == layout])
+               for layout in layouts}
     harness.print_table(["layout", "round", *PHASES],
                         [[r["layout"], i // len(layouts), *(r[p] for p in PHASES)]
                          for i, r in enumerate(rows)]
