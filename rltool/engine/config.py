@@ -94,7 +94,9 @@ class ServeConfig(StageConfig):
                                                         "device KV pool's tokens.")
     hicache_size: float = Field(0, ge=0, description="Host tier size in GB; overrides "
                                                      "--hicache-ratio when above 0.")
-    max_running_requests: int = Field(64, ge=1, description="Largest decode batch.")
+    max_running_requests: int | None = Field(
+        None, ge=1, description="Largest decode batch (default 256 on cuda, 64 on cpu; --engine "
+                                "sglang: SGLang's own).")
     num_continuous_decode_steps: int = Field(
         1, ge=1, description="Decode steps run back to back per scheduler iteration (cuda): "
                              "fewer host round trips; new requests and control operations wait "
@@ -194,6 +196,8 @@ class ServeConfig(StageConfig):
             data.get("device") or "auto") == "cuda"
         if data.get("dtype") is None:
             data["dtype"] = "bf16" if cuda else "fp32"
+        if data.get("max_running_requests") is None and data.get("engine", "builtin") == "builtin":
+            data["max_running_requests"] = 256 if cuda else 64
         if data.get("max_prefill_tokens") is None:
             data["max_prefill_tokens"] = 16384 if cuda else 512
         if data.get("chunked_prefill_size") is None:

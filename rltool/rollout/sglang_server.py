@@ -43,15 +43,16 @@ SGLANG_STOP_TIMEOUT_S = 15.0
 def sglang_command(cfg: ServeConfig, *, port: int, key_file: Path | None = None) -> list[str]:
     """The launch_server command line. rltool flag -> SGLang flag:
     --model -> --model-path, --host, --port, --dtype fp32|bf16 -> float32|bfloat16,
-    --max-running-requests, --max-queued-requests, --num-continuous-decode-steps (when not 1),
-    --deterministic -> --enable-deterministic-inference, --weight-version, --served-model-name,
-    --log-level; --api-key and --admin-api-key in `key_file` (`write_key_file`) -> --config;
+    --max-queued-requests, --max-running-requests (when given), --num-continuous-decode-steps
+    (when not 1), --deterministic -> --enable-deterministic-inference, --weight-version,
+    --served-model-name, --log-level; --api-key and --admin-api-key in `key_file` (`write_key_file`) -> --config;
     then the --sglang-* options as given."""
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(cfg.model),
            "--host", cfg.host, "--port", str(port), "--dtype", torch_dtype_name(cfg.dtype),
-           "--max-running-requests", str(cfg.max_running_requests),
            "--max-queued-requests", str(cfg.max_queued_requests),
            "--weight-version", cfg.weight_version, "--log-level", cfg.log_level]
+    if cfg.max_running_requests is not None:
+        cmd += ["--max-running-requests", str(cfg.max_running_requests)]
     if cfg.num_continuous_decode_steps != 1:
         cmd += ["--num-continuous-decode-steps", str(cfg.num_continuous_decode_steps)]
     if cfg.deterministic:

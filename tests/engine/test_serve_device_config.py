@@ -26,6 +26,17 @@ def test_cpu_defaults_and_separate_chunk(tiny_model_dir):
     assert (cfg.max_prefill_tokens, cfg.chunked_prefill_size) == (100, 4)
 
 
+def test_the_decode_batch_defaults_to_the_device(tiny_model_dir, monkeypatch):
+    """64 running requests on cpu (its KV pool is sized from them), 256 on cuda (the largest
+    default CUDA-graph batch); a given value stays."""
+    assert ServeConfig(model=tiny_model_dir, device="cpu").max_running_requests == 64
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = ServeConfig(model=tiny_model_dir, device="cuda")
+    assert (cfg.dtype, cfg.max_running_requests, cfg.cuda_graph_max_bs) == ("bf16", 256, 256)
+    assert ServeConfig(model=tiny_model_dir, device="cuda",
+                       max_running_requests=32).max_running_requests == 32
+
+
 def test_device_cuda_without_a_gpu_is_refused_in_one_line(tiny_model_dir, monkeypatch):
     from rltool.commands.serve import command
 

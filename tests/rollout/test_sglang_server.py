@@ -58,13 +58,17 @@ def test_every_option_the_launcher_passes_exists_in_sglang(tiny_model_dir):
     known = set(json.loads(SGLANG_OPTIONS_FILE.read_text())["options"])
     cfg = ServeConfig(engine="sglang", model=tiny_model_dir, deterministic=True,
                       served_model_name="m", api_key="k", admin_api_key="a",
-                      num_continuous_decode_steps=4,
+                      num_continuous_decode_steps=4, max_running_requests=512,
                       sglang_args=["--sglang-tp-size", "2", "--sglang-enable-mixed-chunk"])
     flags = [a for a in sglang_command(cfg, port=30000, key_file=Path("keys.yaml"))
              if a.startswith("--")]
     assert "--config" in flags and "--enable-deterministic-inference" in flags
-    assert "--num-continuous-decode-steps" in flags
+    assert "--num-continuous-decode-steps" in flags and "--max-running-requests" in flags
     assert [f for f in flags if f not in known] == []
+    # unset, SGLang sizes its decode batch itself (from its KV pool)
+    unset = ServeConfig(engine="sglang", model=tiny_model_dir)
+    assert unset.max_running_requests is None
+    assert "--max-running-requests" not in sglang_command(unset, port=30000)
 
 
 def test_sglang_launcher_reports_an_option_sglang_does_not_have(tiny_model_dir, tmp_path,
