@@ -5,6 +5,7 @@ RUN/config.toml  state.json  engines.json
 RUN/weights/weight_vNNNNNN/      RUN/train/ckpt/step-NNNNNN/
 RUN/rollouts/step-NNNNNN/        RUN/eval/step-NNNNNN/
 RUN/metrics/<stage>.jsonl        RUN/trace/<role>-<pid>.jsonl   RUN/profile/   RUN/logs/
+RUN/train/step-NNNNNN.toml       RUN/report/
 ```
 No other module builds these paths by hand.
 """
@@ -108,6 +109,11 @@ class RunDir:
         return self.root / "logs"
 
     @property
+    def report(self) -> Path:
+        """`rltool report`'s default output (index.html and the plots)."""
+        return self.root / "report"
+
+    @property
     def local_weights(self) -> Path:
         """Host-local checkpoint directory engines pull delta versions into."""
         return self.root / "engine_local"
@@ -123,6 +129,10 @@ class RunDir:
 
     def eval_step(self, step: int) -> Path:
         return self.eval / step_dir_name(step)
+
+    def train_config(self, step: int) -> Path:
+        """The trainer's config of loop step `step` when it runs as a process of its own."""
+        return self.root / "train" / f"{step_dir_name(step)}.toml"
 
     def metrics_file(self, stage: str) -> Path:
         return self.metrics / f"{stage}.jsonl"

@@ -22,6 +22,8 @@ def test_paths_follow_the_design_layout(tmp_path):
     assert run.ckpt_step(7) == r / "train" / "ckpt" / "step-000007"
     assert run.rollout_step(7) == r / "rollouts" / "step-000007"
     assert run.eval_step(10) == r / "eval" / "step-000010"
+    assert run.train_config(7) == r / "train" / "step-000007.toml"
+    assert run.report == r / "report"
     assert run.metrics_file("rollout") == r / "metrics" / "rollout.jsonl"
     assert run.log_file("engine-0") == r / "logs" / "engine-0.log"
     run.create()

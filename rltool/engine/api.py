@@ -27,7 +27,6 @@ GENERATE = "/generate"
 HEALTH = "/health"
 HEALTH_GENERATE = "/health_generate"
 READY = "/ready"
-METRICS = "/metrics"
 LOADS = "/v1/loads"
 MODEL_INFO = "/get_model_info"
 MODEL_INFO_ALIAS = "/model_info"
@@ -59,7 +58,7 @@ OPENAI_CHAT_COMPLETIONS = "/v1/chat/completions"
 DEBUG_HIDDEN_STATES = "/debug/hidden_states"
 
 # Routes that answer without any key (liveness probes and load balancers poll them).
-OPEN_PATHS = frozenset({HEALTH, HEALTH_GENERATE, READY, METRICS})
+OPEN_PATHS = frozenset({HEALTH, HEALTH_GENERATE, READY})
 
 # ----- headers -------------------------------------------------------------------------------
 

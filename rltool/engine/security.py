@@ -1,6 +1,6 @@
 """Auth, request size limits and path confinement for the builtin engine.
 
-- `--api-key`: every route but the open ones (`api.OPEN_PATHS`: `/health*`, `/ready`, `/metrics`)
+- `--api-key`: every route but the open ones (`api.OPEN_PATHS`: `/health*`, `/ready`)
   needs `Authorization: Bearer <key>`; checked by `Guard`, a plain ASGI middleware.
 - `--admin-api-key`: routes that change the engine's state are marked where they are defined with
   the `ADMIN` dependency, which then asks for this key (without it they fall back to `--api-key`).

@@ -234,7 +234,7 @@ def _train_subprocess(ctx: StepContext, cfg: Any) -> None:
 
     from rltool.supervisor import log_tail
 
-    config_file = ctx.run.root / "train" / f"step-{ctx.state.step:06d}.toml"
+    config_file = ctx.run.train_config(ctx.state.step)
     atomic.write_text(config_file, tomli_w.dumps(
         {"train": cfg.model_dump(mode="json", exclude_none=True)}))
     log_path = ctx.run.log_file("trainer")

@@ -25,7 +25,6 @@ from rltool.config import StageConfig, cli
 from rltool.errors import BadInputError
 from rltool.rundir import RunDir, read_metrics
 
-REPORT_DIR = "report"
 PHASE_KEYS = ("rollout", "train", "publish", "sync", "eval")
 # Device hand-overs of the colocated loop on CUDA, timed inside the phases (rltool.loop.colocation).
 HANDOVER_KEYS = ("trainer_offload", "trainer_reload", "engine_release", "engine_resume",
@@ -242,7 +241,7 @@ def write_report(run_dir: str | Path, *, out: str | Path | None = None) -> dict[
     """Write the plots and index.html; returns {html, plots, summary}."""
     run = RunDir(run_dir)
     metrics = load_metrics(run)
-    out_dir = Path(out) if out is not None else run.root / REPORT_DIR
+    out_dir = Path(out) if out is not None else run.report
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = plot_all(metrics, out_dir)
     summary = summarize(metrics)
