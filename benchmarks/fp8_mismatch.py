@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from rltool.data.models import PRESETS, init_model
+from rltool.data.models import PRESETS, check_preset, init_model
 from rltool.delta.config import SyncConfig
 from rltool.delta.publish import publish_version
 from rltool.engine.config import ServeConfig
@@ -202,9 +202,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.preset_list = [x for x in args.presets.split(",") if x]
-    unknown = [x for x in args.preset_list if x not in PRESETS]
-    if unknown:
-        raise BadInputError(f"unknown preset {unknown[0]!r}; choose from {', '.join(PRESETS)}")
+    for preset in args.preset_list:
+        check_preset(preset)
     if args.model is not None and not (args.model / "config.json").is_file():
         raise BadInputError(f"--model {args.model} has no config.json; pass a HF checkpoint "
                             "directory")

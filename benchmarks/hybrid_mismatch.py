@@ -42,7 +42,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from rltool.data.models import PRESETS, init_model
+from rltool.data.models import check_preset, init_model
 from rltool.errors import BadInputError
 from rltool.train.config import BackendConfig
 from rltool.train.packed import has_linear_attention
@@ -110,8 +110,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for key, value in (QUICK if args.quick else DEFAULTS[args.device]).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.preset not in PRESETS:
-        raise BadInputError(f"unknown --preset {args.preset!r}; choose from {', '.join(PRESETS)}")
+    check_preset(args.preset)
     if args.model is not None and not has_linear_attention(args.model):
         raise BadInputError(f"--model {args.model} is not a hybrid (its config.json names no "
                             "linear_attention layer); pass an --arch qwen3_5 checkpoint")

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from rltool.data.models import PRESETS, init_model
+from rltool.data.models import PRESETS, check_preset, init_model
 from rltool.data.tasks import make_rows, write_prompts
 from rltool.delta.config import SyncConfig
 from rltool.delta.publish import publish_version
@@ -135,8 +135,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, help="Write int4_mismatch-DATE-DEVICE.json here.")
     args = p.parse_args(argv)
-    if args.preset not in PRESETS:
-        raise BadInputError(f"unknown preset {args.preset!r}; choose from {', '.join(PRESETS)}")
+    check_preset(args.preset)
     if not args.lr > 0:
         raise BadInputError(f"--lr must be > 0, got {args.lr}")
     harness.require_positive(args, "--sft-steps", "--prompts", "--samples", "--new-tokens")

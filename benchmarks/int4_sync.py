@@ -38,11 +38,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from rltool.data.models import PRESETS, init_model
+from rltool.data.models import PRESETS, check_preset, init_model
 from rltool.delta.config import SyncConfig
 from rltool.delta.publish import publish_version
 from rltool.engine.paged_runner import PagedRunner
-from rltool.errors import BadInputError
 
 from benchmarks import harness
 from benchmarks.fp8_sync import SEQ, tensor_sync_into
@@ -117,8 +116,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="Timed steps (after one untimed).")
     p.add_argument("--out", type=Path, help="Directory (or .json file) for the record.")
     args = p.parse_args(argv)
-    if args.preset not in PRESETS:
-        raise BadInputError(f"unknown --preset {args.preset!r}; choose from {', '.join(PRESETS)}")
+    check_preset(args.preset)
     harness.require_positive(args, "--steps")
     harness.require_device(args.device)
     return args

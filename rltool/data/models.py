@@ -61,6 +61,12 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def check_preset(preset: str) -> None:
+    """BadInputError naming the presets unless `preset` is one."""
+    if preset not in PRESETS:
+        raise BadInputError(f"unknown --preset {preset!r}; choose one of {', '.join(PRESETS)}")
+
+
 def build_config(arch: str, preset: str, *, vocab_size: int, eos_token_id: int,
                  pad_token_id: int, fit_vocab: bool = False) -> Any:
     """The HF config of `preset`; its vocabulary is the preset's own unless `fit_vocab` (or the
@@ -72,8 +78,7 @@ def build_config(arch: str, preset: str, *, vocab_size: int, eos_token_id: int,
                             "dense-MLP hybrid is --arch qwen3_5")
     if arch not in ARCHS:
         raise BadInputError(f"unknown --arch {arch!r}; choose one of {', '.join(ARCHS)}")
-    if preset not in PRESETS:
-        raise BadInputError(f"unknown --preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    check_preset(preset)
     shape = dict(PRESETS[preset])
     if fit_vocab:
         shape["vocab_size"] = vocab_size

@@ -65,7 +65,7 @@ def test_bad_input_is_refused_in_one_line(tmp_path):
             bench("--prompt-file", str(tmp_path / "none.jsonl"))]
     assert [r.returncode for r in runs] == [2, 2, 2]
     err = [r.stderr.strip().splitlines()[-1] for r in runs]
-    assert err == ["Error: unknown preset 'nope'; choose from " + ", ".join(PRESETS),
+    assert err == ["Error: unknown --preset 'nope'; choose one of " + ", ".join(PRESETS),
                    f"Error: --model {tmp_path / 'missing'} has no config.json; pass a HF "
                    "checkpoint directory",
                    f"Error: --prompt-file {tmp_path / 'none.jsonl'} does not exist; pass a "

@@ -41,6 +41,6 @@ def test_bad_input_is_refused_in_one_line():
     runs = [bench("--preset", "nope"), bench("--sft-steps", "0"), bench("--lr", "0")]
     assert [r.returncode for r in runs] == [2, 2, 2]
     assert [r.stderr.strip().splitlines()[-1] for r in runs] == [
-        "Error: unknown preset 'nope'; choose from " + ", ".join(PRESETS),
+        "Error: unknown --preset 'nope'; choose one of " + ", ".join(PRESETS),
         "Error: --sft-steps must be >= 1, got 0",
         "Error: --lr must be > 0, got 0.0"]
