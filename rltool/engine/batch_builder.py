@@ -191,15 +191,13 @@ class BatchBuilder:
             if point % ps == 0:  # its node is cached now, the snapshot with it
                 runner.cache_prefix(req.rid, req.prompt_ids[:point], lora=req.lora)
             runner.table.snapshot(req.rid)
-        for req in done:
+        for req in done:  # running before their first token: a failing sampler ends them too
             queue.prefilling.remove(req)
             runner.cache_prefix(req.rid, req.prompt_ids, lora=req.lora)
+            queue.running[req.rid] = req
         fresh = [r for r, w in zip(reqs, want) if w] + decoding
         if fresh:
             self._sample_and_accept(fresh, logits)
-        for req in done:
-            if not req.finished:
-                queue.running[req.rid] = req
         return bool(decoding)
 
     def decode(self) -> None:

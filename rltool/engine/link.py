@@ -67,7 +67,7 @@ class LocalLink:
 
     def abort(self, rids: list[str]) -> concurrent.futures.Future:
         sched = self.sched
-        return sched.call(lambda: [sched.abort(rid=rid) for rid in rids])
+        return sched.call(lambda: sched.abort_requests(rids))
 
     async def call(self, op: str, /, **kwargs: Any) -> Any:
         return await getattr(self.ops, op)(**kwargs)

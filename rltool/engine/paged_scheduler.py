@@ -124,6 +124,9 @@ class PagedScheduler:
     def abort(self, *, rid: str = "", abort_all: bool = False) -> int:
         return self.queue.abort(rid=rid, abort_all=abort_all)
 
+    def abort_requests(self, rids: list[str]) -> None:
+        self.queue.abort_requests(rids)
+
     def flush_cache(self) -> None:
         self.queue.flush_cache()
 

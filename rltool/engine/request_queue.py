@@ -369,13 +369,21 @@ class RequestQueue:
         self.paused = None
 
     def abort(self, *, rid: str = "", abort_all: bool = False) -> int:
-        """Abort requests whose id starts with `rid` (SGLang's matching), or all of them."""
+        """/abort_request: abort requests whose id starts with `rid` (SGLang's matching), or all
+        of them."""
         if not rid and not abort_all:
             return 0
         victims = [r for r in self.in_flight() if abort_all or r.rid.startswith(rid)]
         for req in victims:
             self.finish(req, _abort("Aborted by /abort_request."))
         return len(victims)
+
+    def abort_requests(self, rids: list[str]) -> None:
+        """Abort exactly these requests (their client went away or their answer failed): never
+        another request whose id merely starts with one of them."""
+        wanted = set(rids)
+        for req in [r for r in self.in_flight() if r.rid in wanted]:
+            self.finish(req, _abort("Aborted: the client went away."))
 
     def flush_cache(self) -> None:
         self.runner.flush_prefix_cache()

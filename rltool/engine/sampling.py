@@ -16,19 +16,22 @@ from __future__ import annotations
 
 from typing import Any
 
+import regex
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rltool.logprobs import GREEDY_TEMPERATURE
 
 MAX_STOP_STRINGS = 32
+MAX_ID = 2**31 - 1  # token ids and top_k travel as int32 on the device
 DEFAULT_SEED = 42  # SGLang's fallback seed in deterministic inference
 
 
 class SamplingParams(BaseModel):
-    """SGLang's `sampling_params` (unknown keys are rejected, `null` means the default)."""
+    """SGLang's `sampling_params` (unknown keys are rejected, `null` means the default; every
+    float finite, every id a non-negative int32, every stop_regex compiled here)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     max_new_tokens: int = Field(128, ge=0, description="Most tokens to generate.")
     temperature: float = Field(1.0, ge=0.0, description="Below 1e-6 means greedy.")
@@ -43,7 +46,8 @@ class SamplingParams(BaseModel):
     no_stop_trim: bool = Field(False, description="Keep the matched stop string in `text`.")
     n: int = Field(1, ge=1, description="Parallel samples per prompt.")
     sampling_seed: int | None = Field(None, description="Seed (deterministic mode only).")
-    min_new_tokens: int = Field(0, ge=0, description="EOS / stop tokens are masked before this.")
+    min_new_tokens: int = Field(0, ge=0, le=MAX_ID,
+                                description="EOS / stop tokens are masked before this.")
     logit_bias: dict[str, float] | None = Field(None, description="token id (str) -> added logit.")
     # Accepted for SGLang compatibility; only their neutral values are supported (checked below).
     frequency_penalty: float = Field(0.0, description="Unsupported unless 0.")
@@ -74,11 +78,39 @@ class SamplingParams(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return value
 
+    @field_validator("stop_regex")
+    @classmethod
+    def _compiles(cls, value: list[str]) -> list[str]:
+        for pattern in value:
+            try:
+                regex.compile(pattern)
+            except regex.error as e:
+                raise ValueError(f"stop_regex {pattern!r} is not a regular expression ({e})"
+                                 ) from None
+        return value
+
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, value: int) -> int:
-        if value != -1 and value < 1:
-            raise ValueError("top_k must be -1 (whole vocabulary) or >= 1")
+        if value != -1 and not 1 <= value <= MAX_ID:
+            raise ValueError(f"top_k must be -1 (whole vocabulary) or in [1, {MAX_ID}]")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, value: list[int]) -> list[int]:
+        bad = next((t for t in value if not 0 <= t <= MAX_ID), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids holds {bad}, not a token id in [0, {MAX_ID}]")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        bad = next((k for k in value or {} if not (k.isdecimal() and int(k) <= MAX_ID)), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias key {bad!r} is not a token id; keys are token ids "
+                             f"written in decimal, in [0, {MAX_ID}]")
         return value
 
     @model_validator(mode="after")

@@ -256,7 +256,7 @@ class SchedulerProcess:
         elif kind == "abort":
             sched, rids = self.sched, msg["rids"]
             try:
-                sched.call(lambda: [sched.abort(rid=rid) for rid in rids])
+                sched.call(lambda: sched.abort_requests(rids))
             except EngineError:  # shutting down: every request is being aborted anyway
                 pass
         elif kind == "call":

@@ -7,18 +7,57 @@ Stop strings are checked on new text only: `StopText` decodes the tokens since t
 characters (`StreamedText`), and each string is searched from `len(stop) - 1` characters before
 the text that is new since the previous check (an earlier match would have stopped the request
 then). Patterns are searched in the whole text: a regular expression's match may start anywhere
-before the new text (`a.*b`) or depend on what follows it (`a(?=b)`, `$`), and the search costs
-little next to decoding.
+before the new text (`a.*b`) or depend on what follows it (`a(?=b)`, `$`). They run on the
+scheduler thread, so a request's searches share a time budget (`PATTERN_BUDGET_S`, the `regex`
+module's timeout): a pattern that backtracks without bound ends its own request with a 400
+instead of stalling every request of the engine.
 """
 
 from __future__ import annotations
 
-import re
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import regex
+
 from rltool.engine.detokenize import StreamedText
+
+PATTERN_BUDGET_S = 0.25  # a request's stop_regex searches, all of them over its whole output
+
+
+class PatternTimeout(Exception):
+    """A request's stop_regex searches used up their time budget."""
+
+
+class Patterns:
+    """A request's compiled stop_regex patterns and what is left of its search budget."""
+
+    __slots__ = ("compiled", "left_s")
+
+    def __init__(self, patterns: Iterable[str]):
+        self.compiled = tuple(regex.compile(p) for p in patterns)
+        self.left_s = PATTERN_BUDGET_S
+
+    def __bool__(self) -> bool:
+        return bool(self.compiled)
+
+    def first(self, text: str) -> tuple[int, int, str] | None:
+        """(start, length, pattern) of the earliest match in `text` (the first pattern's at a
+        tie); PatternTimeout once the budget is spent."""
+        best: tuple[int, int, str] | None = None
+        for pattern in self.compiled:
+            start = time.perf_counter()
+            try:
+                m = pattern.search(text, timeout=max(self.left_s, 1e-6))
+            except TimeoutError:
+                self.left_s = 0.0
+                raise PatternTimeout(pattern.pattern) from None
+            self.left_s -= time.perf_counter() - start
+            if m is not None and (best is None or m.start() < best[0]):
+                best = (m.start(), len(m.group(0)), pattern.pattern)
+        return best
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +66,7 @@ class StopRule:
     max_new_tokens: int  # the output length that stops it: its max_new_tokens or the context left
     min_new_tokens: int  # neither stop tokens nor stop strings count before this many tokens
     strings: tuple[str, ...] = ()
-    patterns: tuple[str, ...] = ()  # regular expressions, searched in the output text
+    patterns: Patterns | None = None  # regular expressions, searched in the output text
     keep_matched: bool = False  # no_stop_trim: the matched stop string stays in the text
     checks_text: bool = False  # any strings or patterns: every token needs the text checked
 
@@ -39,7 +78,8 @@ class StopRule:
         return cls(stop_ids=frozenset(stop_ids),
                    max_new_tokens=min(params.max_new_tokens, context_length - prompt_len),
                    min_new_tokens=params.min_new_tokens, strings=tuple(params.stop),
-                   patterns=tuple(params.stop_regex), keep_matched=params.no_stop_trim,
+                   patterns=Patterns(params.stop_regex) if params.stop_regex else None,
+                   keep_matched=params.no_stop_trim,
                    checks_text=bool(params.stop or params.stop_regex))
 
     def may_stop(self, num_out: int, token: int) -> bool:
@@ -58,7 +98,12 @@ class StopRule:
             if token in self.stop_ids:
                 return {"type": "stop", "matched": token}, None
             if self.checks_text:
-                found = self.match(*text())
+                try:
+                    found = self.match(*text())
+                except PatternTimeout as e:
+                    return {"type": "abort", "status_code": 400, "err_type": "BadRequest",
+                            "message": f"stop_regex {str(e)!r} took more than "
+                                       f"{PATTERN_BUDGET_S} s of matching; simplify it"}, None
                 if found is not None:
                     matched, cut_at = found
                     return {"type": "stop", "matched": matched}, cut_at
@@ -75,10 +120,9 @@ class StopRule:
             at = text.find(stop, max(searched - len(stop) + 1, 0))
             if at >= 0 and (best is None or at < best[0]):
                 best = (at, len(stop), stop)
-        for pattern in self.patterns:
-            m = re.search(pattern, text)
-            if m is not None and (best is None or m.start() < best[0]):
-                best = (m.start(), len(m.group(0)), pattern)
+        found = self.patterns.first(text) if self.patterns else None
+        if found is not None and (best is None or found[0] < best[0]):
+            best = found
         if best is None:
             return None
         at, length, matched = best

@@ -36,16 +36,26 @@ def router(state: EngineState) -> APIRouter:
         """smg's load polling (least_load / power_of_two policies)."""
         return {"loads": [await link.call("loads")]}
 
-    @r.get(api.HEALTH_GENERATE)
-    async def health_generate() -> Response:
+    async def generates() -> bool:
         body = api.GenerateInput(input_ids=[0], sampling_params={"max_new_tokens": 1,
                                                                  "temperature": 0.0})
         reqs, _ = state.expand(body)
         try:
             await asyncio.wait_for(state.run(reqs), HEALTH_GENERATE_TIMEOUT_S)
         except (asyncio.TimeoutError, EngineError):
-            return Response(status_code=503)
-        return Response(status_code=200)
+            return False
+        return True
+
+    probe: list[asyncio.Future | None] = [None]  # the one-token request in flight, if any
+
+    @r.get(api.HEALTH_GENERATE)
+    async def health_generate() -> Response:
+        # It needs no key, so concurrent callers share one probe request: however many poll,
+        # they hold at most one slot of the engine's queue.
+        if probe[0] is None or probe[0].done():
+            probe[0] = asyncio.ensure_future(generates())
+        ok = await asyncio.shield(probe[0])
+        return Response(status_code=200 if ok else 503)
 
     @r.get(api.MODEL_INFO)
     @r.get(api.MODEL_INFO_ALIAS)
