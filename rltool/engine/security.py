@@ -230,13 +230,36 @@ def _resolve_under(path: str, roots: list[Path]) -> Path | None:
 
 
 def confine(path: str, roots: list[Path], *, what: str) -> Path:
-    """Resolve `path` and require it under one of `roots` (symlinks resolved first)."""
+    """Resolve `path` and require it, and whatever a link inside it leads to, under one of
+    `roots` (symlinks resolved first)."""
     resolved = _resolve_under(path, roots)
     if resolved is None:
         allowed = ", ".join(str(r) for r in roots) or "(none)"
         raise BadInputError(f"{what} {path} is outside the allowed weight roots ({allowed}); "
                             "start the engine with --allowed-weight-root DIR to allow it")
+    escape = _link_outside(resolved, roots)
+    if escape is not None:
+        raise BadInputError(f"{what} {path} holds {escape}, a link to a path outside the allowed "
+                            "weight roots; copy its target in, or allow the target's directory "
+                            "with --allowed-weight-root DIR")
     return resolved
+
+
+def _link_outside(directory: Path, roots: list[Path]) -> str | None:
+    """The first symbolic link found under `directory` (links followed) that leads outside
+    `roots`; None when every one stays inside."""
+    seen: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(directory, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:  # a link cycle, or a directory reached twice
+            dirnames.clear()
+            continue
+        seen.add(real)
+        for name in dirnames + filenames:
+            entry = os.path.join(dirpath, name)
+            if os.path.islink(entry) and _resolve_under(entry, roots) is None:
+                return entry
+    return None
 
 
 def confine_local(path: str, local_root: Path | None) -> Path:

@@ -449,3 +449,23 @@ def test_the_key_table_lists_every_admin_route(secured):
     listed = set(re.findall(r"`(/[\w/]+)`", row.split("|")[2]))
     served = admin_paths(secured.app.routes)
     assert len(served) >= 13 and listed == served, (served - listed, listed - served)
+
+
+def test_a_link_inside_a_weight_root_to_a_file_outside_is_refused(secured, tiny_model_dir,
+                                                                  tmp_path):
+    """The directory is under the roots but one of its files links outside them: refused, the
+    served weights untouched."""
+    outside = tmp_path / "outside"
+    shutil.copytree(tiny_model_dir, outside)
+    inside = tiny_model_dir.parent / "linked-weights"
+    inside.mkdir()
+    for f in outside.iterdir():
+        (inside / f.name).symlink_to(f)
+    greedy = {**GEN, "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}
+    before = secured.post("/generate", json=greedy, headers=auth("user-key")).json()
+    r = secured.post("/update_weights_from_disk", json={"model_path": str(inside)},
+                     headers=auth("admin-key"))
+    assert r.status_code == 400 and "a link to a path outside the allowed" in r.json()["message"]
+    after = secured.post("/generate", json=greedy, headers=auth("user-key")).json()
+    assert (after["output_ids"], after["meta_info"]["weight_version"]) == (
+        before["output_ids"], before["meta_info"]["weight_version"])
