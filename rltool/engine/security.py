@@ -11,8 +11,8 @@
   changes state gets 403, and a body that is not `application/json` gets 415 (a page can send
   `text/plain`, a form or a typeless blob without asking the engine first; JSON it cannot).
 - Weight paths (`/update_weights_from_disk`'s model_path, `/pull_weights`'s source_dir,
-  `/load_lora_adapter`'s lora_path) must lie
-  under an allowed root (`ServeConfig.weight_roots`); `/pull_weights` writes only into
+  `/load_lora_adapter`'s lora_path) must lie under an allowed root (`ServeConfig.weight_roots`),
+  and so must every symbolic link inside them; `/pull_weights` writes only into
   `--local-checkpoint-dir` or a directory under it (`confine_local`). Symlinks are resolved first.
 """
 
