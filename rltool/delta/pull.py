@@ -158,7 +158,8 @@ def pull_weights(*, local_checkpoint_dir: str | os.PathLike, source_dir: str | o
     """Make `local_checkpoint_dir` hold exactly version `target_version` of `source_dir`.
 
     Returns {"version", "changed", "seed", "seed_version", "deltas_applied", "time_s"}. Raises
-    DeltaChainError (local directory untouched) on a wrong base, missing link or checksum mismatch.
+    DeltaChainError (local directory untouched) on a wrong base, missing link or checksum mismatch;
+    one no chain reaches (a missing link, a declared wrong base) creates nothing on disk.
     """
     t0 = time.perf_counter()
     local, source = Path(local_checkpoint_dir), Path(source_dir)
@@ -166,6 +167,11 @@ def pull_weights(*, local_checkpoint_dir: str | os.PathLike, source_dir: str | o
     base = Path(base_model_path) if base_model_path is not None else None
     if not source.is_dir():
         raise DeltaChainError(f"source directory {source} does not exist")
+    # A target no chain reaches is refused before the lock creates anything on disk; planned
+    # again under the lock, as another pull may change the local version meanwhile.
+    current = read_local_version(local)
+    if current != target:
+        plan_chain(source, target, base_model_path=base, local_dir=local, local_version=current)
     sync = local / SYNC_DIR
     with host_lock(sync / "lock", timeout_s=lock_timeout_s):
         current = read_local_version(local)

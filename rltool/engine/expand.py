@@ -1,8 +1,10 @@
 """Validation and expansion of a /generate body into scheduler requests.
 
 A batch (list of prompts) and/or `n > 1` expand prompt-major into one Request per sample, whose
-response goes at the same position of the returned list. Fields SGLang accepts that this engine
-cannot honour are refused (400), never silently ignored.
+response goes at the same position of the returned list; a body of more requests than the engine
+ever holds (queued and running) is refused (400) before any is built. Fields SGLang accepts that
+this engine cannot honour are refused (400), never silently ignored; `token_ids_logprob` is
+de-duplicated (first occurrence kept) and holds at most the vocabulary's size of ids.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ def _per_item(value: Any, i: int, count: int, name: str) -> Any:
 
 
 def expand_generate(body: GenerateInput, *, tokenizer: Any, context_length: int,
-                    vocab_size: int, deterministic: bool,
+                    vocab_size: int, max_requests: int, deterministic: bool,
                     moe: bool = False, lora: Any = None) -> tuple[list[Request], bool]:
-    """Validate and expand a /generate body (`moe`: the served model has MoE layers; `lora`:
-    the engine's LoRA adapters, None without --enable-lora). Returns
-    (requests, respond_with_list)."""
+    """Validate and expand a /generate body (`max_requests`: the most requests the engine ever
+    holds, queued and running; `moe`: the served model has MoE layers; `lora`: the engine's LoRA
+    adapters, None without --enable-lora). Returns (requests, respond_with_list)."""
     extra = body.model_extra or {}
     for name in UNSUPPORTED_FIELDS:
         if extra.get(name) not in (None, [], {}):
@@ -63,10 +65,21 @@ def expand_generate(body: GenerateInput, *, tokenizer: Any, context_length: int,
     n = params[0].n
     if any(p.n != n for p in params):
         raise BadInputError("n must be the same in every sampling_params of a batch")
+    if count * n > max_requests:
+        raise BadInputError(f"{count} prompts x n={n} make {count * n} requests; the engine holds "
+                            f"at most {max_requests} (--max-queued-requests + "
+                            "--max-running-requests): lower n or split the batch")
     if isinstance(body.rid, list) and len(body.rid) != count:
         raise BadInputError(f"rid has {len(body.rid)} entries for {count} prompts")
-    if body.token_ids_logprob and any(not 0 <= t < vocab_size for t in body.token_ids_logprob):
-        raise BadInputError("token_ids_logprob holds ids outside the vocabulary")
+    token_ids = body.token_ids_logprob
+    if token_ids:
+        if len(token_ids) > vocab_size:
+            raise BadInputError(f"token_ids_logprob holds {len(token_ids)} ids, more than the "
+                                f"vocabulary's {vocab_size} (SGLang sets no bound): send each "
+                                "id once")
+        if any(not 0 <= t < vocab_size for t in token_ids):
+            raise BadInputError("token_ids_logprob holds ids outside the vocabulary")
+        token_ids = list(dict.fromkeys(token_ids))
 
     reqs: list[Request] = []
     for i, (prompt, sp) in enumerate(zip(prompts, params)):
@@ -103,7 +116,7 @@ def expand_generate(body: GenerateInput, *, tokenizer: Any, context_length: int,
                 rid=rid, prompt_ids=list(prompt), params=sp,
                 return_logprob=bool(_per_item(body.return_logprob, i, count, "return_logprob")),
                 logprob_start_len=min(start, len(prompt) - 1), top_logprobs_num=top_n,
-                token_ids_logprob=body.token_ids_logprob,
+                token_ids_logprob=token_ids,
                 return_text_in_logprobs=body.return_text_in_logprobs,
                 return_routed_experts=routed, generator=generator, lora=adapter))
     return reqs, batched or n > 1

@@ -26,7 +26,7 @@ from rltool.config import torch_dtype_name
 from rltool.delta.tensor_sync import dtype_of
 from rltool.engine.api import GenerateInput
 from rltool.engine.config import ServeConfig
-from rltool.engine.routes.base import EngineState, describe_errors
+from rltool.engine.routes.base import EngineState, describe_errors, failure
 from rltool.engine.scheduler import QueueFullError
 from rltool.engine.server import build_engine
 from rltool.errors import BadInputError, EngineError
@@ -72,11 +72,10 @@ class InProcessEngine:
         with self._refusals():
             reqs, as_list = self.state.expand(body)
             outs = await self.state.run(reqs)
-        for out in outs:
-            reason = out["meta_info"]["finish_reason"] or {}
-            if reason.get("type") == "abort" and reason.get("status_code"):
-                raise EngineError(f"{self.url}: {reason['message']}",
-                                  status_code=int(reason["status_code"]))
+        failed = failure(*outs)
+        if failed is not None:
+            message, status = failed
+            raise EngineError(f"{self.url}: {message}", status_code=status)
         return outs if as_list else outs[0]
 
     async def health(self) -> None:

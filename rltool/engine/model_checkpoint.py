@@ -30,8 +30,9 @@ class CheckpointIndex:
 
 
 def read_index(model_dir: Path) -> CheckpointIndex:
-    """The tensors of a HF checkpoint directory (headers only), its quantization checked."""
-    from safetensors import safe_open
+    """The tensors of a HF checkpoint directory (headers only), its quantization checked; a file
+    that is not a readable safetensors file (truncated, corrupt) raises CheckpointError."""
+    from safetensors import SafetensorError, safe_open
 
     files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
     if not files:
@@ -39,10 +40,14 @@ def read_index(model_dir: Path) -> CheckpointIndex:
                               "directory")
     infos: dict[str, tuple[tuple[int, ...], str, Path]] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():
-                sl = sf.get_slice(name)
-                infos[name] = (tuple(sl.get_shape()), sl.get_dtype(), f)
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():
+                    sl = sf.get_slice(name)
+                    infos[name] = (tuple(sl.get_shape()), sl.get_dtype(), f)
+        except SafetensorError as e:
+            raise CheckpointError(f"{f} is not a readable safetensors file ({e}); restore or "
+                                  "re-save it") from e
     config_file = model_dir / "config.json"
     fmt = None
     if config_file.is_file():

@@ -13,7 +13,6 @@ too (generation goes on) and applied like the others.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 from collections.abc import Callable
 from typing import Any
@@ -98,11 +97,11 @@ class WeightOps:
                            f"{api.CUDA_IPC_FORMAT!r} messages")
         if len(b.serialized_named_tensors) != 1:
             return refused(f"{len(b.serialized_named_tensors)} messages for 1 rank; send one")
-        try:
-            message = api.TensorMessage.model_validate(json.loads(b.serialized_named_tensors[0]))
-        except ValueError as e:
-            detail = describe_errors(e.errors()) if isinstance(e, ValidationError) else str(e)
-            return refused(f"serialized_named_tensors[0] is not a tensor message: {detail}")
+        try:  # pydantic's JSON parser bounds nesting (json.loads recursed until it failed)
+            message = api.TensorMessage.model_validate_json(b.serialized_named_tensors[0])
+        except ValidationError as e:
+            return refused("serialized_named_tensors[0] is not a tensor message: "
+                           f"{describe_errors(e.errors())}")
         if (message.transport == "cuda_ipc") != (b.load_format == api.CUDA_IPC_FORMAT):
             return refused(f"load_format {b.load_format!r} does not match the message's "
                            f"transport {message.transport!r}")

@@ -132,6 +132,16 @@ def test_corruption_refused_local_kept(chain, tmp_path, damage, match):
     assert not (local / ".weight_sync/staging").exists()
 
 
+def test_unreachable_target_creates_nothing(chain, tmp_path):
+    """Bug: a pull refused for a missing link still created the local directory and its
+    .weight_sync/lock."""
+    local = tmp_path / "a/b/c"
+    with pytest.raises(DeltaChainError, match="missing link"):
+        pull_weights(local_checkpoint_dir=local, source_dir=chain["source"],
+                     target_version=NUM_VERSIONS + 2, base_model_path=chain["base"])
+    assert not (tmp_path / "a").exists()
+
+
 def test_slime_blob_corruption_detected(chain, tmp_path):
     """v2 is slime xor: a flipped payload byte fails zstd's frame or the new-bytes checksum."""
     source = tmp_path / "weights"

@@ -255,11 +255,28 @@ def test_update_weight_version_only_renames(det_engine):
                       timeout=30).status_code == 400
 
 
-def test_queue_limit_gives_429(det_engine):
-    # 16 running + 64 queued at most: 100 prompts in one request cannot be taken.
+def test_a_full_queue_gives_429_and_a_body_that_never_fits_400(det_engine):
+    """16 running + 64 queued at most: a body of 100 prompts can never be taken (400, naming the
+    limit); one of 80 held while generation is paused fills the queue, so the next request waits
+    for room (429, retryable)."""
+    one = {"max_new_tokens": 1}
     r = httpx.post(det_engine.url + "/generate", timeout=60,
-                   json={"input_ids": [[5, 6]] * 100, "sampling_params": {"max_new_tokens": 1}})
-    assert r.status_code == 429
+                   json={"input_ids": [[5, 6]] * 100, "sampling_params": one})
+    assert r.status_code == 400 and "holds at most 80" in r.text
+
+    async def main():
+        async with EngineClient(det_engine.url, timeout_s=60) as c:
+            await c.pause_generation("in_place")
+            fill = asyncio.create_task(c.generate({"input_ids": [[5, 6]] * 80,
+                                                   "sampling_params": one}))
+            await wait_queued(c, requests=80)
+            more = await asyncio.to_thread(
+                httpx.post, det_engine.url + "/generate", timeout=30,
+                json={"input_ids": [5, 6], "sampling_params": one})
+            await c.continue_generation()
+            return more.status_code, len(await fill)
+
+    assert run(main()) == (429, 80)
 
 
 def test_shutdown_leaves_no_process_behind(det_engine):

@@ -74,4 +74,5 @@ def test_routed_experts_refused_for_a_dense_model():
 
     with pytest.raises(BadInputError, match="needs an MoE model"):
         expand_generate(GenerateInput(input_ids=[1, 2], return_routed_experts=True),
-                        tokenizer=None, context_length=4096, vocab_size=100, deterministic=False)
+                        tokenizer=None, context_length=4096, vocab_size=100, max_requests=4096,
+                        deterministic=False)

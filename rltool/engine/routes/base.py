@@ -79,6 +79,8 @@ class EngineState:
             return expand_generate(body, tokenizer=info.tokenizer,
                                    context_length=info.context_length,
                                    vocab_size=info.vocab_size,
+                                   max_requests=(self.cfg.max_queued_requests
+                                                 + self.cfg.max_running_requests),
                                    deterministic=self.cfg.deterministic,
                                    moe=info.moe, lora=self.link.lora_names)
         except ValidationError as e:  # sampling_params
@@ -196,25 +198,43 @@ async def read_body(request: HttpRequest) -> bytes:
 
 
 async def parse_body(request: HttpRequest, model: type[M], *, required: bool = True) -> M:
-    """Read a JSON object body (`read_body`) and validate it; failures raise
+    """Read a JSON object body (`read_body`) and validate it as the OpenAI routes do (pydantic's
+    JSON parser: UTF-8, no lone surrogate, nesting bounded); failures raise
     RequestValidationError (400). A body not declared `application/json` never gets here: the
     `Guard` middleware answers it 415, since a web page can send any other type unasked."""
     raw = await read_body(request)
     if not raw.strip():
         if required:
             raise RequestValidationError([{"msg": "a JSON body is required ({} works)"}])
-        data: Any = {}
-    else:
-        try:
-            data = json.loads(raw)
-        except ValueError as e:
-            raise RequestValidationError([{"msg": f"body is not valid JSON: {e}"}]) from e
-    if not isinstance(data, dict):
-        raise RequestValidationError([{"msg": "body must be a JSON object"}])
+        raw = b"{}"
     try:
-        return model.model_validate(data)
+        return model.model_validate_json(raw)
     except ValidationError as e:
+        first = e.errors()[0]
+        if first["type"] == "json_invalid":
+            raise RequestValidationError([{"msg": f"body is not valid JSON ({first['msg']}); "
+                                                  "send a UTF-8 JSON object"}]) from e
+        if first["type"] == "model_type" and not first["loc"]:
+            raise RequestValidationError([{"msg": "body must be a JSON object"}]) from e
         raise RequestValidationError(e.errors()) from e
+
+
+def failure(*outs: dict[str, Any]) -> tuple[str, int] | None:
+    """(message, HTTP status) of the first of `outs` (final results) that the engine failed,
+    aborting it with a status; None when none was."""
+    for out in outs:
+        reason = out["meta_info"]["finish_reason"] or {}
+        if reason.get("type") == "abort" and reason.get("status_code"):
+            return reason["message"], int(reason["status_code"])
+    return None
+
+
+def failure_event(message: str, status_code: int) -> dict[str, Any]:
+    """The stream's error event in place of the last update of a request the engine failed (a
+    4xx, such as a stop_regex over its time budget, is the request's fault: not retryable)."""
+    server = status_code >= 500
+    return {"error": {"message": message, "code": status_code, "retryable": server,
+                      "type": "server_error" if server else "invalid_request_error"}}
 
 
 def _sse(obj: Any) -> bytes:

@@ -10,7 +10,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rltool.engine import api
 from rltool.engine.request import Request
-from rltool.engine.routes.base import EngineState, parse_body, runtime_error, sse_stream
+from rltool.engine.routes.base import (EngineState, failure, failure_event, parse_body,
+                                      runtime_error, sse_stream)
 
 
 def router(state: EngineState) -> APIRouter:
@@ -24,10 +25,9 @@ def router(state: EngineState) -> APIRouter:
             events = _events(state, reqs, indexed=as_list)
             return StreamingResponse(sse_stream(events), media_type="text/event-stream")
         outs = await state.run(reqs, client=request)
-        for out in outs:
-            reason = out["meta_info"]["finish_reason"] or {}
-            if reason.get("type") == "abort" and reason.get("status_code"):
-                return runtime_error(reason["message"], int(reason["status_code"]))
+        failed = failure(*outs)
+        if failed is not None:
+            return runtime_error(*failed)
         return JSONResponse(outs if as_list else outs[0])
 
     return r
@@ -40,9 +40,6 @@ async def _events(state: EngineState, reqs: list[Request], *,
     async for i, final, event in state.updates(reqs):
         if indexed:
             event["index"] = i
-        reason = event["meta_info"]["finish_reason"] or {}
-        if final and reason.get("type") == "abort" and reason.get("status_code"):
-            event = {"error": {"message": reason["message"], "type": "server_error",
-                               "code": reason["status_code"], "retryable": True}}
-        yield event
+        failed = failure(event) if final else None
+        yield event if failed is None else failure_event(*failed)
 

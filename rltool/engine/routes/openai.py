@@ -3,7 +3,8 @@
 A handler parses its body (openai_bodies), translates it into a /generate body and from there
 takes /generate's path: `EngineState.expand`, then `EngineState.run` or, streamed,
 `EngineState.updates` framed by `sse_stream`. The native results are reshaped into OpenAI's
-objects (openai_shapes). Errors use OpenAI's `{"object":"error",...}` object, except a body over
+objects (openai_shapes). Errors use OpenAI's `{"object":"error",...}` object (a duplicate
+request id 400, a request the engine failed its status, as on /generate), except a body over
 the size limit (413 in the engine's plain error, as on every route); in streams they arrive as
 `data: {"error": {...}}` followed by `data: [DONE]`, a full queue with code 429 as on /generate.
 """
@@ -20,7 +21,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rltool.engine import api
 from rltool.engine.request import Request
-from rltool.engine.routes.base import EngineState, openai_error, read_body, sse_stream
+from rltool.engine.routes.base import (EngineState, failure, failure_event, openai_error,
+                                      read_body, sse_stream)
 from rltool.engine.routes.openai_bodies import (ChatRequest, CompletionRequest, OpenAIRequest,
                                                 parse_request)
 from rltool.engine.routes.openai_shapes import ChatShape, CompletionShape, Shape, usage
@@ -103,8 +105,13 @@ class OpenAIRoutes:
             return StreamingResponse(sse_stream(events), media_type="text/event-stream")
         try:
             outs = await state.run(reqs, client=request)
+        except BadInputError as e:  # the scheduler's refusal: a duplicate request id, ...
+            return openai_error(str(e))
         except EngineError as e:
             return openai_error(str(e), 429 if isinstance(e, QueueFullError) else 503)
+        failed = failure(*outs)
+        if failed is not None:
+            return openai_error(*failed)
         return JSONResponse({**head, "object": shape.object,
                              "choices": [shape.choice(i, out) for i, out in enumerate(outs)],
                              "usage": usage(outs, body.n),
@@ -113,18 +120,23 @@ class OpenAIRoutes:
 
 async def stream_chunks(state: EngineState, reqs: list[Request], *, body: OpenAIRequest,
                         head: dict[str, Any], shape: Shape) -> AsyncIterator[dict[str, Any]]:
-    """A chunk per update of a choice, holding the text and tokens new since its last chunk;
-    with `stream_options.include_usage`, a last chunk with the usage and no choices."""
+    """A chunk per update of a choice, holding the text and tokens new since its last chunk (an
+    error event in place of the last one of a choice the engine failed); with
+    `stream_options.include_usage`, a last chunk with the usage and no choices."""
     sent: dict[int, tuple[str, int]] = {}  # index -> (text sent, tokens sent)
     finals: dict[int, dict[str, Any]] = {}
     async for i, final, out in state.updates(reqs):
+        if final:
+            finals[i] = out
+            failed = failure(out)
+            if failed is not None:
+                yield failure_event(*failed)
+                continue
         text_sent, toks_sent = sent.get(i, ("", 0))
         text = out["text"]
         delta = text[len(text_sent):] if text.startswith(text_sent) else ""
         yield {**head, **shape.chunk(i, out, delta, toks_sent, first=i not in sent)}
         sent[i] = (text_sent + delta, len(out["output_ids"]))
-        if final:
-            finals[i] = out
     if body.include_usage:
         outs = [finals[i] for i in sorted(finals)]
         yield {**head, "object": shape.chunk_object, "choices": [], "usage": usage(outs, body.n)}

@@ -119,12 +119,11 @@ class ChatRequest(OpenAIRequest):
         if self.input_ids is not None:
             return self.input_ids
         messages = []
-        for m in self.messages:
+        for i, m in enumerate(self.messages):
             content = m.get("content")
-            if isinstance(content, list):  # OpenAI content parts: only text is understood
-                if any(part.get("type") != "text" for part in content):
-                    raise BadInputError("only text message content is supported")
-                content = "".join(part.get("text", "") for part in content)
+            if isinstance(content, list):
+                content = "".join(_text_part(part, f"messages[{i}].content[{j}]")
+                                  for j, part in enumerate(content))
             messages.append({**m, "content": content if content is not None else ""})
         try:
             text = tokenizer.apply_chat_template(messages, tokenize=False,
@@ -142,6 +141,19 @@ class ChatRequest(OpenAIRequest):
         return GenerateInput(input_ids=prompt_ids, sampling_params=self.sampling_params(max_new),
                              rid=self.rid, return_logprob=self.logprobs, top_logprobs_num=top_n,
                              lora_path=self.lora_path)
+
+
+def _text_part(part: Any, where: str) -> str:
+    """The text of an OpenAI content part (`where` names it); only text parts are understood."""
+    if not isinstance(part, dict):
+        raise BadInputError(f'{where} must be a content part {{"type": "text", "text": ...}}, '
+                            f"not {type(part).__name__}")
+    if part.get("type") != "text":
+        raise BadInputError(f"{where} is a {part.get('type')!r} part: only text message content "
+                            "is supported")
+    if not isinstance(part.get("text"), str):
+        raise BadInputError(f"{where}.text must be a string")
+    return part["text"]
 
 
 def parse_request(request: HttpRequest, raw: bytes, model: type[B]) -> B:
