@@ -56,9 +56,9 @@ TOO_MANY = [
 
 
 def test_more_samples_than_the_engine_holds_is_a_400(client):
-    """Bug: n was unbounded (n=1e6 built a million requests on the event loop before a 429) and
-    a body that can never fit got a retryable 429; now a 400 names the limit, and a body of
-    exactly the limit is served."""
+    """A body of more requests (prompts x n) than the engine ever holds is a 400 naming the limit,
+    answered before any request is built (n=1e6 included); a body of exactly the limit is
+    served."""
     for path, body in TOO_MANY:
         r = client.post(path, json=body)
         assert r.status_code == 400, (body, r.text)
@@ -70,8 +70,8 @@ def test_more_samples_than_the_engine_holds_is_a_400(client):
 
 
 def test_token_ids_logprob_is_deduplicated_and_bounded(engine):
-    """Bug: token_ids_logprob was neither de-duplicated nor bounded (100k copies of one id made a
-    28.5 MB answer)."""
+    """token_ids_logprob is de-duplicated and holds at most the vocabulary's size of ids (100k
+    copies of one id would make a 28.5 MB answer)."""
     client, runner = engine
     r = client.post("/generate", json={
         "input_ids": [5, 6, 7], "return_logprob": True, "token_ids_logprob": [4, 5, 4, 4],
@@ -95,9 +95,8 @@ MALFORMED = {
 
 
 def test_malformed_generate_body_is_a_400(client):
-    """Bug: a deeply nested body (RecursionError) or a lone surrogate in text (TypeError) or rid
-    (UnicodeEncodeError, after generating) answered 500; /generate now parses as strictly as the
-    OpenAI routes."""
+    """A deeply nested body, or a lone surrogate in text or rid, or bytes that are not UTF-8: a
+    400 from /generate's JSON parser (the OpenAI routes' strictness), never a 500."""
     for name, content in MALFORMED.items():
         r = raw_post(client, "/generate", content)
         assert r.status_code == 400, (name, r.text)
@@ -114,8 +113,7 @@ def test_deeply_nested_tensor_message_is_a_400(client):
 
 
 def test_chat_content_parts(client):
-    """Bug: content parts that are not objects answered 500 (AttributeError); text parts are
-    joined, anything else is a 400 naming the part."""
+    """Chat content parts: text parts are joined, anything else is a 400 naming the part."""
     def chat(content):
         return client.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": content}], "max_tokens": 1})
@@ -132,8 +130,7 @@ def test_chat_content_parts(client):
 
 
 def test_truncated_checkpoint_is_a_400(client, tiny_model_dir, tmp_path):
-    """Bug: /update_weights_from_disk on a truncated model.safetensors answered 500
-    (SafetensorError); a checkpoint error names the file."""
+    """/update_weights_from_disk on a truncated model.safetensors: a 400 naming the file."""
     broken = tmp_path / "broken"
     shutil.copytree(tiny_model_dir, broken)
     f = broken / "model.safetensors"
@@ -146,8 +143,8 @@ def test_truncated_checkpoint_is_a_400(client, tiny_model_dir, tmp_path):
 
 
 def test_openai_routes_surface_engine_failures(engine, monkeypatch):
-    """Bug: a request the engine failed (status 500) came back 200 with finish_reason "abort"
-    on the OpenAI routes, while /generate answers 500."""
+    """A request the engine failed (status 500) is a 500 on the OpenAI routes too, as on
+    /generate, not a 200 with finish_reason "abort"."""
     client, runner = engine
 
     def broken(*_args, **_kwargs):
@@ -163,7 +160,7 @@ def test_openai_routes_surface_engine_failures(engine, monkeypatch):
 
 
 def test_openai_duplicate_rid_uses_the_error_object(client):
-    """Bug: a duplicate rid answered {"error": {...}} instead of OpenAI's error object."""
+    """A duplicate rid is a 400 in OpenAI's error object."""
     sched = client.app.state.engine.scheduler
     assert client.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
     try:
