@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from rltool.errors import BadInputError
 from rltool.faults import kill_point
 
 
@@ -149,6 +150,7 @@ def publish_dir(final: str | os.PathLike, *, marker: str | None = None,
     final = Path(final)
     if final.exists():
         raise FileExistsError(f"{final} already exists")
+    created = [p for p in (final.parent, *final.parent.parents) if not p.exists()]
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
@@ -161,7 +163,25 @@ def publish_dir(final: str | os.PathLike, *, marker: str | None = None,
         fsync_dir(final.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for parent in created:  # deepest first; a failed publish leaves no directory it made
+            with contextlib.suppress(OSError):
+                parent.rmdir()
         raise
+
+
+def check_output_path(path: str | os.PathLike, *, flag: str, directory: bool = False) -> Path:
+    """BadInputError (naming `flag`) unless `path` is, or can be created as, a file (with
+    `directory`: a directory): not an existing entry of the other kind, no existing ancestor a
+    file. Checked before any work, so a bad output path changes nothing on disk."""
+    path = Path(path)
+    want, other = ("directory", "file") if directory else ("file", "directory")
+    if path.exists() and path.is_dir() != directory:
+        raise BadInputError(f"{flag} {path} is a {other}; pass a {want} path")
+    parent = next((p for p in path.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise BadInputError(f"{flag} {path}: {parent} is a file, not a directory; pass a path "
+                            "under a directory")
+    return path
 
 
 def remove_stale_temporaries(parent: str | os.PathLike) -> int:

@@ -26,14 +26,16 @@ STAGE_SECTIONS = ("model", "rollout", "train", "sync", "eval", "loop", "serve", 
 
 
 class StageConfig(BaseModel):
-    """Base of every stage's config: unknown keys are errors, values are validated on assignment.
+    """Base of every stage's config: unknown keys are errors, floats are finite (no inf/nan),
+    values are validated on assignment.
 
     Each field is also a command-line option of the stage's command (`rltool.commands.options`
     generates them: `--name-with-dashes`, its type, choices, description and default); `cli(...)`
     in a field's `json_schema_extra` adjusts how (environment variable, positional, not a flag).
     """
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False,
+                              protected_namespaces=())
 
 
 def cli(*, envvar: str | None = None, argument: bool = False, option: bool = True,
@@ -88,6 +90,25 @@ def read_toml(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"config file {path} does not exist; pass an existing --config FILE") from e
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text ({e}); save it as UTF-8") from e
+
+
+def url_error(url: str) -> str | None:
+    """Why `url` is not an engine URL (http or https, with a host; or an in-process engine's),
+    naming the fix; None if it is."""
+    from urllib.parse import urlsplit
+
+    if url.startswith("inprocess://"):  # rltool.engine.inprocess.URL_SCHEME (the loop's)
+        return None
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - parses the port: ValueError when it is not a number
+    except ValueError as e:
+        return f"{url!r} is not a valid URL ({e}); pass http://HOST:PORT"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"{url!r} is not an http(s) URL with a host; pass http://HOST:PORT"
+    return None
 
 
 def format_validation_error(err: ValidationError, *, section: str | None = None) -> str:
@@ -95,7 +116,7 @@ def format_validation_error(err: ValidationError, *, section: str | None = None)
     parts = []
     for e in err.errors():
         loc = ".".join(str(x) for x in e["loc"])
-        flag = "--" + loc.replace("_", "-") if loc else "(config)"
+        flag = "--" + loc.replace("_", "-").lower() if loc else "(config)"
         where = f" (in [{section}])" if section else ""
         msg = e["msg"]
         if e["type"] == "extra_forbidden":

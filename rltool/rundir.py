@@ -5,7 +5,7 @@ RUN/config.toml  state.json  engines.json
 RUN/weights/weight_vNNNNNN/      RUN/train/ckpt/step-NNNNNN/
 RUN/rollouts/step-NNNNNN/        RUN/eval/step-NNNNNN/
 RUN/metrics/<stage>.jsonl        RUN/trace/<role>-<pid>.jsonl   RUN/profile/   RUN/logs/
-RUN/train/step-NNNNNN.toml       RUN/report/
+RUN/train/step-NNNNNN.toml       RUN/report/   RUN/engine_local/   RUN/engine_local_eval/
 ```
 No other module builds these paths by hand.
 """
@@ -117,6 +117,12 @@ class RunDir:
     def local_weights(self) -> Path:
         """Host-local checkpoint directory engines pull delta versions into."""
         return self.root / "engine_local"
+
+    @property
+    def eval_local_weights(self) -> Path:
+        """The async loop's eval engine's own pull directory (it loads versions on its own
+        schedule, so it never shares the training engines')."""
+        return self.root / "engine_local_eval"
 
     def weight_version(self, version: int) -> Path:
         return self.weights / weight_dir_name(version)

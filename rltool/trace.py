@@ -131,15 +131,24 @@ def configure(directory: str | os.PathLike | None, *, role: str) -> TraceWriter 
 @contextlib.contextmanager
 def scope(directory: str | os.PathLike | None, *, role: str) -> Iterator[None]:
     """Trace the enclosed stage into `directory` unless this process already traces somewhere:
-    a stage run alone traces beside its output, inside `rltool loop` it keeps the run's trace/."""
+    a stage run alone traces beside its output, inside `rltool loop` it keeps the run's trace/.
+    A stage that fails leaves no trace file in a directory the scope created."""
     if directory is None or writer() is not None:
         yield
         return
-    configure(directory, role=role)
+    created = [p for p in (Path(directory), *Path(directory).parents) if not p.exists()]
+    w = configure(directory, role=role)
     try:
         yield
-    finally:
+    except BaseException:
         configure(None, role=role)
+        if created:
+            w.path.unlink(missing_ok=True)
+            for parent in created:  # deepest first; only the empty ones go
+                with contextlib.suppress(OSError):
+                    parent.rmdir()
+        raise
+    configure(None, role=role)
 
 
 def _program_role() -> str:

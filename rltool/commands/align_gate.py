@@ -3,8 +3,11 @@ import sys
 import click
 
 from rltool.align.config import AlignGateConfig
+from rltool.atomic import check_output_path
 from rltool.commands.common import echo_json
 from rltool.commands.options import build_config, command_options, stage_options
+from rltool.config import url_error
+from rltool.errors import ConfigError
 
 
 @click.command("align-gate")
@@ -31,7 +34,12 @@ def command(as_json, **_):
     """
     from rltool.align.gate import run
 
-    result = run(build_config(AlignGateConfig, table="align"))
+    cfg = build_config(AlignGateConfig, table="align")
+    if cfg.engine and (problem := url_error(cfg.engine)):
+        raise ConfigError(f"--engine: {problem}")
+    if cfg.report:
+        check_output_path(cfg.report, flag="--report")
+    result = run(cfg)
     if as_json:
         echo_json(result.to_dict())
     else:

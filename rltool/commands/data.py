@@ -21,12 +21,18 @@ def make(as_json, **_):
       rltool data make --task reverse --num 512 --seed 1 --out prompts.jsonl
       rltool data make --task add --num 3 --out - | jq -r .prompt
     """
+    from rltool.atomic import check_output_path
     from rltool.data.tasks import make_rows, prompts_jsonl, write_prompts
     from rltool.errors import BadInputError
 
     cfg = build_config(DataMakeConfig, table="data")
     if cfg.out == "-" and as_json:
         raise BadInputError("--out - and --json both write to stdout; drop one of them")
+    if cfg.out != "-":
+        out = check_output_path(cfg.out, flag="--out")
+        if out.exists():
+            raise BadInputError(f"--out {out} already exists; choose a new file (an output is "
+                                "never replaced)")
     rows = make_rows(cfg.task, num=cfg.num, seed=cfg.seed, min_len=cfg.min_len,
                      max_len=cfg.max_len)
     if cfg.out == "-":

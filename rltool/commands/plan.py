@@ -59,9 +59,15 @@ def command(model, from_profile, check_run, check_engine, baseline_engine, toler
       rltool plan --check-engine http://127.0.0.1:30000
       rltool plan --check-engine http://127.0.0.1:30000 --baseline-engine http://127.0.0.1:30001
     """
+    from pydantic import ValidationError
+
+    from rltool.config import format_validation_error, url_error
     from rltool.errors import BadInputError
     from rltool.profile import plan as planner
 
+    for flag, url in (("--check-engine", check_engine), ("--baseline-engine", baseline_engine)):
+        if url and (problem := url_error(url)):
+            raise BadInputError(f"{flag}: {problem}")
     if baseline_engine and not check_engine:
         raise BadInputError("--baseline-engine needs --check-engine URL (the engine with the "
                             "host KV tier)")
@@ -106,9 +112,8 @@ def command(model, from_profile, check_run, check_engine, baseline_engine, toler
         raise BadInputError("plan needs --model CONFIG.json (or --check RUN)")
     try:
         inputs = planner.PlanInputs(**{k: v for k, v in values.items() if v is not None})
-    except ValueError as e:
-        raise BadInputError(f"plan: {str(e).splitlines()[0]}: "
-                            f"{'; '.join(str(e).splitlines()[1:3])}") from None
+    except ValidationError as e:
+        raise BadInputError(format_validation_error(e)) from None
     measured = None
     if from_profile:
         inputs, measured = planner.from_profile(inputs, from_profile)

@@ -21,10 +21,13 @@ def command(run_dir, out, torch_steps, as_json):
     Example:
       rltool profile runs/demo && open ui.perfetto.dev with runs/demo/profile/chrome_trace.json
     """
+    from rltool.atomic import check_output_path
+    from rltool.errors import BadInputError
     from rltool.profile.stage import profile_run
 
-    from rltool.errors import BadInputError
-
+    if out and check_output_path(out, flag="--out").exists():
+        raise BadInputError(f"--out {out} already exists; choose a new file (an output is never "
+                            "replaced)")
     steps = None
     if torch_steps:
         try:

@@ -15,9 +15,15 @@ def command(as_json, **_):
     Example:
       rltool report runs/demo && xdg-open runs/demo/report/index.html
     """
+    from rltool.atomic import check_output_path
+    from rltool.errors import BadInputError
     from rltool.loop.report import write_report
 
     cfg = build_config(ReportConfig, table="report")
+    if cfg.out and (check_output_path(cfg.out, flag="--out", directory=True)
+                    / "index.html").exists():
+        raise BadInputError(f"--out {cfg.out} already holds a report (index.html); choose a new "
+                            "folder (an output is never replaced)")
     run_dir = cfg.run_dir
     result = write_report(run_dir, out=cfg.out)
     if as_json:

@@ -208,13 +208,13 @@ def hf_to_dist(cfg: HfToDistConfig) -> dict[str, Any]:
     from rltool import megatron_compat
 
     started = time.perf_counter()
-    megatron_compat.require_megatron()
     out = hf_writer.check_new_output(cfg.out)
     hf_config = hf_writer.read_config(cfg.hf)
     hf_arch(hf_config)
     tensors = ckpt_io.checkpoint_tensors(cfg.hf)
     name_map.check_hf_tensors({n: i.shape for n, i in tensors.items()}, hf_config)
     dtype = _hf_dtype(tensors, cfg.dtype)
+    megatron_compat.require_megatron()  # after the input checks: its import is noisy
     hf_writer.limit_heap_retention()
     # One process (not under torchrun) writes the same global tensors as a tp*pp*ep job would:
     # build an unsplit model and pad the vocabulary for cfg.tp.
@@ -376,11 +376,11 @@ def dist_to_hf(cfg: DistToHfConfig) -> dict[str, Any]:
     from rltool import megatron_compat
 
     started = time.perf_counter()
-    megatron_compat.require_megatron()
     out = hf_writer.check_new_output(cfg.out)
     hf_config = hf_writer.read_config(cfg.hf_config)
     hf_arch(hf_config)
     source = iteration_dir(cfg.dist)
+    megatron_compat.require_megatron()  # after the input checks: its import is noisy
     hf_writer.limit_heap_retention()
     with megatron_compat.distributed():
         dtype, slots = _read_dist(source, hf_config)

@@ -25,7 +25,7 @@ import torch
 
 from rltool.engine.batch_builder import BatchBuilder
 from rltool.engine.request import Request
-from rltool.engine.request_queue import RequestQueue
+from rltool.engine.request_queue import RequestQueue, abort_reason
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,11 @@ class PagedScheduler:
         return self.queue.abort(rid=rid, abort_all=abort_all)
 
     def abort_requests(self, rids: list[str]) -> None:
-        self.queue.abort_requests(rids)
+        """Abort exactly these requests (their client went away or their answer failed), never
+        another whose id merely starts with one of them."""
+        queue, wanted = self.queue, set(rids)
+        for req in [r for r in queue.in_flight() if r.rid in wanted]:
+            queue.finish(req, abort_reason("Aborted: its client went away."))
 
     def flush_cache(self) -> None:
         self.queue.flush_cache()

@@ -47,8 +47,8 @@ class Counters:
     num_retractions: int = 0
 
 
-def _abort(message: str, status_code: int | None = None, err_type: str | None = None
-           ) -> dict[str, Any]:
+def abort_reason(message: str, status_code: int | None = None, err_type: str | None = None
+                 ) -> dict[str, Any]:
     return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
 
 
@@ -340,7 +340,7 @@ class RequestQueue:
     def fail_all(self, message: str, *, status_code: int, err_type: str | None) -> None:
         """Finish every request in flight with an error."""
         for req in self.in_flight():
-            self.finish(req, _abort(message, status_code, err_type))
+            self.finish(req, abort_reason(message, status_code, err_type))
 
     def shut_down(self) -> None:
         """After the loop: abort what is in flight or queued; fail the operations not run (503)."""
@@ -348,7 +348,7 @@ class RequestQueue:
             pending, self._incoming = self._incoming, []
             ops, self._ops = self._ops, []
         for req in self.in_flight() + pending:
-            self.finish(req, _abort("The engine is shutting down.", 503))
+            self.finish(req, abort_reason("The engine is shutting down.", 503))
         for future in [f for _, f in ops] + [u[2] for u in [self._pending_update] if u]:
             if future.set_running_or_notify_cancel():  # not given up by its caller
                 future.set_exception(EngineError("the engine is shutting down"))
@@ -360,7 +360,7 @@ class RequestQueue:
             raise BadInputError(f"unknown pause mode {mode!r}; choose one of {PAUSE_MODES}")
         if mode == "abort":
             for req in self.in_flight():
-                self.finish(req, _abort("Generation paused (abort)."))
+                self.finish(req, abort_reason("Generation paused (abort)."))
         elif mode == "retract":
             self.retract_all()
         self.paused = mode
@@ -369,21 +369,13 @@ class RequestQueue:
         self.paused = None
 
     def abort(self, *, rid: str = "", abort_all: bool = False) -> int:
-        """/abort_request: abort requests whose id starts with `rid` (SGLang's matching), or all
-        of them."""
+        """/abort_request: abort the requests whose id starts with `rid` (SGLang's), or all."""
         if not rid and not abort_all:
             return 0
         victims = [r for r in self.in_flight() if abort_all or r.rid.startswith(rid)]
         for req in victims:
-            self.finish(req, _abort("Aborted by /abort_request."))
+            self.finish(req, abort_reason("Aborted by /abort_request."))
         return len(victims)
-
-    def abort_requests(self, rids: list[str]) -> None:
-        """Abort exactly these requests (their client went away or their answer failed): never
-        another request whose id merely starts with one of them."""
-        wanted = set(rids)
-        for req in [r for r in self.in_flight() if r.rid in wanted]:
-            self.finish(req, _abort("Aborted: the client went away."))
 
     def flush_cache(self) -> None:
         self.runner.flush_prefix_cache()

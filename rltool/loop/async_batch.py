@@ -20,12 +20,16 @@ from rltool.rollout.stage import RolloutConfig
 def write_batch(stream: RolloutStream, cfg: RolloutConfig, *, train_version: int) -> float:
     """Wait for `cfg.rollout_batch_size` groups young enough for `train_version`, write them as
     `cfg.out`; the seconds it took."""
+    from rltool.rollout.collect import reward_counts
     from rltool.rollout.metrics import rollout_metrics
-    from rltool.rollout.stage import CONFIG_NAME, PRODUCER, write_metrics
+    from rltool.rollout.stage import CONFIG_NAME, PRODUCER, check_reward_failures, write_metrics
 
     t0 = time.perf_counter()
     groups, dropped, waited = stream.take(cfg.rollout_batch_size, train_version=train_version)
     groups.sort(key=lambda g: g[0].group_id)
+    counts, first_failure = reward_counts(groups, rewarded=stream.inputs.reward_fn is not None)
+    check_reward_failures(counts, first_failure, max_frac=cfg.max_failed_rewards_frac,
+                          step=cfg.step)
     held, next_position = stream.positions()
     metrics = staleness_metrics(groups, train_version=train_version,
                                 dropped_groups=len(dropped))
@@ -38,7 +42,7 @@ def write_batch(stream: RolloutStream, cfg: RolloutConfig, *, train_version: int
     atomic.remove_stale_temporaries(Path(cfg.out).parent)
     stream.inputs.write(cfg, groups, meta=meta, config_name=CONFIG_NAME)
     output_tokens = sum(sum(s.loss_mask) for g in groups for s in g)
-    write_metrics(cfg, {**rollout_metrics(groups, counts={}, output_tokens=output_tokens,
+    write_metrics(cfg, {**rollout_metrics(groups, counts=counts, output_tokens=output_tokens,
                                           elapsed_s=waited, redispatched=0), **metrics},
                   default_name="rollout.jsonl")
     return time.perf_counter() - t0

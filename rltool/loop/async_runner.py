@@ -137,7 +137,8 @@ def _start_evaluator(ctx: phases.StepContext, mode: str) -> EvalWorker | None:
     engine = EngineSet(ctx.run, ctx.registry, num_engines=1,
                        engine_args=ctx.settings.engine_args(), deterministic=loop.deterministic,
                        ready_timeout_s=loop.engine_ready_timeout_s, log_prefix="eval-engine",
-                       api_key=loop.api_key, admin_api_key=loop.admin_api_key)
+                       api_key=loop.api_key, admin_api_key=loop.admin_api_key,
+                       local_weights=ctx.run.eval_local_weights)
     worker = EvalWorker(ctx.run, ctx.settings, engine, mode=mode)
     worker.start()
     return worker

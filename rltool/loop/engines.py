@@ -76,7 +76,7 @@ class EngineSet:
     def __init__(self, run: RunDir, registry: ChildRegistry, *, num_engines: int,
                  engine_args: list[str], deterministic: bool, ready_timeout_s: float,
                  log_prefix: str = "engine", api_key: str | None = None,
-                 admin_api_key: str | None = None):
+                 admin_api_key: str | None = None, local_weights: Path | None = None):
         self.run = run
         self.log_prefix = log_prefix
         self.registry = registry
@@ -90,7 +90,9 @@ class EngineSet:
         # the one of their control routes.
         self.serve_keys = {"api_key": api_key, "admin_api_key": admin_api_key}
         self.api_key: str | None = admin_api_key or api_key
-        self.local_weights = run.local_weights  # where /pull_weights rebuilds a delta version
+        # Where /pull_weights rebuilds a delta version: one directory per engine set, since a
+        # pull rewrites it and the engines load from it after the pull's lock is released.
+        self.local_weights = local_weights or run.local_weights
         self.master_address = "127.0.0.1"  # the broadcast's rank 0 (this process)
 
     @property
@@ -106,7 +108,7 @@ class EngineSet:
         # Weight paths the engines accept: the run's weights/ (the model's parent) and the
         # host-local directory /pull_weights rebuilds delta versions in.
         args = ["--engine", "builtin", "--model", str(model_dir), "--local-checkpoint-dir",
-                str(self.run.local_weights), *self.engine_args]
+                str(self.local_weights), *self.engine_args]
         if self.deterministic and "--deterministic" not in args:
             args.append("--deterministic")
         for i in range(self.num_engines):

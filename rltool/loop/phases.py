@@ -387,8 +387,13 @@ def evaluate(ctx: StepContext) -> dict[str, Any]:
         run_eval(ctx.settings.eval_config(ctx.run, step=ctx.state.step, urls=ctx.engines.urls,
                                           policy_version=ctx.state.policy_version),
                  clients=ctx.engines.clients)
-    rows = [r for r in read_metrics(ctx.run.metrics_file("eval")) if r.get("step") ==
-            ctx.state.step]
+    return eval_metrics(ctx.run, ctx.state.step)
+
+
+def eval_metrics(run: RunDir, step: int) -> dict[str, Any]:
+    """The step's eval.jsonl row ({} when it has none): what the step's loop.jsonl row carries,
+    read back the same way whether the eval ran now or before a resume."""
+    rows = [r for r in read_metrics(run.metrics_file("eval")) if r.get("step") == step]
     return rows[-1] if rows else {}
 
 

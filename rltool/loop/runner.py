@@ -44,6 +44,7 @@ def start(settings: LoopSettings, run_dir: str | Path, *,
                             f"`rltool loop --resume {run.root}` or choose a new --run-dir")
     if run.root.exists() and any(run.root.iterdir()):
         raise BadInputError(f"--run-dir {run.root} exists and is not empty; choose a new one")
+    _check_prompts(settings)
     if settings.loop.external:  # refuse engines that cannot serve this run before writing
         from rltool.loop.external import check_engines
 
@@ -62,6 +63,7 @@ def resume(run_dir: str | Path, *, overrides: dict[str, dict[str, Any]] | None =
     if not run.config.exists():
         raise BadInputError(f"--resume {run.root}: no config.toml; not a loop run directory")
     settings = LoopSettings.from_file(run.config, overrides=overrides)
+    _check_prompts(settings)
     ended = end_orphans(run)
     if ended:
         log.info("ended %d orphaned child process(es): %s", len(ended), ended)
@@ -70,6 +72,16 @@ def resume(run_dir: str | Path, *, overrides: dict[str, dict[str, Any]] | None =
 
         atomic.write_text(run.config, tomli_w.dumps(settings.to_tables()))
     return _run(run, settings, on_step=on_step)
+
+
+def _check_prompts(settings: LoopSettings) -> None:
+    """Read the rollout and eval prompt files before anything is written: a bad file is refused
+    (BadInputError) with the run directory and its config.toml untouched."""
+    from rltool.rollout.prompts import cached_prompts
+
+    for cfg in (settings.rollout, settings.eval):
+        if cfg is not None:
+            cached_prompts(cfg.prompts, cfg.prompt_keys())
 
 
 def _initial_weights(run: RunDir, settings: LoopSettings) -> None:
@@ -209,9 +221,12 @@ def run_step(ctx: phases.StepContext, *, writer: MetricsWriter,
         _, seconds = phases.timed(phases.sync, ctx)
         state.done(run, "sync", seconds=seconds)
     eval_row: dict[str, Any] = {}
-    if ctx.settings.is_eval_step(state.step) and not state.completed("eval"):
-        eval_row, seconds = phases.timed(phases.evaluate, ctx, name="eval")
-        state.done(run, "eval", seconds=seconds)
+    if ctx.settings.is_eval_step(state.step):
+        if state.completed("eval"):  # recorded before a resume: its row is in eval.jsonl
+            eval_row = phases.eval_metrics(run, state.step)
+        else:
+            eval_row, seconds = phases.timed(phases.evaluate, ctx, name="eval")
+            state.done(run, "eval", seconds=seconds)
     with trace.span("record", cat="phase", step=state.step):
         row = step_metrics(ctx, eval_row=eval_row, wall_s=time.perf_counter() - t_step)
         if not any(r.get("step") == state.step for r in read_metrics(writer.path)):

@@ -65,6 +65,22 @@ class _Group:
         return self.samples[0].group_id
 
 
+REWARD_FAILURES = ("reward_timeout:", "reward_error:")  # finish_reason of a failed reward call
+
+
+def reward_counts(groups: list[list[Sample]], *, rewarded: bool) -> tuple[dict[str, int],
+                                                                          str | None]:
+    """The reward calls of `groups`' samples, read back from the samples ({"reward_calls",
+    "failed_rewards"}, the first failure's finish_reason): every finished sample was scored
+    once when `rewarded` (a reward function ran, not an environment)."""
+    samples = [s for g in groups for s in g]
+    failed = [s.finish_reason for s in samples
+              if s.status == "failed" and s.finish_reason.startswith(REWARD_FAILURES)]
+    scored = sum(s.status in ("completed", "truncated") for s in samples)
+    calls = scored + len(failed) if rewarded else 0
+    return {"reward_calls": calls, "failed_rewards": len(failed)}, next(iter(failed), None)
+
+
 def _settle(group: _Group, samples: list[Sample]) -> None:
     """The group's finished samples, numbered in their order."""
     group.samples = samples
@@ -290,7 +306,7 @@ class Collector:
                 session = SessionClient(self.router, session_id=s.uid,
                                         request_fields=self.request_fields)
                 g.sessions.append(session)
-                s.status = "pending"
+                s.status, s.response = "pending", ""  # a resumed one's text is decoded anew
                 todo.append((s, session, sum(s.loss_mask)))
                 item = single_turn_request(s, self._context(session))
                 if item is not None:
@@ -349,7 +365,7 @@ class Collector:
                                 request_fields=self.request_fields)
         group.sessions.append(session)
         ctx = self._context(session)
-        sample.status = "pending"
+        sample.status, sample.response = "pending", ""  # a resumed one's text is decoded anew
         model_tokens_before = sum(sample.loss_mask)
         try:
             out = await self.generate_fn(sample, ctx)
@@ -404,13 +420,13 @@ class Collector:
                 raise ValueError(f"reward is {reward}")
         except asyncio.TimeoutError:
             s.reward = 0.0
-            s.fail(f"reward_timeout: no reward after {self.reward_timeout_s:g}s "
+            s.fail(f"{REWARD_FAILURES[0]} no reward after {self.reward_timeout_s:g}s "
                    f"(generation finished as {s.finish_reason})")
             self.reward_failures.append(s.finish_reason)
             return
         except Exception as e:  # noqa: BLE001 - any reward failure becomes the sample's status
             s.reward = 0.0
-            s.fail(f"reward_error: {type(e).__name__}: {e}")
+            s.fail(f"{REWARD_FAILURES[1]} {type(e).__name__}: {e}")
             self.reward_failures.append(s.finish_reason)
             return
         s.reward = reward

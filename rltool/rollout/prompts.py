@@ -91,8 +91,13 @@ def load_prompts(path: str | os.PathLike, keys: PromptKeys = PromptKeys()) -> li
 
 def _read_jsonl(path: Path) -> list[Any]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise BadInputError(f"--prompts {path}: line {lineno} is not UTF-8 text ({e}); "
+                                    "save the file as UTF-8") from e
             if not line.strip():
                 continue
             try:
@@ -229,7 +234,9 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as e:
-        raise BadInputError(f"--tokenizer {path}: cannot load a tokenizer ({e})") from e
+        reason = " ".join(str(e).split())  # transformers' messages span several lines
+        raise BadInputError(f"--tokenizer {path}: cannot load a tokenizer ({reason}); pass the "
+                            "model's directory (with tokenizer.json)") from e
 
 
 def check_chat_template(tokenizer: Any, *, where: str) -> None:

@@ -17,9 +17,9 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rltool import trace
-from rltool.config import StageConfig, cli, write_resolved
-from rltool.errors import BadInputError, EngineError, RewardError
+from rltool import atomic, trace
+from rltool.config import StageConfig, cli, url_error, write_resolved
+from rltool.errors import BadInputError, ConfigError, EngineError, RewardError
 from rltool.rollout.batching import DEFAULT_SAMPLES_PER_REQUEST
 from rltool.rollout.client import engine_model_infos, tokenizer_path_of
 from rltool.rollout.generate import Sample, load_generate_fn, to_row
@@ -105,10 +105,21 @@ class EngineStageConfig(StageConfig):
     quiet: bool = Field(False, description="No progress bar (the command's -q sets it).",
                         json_schema_extra=cli(option=False))
 
+    def prompt_keys(self) -> PromptKeys:
+        return PromptKeys(input=self.input_key, label=self.label_key, metadata=self.metadata_key)
+
     @field_validator("engines", mode="before")
     @classmethod
     def _split_engines(cls, value: Any) -> Any:
         return split_urls(value)
+
+    @field_validator("engines", "router")
+    @classmethod
+    def _check_urls(cls, value: list[str] | str | None) -> list[str] | str | None:
+        for url in [value] if isinstance(value, str) else value or []:
+            if problem := url_error(url):
+                raise ValueError(problem)
+        return value
 
     @field_validator("top_k")
     @classmethod
@@ -197,7 +208,9 @@ class RolloutConfig(EngineStageConfig):
     def _check_opd(self) -> "RolloutConfig":
         from rltool.data.teachers import parse_teacher_specs
 
-        parse_teacher_specs(self.opd_teacher)
+        for teacher in parse_teacher_specs(self.opd_teacher):
+            if problem := url_error(teacher.location):
+                raise ConfigError(f"--opd-teacher {teacher.name}: {problem} (a teacher engine)")
         if self.opd_teacher_route and not self.opd_teacher:
             raise ValueError("--opd-teacher-route needs --opd-teacher NAME=URL[,...]")
         return self
@@ -216,18 +229,25 @@ class RolloutConfig(EngineStageConfig):
         return self
 
 
+def check_outputs(cfg: EngineStageConfig) -> None:
+    """BadInputError unless --out is a new directory and --metrics a file that can be written:
+    checked before anything (a trace, a shard) is written."""
+    out = atomic.check_output_path(cfg.out, flag="--out", directory=True)
+    if out.exists():
+        raise BadInputError(f"--out {out} already exists; choose a new directory (a complete "
+                            "shard is never overwritten)")
+    if cfg.metrics:
+        atomic.check_output_path(cfg.metrics, flag="--metrics")
+
+
 class StageInputs:
     """Everything a stage resolves before generating: prompts, tokenizer, reward, generate fn."""
 
     def __init__(self, cfg: EngineStageConfig, *, clients: dict[str, Any] | None = None):
         from rltool.rollout.rewards import check_labels, resolve_reward
 
-        out = Path(cfg.out)
-        if out.exists():
-            raise BadInputError(f"--out {out} already exists; choose a new directory (a complete "
-                                "shard is never overwritten)")
-        self.prompts, rendered = cached_prompts(cfg.prompts, PromptKeys(
-            input=cfg.input_key, label=cfg.label_key, metadata=cfg.metadata_key))
+        check_outputs(cfg)
+        self.prompts, rendered = cached_prompts(cfg.prompts, cfg.prompt_keys())
         self.apply_chat_template = cfg.apply_chat_template
         self.env_source = None
         if cfg.env is not None:
@@ -369,6 +389,7 @@ def with_seed(cfg: EngineStageConfig) -> EngineStageConfig:
 def run(cfg: RolloutConfig, *, clients: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run one rollout step; returns {out, rows, groups, metrics, counts, engines, ...}.
     `clients`: the engines' clients by URL (kept open) instead of HTTP clients per call."""
+    check_outputs(cfg)  # before the trace directory beside --out is set up
     with trace.scope(Path(cfg.out).parent / "trace", role="rollout"):
         return _run(cfg, clients=clients)
 
@@ -394,12 +415,14 @@ def _run(cfg: RolloutConfig, *, clients: dict[str, Any] | None) -> dict[str, Any
                                                          tokenizer_hash=inputs.tokenizer_hash)
     fresh_budget = max(0, budget - len(carried)) if cfg.filter == "none" else budget
     source = (inputs.new_group(p, n=n, uid_prefix=f"s{cfg.step:06d}")
-              for p in range(cfg.step * batch, cfg.step * batch + fresh_budget))
+              for p in fresh_positions(step=cfg.step, batch=batch, budget=fresh_budget,
+                                       carried=carried))
     result, router_stats = inputs.collect(cfg, source, target_groups=batch, label="rollout",
                                           carried=carried, dynamic_filter=cfg.filter != "none",
                                           over_sample_factor=cfg.over_sample_factor,
                                           partial=cfg.partial)
-    check_reward_failures(result, max_frac=cfg.max_failed_rewards_frac, step=cfg.step)
+    check_reward_failures(result.counts, result.first_reward_failure,
+                          max_frac=cfg.max_failed_rewards_frac, step=cfg.step)
     opd_metrics = {}
     if cfg.opd_teacher:
         from rltool.rollout.teachers import score_samples
@@ -430,18 +453,30 @@ def _run(cfg: RolloutConfig, *, clients: dict[str, Any] | None) -> dict[str, Any
             "carried_to": str(carry_path) if carry_path else None}
 
 
-def check_reward_failures(result: Any, *, max_frac: float, step: int) -> None:
-    """RewardError (exit 3) when more than `max_frac` of the call's reward calls failed.
+def fresh_positions(*, step: int, batch: int, budget: int, carried: list[list[Any]]) -> list[int]:
+    """The prompt positions step `step` may start fresh: `budget` from its own range on, less
+    those a carried group holds (an over-sampling step starts positions of the next step's range;
+    with --partial they come back carried, and a fresh copy beside one would put two groups of
+    one group_id in the shard)."""
+    held = {group[0].group_id for group in carried}
+    start = step * batch
+    return [p for p in range(start, start + budget) if p not in held]
+
+
+def check_reward_failures(counts: dict[str, int], first_failure: str | None, *, max_frac: float,
+                          step: int) -> None:
+    """RewardError (exit 3) when more than `max_frac` of the step's reward calls failed (`counts`:
+    "reward_calls", "failed_rewards"; `first_failure`: the first failed call's finish_reason).
 
     Runs before anything is written (carry file, shard, metrics), so the step can be re-run once
     the reward is fixed. A failed call already marked its sample `failed` (reward 0.0); below the
     threshold those samples go into the shard and the trainer leaves their groups out."""
-    calls = result.counts.get("reward_calls", 0)
-    failed = result.counts.get("failed_rewards", 0)
+    calls = counts.get("reward_calls", 0)
+    failed = counts.get("failed_rewards", 0)
     if calls and failed / calls > max_frac:
         raise RewardError(
             f"{failed} of {calls} reward calls failed at step {step} ({failed / calls:.0%}, more "
-            f"than --max-failed-rewards-frac {max_frac:g}); first: {result.first_reward_failure}; "
+            f"than --max-failed-rewards-frac {max_frac:g}); first: {first_failure}; "
             "nothing was written: fix the reward (or raise --max-failed-rewards-frac) and re-run "
             "the step")
 

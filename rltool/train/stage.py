@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rltool import trace
+from rltool import atomic, trace
 from rltool.errors import CheckpointError, ConfigError
 from rltool.rundir import MetricsWriter, step_dir_name, weight_dir_name
 from rltool.train import memfit, opd
@@ -52,6 +52,7 @@ class TrainResult:
 
 def run(cfg: TrainConfig) -> TrainResult:
     """Train on cfg's samples; see the module docstring. Collective under torchrun."""
+    _check_output_paths(cfg)  # before the trace directory beside --save is set up
     trace_dir = Path(cfg.save).parent / "trace" if cfg.save else None
     with process_group_scope(), trace.scope(trace_dir, role="train"):
         return _run(cfg)
@@ -74,8 +75,28 @@ def _resume_step(cfg: TrainConfig, ckpt_dir: Path | None, sample_set: SampleSet,
     return int(position["next_step"])
 
 
+def _check_weights(flag: str, model_dir: Path) -> None:
+    """CheckpointError naming `flag` when the weights' safetensors headers are unreadable or a
+    file is truncated."""
+    from rltool.io.checkpoint import checkpoint_tensors
+
+    try:
+        checkpoint_tensors(model_dir)
+    except CheckpointError as e:
+        raise CheckpointError(f"{flag}: {e}; pass a complete HF weights directory") from e
+
+
+def _check_output_paths(cfg: TrainConfig) -> None:
+    """BadInputError for an output path at or under a file (or a directory where a file goes)."""
+    for flag, path, directory in (("--publish", cfg.publish, True), ("--save", cfg.save, True),
+                                  ("--metrics", default_metrics_path(cfg), False)):
+        if path:
+            atomic.check_output_path(path, flag=flag, directory=directory)
+
+
 def _check_outputs_free(cfg: TrainConfig, *, first_version: int, final_version: int) -> None:
     """Refuse up front (before any work) what would collide with existing outputs."""
+    _check_output_paths(cfg)
     if cfg.publish:
         final = Path(cfg.publish) / weight_dir_name(final_version)
         if final.exists():
@@ -122,6 +143,10 @@ def preflight(cfg: TrainConfig, *, world_size: int | None = None) -> Preflight:
     longest = max((len(s.tokens) for s in sample_set.samples), default=1)
     cfg = cfg.model_copy(update=memfit.fit(cfg, target.model_dir, longest=longest,
                                            world_size=world_size))
+    for flag, loaded in (("--load", target), ("--ref", ref_target),
+                         ("--old-actor", old_actor_target)):
+        if loaded is not None:  # the headers (as the --ref snapshot reads them): a corrupt file
+            _check_weights(flag, loaded.model_dir)
     teachers = opd.resolve_teachers(cfg, target.model_dir, sample_set.samples)
     plan = StepPlan(cfg, len(sample_set.samples))
     start_step = _resume_step(cfg, target.ckpt_dir, sample_set, plan)

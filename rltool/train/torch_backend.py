@@ -65,6 +65,7 @@ class TorchBackend:
         """options: the backend's knobs (a TrainConfig is one); trainable=False: a frozen model
         (reference, logprob recompute), no optimizer; value_head: a scalar head on the last
         hidden state (PPO's critic)."""
+        from safetensors import SafetensorError
         from transformers import AutoModelForCausalLM
 
         self.options = options
@@ -84,8 +85,9 @@ class TorchBackend:
             inner = AutoModelForCausalLM.from_pretrained(
                 str(model_dir), dtype=torch.bfloat16 if self.pure_bf16 else torch.float32,
                 **load_kwargs)
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"{model_dir}: cannot load the model ({e})") from e
+        except (OSError, ValueError, SafetensorError) as e:  # SafetensorError: a corrupt file
+            raise CheckpointError(f"{model_dir}: cannot load the model ({e}); pass a complete "
+                                  "HF weights directory") from e
         self.config, self.vocab_size = inner.config, int(inner.config.vocab_size)
         self.qat = int4_qat.for_backend(inner, options)  # before the value head: never published
         # After QAT (whose targets are the base's weights), before the value head (trained whole)

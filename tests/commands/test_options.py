@@ -95,7 +95,7 @@ COMPANIONS = {
     "optimizer_offload_fraction": ["--backend", "megatron", "--use-distributed-optimizer",
                                    "--optimizer-cpu-offload"],
     "mode": ["--placement", "disaggregated"],  # async refuses colocated placement
-    "opd_teacher_route": ["--opd-teacher", "a=x"],
+    "opd_teacher_route": ["--opd-teacher", "a=http://x:1"],
     "opd_mode": ["--opd-teacher", "x"],
     ("serve", "lora_paths"): ["--enable-lora"],  # adapters at start need LoRA on
     ("serve", "max_lora_rank"): ["--enable-lora"],  # the rank cap is LoRA's
@@ -126,8 +126,15 @@ def build_argv(cmd, base, *, skip):
     return argv, positional
 
 
+# Fields whose values must be engine URLs (rollout and eval check them up front).
+URL_FIELDS = {"engines", "router", "router_url", "opd_teacher"}
+
+
 def candidates(param: StageOption, default):
     """Command-line values (and what the config must then hold) that differ from the default."""
+    if param.field in URL_FIELDS:
+        urls = ["http://a:1", "http://b:1"]
+        return [([",".join(urls)], urls)] if param.multiple else [([urls[0]], urls[0])]
     if isinstance(param.type, click.Choice):
         return [([c], c) for c in param.type.choices if c != default] or [([default], default)]
     if param.secondary_opts:  # --x/--no-x

@@ -118,7 +118,7 @@ def test_bad_delta_index_refused_nothing_written(tmp_path, delta_pair, fmt, chan
                      base_model_path=base)
     assert tree(local) == {}
     assert {d: tree(tmp_path / d) for d in ("base", "new")} == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "local", "new", "src"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "new", "src"]  # no "local"
 
 
 def test_slime_tensor_with_empty_checksum_refused(tmp_path, delta_pair):

@@ -82,3 +82,24 @@ def test_report_on_a_row_missing_a_field_is_one_line(tmp_path):
                                                        "train/ppo_kl": 0.5}) + "\n")
     result = invoke("report", str(tmp_path), "--json")
     assert result.exit_code == 0, result.output
+
+
+def test_loop_bad_prompts_write_nothing(tiny_model_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "reverse 12", "answer": "21"}\n')
+    config = tmp_path / "run.toml"
+    config.write_text(tomli_w.dumps(tables(tiny_model_dir, rollout__prompts=str(bad))))
+    result = invoke("loop", "--config", str(config), "--run-dir", str(tmp_path / "run"))
+    assert result.exit_code == 2 and "--prompts" in result.output, result.output
+    assert not (tmp_path / "run").exists()
+    # --resume --set: the overrides are checked before they are saved to config.toml
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "reverse 12", "label": "21"}\n')
+    (tmp_path / "run").mkdir()
+    saved = tomli_w.dumps(tables(tiny_model_dir, rollout__prompts=str(good)))
+    (tmp_path / "run" / "config.toml").write_text(saved)
+    result = invoke("loop", "--resume", str(tmp_path / "run"), "--set",
+                    f"rollout.prompts={bad}")
+    assert result.exit_code == 2 and "--prompts" in result.output, result.output
+    assert (tmp_path / "run" / "config.toml").read_text() == saved
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.toml"]

@@ -121,8 +121,11 @@ def test_gateway_worker_off_the_allow_list_never_receives_the_admin_key(tiny_mod
     and nothing is written; the gateway itself never gets the admin key."""
     with recorder() as worker, recorder() as gateway:
         gateway.answers = {"/v1/rl/workers": {"workers": [{"url": worker.url}]}}
-        data = tables(tiny_model_dir, rollout__prompts="p.jsonl", loop__router_url=gateway.url,
-                      loop__api_key=USER, loop__admin_api_key=ADMIN)
+        prompts = tmp_path / "p.jsonl"
+        prompts.write_text('{"prompt": "q", "label": "a"}\n')
+        data = tables(tiny_model_dir, rollout__prompts=str(prompts),
+                      loop__router_url=gateway.url, loop__api_key=USER,
+                      loop__admin_api_key=ADMIN)
         with pytest.raises(BadInputError, match=r"admin_key_hosts does not name.*add \"127"):
             runner.start(LoopSettings.from_tables(data), tmp_path / "run")
         assert not (tmp_path / "run").exists()

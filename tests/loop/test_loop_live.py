@@ -184,6 +184,8 @@ def test_resume_after_kill_at_every_phase_matches_uninterrupted(baseline, loop_c
     assert [r["step"] for r in read_metrics(RunDir(run).metrics_file("loop"))] == [0, 1]
     assert [r["sync/mode"] for r in read_metrics(RunDir(run).metrics_file("loop"))] == \
         ["tensor", "tensor"]
+    # killed after its eval was recorded, the last step's row still carries the eval's metrics
+    assert "eval/mean_reward" in read_metrics(RunDir(run).metrics_file("loop"))[-1]
     assert sorted(p.name for p in RunDir(run).ckpt.iterdir()) == [f"step-{version:06d}"]
     assert sorted(p.name for p in RunDir(run).weights.glob("weight_v*")) == \
         ["weight_v000000", f"weight_v{version:06d}"]

@@ -246,11 +246,19 @@ def test_over_sampled_groups_are_aborted_and_carried_with_their_tokens():
     before = {s.uid: list(s.response_token_ids) for s in aborted}
     engine2 = FakeEngine("http://b", version="1")
     engine2.eos_prob = 0.0
-    again = collect([engine2], iter(()), reward_fn=varying, target_groups=len(result.carry),
-                    carried=result.carry)
+    scored: list[str] = []
+
+    def on_the_whole_text(prompt, response, label, metadata):
+        scored.append(response)
+        return varying(prompt, response, label, metadata)
+
+    again = collect([engine2], iter(()), reward_fn=on_the_whole_text,
+                    target_groups=len(result.carry), carried=result.carry)
     resumed = {s.uid: s for g in again.kept for s in g}
     for uid, prefix in before.items():
         s = resumed[uid]
+        # its text, and the text its reward saw, are those of every token, not of the prefix
+        assert s.response == FakeTokenizer().decode(s.response_token_ids) and s.response in scored
         assert s.response_token_ids[:len(prefix)] == prefix
         assert s.status == "truncated" and len(s.response_token_ids) == sampling_len
         assert s.weight_versions[:len(prefix)] == [0] * len(prefix)
@@ -390,3 +398,13 @@ def test_groups_started_together_go_to_the_engine_as_one_batch():
     assert all([s.sample_index for s in g] == [0, 1, 2] for g in out)
     assert all(s.status in ("completed", "truncated") for g in out for s in g)
     assert out[3][0] is done and done.response_token_ids == []
+
+
+def test_a_step_starts_no_fresh_copy_of_a_carried_group():
+    """Step 0 over-sampled positions 2-3 (step 1's range) and carried position 2: step 1 starts
+    every other position of its budget fresh, never a second group 2."""
+    from rltool.rollout.stage import fresh_positions
+
+    carried = [list(next(groups_source(1, 2, start=2)))]
+    assert fresh_positions(step=1, batch=2, budget=8, carried=carried) == [3, 4, 5, 6, 7, 8, 9]
+    assert fresh_positions(step=1, batch=2, budget=2, carried=[]) == [2, 3]
