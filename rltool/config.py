@@ -111,6 +111,15 @@ def url_error(url: str) -> str | None:
     return None
 
 
+def checked_urls(value: list[str] | str | None) -> list[str] | str | None:
+    """`value` (an engine URL, a list of them, or None) as it is; ValueError naming the first
+    that `url_error` refuses (for field validators)."""
+    for url in [value] if isinstance(value, str) else value or []:
+        if problem := url_error(url):
+            raise ValueError(problem)
+    return value
+
+
 def format_validation_error(err: ValidationError, *, section: str | None = None) -> str:
     """One line naming the flag(s) at fault: `--max-response-len: Input should be > 0`."""
     parts = []

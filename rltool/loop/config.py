@@ -21,7 +21,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
-from rltool.config import StageConfig, cli, is_secret_key, read_toml, without_secrets
+from rltool.config import (StageConfig, checked_urls, cli, is_secret_key, read_toml,
+                           without_secrets)
 from rltool.delta.config import SyncConfig
 from rltool.engine.config import ServeConfig, resolve_device
 from rltool.errors import ConfigError
@@ -182,6 +183,11 @@ class LoopConfig(TrackingConfig):
     @classmethod
     def _split_urls(cls, value: Any) -> Any:
         return split_urls(value)
+
+    @field_validator("engine_urls", "router_url")
+    @classmethod
+    def _check_urls(cls, value: list[str] | str | None) -> list[str] | str | None:
+        return checked_urls(value)
 
     @model_validator(mode="after")
     def _external_or_started(self) -> "LoopConfig":

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from rltool import atomic, trace
-from rltool.config import StageConfig, cli, url_error, write_resolved
+from rltool.config import StageConfig, checked_urls, cli, url_error, write_resolved
 from rltool.errors import BadInputError, ConfigError, EngineError, RewardError
 from rltool.rollout.batching import DEFAULT_SAMPLES_PER_REQUEST
 from rltool.rollout.client import engine_model_infos, tokenizer_path_of
@@ -116,10 +116,7 @@ class EngineStageConfig(StageConfig):
     @field_validator("engines", "router")
     @classmethod
     def _check_urls(cls, value: list[str] | str | None) -> list[str] | str | None:
-        for url in [value] if isinstance(value, str) else value or []:
-            if problem := url_error(url):
-                raise ValueError(problem)
-        return value
+        return checked_urls(value)
 
     @field_validator("top_k")
     @classmethod
