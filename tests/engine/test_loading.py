@@ -37,7 +37,7 @@ def test_unloadable_checkpoint_is_one_line_bad_input(tiny_model_dir, tmp_path, d
     if damage == "truncated_shard":
         shard = model / "model.safetensors"
         shard.write_bytes(shard.read_bytes()[:100])
-        needle = "SafetensorError"
+        needle = "model.safetensors is not a readable safetensors file"
     elif damage == "unknown_architecture":
         (model / "config.json").write_text('{"model_type": "no-such-arch"}')
         needle = "no-such-arch"
