@@ -13,7 +13,8 @@ from typing import Any
 
 from pydantic import Field
 
-from rltool.rollout.stage import EngineStageConfig, StageInputs, with_seed, write_metrics
+from rltool.rollout.stage import (EngineStageConfig, StageInputs, check_generation, with_seed,
+                                  write_metrics)
 
 PRODUCER = "rltool eval"
 CONFIG_NAME = "eval_config.toml"
@@ -39,6 +40,7 @@ def run(cfg: EvalConfig, *, clients: dict[str, Any] | None = None) -> dict[str, 
     source = (inputs.new_group(p, n=cfg.n_samples_per_prompt, uid_prefix=f"eval{cfg.step:06d}")
               for p in range(num_prompts))
     result, router_stats = inputs.collect(cfg, source, target_groups=num_prompts, label="eval")
+    check_generation(result.kept, step=cfg.step)
     meta = inputs.shard_meta(cfg, producer=PRODUCER, extra={"pass_threshold": cfg.pass_threshold})
     manifest = inputs.write(cfg, result.kept, meta=meta, config_name=CONFIG_NAME)
     metrics = eval_metrics(result.kept, pass_threshold=cfg.pass_threshold,

@@ -85,3 +85,15 @@ def test_reward_that_needs_labels_is_refused_before_sampling(tmp_path, tiny_mode
     assert result.exit_code == 2, result.output
     assert "needs a label" in result.output and "'reverse-1-1' (row 1)" in result.output
     assert not out.exists()
+
+
+def test_every_sample_refused_by_the_engine_exits_3_and_writes_nothing(builtin_engine, prompts,
+                                                                       tmp_path):
+    """A --max-response-len past the model's context: the engine refuses every request, and the
+    stage exits 3 naming the first refusal instead of writing a shard of failed samples."""
+    out = tmp_path / "rollouts" / "step-000000"
+    result = rollout(builtin_engine, prompts, out, "--max-response-len", "100000")
+    assert result.exit_code == 3, result.output
+    assert "all 8 samples failed at the engine at step 0" in result.output
+    assert "context length" in result.output
+    assert not out.exists() and not (out.parent / "rollout.jsonl").exists()
