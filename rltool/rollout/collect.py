@@ -115,7 +115,8 @@ class Collector:
         # and engines that take per-prompt sampling_params (a gateway does not).
         self.batches = generate_fn is generate_single_turn and not router.via_gateway
         self.output_tokens = 0
-        self.reward_calls = 0
+        self.reward_calls = 0  # the calls that ended (a result, an error or a timeout)
+        self._scoring: set[str] = set()  # uids of the samples whose reward call is running
         self.reward_failures: list[str] = []  # finish_reason of each failed call, in order
         self._pool: ThreadPoolExecutor | None = None
 
@@ -190,7 +191,7 @@ class Collector:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED,
                                          timeout=ABORT_GRACE_S if stopping else None)
             if not done:  # aborted requests did not come back in time: cancel them locally
-                await self._cancel(pending)
+                await self._cancel(pending, rescore=partial)
                 done = set(pending)
             for task in done:
                 groups = pending.pop(task)
@@ -259,14 +260,22 @@ class Collector:
         else:
             await self._cancel(pending)
 
-    async def _cancel(self, pending: dict[asyncio.Task, list[_Group]]) -> None:
+    async def _cancel(self, pending: dict[asyncio.Task, list[_Group]], *,
+                      rescore: bool = False) -> None:
+        """Cancel the requests' tasks: unfinished samples end aborted. With `rescore` (their
+        groups are carried) a sample whose generation had finished but whose reward call was
+        cancelled is scored now, since a carried sample keeps what it holds."""
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        for groups in pending.values():
-            for s in (s for g in groups for s in g.samples):
-                if not s.finished:
-                    s.status, s.finish_reason = "aborted", "abort:cancelled"
+        samples = [s for groups in pending.values() for g in groups for s in g.samples]
+        for s in samples:
+            if not s.finished:
+                s.status, s.finish_reason = "aborted", "abort:cancelled"
+        cut = [s for s in samples if s.uid in self._scoring]
+        self._scoring.difference_update(s.uid for s in cut)
+        if rescore:
+            await asyncio.gather(*(self._reward(s) for s in cut))
 
     def _launch(self, groups: list[_Group], *, one_per_group: bool = False
                 ) -> list[tuple[Coroutine[Any, Any, None], list[_Group]]]:
@@ -405,8 +414,8 @@ class Collector:
             return
         if self.reward_fn is None:  # --env: the environment rewarded the episode
             return
-        self.reward_calls += 1
         args = (s.prompt, s.response, s.label, s.metadata)
+        self._scoring.add(s.uid)  # until the call ends; a cancelled call stays here
         try:
             with trace.span("reward", cat="reward"):
                 if getattr(self.reward_fn, "inline", False):  # cheap and bounded: no thread
@@ -419,14 +428,17 @@ class Collector:
             if not math.isfinite(reward):
                 raise ValueError(f"reward is {reward}")
         except asyncio.TimeoutError:
-            s.reward = 0.0
-            s.fail(f"{REWARD_FAILURES[0]} no reward after {self.reward_timeout_s:g}s "
-                   f"(generation finished as {s.finish_reason})")
-            self.reward_failures.append(s.finish_reason)
-            return
+            failure = (f"{REWARD_FAILURES[0]} no reward after {self.reward_timeout_s:g}s "
+                       f"(generation finished as {s.finish_reason})")
         except Exception as e:  # noqa: BLE001 - any reward failure becomes the sample's status
+            failure = f"{REWARD_FAILURES[1]} {type(e).__name__}: {e}"
+        else:
+            failure = None
+        self._scoring.discard(s.uid)
+        self.reward_calls += 1
+        if failure is not None:
             s.reward = 0.0
-            s.fail(f"{REWARD_FAILURES[1]} {type(e).__name__}: {e}")
+            s.fail(failure)
             self.reward_failures.append(s.finish_reason)
             return
         s.reward = reward

@@ -408,3 +408,38 @@ def test_a_step_starts_no_fresh_copy_of_a_carried_group():
     carried = [list(next(groups_source(1, 2, start=2)))]
     assert fresh_positions(step=1, batch=2, budget=8, carried=carried) == [3, 4, 5, 6, 7, 8, 9]
     assert fresh_positions(step=1, batch=2, budget=2, carried=[]) == [2, 3]
+
+
+def test_a_carried_sample_whose_reward_was_cut_off_is_scored(monkeypatch):
+    """--partial: the batch fills while extra groups are still in a slow reward call, and the
+    abort grace runs out: their tasks are cancelled, but a sample that had finished generating
+    is scored before it is carried (a carried finished sample keeps its reward)."""
+    from rltool.rollout import collect as collect_module
+
+    monkeypatch.setattr(collect_module, "ABORT_GRACE_S", 0.2)
+    fast = distinct_rewards()  # groups 0 and 1 are never all-equal: they fill the batch
+    first_calls: set[str] = set()
+    never = threading.Event()
+
+    def reward(prompt, response, label, metadata):
+        group = int(prompt.split()[1])
+        if group < 2:
+            return fast(prompt, response, label, metadata)
+        if (prompt, response) not in first_calls:  # the first call outlasts the grace
+            first_calls.add((prompt, response))
+            never.wait(5.0)
+        return RewardResult(reward=float(len(response)) + 0.001 * group)
+
+    engine = FakeEngine("http://a")
+    engine.eos_prob = 0.3
+    result = collect([engine], groups_source(4, 2), reward_fn=reward, target_groups=2,
+                     dynamic_filter=True, over_sample_factor=2.0, partial=True,
+                     reward_workers=8, reward_timeout_s=30)
+    never.set()
+    assert [g[0].group_id for g in result.kept] == [0, 1]
+    carried = [s for g in result.carry for s in g]
+    assert sorted({s.group_id for s in carried}) == [2, 3]
+    assert all(s.status in ("completed", "truncated") for s in carried)
+    for s in carried:
+        assert s.reward == float(len(s.response)) + 0.001 * s.group_id
+    assert result.counts["reward_calls"] == 4 * 2  # a cut-off call is not counted
