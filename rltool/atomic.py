@@ -99,6 +99,8 @@ def _renamed_temp(path: str | os.PathLike) -> Iterator[tuple[int, Path]]:
     """`create_temp` for `path` (its directory made first): renamed onto `path` when the block
     succeeds, removed when it fails. The block owns the descriptor."""
     path = Path(path)
+    if path.is_dir():  # the rename would fail naming the temporary file instead
+        raise BadInputError(f"{path} is a directory; pass a file path")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = create_temp(path)
     try:

@@ -100,3 +100,15 @@ def test_remove_stale_temporaries(tmp_path):
     assert atomic.remove_stale_temporaries(tmp_path) == 2
     assert _entries(tmp_path) == ["weight_v000002"]
     assert atomic.remove_stale_temporaries(tmp_path / "missing") == 0
+
+
+def test_a_file_write_onto_a_directory_names_the_directory(tmp_path):
+    """Not the temporary file the rename would have failed on; nothing is left behind."""
+    from rltool.errors import BadInputError
+
+    target = tmp_path / "metrics.jsonl"
+    target.mkdir()
+    with pytest.raises(BadInputError, match=f"{target} is a directory; pass a file path"):
+        atomic.write_text(target, "x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    assert list(target.iterdir()) == []

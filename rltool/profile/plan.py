@@ -69,7 +69,7 @@ class PlanInputs(BaseModel):
     kv_pool_tokens: int = Field(0, ge=0, description="KV pool tokens per engine for the "
                                 "recommendations (0: the placement model's estimate).")
 
-    model_config = {"extra": "forbid"}
+    model_config = {"extra": "forbid", "allow_inf_nan": False}
 
 
 def plan(model: str | Path, inputs: PlanInputs, *,

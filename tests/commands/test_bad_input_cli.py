@@ -143,6 +143,8 @@ def test_engine_urls_are_checked_up_front(tmp_path, tiny_model_dir):
 def test_plan_names_the_flag_of_a_bad_value():
     assert_bad_input(invoke(["plan", "--model", "config.json", "--gpus", "0"]),
                      "--gpus: Input should be greater than or equal to 1")
+    assert_bad_input(invoke(["plan", "--model", "config.json", "--t-book-s", "nan"]),
+                     "--t-book-s: Input should be a finite number")
 
 
 def test_corrupt_weights_are_refused_without_a_traceback(tmp_path, tiny_model_dir):
