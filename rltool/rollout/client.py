@@ -3,7 +3,10 @@
 Every call has a timeout, so a dead engine gives an error, never a hang. Transient failures
 (connection errors, 429, 502, 503, 504) are retried with exponential backoff up to `max_retries`
 times; any other error status raises `EngineError` with the status code; a read timeout raises
-`EngineTimeoutError` (not retried: the engine may still be working on the request).
+`EngineTimeoutError` (not retried: the engine may still be working on the request). The
+collective weight-sync calls (`init_weights_update_group`, `update_weights_from_distributed`)
+are retried only when no connection was made: a repeat after rank 0 began would wait on a
+broadcast that never comes.
 """
 
 from __future__ import annotations
@@ -70,7 +73,10 @@ class EngineClient:
     async def _request(self, method: str, path: str, *, json: Any = None,
                        params: dict[str, Any] | None = None,
                        headers: dict[str, str] | None = None,
-                       timeout_s: float | None = None) -> httpx.Response:
+                       timeout_s: float | None = None, once: bool = False) -> httpx.Response:
+        """`once`: the request must not reach the engine twice (a collective call: a repeat after
+        rank 0 began would wait on a broadcast that never comes): retried only when the
+        connection could not be made, never after an answer or a dropped connection."""
         extra: dict[str, Any] = {}
         if timeout_s is not None:
             extra["timeout"] = timeout_s
@@ -80,7 +86,8 @@ class EngineClient:
                 response = await self._http.request(method, path, json=json, params=params,
                                                      headers=headers, **extra)
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as e:
-                if attempt >= self.max_retries:
+                sent = isinstance(e, httpx.RemoteProtocolError)
+                if attempt >= self.max_retries or (once and sent):
                     raise EngineError(f"{method} {self.url}{path}: cannot reach the engine "
                                       f"({type(e).__name__}: {e})") from e
                 reason = type(e).__name__
@@ -92,7 +99,8 @@ class EngineClient:
             else:
                 if response.status_code < 400:
                     return response
-                if response.status_code not in RETRY_STATUS or attempt >= self.max_retries:
+                if (response.status_code not in RETRY_STATUS or attempt >= self.max_retries
+                        or once):
                     raise EngineError(f"{method} {self.url}{path} answered "
                                       f"{response.status_code}: {_error_message(response)}",
                                       status_code=response.status_code)
@@ -217,7 +225,8 @@ class EngineClient:
         body = api.InitWeightsUpdateGroupInput(
             master_address=master_address, master_port=master_port, rank_offset=rank_offset,
             world_size=world_size, group_name=group_name, backend=backend, timeout_s=timeout_s)
-        answer = await self._json("POST", api.INIT_WEIGHTS_UPDATE_GROUP, json=body.body())
+        answer = await self._json("POST", api.INIT_WEIGHTS_UPDATE_GROUP, json=body.body(),
+                                  once=True)
         return api.UpdateWeightsResult.model_validate(answer).model_dump()
 
     async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str],
@@ -234,7 +243,8 @@ class EngineClient:
             names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
             weight_version=weight_version, abort_all_requests=abort_all_requests,
             flush_cache=flush_cache, lora_config=lora_config)
-        answer = await self._json("POST", api.UPDATE_WEIGHTS_FROM_DISTRIBUTED, json=body.body())
+        answer = await self._json("POST", api.UPDATE_WEIGHTS_FROM_DISTRIBUTED, json=body.body(),
+                                  once=True)
         return api.UpdateWeightsResult.model_validate(answer).model_dump()
 
     async def release_memory_occupation(self, tags: list[str] | None = None) -> None:

@@ -129,3 +129,22 @@ def test_serve_command_rejects_bad_input(tmp_path):
     assert result.exit_code == 2 and "--port" in result.output
     help_ = CliRunner().invoke(main, ["serve", "--help"])
     assert help_.exit_code == 0 and "Example:" in help_.output and "--deterministic" in help_.output
+
+
+def test_collective_weight_sync_calls_are_never_sent_twice(fast_backoff):
+    """A 504 (the rendezvous timed out) or 503 answer to a collective call is not retried: rank 0
+    joins once, and a repeat would wait for a broadcast that never comes."""
+    for call, kwargs in (("init_weights_update_group",
+                          {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                           "world_size": 2}),
+                         ("update_weights_from_distributed",
+                          {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]]})):
+        seen: list[httpx.Request] = []
+
+        async def main():
+            async with flaky_client([504, 200], seen, max_retries=3) as c:
+                await getattr(c, call)(**kwargs)
+
+        with pytest.raises(EngineError, match="answered 504"):
+            asyncio.run(main())
+        assert len(seen) == 1, call
