@@ -72,6 +72,12 @@ def _resume_step(cfg: TrainConfig, ckpt_dir: Path | None, sample_set: SampleSet,
             f"--load {ckpt_dir} stopped at step {position['next_step']} of "
             f"{position['num_steps']} (global batch {position['global_batch_size']}) on these "
             "samples; resume with the same --num-steps/--num-epochs and --global-batch-size")
+    # the batches' order: another would train some samples of the epoch twice and others never
+    for flag, key, value in (("--shuffle", "shuffle", cfg.shuffle), ("--seed", "seed", cfg.seed)):
+        if key in position and position[key] != value:
+            raise ConfigError(f"--load {ckpt_dir} stopped at step {position['next_step']} on "
+                              f"these samples with {flag} {position[key]}; resume with the same "
+                              f"{flag} (this run has {value})")
     return int(position["next_step"])
 
 

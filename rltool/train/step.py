@@ -337,7 +337,8 @@ def save_checkpoint(cfg: TrainConfig, backend: TrainerBackend, data: SampleTenso
     ckpt_dir = Path(cfg.save) / step_dir_name(version)
     position = {"set_id": sample_set.set_id, "sources": sample_set.sources,
                 "next_step": next_step, "num_steps": plan.num_steps,
-                "global_batch_size": plan.gbs, "num_samples": plan.num_samples}
+                "global_batch_size": plan.gbs, "num_samples": plan.num_samples,
+                "shuffle": cfg.shuffle, "seed": cfg.seed}
     backend.save(ckpt_dir, trainer_state={"policy_version": version, "data": position,
                                           **(extra_state or {})},
                  data_tensors=pack_data(data),

@@ -70,6 +70,10 @@ def test_resume_is_bit_identical(tiny_model_dir, train_shard, tmp_path, estimato
     state = json.loads((tmp_path / "b" / "step-000004" / "trainer_state.json").read_text())
     assert state["policy_version"] == 4 and state["data"]["next_step"] == 4
     assert state["backend"]["optimizer_steps"] == 4
+    # another batch order mid-epoch would train some samples twice and others never
+    with pytest.raises(ConfigError, match="with --seed 0; resume with the same --seed"):
+        run(TrainConfig(load=str(tmp_path / "a" / "step-000002"), save=str(tmp_path / "c"),
+                        **{**cfg, "seed": 1}))
 
 
 def test_deterministic_recompute_equals_sequence_logprobs(tiny_model_dir, train_shard):
