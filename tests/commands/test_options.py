@@ -126,8 +126,8 @@ def build_argv(cmd, base, *, skip):
     return argv, positional
 
 
-# Fields whose values must be engine URLs (rollout and eval check them up front).
-URL_FIELDS = {"engines", "router", "router_url", "opd_teacher"}
+# Fields whose values must be engine URLs (rollout, eval and loop check them up front).
+URL_FIELDS = {"engines", "router", "router_url", "engine_urls", "opd_teacher"}
 
 
 def candidates(param: StageOption, default):
