@@ -253,7 +253,8 @@ COMMAND_OPTIONS: dict[str, Callable[[F], F]] = {
     "set": click.option("--set", "sets", multiple=True, metavar="TABLE.KEY=VALUE",
                         help="Override any key of the config, e.g. --set train.lr=3e-3 "
                              "(repeatable)."),
-    "nproc_per_node": click.option("--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True,
+    "nproc_per_node": click.option("--nproc-per-node", type=click.IntRange(min=1), default=1,
+                                   show_default=True,
                                    help="Processes to launch under torchrun (DDP/FSDP2)."),
 }
 VERBOSITY_OPTIONS = (
