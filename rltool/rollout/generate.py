@@ -140,13 +140,18 @@ class GenerateContext:
 
     def sampling_params(self, *, max_new_tokens: int, turn: int = 0,
                         sample: Sample | None = None, **extra: Any) -> dict[str, Any]:
-        """SGLang sampling_params for one request; a seed is derived per sample and turn."""
+        """SGLang sampling_params for one request; a seed is derived per sample and turn, and
+        for a first turn that continues tokens the sample already holds (a partial rollout
+        resumed in a new session) from their count too, so it does not replay the draws of the
+        sample's first request."""
         params: dict[str, Any] = {"max_new_tokens": max_new_tokens,
                                   "temperature": self.sampling["temperature"],
                                   "top_p": self.sampling["top_p"], "top_k": self.sampling["top_k"]}
         seed = self.sampling.get("seed")
         if seed is not None and sample is not None:
-            params["sampling_seed"] = derive_seed(seed, sample.uid, turn)
+            held = len(sample.response_token_ids) if turn == 0 else 0
+            uid = f"{sample.uid}@{held}" if held else sample.uid
+            params["sampling_seed"] = derive_seed(seed, uid, turn)
         params.update(extra)
         return params
 

@@ -255,6 +255,9 @@ def test_over_sampled_groups_are_aborted_and_carried_with_their_tokens():
     again = collect([engine2], iter(()), reward_fn=on_the_whole_text,
                     target_groups=len(result.carry), carried=result.carry)
     resumed = {s.uid: s for g in again.kept for s in g}
+    # a continuation draws with its own seed, not the first request's again
+    first_seeds = {r["sampling_params"]["sampling_seed"] for r in engine.requests}
+    assert not first_seeds & {r["sampling_params"]["sampling_seed"] for r in engine2.requests}
     for uid, prefix in before.items():
         s = resumed[uid]
         # its text, and the text its reward saw, are those of every token, not of the prefix
