@@ -81,6 +81,18 @@ def reward_counts(groups: list[list[Sample]], *, rewarded: bool) -> tuple[dict[s
     return {"reward_calls": calls, "failed_rewards": len(failed)}, next(iter(failed), None)
 
 
+def check_generation(groups: list[list[Sample]], *, step: int) -> None:
+    """EngineError (exit 3) when every sample failed at the engine (each refused, e.g. a
+    --max-response-len past the model's context, or the engines gone): such a shard holds nothing
+    to train or measure on. Called before anything is written."""
+    samples = [s for g in groups for s in g]
+    if samples and all(s.status == "failed" and s.finish_reason.startswith("engine_error")
+                       for s in samples):
+        raise EngineError(f"all {len(samples)} samples failed at the engine at step {step}; "
+                          f"first: {samples[0].finish_reason}; nothing was written: fix what "
+                          "the engine refused and re-run the step")
+
+
 def _settle(group: _Group, samples: list[Sample]) -> None:
     """The group's finished samples, numbered in their order."""
     group.samples = samples

@@ -13,8 +13,8 @@ from typing import Any
 
 from pydantic import Field
 
-from rltool.rollout.stage import (EngineStageConfig, StageInputs, check_generation, with_seed,
-                                  write_metrics)
+from rltool.rollout.collect import check_generation
+from rltool.rollout.stage import EngineStageConfig, StageInputs, with_seed, write_metrics
 
 PRODUCER = "rltool eval"
 CONFIG_NAME = "eval_config.toml"

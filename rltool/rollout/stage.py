@@ -393,6 +393,7 @@ def run(cfg: RolloutConfig, *, clients: dict[str, Any] | None = None) -> dict[st
 
 def _run(cfg: RolloutConfig, *, clients: dict[str, Any] | None) -> dict[str, Any]:
     from rltool.rollout import partial as partial_store
+    from rltool.rollout.collect import check_generation
     from rltool.rollout.metrics import rollout_metrics
 
     cfg = with_seed(cfg)
@@ -459,18 +460,6 @@ def fresh_positions(*, step: int, batch: int, budget: int, carried: list[list[An
     held = {group[0].group_id for group in carried}
     start = step * batch
     return [p for p in range(start, start + budget) if p not in held]
-
-
-def check_generation(groups: list[list[Any]], *, step: int) -> None:
-    """EngineError (exit 3) when every sample failed at the engine (each refused, e.g. a
-    --max-response-len past the model's context, or the engines gone): such a shard holds nothing
-    to train or measure on. Runs before anything is written."""
-    samples = [s for g in groups for s in g]
-    if samples and all(s.status == "failed" and s.finish_reason.startswith("engine_error")
-                       for s in samples):
-        raise EngineError(f"all {len(samples)} samples failed at the engine at step {step}; "
-                          f"first: {samples[0].finish_reason}; nothing was written: fix what "
-                          "the engine refused and re-run the step")
 
 
 def check_reward_failures(counts: dict[str, int], first_failure: str | None, *, max_frac: float,
