@@ -99,9 +99,9 @@ def test_killed_engine_actor_is_restarted_and_the_run_completes(local_ray, tiny_
     pid = killed["engine_pid"]  # an engine actor was killed while generating
     assert not psutil.pid_exists(pid) or \
         psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # its engine died with it
-    assert rows[0]["rollout/num_samples"] == 16  # no group lost with the engine
-    rollout = read_metrics(RunDir(run).metrics_file("rollout"))
-    assert rollout[-1]["rollout/redispatched_requests"] >= 1
+    # No group lost with the engine. Its request in flight was sent again to the other engine,
+    # or retried at the restarted actor's URL, or it had just finished: which depends on timing.
+    assert rows[0]["rollout/num_samples"] == 16
     # After the step's sync both engines (the restarted one too) serve the new version.
     assert served == [{str(result["policy_version"])}] and result["policy_version"] >= 1
     # Cleanup: no actor, no placement group left; Ray itself is the fixture's.
