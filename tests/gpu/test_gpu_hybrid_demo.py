@@ -1,7 +1,7 @@
 """The GPU demo on the hybrid (`python -m rltool.demo --device cuda --arch qwen3_5`), shortened:
-hybrid-0.7b drawn at random, a 20-step bf16 warm start, two RL steps colocated with the
-in-process engine (Triton Gated DeltaNet kernels, fp32 recurrent states, eager decode) and the
-tensor sync between them. About a minute on one H100.
+hybrid-0.7b drawn at random, a 5-step bf16 warm start, two RL steps of 16 prompts x 8 samples
+colocated with the in-process engine (Triton Gated DeltaNet kernels, fp32 recurrent states, eager
+decode) and the tensor sync between them.
 
 Every test skips only when `torch.cuda.is_available()` is false (the CI machines have none)."""
 
@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.gpu,
 def test_hybrid_demo_runs_on_the_gpu(tmp_path, capsys):
     root, out = tmp_path / "demo-run", tmp_path / "summary.json"
     demo.main([str(root), "--device", "cuda", "--arch", "qwen3_5", "--steps", "2",
-               "--sft-steps", "20", "--sft-prompts", "2048", "--eval-prompts", "64",
+               "--sft-steps", "5", "--sft-prompts", "512", "--rollout-batch-size", "16",
+               "--eval-prompts", "32",
                "--out-json", str(out), "-q"])
     assert "rltool init-model --arch qwen3_5 --preset hybrid-0.7b" in capsys.readouterr().out
     summary = json.loads(out.read_text())
