@@ -65,7 +65,8 @@ def in_process(runner: Any, sched: Any, prompts: list[list[int]], *, samples: in
                          return_logprob=True)
     reqs, _ = expand_generate(body, tokenizer=runner.tokenizer,
                               context_length=runner.context_length,
-                              vocab_size=runner.vocab_size, deterministic=False)
+                              vocab_size=runner.vocab_size, max_requests=len(body.input_ids),
+                              deterministic=False)
     done = threading.Event()
     left = [len(reqs)]
 
