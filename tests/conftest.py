@@ -28,6 +28,13 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
+def pytest_collection_finish(session):
+    # The test modules' imports leave ~600k objects that live for the whole session; frozen,
+    # a full collection (the leak check after every gpu test, a CUDA engine's before it sizes
+    # its KV pool) no longer walks them (0.33 s a collection on 2 CPU cores before, ~0 after).
+    gc.freeze()
+
+
 @pytest.fixture(autouse=True)
 def gpu_test_releases_what_it_holds(request):
     """After every gpu test: no process group is left and the CUDA memory allocated is back within

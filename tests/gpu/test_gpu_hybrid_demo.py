@@ -1,7 +1,8 @@
-"""The GPU demo on the hybrid (`python -m rltool.demo --device cuda --arch qwen3_5`), shortened:
-hybrid-0.7b drawn at random, a 5-step bf16 warm start, two RL steps of 16 prompts x 8 samples
-colocated with the in-process engine (Triton Gated DeltaNet kernels, fp32 recurrent states, eager
-decode) and the tensor sync between them.
+"""The GPU demo on the hybrid (`python -m rltool.demo --device cuda --arch qwen3_5`), shortened
+and on the 4-layer tiny hybrid (the kernels at the recipe's hybrid-0.7b sizes are
+tests/engine/test_hybrid_gpu.py's): a 5-step bf16 warm start, two RL steps of 16 prompts x 8
+samples colocated with the in-process engine (Triton Gated DeltaNet kernels, fp32 recurrent
+states, eager decode) and the tensor sync between them.
 
 Every test skips only when `torch.cuda.is_available()` is false (the CI machines have none)."""
 
@@ -22,14 +23,13 @@ pytestmark = [pytest.mark.gpu,
 @pytest.mark.timeout(300)
 def test_hybrid_demo_runs_on_the_gpu(tmp_path, capsys):
     root, out = tmp_path / "demo-run", tmp_path / "summary.json"
-    demo.main([str(root), "--device", "cuda", "--arch", "qwen3_5", "--steps", "2",
-               "--sft-steps", "5", "--sft-prompts", "512", "--rollout-batch-size", "16",
-               "--eval-prompts", "32",
-               "--out-json", str(out), "-q"])
-    assert "rltool init-model --arch qwen3_5 --preset hybrid-0.7b" in capsys.readouterr().out
+    demo.main([str(root), "--device", "cuda", "--arch", "qwen3_5", "--preset", "tiny-4l",
+               "--steps", "2", "--sft-steps", "5", "--sft-prompts", "512",
+               "--rollout-batch-size", "16", "--eval-prompts", "32", "--out-json", str(out), "-q"])
+    assert "rltool init-model --arch qwen3_5 --preset tiny-4l" in capsys.readouterr().out
     summary = json.loads(out.read_text())
     assert (summary["device"], summary["arch"], summary["preset"]) == (
-        "cuda", "qwen3_5", "hybrid-0.7b")
+        "cuda", "qwen3_5", "tiny-4l")
     assert summary["mamba_ssm_dtype"] == "fp32" and summary["rl_steps"] == 2
     assert summary["final_eval_reward"] is not None
     rows = read_metrics(root / "run" / "metrics" / "loop.jsonl")

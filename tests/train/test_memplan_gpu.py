@@ -3,10 +3,11 @@ bf16): `--recompute auto` and the automatic micro-batch cap choose a setting for
 (rltool.train.memfit), the trainer runs two optimizer steps on micro-batches of that many tokens,
 and `torch.cuda.max_memory_allocated` over the second step is within MARGIN of the plan.
 
-Cases: megatron with the plan's choice (an 80 GB H100: full recompute), megatron with half of
-the optimizer on the host (the host's Adam steps take most of this test's time), and the torch
-backend with bf16 parameters and fp32 masters. Skipped without CUDA; the rest of the time goes
-to writing and reading the weights."""
+Cases: megatron with the plan's choice (an 80 GB H100: full recompute), megatron with a quarter
+of the optimizer on the host (the host's Adam steps take most of this test's time; a quarter's
+fp32 masters and moments, ~8.6 GiB, are still more than twice the margin of a plan that forgot
+them), and the torch backend with bf16 parameters and fp32 masters. Skipped without CUDA; the
+rest of the time goes to writing and reading the weights."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def _predicted(cfg: TrainConfig, hf: dict) -> int:
 @pytest.mark.parametrize("extra", [
     dict(backend="megatron", use_distributed_optimizer=True),
     dict(backend="megatron", use_distributed_optimizer=True, optimizer_cpu_offload=True,
-         optimizer_offload_fraction=0.5),
+         optimizer_offload_fraction=0.25),
     dict(backend="torch", param_dtype="bf16"),
 ], ids=["megatron", "megatron-offload", "torch-bf16-masters"])
 def test_the_plan_is_the_measured_peak(model_3b, extra):
