@@ -192,9 +192,8 @@ class RemoteLink:
 
     def _row(self, req: Request, ids: list[int], logprobs: list[float], tops: Any, ids_lps: Any,
              row_spans: Any, version: str) -> None:
-        """One streamed request's new tokens: an update per token, as the scheduler thread
-        gives."""
-        text = self.texts.get(req.rid)
+        """One streamed request's new tokens (several under multi-step decode), then one
+        update for them (its stream's events are cumulative)."""
         for k, (token, logprob) in enumerate(zip(ids, logprobs)):
             sampled_with = version
             if row_spans is not None:  # a weight update fell among or after the tokens
@@ -203,10 +202,11 @@ class RemoteLink:
             req.record_token(token, logprob, version=sampled_with,
                              top=None if tops is None else tops[k],
                              ids_lp=None if ids_lps is None else ids_lps[k])
-            if text is not None:
-                req.text = text.update(req.output_ids)
-            if req.on_token is not None:
-                req.on_token(req)
+        text = self.texts.get(req.rid)
+        if text is not None:
+            req.text = text.update(req.output_ids)
+        if req.on_token is not None:
+            req.on_token(req)
 
     def _fail(self, req: Request, error: Exception, *, running: bool) -> None:
         """Handling one request's message here failed (its response or text): that request
@@ -217,14 +217,8 @@ class RemoteLink:
         self.texts.pop(req.rid, None)
         if self.pending.pop(req.rid, None) is not None and running:
             self.abort([req.rid])
-        # A blank copy: the response of what was received may be what failed.
-        failed = Request(rid=req.rid, prompt_ids=req.prompt_ids, params=req.params,
-                         finish_reason={"type": "abort", "status_code": 500,
-                                        "message": f"internal error: {type(error).__name__}: "
-                                                   f"{error}"},
-                         t_arrival=req.t_arrival, t_finish=time.monotonic())
         if req.on_finish is not None:
-            req.on_finish(failed)
+            req.on_finish(req.failed_copy(error))
 
     def _close(self, reason: str) -> None:
         if self.exited is not None:

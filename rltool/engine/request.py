@@ -105,6 +105,15 @@ class Request:
         """Drop the KV cache (retract / memory release); it is recomputed from all_ids()."""
         self.num_cached = 0
 
+    def failed_copy(self, error: Exception) -> Request:
+        """A blank copy of this request, finished with HTTP 500 for `error` (a failure while
+        handling it outside the scheduler): what it holds may be what failed."""
+        return Request(rid=self.rid, prompt_ids=self.prompt_ids, params=self.params,
+                       finish_reason={"type": "abort", "status_code": 500,
+                                      "message": f"internal error: {type(error).__name__}: "
+                                                 f"{error}"},
+                       t_arrival=self.t_arrival, t_finish=time.monotonic())
+
 
 def _triples(pairs: list[tuple[float | None, int]], tokenizer: Any, with_text: bool
              ) -> list[list[Any]]:

@@ -176,9 +176,15 @@ def test_streaming_is_cumulative_and_ends_with_done(builtin_engine):
     import json
 
     events = [json.loads(line[6:]) for line in lines[:-1]]
-    assert [len(e["output_ids"]) for e in events] == [1, 2, 3, 4]
-    assert [e["meta_info"]["finish_reason"] for e in events[:-1]] == [None] * 3
-    assert events[-1]["output_ids"][:3] == events[-2]["output_ids"]
+    # an event per wake-up of the stream with all tokens so far (one per token when the
+    # stream keeps up; fewer, fuller ones when tokens come faster than it runs)
+    lengths = [len(e["output_ids"]) for e in events]
+    assert lengths[-1] == 4 and lengths == sorted(set(lengths))
+    assert [e["meta_info"]["finish_reason"] is None for e in events] == [True] * (
+        len(events) - 1) + [False]
+    for before, after in zip(events, events[1:]):
+        assert after["output_ids"][:len(before["output_ids"])] == before["output_ids"]
+        assert after["text"].startswith(before["text"])
 
 
 def test_info_routes(builtin_engine, tiny_model_dir):

@@ -5,6 +5,7 @@ text at every event, also for a tokenizer whose tokens split characters."""
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import time
@@ -63,7 +64,8 @@ def test_a_long_one_process_stream_decodes_each_token_a_bounded_number_of_times(
         sched.stop()
     assert lines[-1] == "[DONE]"
     events = [json.loads(x) for x in lines[:-1]]
-    assert len(events) == NUM_STREAMED
+    # an event per token while the stream keeps up, fewer when tokens come faster
+    assert 1 <= len(events) <= NUM_STREAMED and len(events[-1]["output_ids"]) == NUM_STREAMED
     for event in events:
         assert event["text"] == decode(event["output_ids"], skip_special_tokens=True)
     # Two decodes of at most a seam's tokens and the new one per token, and the final decode.
@@ -100,18 +102,26 @@ def both_layouts(split_char_model, tmp_path_factory):
 def test_both_layouts_stream_the_same_text_at_every_event(both_layouts, split_char_model):
     """A seeded request whose output cuts characters streams the same events (text, tokens) in
     one process as in two: only whole characters, each event's text extending the last one's,
-    and the final text the decode of the whole output."""
+    and the final text the decode of the whole output. Which token counts get an event depends
+    on how fast the stream runs (events hold every token so far), so the layouts are compared
+    where both sent one."""
     one, two = ([(e["text"], e["output_ids"], e["meta_info"]["finish_reason"])
                  for e in stream_events(engine.url, {**SEEDED, "stream": True})]
                 for engine in both_layouts)
-    assert one == two
+    assert one[-1] == two[-1]
+    at = {len(ids): (text, ids) for text, ids, _ in one}
+    assert all(at[len(ids)] == (text, ids) for text, ids, _ in two if len(ids) in at)
     tokenizer = load_tokenizer(split_char_model)
-    assert any(tokenizer.decode(ids, skip_special_tokens=True).endswith("\ufffd")
-               for _, ids, _ in one[:-1]), "no event's output ends inside a character"
-    texts = [text for text, _, _ in one]
-    assert not any(t.endswith("\ufffd") for t in texts[:-1])
-    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
-    assert texts[-1] == tokenizer.decode(one[-1][1], skip_special_tokens=True)
+    decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
+    final_ids = one[-1][1]
+    assert any(decode(final_ids[:k]).endswith("\ufffd") for k in range(1, len(final_ids))), (
+        "the output never ends inside a character")
+    for events in (one, two):
+        texts = [text for text, _, _ in events]
+        assert not any(t.endswith("\ufffd") for t in texts[:-1])
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+        assert all(decode(ids).startswith(text) for text, ids, _ in events)
+        assert texts[-1] == decode(final_ids)
 
 
 def test_openai_stream_of_split_characters_adds_up_to_the_plain_text(both_layouts):

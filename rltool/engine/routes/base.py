@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -34,6 +35,8 @@ from rltool.engine.request import Request, build_response
 from rltool.engine.scheduler import QueueFullError
 from rltool.engine.security import PayloadTooLargeError
 from rltool.errors import BadInputError, EngineError
+
+log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -140,28 +143,68 @@ class EngineState:
 
     async def updates(self, reqs: list[Request]
                       ) -> AsyncIterator[tuple[int, bool, dict[str, Any]]]:
-        """Submit `reqs`; yield (index, finished, cumulative response) after every new token.
+        """Submit `reqs`; yield (index, finished, cumulative response) as their tokens come:
+        each time this generator runs, one update for every request with news, holding all its
+        tokens since its last. Events are cumulative, so a stream that falls behind the engine
+        sends fewer, fuller ones and loses nothing (SGLang's streams coalesce the same way).
         Raises QueueFullError / BadInputError / EngineError if the scheduler refuses them."""
         loop, here = asyncio.get_running_loop(), threading.get_ident()
-        queue: asyncio.Queue = asyncio.Queue()
+        news: dict[int, tuple[bool, Request | dict[str, Any]]] = {}
+        refused: list[Exception] = []
+        woken = asyncio.Event()
+
+        def note(i: int, final: bool, got: Request | dict[str, Any]) -> None:
+            news[i] = (final, got)
+            woken.set()
+
+        def changed(i: int, final: bool, req: Request) -> None:
+            if threading.get_ident() == here:  # two processes: `req` changes on this loop only
+                note(i, final, req)
+            else:  # one process: the scheduler thread changes it, so its response is built there
+                loop.call_soon_threadsafe(note, i, final, self.respond(req))
+
+        def refuse(e: Exception) -> None:
+            refused.append(e)
+            woken.set()
+
         for i, req in enumerate(reqs):
-            req.on_token = (lambda r, i=i: _on_loop(
-                loop, here, queue.put_nowait, (i, False, self.respond(r))))
-            req.on_finish = (lambda r, i=i: _on_loop(
-                loop, here, queue.put_nowait, (i, True, self.respond(r))))
-        self.link.submit(reqs, on_refused=lambda e: _on_loop(loop, here, queue.put_nowait, e))
-        remaining = len(reqs)
+            req.on_token = functools.partial(changed, i, False)
+            req.on_finish = functools.partial(changed, i, True)
+        self.link.submit(reqs, on_refused=lambda e: _on_loop(loop, here, refuse, e))
+        remaining = set(range(len(reqs)))
         try:
             while remaining:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                i, final, event = item
-                remaining -= final
-                yield i, final, event
+                await woken.wait()
+                woken.clear()
+                if refused:
+                    raise refused[0]
+                batch = sorted(news.items())
+                news.clear()
+                for i, (final, got) in batch:
+                    if i in remaining:
+                        final, event = self._event(reqs[i], got, final)
+                        if final:
+                            remaining.discard(i)
+                        yield i, final, event
         except (asyncio.CancelledError, GeneratorExit):  # the client went away
             self._abort(reqs)
             raise
+
+    def _event(self, req: Request, got: Request | dict[str, Any], final: bool
+               ) -> tuple[bool, dict[str, Any]]:
+        """(finished, response) of an update: built in one process already; in two, built
+        here, where a failure ends only this request (500; the scheduler aborts it), as a failed
+        step would."""
+        if isinstance(got, dict):
+            return final, got
+        try:
+            return final, self.respond(got)
+        except Exception as e:  # this request's failure, not the stream's
+            log.exception("building the response of request %s failed; it ends with 500",
+                          req.rid)
+            if not final:
+                self._abort([req])
+            return True, self.respond(req.failed_copy(e))
 
 
 def openai_error(message: str, status_code: int = 400) -> JSONResponse:
