@@ -15,9 +15,17 @@ SKIP_TYPES = (types.CellType, types.FrameType, types.FunctionType, types.MethodT
               types.ModuleType)
 
 
+def _unfreeze() -> None:
+    # gc.get_objects and gc.get_referrers do not see objects frozen with gc.freeze (the session
+    # freezes its imports' objects once collection ends: tests/conftest.py); a report unfreezes
+    # them, and later collections walk them again.
+    gc.unfreeze()
+
+
 def live_tensors(device_type: str) -> list[tuple[int, torch.Tensor]]:
     """(storage bytes, tensor) of every gc-visible tensor on `device_type`, one per storage,
     largest first."""
+    _unfreeze()
     seen: dict[int, tuple[int, torch.Tensor]] = {}
     for obj in gc.get_objects():
         try:
@@ -54,6 +62,7 @@ def holder_chain(obj: Any, depth: int = 6, ignore: set[int] | None = None) -> st
     An instance's __dict__ is folded into the instance ('Owner.attr'). Frames, cells and
     functions are not followed (the test's own locals are gone by teardown); `ignore`: ids of the
     caller's own containers."""
+    _unfreeze()
     ignore = {id(sys._getframe()), *(ignore or ())}
     lists: list[list[Any]] = []  # this function's own lists, alive so that no id is reused
 
