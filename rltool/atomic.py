@@ -152,7 +152,7 @@ def publish_dir(final: str | os.PathLike, *, marker: str | None = None,
     final = Path(final)
     if final.exists():
         raise FileExistsError(f"{final} already exists")
-    created = [p for p in (final.parent, *final.parent.parents) if not p.exists()]
+    created = missing_dirs(final.parent)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
@@ -165,20 +165,37 @@ def publish_dir(final: str | os.PathLike, *, marker: str | None = None,
         fsync_dir(final.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        for parent in created:  # deepest first; a failed publish leaves no directory it made
-            with contextlib.suppress(OSError):
-                parent.rmdir()
+        remove_empty(created)  # a failed publish leaves no directory it made
         raise
 
 
-def check_output_path(path: str | os.PathLike, *, flag: str, directory: bool = False) -> Path:
+def missing_dirs(path: str | os.PathLike) -> list[Path]:
+    """`path` and those of its ancestors that do not exist yet, deepest first: what a
+    `mkdir(parents=True)` of `path` creates (for `remove_empty` to take back)."""
+    path = Path(path)
+    return [p for p in (path, *path.parents) if not p.exists()]
+
+
+def remove_empty(dirs: list[Path]) -> None:
+    """Remove each of `dirs` (deepest first) that is empty; leave the others."""
+    for d in dirs:
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
+def check_output_path(path: str | os.PathLike, *, flag: str, directory: bool = False,
+                      new: bool = False) -> Path:
     """BadInputError (naming `flag`) unless `path` is, or can be created as, a file (with
     `directory`: a directory): not an existing entry of the other kind, no existing ancestor a
-    file. Checked before any work, so a bad output path changes nothing on disk."""
+    file; with `new`, not an existing entry at all (an output that is never replaced). Checked
+    before any work, so a bad output path changes nothing on disk."""
     path = Path(path)
     want, other = ("directory", "file") if directory else ("file", "directory")
     if path.exists() and path.is_dir() != directory:
         raise BadInputError(f"{flag} {path} is a {other}; pass a {want} path")
+    if new and path.exists():
+        raise BadInputError(f"{flag} {path} already exists; choose a new {want} (an output is "
+                            "never replaced)")
     parent = next((p for p in path.parents if p.exists()), None)
     if parent is not None and not parent.is_dir():
         raise BadInputError(f"{flag} {path}: {parent} is a file, not a directory; pass a path "

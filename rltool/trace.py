@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from rltool import atomic
+
 ENV_DIR = "RLTOOL_TRACE_DIR"
 ENV_ROLE = "RLTOOL_TRACE_ROLE"
 ENV_TORCH_STEPS = "RLTOOL_TORCH_PROFILE_STEPS"  # e.g. "2,3": kernel traces of these loop steps
@@ -136,19 +138,17 @@ def scope(directory: str | os.PathLike | None, *, role: str) -> Iterator[None]:
     if directory is None or writer() is not None:
         yield
         return
-    created = [p for p in (Path(directory), *Path(directory).parents) if not p.exists()]
+    created = atomic.missing_dirs(directory)
     w = configure(directory, role=role)
+    done = False
     try:
         yield
-    except BaseException:
+        done = True
+    finally:
         configure(None, role=role)
-        if created:
+        if created and not done:
             w.path.unlink(missing_ok=True)
-            for parent in created:  # deepest first; only the empty ones go
-                with contextlib.suppress(OSError):
-                    parent.rmdir()
-        raise
-    configure(None, role=role)
+            atomic.remove_empty(created)
 
 
 def _program_role() -> str:

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rltool.config import ComputeDtype, StageConfig, cli
+from rltool.config import ComputeDtype, StageConfig, checked_urls, cli
 
 DEFAULT_TOL = 1e-6
 
@@ -57,6 +57,11 @@ class AlignGateConfig(StageConfig):
     timeout_s: float = Field(120.0, gt=0, description="Timeout of one engine debug request.")
     report: str | None = Field(None, description="Also write the result as JSON to this file "
                                "(and the resolved config next to it).")
+
+    @field_validator("engine")
+    @classmethod
+    def _check_engine(cls, value: str | None) -> str | None:
+        return checked_urls(value)
 
     @field_validator("rollouts", mode="before")
     @classmethod

@@ -6,8 +6,6 @@ from rltool.align.config import AlignGateConfig
 from rltool.atomic import check_output_path
 from rltool.commands.common import echo_json
 from rltool.commands.options import build_config, command_options, stage_options
-from rltool.config import url_error
-from rltool.errors import ConfigError
 
 
 @click.command("align-gate")
@@ -35,8 +33,6 @@ def command(as_json, **_):
     from rltool.align.gate import run
 
     cfg = build_config(AlignGateConfig, table="align")
-    if cfg.engine and (problem := url_error(cfg.engine)):
-        raise ConfigError(f"--engine: {problem}")
     if cfg.report:
         check_output_path(cfg.report, flag="--report")
     result = run(cfg)

@@ -29,10 +29,7 @@ def make(as_json, **_):
     if cfg.out == "-" and as_json:
         raise BadInputError("--out - and --json both write to stdout; drop one of them")
     if cfg.out != "-":
-        out = check_output_path(cfg.out, flag="--out")
-        if out.exists():
-            raise BadInputError(f"--out {out} already exists; choose a new file (an output is "
-                                "never replaced)")
+        check_output_path(cfg.out, flag="--out", new=True)
     rows = make_rows(cfg.task, num=cfg.num, seed=cfg.seed, min_len=cfg.min_len,
                      max_len=cfg.max_len)
     if cfg.out == "-":

@@ -25,9 +25,8 @@ def command(run_dir, out, torch_steps, as_json):
     from rltool.errors import BadInputError
     from rltool.profile.stage import profile_run
 
-    if out and check_output_path(out, flag="--out").exists():
-        raise BadInputError(f"--out {out} already exists; choose a new file (an output is never "
-                            "replaced)")
+    if out:
+        check_output_path(out, flag="--out", new=True)
     steps = None
     if torch_steps:
         try:

@@ -25,7 +25,7 @@ import torch
 
 from rltool.engine.batch_builder import BatchBuilder
 from rltool.engine.request import Request
-from rltool.engine.request_queue import RequestQueue, abort_reason
+from rltool.engine.request_queue import RequestQueue
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class PagedScheduler:
                     batch.step()
             except Exception as e:  # a failed forward must not kill the server silently
                 log.exception("scheduler step failed; aborting in-flight requests")
-                queue.fail_all(f"engine error: {e}", status_code=500, err_type=type(e).__name__)
+                queue.abort_where(lambda r: True, f"engine error: {e}", 500, type(e).__name__)
             if self.on_iteration is not None:
                 self.on_iteration()
         queue.shut_down()
@@ -127,9 +127,8 @@ class PagedScheduler:
     def abort_requests(self, rids: list[str]) -> None:
         """Abort exactly these requests (their client went away or their answer failed), never
         another whose id merely starts with one of them."""
-        queue, wanted = self.queue, set(rids)
-        for req in [r for r in queue.in_flight() if r.rid in wanted]:
-            queue.finish(req, abort_reason("Aborted: its client went away."))
+        wanted = set(rids)
+        self.queue.abort_where(lambda r: r.rid in wanted, "Aborted: its client went away.")
 
     def flush_cache(self) -> None:
         self.queue.flush_cache()

@@ -47,8 +47,8 @@ class Counters:
     num_retractions: int = 0
 
 
-def abort_reason(message: str, status_code: int | None = None, err_type: str | None = None
-                 ) -> dict[str, Any]:
+def _abort(message: str, status_code: int | None = None, err_type: str | None = None
+           ) -> dict[str, Any]:
     return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
 
 
@@ -337,10 +337,13 @@ class RequestQueue:
         if req.on_finish is not None:
             req.on_finish(req)
 
-    def fail_all(self, message: str, *, status_code: int, err_type: str | None) -> None:
-        """Finish every request in flight with an error."""
-        for req in self.in_flight():
-            self.finish(req, abort_reason(message, status_code, err_type))
+    def abort_where(self, match: Callable[[Request], bool], message: str,
+                    status_code: int | None = None, err_type: str | None = None) -> int:
+        """Finish the requests in flight that `match` picks as aborted (`message`); how many."""
+        victims = [r for r in self.in_flight() if match(r)]
+        for req in victims:
+            self.finish(req, _abort(message, status_code, err_type))
+        return len(victims)
 
     def shut_down(self) -> None:
         """After the loop: abort what is in flight or queued; fail the operations not run (503)."""
@@ -348,7 +351,7 @@ class RequestQueue:
             pending, self._incoming = self._incoming, []
             ops, self._ops = self._ops, []
         for req in self.in_flight() + pending:
-            self.finish(req, abort_reason("The engine is shutting down.", 503))
+            self.finish(req, _abort("The engine is shutting down.", 503))
         for future in [f for _, f in ops] + [u[2] for u in [self._pending_update] if u]:
             if future.set_running_or_notify_cancel():  # not given up by its caller
                 future.set_exception(EngineError("the engine is shutting down"))
@@ -359,8 +362,7 @@ class RequestQueue:
         if mode not in PAUSE_MODES:
             raise BadInputError(f"unknown pause mode {mode!r}; choose one of {PAUSE_MODES}")
         if mode == "abort":
-            for req in self.in_flight():
-                self.finish(req, abort_reason("Generation paused (abort)."))
+            self.abort_where(lambda r: True, "Generation paused (abort).")
         elif mode == "retract":
             self.retract_all()
         self.paused = mode
@@ -372,10 +374,8 @@ class RequestQueue:
         """/abort_request: abort the requests whose id starts with `rid` (SGLang's), or all."""
         if not rid and not abort_all:
             return 0
-        victims = [r for r in self.in_flight() if abort_all or r.rid.startswith(rid)]
-        for req in victims:
-            self.finish(req, abort_reason("Aborted by /abort_request."))
-        return len(victims)
+        return self.abort_where(lambda r: abort_all or r.rid.startswith(rid),
+                                "Aborted by /abort_request.")
 
     def flush_cache(self) -> None:
         self.runner.flush_prefix_cache()

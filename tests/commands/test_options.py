@@ -126,17 +126,17 @@ def build_argv(cmd, base, *, skip):
     return argv, positional
 
 
-# Fields whose values must be engine URLs (rollout, eval and loop check them up front).
-URL_FIELDS = {"engines", "router", "router_url", "engine_urls", "opd_teacher"}
+# Fields whose values must be engine URLs (rollout, eval, loop and align-gate check them up front).
+URL_FIELDS = {"engines", "router", "router_url", "engine_urls", "opd_teacher", "engine"}
 
 
 def candidates(param: StageOption, default):
     """Command-line values (and what the config must then hold) that differ from the default."""
+    if isinstance(param.type, click.Choice):  # loop's and serve's --engine among them
+        return [([c], c) for c in param.type.choices if c != default] or [([default], default)]
     if param.field in URL_FIELDS:
         urls = ["http://a:1", "http://b:1"]
         return [([",".join(urls)], urls)] if param.multiple else [([urls[0]], urls[0])]
-    if isinstance(param.type, click.Choice):
-        return [([c], c) for c in param.type.choices if c != default] or [([default], default)]
     if param.secondary_opts:  # --x/--no-x
         return [([], not default)]
     if param.multiple:  # a list of strings, else of integers (CPU cores: 0 exists everywhere)
